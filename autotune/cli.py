@@ -1,0 +1,56 @@
+"""The ``autotune`` command line.
+
+Each subcommand lives in ``autotune/commands/<name>.py`` with ``add_arguments(parser)`` and
+``run(args) -> int``. Those modules import nothing heavy at module level (torch, diffusers load in
+``run``), so ``autotune --help`` and ``autotune probe`` answer fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from autotune import __version__
+
+# (name, module, one-line help). A subcommand is listed here only once it exists.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("probe", "autotune.commands.probe", "show the GPU(s), CPU, RAM, disk and ML libraries of this machine"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autotune",
+        description="Plan, run and recover LoRA training for Stable Diffusion on the GPU you have.",
+    )
+    parser.add_argument("--version", action="version", version=f"lora-autotune {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in COMMANDS:
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sd_scripts_compat.errors import UserError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except UserError as error:
+        print(f"autotune {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"autotune {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
