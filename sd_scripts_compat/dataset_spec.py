@@ -1,0 +1,54 @@
+"""Typed dataset description shared by the config reader and the dataset builder.
+
+The config reader (``--train_data_dir`` folders or a ``--dataset_config`` TOML) produces these,
+already merged by kohya's precedence (subset > dataset > [general] > command line > default) and
+validated; the dataset builder only consumes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SubsetSpec:
+    image_dir: str
+    num_repeats: int = 1
+    class_tokens: str | None = None
+    is_reg: bool = False
+    caption_extension: str = ".caption"
+    shuffle_caption: bool = False
+    caption_separator: str = ","
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
+    caption_dropout_rate: float = 0.0
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+    color_aug: bool = False
+    flip_aug: bool = False
+    random_crop: bool = False
+    face_crop_aug_range: tuple[float, float] | None = None
+    token_warmup_min: int = 1
+    token_warmup_step: float = 0.0
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    subsets: tuple[SubsetSpec, ...]
+    resolution: tuple[int, int] = (512, 512)  # (width, height)
+    batch_size: int = 1
+    enable_bucket: bool = False
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 1024
+    bucket_reso_steps: int = 64
+    bucket_no_upscale: bool = False
+    network_multiplier: float = 1.0
+    validation_split: float = 0.0
+    validation_seed: int | None = None
+
+
+@dataclass(frozen=True)
+class DatasetGroupSpec:
+    datasets: tuple[DatasetSpec, ...] = field(default_factory=tuple)
