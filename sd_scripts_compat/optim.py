@@ -1,0 +1,79 @@
+"""Optimizers and learning-rate schedulers by kohya's names.
+
+Names are matched case-insensitively as sd-scripts does; ``optimizer_args`` arrive already parsed
+(``"weight_decay=0.1"`` -> ``{"weight_decay": 0.1}``) by the config reader. Schedulers come from
+diffusers' ``get_scheduler``; Adafactor with ``relative_step`` uses transformers' schedule, as in
+sd-scripts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sd_scripts_compat.errors import UserError
+
+# kohya name (lower case) -> (module, class, canonical name)
+OPTIMIZERS: dict[str, tuple[str, str, str]] = {
+    "adamw": ("torch.optim", "AdamW", "AdamW"),
+    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit", "AdamW8bit"),
+    "pagedadamw8bit": ("bitsandbytes.optim", "PagedAdamW8bit", "PagedAdamW8bit"),
+    "pagedadamw": ("bitsandbytes.optim", "PagedAdamW", "PagedAdamW"),
+    "pagedadamw32bit": ("bitsandbytes.optim", "PagedAdamW32bit", "PagedAdamW32bit"),
+    "lion": ("bitsandbytes.optim", "Lion32bit", "Lion"),
+    "lion8bit": ("bitsandbytes.optim", "Lion8bit", "Lion8bit"),
+    "pagedlion8bit": ("bitsandbytes.optim", "PagedLion8bit", "PagedLion8bit"),
+    "prodigy": ("prodigyopt", "Prodigy", "Prodigy"),
+    "adafactor": ("transformers.optimization", "Adafactor", "Adafactor"),
+}
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "piecewise_constant", "adafactor")
+
+
+def optimizer_names() -> list[str]:
+    return [canonical for _, _, canonical in OPTIMIZERS.values()]
+
+
+def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate: float,
+                   optimizer_args: dict[str, Any]) -> tuple[Any, str]:
+    """Build the optimizer; returns it with the name recorded in the LoRA metadata (``ss_optimizer``)."""
+    import importlib
+
+    key = name.lower()
+    if key not in OPTIMIZERS:
+        raise UserError(f"optimizer_type {name!r} is not supported; use one of {', '.join(optimizer_names())}")
+    module_name, class_name, canonical = OPTIMIZERS[key]
+    optimizer_class = getattr(importlib.import_module(module_name), class_name)
+    kwargs = dict(optimizer_args)
+    if key == "adafactor":
+        kwargs.setdefault("relative_step", True)
+        kwargs.setdefault("scale_parameter", True)
+        kwargs.setdefault("warmup_init", False)
+        if kwargs["relative_step"]:
+            # transformers refuses a manual lr together with relative_step: the schedule owns the lr
+            param_groups = [{k: v for k, v in group.items() if k != "lr"} for group in param_groups]
+            learning_rate = None  # type: ignore[assignment]
+    try:
+        optimizer = optimizer_class(param_groups, lr=learning_rate, **kwargs)
+    except TypeError as error:
+        raise UserError(f"optimizer_args for {canonical}: {error}") from None
+    args_text = ",".join(f"{k}={v}" for k, v in optimizer_args.items())
+    return optimizer, f"{module_name}.{class_name}({args_text})"
+
+
+def make_lr_scheduler(name: str, optimizer: Any, *, num_training_steps: int, num_warmup_steps: int,
+                      num_cycles: int = 1, power: float = 1.0, learning_rate: float | None = None,
+                      scheduler_args: dict[str, Any] | None = None) -> Any:
+    from diffusers.optimization import get_scheduler
+
+    if name == "adafactor" or (type(optimizer).__name__ == "Adafactor" and optimizer.defaults.get("relative_step")):
+        from transformers.optimization import AdafactorSchedule
+
+        return AdafactorSchedule(optimizer, initial_lr=learning_rate or 0.0)
+    if name not in SCHEDULERS:
+        raise UserError(f"lr_scheduler {name!r} is not supported; use one of {', '.join(SCHEDULERS)}")
+    if name == "constant" and num_warmup_steps > 0:
+        raise UserError("lr_scheduler = 'constant' does not take lr_warmup_steps; use 'constant_with_warmup' "
+                        "or set lr_warmup_steps = 0")
+    step_rules = (scheduler_args or {}).get("step_rules")
+    return get_scheduler(name, optimizer, step_rules=step_rules, num_warmup_steps=num_warmup_steps,
+                         num_training_steps=num_training_steps, num_cycles=num_cycles, power=power)

@@ -1,0 +1,176 @@
+"""Saving and restoring a training run's state for an exact-step resume.
+
+A state folder (kohya's names: ``{output_name}-step{N:08d}-state``, ``{output_name}-state``) holds
+``train_state.json`` (counters, RNG states of Python and NumPy, non-tensor optimizer/scheduler
+state) and ``tensors.safetensors`` (LoRA weights, optimizer tensors, torch RNG states). Written by
+hand instead of ``accelerate.save_state`` because that pickles the optimizer and RNG states and we
+never load pickles we did not ask for; here nothing needs unpickling at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "train_state.json"
+TENSOR_FILE = "tensors.safetensors"
+
+
+@dataclass
+class TrainCounters:
+    global_step: int = 0  # optimizer steps done
+    epoch: int = 0  # 0-based epoch the next step belongs to
+    step_in_epoch: int = 0  # batches of `epoch` already consumed (micro-batches)
+    seconds_trained: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _encode(value: Any, tensors: dict[str, Any], path: str) -> Any:
+    """Turn a nested optimizer/scheduler state into JSON, moving tensors into ``tensors``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach().cpu().clone()  # clone: bitsandbytes shares qmap tensors across params
+        return {"__tensor__": path}
+    if isinstance(value, dict):
+        return {"__dict__": [[_encode(k, tensors, f"{path}/k{i}"), _encode(v, tensors, f"{path}/{i}")]
+                             for i, (k, v) in enumerate(value.items())]}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v, tensors, f"{path}/{i}") for i, v in enumerate(value)]
+        return {"__tuple__": items} if isinstance(value, tuple) else items
+    if hasattr(value, "tolist") and type(value).__module__ == "numpy":
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    raise TypeError(f"cannot save a {type(value).__name__} in a training state ({path})")
+
+
+def _decode(value: Any, tensors: dict[str, Any]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return tensors[value["__tensor__"]]
+        if "__dict__" in value:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__dict__"]}
+        if "__tuple__" in value:
+            return tuple(_decode(v, tensors) for v in value["__tuple__"])
+        if "__ndarray__" in value:
+            import numpy as np
+
+            return np.asarray(value["__ndarray__"], dtype=value["dtype"])
+    return value
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: Any, lr_scheduler: Any,
+                     counters: TrainCounters, settings: dict[str, Any]) -> Path:
+    """Write a complete state folder atomically (temp folder, then rename over any old one)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        tensors: dict[str, Any] = {f"lora/{k}": v.detach().contiguous().cpu() for k, v in lora_state.items()}
+        document = {
+            "format": "lora-autotune-state/1",
+            "counters": asdict(counters),
+            "settings": settings,
+            "optimizer": _encode(optimizer.state_dict(), tensors, "optimizer"),
+            "lr_scheduler": _encode(lr_scheduler.state_dict(), tensors, "lr_scheduler"),
+            "rng": _encode(rng_state(), tensors, "rng"),
+            # kohya's train_state.json keys, so sd-scripts users recognise the folder
+            "current_epoch": counters.epoch,
+            "current_step": counters.global_step,
+        }
+        save_file(tensors, str(tmp / TENSOR_FILE))
+        (tmp / STATE_FILE).write_text(json.dumps(document, indent=1), encoding="utf-8")
+        old = folder.with_name(folder.name + ".old")
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+@dataclass
+class LoadedState:
+    counters: TrainCounters
+    settings: dict[str, Any]
+    lora_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    lr_scheduler_state: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def load_train_state(folder: Path) -> LoadedState:
+    from safetensors.torch import load_file
+
+    from sd_scripts_compat.errors import UserError
+
+    folder = Path(folder)
+    state_file, tensor_file = folder / STATE_FILE, folder / TENSOR_FILE
+    if not state_file.is_file() or not tensor_file.is_file():
+        raise UserError(f"{folder}: not a lora-autotune state folder (needs {STATE_FILE} and {TENSOR_FILE}); "
+                        "pass a folder written with --save_state")
+    try:
+        document = json.loads(state_file.read_text(encoding="utf-8"))
+        tensors = load_file(str(tensor_file))
+    except (OSError, ValueError) as error:
+        raise UserError(f"{folder}: state is unreadable ({error}); resume from an older state folder") from None
+    if document.get("format") != "lora-autotune-state/1":
+        raise UserError(f"{state_file}: unknown state format {document.get('format')!r}")
+    return LoadedState(
+        counters=TrainCounters(**document["counters"]),
+        settings=document.get("settings", {}),
+        lora_state={k[len("lora/"):]: v for k, v in tensors.items() if k.startswith("lora/")},
+        optimizer_state=_decode(document["optimizer"], tensors),
+        lr_scheduler_state=_decode(document["lr_scheduler"], tensors),
+        rng=_decode(document["rng"], tensors),
+    )
+
+
+def newest_state(output_dir: Path, output_name: str) -> Path | None:
+    """The state folder with the highest step in ``output_dir`` (what ``autotune run --resume`` picks)."""
+    best: tuple[int, Path] | None = None
+    for candidate in Path(output_dir).glob(f"{output_name}*-state"):
+        state_file = candidate / STATE_FILE
+        if not state_file.is_file():
+            continue
+        try:
+            step = int(json.loads(state_file.read_text(encoding="utf-8"))["counters"]["global_step"])
+        except (OSError, ValueError, KeyError):
+            continue
+        if best is None or step > best[0]:
+            best = (step, candidate)
+    return best[1] if best else None
