@@ -1,0 +1,70 @@
+"""The diffusion training objective as sd-scripts defines it: noise, timesteps, target and loss.
+
+Plain tensor functions, no state: the loop passes a per-step ``torch.Generator`` so the noise of
+step N is the same whether the run went straight through or was resumed at step N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class NoiseSettings:
+    noise_offset: float | None = None
+    min_timestep: int = 0
+    max_timestep: int = 1000
+    v_parameterization: bool = False
+    min_snr_gamma: float | None = None
+
+
+def step_generator(seed: int, global_step: int, micro_step: int, device: torch.device) -> torch.Generator:
+    """A generator that depends only on (seed, step): resumed runs draw the same noise."""
+    import torch
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + global_step * 257 + micro_step) % (2**63))
+    return generator
+
+
+def sample_noise_and_timesteps(latents: torch.Tensor, settings: NoiseSettings,
+                               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    batch, channels = latents.shape[:2]
+    noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+    if settings.noise_offset:
+        # sd-scripts: a per-sample, per-channel constant shifts the mean so very dark/bright images can be learnt
+        offset = torch.randn((batch, channels, 1, 1), generator=generator, device=latents.device, dtype=latents.dtype)
+        noise = noise + settings.noise_offset * offset
+    timesteps = torch.randint(settings.min_timestep, settings.max_timestep, (batch,), generator=generator,
+                              device=latents.device).long()
+    return noise, timesteps
+
+
+def diffusion_target(noise_scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+                     v_parameterization: bool) -> torch.Tensor:
+    if v_parameterization:
+        return noise_scheduler.get_velocity(latents, noise, timesteps)
+    return noise
+
+
+def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor,
+                    loss_weights: torch.Tensor, alphas_cumprod: torch.Tensor,
+                    settings: NoiseSettings) -> torch.Tensor:
+    """MSE per sample in fp32, times the sample's loss weight (prior_loss_weight for regularisation
+    images) and, with ``min_snr_gamma``, the Min-SNR weight (Hang et al. 2023) as sd-scripts applies it."""
+    import torch.nn.functional as F
+
+    loss = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    loss = loss * loss_weights
+    if settings.min_snr_gamma:
+        alpha_bar = alphas_cumprod.to(timesteps.device)[timesteps]
+        snr = alpha_bar / (1.0 - alpha_bar)
+        clipped = snr.clamp(max=settings.min_snr_gamma)
+        loss = loss * (clipped / (snr + 1.0) if settings.v_parameterization else clipped / snr)
+    return loss

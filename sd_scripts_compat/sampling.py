@@ -1,0 +1,106 @@
+"""Sample images during training (``sample_prompts`` / ``sample_every_n_*``), kohya's prompt syntax.
+
+A prompt file line is ``a prompt --n negative --w 512 --h 512 --s 20 --l 7.5 --d 42``; lines starting
+with ``#`` are comments. Rendering uses diffusers' pipelines built from the bundle's modules, so the
+LoRA (already hooked into those modules) is what is seen.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sd_scripts_compat.errors import UserError
+
+SAMPLERS = {
+    "ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "euler": "EulerDiscreteScheduler",
+    "k_euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
+    "k_euler_a": "EulerAncestralDiscreteScheduler", "heun": "HeunDiscreteScheduler",
+    "dpm_2": "KDPM2DiscreteScheduler", "k_dpm_2": "KDPM2DiscreteScheduler",
+    "dpm_2_a": "KDPM2AncestralDiscreteScheduler", "k_dpm_2_a": "KDPM2AncestralDiscreteScheduler",
+    "dpmsolver": "DPMSolverMultistepScheduler", "dpmsolver++": "DPMSolverMultistepScheduler",
+    "dpmsingle": "DPMSolverSinglestepScheduler",
+}
+_OPTION = re.compile(r"\s--(n|w|h|s|l|d)\s+")
+
+
+@dataclass(frozen=True)
+class SamplePrompt:
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 512
+    height: int = 512
+    steps: int = 30
+    guidance_scale: float = 7.5
+    seed: int | None = None
+
+
+def parse_prompt_line(line: str, default: SamplePrompt) -> SamplePrompt:
+    parts = _OPTION.split(" " + line.strip())
+    sample = replace(default, prompt=parts[0].strip())
+    fields = {"n": ("negative_prompt", str), "w": ("width", int), "h": ("height", int), "s": ("steps", int),
+              "l": ("guidance_scale", float), "d": ("seed", int)}
+    for flag, value in zip(parts[1::2], parts[2::2]):
+        name, cast = fields[flag]
+        try:
+            sample = replace(sample, **{name: cast(value.strip())})
+        except ValueError:
+            raise UserError(f"sample prompt {line.strip()!r}: --{flag} needs a {cast.__name__}") from None
+    return sample
+
+
+def read_sample_prompts(path: str | Path, resolution: tuple[int, int]) -> list[SamplePrompt]:
+    path = Path(path)
+    if path.suffix.lower() != ".txt":
+        raise UserError(f"{path}: only .txt sample prompt files are supported (one prompt per line)")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UserError(f"{path}: cannot read sample prompts ({error.strerror})") from None
+    default = SamplePrompt(prompt="", width=resolution[0], height=resolution[1])
+    return [parse_prompt_line(line, default) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def build_pipeline(bundle: Any, sampler: str) -> Any:
+    import diffusers
+
+    scheduler_class = getattr(diffusers, SAMPLERS.get(sampler.lower(), "DDIMScheduler"))
+    scheduler = scheduler_class.from_config(bundle.scheduler_config)
+    if bundle.family.is_sdxl:
+        return diffusers.StableDiffusionXLPipeline(
+            vae=bundle.vae, text_encoder=bundle.text_encoders[0], text_encoder_2=bundle.text_encoders[1],
+            tokenizer=bundle.tokenizers[0], tokenizer_2=bundle.tokenizers[1], unet=bundle.unet, scheduler=scheduler)
+    return diffusers.StableDiffusionPipeline(
+        vae=bundle.vae, text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0], unet=bundle.unet,
+        scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, out_dir: Path, name: str,
+                   device: Any, dtype: Any, clip_skip: int | None = None) -> list[Path]:
+    """Render each prompt to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
+    import os
+    import tempfile
+
+    import torch
+
+    pipeline = build_pipeline(bundle, sampler)
+    pipeline.set_progress_bar_config(disable=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for index, sample in enumerate(prompts):
+        generator = torch.Generator(device="cpu").manual_seed(sample.seed if sample.seed is not None else index)
+        extra = {"clip_skip": clip_skip - 1} if clip_skip and clip_skip > 1 and not bundle.family.is_sdxl else {}
+        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=dtype,
+                                             enabled=dtype != torch.float32):
+            image = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
+                             width=sample.width, height=sample.height, num_inference_steps=sample.steps,
+                             guidance_scale=sample.guidance_scale, generator=generator, **extra).images[0]
+        target = out_dir / f"{name}_{index:02d}.png"
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=out_dir)
+        os.close(fd)
+        image.save(tmp)
+        os.replace(tmp, target)
+        written.append(target)
+    return written

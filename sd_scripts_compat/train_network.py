@@ -1,0 +1,667 @@
+"""kohya-compatible LoRA training: ``python -m sd_scripts_compat.train_network --config_file config.toml``.
+
+The same flags as sd-scripts' ``train_network.py`` (and ``sdxl_train_network.py``, which calls
+``main(sdxl=True)``). The whole run reads top to bottom in ``train``: load, cache, build the LoRA,
+then the loop. The hot path does no per-step host syncs (the running loss stays on the device and is
+read only when the progress bar refreshes), feeds cached latents when asked, and copies batches with
+pinned memory and ``non_blocking``.
+
+Extension flags (ours, command line only): ``--autotune_events_dir``, ``--save_state_every_seconds``,
+``--autotune_retry_log``; see ``sd_scripts_compat.oom`` for the watchdog contract.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.oom import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, is_oom_error
+
+PROGRESS_EVERY_SECONDS = 2.0
+
+
+def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
+    from sd_scripts_compat.config import load_training_config
+
+    program = "sdxl_train_network" if sdxl else "train_network"
+    try:
+        config = load_training_config(sys.argv[1:] if argv is None else argv, sdxl=sdxl)
+        return train(config, sdxl=sdxl)
+    except UserError as error:
+        print(f"{program}: error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+@dataclass
+class RunPaths:
+    output_dir: Path
+    output_name: str
+    events_dir: Path | None
+
+    def lora_file(self, suffix: str = "") -> Path:
+        return self.output_dir / f"{self.output_name}{suffix}.safetensors"
+
+    def state_dir(self, step: int | None = None) -> Path:
+        name = f"{self.output_name}-step{step:08d}-state" if step is not None else f"{self.output_name}-state"
+        return self.output_dir / name
+
+
+class DynamicLossScale:
+    """Loss scaling for ``full_fp16``, where LoRA weights and gradients are fp16.
+
+    Hand-written because torch's GradScaler refuses to unscale fp16 gradients by design.
+    """
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale, self.growth_interval, self.good_steps = scale, growth_interval, 0
+
+    def unscale_and_check(self, params: list[Any]) -> bool:
+        import torch
+
+        grads = [p.grad for p in params if p.grad is not None]
+        for grad in grads:
+            grad.div_(self.scale)
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if finite:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        else:
+            self.scale, self.good_steps = max(self.scale / 2.0, 1.0), 0
+        return finite
+
+
+def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to bottom, on purpose
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from diffusers import DDPMScheduler
+
+    from sd_scripts_compat import datasets as datasets_module
+    from sd_scripts_compat.config import dataset_group_from_config
+    from sd_scripts_compat.latent_cache import cache_latents
+    from sd_scripts_compat.lora import create_network, create_network_from_weights, parse_network_args
+    from sd_scripts_compat.lora_file import RunFacts, build_metadata, read_lora_file, save_lora_file
+    from sd_scripts_compat.model_loading import load_base_model
+    from sd_scripts_compat.objectives import (
+        NoiseSettings,
+        diffusion_target,
+        per_sample_loss,
+        sample_noise_and_timesteps,
+        step_generator,
+    )
+    from sd_scripts_compat.oom import OomInjector, memory_figures, write_json_atomic
+    from sd_scripts_compat.optim import make_lr_scheduler, make_optimizer
+    from sd_scripts_compat.precision import fp8_supported, store_frozen_weights_in_fp8
+    from sd_scripts_compat.text_encoding import TextConditioner
+    from sd_scripts_compat.train_state import (
+        TrainCounters,
+        load_train_state,
+        restore_rng_state,
+        save_train_state,
+    )
+
+    started = time.time()
+    # ---- 1. Process, precision, output folder --------------------------------------------------
+    paths = RunPaths(Path(config.output_dir or "output"), config.output_name or "last",
+                     Path(config.autotune_events_dir) if config.autotune_events_dir else None)
+    _check_output_dir(paths.output_dir)
+    accelerator = Accelerator(
+        mixed_precision=config.mixed_precision,
+        log_with=config.log_with if config.logging_dir else None,
+        project_dir=config.logging_dir,
+    )
+    device = accelerator.device
+    seed = config.seed if config.seed is not None else 42
+    set_seed(seed)
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    if device.type == "cpu" and weight_dtype == torch.float16:
+        weight_dtype = torch.float32  # accelerate keeps fp16 "mixed precision" on CPU as fp32
+    save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(
+        config.save_precision or "float", torch.float32)
+    injector = OomInjector.from_env(paths.events_dir or paths.output_dir)
+
+    # ---- 2. Base model ------------------------------------------------------------------------
+    bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
+                             family=_stated_family(config, sdxl))
+    family = bundle.family
+    if family.is_sdxl != sdxl:
+        entry = "sdxl_train_network" if family.is_sdxl else "train_network"
+        raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
+                        f"train it with sd_scripts_compat.{entry}")
+    v_parameterization = bool(config.v_parameterization) or family.v_parameterization
+    if config.xformers:
+        _enable_xformers(bundle.unet)
+    elif config.sdpa is not False:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        bundle.unet.set_attn_processor(AttnProcessor2_0())
+
+    # ---- 3. Datasets ---------------------------------------------------------------------------
+    group = dataset_group_from_config(config)
+    train_data, validation_data = datasets_module.build_datasets(group, seed=seed, tokenizer_count=len(
+        bundle.tokenizers))
+    if len(train_data) == 0:
+        raise UserError("no training images found; check train_data_dir / dataset_config")
+
+    # ---- 4. Caching: latents, then text-encoder outputs; encoders no longer needed leave the device
+    bundle.vae.to(device, dtype=torch.float32 if config.no_half_vae else weight_dtype)
+    if config.cache_latents or config.cache_latents_to_disk:
+        with torch.no_grad():
+            for dataset in (train_data, validation_data):
+                if dataset is not None:
+                    cache_latents(dataset, bundle.vae, to_disk=bool(config.cache_latents_to_disk),
+                                  batch_size=config.vae_batch_size or 1, device=device)
+        bundle.vae.to("cpu")
+        _free_device_memory(device)
+    train_text_encoder = not config.network_train_unet_only and (config.text_encoder_lr is None
+                                                                 or config.text_encoder_lr != 0)
+    conditioner = TextConditioner(bundle, clip_skip=config.clip_skip, max_token_length=config.max_token_length,
+                                  device=device, dtype=weight_dtype)
+    for encoder in bundle.text_encoders:
+        encoder.to(device, dtype=weight_dtype)
+    if config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk:
+        if train_text_encoder:
+            raise UserError("cache_text_encoder_outputs needs network_train_unet_only = true "
+                            "(a trained text encoder changes its outputs every step)")
+        for dataset in (train_data, validation_data):
+            if dataset is not None:
+                conditioner.cache_outputs(dataset, to_disk=bool(config.cache_text_encoder_outputs_to_disk))
+        for encoder in bundle.text_encoders:
+            encoder.to("cpu")
+        _free_device_memory(device)
+
+    # ---- 5. UNet precision, LoRA network, optimizer, schedule -------------------------------------
+    unet = bundle.unet
+    use_fp8 = bool(config.fp8_base or config.fp8_base_unet)
+    if use_fp8 and not fp8_supported(device):
+        raise UserError("fp8_base needs a GPU with compute capability 8.9 or newer (Ada, Hopper); remove fp8_base")
+    unet.to(device, dtype=weight_dtype)
+    if use_fp8:
+        store_frozen_weights_in_fp8(unet, weight_dtype)
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        if train_text_encoder:
+            for encoder in bundle.text_encoders:
+                encoder.gradient_checkpointing_enable()
+    network_kwargs = parse_network_args(config.network_args)
+    if config.network_weights and config.dim_from_weights:
+        network = create_network_from_weights(bundle, config.network_weights, train_unet=True,
+                                              train_text_encoder=train_text_encoder)
+    else:
+        network = create_network(bundle, network_dim=config.network_dim or 4,
+                                 network_alpha=config.network_alpha if config.network_alpha is not None else 1.0,
+                                 dropout=config.network_dropout, train_unet=True,
+                                 train_text_encoder=train_text_encoder, **network_kwargs)
+        if config.network_weights:
+            network.load_kohya_state_dict(read_lora_file(config.network_weights)[0])
+    network.apply_to()
+    lora_dtype = {(True, False): torch.float16, (False, True): torch.bfloat16}.get(
+        (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
+    network.to(device, dtype=lora_dtype)
+    network.train()
+    trainable = [p for p in network.parameters() if p.requires_grad]
+    param_groups = network.prepare_optimizer_params(config.text_encoder_lr, config.unet_lr, config.learning_rate)
+    optimizer, optimizer_description = make_optimizer(config.optimizer_type or "AdamW", param_groups,
+                                                      config.learning_rate, config.optimizer_args)
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    accumulation = max(1, config.gradient_accumulation_steps)
+    batches_per_epoch = math.ceil(train_data.batch_count() / world)
+    steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
+    if config.max_train_epochs:
+        max_train_steps = steps_per_epoch * config.max_train_epochs
+    else:
+        max_train_steps = config.max_train_steps
+    total_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    warmup = config.lr_warmup_steps
+    warmup_steps = int(warmup * max_train_steps) if isinstance(warmup, float) and warmup < 1 else int(warmup or 0)
+    lr_scheduler = make_lr_scheduler(config.lr_scheduler, optimizer, num_training_steps=max_train_steps,
+                                     num_warmup_steps=warmup_steps, num_cycles=config.lr_scheduler_num_cycles or 1,
+                                     power=config.lr_scheduler_power or 1.0, learning_rate=config.learning_rate,
+                                     scheduler_args=config.lr_scheduler_args)
+    loss_scale = DynamicLossScale() if config.full_fp16 else None
+    if loss_scale is None:
+        optimizer = accelerator.prepare(optimizer)  # GradScaler for fp16 mixed precision lives here
+
+    noise_scheduler = DDPMScheduler.from_config(bundle.scheduler_config)
+    alphas_cumprod = noise_scheduler.alphas_cumprod.to(device)
+    noise = NoiseSettings(noise_offset=config.noise_offset, min_timestep=config.min_timestep or 0,
+                          max_timestep=config.max_timestep or 1000, v_parameterization=v_parameterization,
+                          min_snr_gamma=config.min_snr_gamma)
+
+    # ---- 6. Resume -----------------------------------------------------------------------------
+    counters = TrainCounters()
+    if config.resume:
+        state = load_train_state(Path(config.resume))
+        network.load_kohya_state_dict(state.lora_state)
+        _unwrap(optimizer).load_state_dict(state.optimizer_state)
+        lr_scheduler.load_state_dict(state.lr_scheduler_state)
+        restore_rng_state(state.rng)
+        counters = state.counters
+        accelerator.print(f"resumed from {config.resume} at step {counters.global_step} (epoch {counters.epoch + 1})")
+
+    settings = _settings_for_events(config, weight_dtype, use_fp8)
+    retries = _read_retry_log(config.autotune_retry_log)
+    tracker_config = {"max_train_steps": max_train_steps, "train_batch_size": train_data.batch_size}
+    if config.logging_dir and config.log_with:
+        accelerator.init_trackers(config.log_prefix or "network_train", config=tracker_config)
+
+    def save_state(folder: Path) -> Path:
+        return save_train_state(folder, lora_state=network.kohya_state_dict(), optimizer=_unwrap(optimizer),
+                                lr_scheduler=lr_scheduler, counters=counters, settings=settings)
+
+    def save_lora(path: Path, *, epoch: int, final: bool) -> None:
+        facts = RunFacts(
+            family=family, network_dim=config.network_dim or 4, network_alpha=config.network_alpha,
+            network_args=network_kwargs, learning_rate=config.learning_rate, unet_lr=config.unet_lr,
+            text_encoder_lr=config.text_encoder_lr, optimizer=optimizer_description,
+            lr_scheduler=config.lr_scheduler, mixed_precision=accelerator.mixed_precision,
+            resolution=group.datasets[0].resolution, num_train_images=train_data.image_count(),
+            num_reg_images=train_data.reg_image_count(), num_batches_per_epoch=batches_per_epoch,
+            num_epochs=total_epochs, epoch=epoch, steps=counters.global_step, max_train_steps=max_train_steps,
+            gradient_checkpointing=bool(config.gradient_checkpointing),
+            gradient_accumulation_steps=accumulation, seed=seed, clip_skip=config.clip_skip,
+            tag_frequency=train_data.tag_frequency(), dataset_dirs=train_data.dataset_dirs(),
+            training_started_at=started, output_name=path.stem, v_parameterization=v_parameterization,
+            noise_offset=config.noise_offset, min_snr_gamma=config.min_snr_gamma,
+            max_grad_norm=config.max_grad_norm, training_comment=config.training_comment,
+            extra={"ss_autotune_retries": json.dumps(retries)} if retries else {},
+        )
+        save_lora_file(path, network.kohya_state_dict(), build_metadata(facts), save_dtype=save_dtype)
+
+    # ---- 7. The loop ---------------------------------------------------------------------------
+    from tqdm.auto import tqdm
+
+    progress = tqdm(total=max_train_steps, initial=counters.global_step, disable=not accelerator.is_main_process,
+                    desc="steps", dynamic_ncols=True, smoothing=0.1)
+    running_loss = torch.zeros((), device=device)
+    running_count = 0
+    last_report = last_state_save = time.time()
+    peak_memory_mib = 0.0
+    loader_workers = config.max_data_loader_n_workers if config.max_data_loader_n_workers is not None else 0
+    validation = _ValidationRun(validation_data, config, seed) if validation_data is not None else None
+    oom: dict[str, Any] | None = None
+    interrupted = False
+    step_started = time.time()
+    steps_this_session = 0
+    try:
+        while counters.global_step < max_train_steps:
+            epoch = counters.epoch
+            loader = train_data.loader(epoch=epoch, rank=rank, world_size=world, skip=counters.step_in_epoch,
+                                       num_workers=loader_workers,
+                                       persistent_workers=bool(config.persistent_data_loader_workers),
+                                       pin_memory=device.type == "cuda")
+            micro = 0
+            batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
+            for batch in loader:
+                batch = _to_device(batch, device)
+                latents = batch.get("latents")
+                if latents is None:
+                    with torch.no_grad():
+                        latents = bundle.vae.encode(batch["images"].to(bundle.vae.dtype)).latent_dist.sample()
+                        latents = latents * bundle.vae.config.scaling_factor
+                latents = latents.to(weight_dtype)
+                if injector is not None:
+                    injector.check(counters.global_step, latents.shape[0], latents.shape[2] * 8,
+                                   latents.shape[3] * 8)
+                generator = step_generator(seed, counters.global_step, micro * world + rank, device)
+                with accelerator.autocast():
+                    encoder_hidden, added_cond = conditioner.condition(batch, train=train_text_encoder)
+                    step_noise, timesteps = sample_noise_and_timesteps(latents, noise, generator)
+                    noisy = noise_scheduler.add_noise(latents, step_noise, timesteps)
+                    prediction = unet(noisy, timesteps, encoder_hidden, added_cond_kwargs=added_cond).sample
+                target = diffusion_target(noise_scheduler, latents, step_noise, timesteps, v_parameterization)
+                loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], alphas_cumprod,
+                                       noise).mean()
+                scaled = loss / accumulation
+                if loss_scale is not None:
+                    (scaled * loss_scale.scale).backward()
+                else:
+                    accelerator.backward(scaled)
+                running_loss += loss.detach()
+                running_count += 1
+                micro += 1
+                batch_index += 1
+                if micro % accumulation != 0 and batch_index < batches_per_epoch:
+                    continue
+                # -- optimizer step (one per `accumulation` micro-batches) --
+                if world > 1:
+                    _average_gradients(trainable, world)
+                do_step = loss_scale.unscale_and_check(trainable) if loss_scale is not None else True
+                if config.max_grad_norm and do_step:
+                    if loss_scale is None:
+                        accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
+                    else:
+                        torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+                if do_step:
+                    optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                counters.global_step += 1
+                counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
+                steps_this_session += 1
+                progress.update(1)
+
+                now = time.time()
+                if now - last_report >= PROGRESS_EVERY_SECONDS or counters.global_step == max_train_steps:
+                    mean_loss = (running_loss / max(running_count, 1)).item()  # the one host sync, ~every 2 s
+                    running_loss.zero_()
+                    running_count = 0
+                    rate = steps_this_session / max(now - step_started, 1e-9)
+                    peak_memory_mib = max(peak_memory_mib, _peak_memory_mib(device))
+                    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+                    accelerator.log({"loss/current": mean_loss, "lr/unet": lr_scheduler.get_last_lr()[-1],
+                                     "speed/it_per_s": rate, "memory/peak_mib": peak_memory_mib},
+                                    step=counters.global_step)
+                    if paths.events_dir and accelerator.is_main_process:
+                        write_json_atomic(paths.events_dir / "progress.json", {
+                            "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": max_train_steps,
+                            "time": now, "it_per_s": rate, "loss": mean_loss})
+                    last_report = now
+                if validation is not None and validation.due(counters.global_step, epoch_end=False):
+                    validation.run(unet, conditioner, noise_scheduler, weight_dtype, accelerator, counters.global_step,
+                                   train_text_encoder, noise, alphas_cumprod)
+                if config.save_every_n_steps and counters.global_step % config.save_every_n_steps == 0:
+                    _save_checkpoint(accelerator, paths, config, counters, save_lora, save_state,
+                                     suffix=f"-step{counters.global_step:08d}", step=counters.global_step)
+                if (config.save_state_every_seconds and accelerator.is_main_process
+                        and now - last_state_save >= config.save_state_every_seconds):
+                    save_state(paths.state_dir())
+                    last_state_save = now
+                if config.sample_every_n_steps and counters.global_step % config.sample_every_n_steps == 0:
+                    _sample(bundle, config, paths, accelerator, weight_dtype, f"step{counters.global_step:08d}")
+                if counters.global_step >= max_train_steps:
+                    break
+            else:  # the epoch ran to its end
+                counters.epoch += 1
+                counters.step_in_epoch = 0
+                if validation is not None and validation.due(counters.global_step, epoch_end=True,
+                                                              epoch=counters.epoch):
+                    validation.run(unet, conditioner, noise_scheduler, weight_dtype, accelerator,
+                                   counters.global_step, train_text_encoder, noise, alphas_cumprod)
+                if config.save_every_n_epochs and counters.epoch % config.save_every_n_epochs == 0 \
+                        and counters.global_step < max_train_steps:
+                    _save_checkpoint(accelerator, paths, config, counters, save_lora, save_state,
+                                     suffix=f"-{counters.epoch:06d}", step=None)
+                if config.sample_every_n_epochs and counters.epoch % config.sample_every_n_epochs == 0:
+                    _sample(bundle, config, paths, accelerator, weight_dtype, f"e{counters.epoch:06d}")
+                continue
+            break
+    except KeyboardInterrupt:
+        interrupted = True
+    except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else re-raises
+        if not is_oom_error(error):
+            raise
+        oom = {"message": str(error).splitlines()[0][:500], "type": type(error).__name__}
+    # Outside the except block: the exception's frames (and the activations they hold) are gone now.
+    progress.close()
+
+    if oom is not None:
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        _free_device_memory(device)
+        state_dir = None
+        if accelerator.is_main_process and counters.global_step > 0:
+            state_dir = str(save_state(paths.state_dir()))
+        event = {"step": counters.global_step, "epoch": counters.epoch, "settings": settings,
+                 "memory": memory_figures(), "message": oom["message"], "state_dir": state_dir}
+        if paths.events_dir and accelerator.is_main_process:
+            write_json_atomic(paths.events_dir / "oom.json", event)
+        print(f"out of memory at step {counters.global_step}: {oom['message']}", file=sys.stderr)
+        return OOM_EXIT_CODE
+    if interrupted:
+        if accelerator.is_main_process:
+            folder = save_state(paths.state_dir())
+            print(f"\ninterrupted at step {counters.global_step}; state saved to {folder} "
+                  f"(continue with --resume {folder})", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+    # ---- 8. Final LoRA and summary ---------------------------------------------------------------
+    accelerator.wait_for_everyone()
+    output_file = paths.lora_file()
+    if accelerator.is_main_process:
+        save_lora(output_file, epoch=counters.epoch, final=True)
+        if config.save_state or config.save_state_on_train_end:
+            save_state(paths.state_dir())
+    peak_memory_mib = max(peak_memory_mib, _peak_memory_mib(device))
+    seconds = time.time() - started
+    if accelerator.is_main_process:
+        if paths.events_dir:
+            write_json_atomic(paths.events_dir / "done.json", {
+                "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
+                "peak_memory": peak_memory_mib})
+        print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory_mib:.0f} MiB, "
+              f"LoRA written to {output_file}")
+    accelerator.end_training()
+    return 0
+
+
+# ---- helpers: small, explicit, no state of their own ---------------------------------------------
+
+def _check_output_dir(output_dir: Path) -> None:
+    import os
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"{output_dir}: cannot create the output folder ({error.strerror}); "
+                        "choose another output_dir") from None
+    if not os.access(output_dir, os.W_OK):
+        raise UserError(f"{output_dir}: output folder is not writable; choose another output_dir")
+
+
+def _stated_family(config: Any, sdxl: bool) -> str | None:
+    """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
+    if sdxl:
+        return None  # detected from the file; train() checks it is SDXL
+    if config.v2:
+        return "sd2-v" if config.v_parameterization else "sd2"
+    return None
+
+
+def _enable_xformers(unet: Any) -> None:
+    try:
+        import xformers  # noqa: F401
+    except ImportError:
+        raise UserError("xformers = true but xformers is not installed; pip install 'lora-autotune[xformers]' "
+                        "or remove xformers (torch SDPA is the default)") from None
+    try:
+        unet.enable_xformers_memory_efficient_attention()
+    except (ValueError, NotImplementedError, RuntimeError) as error:
+        raise UserError(f"xformers is installed but cannot run here ({str(error).splitlines()[0]}); "
+                        "remove xformers to use torch SDPA") from None
+
+
+def _free_device_memory(device: Any) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _peak_memory_mib(device: Any) -> float:
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    import torch
+
+    non_blocking = device.type == "cuda"
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
+def _average_gradients(params: list[Any], world: int) -> None:
+    """Average LoRA gradients across processes with one all-reduce.
+
+    The LoRA hooks into the UNet's layers, so its own forward is never called through a DDP wrapper;
+    one flat all-reduce per optimizer step is what DDP would do for these few parameters.
+    """
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+def _settings_for_events(config: Any, weight_dtype: Any, use_fp8: bool) -> dict[str, Any]:
+    return {
+        "train_batch_size": config.train_batch_size, "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "resolution": list(config.resolution) if config.resolution else None,
+        "gradient_checkpointing": bool(config.gradient_checkpointing), "optimizer_type": config.optimizer_type,
+        "network_dim": config.network_dim, "mixed_precision": config.mixed_precision,
+        "cache_latents": bool(config.cache_latents or config.cache_latents_to_disk),
+        "cache_text_encoder_outputs": bool(config.cache_text_encoder_outputs),
+        "max_bucket_reso": config.max_bucket_reso, "fp8_base": use_fp8, "weight_dtype": str(weight_dtype),
+    }
+
+
+def _read_retry_log(path: str | None) -> list[Any]:
+    if not path:
+        return []
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path}: cannot read the retry log ({error})") from None
+
+
+def _save_checkpoint(accelerator: Any, paths: RunPaths, config: Any, counters: Any, save_lora: Any,
+                     save_state: Any, *, suffix: str, step: int | None) -> None:
+    """An intermediate LoRA (+ state with --save_state), pruning old ones per save_last_n_*."""
+    import shutil
+
+    if not accelerator.is_main_process:
+        return
+    save_lora(paths.lora_file(suffix), epoch=counters.epoch, final=False)
+    if config.save_state:
+        save_state(paths.output_dir / f"{paths.output_name}{suffix}-state")
+    keep = config.save_last_n_steps if step is not None else config.save_last_n_epochs
+    if not keep:
+        return
+    pattern = f"{paths.output_name}-step*" if step is not None else f"{paths.output_name}-[0-9]*"
+    lora_files = sorted(p for p in paths.output_dir.glob(pattern + ".safetensors"))
+    for old in lora_files[:-keep] if step is None else lora_files:
+        if step is not None:
+            old_step = int(old.stem.rsplit("-step", 1)[1])
+            if old_step > step - keep:  # kohya: keep those within the last `keep` steps
+                continue
+        old.unlink(missing_ok=True)
+        shutil.rmtree(old.with_name(old.stem + "-state"), ignore_errors=True)
+
+
+def _sample(bundle: Any, config: Any, paths: RunPaths, accelerator: Any, dtype: Any, name: str) -> None:
+    from sd_scripts_compat.sampling import read_sample_prompts, render_samples
+
+    if not config.sample_prompts or not accelerator.is_main_process:
+        return
+    prompts = read_sample_prompts(config.sample_prompts, tuple(config.resolution))
+    training = [m.training for m in (bundle.unet, *bundle.text_encoders)]
+    vae_device = next(bundle.vae.parameters()).device
+    bundle.vae.to(accelerator.device)
+    text_devices = [next(te.parameters()).device for te in bundle.text_encoders]
+    for encoder in bundle.text_encoders:
+        encoder.to(accelerator.device)
+    try:
+        render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=paths.output_dir / "sample",
+                       name=f"{paths.output_name}_{name}", device=accelerator.device, dtype=dtype,
+                       clip_skip=config.clip_skip)
+    finally:
+        bundle.vae.to(vae_device)
+        for encoder, device, was_training in zip(bundle.text_encoders, text_devices, training[1:]):
+            encoder.to(device)
+            encoder.train(was_training)
+        bundle.unet.train(training[0])
+
+
+class _ValidationRun:
+    """Held-out loss at fixed timesteps and noise, so over-training shows as a rising curve."""
+
+    def __init__(self, dataset: Any, config: Any, seed: int) -> None:
+        self.dataset = dataset
+        self.every_steps = config.validate_every_n_steps
+        self.every_epochs = config.validate_every_n_epochs
+        self.seed = config.validation_seed if config.validation_seed is not None else seed
+        self.history: list[tuple[int, float]] = []
+
+    def due(self, step: int, *, epoch_end: bool, epoch: int = 0) -> bool:
+        if epoch_end:
+            return bool(self.every_epochs and epoch % self.every_epochs == 0) or (
+                not self.every_steps and not self.every_epochs)
+        return bool(self.every_steps and step % self.every_steps == 0)
+
+    def run(self, unet: Any, conditioner: Any, noise_scheduler: Any, dtype: Any, accelerator: Any, step: int,
+            train_text_encoder: bool, noise_settings: Any, alphas_cumprod: Any) -> float:
+        loss = validation_loss(self.dataset, unet, conditioner, noise_scheduler, dtype, accelerator.device,
+                               self.seed, noise_settings, alphas_cumprod)
+        self.history.append((step, loss))
+        accelerator.log({"loss/validation": loss}, step=step)
+        accelerator.print(f"\nvalidation loss at step {step}: {loss:.5f}")
+        return loss
+
+
+def validation_loss(dataset: Any, unet: Any, conditioner: Any, noise_scheduler: Any, dtype: Any, device: Any,
+                    seed: int, noise_settings: Any, alphas_cumprod: Any,
+                    timesteps: tuple[int, ...] = (100, 300, 500, 700, 900)) -> float:
+    """Mean loss over every held-out batch at each of ``timesteps``, with noise drawn from ``seed``.
+
+    Fixed timesteps and noise make successive measurements comparable: only the LoRA changed.
+    """
+    import torch
+
+    from sd_scripts_compat.objectives import diffusion_target, per_sample_loss
+
+    was_training = unet.training
+    unet.eval()
+    total, count = torch.zeros((), device=device), 0
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for batch in dataset.loader(epoch=0, rank=0, world_size=1, skip=0, num_workers=0, persistent_workers=False,
+                                    pin_memory=False, shuffle=False):
+            batch = _to_device(batch, device)
+            latents = batch["latents"].to(dtype) if "latents" in batch else None
+            if latents is None:
+                vae = conditioner.bundle.vae
+                latents = vae.encode(batch["images"].to(device, vae.dtype)).latent_dist.mean
+                latents = (latents * vae.config.scaling_factor).to(dtype)
+            hidden, added = conditioner.condition(batch, train=False)
+            for t in timesteps:
+                noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+                steps = torch.full((latents.shape[0],), t, device=device, dtype=torch.long)
+                noisy = noise_scheduler.add_noise(latents, noise, steps)
+                with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    prediction = unet(noisy, steps, hidden, added_cond_kwargs=added).sample
+                target = diffusion_target(noise_scheduler, latents, noise, steps, noise_settings.v_parameterization)
+                ones = torch.ones(latents.shape[0], device=device)
+                total += per_sample_loss(prediction, target, steps, ones, alphas_cumprod, noise_settings).sum()
+                count += latents.shape[0]
+    unet.train(was_training)
+    return (total / max(count, 1)).item()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
