@@ -1,0 +1,136 @@
+"""Watchdog against a fake engine child (real subprocesses, real files, real signals).
+
+The fake follows the engine's child-process contract (tests/fixtures/fake_engine.py) and trains a
+single number whose final value depends only on the optimizer steps taken, so "nothing lost" is
+checkable exactly. Real-engine end-to-end runs are in test_run_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import toml
+from fixtures.fake_engine import fake_memory_mib
+from safetensors import safe_open
+
+from autotune.stepdown import LadderLimits, TrainSettings
+from autotune.watchdog import (
+    DECISIONS_JSONL,
+    DECISIONS_LOG,
+    Job,
+    clean_partial_files,
+    newest_state,
+    supervise,
+)
+
+FAKE = Path(__file__).parent / "fixtures" / "fake_engine.py"
+STEPS = 20
+
+
+def expected_w(steps: int) -> float:
+    return sum(0.5 ** (s % 7) for s in range(steps))
+
+
+def make_job(tmp_path: Path, rules: str, *, batch: int = 8, budget: float = 250.0, **kw) -> Job:
+    out = tmp_path / "out"
+    out.mkdir()
+    config = out / "config.toml"
+    config.write_text(toml.dumps({
+        "output_dir": str(out), "output_name": "lora", "max_train_steps": STEPS,
+        "train_batch_size": batch, "gradient_accumulation_steps": 1, "resolution": "64,64",
+        "optimizer_type": "AdamW", "network_dim": 8,
+    }))
+    settings = TrainSettings.from_mapping(toml.loads(config.read_text()))
+    env = {"PATH": "/usr/bin:/bin", "FAKE_ENGINE": rules}
+    return Job(config_path=config, output_dir=out, settings=settings, limits=LadderLimits(budget_mib=budget),
+               predict=fake_memory_mib, entry=[str(FAKE)], env=env, echo=False, python=sys.executable, **kw)
+
+
+def final_weights(path: str) -> tuple[float, dict[str, str]]:
+    with safe_open(path, "np") as handle:
+        return float(handle.get_tensor("w")[0]), handle.metadata()
+
+
+def test_fake_engine_oom_steps_down_keeps_effective_batch(tmp_path):
+    job = make_job(tmp_path, "oom_batch_gt=2")
+    result = supervise(job)
+    assert result.ok, result.message
+    assert (result.final_settings.train_batch_size, result.final_settings.gradient_accumulation_steps) == (2, 4)
+    w, meta = final_weights(result.output_file)
+    assert w == pytest.approx(expected_w(STEPS))
+    assert meta["ss_steps"] == str(STEPS)
+    retries = json.loads(meta["ss_autotune_retries"])
+    assert len(retries) == 1 and retries[0]["failure"] == "oom"
+    assert retries[0]["changes"]["train_batch_size"] == [8, 2]
+    assert "effective batch" in retries[0]["reason"]
+    final = toml.load(job.output_dir / "config.final.toml")
+    assert (final["train_batch_size"], final["gradient_accumulation_steps"]) == (2, 4)
+    lines = [json.loads(x) for x in (job.output_dir / DECISIONS_JSONL).read_text().splitlines()]
+    assert [x["event"] for x in lines][-1] == "done"
+    assert "oom" in (job.output_dir / DECISIONS_LOG).read_text()
+
+
+def test_fake_engine_oom_mid_run_resumes_at_exact_step(tmp_path):
+    job = make_job(tmp_path, "oom_at=7", batch=2, budget=1000.0)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert (result.final_settings.train_batch_size, result.final_settings.gradient_accumulation_steps) == (1, 2)
+    assert result.retries[0]["step"] == 7 and result.retries[0]["resume_step"] == 7
+    assert result.retries[0]["steps_lost"] == 0
+    assert final_weights(result.output_file)[0] == pytest.approx(expected_w(STEPS))
+
+
+def test_fake_engine_sigkill_resumes_from_last_state(tmp_path):
+    job = make_job(tmp_path, "kill_at=12,step_s=0.03", batch=2, budget=1000.0, save_state_every_s=0.1)
+    result = supervise(job)
+    assert result.ok, result.message
+    record = result.retries[0]
+    assert record["failure"] == "os_kill" and 0 < record["resume_step"] <= 12
+    assert record["steps_lost"] == 12 - record["resume_step"]
+    assert result.final_settings.train_batch_size == 1  # treated as an OOM: stepped down
+    assert final_weights(result.output_file)[0] == pytest.approx(expected_w(STEPS))
+    leftovers = [p.name for p in job.output_dir.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_fake_engine_stall_is_killed_and_retried(tmp_path):
+    job = make_job(tmp_path, "stall_at=4", batch=1, budget=1000.0, stall_timeout_s=1.0, save_state_every_s=0.05)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["failure"] for r in result.retries] == ["stall"]
+    assert result.final_settings == job.settings
+    assert final_weights(result.output_file)[0] == pytest.approx(expected_w(STEPS))
+
+
+def test_fake_engine_user_error_stops_with_its_message(tmp_path):
+    result = supervise(make_job(tmp_path, "user_error"))
+    assert not result.ok and result.outcome == "user_error"
+    assert "lerning_rate" in result.message and result.retries == []
+
+
+def test_fake_engine_nothing_fits_says_what_is_needed(tmp_path):
+    result = supervise(make_job(tmp_path, "oom_batch_gt=0", budget=50.0))
+    assert result.outcome == "exhausted"
+    assert "micro-batch 1" in result.message and "needs about" in result.message
+    assert "GiB" in result.message
+
+
+def test_fake_engine_retries_are_bounded(tmp_path):
+    result = supervise(make_job(tmp_path, "oom_batch_gt=0", budget=1000.0, max_retries=2))
+    assert result.outcome in ("retries_exhausted", "exhausted")
+    assert len(result.retries) <= 2
+    assert len(result.attempts) == len(result.retries) + 1
+
+
+def test_clean_partial_files_restores_and_removes(tmp_path):
+    (tmp_path / ".lora.safetensors.abc.tmp").write_bytes(b"half")
+    (tmp_path / ".lora-step00000004-state.xyz").mkdir()
+    orphan = tmp_path / "lora-step00000002-state.old"
+    orphan.mkdir()
+    (orphan / "train_state.json").write_text(json.dumps({"counters": {"global_step": 2}}))
+    removed = clean_partial_files(tmp_path)
+    assert sorted(removed) == [".lora-step00000004-state.xyz", ".lora.safetensors.abc.tmp"]
+    assert newest_state(tmp_path) == (tmp_path / "lora-step00000002-state", 2)
