@@ -8,6 +8,7 @@ validated; the dataset builder only consumes them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class SubsetSpec:
     face_crop_aug_range: tuple[float, float] | None = None
     token_warmup_min: int = 1
     token_warmup_step: float = 0.0
+    # kohya dataset-config keys the config reader accepts and carries; the reader warns when one is set
+    # to a non-default value that the dataset builder does not implement yet.
+    secondary_separator: str | None = None
+    enable_wildcard: bool = False
+    cache_info: bool = False
+    alpha_mask: bool = False
+    resize_interpolation: str | None = None
+    metadata_file: str | None = None  # fine-tuning subset (captions from a metadata JSON), else DreamBooth
+    custom_attributes: dict[str, Any] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ class DatasetSpec:
     network_multiplier: float = 1.0
     validation_split: float = 0.0
     validation_seed: int | None = None
+    prior_loss_weight: float = 1.0  # loss weight of is_reg subsets' images
+    resize_interpolation: str | None = None
 
 
 @dataclass(frozen=True)
