@@ -55,7 +55,11 @@ class TrainSettings:
         base = asdict(defaults) if defaults is not None else {}
         known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
         merged = {**base, **known}
-        if "max_bucket_reso" in known and values.get("enable_bucket") is False:
+        # max_bucket_reso only matters with bucketing; kohya reports its default (1024) either way
+        bucketing = values.get("enable_bucket")
+        if bucketing is None:
+            bucketing = defaults is not None and defaults.max_bucket_reso is not None
+        if not bucketing:
             merged["max_bucket_reso"] = None
         merged["resolution"] = parse_resolution(merged.get("resolution", 512))
         merged.setdefault("train_batch_size", 1)
@@ -296,3 +300,27 @@ def _short(change: dict[str, tuple[Any, Any]]) -> str:
 
 def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
     return f"{name}: {_short(change)} ({why})"
+
+
+def memory_predictor(family: str, *, train_text_encoder: bool = True, attention: str = "sdpa",
+                     ) -> Callable[[TrainSettings], float]:
+    """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
+
+    Bucketed images keep (about) the area of the training resolution, so a (W, H) resolution enters
+    the square-resolution model as sqrt(W x H).
+    """
+    from autotune.memory_model import MemoryInputs, predict_memory
+
+    def predict(s: TrainSettings) -> float:
+        side = int(round((s.resolution[0] * s.resolution[1]) ** 0.5))
+        weight_dtype = "fp8" if s.fp8_base else {"bf16": "bf16", "fp16": "fp16"}.get(s.mixed_precision, "fp32")
+        inputs = MemoryInputs(
+            family=family, resolution=side, batch_size=s.train_batch_size, rank=s.network_dim,
+            gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type, weight_dtype=weight_dtype,
+            mixed_precision=s.mixed_precision,
+            train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,
+            cache_latents=s.cache_latents, cache_text_encoder_outputs=s.cache_text_encoder_outputs, attention=attention,
+        )
+        return predict_memory(inputs).total_bytes / 2**20
+
+    return predict

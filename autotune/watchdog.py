@@ -327,6 +327,12 @@ class Job:
     python: str = sys.executable
     echo: bool = True
     prior_retries: list[dict[str, Any]] = field(default_factory=list)  # from an interrupted run (--resume)
+    train_output_dir: Path | None = None  # the engine's output_dir (LoRA, states); default: output_dir
+    extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
+
+    @property
+    def states_dir(self) -> Path:
+        return self.train_output_dir or self.output_dir
 
 
 @dataclass
@@ -397,14 +403,15 @@ def supervise(job: Job) -> RunResult:
     attempt = len(retries)
     log.write("start", f"training with {settings.describe()}", settings=asdict(settings))
     while True:
-        removed = clean_partial_files(job.output_dir)
+        removed = clean_partial_files(job.output_dir) + clean_partial_files(job.states_dir)
         if removed:
             log.write("cleanup", f"removed half-written files of a killed run: {', '.join(removed)}")
         config, dataset = _attempt_configs(job, attempt, settings)
-        state = newest_state(job.output_dir) if resume_ok else None
+        state = newest_state(job.states_dir) if resume_ok else None
         _write_list_atomic(retry_log_path, retries)
-        write_json_atomic(job.output_dir / RUN_STATE, {"settings": asdict(settings), "attempt": attempt,
-                                                      "retries": retries, "config": str(job.config_path)})
+        write_json_atomic(job.output_dir / RUN_STATE, {
+            **job.extra_state, "settings": asdict(settings), "attempt": attempt, "retries": retries,
+            "config": str(job.config_path)})
         argv = [job.python, *job.entry, "--config_file", str(config)]
         if dataset is not None:
             argv += ["--dataset_config", str(dataset)]
@@ -427,6 +434,7 @@ def supervise(job: Job) -> RunResult:
                       f"LoRA: {output}; final settings in config.final.toml", output_file=output,
                       settings=asdict(settings))
             clean_partial_files(job.output_dir)
+            clean_partial_files(job.states_dir)
             return RunResult(True, "done", "finished", output, settings, retries, attempts)
         if result.outcome in ("user_error", "interrupted", "crash"):
             log.write(result.outcome, result.message, returncode=result.returncode)
@@ -452,7 +460,7 @@ def supervise(job: Job) -> RunResult:
                 log.write("exhausted", message, floor=asdict(decision.floor), needed_mib=decision.needed_mib)
                 return RunResult(False, "exhausted", message, None, settings, retries, attempts)
             new_settings, reason, compatible = decision.settings, decision.reason, decision.resume_compatible
-        state_after = newest_state(job.output_dir)
+        state_after = newest_state(job.states_dir)
         resume_step = state_after[1] if (state_after and compatible) else 0
         lost = max(0, failed_step - resume_step) if failed_step is not None else None
         record = {
@@ -475,7 +483,7 @@ def supervise(job: Job) -> RunResult:
                   f"({result.message[:200]}); next: {new_settings.describe()} because {reason}; "
                   f"resume at step {resume_step}, {lost} step(s) lost{restart}", **record)
         if not compatible:
-            _retire_states(job.output_dir)
+            _retire_states(job.states_dir)
         settings = new_settings
         resume_ok = True  # states the new settings cannot load were retired above
         attempt += 1

@@ -1,0 +1,263 @@
+"""Train a LoRA end to end: check the dataset, probe, plan (or take your config), then run the engine
+under the OOM watchdog, which steps down to settings that fit and resumes from the last saved state.
+
+    autotune run DATASET/ --model builtin:tiny-sd15
+    autotune run DATASET/ --model model.safetensors --vram 8 --goal character
+    autotune run DATASET/ --model PATH --config my.toml --out runs/x
+    autotune run DATASET/ --model PATH --out runs/x --resume      # continue an interrupted run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.watchdog import DECISIONS_LOG
+from sd_scripts_compat.errors import UserError
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+_REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from autotune.commands import plan as plan_command
+
+    plan_command.add_arguments(parser)  # the same plan options as `autotune plan` (--gpu/--vram/--goal/...)
+    parser.set_defaults(out=None)
+    parser.add_argument("--config", help="use this kohya config.toml instead of planning")
+    parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run in --out from its newest state")
+    parser.add_argument("--max-retries", type=int, default=5, help="retries after OOM / kill / stall (default 5)")
+    parser.add_argument("--stall-timeout", type=float, default=600.0,
+                        help="seconds without progress before the run is killed and retried (default 600)")
+    parser.add_argument("--save-state-every", type=float, default=60.0,
+                        help="seconds between cheap state saves, the most work an OS kill can lose (default 60)")
+    parser.add_argument("--memory-limit", type=float,
+                        help="CPU only: cap the trainer's address space at this many MiB (a real, catchable OOM)")
+
+
+# ---------------------------------------------------------------- dataset check
+
+
+def check_dataset(folder: Path) -> dict[str, int]:
+    """Basic checks before anything heavy: the folder exists and has N_name subfolders with images.
+
+    Returns {subfolder name: image count}. A missing or empty dataset is a one-line UserError.
+    """
+    if not folder.is_dir():
+        raise UserError(f"{folder}: dataset folder not found; pass a folder that holds N_name subfolders of images")
+    counts: dict[str, int] = {}
+    for sub in sorted(folder.iterdir()):
+        if sub.is_dir() and _REPEAT_FOLDER.match(sub.name):
+            counts[sub.name] = sum(1 for f in sub.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    if not counts:
+        raise UserError(f"{folder}: no N_name subfolders (e.g. '10_sks dog'); put the images in a subfolder "
+                        "named <repeats>_<class tokens>")
+    if not any(counts.values()):
+        raise UserError(f"{folder}: the subfolders {', '.join(counts)} hold no images "
+                        f"({', '.join(sorted(IMAGE_SUFFIXES))}); add images")
+    return counts
+
+
+# ---------------------------------------------------------------- config helpers
+
+
+def _flat(document: dict[str, Any]) -> dict[str, Any]:
+    """kohya's view of a config TOML: sections flattened one level, later keys win."""
+    flat: dict[str, Any] = {}
+    for key, value in document.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def settings_from_configs(config: dict[str, Any], dataset: dict[str, Any] | None) -> Any:
+    """The memory-relevant settings as kohya would resolve them (first dataset > [general] > config)."""
+    from autotune.stepdown import TrainSettings
+
+    values = _flat(config)
+    if dataset:
+        general = dataset.get("general") or {}
+        first = (dataset.get("datasets") or [{}])[0]
+        for key_in_dataset, key in (("batch_size", "train_batch_size"), ("resolution", "resolution"),
+                                    ("enable_bucket", "enable_bucket"), ("max_bucket_reso", "max_bucket_reso")):
+            for block in (general, first):
+                if key_in_dataset in block:
+                    values[key] = block[key_in_dataset]
+    return TrainSettings.from_mapping(values)
+
+
+def _prepare_output(out: Path, resume: bool) -> None:
+    from autotune.watchdog import RUN_STATE, newest_state
+
+    if resume:
+        if not (out / RUN_STATE).is_file():
+            raise UserError(f"{out}: no interrupted autotune run here ({RUN_STATE} missing); "
+                            "run without --resume, or pass the --out of the run to continue")
+        return
+    if (out / RUN_STATE).is_file() or newest_state(out) is not None:
+        raise UserError(f"{out}: holds an earlier run; continue it with --resume, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def address_space_limit(limit_mib: float) -> Any:
+    """A ``preexec_fn`` that caps the child's address space, so an oversized allocation fails inside
+    torch (``DefaultCPUAllocator: can't allocate memory``) instead of summoning the OS OOM killer."""
+    import resource
+
+    limit = int(limit_mib * 2**20)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
+# ---------------------------------------------------------------- run
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import shutil
+    from dataclasses import asdict
+
+    from autotune.planner import detect_family
+    from autotune.probe import probe_system
+    from autotune.stepdown import TrainSettings
+    from autotune.watchdog import RUN_STATE, Job, _set_everywhere, load_toml, read_json, supervise, write_toml_atomic
+
+    dataset_dir = Path(args.dataset).resolve()
+    counts = check_dataset(dataset_dir)
+    out = Path(args.out or Path("output") / dataset_dir.name).resolve()
+    _prepare_output(out, args.resume)
+    print(f"dataset {dataset_dir}: " + ", ".join(f"{name} ({n} images)" for name, n in counts.items()))
+    probe = probe_system(out, use_torch=False)
+    cuda = probe.accelerator == "cuda"
+    if args.memory_limit and cuda:
+        raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
+
+    config_path, dataset_path = out / "config.toml", out / "dataset.toml"
+    usable_mib: float | None = None
+    if args.resume:
+        saved = read_json(out / RUN_STATE) or {}
+        usable_mib = saved.get("usable_mib")
+        dataset_path = dataset_path if dataset_path.is_file() else None
+    elif args.config:
+        user = Path(args.config)
+        if not user.is_file():
+            raise UserError(f"{user}: config file not found; pass a kohya config.toml")
+        forced: dict[str, Any] = {"output_dir": str(out / "output"), "pretrained_model_name_or_path": args.model}
+        if args.dataset_config:
+            shutil.copyfile(args.dataset_config, dataset_path)
+            forced["dataset_config"] = str(dataset_path)
+        else:
+            forced["train_data_dir"] = str(dataset_dir)
+            dataset_path = None
+        write_toml_atomic(config_path, _set_everywhere(load_toml(user), forced), f"# from {user} (autotune run)\n")
+    else:
+        dataset_path, usable_mib = _plan(args, out)
+
+    config = load_toml(config_path)
+    dataset = load_toml(dataset_path) if dataset_path else None
+    flat = _flat(config)
+    if dataset:
+        flat.update({k: v for k, v in (dataset.get("general") or {}).items() if not isinstance(v, (dict, list))})
+    family = detect_family(str(flat.get("pretrained_model_name_or_path", args.model)), getattr(args, "family", None))
+    settings = settings_from_configs(config, dataset)
+    prior: list[dict[str, Any]] = []
+    if args.resume:
+        saved = read_json(out / RUN_STATE) or {}
+        if isinstance(saved.get("settings"), dict):
+            settings = TrainSettings.from_mapping(saved["settings"], defaults=settings)
+        prior = list(saved.get("retries") or [])
+    limits = _limits(probe, family, flat, args, cuda, usable_mib)
+    job = Job(
+        config_path=config_path, output_dir=out, settings=settings, limits=limits,
+        predict=_predictor(family, flat), dataset_config_path=dataset_path,
+        entry=["-m", "sd_scripts_compat.sdxl_train_network" if family.is_sdxl else "sd_scripts_compat.train_network"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
+        stall_timeout_s=args.stall_timeout, save_state_every_s=args.save_state_every, resume=args.resume,
+        preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
+        train_output_dir=Path(flat.get("output_dir") or out), extra_state={"usable_mib": limits.budget_mib},
+    )
+    result = supervise(job)
+    if args.json:
+        print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
+                          "output_file": result.output_file, "final_settings": asdict(result.final_settings),
+                          "retries": result.retries, "output_dir": str(out)}, indent=2, default=str))
+    if result.ok:
+        retries = len(result.retries)
+        print(f"\nLoRA: {result.output_file}\nsettings that worked: {out / 'config.final.toml'}"
+              f"{f' ({retries} retries, see {out / DECISIONS_LOG})' if retries else ''}")
+        return 0
+    if result.outcome == "user_error":
+        raise UserError(result.message.split(": error: ", 1)[-1])
+    if result.outcome == "interrupted":
+        print(f"interrupted; continue with: autotune run {args.dataset} --model {args.model} --out {out} --resume",
+              file=sys.stderr)
+        return 130
+    print(f"autotune run: {result.message}", file=sys.stderr)
+    return 1
+
+
+def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namespace, cuda: bool,
+            usable_mib: float | None) -> Any:
+    """What the ladder may do on this machine, and the memory it must fit in (MiB).
+
+    The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
+    address-space cap or the available RAM.
+    """
+    from autotune.stepdown import LadderLimits
+
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    if args.memory_limit:
+        budget = args.memory_limit
+    elif usable_mib:
+        budget = usable_mib
+    elif args.vram:
+        budget = min(args.vram) * 1024
+    elif gpu is not None and gpu.vram_total_bytes:
+        budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
+    else:
+        budget = probe.memory.ram_available_bytes / 2**20
+    tiny = family.resolution < 256
+    randomized = bool(flat.get("shuffle_caption") or flat.get("caption_dropout_rate")
+                      or flat.get("caption_tag_dropout_rate") or flat.get("caption_dropout_every_n_epochs"))
+    return LadderLimits(
+        budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
+        te_cache_allowed=not randomized, min_resolution=32 if tiny else 256, resolution_step=16 if tiny else 64,
+    )
+
+
+def _predictor(family: Any, flat: dict[str, Any]) -> Any:
+    from autotune.stepdown import memory_predictor
+
+    return memory_predictor(family.name, train_text_encoder=not flat.get("network_train_unet_only"),
+                            attention="xformers" if flat.get("xformers") else "sdpa")
+
+
+def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, float | None]:
+    """Plan with `autotune plan`'s own request builder; write config.toml + dataset.toml into ``out``.
+
+    Returns the dataset config path and the plan's usable memory (MiB) for the step-down budget.
+    """
+    from autotune.commands.plan import build_request, render
+    from autotune.planner import plan_training
+    from autotune.toml_writer import write_plan_files
+
+    args.out = str(out)
+    plan = plan_training(build_request(args))
+    if not plan.fits:
+        raise UserError(f"{args.model}: {plan.message}")
+    render(plan)
+    _config, dataset = write_plan_files(plan, out, args.format)
+    usable = plan.prediction.usable_bytes / 2**20 if plan.prediction and plan.settings and \
+        plan.settings.mixed_precision != "no" else None
+    return dataset, usable
