@@ -29,18 +29,18 @@ class ModelBundle:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load_tokenizer(folder: str | None = None, pad_token: str = "<|endoftext|>", max_length: int = 77) -> Any:
+def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endoftext|>", max_length: int = 77) -> Any:
     """A CLIP tokenizer from ``folder`` (a model's own tokenizer) or from the vocabulary we ship.
 
     transformers 5 ignores ``vocab_file=``/``merges_file=`` keyword paths, so we always go through
     ``from_pretrained`` on a folder holding vocab.json + merges.txt (no hub access).
+    ``pad_token=None`` keeps the folder's own pad token (a model folder knows best how it pads).
     """
     from transformers import CLIPTokenizer
 
     source = folder or str(CLIP_TOKENIZER_DIR)
-    return CLIPTokenizer.from_pretrained(
-        source, pad_token=pad_token, model_max_length=max_length, local_files_only=True
-    )
+    kwargs = {} if pad_token is None else {"pad_token": pad_token}
+    return CLIPTokenizer.from_pretrained(source, model_max_length=max_length, local_files_only=True, **kwargs)
 
 
 def build_text_encoder(config: dict[str, Any]) -> Any:
