@@ -112,6 +112,9 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "sample_sampler", "sample_at_first",
     # the config file itself
     "config_file",
+    # more that the loop acts on
+    "no_half_vae", "network_weights", "dim_from_weights", "network_dropout", "training_comment",
+    "min_timestep", "max_timestep",
     # deprecated kohya spellings, mapped as sd-scripts maps them
     "caption_extention", "use_8bit_adam", "use_lion_optimizer",
 })
@@ -271,6 +274,19 @@ class TrainingConfig:
     sample_at_first: bool = False
     # the config file itself
     config_file: str | None = None
+    # more that the loop acts on
+    no_half_vae: bool = False
+    network_weights: str | None = None
+    dim_from_weights: bool = False
+    network_dropout: float | None = None
+    training_comment: str | None = None
+    min_timestep: int | None = None
+    max_timestep: int | None = None
+    # engine extensions (not kohya options; command line only, never written to kohya configs)
+    allow_pickle: bool = False
+    autotune_events_dir: str | None = None
+    autotune_retry_log: str | None = None
+    save_state_every_seconds: float | None = None
     # not kohya options: where the values came from
     sdxl: bool = False
     raw: dict[str, Any] = field(default_factory=dict)
@@ -285,6 +301,25 @@ class TrainingConfig:
 
 
 META_FIELDS = frozenset({"sdxl", "raw", "given", "warnings"})
+
+# Our own command-line flags: what the watchdog and users need beyond kohya's list.
+EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
+    "allow_pickle": (bool, "allow loading .ckpt/.pt pickles (loaded with torch.load(weights_only=True))"),
+    "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
+    "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
+    "save_state_every_seconds": (float, "also save state when this many seconds passed since the last save"),
+}
+
+
+def _add_extension_flags(parser: Any) -> None:
+    import argparse
+
+    group = parser.add_argument_group("lora-autotune extensions (command line only)")
+    for name, (kind, help_text) in EXTENSION_FLAGS.items():
+        if kind is bool:
+            group.add_argument(f"--{name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(f"--{name}", type=kind, default=argparse.SUPPRESS, help=help_text)
 
 
 def _closest(name: str, candidates: list[str] | tuple[str, ...]) -> str | None:
@@ -554,6 +589,7 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
     """
     specs = load_arg_specs()
     parser = build_argparser(True, suppress_defaults=True)
+    _add_extension_flags(parser)
     namespace, extras = parser.parse_known_args(argv)
     if extras:
         option = next((e for e in extras if e.startswith("--")), extras[0])
@@ -561,6 +597,7 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
         hint = f"; did you mean --{near}?" if near else ""
         raise UserError(f"command line: unknown option {option!r}{hint}")
     cli = vars(namespace)
+    extensions = {name: cli.pop(name) for name in list(cli) if name in EXTENSION_FLAGS}
     for name in cli:
         if specs[name].sdxl_only and not sdxl:
             raise UserError(f"command line: --{name} is only for SDXL; use sdxl_train_network")
@@ -618,7 +655,8 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
     normalized = _normalize(values, origins, sdxl, warnings)
     for message in warnings:
         log.warning("%s", message)
-    return TrainingConfig(**normalized, sdxl=sdxl, raw=raw, given=frozenset(raw), warnings=tuple(warnings))
+    return TrainingConfig(**normalized, **extensions, sdxl=sdxl, raw=raw, given=frozenset(raw),
+                          warnings=tuple(warnings))
 
 
 def dataset_args(cfg: TrainingConfig) -> dict[str, Any]:
@@ -653,5 +691,5 @@ def dataset_group_from_config(cfg: TrainingConfig, *,
 
 
 def implemented_fields() -> list[str]:
-    """TrainingConfig's kohya fields (everything but the bookkeeping ones)."""
-    return [f.name for f in fields(TrainingConfig) if f.name not in META_FIELDS]
+    """TrainingConfig's kohya fields (everything but the bookkeeping ones and our extension flags)."""
+    return [f.name for f in fields(TrainingConfig) if f.name not in META_FIELDS | EXTENSION_FLAGS.keys()]
