@@ -1,0 +1,98 @@
+"""Latent caching on the tiny VAE: memory == disk, disk reuse across runs, invalidation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from sd_scripts_compat.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.datasets import build_dataset, mix_seed
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.families import get_family
+from sd_scripts_compat.latent_cache import cache_latents, encode_images, latent_cache_path, offload
+from sd_scripts_compat.models import build_modules
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return build_modules(get_family("tiny-sd15")).vae
+
+
+def make_dataset(tmp_path, flip=False, random_crop=False):
+    folder = tmp_path / "1_x"
+    folder.mkdir(exist_ok=True)
+    for i, size in enumerate([(32, 32), (48, 32), (32, 32)]):
+        if not (folder / f"{i}.png").exists():
+            Image.new("RGB", size, (40 * i, 90, 200 - 30 * i)).save(folder / f"{i}.png")
+    spec = DatasetSpec(subsets=(SubsetSpec(str(folder), class_tokens="x", flip_aug=flip, random_crop=random_crop),),
+                       resolution=(32, 32), batch_size=2, enable_bucket=True, min_bucket_reso=16,
+                       max_bucket_reso=64, bucket_reso_steps=16)
+    return build_dataset(spec, seed=0)
+
+
+def test_memory_and_disk_caches_are_equal_and_used_in_batches(tmp_path, vae):
+    memory = make_dataset(tmp_path, flip=True)
+    stats = cache_latents(memory, vae, device="cpu", vae_batch_size=2)
+    assert stats.encoded == 3 and len(memory.latents) == 3
+    disk = make_dataset(tmp_path, flip=True)
+    stats = cache_latents(disk, vae, device="cpu", vae_batch_size=1, to_disk=True)
+    assert stats.encoded == 3 and stats.reused == 0
+    for record in memory.records:
+        assert latent_cache_path(record).is_file()
+        ids = [record.index]
+        a = memory.collate(ids, epoch=0, step=0)
+        b = disk.collate(ids, epoch=0, step=0)
+        torch.testing.assert_close(a["latents"], b["latents"], rtol=1e-5, atol=1e-5)
+        bw, bh = record.bucket
+        assert a["latents"].shape == (1, 4, bh // 2, bw // 2)  # tiny VAE downsamples by 2
+        assert "images" not in a
+    entry = memory.latents[0]
+    assert entry.latents_flipped is not None and not torch.equal(entry.latents, entry.latents_flipped)
+    # cached latents == the scaled posterior sample of the image the uncached path would load
+    record = memory.records[0]
+    batch = make_dataset(tmp_path).collate([0], epoch=0, step=0)
+    with torch.no_grad():
+        live = encode_images(vae, batch["images"], scaling_factor=vae.config.scaling_factor,
+                             noise_seeds=[mix_seed("latent", str(record.path), record.bucket)])
+    torch.testing.assert_close(entry.latents, live[0], rtol=1e-5, atol=1e-5)
+
+
+def test_disk_cache_reused_then_invalidated(tmp_path, vae):
+    dataset = make_dataset(tmp_path)
+    cache_latents(dataset, vae, to_disk=True)
+    paths = [latent_cache_path(r) for r in dataset.records]
+    mtimes = [p.stat().st_mtime_ns for p in paths]
+    again = make_dataset(tmp_path)
+    stats = cache_latents(again, vae, to_disk=True)
+    assert (stats.encoded, stats.reused) == (0, 3)
+    assert [p.stat().st_mtime_ns for p in paths] == mtimes
+    # touching an image without changing it keeps the cache (content hash)
+    image0 = dataset.records[0].path
+    os.utime(image0, ns=(image0.stat().st_atime_ns, image0.stat().st_mtime_ns + 10**9))
+    assert cache_latents(make_dataset(tmp_path), vae, to_disk=True).encoded == 0
+    # editing an image (same size in bytes or not) re-encodes just that one
+    Image.new("RGB", (32, 32), (1, 2, 3)).save(image0)
+    stats = cache_latents(make_dataset(tmp_path), vae, to_disk=True)
+    assert (stats.encoded, stats.reused) == (1, 2)
+    # another VAE (different weights) invalidates everything
+    other = build_modules(get_family("tiny-sd15"), seed=1).vae
+    assert cache_latents(make_dataset(tmp_path), other, to_disk=True).encoded == 3
+    # flip_aug needs flipped latents: an unflipped cache is rebuilt
+    assert cache_latents(make_dataset(tmp_path, flip=True), other, to_disk=True).encoded == 3
+
+
+def test_random_crop_cannot_be_cached(tmp_path, vae):
+    with pytest.raises(UserError, match="random_crop"):
+        cache_latents(make_dataset(tmp_path, random_crop=True), vae)
+
+
+def test_encode_images_is_batch_independent_and_offload(vae):
+    images = torch.rand(3, 3, 16, 16) * 2 - 1
+    together = encode_images(vae, images, scaling_factor=0.5, noise_seeds=[1, 2, 3])
+    alone = encode_images(vae, images[1:2], scaling_factor=0.5, noise_seeds=[2])
+    torch.testing.assert_close(together[1:2], alone, rtol=1e-4, atol=1e-5)
+    offload(vae, "cpu")
+    assert next(vae.parameters()).device.type == "cpu"
