@@ -1,0 +1,177 @@
+"""Plan LoRA training settings that fit a GPU: the fastest predicted configuration, and why.
+
+Probes this machine's GPU(s) unless `--gpu NAME` (repeat it for several cards) or `--vram GB` says which card
+to plan for; `--gpu NAME --vram GB` plans for that card with less memory. Prints every setting with its reason,
+the predicted peak VRAM, it/s and total time; `--out DIR` writes config.toml + dataset.toml that sd-scripts'
+train_network.py / sdxl_train_network.py accept unchanged (`--format lora-scripts` for lora-scripts' sectioned
+layout). Answers in about a second: nothing is traced or built, the memory and speed models are analytic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from autotune.planner import GOALS, OPTIMIZERS, PRIORITIES
+
+    parser.add_argument("dataset", metavar="DATASET", help="folder of N_name image subfolders (N = repeats)")
+    parser.add_argument("--model", required=True, metavar="PATH|builtin:ID",
+                        help="base model: a .safetensors file, a diffusers folder, or builtin:sd15 / builtin:sdxl ...")
+    parser.add_argument("--family", default=None, help="model family when it cannot be detected (e.g. sd2-v)")
+    parser.add_argument("--gpu", action="append", default=None, metavar="NAME",
+                        help='plan for this catalogue card instead of probing (repeat for several GPUs)')
+    parser.add_argument("--vram", action="append", type=float, default=None, metavar="GB",
+                        help="plan for a card with this much memory (with --gpu: that card, smaller)")
+    parser.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
+    parser.add_argument("--priority", choices=PRIORITIES, default="balanced",
+                        help="speed | balanced | quality (default balanced)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="pin the optimizer")
+    parser.add_argument("--rank", type=int, default=None, help="pin the LoRA rank (network_dim)")
+    parser.add_argument("--resolution", type=int, default=None, help="pin the training resolution (px)")
+    parser.add_argument("--epochs", type=int, default=None, help="pin the number of epochs")
+    parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
+    parser.add_argument("--cpu-cores", type=int, default=None,
+                        help="physical CPU cores of the training machine (default: this machine's)")
+    parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
+                        help="config layout: kohya (flat) or lora-scripts (sectioned)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def _physical_cores() -> int:
+    import psutil
+
+    return int(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
+
+
+def build_request(args: argparse.Namespace) -> Any:
+    """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest."""
+    from autotune.planner import PlanRequest, Preferences
+
+    gpus, cores, ram, probe_line = _targets(args)
+    if args.cpu_cores is not None:
+        if args.cpu_cores < 1:
+            from sd_scripts_compat.errors import UserError
+
+            raise UserError(f"--cpu-cores {args.cpu_cores}: must be 1 or more")
+        cores = args.cpu_cores
+    prefs = Preferences(optimizer=args.optimizer, rank=args.rank, resolution=args.resolution, epochs=args.epochs,
+                        allow_fp8=not args.no_fp8)
+    return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),
+                       goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
+                       cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line)
+
+
+def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
+    from autotune.gpu_catalog import lookup_gpu
+    from autotune.planner import gpu_from_spec, gpu_from_vram
+    from sd_scripts_compat.errors import UserError
+
+    names, vrams = args.gpu or [], args.vram or []
+    if names or vrams:
+        cores = _physical_cores()
+        if names and vrams and len(vrams) not in (1, len(names)):
+            raise UserError(f"--vram given {len(vrams)} times for {len(names)} --gpu cards; give it once or once "
+                            "per card")
+        if names:
+            specs = [lookup_gpu(name) for name in names]
+            sizes = vrams * len(specs) if len(vrams) == 1 else (vrams or [None] * len(specs))
+            for size in sizes:
+                if size is not None and size <= 0:
+                    raise UserError(f"--vram {size}: must be a positive number of GB, e.g. --vram 12")
+            gpus = [gpu_from_spec(spec, vram_gb=size, source="catalogue" if size is None else "catalogue+--vram",
+                                  name=spec.name if size is None else f"{spec.name} limited to {size:g} GB")
+                    for spec, size in zip(specs, sizes, strict=True)]
+        else:
+            gpus = [gpu_from_vram(size) for size in vrams]
+        line = "not probed: planned for " + ", ".join(g.name for g in gpus)
+        return gpus, cores, None, line
+    return _probed_targets(args)
+
+
+def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
+    from autotune.gpu_catalog import find_gpu, lookup_gpu
+    from autotune.planner import GENERIC_GPU_NAME, GpuTarget
+    from autotune.probe import probe_system
+
+    probe = probe_system(output_dir=args.out or ".", use_torch=False)
+    cores = int(probe.cpu.physical_cores or probe.cpu.logical_cores or 1)
+    gpus = []
+    for info in probe.gpus:
+        if not info.vram_total_bytes:
+            continue
+        spec = find_gpu(info.catalog_name or info.name, vram_gb=info.vram_total_bytes / 1024**3)
+        if spec is None:
+            spec = lookup_gpu(GENERIC_GPU_NAME)  # rates only; memory and capability are the probed ones
+        held = max(info.vram_used_bytes or 0, info.other_processes_vram_bytes or 0)
+        gpus.append(GpuTarget(name=info.name, total_bytes=int(info.vram_total_bytes), held_bytes=int(held),
+                              compute_capability=info.compute_capability or spec.compute_capability,
+                              bf16=bool(info.bf16 if info.bf16 is not None else spec.bf16),
+                              fp8=bool(info.fp8 if info.fp8 is not None else spec.fp8), spec=spec, source="probe"))
+    if gpus:
+        parts = [f"{g.name} {g.total_bytes / 1024**3:.1f} GiB total, {g.held_bytes / 1024**3:.2f} GiB held by "
+                 f"others{' (display active)' if info.display_active else ''}"
+                 for g, info in zip(gpus, probe.gpus, strict=False)]
+        line = "; ".join(parts) + f"; {cores} physical CPU cores"
+    else:
+        line = f"no GPU ({probe.cuda_reason or 'none found'}); {cores} physical CPU cores"
+    return gpus, cores, int(probe.memory.ram_available_bytes), line
+
+
+def render(plan: Any) -> None:
+    """The plan as a rich table (setting, value, reason) plus the predictions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from autotune.planner import GIB
+    from autotune.toml_writer import _human_seconds, encode_value
+
+    console = Console()
+    console.print(f"[bold]autotune plan[/bold] {plan.model} (family {plan.family}) on {plan.device}; "
+                  f"goal {plan.goal}, priority {plan.priority}")
+    table = Table(show_lines=False)
+    table.add_column("setting", style="cyan", no_wrap=True)
+    table.add_column("value", style="bold")
+    table.add_column("reason")
+    for choice in plan.choices:
+        value = encode_value(choice.value) if choice.kohya else str(choice.value)
+        table.add_row(choice.key, value, choice.reason)
+    console.print(table)
+    p = plan.prediction
+    console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
+                  f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] per device, {p.samples_per_s:.3g} "
+                  f"samples/s; {p.optimizer_steps} steps in [bold]{_human_seconds(p.total_seconds)}[/bold]")
+    console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
+    console.print("run: " + " ".join(plan.launch_command))
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from autotune.planner import plan_training
+    from autotune.toml_writer import write_plan_files
+    from sd_scripts_compat.errors import UserError
+
+    request = build_request(args)
+    plan = plan_training(request)
+    if not plan.fits:
+        if args.json:
+            print(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+            return 1
+        raise UserError(plan.message)
+    written = write_plan_files(plan, args.out, args.format) if args.out else None
+    if args.json:
+        out = plan.to_dict()
+        out["written"] = [str(p) for p in written] if written else []
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    render(plan)
+    if written:
+        print(f"wrote {written[0]} and {written[1]} ({args.format} format)")
+    else:
+        print("add --out DIR to write config.toml and dataset.toml", file=sys.stderr)
+    return 0
