@@ -161,15 +161,17 @@ def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None 
     prediction = scheduler_config.get("prediction_type") if scheduler_config else None
     spec = detect_folder_family(unet, vae, text_encoders, prediction, family, folder)
 
-    tokenizers = []
+    tokenizers, tokenizer_sources = [], []
     for te_spec, part in zip(spec.text_encoders, DIFFUSERS_TOKENIZER_PARTS, strict=False):
         own = folder / part
-        if (own / "vocab.json").is_file() and (own / "merges.txt").is_file():
-            max_length = te_spec.tokenizer["model_max_length"]
+        max_length = te_spec.tokenizer["model_max_length"]
+        # hub folders hold vocab.json + merges.txt; transformers 5's save_pretrained writes tokenizer.json
+        if ((own / "vocab.json").is_file() and (own / "merges.txt").is_file()) or (own / "tokenizer.json").is_file():
             tokenizers.append(load_tokenizer(str(own), pad_token=None, max_length=max_length))
+            tokenizer_sources.append(str(own))
         else:
-            tokenizers.append(load_tokenizer(pad_token=te_spec.tokenizer["pad_token"],
-                                             max_length=te_spec.tokenizer["model_max_length"]))
+            tokenizers.append(load_tokenizer(pad_token=te_spec.tokenizer["pad_token"], max_length=max_length))
+            tokenizer_sources.append("shipped")
     for module in (unet, vae, *text_encoders):
         module.requires_grad_(False)
         module.eval()
@@ -177,4 +179,4 @@ def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None 
     return ModelBundle(family=spec, unet=unet, vae=vae, text_encoders=text_encoders, tokenizers=tokenizers,
                        scheduler_config=dict(scheduler_config or spec.scheduler),
                        prediction_type=prediction or spec.prediction_type, source=str(folder),
-                       extra={"format": "diffusers"})
+                       extra={"format": "diffusers", "tokenizer_sources": tokenizer_sources})
