@@ -303,23 +303,23 @@ def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
 
 
 def memory_predictor(family: str, *, train_text_encoder: bool = True, attention: str = "sdpa",
-                     ) -> Callable[[TrainSettings], float]:
+                     cuda: bool = True) -> Callable[[TrainSettings], float]:
     """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
 
-    Bucketed images keep (about) the area of the training resolution, so a (W, H) resolution enters
-    the square-resolution model as sqrt(W x H).
+    On CPU (``cuda=False``) the CUDA context and the safety margin are left out: they are constants
+    that would hide the differences between rungs; the measured/predicted rescaling in
+    :func:`next_settings` is what ties the figures to this machine.
     """
     from autotune.memory_model import MemoryInputs, predict_memory
 
     def predict(s: TrainSettings) -> float:
-        side = int(round((s.resolution[0] * s.resolution[1]) ** 0.5))
         weight_dtype = "fp8" if s.fp8_base else {"bf16": "bf16", "fp16": "fp16"}.get(s.mixed_precision, "fp32")
         inputs = MemoryInputs(
-            family=family, resolution=side, batch_size=s.train_batch_size, rank=s.network_dim,
-            gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type, weight_dtype=weight_dtype,
-            mixed_precision=s.mixed_precision,
-            train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,
+            family=family, resolution=s.resolution[0], height=s.resolution[1], batch_size=s.train_batch_size,
+            rank=s.network_dim, gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type,
+            weight_dtype=weight_dtype, train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,
             cache_latents=s.cache_latents, cache_text_encoder_outputs=s.cache_text_encoder_outputs, attention=attention,
+            **({} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}),
         )
         return predict_memory(inputs).total_bytes / 2**20
 

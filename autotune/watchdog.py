@@ -47,6 +47,8 @@ class AttemptResult:
     done_event: dict[str, Any] | None = None
     last_progress: dict[str, Any] | None = None
     seconds: float = 0.0
+    peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
+    peak_vm_mib: float | None = None  # peak address space: the figure RLIMIT_AS caps
 
 
 def child_env(base: dict[str, str], cuda: bool) -> dict[str, str]:
@@ -82,6 +84,21 @@ def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threa
     stream.close()
 
 
+def proc_memory_mib(pid: int) -> tuple[float | None, float | None]:
+    """(peak RSS, peak address space) of a live process in MiB from /proc, or (None, None) elsewhere."""
+    rss = vm = None
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    rss = int(line.split()[1]) / 1024
+                elif line.startswith("VmPeak:"):
+                    vm = int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss, vm
+
+
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -100,6 +117,7 @@ def run_attempt(
     preexec_fn: Callable[[], None] | None = None,
     poll_s: float = 0.25,
     kill_grace_s: float = 10.0,
+    on_start: Callable[[int], None] | None = None,
 ) -> AttemptResult:
     """Run one child to its end, streaming its output to the screen and ``log_path``.
 
@@ -127,11 +145,17 @@ def run_attempt(
                  threading.Thread(target=_pump, args=(proc.stderr, err_sinks, err_tail, lock), daemon=True)]
         for pump in pumps:
             pump.start()
+        if on_start is not None:
+            on_start(proc.pid)
         last_change, last_mtime = time.monotonic(), None
         killed_for: str | None = None
+        peak_rss = peak_vm = None
         try:
             while proc.poll() is None:
                 time.sleep(poll_s)
+                rss, vm = proc_memory_mib(proc.pid)
+                peak_rss = max(filter(None, (peak_rss, rss)), default=None)
+                peak_vm = max(filter(None, (peak_vm, vm)), default=None)
                 try:
                     mtime = progress_path.stat().st_mtime_ns
                 except FileNotFoundError:
@@ -159,7 +183,8 @@ def run_attempt(
     rc = proc.returncode
     progress = read_json(progress_path)
     tail_line = err_tail[-1] if err_tail else ""
-    common = {"returncode": rc, "last_progress": progress, "seconds": seconds}
+    common = {"returncode": rc, "last_progress": progress, "seconds": seconds, "peak_rss_mib": peak_rss,
+              "peak_vm_mib": peak_vm}
     if killed_for == "stall":
         step = progress.get("step") if progress else None
         return AttemptResult("stall", message=f"no progress for {stall_timeout_s:g} s (last step {step}); killed",
@@ -329,6 +354,8 @@ class Job:
     prior_retries: list[dict[str, Any]] = field(default_factory=list)  # from an interrupted run (--resume)
     train_output_dir: Path | None = None  # the engine's output_dir (LoRA, states); default: output_dir
     extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
+    budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
+    on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
 
     @property
     def states_dir(self) -> Path:
@@ -377,12 +404,20 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
     return config, dataset
 
 
-def _measured_mib(event: dict[str, Any] | None) -> float | None:
-    memory = (event or {}).get("memory") or {}
-    for key in ("cuda_max_reserved_mib", "cuda_max_allocated_mib", "peak_rss_mib"):
+def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
+    """The memory the failed attempt was seen to use, in the budget's own unit.
+
+    "device": the engine's CUDA peak (else its peak RSS); "address_space": the peak address space
+    sampled from /proc (what RLIMIT_AS caps); "ram": peak resident memory.
+    """
+    memory = (result.oom_event or {}).get("memory") or {}
+    if budget_kind == "address_space":
+        return result.peak_vm_mib
+    keys = ("cuda_max_reserved_mib", "cuda_max_allocated_mib") if budget_kind == "device" else ()
+    for key in (*keys, "peak_rss_mib"):
         if isinstance(memory.get(key), (int, float)) and memory[key] > 0:
             return float(memory[key])
-    return None
+    return result.peak_rss_mib
 
 
 def supervise(job: Job) -> RunResult:
@@ -425,7 +460,8 @@ def supervise(job: Job) -> RunResult:
                       state=str(state[0]), step=state[1])
         env = child_env(job.env, job.cuda)
         result = run_attempt(argv, env=env, events_dir=events_dir, log_path=job.output_dir / CHILD_LOG,
-                             stall_timeout_s=job.stall_timeout_s, echo=job.echo, preexec_fn=job.preexec_fn)
+                             stall_timeout_s=job.stall_timeout_s, echo=job.echo, preexec_fn=job.preexec_fn,
+                             on_start=job.on_child_start)
         attempts.append(result)
         if result.outcome == "done":
             output = (result.done_event or {}).get("output_file")
@@ -454,7 +490,8 @@ def supervise(job: Job) -> RunResult:
             if result.oom_event and isinstance(result.oom_event.get("settings"), dict):
                 failed = TrainSettings.from_mapping(result.oom_event["settings"], defaults=settings)
             tried.append(failed)
-            decision = next_settings(failed, job.limits, job.predict, _measured_mib(result.oom_event), tried)
+            decision = next_settings(failed, job.limits, job.predict, measured_mib(result, job.budget_kind),
+                                      tried)
             if isinstance(decision, Exhausted):
                 message = decision.message()
                 log.write("exhausted", message, floor=asdict(decision.floor), needed_mib=decision.needed_mib)
@@ -468,7 +505,8 @@ def supervise(job: Job) -> RunResult:
             "failure": result.outcome,
             "step": failed_step,
             "message": result.message[:300],
-            "memory": (result.oom_event or {}).get("memory"),
+            "memory": (result.oom_event or {}).get("memory") or {"peak_rss_mib": result.peak_rss_mib,
+                                                                  "peak_vm_mib": result.peak_vm_mib},
             "changes": {k: list(v) for k, v in (decision.changes.items() if isinstance(decision, Decision) else [])},
             "reason": reason,
             "predicted_mib": round(decision.predicted_mib, 1) if isinstance(decision, Decision) else None,

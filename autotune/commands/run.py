@@ -180,12 +180,13 @@ def run(args: argparse.Namespace) -> int:
     limits = _limits(probe, family, flat, args, cuda, usable_mib)
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
-        predict=_predictor(family, flat), dataset_config_path=dataset_path,
+        predict=_predictor(family, flat, cuda), dataset_config_path=dataset_path,
         entry=["-m", "sd_scripts_compat.sdxl_train_network" if family.is_sdxl else "sd_scripts_compat.train_network"],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
         stall_timeout_s=args.stall_timeout, save_state_every_s=args.save_state_every, resume=args.resume,
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
         train_output_dir=Path(flat.get("output_dir") or out), extra_state={"usable_mib": limits.budget_mib},
+        budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
     )
     result = supervise(job)
     if args.json:
@@ -236,11 +237,11 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
     )
 
 
-def _predictor(family: Any, flat: dict[str, Any]) -> Any:
+def _predictor(family: Any, flat: dict[str, Any], cuda: bool) -> Any:
     from autotune.stepdown import memory_predictor
 
     return memory_predictor(family.name, train_text_encoder=not flat.get("network_train_unet_only"),
-                            attention="xformers" if flat.get("xformers") else "sdpa")
+                            attention="xformers" if flat.get("xformers") else "sdpa", cuda=cuda)
 
 
 def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, float | None]:
