@@ -84,6 +84,13 @@ def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threa
     stream.close()
 
 
+def _looks_like_oom(line: str) -> bool:
+    """The engine's own OOM classifier, applied to a traceback's last lines."""
+    from sd_scripts_compat.oom import is_oom_error
+
+    return is_oom_error(RuntimeError(line))
+
+
 def proc_memory_mib(pid: int) -> tuple[float | None, float | None]:
     """(peak RSS, peak address space) of a live process in MiB from /proc, or (None, None) elsewhere."""
     rss = vm = None
@@ -202,6 +209,9 @@ def run_attempt(
                              **common)
     if rc == USER_ERROR_EXIT_CODE:
         return AttemptResult("user_error", message=tail_line or "the engine rejected its input", **common)
+    oom_line = next((line for line in reversed(err_tail) if _looks_like_oom(line)), None)
+    if oom_line is not None:  # an OOM outside the engine's training-step handler (loading, caching)
+        return AttemptResult("oom", message=oom_line, **common)
     detail = f"signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
     return AttemptResult("crash", message=f"training crashed ({detail}): {tail_line}", **common)
 

@@ -125,6 +125,15 @@ def test_fake_engine_retries_are_bounded(tmp_path):
     assert len(result.attempts) == len(result.retries) + 1
 
 
+def test_fake_engine_uncaught_oom_is_retried_but_a_bug_stops(tmp_path):
+    result = supervise(make_job(tmp_path, "crash=oom", batch=2, budget=1000.0))
+    assert result.ok, result.message
+    assert result.retries[0]["failure"] == "oom" and "can't allocate" in result.retries[0]["message"]
+    (tmp_path / "b").mkdir()
+    bug = supervise(make_job(tmp_path / "b", "crash=bug", batch=2, budget=1000.0))
+    assert bug.outcome == "crash" and "a bug in the engine" in bug.message and bug.retries == []
+
+
 def test_clean_partial_files_restores_and_removes(tmp_path):
     (tmp_path / ".lora.safetensors.abc.tmp").write_bytes(b"half")
     (tmp_path / ".lora-step00000004-state.xyz").mkdir()
