@@ -16,6 +16,7 @@ from autotune import __version__
 # (name, module, one-line help). A subcommand is listed here only once it exists.
 COMMANDS: list[tuple[str, str, str]] = [
     ("probe", "autotune.commands.probe", "show the GPU(s), CPU, RAM, disk and ML libraries of this machine"),
+    ("inspect", "autotune.commands.inspect", "show a LoRA file's family, modules, ranks, precision and metadata"),
     ("run", "autotune.commands.run", "train a LoRA under the OOM watchdog: plan, run, step down and resume"),
 ]
 

@@ -1,0 +1,78 @@
+"""``autotune inspect`` as a user runs it: a subprocess on a LoRA we wrote and on files that are not LoRAs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sd_scripts_compat.families import get_family
+from sd_scripts_compat.lora import create_network
+from sd_scripts_compat.lora_file import TrainingFacts, build_metadata, save_lora_file
+from sd_scripts_compat.models import build_modules
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _autotune(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="160")
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def lora_file(tmp_path_factory):
+    family = get_family("tiny-sdxl")
+    network = create_network(build_modules(family), network_dim=8, network_alpha=4, conv_dim=2, conv_alpha=1)
+    facts = TrainingFacts(output_name="sks_dog", network_dim=8, network_alpha=4.0, learning_rate=1e-4,
+                          optimizer="torch.optim.adamw.AdamW", resolution=(64, 64), training_started_at=1.7e9,
+                          session_id=7, network_args={"conv_dim": "2", "conv_alpha": "1"}, steps=12, epoch=2,
+                          tag_frequency={"5_sks dog": {"sks dog": 4, "grass": 3}})
+    path = tmp_path_factory.mktemp("inspect") / "sks_dog.safetensors"
+    save_lora_file(path, network.kohya_state_dict(), build_metadata(family, facts), save_dtype="bf16")
+    return path
+
+
+def test_inspect_table(lora_file):
+    result = _autotune("inspect", str(lora_file))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "tiny-sdxl" in out
+    assert "UNet 168" in out and "lora_te1 x12" in out and "lora_te2 x12" in out
+    assert "yes: 26 3x3-conv modules" in out
+    assert "bf16" in out and "networks.lora" in out and "sks_dog" in out
+    assert "2 tags; top: sks dog (4), grass (3)" in out
+    assert "modelspec.architecture" in out and "stable-diffusion-xl-v1-base/lora" in out
+
+
+def test_inspect_json(lora_file):
+    result = _autotune("inspect", str(lora_file), "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["family"] == "tiny-sdxl"
+    assert info["modules"]["unet"] == 168 and info["modules"]["text_encoders"] == {"lora_te1": 12, "lora_te2": 12}
+    assert info["ranks"] == {"2": 26, "8": 166} and info["alphas"] == {"1": 26, "4": 166}
+    assert info["precision"] == {"bf16": 384}
+    assert info["file_size"] == lora_file.stat().st_size
+    assert info["metadata"]["ss_steps"] == "12" and "sshs_model_hash" in info["metadata"]
+
+
+def test_inspect_not_a_lora(tmp_path):
+    base = tmp_path / "base.safetensors"
+    save_file({"model.diffusion_model.out.2.weight": torch.zeros(4, 4, 3, 3)}, str(base))
+    result = _autotune("inspect", str(base))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "base.safetensors is not a kohya LoRA file" in lines[0] and "base model" in lines[0]
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors at all")
+    result = _autotune("inspect", str(junk))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "junk.safetensors" in result.stderr
