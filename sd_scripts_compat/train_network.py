@@ -25,6 +25,7 @@ from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.oom import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, is_oom_error
 
 PROGRESS_EVERY_SECONDS = 2.0
+TIMING_WARMUP_STEPS = 2
 
 
 def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
@@ -84,11 +85,16 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     from accelerate.utils import set_seed
     from diffusers import DDPMScheduler
 
-    from sd_scripts_compat import datasets as datasets_module
     from sd_scripts_compat.config import dataset_group_from_config
-    from sd_scripts_compat.latent_cache import cache_latents
+    from sd_scripts_compat.datasets import (
+        BucketBatchSampler,
+        build_dataset,
+        build_validation_dataset,
+        make_dataloader,
+    )
+    from sd_scripts_compat.latent_cache import cache_latents, encode_images, offload
     from sd_scripts_compat.lora import create_network, create_network_from_weights, parse_network_args
-    from sd_scripts_compat.lora_file import RunFacts, build_metadata, read_lora_file, save_lora_file
+    from sd_scripts_compat.lora_file import TrainingFacts, build_metadata, read_lora_file, save_lora_file
     from sd_scripts_compat.model_loading import load_base_model
     from sd_scripts_compat.objectives import (
         NoiseSettings,
@@ -100,7 +106,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     from sd_scripts_compat.oom import OomInjector, memory_figures, write_json_atomic
     from sd_scripts_compat.optim import make_lr_scheduler, make_optimizer
     from sd_scripts_compat.precision import fp8_supported, store_frozen_weights_in_fp8
-    from sd_scripts_compat.text_encoding import TextConditioner
+    from sd_scripts_compat.text_encoding import cache_text_encoder_outputs
     from sd_scripts_compat.train_state import (
         TrainCounters,
         load_train_state,
@@ -145,38 +151,41 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         bundle.unet.set_attn_processor(AttnProcessor2_0())
 
     # ---- 3. Datasets ---------------------------------------------------------------------------
-    group = dataset_group_from_config(config)
-    train_data, validation_data = datasets_module.build_datasets(group, seed=seed, tokenizer_count=len(
-        bundle.tokenizers))
-    if len(train_data) == 0:
-        raise UserError("no training images found; check train_data_dir / dataset_config")
+    group = dataset_group_from_config(config, default_resolution=(family.resolution, family.resolution))
+    if len(group.datasets) != 1:
+        raise UserError(f"dataset_config: {len(group.datasets)} [[datasets]] given; this engine trains on exactly "
+                        "one (put several folders as [[datasets.subsets]] of one dataset)")
+    dataset_spec = group.datasets[0]
+    train_data = build_dataset(dataset_spec, seed=seed, prior_loss_weight=config.prior_loss_weight)
+    validation_data = build_validation_dataset(dataset_spec, seed=seed, prior_loss_weight=config.prior_loss_weight) \
+        if dataset_spec.validation_split > 0 else None
+    datasets = [d for d in (train_data, validation_data) if d is not None]
 
     # ---- 4. Caching: latents, then text-encoder outputs; encoders no longer needed leave the device
-    bundle.vae.to(device, dtype=torch.float32 if config.no_half_vae else weight_dtype)
-    if config.cache_latents or config.cache_latents_to_disk:
-        with torch.no_grad():
-            for dataset in (train_data, validation_data):
-                if dataset is not None:
-                    cache_latents(dataset, bundle.vae, to_disk=bool(config.cache_latents_to_disk),
-                                  batch_size=config.vae_batch_size or 1, device=device)
-        bundle.vae.to("cpu")
-        _free_device_memory(device)
-    train_text_encoder = not config.network_train_unet_only and (config.text_encoder_lr is None
-                                                                 or config.text_encoder_lr != 0)
-    conditioner = TextConditioner(bundle, clip_skip=config.clip_skip, max_token_length=config.max_token_length,
-                                  device=device, dtype=weight_dtype)
+    vae_dtype = torch.float32 if config.no_half_vae or device.type == "cpu" else weight_dtype
+    bundle.vae.to(device, dtype=vae_dtype)
+    cached_latents = bool(config.cache_latents or config.cache_latents_to_disk)
+    if cached_latents:
+        for dataset in datasets:
+            cache_latents(dataset, bundle.vae, device=device, dtype=vae_dtype, vae_batch_size=config.vae_batch_size,
+                          to_disk=bool(config.cache_latents_to_disk), is_main_process=accelerator.is_main_process)
+        accelerator.wait_for_everyone()  # other processes read the files the main process wrote
+        offload(bundle.vae)
+    train_text_encoder = not config.network_train_unet_only and _text_encoder_lr(config) != 0
     for encoder in bundle.text_encoders:
         encoder.to(device, dtype=weight_dtype)
-    if config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk:
-        if train_text_encoder:
-            raise UserError("cache_text_encoder_outputs needs network_train_unet_only = true "
-                            "(a trained text encoder changes its outputs every step)")
-        for dataset in (train_data, validation_data):
-            if dataset is not None:
-                conditioner.cache_outputs(dataset, to_disk=bool(config.cache_text_encoder_outputs_to_disk))
+    cached_text = bool(config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk)
+    if cached_text:
+        for dataset in datasets:
+            cache_text_encoder_outputs(dataset, bundle, device=device, dtype=weight_dtype,
+                                       to_disk=bool(config.cache_text_encoder_outputs_to_disk),
+                                       max_token_length=config.max_token_length, clip_skip=config.clip_skip,
+                                       is_main_process=accelerator.is_main_process)
+        accelerator.wait_for_everyone()
         for encoder in bundle.text_encoders:
-            encoder.to("cpu")
-        _free_device_memory(device)
+            offload(encoder)
+    conditioner = _Conditioner(bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
+                               dtype=weight_dtype)
 
     # ---- 5. UNet precision, LoRA network, optimizer, schedule -------------------------------------
     unet = bundle.unet
@@ -208,21 +217,21 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     network.to(device, dtype=lora_dtype)
     network.train()
     trainable = [p for p in network.parameters() if p.requires_grad]
-    param_groups = network.prepare_optimizer_params(config.text_encoder_lr, config.unet_lr, config.learning_rate)
+    param_groups = network.prepare_optimizer_params(_text_encoder_lr(config), config.unet_lr, config.learning_rate)
     optimizer, optimizer_description = make_optimizer(config.optimizer_type or "AdamW", param_groups,
                                                       config.learning_rate, config.optimizer_args)
 
     world, rank = accelerator.num_processes, accelerator.process_index
     accumulation = max(1, config.gradient_accumulation_steps)
-    batches_per_epoch = math.ceil(train_data.batch_count() / world)
+    batches_per_epoch = train_data.num_batches(world)
     steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
     if config.max_train_epochs:
         max_train_steps = steps_per_epoch * config.max_train_epochs
     else:
         max_train_steps = config.max_train_steps
     total_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    warmup = config.lr_warmup_steps
-    warmup_steps = int(warmup * max_train_steps) if isinstance(warmup, float) and warmup < 1 else int(warmup or 0)
+    train_data.max_train_steps = max_train_steps
+    warmup_steps = config.warmup_steps(max_train_steps)
     lr_scheduler = make_lr_scheduler(config.lr_scheduler, optimizer, num_training_steps=max_train_steps,
                                      num_warmup_steps=warmup_steps, num_cycles=config.lr_scheduler_num_cycles or 1,
                                      power=config.lr_scheduler_power or 1.0, learning_rate=config.learning_rate,
@@ -249,8 +258,9 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         accelerator.print(f"resumed from {config.resume} at step {counters.global_step} (epoch {counters.epoch + 1})")
 
     settings = _settings_for_events(config, weight_dtype, use_fp8)
+    session_id = int.from_bytes(__import__("os").urandom(4), "little") & 0x7FFFFFFF
     retries = _read_retry_log(config.autotune_retry_log)
-    tracker_config = {"max_train_steps": max_train_steps, "train_batch_size": train_data.batch_size}
+    tracker_config = {"max_train_steps": max_train_steps, "train_batch_size": dataset_spec.batch_size}
     if config.logging_dir and config.log_with:
         accelerator.init_trackers(config.log_prefix or "network_train", config=tracker_config)
 
@@ -259,23 +269,29 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                                 lr_scheduler=lr_scheduler, counters=counters, settings=settings)
 
     def save_lora(path: Path, *, epoch: int, final: bool) -> None:
-        facts = RunFacts(
-            family=family, network_dim=config.network_dim or 4, network_alpha=config.network_alpha,
-            network_args=network_kwargs, learning_rate=config.learning_rate, unet_lr=config.unet_lr,
-            text_encoder_lr=config.text_encoder_lr, optimizer=optimizer_description,
-            lr_scheduler=config.lr_scheduler, mixed_precision=accelerator.mixed_precision,
-            resolution=group.datasets[0].resolution, num_train_images=train_data.image_count(),
-            num_reg_images=train_data.reg_image_count(), num_batches_per_epoch=batches_per_epoch,
-            num_epochs=total_epochs, epoch=epoch, steps=counters.global_step, max_train_steps=max_train_steps,
-            gradient_checkpointing=bool(config.gradient_checkpointing),
-            gradient_accumulation_steps=accumulation, seed=seed, clip_skip=config.clip_skip,
-            tag_frequency=train_data.tag_frequency(), dataset_dirs=train_data.dataset_dirs(),
-            training_started_at=started, output_name=path.stem, v_parameterization=v_parameterization,
+        facts = TrainingFacts(
+            output_name=path.stem, network_dim=config.network_dim, network_alpha=config.network_alpha,
+            learning_rate=config.learning_rate, optimizer=optimizer_description,
+            resolution=dataset_spec.resolution, training_started_at=started, session_id=session_id,
+            network_args=dict(config.network_args) or None, network_dropout=config.network_dropout,
+            unet_lr=config.unet_lr, text_encoder_lr=_text_encoder_lr(config), lr_scheduler=config.lr_scheduler,
+            lr_warmup_steps=warmup_steps, mixed_precision=accelerator.mixed_precision,
+            num_train_images=train_data.num_train_images, num_reg_images=train_data.num_reg_images,
+            num_batches_per_epoch=batches_per_epoch, num_epochs=total_epochs, epoch=epoch,
+            steps=counters.global_step, max_train_steps=max_train_steps,
+            batch_size_per_device=dataset_spec.batch_size,
+            total_batch_size=dataset_spec.batch_size * world * accumulation,
+            gradient_checkpointing=bool(config.gradient_checkpointing), gradient_accumulation_steps=accumulation,
+            max_grad_norm=config.max_grad_norm, seed=seed, clip_skip=config.clip_skip,
+            max_token_length=config.max_token_length, cache_latents=cached_latents,
             noise_offset=config.noise_offset, min_snr_gamma=config.min_snr_gamma,
-            max_grad_norm=config.max_grad_norm, training_comment=config.training_comment,
+            training_finished_at=time.time() if final else None,
+            sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
+            tag_frequency=train_data.tag_frequencies, dataset_dirs=train_data.dataset_dirs(),
+            training_comment=config.training_comment,
             extra={"ss_autotune_retries": json.dumps(retries)} if retries else {},
         )
-        save_lora_file(path, network.kohya_state_dict(), build_metadata(facts), save_dtype=save_dtype)
+        save_lora_file(path, network.kohya_state_dict(), build_metadata(family, facts), save_dtype=save_dtype)
 
     # ---- 7. The loop ---------------------------------------------------------------------------
     from tqdm.auto import tqdm
@@ -291,14 +307,17 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     oom: dict[str, Any] | None = None
     interrupted = False
     step_started = time.time()
+    warm_since: float | None = None  # steady-state timing starts after the first steps (allocator, caches)
     steps_this_session = 0
+    sampler = BucketBatchSampler(train_data, epoch=counters.epoch, start_step=counters.step_in_epoch,
+                                 num_replicas=world, rank=rank)
+    loader = make_dataloader(train_data, sampler, num_workers=loader_workers,
+                             persistent_workers=bool(config.persistent_data_loader_workers),
+                             pin_memory=device.type == "cuda")
     try:
         while counters.global_step < max_train_steps:
             epoch = counters.epoch
-            loader = train_data.loader(epoch=epoch, rank=rank, world_size=world, skip=counters.step_in_epoch,
-                                       num_workers=loader_workers,
-                                       persistent_workers=bool(config.persistent_data_loader_workers),
-                                       pin_memory=device.type == "cuda")
+            sampler.set_epoch(epoch, start_step=counters.step_in_epoch)
             micro = 0
             batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
             for batch in loader:
@@ -306,8 +325,10 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                 latents = batch.get("latents")
                 if latents is None:
                     with torch.no_grad():
-                        latents = bundle.vae.encode(batch["images"].to(bundle.vae.dtype)).latent_dist.sample()
-                        latents = latents * bundle.vae.config.scaling_factor
+                        seeds = [(seed * 1_000_003 + counters.global_step * 4099 + micro * 131 + i) % 2**63
+                                 for i in range(batch["images"].shape[0])]
+                        latents = encode_images(bundle.vae, batch["images"], noise_seeds=seeds,
+                                                scaling_factor=bundle.vae.config.scaling_factor)
                 latents = latents.to(weight_dtype)
                 if injector is not None:
                     injector.check(counters.global_step, latents.shape[0], latents.shape[2] * 8,
@@ -348,6 +369,8 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                 counters.global_step += 1
                 counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
                 steps_this_session += 1
+                if steps_this_session == TIMING_WARMUP_STEPS:
+                    warm_since = time.time()
                 progress.update(1)
 
                 now = time.time()
@@ -402,6 +425,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
             raise
         oom = {"message": str(error).splitlines()[0][:500], "type": type(error).__name__}
     # Outside the except block: the exception's frames (and the activations they hold) are gone now.
+    loop_ended = time.time()
     progress.close()
 
     if oom is not None:
@@ -433,11 +457,13 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
             save_state(paths.state_dir())
     peak_memory_mib = max(peak_memory_mib, _peak_memory_mib(device))
     seconds = time.time() - started
+    timed_steps = steps_this_session - TIMING_WARMUP_STEPS
+    seconds_per_step = (loop_ended - warm_since) / timed_steps if warm_since and timed_steps > 0 else None
     if accelerator.is_main_process:
         if paths.events_dir:
             write_json_atomic(paths.events_dir / "done.json", {
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
-                "peak_memory": peak_memory_mib})
+                "seconds_per_step": seconds_per_step, "peak_memory": peak_memory_mib})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory_mib:.0f} MiB, "
               f"LoRA written to {output_file}")
     accelerator.end_training()
@@ -445,6 +471,43 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
 
 
 # ---- helpers: small, explicit, no state of their own ---------------------------------------------
+
+class _Conditioner:
+    """UNet conditioning for a batch: cached text-encoder outputs when the batch carries them, else a
+    live encode (with gradients only when the text-encoder LoRA trains); SDXL adds size conditioning."""
+
+    def __init__(self, bundle: Any, *, max_token_length: int | None, clip_skip: int | None, dtype: Any) -> None:
+        self.bundle, self.max_token_length, self.clip_skip, self.dtype = bundle, max_token_length, clip_skip, dtype
+
+    def condition(self, batch: dict[str, Any], *, train: bool) -> tuple[Any, dict[str, Any] | None]:
+        import torch
+
+        from sd_scripts_compat.text_encoding import encode_prompts, sdxl_time_ids
+
+        if "encoder_hidden_states" in batch:
+            hidden, pooled = batch["encoder_hidden_states"].to(self.dtype), batch.get("pooled")
+        else:
+            with torch.set_grad_enabled(train):
+                encoded = encode_prompts(self.bundle, batch["captions"], max_token_length=self.max_token_length,
+                                         clip_skip=self.clip_skip, dtype=self.dtype)
+            hidden, pooled = encoded.encoder_hidden_states, encoded.pooled
+        if not self.bundle.family.is_sdxl:
+            return hidden, None
+        time_ids = sdxl_time_ids(batch["original_sizes_hw"], batch["crop_top_lefts"], batch["target_sizes_hw"],
+                                 dtype=self.dtype).to(hidden.device)
+        return hidden, {"text_embeds": pooled.to(hidden.device, self.dtype), "time_ids": time_ids}
+
+
+def _text_encoder_lr(config: Any) -> float | None:
+    """kohya allows one text_encoder_lr per encoder; the network takes one for all of them."""
+    lrs = config.text_encoder_lr
+    if not lrs:
+        return None
+    if len(set(lrs)) > 1:
+        raise UserError(f"text_encoder_lr = {list(lrs)}: one learning rate per text encoder is not supported; "
+                        "give a single value")
+    return lrs[0]
+
 
 def _check_output_dir(output_dir: Path) -> None:
     import os
@@ -633,6 +696,8 @@ def validation_loss(dataset: Any, unet: Any, conditioner: Any, noise_scheduler: 
     """
     import torch
 
+    from sd_scripts_compat.datasets import BucketBatchSampler, make_dataloader
+    from sd_scripts_compat.latent_cache import encode_images
     from sd_scripts_compat.objectives import diffusion_target, per_sample_loss
 
     was_training = unet.training
@@ -640,14 +705,15 @@ def validation_loss(dataset: Any, unet: Any, conditioner: Any, noise_scheduler: 
     total, count = torch.zeros((), device=device), 0
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for batch in dataset.loader(epoch=0, rank=0, world_size=1, skip=0, num_workers=0, persistent_workers=False,
-                                    pin_memory=False, shuffle=False):
+        for index, batch in enumerate(make_dataloader(dataset, BucketBatchSampler(dataset, epoch=0))):
             batch = _to_device(batch, device)
-            latents = batch["latents"].to(dtype) if "latents" in batch else None
-            if latents is None:
+            if "latents" in batch:
+                latents = batch["latents"].to(dtype)
+            else:
                 vae = conditioner.bundle.vae
-                latents = vae.encode(batch["images"].to(device, vae.dtype)).latent_dist.mean
-                latents = (latents * vae.config.scaling_factor).to(dtype)
+                seeds = [seed + 7919 * index + i for i in range(batch["images"].shape[0])]
+                latents = encode_images(vae, batch["images"], scaling_factor=vae.config.scaling_factor,
+                                        noise_seeds=seeds).to(dtype)
             hidden, added = conditioner.condition(batch, train=False)
             for t in timesteps:
                 noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)

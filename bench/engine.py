@@ -1,0 +1,169 @@
+"""Engine speed and memory on this machine: our trainer vs a plain diffusers + peft loop.
+
+Each case runs in its own process (so peak RSS is that run's alone): ours through
+``python -m sd_scripts_compat.train_network`` with a generated kohya config, the baseline through
+``python bench/engine.py --baseline ...``, a textbook diffusers + peft LoRA loop of the same model,
+targets, data, resolution, batch, optimizer and caching. Seconds per step exclude the first
+(warm-up) steps. Prints a table; ``--json FILE`` also writes the figures.
+
+    python bench/engine.py                 # tiny-sd15, tiny-sdxl, sd15 at 256 px, caching on/off
+    python bench/engine.py --quick         # tiny models only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "examples" / "dataset"
+WARMUP_STEPS = 2
+# kohya's UNet LoRA targets: every Linear / 1x1 conv inside Transformer2DModel blocks
+PEFT_TARGETS = r".*(attentions|attentions\.\d+).*\.(to_q|to_k|to_v|to_out\.0|proj_in|proj_out|ff\.net\.0\.proj|ff\.net\.2)$"
+
+
+def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path) -> dict:
+    sdxl = "sdxl" in model
+    config = workdir / "config.toml"
+    config.write_text("\n".join([
+        f'pretrained_model_name_or_path = "builtin:{model}"',
+        f'train_data_dir = "{DATASET}"',
+        f'output_dir = "{workdir / "out"}"',
+        'output_name = "bench"',
+        f'resolution = "{resolution},{resolution}"',
+        "train_batch_size = 1",
+        f"max_train_steps = {steps + WARMUP_STEPS}",
+        "network_dim = 4",
+        "network_alpha = 4",
+        "network_train_unet_only = true",
+        "learning_rate = 1e-4",
+        'optimizer_type = "AdamW"',
+        'mixed_precision = "no"',
+        "max_data_loader_n_workers = 0",
+        f"cache_latents = {'true' if cache else 'false'}",
+        "seed = 1",
+        'caption_extension = ".txt"',
+    ]) + "\n")
+    module = "sd_scripts_compat.sdxl_train_network" if sdxl else "sd_scripts_compat.train_network"
+    events = workdir / "events"
+    command = [sys.executable, "-m", module, "--config_file", str(config), "--autotune_events_dir", str(events)]
+    subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = json.loads((events / "done.json").read_text())
+    return {"seconds_per_step": done["seconds_per_step"], "peak_rss_mib": done["peak_memory"]}
+
+
+def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
+    """A plain diffusers + peft LoRA loop (UNet only), the way diffusers' training examples write it."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers import DDPMScheduler
+    from peft import LoraConfig
+    from PIL import Image
+
+    from sd_scripts_compat.families import get_family
+    from sd_scripts_compat.models import build_modules
+
+    torch.manual_seed(1)
+    bundle = build_modules(get_family(model))
+    unet, vae = bundle.unet, bundle.vae
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=PEFT_TARGETS))
+    params = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    scheduler = DDPMScheduler.from_config(bundle.scheduler_config)
+    images, captions = [], []
+    for path in sorted(DATASET.rglob("*")):
+        if path.suffix.lower() in (".png", ".jpg", ".jpeg"):
+            image = Image.open(path).convert("RGB").resize((resolution, resolution))
+            images.append(torch.from_numpy(__import__("numpy").asarray(image).copy()).permute(2, 0, 1) / 127.5 - 1)
+            captions.append(path.with_suffix(".txt").read_text().strip() if path.with_suffix(".txt").exists() else "")
+    with torch.no_grad():
+        cached = [vae.encode(img[None]).latent_dist.sample() * vae.config.scaling_factor for img in images] \
+            if cache else None
+
+    def encode_text(caption: str):
+        with torch.no_grad():
+            ids = [tok(caption, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+                   for tok in bundle.tokenizers]
+            if not bundle.family.is_sdxl:
+                return bundle.text_encoders[0](ids[0]).last_hidden_state, None
+            out1 = bundle.text_encoders[0](ids[0], output_hidden_states=True)
+            out2 = bundle.text_encoders[1](ids[1], output_hidden_states=True)
+            hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
+            time_ids = torch.tensor([[resolution, resolution, 0, 0, resolution, resolution]], dtype=hidden.dtype)
+            return hidden, {"text_embeds": out2.text_embeds, "time_ids": time_ids}
+
+    unet.train()
+    times = []
+    for step in range(steps + WARMUP_STEPS):
+        index = step % len(images)
+        started = time.perf_counter()
+        if cached is not None:
+            latents = cached[index]
+        else:
+            with torch.no_grad():
+                latents = vae.encode(images[index][None]).latent_dist.sample() * vae.config.scaling_factor
+        hidden, added = encode_text(captions[index])
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, 1000, (1,))
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        prediction = unet(noisy, timesteps, hidden, added_cond_kwargs=added).sample
+        loss = F.mse_loss(prediction.float(), noise.float())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    return {"seconds_per_step": statistics.mean(times[WARMUP_STEPS:]),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_baseline_in_child(model: str, resolution: int, cache: bool, steps: int) -> dict:
+    command = [sys.executable, __file__, "--baseline", model, str(resolution), str(int(cache)), str(steps)]
+    result = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models only")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case (after warm-up)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--baseline", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.baseline:
+        model, resolution, cache, steps = args.baseline
+        print(json.dumps(baseline_run(model, int(resolution), bool(int(cache)), int(steps))))
+        return 0
+    cases = [("tiny-sd15", 256), ("tiny-sdxl", 256)] + ([] if args.quick else [("sd15", 256)])
+    rows = []
+    print(f"{'model':<10} {'px':>4} {'cache':>5} | {'ours s/step':>11} {'base s/step':>11} {'ratio':>6} | "
+          f"{'ours RSS MiB':>12} {'base RSS MiB':>12}")
+    for model, resolution in cases:
+        steps = args.steps if model.startswith("tiny") else max(2, args.steps // 2)
+        for cache in (True, False):
+            with tempfile.TemporaryDirectory() as tmp:
+                ours = our_run(model, resolution, cache, steps, Path(tmp))
+            base = run_baseline_in_child(model, resolution, cache, steps)
+            ratio = ours["seconds_per_step"] / base["seconds_per_step"]
+            rows.append({"model": model, "resolution": resolution, "cache_latents": cache, "ours": ours,
+                         "baseline": base, "ratio": ratio})
+            print(f"{model:<10} {resolution:>4} {'on' if cache else 'off':>5} | {ours['seconds_per_step']:>11.4f} "
+                  f"{base['seconds_per_step']:>11.4f} {ratio:>6.2f} | {ours['peak_rss_mib']:>12.0f} "
+                  f"{base['peak_rss_mib']:>12.0f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
