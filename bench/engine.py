@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
 WARMUP_STEPS = 2
 # kohya's UNet LoRA targets: every Linear / 1x1 conv inside Transformer2DModel blocks
-PEFT_TARGETS = r".*(attentions|attentions\.\d+).*\.(to_q|to_k|to_v|to_out\.0|proj_in|proj_out|ff\.net\.0\.proj|ff\.net\.2)$"
+PEFT_TARGETS = r".*attentions.*\.(to_q|to_k|to_v|to_out\.0|proj_in|proj_out|ff\.net\.0\.proj|ff\.net\.2)$"
 
 
 def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path) -> dict:
