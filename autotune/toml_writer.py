@@ -81,7 +81,7 @@ def _comment(text: str) -> str:
     return "# " + " ".join(text.split())
 
 
-def _human_seconds(seconds: float) -> str:
+def human_seconds(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
@@ -95,9 +95,10 @@ def _human_seconds(seconds: float) -> str:
 def header_lines(plan: Plan, what: str) -> list[str]:
     """The header every written file starts with: tool, probe, prediction."""
     p = plan.prediction
+    script = next((w for w in plan.launch_command if w.endswith(".py")), "train_network.py")
     lines = [
-        f"{what} written by lora-autotune {plan.version} (autotune plan) for sd-scripts "
-        f"{'sdxl_train_network.py' if plan.family == 'sdxl' else 'train_network.py'} / lora-autotune's engine",
+        f"{what} written by lora-autotune {plan.version} (autotune plan) for sd-scripts {script} "
+        "or lora-autotune's engine",
         f"model: {plan.model} (family {plan.family}); goal {plan.goal}; priority {plan.priority}",
         f"device: {plan.device}" + (f"; {plan.num_processes} processes" if plan.num_processes > 1 else ""),
     ]
@@ -110,7 +111,7 @@ def header_lines(plan: Plan, what: str) -> list[str]:
             f"predicted memory by part (GiB): {parts}",
             f"predicted speed: {p.it_per_s:.3g} it/s per device, {p.samples_per_s:.3g} samples/s, "
             f"{p.seconds_per_step:.3g} s per optimizer step",
-            f"predicted total: {p.optimizer_steps} optimizer steps in {_human_seconds(p.total_seconds)}",
+            f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}",
         ]
     if plan.fallbacks:
         lines.append("given up to fit, in order: " + ", ".join(plan.fallbacks))

@@ -128,7 +128,7 @@ def render(plan: Any) -> None:
     from rich.table import Table
 
     from autotune.planner import GIB
-    from autotune.toml_writer import _human_seconds, encode_value
+    from autotune.toml_writer import encode_value, human_seconds
 
     console = Console()
     console.print(f"[bold]autotune plan[/bold] {plan.model} (family {plan.family}) on {plan.device}; "
@@ -144,7 +144,7 @@ def render(plan: Any) -> None:
     p = plan.prediction
     console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
                   f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] per device, {p.samples_per_s:.3g} "
-                  f"samples/s; {p.optimizer_steps} steps in [bold]{_human_seconds(p.total_seconds)}[/bold]")
+                  f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
     console.print("run: " + " ".join(plan.launch_command))
     for warning in plan.warnings:
