@@ -199,7 +199,9 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         unet.enable_gradient_checkpointing()
         if train_text_encoder:
             for encoder in bundle.text_encoders:
-                encoder.gradient_checkpointing_enable()
+                enable = getattr(encoder, "activation_checkpointing_enable", None) or \
+                    encoder.gradient_checkpointing_enable  # renamed in transformers 5
+                enable()
     network_kwargs = parse_network_args(config.network_args)
     if config.network_weights and config.dim_from_weights:
         network = create_network_from_weights(bundle, config.network_weights, train_unet=True,
@@ -309,6 +311,9 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     step_started = time.time()
     warm_since: float | None = None  # steady-state timing starts after the first steps (allocator, caches)
     steps_this_session = 0
+    if validation is not None and counters.global_step == 0:  # the baseline the curve is read against
+        validation.run(unet, conditioner, noise_scheduler, weight_dtype, accelerator, 0, train_text_encoder, noise,
+                       alphas_cumprod)
     sampler = BucketBatchSampler(train_data, epoch=counters.epoch, start_step=counters.step_in_epoch,
                                  num_replicas=world, rank=rank)
     loader = make_dataloader(train_data, sampler, num_workers=loader_workers,
@@ -463,7 +468,8 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         if paths.events_dir:
             write_json_atomic(paths.events_dir / "done.json", {
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
-                "seconds_per_step": seconds_per_step, "peak_memory": peak_memory_mib})
+                "seconds_per_step": seconds_per_step, "peak_memory": peak_memory_mib,
+                "validation_loss": validation.history if validation is not None else []})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory_mib:.0f} MiB, "
               f"LoRA written to {output_file}")
     accelerator.end_training()

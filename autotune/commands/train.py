@@ -1,0 +1,52 @@
+"""Train with a kohya config: ``autotune train config.toml [--dataset_config d.toml] [kohya flags]``.
+
+The same as ``python -m sd_scripts_compat.train_network`` (or ``sdxl_train_network``), picking the
+entry point from the model's family, so a config that works with sd-scripts runs here unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a kohya / lora-scripts config.toml")
+    parser.add_argument("kohya_args", nargs=argparse.REMAINDER,
+                        help="further sd-scripts flags (they override the config), e.g. --max_train_steps 100")
+
+
+def model_of_config(config: Path, kohya_args: list[str]) -> str | None:
+    """The base model named on the command line or in the config (sections flattened, as sd-scripts does)."""
+    import toml
+
+    from sd_scripts_compat.errors import UserError
+
+    if "--pretrained_model_name_or_path" in kohya_args:
+        index = kohya_args.index("--pretrained_model_name_or_path")
+        return kohya_args[index + 1] if index + 1 < len(kohya_args) else None
+    try:
+        data = toml.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{config}: config file not found") from None
+    except (OSError, toml.TomlDecodeError) as error:
+        raise UserError(f"{config}: not a readable TOML file ({error})") from None
+    for key, value in data.items():
+        if key == "pretrained_model_name_or_path":
+            return str(value)
+        if isinstance(value, dict) and "pretrained_model_name_or_path" in value:
+            return str(value["pretrained_model_name_or_path"])
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from autotune.planner import detect_family
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.train_network import main
+
+    config = Path(args.config)
+    model = model_of_config(config, args.kohya_args)
+    if model is None:
+        raise UserError(f"{config}: no pretrained_model_name_or_path; add it to the config or the command line")
+    sdxl = detect_family(model).is_sdxl
+    return main(["--config_file", str(config), *args.kohya_args], sdxl=sdxl)

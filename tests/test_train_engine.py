@@ -1,0 +1,211 @@
+"""The training engine, end to end: real runs of ``python -m sd_scripts_compat.train_network`` on the
+tiny built-in models over ``examples/dataset``, on this CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import toml
+import torch
+
+from sd_scripts_compat.lora_file import describe_lora, read_lora_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "examples" / "dataset"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+
+
+def write_config(path: Path, values: dict) -> Path:
+    path.write_text(toml.dumps(values), encoding="utf-8")
+    return path
+
+
+def base_config(tmp_path: Path, model: str = "builtin:tiny-sd15", **overrides) -> dict:
+    values = {
+        "pretrained_model_name_or_path": model, "train_data_dir": str(DATASET), "output_dir": str(tmp_path / "out"),
+        "output_name": "lora", "resolution": "64,64", "caption_extension": ".txt", "train_batch_size": 2,
+        "max_train_steps": 6, "network_dim": 4, "network_alpha": 4, "learning_rate": 1e-3, "seed": 3,
+        "max_data_loader_n_workers": 0,
+    }
+    values.update(overrides)
+    return values
+
+
+def run_engine(config: Path, *extra: str, sdxl: bool = False, events: Path | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    module = "sd_scripts_compat.sdxl_train_network" if sdxl else "sd_scripts_compat.train_network"
+    command = [sys.executable, "-m", module, "--config_file", str(config), *extra]
+    if events is not None:
+        command += ["--autotune_events_dir", str(events)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def lora_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return read_lora_file(path)[0]
+
+
+@pytest.mark.slow
+def test_tiny_sd15_flat_config_trains_learns_and_writes_a_kohya_lora(tmp_path):
+    config = write_config(tmp_path / "config.toml", base_config(
+        tmp_path, train_batch_size=4, max_train_steps=24, network_dim=8, network_alpha=8, learning_rate=1e-2,
+        cache_latents=True, validation_split=0.25, validate_every_n_steps=12))
+    events = tmp_path / "events"
+    result = run_engine(config, events=events)
+    done = json.loads((events / "done.json").read_text())
+    losses = [loss for _, loss in done["validation_loss"]]
+    assert [step for step, _ in done["validation_loss"]] == [0, 12, 24]
+    # the held-out loss at fixed timesteps and noise falls clearly: the LoRA learnt the data
+    assert losses[-1] < 0.8 * losses[0], losses
+    state, metadata = read_lora_file(tmp_path / "out" / "lora.safetensors")
+    info = describe_lora(state, metadata)
+    assert info["family"] == "sd15" and info["te_modules"] > 0 and info["unet_modules"] > 0
+    assert metadata["ss_steps"] == "24" and metadata["ss_network_dim"] == "8"
+    assert metadata["ss_base_model_version"] == "sd_v1" and metadata["ss_num_train_images"] == "90"
+    assert all(isinstance(v, str) for v in metadata.values())
+    assert "done: 24 steps" in result.stdout
+
+
+@pytest.mark.slow
+def test_tiny_sdxl_lora_scripts_sections_and_dataset_config_train_sample_and_log(tmp_path):
+    dataset = {
+        "general": {"caption_extension": ".txt", "shuffle_caption": True, "keep_tokens": 1},
+        "datasets": [{"resolution": 64, "batch_size": 2, "enable_bucket": True, "min_bucket_reso": 32,
+                      "max_bucket_reso": 96, "bucket_reso_steps": 32, "validation_split": 0.25,
+                      "subsets": [{"image_dir": str(p), "num_repeats": 2, "class_tokens": p.name.split("_", 1)[1]}
+                                  for p in sorted(DATASET.iterdir())]}],
+    }
+    dataset_path = write_config(tmp_path / "dataset.toml", dataset)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a circle shape --w 64 --h 64 --s 2 --d 1\n# a comment\n")
+    sections = {  # the way lora-scripts writes a config: sections, its own wrapper keys included
+        "model_arguments": {"pretrained_model_name_or_path": "builtin:tiny-sdxl"},
+        "dataset_arguments": {"cache_latents": True},
+        "additional_network_arguments": {"network_dim": 8, "network_alpha": 8, "network_train_unet_only": True,
+                                         "network_module": "networks.lora"},
+        "optimizer_arguments": {"optimizer_type": "AdamW8bit", "learning_rate": 1e-2, "lr_scheduler": "cosine",
+                                "lr_warmup_steps": 0, "lr_restart_cycles": 1},
+        "training_arguments": {"output_dir": str(tmp_path / "out"), "output_name": "xl", "max_train_steps": 16,
+                               "seed": 3, "gradient_checkpointing": True, "max_data_loader_n_workers": 0,
+                               "validate_every_n_steps": 16, "cache_text_encoder_outputs": True},
+        "sample_prompt_arguments": {"sample_prompts": str(prompts), "sample_every_n_steps": 16},
+        "logging_arguments": {"logging_dir": str(tmp_path / "logs"), "log_with": "tensorboard"},
+    }
+    config = write_config(tmp_path / "config.toml", sections)
+    events = tmp_path / "events"
+    result = run_engine(config, "--dataset_config", str(dataset_path), sdxl=True, events=events)
+    assert "lr_restart_cycles" in result.stderr  # a lora-scripts key: warned about, not an error
+    done = json.loads((events / "done.json").read_text())
+    losses = [loss for _, loss in done["validation_loss"]]
+    assert losses[-1] < 0.9 * losses[0], losses
+    state, metadata = read_lora_file(tmp_path / "out" / "xl.safetensors")
+    info = describe_lora(state, metadata)
+    assert info["family"] == "sdxl" and info["te_modules"] == 0  # UNet only
+    assert all(k.startswith("lora_unet_") for k in state)
+    assert metadata["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert (tmp_path / "out" / "sample" / "xl_step00000016_00.png").stat().st_size > 0
+    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_latents", [True, False])
+def test_resume_from_the_half_way_state_is_bit_identical_to_a_straight_run(tmp_path, cache_latents):
+    """N steps straight vs N/2, stop, resume N/2: the same LoRA bit for bit (CPU, fp32)."""
+    values = base_config(tmp_path, max_train_steps=6, save_every_n_steps=3, save_state=True,
+                         cache_latents=cache_latents, shuffle_caption=True, flip_aug=True, network_dropout=0.1)
+    config = write_config(tmp_path / "config.toml", values)
+    run_engine(config)
+    straight = lora_tensors(tmp_path / "out" / "lora.safetensors")
+    half_state = tmp_path / "out" / "lora-step00000003-state"
+    assert json.loads((half_state / "train_state.json").read_text())["counters"]["global_step"] == 3
+
+    resumed_values = dict(values, output_dir=str(tmp_path / "resumed"), save_state=False)
+    resumed_config = write_config(tmp_path / "resumed.toml", resumed_values)
+    result = run_engine(resumed_config, "--resume", str(half_state))
+    assert "resumed from" in result.stdout and "at step 3" in result.stdout
+    resumed = lora_tensors(tmp_path / "resumed" / "lora.safetensors")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    assert any(v.abs().sum() > 0 for k, v in straight.items() if "lora_up" in k)  # it did train
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_state_and_the_run_resumes_to_the_exact_step_count(tmp_path):
+    values = base_config(tmp_path, max_train_steps=400, cache_latents=True)
+    config = write_config(tmp_path / "config.toml", values)
+    events = tmp_path / "events"
+    command = [sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file", str(config),
+               "--autotune_events_dir", str(events)]
+    child = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (events / "progress.json").exists():
+        time.sleep(0.2)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 130, stderr[-2000:]
+    state = tmp_path / "out" / "lora-state"
+    stopped_at = json.loads((state / "train_state.json").read_text())["counters"]["global_step"]
+    assert 0 < stopped_at < 400 and f"--resume {state}" in stderr
+    assert not list((tmp_path / "out").glob("*.safetensors"))  # no final LoRA from an interrupted run
+
+    finish = write_config(tmp_path / "finish.toml", dict(values, max_train_steps=stopped_at + 2))
+    run_engine(finish, "--resume", str(state), events=events)
+    assert json.loads((events / "done.json").read_text())["steps"] == stopped_at + 2
+    assert read_lora_file(tmp_path / "out" / "lora.safetensors")[1]["ss_steps"] == str(stopped_at + 2)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"learning_rat": 1e-4}, "did you mean 'learning_rate'"),
+    ({"max_train_steps": 1.5}, "max_train_steps"),
+    ({"pretrained_model_name_or_path": "/nonexistent/model.safetensors"}, "/nonexistent/model.safetensors"),
+    ({"train_data_dir": "/nonexistent/images"}, "/nonexistent/images"),
+])
+def test_bad_input_is_one_line_on_stderr_exit_2_and_no_output(tmp_path, change, expected):
+    config = write_config(tmp_path / "config.toml", {**base_config(tmp_path), **change})
+    result = run_engine(config, check=False)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("train_network: error:") and expected in lines[-1]
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("*.safetensors"))
+
+
+def test_output_dir_that_cannot_be_created_is_a_one_line_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    config = write_config(tmp_path / "config.toml", base_config(tmp_path, output_dir=str(blocker / "out")))
+    result = run_engine(config, check=False)
+    assert result.returncode == 2 and "output" in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_sd15_model_given_to_the_sdxl_entry_point_says_which_to_use(tmp_path):
+    config = write_config(tmp_path / "config.toml", base_config(tmp_path))
+    result = run_engine(config, sdxl=True, check=False)
+    assert result.returncode == 2 and "sd_scripts_compat.train_network" in result.stderr.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes_trains_and_writes_one_file(tmp_path):
+    config = write_config(tmp_path / "config.toml", base_config(tmp_path, max_train_steps=4, cache_latents=True))
+    events = tmp_path / "events"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "-m", "sd_scripts_compat.train_network",
+               "--config_file", str(config), "--autotune_events_dir", str(events)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lora.safetensors"]
+    metadata = read_lora_file(tmp_path / "out" / "lora.safetensors")[1]
+    assert metadata["ss_steps"] == "4"
+    assert metadata["ss_total_batch_size"] == "4"  # 2 per process x 2 processes
+    assert result.stdout.count("done: 4 steps") == 1  # one process reports and writes
