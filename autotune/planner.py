@@ -246,7 +246,8 @@ class Prediction:
     required_bytes: int  # peak + the memory model's safety margin; must not exceed usable_bytes
     usable_bytes: int
     components: tuple[tuple[str, int], ...]
-    it_per_s: float  # micro-steps per second per device
+    it_per_s: float  # optimizer steps per second: what kohya's progress bar shows
+    micro_steps_per_s: float  # forward+backward passes per second per device (= it/s at accumulation 1)
     samples_per_s: float  # across all devices
     seconds_per_step: float  # one optimizer step (all accumulation micro-steps)
     total_seconds: float
@@ -676,7 +677,7 @@ def plan_training(request: PlanRequest) -> Plan:
         assert smallest is not None
         s = smallest.settings
         need = smallest.required + (max(g.held_bytes for g in gpus) if gpus else 0)
-        message = (f"nothing fits {device}: usable {usable / GIB:.1f} GiB, but the smallest configuration "
+        message = (f"nothing fits {device}: the smallest configuration "
                    f"({s.resolution} px, batch 1, rank {s.rank}, gradient checkpointing, {s.optimizer}"
                    f"{', fp8 base' if s.fp8_base else ''}{', UNet only' if not s.train_text_encoder else ''}) "
                    f"needs {smallest.required / GIB:.1f} GiB with the safety margin; use a card with at least "
@@ -698,8 +699,8 @@ def plan_training(request: PlanRequest) -> Plan:
     seconds_per_step = s.grad_accum / chosen.it_per_s
     prediction = Prediction(
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,
-        it_per_s=chosen.it_per_s,
-        samples_per_s=chosen.samples_per_s, seconds_per_step=seconds_per_step,
+        it_per_s=1.0 / seconds_per_step, micro_steps_per_s=chosen.it_per_s, samples_per_s=chosen.samples_per_s,
+        seconds_per_step=seconds_per_step,
         total_seconds=steps * seconds_per_step, optimizer_steps=steps,
     )
     context = _Context(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
@@ -793,7 +794,9 @@ def _choices(c: _Context) -> tuple[Choice, ...]:
     # dataset
     dataset_toml = "dataset.toml" if req.output_dir is None else str(Path(req.output_dir).expanduser().resolve()
                                                                      / "dataset.toml")
-    add("dataset_config", dataset_toml, "images, repeats and captions; written next to this file")
+    add("dataset_config", dataset_toml,
+        "images, repeats and captions: the dataset.toml written next to this file" if req.output_dir is not None
+        else "images, repeats and captions: dataset.toml, relative to the folder you launch from")
     res_reason = (f"{fam.name}'s native size" if s.resolution == fam.resolution and not req.preferences.resolution
                   else "your --resolution" if req.preferences.resolution and s.resolution == req.preferences.resolution
                   else f"lowered from {fam.resolution}: nothing fit at the native size (quality cost)")

@@ -109,8 +109,8 @@ def header_lines(plan: Plan, what: str) -> list[str]:
         lines += [
             f"predicted peak VRAM: {p.peak_bytes / GIB:.2f} GiB per device of {p.usable_bytes / GIB:.2f} GiB usable",
             f"predicted memory by part (GiB): {parts}",
-            f"predicted speed: {p.it_per_s:.3g} it/s per device, {p.samples_per_s:.3g} samples/s, "
-            f"{p.seconds_per_step:.3g} s per optimizer step",
+            f"predicted speed: {p.it_per_s:.3g} it/s (optimizer steps, kohya's progress bar), "
+            f"{p.micro_steps_per_s:.3g} micro-steps/s per device, {p.samples_per_s:.3g} samples/s",
             f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}",
         ]
     if plan.fallbacks:

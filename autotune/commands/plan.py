@@ -143,7 +143,8 @@ def render(plan: Any) -> None:
     console.print(table)
     p = plan.prediction
     console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
-                  f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] per device, {p.samples_per_s:.3g} "
+                  f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] ({p.micro_steps_per_s:.3g} micro-steps/s per "
+                  f"device), {p.samples_per_s:.3g} "
                   f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
     console.print("run: " + " ".join(plan.launch_command))

@@ -1,0 +1,330 @@
+"""Check the planner's predictions on a real CUDA GPU: measured peak memory and it/s vs predicted.
+
+For the built-in full-size SD1.5 and SDXL (random weights, nothing downloaded) and emulated cards of
+8 / 12 / 16 / 24 GB (``torch.cuda.set_per_process_memory_fraction`` on the real card), it plans with
+``autotune.planner`` (the card's own rates, the emulated memory), then runs a short training at exactly the
+planned settings: our kohya LoRA network (``sd_scripts_compat.lora.create_network``) on the UNet (and the
+text encoder when the plan trains it), random cached latents and text embeddings, the planned micro-batch,
+gradient accumulation, checkpointing, optimizer, precision and fp8 storage. A direct step loop instead of
+the full trainer: no dataset, no VAE and no caching pass, so one case takes seconds.
+
+Each case records measured peak (``torch.cuda.max_memory_reserved``, what the allocator held; the CUDA
+context lies outside it and is subtracted from the prediction), ``max_memory_allocated`` against the
+predicted tensor peak, measured it/s (micro-steps, i.e. forward + backward passes, per second) against
+predicted, and any OOM. One JSON per case plus
+``summary.json`` go to the folder given on the command line (default ``$OUT``, else
+``bench/results/gpu_validate``); a table is printed. Total well under 8 minutes on one H100/H200.
+
+``--dry-run`` runs the same code on the CPU with the tiny twins (tiny-sd15, tiny-sdxl) at 64 px, two
+steps per case: it proves the script end to end on a machine without a GPU (memory is not measured).
+
+    python bench/gpu_validate.py "$OUT"            # on a CUDA machine
+    python bench/gpu_validate.py --dry-run /tmp/gv  # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GIB = 1024**3
+CONTEXT_KEYS = ("cuda_context",)  # memory-model component that lives outside the caching allocator
+NOT_TENSORS = ("cuda_context", "allocator_overhead", "safety_margin", "ddp_buckets")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", default=None, help="result folder (default: $OUT or bench/results/...)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 steps: test the script itself")
+    parser.add_argument("--families", default="sd15,sdxl", help="comma-separated built-in families")
+    parser.add_argument("--tiers", default="8,12,16,24", help="emulated card sizes in GB")
+    parser.add_argument("--steps", type=int, default=None, help="timed micro-steps per case (default 8; dry-run 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed micro-steps first (default 3; dry-run 1)")
+    parser.add_argument("--budget", type=float, default=420.0, help="stop starting new cases after this many s")
+    parser.add_argument("--goal", default="character")
+    return parser.parse_args(argv)
+
+
+def result_dir(arg: str | None) -> Path:
+    out = Path(arg or os.environ.get("OUT") or ROOT / "bench" / "results" / "gpu_validate")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def device_spec(torch: Any, dry_run: bool) -> Any:
+    """The catalogue entry of this GPU (its rates feed the speed prediction); the generic card otherwise."""
+    from autotune.gpu_catalog import find_gpu, lookup_gpu
+    from autotune.planner import GENERIC_GPU_NAME
+
+    if not dry_run and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory / GIB
+        spec = find_gpu(torch.cuda.get_device_name(0), vram_gb=total) or find_gpu(torch.cuda.get_device_name(0))
+        if spec is not None:
+            return spec
+    return lookup_gpu(GENERIC_GPU_NAME)
+
+
+def make_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
+    from autotune.planner import PlanRequest, gpu_from_spec, nominal_dataset, plan_training
+
+    target = gpu_from_spec(spec, vram_gb=tier_gb, name=f"{spec.name} limited to {tier_gb:g} GB")
+    return plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", gpus=(target,), goal=goal,
+                                     dataset=nominal_dataset(), cpu_physical_cores=8))
+
+
+def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: float, steps: int, warmup: int,
+             resolution: int | None) -> dict[str, Any]:
+    """Train at the plan's settings for warmup + steps micro-steps; measure memory and speed."""
+    import torch.nn.functional as F
+
+    from sd_scripts_compat.families import get_family
+    from sd_scripts_compat.lora import create_network
+    from sd_scripts_compat.models import build_modules
+    from sd_scripts_compat.optim import make_optimizer
+    from sd_scripts_compat.precision import store_frozen_weights_in_fp8
+
+    s = plan.settings
+    family = get_family(train_family)
+    res = resolution or s.resolution
+    cuda = device == "cuda"
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.mixed_precision)
+    if not cuda:
+        amp_dtype = None  # CPU: fp32 (the dry run checks the code path, not the numbers)
+    weight_dtype = amp_dtype or torch.float32
+
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    bundle = build_modules(family, device=device, dtype=None, seed=0)
+    bundle.vae = None  # latents are cached: kohya moves the VAE off the GPU
+    if s.cache_text_encoder_outputs:
+        bundle.text_encoders = []
+    unet = bundle.unet.to(weight_dtype)
+    text_encoders = [te.to(weight_dtype) for te in bundle.text_encoders]
+    if not s.train_text_encoder:
+        text_encoders = text_encoders if not s.cache_text_encoder_outputs else []
+    if s.fp8_base and cuda:
+        store_frozen_weights_in_fp8(unet, weight_dtype)
+    if s.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        for te in text_encoders if s.train_text_encoder else []:
+            te.gradient_checkpointing_enable()
+    network = create_network(bundle, network_dim=s.rank, network_alpha=float(s.alpha),
+                             train_text_encoder=s.train_text_encoder)
+    network.to(device)
+    network.apply_to()
+    values = plan.kohya_values()
+    te_lr = values.get("text_encoder_lr", [None])[0]
+    groups = network.prepare_optimizer_params(te_lr, values["unet_lr"], values["learning_rate"])
+    optimizer_args = dict(item.split("=", 1) for item in values.get("optimizer_args", []))
+    optimizer_args = {k: _literal(v) for k, v in optimizer_args.items()}
+    optimizer, _ = make_optimizer(s.optimizer, groups, values["learning_rate"], optimizer_args)
+    scaler = torch.amp.GradScaler("cuda") if cuda and amp_dtype == torch.float16 else None
+    # One mutable holder, so the step closure sees the objects and cleanup can drop them all at once.
+    state: dict[str, Any] = {"unet": unet, "text_encoders": text_encoders, "optimizer": optimizer,
+                             "network": network, "bundle": bundle}
+    del unet, text_encoders, optimizer, network, bundle, groups
+
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, tier_gb * GIB / total), 0)
+        torch.cuda.reset_peak_memory_stats(0)
+    baseline_reserved = torch.cuda.memory_reserved(0) if cuda else 0
+
+    mb, accum = s.micro_batch, s.grad_accum
+    latent = res // 8
+    cross = family.unet["cross_attention_dim"]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def micro_step(i: int) -> None:
+        lat = torch.randn(mb, 4, latent, latent, generator=generator).to(device)
+        noise = torch.randn(mb, 4, latent, latent, generator=generator).to(device)
+        timesteps = torch.randint(0, 1000, (mb,), generator=generator).to(device)
+        with torch.autocast(device_type=device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            text_encoders = state["text_encoders"]
+            if s.train_text_encoder and text_encoders:
+                vocab = int(text_encoders[0].config.vocab_size)
+                ids = torch.randint(0, vocab - 1, (mb, 77), generator=generator).to(device)
+                states = [te(ids, output_hidden_states=True).hidden_states[-2] for te in text_encoders]
+                cond = torch.cat(states, dim=-1)
+                if cond.shape[-1] != cross:
+                    cond = cond[..., :cross]
+            else:
+                cond = torch.randn(mb, 77, cross, generator=generator).to(device, weight_dtype)
+            kwargs: dict[str, Any] = {}
+            if family.is_sdxl:
+                pooled = (family.unet["projection_class_embeddings_input_dim"]
+                          - 6 * family.unet["addition_time_embed_dim"])
+                kwargs["added_cond_kwargs"] = {
+                    "text_embeds": torch.randn(mb, pooled, generator=generator).to(device, weight_dtype),
+                    "time_ids": torch.tensor([[res, res, 0, 0, res, res]] * mb, device=device, dtype=weight_dtype),
+                }
+            pred = state["unet"]((lat + noise).to(weight_dtype), timesteps, cond, **kwargs).sample
+            loss = F.mse_loss(pred.float(), noise.float()) / accum
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if (i + 1) % accum == 0:
+            if scaler is not None:
+                scaler.step(state["optimizer"])
+                scaler.update()
+            else:
+                state["optimizer"].step()
+            state["optimizer"].zero_grad(set_to_none=True)
+
+    record: dict[str, Any] = {"oom": False, "error": None}
+    timed = 0
+    start = None
+    try:
+        total_steps = warmup + steps
+        # round the timed part up to whole optimizer steps so every timed micro-step has the same mix
+        total_steps = warmup + max(accum, steps // accum * accum)
+        for i in range(total_steps):
+            if i == warmup:
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+            micro_step(i)
+            if i >= warmup:
+                timed += 1
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start if start is not None else 0.0
+        record["measured_it_per_s"] = timed / elapsed if elapsed > 0 else None
+    except torch.OutOfMemoryError as error:
+        record["oom"] = True
+        record["error"] = str(error).splitlines()[0][:300]
+        record["measured_it_per_s"] = None
+    record["timed_micro_steps"] = timed
+    if cuda:
+        record["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(0))
+        record["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(0))
+        record["baseline_reserved_bytes"] = int(baseline_reserved)
+    state.clear()  # drop the model, network and optimizer before the next case
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    return record
+
+
+def _literal(text: str) -> Any:
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def summarize(plan: Any, measured: dict[str, Any], family: str, tier: float) -> dict[str, Any]:
+    p = plan.prediction
+    components = dict(p.components)
+    context = sum(v for k, v in components.items() if k in CONTEXT_KEYS)
+    predicted_allocator = p.peak_bytes - context  # the peak excludes the safety margin already
+    tensor_peak = sum(v for k, v in components.items() if k not in NOT_TENSORS)
+    row: dict[str, Any] = {
+        "family": family, "tier_gb": tier, "settings": plan.kohya_values(),
+        "predicted_peak_bytes": p.peak_bytes, "predicted_components": components,
+        "predicted_peak_without_context_bytes": predicted_allocator, "predicted_tensor_peak_bytes": tensor_peak,
+        "predicted_it_per_s": p.micro_steps_per_s, "usable_bytes": p.usable_bytes, **measured,
+    }
+    reserved = measured.get("measured_peak_reserved_bytes")
+    if reserved:
+        row["peak_ratio_measured_over_predicted"] = reserved / predicted_allocator
+        row["allocated_ratio_measured_over_predicted"] = measured["measured_peak_allocated_bytes"] / tensor_peak
+    if measured.get("measured_it_per_s"):
+        row["speed_ratio_measured_over_predicted"] = measured["measured_it_per_s"] / p.micro_steps_per_s
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'family':6} {'GB':>4} {'mb':>3} {'ga':>3} {'gc':>3} {'res':>5} {'rank':>4} {'opt':>10} "
+            f"{'pred GiB':>8} {'meas GiB':>8} {'ratio':>6} {'pred it/s':>9} {'meas it/s':>9} {'ratio':>6} oom")
+    print(head)
+    for r in rows:
+        if r.get("skipped"):
+            print(f"{r['family']:6} {r['tier_gb']:>4g} {r['skipped']}")
+            continue
+        s = r["settings"]
+        meas = r.get("measured_peak_reserved_bytes")
+        print(f"{r['family']:6} {r['tier_gb']:>4g} {s['train_batch_size']:>3} {s['gradient_accumulation_steps']:>3} "
+              f"{'on' if s['gradient_checkpointing'] else 'off':>3} {s['resolution'].split(',')[0]:>5} "
+              f"{s['network_dim']:>4} {s['optimizer_type']:>10} "
+              f"{r['predicted_peak_without_context_bytes'] / GIB:>8.2f} "
+              f"{(meas / GIB if meas else float('nan')):>8.2f} "
+              f"{r.get('peak_ratio_measured_over_predicted', float('nan')):>6.2f} "
+              f"{r['predicted_it_per_s']:>9.3g} {(r.get('measured_it_per_s') or float('nan')):>9.3g} "
+              f"{r.get('speed_ratio_measured_over_predicted', float('nan')):>6.2f} {'OOM' if r['oom'] else '-'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = result_dir(args.out)
+    import torch
+
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("no CUDA GPU: run on a CUDA machine, or pass --dry-run to test the script on tiny models",
+              file=sys.stderr)
+        return 2
+    device = "cpu" if dry else "cuda"
+    if dry:
+        torch.set_num_threads(1)  # tiny tensors: more threads only contend with each other
+    steps = args.steps if args.steps is not None else (2 if dry else 8)
+    warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
+    spec = device_spec(torch, dry)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    tiers = [float(t) for t in args.tiers.split(",") if t.strip()]
+    began = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if not dry else "cpu (dry run)",
+           "catalogue_card": spec.name, "dry_run": dry, "steps": steps, "warmup": warmup}
+    for family in families:
+        for tier in tiers:
+            name = f"{family}_{tier:g}gb"
+            if time.perf_counter() - began > args.budget:
+                rows.append({"family": family, "tier_gb": tier, "skipped": "time budget spent"})
+                continue
+            plan = make_plan(family, tier, spec, args.goal)
+            if not plan.fits:
+                row = {"family": family, "tier_gb": tier, "skipped": plan.message, "oom": False}
+                rows.append(row)
+                write_json(out / f"{name}.json", row)
+                continue
+            case_start = time.perf_counter()
+            measured = run_case(torch, plan, f"tiny-{family}" if dry else family, device, tier, steps, warmup,
+                                resolution=64 if dry else None)
+            row = summarize(plan, measured, family, tier)
+            row["seconds"] = round(time.perf_counter() - case_start, 2)
+            rows.append(row)
+            write_json(out / f"{name}.json", row)
+            print(f"{name}: {row['seconds']} s, oom={row['oom']}", flush=True)
+    summary = {"environment": env, "seconds": round(time.perf_counter() - began, 1), "cases": rows}
+    write_json(out / "summary.json", summary)
+    print_table(rows)
+    print(f"wrote {out / 'summary.json'} ({summary['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""`autotune plan` as a user runs it: a subprocess on a real dataset folder, files written and re-read."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import toml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "dataset"
+
+
+def make_dataset(root: Path) -> Path:
+    sub = root / "8_sks cat"
+    sub.mkdir(parents=True)
+    for i in range(6):
+        (sub / f"{i}.png").write_bytes(b"")
+        (sub / f"{i}.txt").write_text("sks cat", encoding="utf-8")
+    return root
+
+
+def autotune(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def dataset_dir(tmp_path: Path) -> Path:
+    return EXAMPLES if EXAMPLES.is_dir() else make_dataset(tmp_path / "dataset")
+
+
+def test_plan_json_writes_both_files(tmp_path):
+    out = tmp_path / "plan"
+    done = autotune("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sdxl", "--gpu", "RTX 3060",
+                    "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["fits"] and plan["family"] == "sdxl" and plan["num_processes"] == 1
+    assert plan["prediction"]["peak_bytes"] <= plan["prediction"]["usable_bytes"]
+    assert sorted(Path(p).name for p in plan["written"]) == ["config.toml", "dataset.toml"]
+    config = toml.load(out / "config.toml")
+    assert config["resolution"] == "1024,1024" and config["mixed_precision"] == "bf16"
+    assert config["dataset_config"] == str((out / "dataset.toml").resolve())
+    values = {c["key"]: c["value"] for c in plan["choices"] if c["kohya"]}
+    assert values == config
+    assert toml.load(out / "dataset.toml")["datasets"][0]["batch_size"] == config["train_batch_size"]
+
+
+def test_plan_table_and_lora_scripts_format(tmp_path):
+    out = tmp_path / "ls"
+    done = autotune("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sd15", "--gpu", "GTX 1080",
+                    "--gpu", "GTX 1080", "--goal", "style", "--priority", "quality", "--format", "lora-scripts",
+                    "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    for word in ("setting", "reason", "train_batch_size", "predicted peak VRAM", "it/s", "--num_processes 2"):
+        assert word in done.stdout, word
+    config = toml.load(out / "config.toml")
+    assert "training_arguments" in config and config["training_arguments"]["mixed_precision"] == "fp16"
+
+
+def test_plan_without_gpu_flags_probes_this_machine(tmp_path):
+    """This machine has no GPU: the probe says so and the plan is an fp32 CPU plan."""
+    done = autotune("plan", str(make_dataset(tmp_path / "d")), "--model", "builtin:sd15", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    if plan["device"] == "CPU":
+        assert plan["settings"]["mixed_precision"] == "no"
+        assert "no GPU" in plan["probe_summary"]
+    assert plan["written"] == []
+
+
+def test_plan_user_errors_are_one_line(tmp_path):
+    data = str(make_dataset(tmp_path / "d"))
+    cases = [
+        (["--model", "builtin:sdxl", "--vram", "1.5"], "nothing fits"),
+        (["--model", "builtin:sdxl", "--gpu", "RTX 9999 Hyper"], "unknown GPU"),
+        (["--model", "builtin:nope", "--vram", "8"], "unknown built-in"),
+        (["--model", "builtin:sd15", "--vram", "8", "--out", str(Path(data) / "8_sks cat" / "0.png" / "x")],
+         "--out"),
+    ]
+    for args, words in cases:
+        done = autotune("plan", data, *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert words in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    missing = autotune("plan", str(tmp_path / "none"), "--model", "builtin:sd15", "--vram", "8")
+    assert missing.returncode == 2 and "not found" in missing.stderr
