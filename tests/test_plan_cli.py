@@ -89,3 +89,35 @@ def test_plan_user_errors_are_one_line(tmp_path):
         assert "Traceback" not in done.stderr
     missing = autotune("plan", str(tmp_path / "none"), "--model", "builtin:sd15", "--vram", "8")
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_fake_probe_two_gpus_held_memory_and_display(monkeypatch, tmp_path):
+    """No NVIDIA driver here: a probe answer for two cards (one driving a display) stands in for NVML."""
+    import argparse
+
+    from autotune import probe as probe_module
+    from autotune.commands import plan as plan_command
+    from autotune.planner import GIB, plan_training
+
+    real_probe = probe_module.probe_system
+
+    def fake_probe(output_dir=".", assume_gpu=None, use_torch=True):
+        first = real_probe(output_dir, assume_gpu="RTX 3060", use_torch=False)
+        second = real_probe(output_dir, assume_gpu="RTX 3090", use_torch=False)
+        first.gpus[0].vram_used_bytes = int(1.5 * GIB)
+        first.gpus[0].display_active = True
+        second.gpus[0].index = 1
+        first.gpus.append(second.gpus[0])
+        return first
+
+    monkeypatch.setattr(probe_module, "probe_system", fake_probe)
+    parser = argparse.ArgumentParser()
+    plan_command.add_arguments(parser)
+    args = parser.parse_args([str(make_dataset(tmp_path / "d")), "--model", "builtin:sdxl"])
+    request = plan_command.build_request(args)
+    assert [g.source for g in request.gpus] == ["probe", "probe"]
+    assert request.gpus[0].held_bytes == int(1.5 * GIB) and "display active" in request.probe_summary
+    plan = plan_training(request)
+    assert plan.fits and plan.num_processes == 2
+    assert plan.prediction.usable_bytes == 12 * GIB - int(1.5 * GIB)  # the smaller, busier card decides
+    assert plan.prediction.required_bytes <= plan.prediction.usable_bytes

@@ -100,22 +100,23 @@ def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | Non
 
     probe = probe_system(output_dir=args.out or ".", use_torch=False)
     cores = int(probe.cpu.physical_cores or probe.cpu.logical_cores or 1)
-    gpus = []
+    gpus, parts = [], []
     for info in probe.gpus:
         if not info.vram_total_bytes:
             continue
         spec = find_gpu(info.catalog_name or info.name, vram_gb=info.vram_total_bytes / 1024**3)
         if spec is None:
             spec = lookup_gpu(GENERIC_GPU_NAME)  # rates only; memory and capability are the probed ones
+        # Before training starts, everything in use on the card belongs to others (processes, the display).
         held = max(info.vram_used_bytes or 0, info.other_processes_vram_bytes or 0)
-        gpus.append(GpuTarget(name=info.name, total_bytes=int(info.vram_total_bytes), held_bytes=int(held),
-                              compute_capability=info.compute_capability or spec.compute_capability,
-                              bf16=bool(info.bf16 if info.bf16 is not None else spec.bf16),
-                              fp8=bool(info.fp8 if info.fp8 is not None else spec.fp8), spec=spec, source="probe"))
+        target = GpuTarget(name=info.name, total_bytes=int(info.vram_total_bytes), held_bytes=int(held),
+                           compute_capability=info.compute_capability or spec.compute_capability,
+                           bf16=bool(info.bf16 if info.bf16 is not None else spec.bf16),
+                           fp8=bool(info.fp8 if info.fp8 is not None else spec.fp8), spec=spec, source="probe")
+        gpus.append(target)
+        parts.append(f"{target.name} {target.total_bytes / 1024**3:.1f} GiB total, {held / 1024**3:.2f} GiB held "
+                     f"by others{' (display active)' if info.display_active else ''}")
     if gpus:
-        parts = [f"{g.name} {g.total_bytes / 1024**3:.1f} GiB total, {g.held_bytes / 1024**3:.2f} GiB held by "
-                 f"others{' (display active)' if info.display_active else ''}"
-                 for g, info in zip(gpus, probe.gpus, strict=False)]
         line = "; ".join(parts) + f"; {cores} physical CPU cores"
     else:
         line = f"no GPU ({probe.cuda_reason or 'none found'}); {cores} physical CPU cores"
