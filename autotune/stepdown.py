@@ -157,6 +157,7 @@ class Exhausted:
     needed_mib: float
     budget_mib: float
     tried: tuple[str, ...] = field(default_factory=tuple)
+    scale: float = 1.0  # measured / predicted factor applied to needed_mib
 
     def message(self) -> str:
         tried = "; ".join(self.tried) if self.tried else "nothing else"
@@ -286,7 +287,7 @@ def next_settings(
         walked.append(f"{name} ({_short(_changes(current, strongest))})")
         current = strongest
     return Exhausted(floor=current, needed_mib=predict(current) * scale, budget_mib=limits.budget_mib,
-                     tried=tuple(walked))
+                     tried=tuple(walked), scale=scale)
 
 
 def _apply(current: TrainSettings, failed: TrainSettings, candidate: TrainSettings) -> TrainSettings:
