@@ -468,7 +468,12 @@ def make_dataloader(dataset: TrainDataset, sampler: BucketBatchSampler, *, num_w
                     persistent_workers: bool = False, pin_memory: bool = False) -> Any:
     """A torch DataLoader over whole batches (kohya's ``max_data_loader_n_workers`` and
     ``persistent_data_loader_workers``); ``persistent_workers`` needs ``num_workers > 0``."""
+    import torch
     from torch.utils.data import DataLoader
 
+    # Its own generator: each new iterator draws a worker base seed, and drawing it from the global RNG
+    # would shift dropout noise between a straight run and a resumed one.
+    generator = torch.Generator().manual_seed(dataset.seed)
     return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=num_workers,
-                      persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory)
+                      persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
+                      generator=generator)

@@ -323,14 +323,13 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         while counters.global_step < max_train_steps:
             epoch = counters.epoch
             sampler.set_epoch(epoch, start_step=counters.step_in_epoch)
-            micro = 0
             batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
             for batch in loader:
                 batch = _to_device(batch, device)
                 latents = batch.get("latents")
                 if latents is None:
                     with torch.no_grad():
-                        seeds = [(seed * 1_000_003 + counters.global_step * 4099 + micro * 131 + i) % 2**63
+                        seeds = [(seed * 1_000_003 + counters.global_step * 4099 + batch_index * 131 + i) % 2**63
                                  for i in range(batch["images"].shape[0])]
                         latents = encode_images(bundle.vae, batch["images"], noise_seeds=seeds,
                                                 scaling_factor=bundle.vae.config.scaling_factor)
@@ -338,7 +337,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                 if injector is not None:
                     injector.check(counters.global_step, latents.shape[0], latents.shape[2] * 8,
                                    latents.shape[3] * 8)
-                generator = step_generator(seed, counters.global_step, micro * world + rank, device)
+                generator = step_generator(seed, counters.global_step, batch_index * world + rank, device)
                 with accelerator.autocast():
                     encoder_hidden, added_cond = conditioner.condition(batch, train=train_text_encoder)
                     step_noise, timesteps = sample_noise_and_timesteps(latents, noise, generator)
@@ -354,9 +353,8 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                     accelerator.backward(scaled)
                 running_loss += loss.detach()
                 running_count += 1
-                micro += 1
                 batch_index += 1
-                if micro % accumulation != 0 and batch_index < batches_per_epoch:
+                if batch_index % accumulation != 0 and batch_index < batches_per_epoch:
                     continue
                 # -- optimizer step (one per `accumulation` micro-batches) --
                 if world > 1:
