@@ -1,0 +1,325 @@
+"""Regenerate ``autotune/data/memory_calibration.json`` from fake-tensor traces and print the check table.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py            # trace, fit, write, print
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --reuse    # refit from bench/results/memory_traces.jsonl
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
+
+Traces (``autotune.memtrace``) are the ground truth; the analytic model (``autotune.memory_model``)
+is what the planner uses. "fit" rows are the traces the coefficients come from, "held-out" rows are
+configurations the fit never saw (other resolutions, ranks, optimizers, dtypes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TRACES = ROOT / "bench" / "results" / "memory_traces.jsonl"  # raw traces (ignored by git), for --reuse
+NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024}
+BASE = {"optimizer": "AdamW", "weight_dtype": "fp16", "train_text_encoder": False, "cache_latents": True,
+        "cache_text_encoder_outputs": True, "attention": "sdpa"}
+
+
+def config(family: str, resolution: int | None = None, batch_size: int = 1, rank: int = 16, gc: bool = True,
+           **overrides: object) -> dict[str, object]:
+    return {"family": family, "resolution": resolution or NATIVE[family], "batch_size": batch_size, "rank": rank,
+            "gradient_checkpointing": gc, **BASE, **overrides}
+
+
+def fit_grid() -> list[dict[str, object]]:
+    """The traces the coefficients come from, SDXL first (slowest).
+
+    SD1.5: the full batch x rank x GC grid plus auxiliary traces (trained text encoder, uncached
+    latents, fp8). SDXL: two corners per GC setting (bs1/rank16, bs4/rank64); its rank sensitivity
+    is SD1.5's (see fit()). Sized for a 2-core machine: each SDXL trace is ~40 s alone, minutes
+    when the CPU is shared.
+    """
+    grid = [config("sdxl", batch_size=bs, rank=r, gc=gc) for gc in (False, True) for bs, r in ((1, 16), (4, 64))]
+    grid += [config("sd15", batch_size=bs, rank=r, gc=gc) for gc in (False, True) for bs in (1, 4) for r in (16, 64)]
+    grid += [config("sd15", gc=gc, train_text_encoder=True, cache_text_encoder_outputs=False) for gc in (False, True)]
+    grid += [config("sd15", gc=True, weight_dtype="fp8"), config("sd15", gc=True, cache_latents=False)]
+    return grid
+
+
+def held_out_grid() -> list[dict[str, object]]:
+    return [
+        config("sd15", 768, batch_size=2, rank=32, gc=True, optimizer="AdamW8bit"),
+        config("sd15", 256, batch_size=1, rank=8, gc=False, optimizer="Prodigy"),
+    ]
+
+
+def key(cfg: dict[str, object]) -> str:
+    return json.dumps(cfg, sort_keys=True)
+
+
+def load_traces() -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    if TRACES.is_file():
+        for line in TRACES.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                out[key(row["config"])] = row["result"]
+    return out
+
+
+def run_traces(configs: list[dict[str, object]], known: dict[str, dict[str, object]], fresh: bool) -> None:
+    from autotune.memtrace import trace_training_step
+
+    TRACES.parent.mkdir(parents=True, exist_ok=True)
+    for cfg in configs:
+        if not fresh and key(cfg) in known:
+            continue
+        cfg_args = {k: v for k, v in cfg.items() if k not in ("family", "gradient_checkpointing")}
+        result = trace_training_step(cfg["family"], gradient_checkpointing=cfg["gradient_checkpointing"],
+                                     **cfg_args).to_dict()
+        known[key(cfg)] = result
+        with TRACES.open("a") as fh:
+            fh.write(json.dumps({"config": cfg, "result": result}) + "\n")
+        print(f"traced {cfg['family']} {cfg['resolution']}px bs{cfg['batch_size']} r{cfg['rank']} "
+              f"gc={int(cfg['gradient_checkpointing'])} {cfg['optimizer']} {cfg['weight_dtype']} "
+              f"te={int(cfg['train_text_encoder'])} latents_cached={int(cfg['cache_latents'])} {cfg['attention']}: "
+              f"peak {result['peak_bytes'] / 2**30:.3f} GiB in {result['seconds']:.1f} s", flush=True)
+
+
+def _inputs(cfg: dict[str, object]):  # noqa: ANN202
+    from autotune.memory_model import MemoryInputs
+
+    return MemoryInputs(family=cfg["family"], resolution=cfg["resolution"], batch_size=cfg["batch_size"],
+                        rank=cfg["rank"], gradient_checkpointing=cfg["gradient_checkpointing"],
+                        optimizer=cfg["optimizer"], weight_dtype=cfg["weight_dtype"],
+                        train_text_encoder=cfg["train_text_encoder"], cache_latents=cfg["cache_latents"],
+                        cache_text_encoder_outputs=cfg["cache_text_encoder_outputs"], attention=cfg["attention"])
+
+
+def _is_core(cfg: dict[str, object]) -> bool:
+    return all(cfg[k] == v for k, v in BASE.items()) and cfg["resolution"] == NATIVE[cfg["family"]]
+
+
+def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, object]]) -> dict[str, object]:
+    """Least-squares fit of the activation coefficients, then the auxiliary terms (see memory_model)."""
+    import numpy as np
+
+    from autotune.memory_model import predict_memory
+
+    rows = [(json.loads(k), v) for k, v in known.items()]
+    families: dict[str, dict[str, object]] = {}
+    for family, arch in architectures.items():
+        families[family] = {"architecture": arch}
+    # Assumed unless traced: without autocast every saved activation is fp32 instead of fp16 (x2);
+    # math attention saves the fp32 softmax output (4 B) and its fp16 copy for the second matmul (2 B).
+    shared: dict[str, object] = {"fp32_activation_factor": {"no_gc": 2.0, "gc": 2.0},
+                                 "math_attention_bytes_per_score": {"no_gc": 6.0, "gc": 6.0},
+                                 "assumed": ["fp32_activation_factor", "math_attention_bytes_per_score"]}
+    names = ("c0", "c1", "a", "b")
+    for family in ["sd15"] + [f for f in NATIVE if f != "sd15"]:  # SD1.5 first: others borrow its rank terms
+        entry = families[family]
+        entry.update(activations={}, fp8_extra={}, text_encoder_train_per_sample={}, borrowed=[])
+        pixels = (NATIVE[family] // 8) ** 2
+        for gc_name, gc in (("no_gc", False), ("gc", True)):
+            core = [(c, r) for c, r in rows
+                    if c["family"] == family and _is_core(c) and c["gradient_checkpointing"] == gc]
+            y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
+            ranks = {c["rank"] for c, _ in core}
+            batches = {c["batch_size"] for c, _ in core}
+            if len(core) >= 4 and len(ranks) >= 2 and len(batches) >= 2:
+                x = np.array([[1.0, c["rank"], c["batch_size"] * pixels, c["batch_size"] * pixels * c["rank"]]
+                              for c, _ in core])
+                coef = np.linalg.lstsq(x, y, rcond=None)[0]
+            elif len(core) >= 2:
+                # rank terms from SD1.5 scaled by LoRA size (c1: per-rank parameter count; b: module
+                # count), then c0 and a fitted: act - c1*r - bs*P*b*r = c0 + bs*P*a
+                ref = families["sd15"]["activations"][gc_name]
+                arch, ref_arch = entry["architecture"], families["sd15"]["architecture"]
+                c1 = ref["c1"] * _per_rank(arch) / _per_rank(ref_arch)
+                b = ref["b"] * _modules(arch) / _modules(ref_arch)
+                x = np.array([[1.0, c["batch_size"] * pixels] for c, _ in core])
+                rest = y - np.array([c1 * c["rank"] + b * c["batch_size"] * pixels * c["rank"] for c, _ in core])
+                c0, a = np.linalg.lstsq(x, rest, rcond=None)[0]
+                coef = [c0, c1, a, b]
+                entry["borrowed"].append(f"activations.{gc_name} rank terms (sd15 x LoRA size)")
+            else:  # no traces (SD2): SD1.5's coefficients per latent pixel (near-identical UNet)
+                coef = [families["sd15"]["activations"][gc_name][n] for n in names]
+                entry["borrowed"].append(f"activations.{gc_name} (sd15)")
+            entry["activations"][gc_name] = dict(zip(names, (float(v) for v in coef), strict=True))
+    # auxiliary terms: differences against the fitted base prediction of the same configuration
+    calibration = {"families": families, **shared}
+
+    def base_act(cfg: dict[str, object]) -> float:
+        plain = {**cfg, **BASE}
+        return predict_memory(_inputs(plain), calibration).components["activations"]
+
+    for cfg, res in rows:
+        family, gc_name = cfg["family"], "gc" if cfg["gradient_checkpointing"] else "no_gc"
+        entry = families[family]
+        changed = {k for k, v in BASE.items() if cfg[k] != v}
+        if cfg["resolution"] != NATIVE[family] or cfg["rank"] != 16 or cfg["batch_size"] != 1:
+            continue
+        act = res["activations_peak_bytes"]
+        if changed == {"train_text_encoder", "cache_text_encoder_outputs"}:
+            # with GC the peak comes before the text encoders' backward: their LoRA grads (counted as
+            # persistent) do not exist yet and the difference can come out slightly negative
+            entry["text_encoder_train_per_sample"][gc_name] = max(0.0, act - base_act(cfg))
+        elif changed == {"cache_latents"}:
+            persistent_no_grads = res["weights_bytes"] + res["lora_param_bytes"] + res["optimizer_state_bytes"]
+            entry["vae_encode_per_image_pixel"] = (res["phase_peaks"]["vae_encode"] - persistent_no_grads) / (
+                cfg["batch_size"] * cfg["resolution"] ** 2)
+        elif changed == {"weight_dtype"} and cfg["weight_dtype"] == "fp8":
+            entry["fp8_extra"][gc_name] = act - base_act(cfg)
+        elif changed == {"weight_dtype"} and cfg["weight_dtype"] == "fp32":
+            shared["fp32_activation_factor"][gc_name] = act / base_act(cfg)
+            shared["assumed"] = [k for k in shared["assumed"] if k != "fp32_activation_factor"]
+        elif changed == {"attention"}:
+            arch = entry["architecture"]
+            pixels = (cfg["resolution"] // 8) ** 2
+            if cfg["gradient_checkpointing"]:
+                scores = arch["attn_self_max_layer_per_pixel2"] * pixels**2
+            else:
+                scores = arch["attn_self_scores_per_pixel2"] * pixels**2 + arch["attn_cross_scores_per_pixel"] * pixels
+            shared["math_attention_bytes_per_score"][gc_name] = (act - base_act(cfg)) / scores
+            shared["assumed"] = [k for k in shared["assumed"] if k != "math_attention_bytes_per_score"]
+    # terms traced on some families / GC settings only are borrowed: the other GC setting scaled by
+    # SD1.5's ratio between the two, or SD1.5's value scaled by the size of what the term depends on.
+    # fp8 without GC when untraced: every upcast fp16 weight copy is saved for backward (2 B/element).
+    ref = families["sd15"]
+    if "no_gc" not in ref["fp8_extra"]:
+        ref["fp8_extra"]["no_gc"] = 2.0 * ref["architecture"]["unet"]["fp8_elements"]
+        ref["borrowed"].append("fp8_extra.no_gc (assumed: all upcast fp16 weights saved)")
+    sizes = {"fp8_extra": lambda a: a["unet"]["fp8_elements"],
+             "text_encoder_train_per_sample": lambda a: sum(t["float_elements"] for t in a["text_encoders"])}
+    for family in NATIVE:
+        entry = families[family]
+        for term, size in sizes.items():
+            for gc_name, other in (("no_gc", "gc"), ("gc", "no_gc")):
+                if gc_name in entry[term]:
+                    continue
+                if other in entry[term] and family != "sd15":
+                    entry[term][gc_name] = entry[term][other] * ref[term][gc_name] / ref[term][other]
+                    entry["borrowed"].append(f"{term}.{gc_name} ({family} {other} x sd15 ratio)")
+                else:
+                    entry[term][gc_name] = ref[term][gc_name] * size(entry["architecture"]) / size(ref["architecture"])
+                    entry["borrowed"].append(f"{term}.{gc_name} (sd15 x size)")
+        if "vae_encode_per_image_pixel" not in entry:
+            entry["vae_encode_per_image_pixel"] = ref["vae_encode_per_image_pixel"]  # same VAE
+            entry["borrowed"].append("vae_encode_per_image_pixel (sd15, same VAE)")
+    for family in architectures:
+        if family not in NATIVE:
+            same = next(f for f in NATIVE if architectures[f]["unet"] == architectures[family]["unet"]
+                        and architectures[f]["text_encoders"] == architectures[family]["text_encoders"])
+            families[family]["calibrated_as"] = same
+    return calibration
+
+
+def _per_rank(arch: dict[str, object]) -> int:
+    """UNet LoRA parameters per unit of rank."""
+    return sum((int(a) + int(b)) * n for shape, n in arch["lora_modules"]["unet"]["linear"].items()
+               for a, b in [shape.split("x")])
+
+
+def _modules(arch: dict[str, object]) -> int:
+    return sum(arch["lora_modules"]["unet"]["linear"].values())
+
+
+def write_json(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibration: dict[str, object],
+                title: str) -> float:
+    from autotune.memory_model import predict_memory
+
+    print(f"\n{title}")
+    print("| family | res | bs | rank | GC | optimizer | dtype | TE trained | latents cached | attn | trace GiB "
+          "| predicted GiB | error | trace s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for cfg, res in rows:
+        pred = predict_memory(_inputs(cfg), calibration).tensor_peak_bytes
+        err = (pred - res["peak_bytes"]) / res["peak_bytes"] * 100
+        worst = max(worst, abs(err))
+        print(f"| {cfg['family']} | {cfg['resolution']} | {cfg['batch_size']} | {cfg['rank']} | "
+              f"{'on' if cfg['gradient_checkpointing'] else 'off'} | {cfg['optimizer']} | {cfg['weight_dtype']} | "
+              f"{'yes' if cfg['train_text_encoder'] else 'no'} | {'yes' if cfg['cache_latents'] else 'no'} | "
+              f"{cfg['attention']} | {res['peak_bytes'] / 2**30:.3f} | {pred / 2**30:.3f} | {err:+.1f}% | "
+              f"{res['seconds']:.0f} |")
+    print(f"worst |error|: {worst:.1f}%")
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reuse", action="store_true", help="reuse traces in bench/results/memory_traces.jsonl")
+    parser.add_argument("--check", action="store_true", help="fresh traces of the held-out and a few fit rows "
+                        "against the shipped calibration, without rewriting it")
+    parser.add_argument("--trace-only", action="store_true")
+    parser.add_argument("--flops-only", action="store_true", help="recount the FLOP fits (meta device) only")
+    parser.add_argument("--part", default="0/1", help="I/N: trace only every N-th configuration from I "
+                        "(run N processes side by side)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    known = {} if not args.reuse else load_traces()
+    if args.reuse:
+        known = load_traces()
+    started = time.perf_counter()
+    from autotune.memory_model import CALIBRATION_PATH, load_calibration
+    from autotune.memtrace import architecture_facts
+
+    needs_flops = not CALIBRATION_PATH.is_file() or "flops" not in load_calibration()
+    if args.flops_only or (needs_flops and not args.trace_only and not args.check):
+        from autotune.speed_model import fit_flops
+
+        started = time.perf_counter()
+        flops = {f: fit_flops(f) for f in NATIVE}
+        data = json.loads(CALIBRATION_PATH.read_text()) if CALIBRATION_PATH.is_file() else {"families": {}}
+        data["flops"] = flops
+        write_json(CALIBRATION_PATH, data)
+        load_calibration.cache_clear()
+        print(f"counted FLOPs in {time.perf_counter() - started:.0f} s")
+        for f, fits in flops.items():
+            print(f, {k: [round(v / 1e12, 3) for v in vals] for k, vals in fits["counted"].items()},
+                  "at", fits["counted_at"])
+        if args.flops_only:
+            return 0
+    if args.check:  # fresh traces against the shipped table
+        calibration = load_calibration()
+        configs = held_out_grid() + [c for c in fit_grid() if _is_core(c) and c["batch_size"] == 4][:4]
+        fresh: dict[str, dict[str, object]] = {}
+        run_traces(configs, fresh, fresh=True)
+        worst = print_table([(json.loads(k), v) for k, v in fresh.items()], calibration,
+                            "Shipped calibration vs fresh traces")
+        return 0 if worst <= 10 else 1
+    index, parts = (int(x) for x in args.part.split("/"))
+    run_traces((fit_grid() + held_out_grid())[index::parts], known, fresh=not args.reuse)
+    print(f"tracing took {time.perf_counter() - started:.0f} s")
+    if args.trace_only:
+        return 0
+    import torch
+
+    architectures = {f: architecture_facts(f) for f in ("sd15", "sd2", "sd2-v", "sdxl")}
+    calibration = fit(known, architectures)
+    fit_keys = {key(c) for c in fit_grid()}
+    rows = [(json.loads(k), v) for k, v in known.items()]
+    calibration["flops"] = load_calibration()["flops"]
+    calibration["generated_by"] = "bench/calibrate_memory.py"
+    calibration["torch"] = torch.__version__
+    calibration["traces"] = [{"config": c, "peak_bytes": r["peak_bytes"], "seconds": r["seconds"],
+                              "used_for_fit": key(c) in fit_keys} for c, r in rows]
+    write_json(CALIBRATION_PATH, calibration)
+    load_calibration.cache_clear()
+    print(f"wrote {CALIBRATION_PATH}")
+    worst_fit = print_table([r for r in rows if key(r[0]) in fit_keys], calibration, "Fit traces vs analytic model")
+    worst_held = print_table([r for r in rows if key(r[0]) not in fit_keys], calibration,
+                             "Held-out traces vs analytic model")
+    return 0 if max(worst_fit, worst_held) <= 10 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
