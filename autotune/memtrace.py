@@ -554,7 +554,8 @@ def _attention_scores(bundle: Any, resolution: int) -> dict[str, float]:
         cond = torch.empty(1, 77, cross_dim)
         added = None
         if bundle.family.is_sdxl:
-            added = {"text_embeds": torch.empty(1, unet.config.projection_class_embeddings_input_dim - 6 * 256),
+            pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+            added = {"text_embeds": torch.empty(1, pooled),
                      "time_ids": torch.empty(1, 6)}
         F.scaled_dot_product_attention = recording
         try:

@@ -181,7 +181,8 @@ def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, r
         cond = torch.empty(1, 77, unet.config.cross_attention_dim)
         added = None
         if spec.is_sdxl:
-            added = {"text_embeds": torch.empty(1, unet.config.projection_class_embeddings_input_dim - 6 * 256),
+            pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+            added = {"text_embeds": torch.empty(1, pooled),
                      "time_ids": torch.empty(1, 6)}
         with FlopCounterMode(display=False) as forward:
             out = unet(x, torch.tensor([1]), cond, added_cond_kwargs=added).sample
