@@ -1,7 +1,7 @@
 """Regenerate ``autotune/data/memory_calibration.json`` from fake-tensor traces and print the check table.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py            # trace, fit, write, print
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --reuse    # refit from bench/results/memory_traces.jsonl
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --reuse    # refit from saved traces
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
 
 Traces (``autotune.memtrace``) are the ground truth; the analytic model (``autotune.memory_model``)
