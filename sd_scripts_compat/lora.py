@@ -153,7 +153,9 @@ class LoRAModule(nn.Module):
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """``up(down(x)) * scale * multiplier`` with kohya's dropouts when training (no base output)."""
         weight_dtype = self.lora_down.weight.dtype
-        lx = self.lora_down(x if x.dtype == weight_dtype else x.to(weight_dtype))
+        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(weight_dtype)  # under autocast the layer casts itself; a copy here would be kept for backward
+        lx = self.lora_down(x)
         scale = self.scale
         if self.training and self.dropout:
             lx = nn.functional.dropout(lx, p=self.dropout)
