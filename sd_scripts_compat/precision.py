@@ -2,8 +2,10 @@
 mixed-precision dtype.
 
 Hand-written because neither diffusers nor accelerate offers "store frozen Linear/Conv weights in
-float8, upcast per call" for training: each layer's forward upcasts its weight just in time, so the
-resident copy costs 1 byte per parameter.
+float8, upcast per call" for training. The upcast happens inside a small autograd function that
+saves the float8 weight (1 byte per parameter) for backward and upcasts it again there; a plain
+``F.linear(x, w.to(fp16))`` would keep every layer's fp16 copy alive until backward and give the
+saving back.
 """
 
 from __future__ import annotations
@@ -20,24 +22,63 @@ def fp8_supported(device: Any) -> bool:
     return hasattr(torch, "float8_e4m3fn")
 
 
-def store_frozen_weights_in_fp8(module: Any, compute_dtype: Any) -> int:
-    """Cast every frozen Linear/Conv2d weight under ``module`` to float8_e4m3fn; returns how many."""
+def _upcast_functions() -> tuple[Any, Any]:
     import torch
     import torch.nn.functional as F
 
+    class Fp8Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight8, bias, dtype):  # type: ignore[override]
+            ctx.save_for_backward(weight8)
+            ctx.dtype = dtype
+            return F.linear(x.to(dtype), weight8.to(dtype), None if bias is None else bias.to(dtype))
+
+        @staticmethod
+        def backward(ctx, grad_out):  # type: ignore[override]
+            (weight8,) = ctx.saved_tensors
+            grad_x = grad_out.to(ctx.dtype) @ weight8.to(ctx.dtype) if ctx.needs_input_grad[0] else None
+            return grad_x, None, None, None
+
+    class Fp8Conv2d(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight8, bias, dtype, stride, padding, dilation, groups):  # type: ignore[override]
+            ctx.save_for_backward(weight8)
+            ctx.conv = (x.shape, dtype, stride, padding, dilation, groups)
+            bias = None if bias is None else bias.to(dtype)
+            return F.conv2d(x.to(dtype), weight8.to(dtype), bias, stride, padding, dilation, groups)
+
+        @staticmethod
+        def backward(ctx, grad_out):  # type: ignore[override]
+            (weight8,) = ctx.saved_tensors
+            shape, dtype, stride, padding, dilation, groups = ctx.conv
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.nn.grad.conv2d_input(shape, weight8.to(dtype), grad_out.to(dtype), stride, padding,
+                                                    dilation, groups)
+            return grad_x, None, None, None, None, None, None, None
+
+    return Fp8Linear, Fp8Conv2d
+
+
+def store_frozen_weights_in_fp8(module: Any, compute_dtype: Any) -> int:
+    """Cast every frozen Linear/Conv2d weight under ``module`` to float8_e4m3fn; returns how many."""
+    import torch
+
+    fp8_linear, fp8_conv = _upcast_functions()
     count = 0
     for layer in module.modules():
         if not isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) or layer.weight.requires_grad:
             continue
+        if isinstance(layer, torch.nn.Conv2d) and layer.padding_mode != "zeros":
+            continue
         layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
         if isinstance(layer, torch.nn.Linear):
             def forward(x, layer=layer):
-                bias = None if layer.bias is None else layer.bias.to(compute_dtype)
-                return F.linear(x.to(compute_dtype), layer.weight.to(compute_dtype), bias)
+                return fp8_linear.apply(x, layer.weight, layer.bias, compute_dtype)
         else:
             def forward(x, layer=layer):
-                bias = None if layer.bias is None else layer.bias.to(compute_dtype)
-                return layer._conv_forward(x.to(compute_dtype), layer.weight.to(compute_dtype), bias)
+                return fp8_conv.apply(x, layer.weight, layer.bias, compute_dtype, layer.stride, layer.padding,
+                                      layer.dilation, layer.groups)
         layer.forward = forward
         count += 1
     return count
