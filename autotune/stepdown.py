@@ -172,16 +172,17 @@ _STATE_BREAKING = {"network_dim", "optimizer_type", "cache_text_encoder_outputs"
 
 
 def rescale_factor(predicted_failed_mib: float, measured_mib: float | None, budget_mib: float) -> float:
-    """How far to scale the model up for this machine, from a failure.
+    """measured / predicted for the failed settings, ties the model to this machine.
 
-    The failed attempt needed more than the budget and at least what was measured before the
-    failure, so both are lower bounds of the true need; the factor never goes below 1 because a
-    failure is no evidence that the model over-predicts.
+    The failed attempt needed more than the budget and at least what was measured before it failed,
+    so the evidence is max(measured, budget x 1.02); the rescaled prediction of the failed settings
+    is therefore always over budget. The factor may be below 1 (a model in other units, or one that
+    over-predicts, as the full-size model borrowed for a tiny family on CPU).
     """
     if predicted_failed_mib <= 0:
         return 1.0
     evidence = max(measured_mib or 0.0, budget_mib * 1.02)
-    return max(1.0, evidence / predicted_failed_mib)
+    return evidence / predicted_failed_mib
 
 
 def _divisor_batches(settings: TrainSettings) -> list[TrainSettings]:

@@ -62,7 +62,8 @@ def test_checkpointing_after_micro_batch_one(sdxl_predict):
     with_gc = replace(one, gradient_checkpointing=True)
     assert sdxl_predict(with_gc) < sdxl_predict(one)
     budget = (sdxl_predict(with_gc) + sdxl_predict(one)) / 2
-    decision = next_settings(SDXL, LadderLimits(budget_mib=budget, is_sdxl=True), sdxl_predict)
+    decision = next_settings(SDXL, LadderLimits(budget_mib=budget, is_sdxl=True), sdxl_predict,
+                             measured_mib=sdxl_predict(SDXL))
     assert isinstance(decision, Decision)
     assert decision.settings == with_gc
     assert [r.split(":")[0] for r in decision.reasons] == ["micro-batch", "gradient checkpointing"]
@@ -71,7 +72,7 @@ def test_checkpointing_after_micro_batch_one(sdxl_predict):
 def test_ladder_order_down_to_rank(sdxl_predict):
     """With a budget that only the lowest rungs meet, the changes appear in the documented order."""
     limits = LadderLimits(budget_mib=1.0, is_sdxl=True, fp8_supported=True)
-    floor = next_settings(SDXL, limits, sdxl_predict)
+    floor = next_settings(SDXL, limits, sdxl_predict, measured_mib=sdxl_predict(SDXL))
     assert isinstance(floor, Exhausted)
     names = [t.split(" (")[0] for t in floor.tried]
     assert names == ["micro-batch", "gradient checkpointing", "8-bit optimizer", "text-encoder caching",
@@ -86,13 +87,14 @@ def test_ladder_order_down_to_rank(sdxl_predict):
 
 
 def test_te_caching_and_fp8_only_where_allowed(sd15_predict, sdxl_predict):
-    sd15_floor = next_settings(SD15, LadderLimits(budget_mib=1.0, fp8_supported=False), sd15_predict)
+    sd15_floor = next_settings(SD15, LadderLimits(budget_mib=1.0, fp8_supported=False), sd15_predict,
+                               measured_mib=sd15_predict(SD15))
     assert isinstance(sd15_floor, Exhausted)
     assert not sd15_floor.floor.cache_text_encoder_outputs and not sd15_floor.floor.fp8_base
     names = [t.split(" (")[0] for t in sd15_floor.tried]
     assert "text-encoder caching" not in names and "fp8 base" not in names
     shuffled = next_settings(SDXL, LadderLimits(budget_mib=1.0, is_sdxl=True, te_cache_allowed=False),
-                             sdxl_predict)
+                             sdxl_predict, measured_mib=sdxl_predict(SDXL))
     assert isinstance(shuffled, Exhausted) and not shuffled.floor.cache_text_encoder_outputs
 
 
@@ -101,19 +103,21 @@ def test_rescale_by_measurement_goes_deeper(sd15_predict):
     two = replace(SD15, train_batch_size=2, gradient_accumulation_steps=2)
     budget = sd15_predict(two) * 1.05
     raw = next_settings(SD15, LadderLimits(budget_mib=budget), sd15_predict)
-    assert isinstance(raw, Decision) and raw.settings == two and raw.scale == pytest.approx(1.0)
+    assert isinstance(raw, Decision) and raw.settings == two
     measured = 2.0 * sd15_predict(SD15)
     scaled = next_settings(SD15, LadderLimits(budget_mib=budget), sd15_predict, measured_mib=measured)
-    assert scaled.scale == pytest.approx(2.0)
+    assert scaled.scale == pytest.approx(2.0 * sd15_predict(SD15) / sd15_predict(SD15))
     assert not isinstance(scaled, Decision) or scaled.settings != two
     if isinstance(scaled, Decision):
         assert scaled.predicted_mib == pytest.approx(sd15_predict(scaled.settings) * 2.0)
 
 
-def test_rescale_factor_never_below_one():
-    assert rescale_factor(1000.0, 500.0, 800.0) == 1.0
+def test_rescale_factor_puts_the_failed_settings_over_budget():
+    assert rescale_factor(1000.0, 500.0, 800.0) == pytest.approx(0.816)  # model over-predicts: scaled down
     assert rescale_factor(1000.0, None, 2000.0) == pytest.approx(2.04)
     assert rescale_factor(1000.0, 3000.0, 2000.0) == pytest.approx(3.0)
+    for predicted, measured, budget in ((1000.0, 500.0, 800.0), (10.0, None, 5000.0), (9e4, 1200.0, 1250.0)):
+        assert predicted * rescale_factor(predicted, measured, budget) > budget
 
 
 def test_tried_settings_are_not_proposed_again(sd15_predict):
@@ -124,12 +128,12 @@ def test_tried_settings_are_not_proposed_again(sd15_predict):
 
 
 def test_rank_or_optimizer_change_is_not_resume_compatible(sd15_predict):
-    floor = next_settings(SD15, LadderLimits(budget_mib=1.0), sd15_predict)
+    floor = next_settings(SD15, LadderLimits(budget_mib=1.0), sd15_predict, measured_mib=sd15_predict(SD15))
     assert isinstance(floor, Exhausted)
     rank_only = replace(SD15, network_dim=8, network_alpha=4.0)
     # a budget that the rank rung meets but nothing milder does not exist for every model; check the flag logic
     budget = sd15_predict(floor.floor) * 1.5
-    decision = next_settings(SD15, LadderLimits(budget_mib=budget), sd15_predict)
+    decision = next_settings(SD15, LadderLimits(budget_mib=budget), sd15_predict, measured_mib=sd15_predict(SD15))
     assert isinstance(decision, Decision)
     breaking = {"network_dim", "optimizer_type", "cache_text_encoder_outputs"} & set(decision.changes)
     assert decision.resume_compatible == (not breaking)
