@@ -16,7 +16,8 @@ import argparse
 from pathlib import Path
 
 from autotune.planner import GIB, Plan, PlanRequest, gpu_from_vram, nominal_dataset, plan_training
-from autotune.toml_writer import atomic_write_text, render_config, render_dataset
+from autotune.toml_writer import render_config, render_dataset
+from sd_scripts_compat.atomic import write_text_atomic
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "templates"
 FAMILIES = ("sd15", "sd2", "sdxl")
@@ -82,7 +83,7 @@ def write_templates(root: Path) -> list[Path]:
     for relative, text in files.items():
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, text)
+        write_text_atomic(path, text)
         written.append(path)
     return written
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from autotune.planner import GIB, Plan
+from sd_scripts_compat.atomic import write_text_atomic
 from sd_scripts_compat.errors import UserError
 
 FORMATS = ("kohya", "lora-scripts")
@@ -192,19 +192,6 @@ def _check_round_trip(text: str, values: dict[str, Any], sectioned: bool) -> Non
         raise AssertionError("config.toml does not parse back to the planned values")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and ``os.replace``: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "kohya") -> tuple[Path, Path]:
     """Write config.toml and dataset.toml into ``out_dir`` (created if missing); returns their paths.
 
@@ -216,8 +203,8 @@ def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "ko
     try:
         out.mkdir(parents=True, exist_ok=True)
         config_path, dataset_path = out / "config.toml", out / "dataset.toml"
-        atomic_write_text(dataset_path, dataset_text)
-        atomic_write_text(config_path, config_text)
+        write_text_atomic(dataset_path, dataset_text)
+        write_text_atomic(config_path, config_text)
     except OSError as error:
         raise UserError(f"--out {out_dir}: cannot write there ({error.strerror or error}); "
                         "choose a writable folder") from None

@@ -14,12 +14,11 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sd_scripts_compat.atomic import atomic_path
 from sd_scripts_compat.buckets import resize_and_crop
 from sd_scripts_compat.datasets import (
     ImageRecord,
@@ -147,14 +146,8 @@ def _disk_cache_valid(path: Path, record: ImageRecord, expected: dict[str, str])
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def read_latent_file(path: Path) -> LatentEntry:

@@ -14,12 +14,12 @@ import datetime
 import hashlib
 import json
 import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sd_scripts_compat.atomic import write_bytes_atomic
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -94,21 +94,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise UserError(f"{path}: folder {folder} does not exist; create it or choose another output_dir")
-    tmp_name = None
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
-            tmp_name = tmp.name
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-        tmp_name = None
+        write_bytes_atomic(path, data)
     except OSError as error:
         raise UserError(f"{path}: cannot write ({error.strerror or error}); check the folder's permissions "
                         "and free space") from None
-    finally:
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.unlink(tmp_name)
 
 
 # ------------------------------------------------------------------------------------------------ read

@@ -9,13 +9,12 @@ event says where and with which settings), 130 interrupted (state saved).
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from sd_scripts_compat.atomic import write_json_atomic  # noqa: F401 - part of the event contract
 
 OOM_EXIT_CODE = 87
 INTERRUPTED_EXIT_CODE = 130
@@ -42,19 +41,6 @@ def is_oom_error(error: BaseException) -> bool:
     return isinstance(error, (RuntimeError, MemoryError)) and (
         isinstance(error, MemoryError) or bool(_OOM_PATTERNS.search(str(error)))
     )
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON via a temp file in the same folder and rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def memory_figures() -> dict[str, float]:

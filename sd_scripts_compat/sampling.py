@@ -80,10 +80,9 @@ def build_pipeline(bundle: Any, sampler: str) -> Any:
 def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, out_dir: Path, name: str,
                    device: Any, dtype: Any, clip_skip: int | None = None) -> list[Path]:
     """Render each prompt to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
-    import os
-    import tempfile
-
     import torch
+
+    from sd_scripts_compat.atomic import atomic_path
 
     pipeline = build_pipeline(bundle, sampler)
     pipeline.set_progress_bar_config(disable=True)
@@ -98,9 +97,7 @@ def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, ou
                              width=sample.width, height=sample.height, num_inference_steps=sample.steps,
                              guidance_scale=sample.guidance_scale, generator=generator, **extra).images[0]
         target = out_dir / f"{name}_{index:02d}.png"
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=out_dir)
-        os.close(fd)
-        image.save(tmp)
-        os.replace(tmp, target)
+        with atomic_path(target, suffix=".png") as tmp:
+            image.save(tmp)
         written.append(target)
     return written

@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sd_scripts_compat.atomic import atomic_path
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.families import FamilySpec, family_names, get_family, model_config
 from sd_scripts_compat.unet_names import diffusers_to_ldm_unet_name
@@ -193,14 +193,8 @@ def save_single_file(bundle: ModelBundle, path: str | os.PathLike[str], dtype: t
             "modelspec.resolution": f"{bundle.family.resolution}x{bundle.family.resolution}"}
     meta.update(metadata or {})
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
     return path
 
 

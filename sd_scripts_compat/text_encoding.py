@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sd_scripts_compat.atomic import atomic_path
 from sd_scripts_compat.captions import caption_is_deterministic, process_caption
 from sd_scripts_compat.datasets import ImageRecord, TextEntry, TrainDataset
 from sd_scripts_compat.errors import UserError
@@ -201,18 +200,12 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
     tensors = {"encoder_hidden_states": entry.encoder_hidden_states.contiguous()}
     if entry.pooled is not None:
         tensors["pooled"] = entry.pooled.contiguous()
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
     except PermissionError:
-        Path(tmp).unlink(missing_ok=True)
         raise UserError(f"{path.parent}: cannot write the text-encoder cache there (permission denied); "
                         "use cache_text_encoder_outputs without _to_disk") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,

@@ -142,7 +142,7 @@ def test_fake_unwritable_dir_is_user_error(tmp_path, trained_state, monkeypatch)
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
     with pytest.raises(UserError, match=r"x\.safetensors: cannot write \(Permission denied\)"):
         save_lora_file(tmp_path / "x.safetensors", trained_state, {})
     assert list(tmp_path.iterdir()) == []

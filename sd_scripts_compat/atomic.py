@@ -1,0 +1,49 @@
+"""Atomic file writes: a temp file in the target's folder, then ``os.replace``.
+
+Every output of ours (LoRA files, caches, configs, events, sample images) goes through here, so a
+crash, a kill or a full disk never leaves a half-written file under the real name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on normal exit it replaces ``path``, on error it is removed.
+
+    For writers that want a file name (safetensors' ``save_file``, PIL's ``save``).
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
+    """JSON (sorted keys; values json cannot take are written with ``str``), creating the folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(payload, indent=1, sort_keys=True, default=str))
