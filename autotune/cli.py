@@ -23,7 +23,8 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (``autotune --help`` imports none of them)."""
     parser = argparse.ArgumentParser(
         prog="autotune",
         description="Plan, run and recover LoRA training for Stable Diffusion on the GPU you have.",
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lora-autotune {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in COMMANDS:
+        if name != command:
+            subparsers.add_parser(name, help=help_text, description=help_text)
+            continue
         module = importlib.import_module(module_name)
         sub = subparsers.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
         module.add_arguments(sub)
@@ -38,10 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_in(argv: list[str]) -> str | None:
+    """The subcommand: the first word that is not an option (the top level takes no other words)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     from sd_scripts_compat.errors import UserError
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
