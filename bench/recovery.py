@@ -150,7 +150,7 @@ def main() -> int:
         for r in range(args.repeats):
             rows.append(scenario(tmp, data, f"injected OOM {r}", micro=2, accum=2, steps=6, inject="step=3"))
             rows.append(scenario(tmp, data, f"pixel OOM {r}", micro=4, accum=1, steps=3,
-                                 inject=f"pixels_gt={2 * 32 * 32}"))
+                                 inject=f"pixels_gt={2 * 128 * 128}"))  # engine: latent px x 8
             rows.append(scenario(tmp, data, f"SIGKILL {r}", micro=1, accum=1, steps=40, inject=None,
                                  kill_at=6, save_every=1.0))
     print("\n| scenario | failed at step | resumed at step | steps lost | failure -> first resumed step (s) "
