@@ -187,7 +187,7 @@ def test_real_allocation_failure_under_rlimit_steps_down(tmp_path, reference):
 
 
 def test_sigkill_mid_run_resumes_from_last_state(tmp_path):
-    steps = 60
+    steps = 8
     job = make_job(tmp_path, "killed", micro=2, accum=2, steps=steps, save_state_every_s=0.5)
     killed: list[int] = []
 
