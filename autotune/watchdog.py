@@ -314,9 +314,18 @@ def write_toml_atomic(path: Path, document: dict[str, Any], header: str = "") ->
         raise
 
 
-def override_config(src: Path, dst: Path, settings: TrainSettings, header: str = "") -> None:
-    """Write ``src`` with the settings' values replaced (wherever kohya would read them) to ``dst``."""
-    write_toml_atomic(dst, _set_everywhere(load_toml(src), settings.kohya_values()), header)
+def override_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
+                    base: TrainSettings | None = None) -> None:
+    """Write ``src`` with the settings' values replaced (wherever kohya would read them) to ``dst``.
+
+    Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
+    does not grow keys (and the engine's "ignored option" warnings) it never had.
+    """
+    values = settings.kohya_values()
+    if base is not None:
+        before = base.kohya_values()
+        values = {k: v for k, v in values.items() if before.get(k) != v}
+    write_toml_atomic(dst, _set_everywhere(load_toml(src), values), header)
 
 
 def override_dataset_config(src: Path, dst: Path, settings: TrainSettings, header: str = "") -> None:
@@ -406,7 +415,7 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
         return job.config_path, job.dataset_config_path
     config = job.output_dir / f"config.attempt{attempt}.toml"
     header = f"# attempt {attempt} after out-of-memory step-down: {settings.describe()}\n"
-    override_config(job.config_path, config, settings, header)
+    override_config(job.config_path, config, settings, header, base=job.settings)
     dataset = None
     if job.dataset_config_path is not None:
         dataset = job.output_dir / f"dataset.attempt{attempt}.toml"
@@ -567,6 +576,6 @@ def _write_list_atomic(path: Path, items: list[dict[str, Any]]) -> None:
 def _write_final_configs(job: Job, settings: TrainSettings) -> None:
     header = ("# settings that finally worked (written by autotune run"
               f"{'' if settings == job.settings else ' after out-of-memory step-down'}): {settings.describe()}\n")
-    override_config(job.config_path, job.output_dir / "config.final.toml", settings, header)
+    override_config(job.config_path, job.output_dir / "config.final.toml", settings, header, base=job.settings)
     if job.dataset_config_path is not None:
         override_dataset_config(job.dataset_config_path, job.output_dir / "dataset.final.toml", settings, header)
