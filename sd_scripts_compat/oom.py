@@ -24,7 +24,8 @@ INJECT_ENV = "SD_COMPAT_INJECT_OOM"
 _OOM_PATTERNS = re.compile(
     r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_NOT_SUPPORTED|CUDNN_STATUS_ALLOC_FAILED"
     r"|DefaultCPUAllocator: can't allocate memory|HIP error: out of memory|hipErrorOutOfMemory"
-    r"|MPS backend out of memory|Invalid buffer size",
+    r"|MPS backend out of memory|Invalid buffer size"
+    r"|could not create a primitive|std::bad_alloc",  # oneDNN / C++ allocations failing under a memory limit
     re.IGNORECASE,
 )
 

@@ -138,6 +138,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
                              family=_stated_family(config, sdxl))
     family = bundle.family
+    vae_scale = 2 ** (len(bundle.vae.config.block_out_channels) - 1)  # pixels per latent pixel
     if family.is_sdxl != sdxl:
         entry = "sdxl_train_network" if family.is_sdxl else "train_network"
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
@@ -257,6 +258,11 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         lr_scheduler.load_state_dict(state.lr_scheduler_state)
         restore_rng_state(state.rng)
         counters = state.counters
+        saved_batch = int(counters.extra.get("micro_batch", dataset_spec.batch_size))
+        if saved_batch != dataset_spec.batch_size:
+            # the watchdog changed the micro-batch: skip the samples already seen (rounded down, so none is
+            # skipped unseen; at most one micro-batch of samples is seen twice)
+            counters.step_in_epoch = counters.step_in_epoch * saved_batch // dataset_spec.batch_size
         accelerator.print(f"resumed from {config.resume} at step {counters.global_step} (epoch {counters.epoch + 1})")
 
     settings = _settings_for_events(config, weight_dtype, use_fp8)
@@ -267,6 +273,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         accelerator.init_trackers(config.log_prefix or "network_train", config=tracker_config)
 
     def save_state(folder: Path) -> Path:
+        counters.extra["micro_batch"] = dataset_spec.batch_size
         return save_train_state(folder, lora_state=network.kohya_state_dict(), optimizer=_unwrap(optimizer),
                                 lr_scheduler=lr_scheduler, counters=counters, settings=settings)
 
@@ -335,8 +342,8 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                                                 scaling_factor=bundle.vae.config.scaling_factor)
                 latents = latents.to(weight_dtype)
                 if injector is not None:
-                    injector.check(counters.global_step, latents.shape[0], latents.shape[2] * 8,
-                                   latents.shape[3] * 8)
+                    injector.check(counters.global_step, latents.shape[0], latents.shape[2] * vae_scale,
+                                   latents.shape[3] * vae_scale)
                 generator = step_generator(seed, counters.global_step, batch_index * world + rank, device)
                 with accelerator.autocast():
                     encoder_hidden, added_cond = conditioner.condition(batch, train=train_text_encoder)

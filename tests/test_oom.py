@@ -1,0 +1,57 @@
+"""OOM recognition and fault injection (the engine's side of the watchdog contract)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sd_scripts_compat.oom import INJECT_ENV, OomInjector, is_oom_error
+
+
+@pytest.mark.parametrize("message", [
+    "CUDA out of memory. Tried to allocate 2.00 GiB",
+    "CUDA error: out of memory",
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+    "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
+    "HIP out of memory. Tried to allocate 20.00 MiB",
+    "MPS backend out of memory (MPS allocated: 1 GB)",
+    "could not create a primitive",
+])
+def test_oom_messages_in_other_clothes_are_recognised(message):
+    assert is_oom_error(RuntimeError(message))
+
+
+def test_real_oom_error_and_unrelated_errors():
+    assert is_oom_error(torch.OutOfMemoryError("anything"))
+    assert is_oom_error(MemoryError())
+    assert not is_oom_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_oom_error(ValueError("out of memory"))  # only runtime errors carry allocator messages
+
+
+def test_a_real_cpu_allocation_failure_is_recognised():
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert is_oom_error(caught.value)
+
+
+def test_injected_oom_fires_once_per_step_across_restarts(tmp_path):
+    injector = OomInjector.from_env(tmp_path, {INJECT_ENV: "step=3,step=5"})
+    injector.check(2, 1, 64, 64)
+    with pytest.raises(torch.OutOfMemoryError):
+        injector.check(3, 1, 64, 64)
+    injector.check(3, 1, 64, 64)  # the marker file makes it fire once
+    again = OomInjector.from_env(tmp_path, {INJECT_ENV: "step=3,step=5"})  # a restarted engine
+    again.check(3, 1, 64, 64)
+    with pytest.raises(torch.OutOfMemoryError):
+        again.check(5, 1, 64, 64)
+
+
+def test_injected_oom_by_pixels_and_bad_rules(tmp_path):
+    injector = OomInjector.from_env(tmp_path, {INJECT_ENV: "pixels_gt=8192"})
+    injector.check(0, 2, 64, 64)
+    with pytest.raises(torch.OutOfMemoryError, match="4x64x64"):
+        injector.check(0, 4, 64, 64)
+    assert OomInjector.from_env(tmp_path, {}) is None
+    with pytest.raises(ValueError, match=INJECT_ENV):
+        OomInjector.from_env(tmp_path, {INJECT_ENV: "sometimes"})
