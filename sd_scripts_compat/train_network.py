@@ -120,6 +120,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                      Path(config.autotune_events_dir) if config.autotune_events_dir else None)
     _check_output_dir(paths.output_dir)
     accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # several CPU processes (accelerate launch / torchrun) then use gloo
         mixed_precision=config.mixed_precision,
         log_with=config.log_with if config.logging_dir else None,
         project_dir=config.logging_dir,

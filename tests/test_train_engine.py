@@ -199,9 +199,12 @@ def test_sd15_model_given_to_the_sdxl_entry_point_says_which_to_use(tmp_path):
 def test_accelerate_launch_two_cpu_processes_trains_and_writes_one_file(tmp_path):
     config = write_config(tmp_path / "config.toml", base_config(tmp_path, max_train_steps=4, cache_latents=True))
     events = tmp_path / "events"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "-m", "sd_scripts_compat.train_network",
-               "--config_file", str(config), "--autotune_events_dir", str(events)]
+    # --multi_gpu is accelerate's name for "one process per device through torchrun"; without CUDA the
+    # engine's Accelerator(cpu=True) turns that into two CPU processes on the gloo backend
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "sd_scripts_compat.train_network", "--config_file", str(config),
+               "--autotune_events_dir", str(events)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lora.safetensors"]
