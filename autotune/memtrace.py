@@ -142,6 +142,15 @@ class LiveBytesCounter:
         return _Mode()
 
 
+def latent_downsample(spec: Any) -> int:
+    """Image pixels per latent pixel along a side, from the family's VAE config.
+
+    diffusers' pipelines derive it the same way (``2 ** (len(block_out_channels) - 1)``): each encoder
+    block but the last halves the image. 8 for the full-size VAEs, 2 for the tiny test VAE.
+    """
+    return 2 ** (len(spec.vae["block_out_channels"]) - 1)
+
+
 def torch_dtype(name: str) -> Any:
     import torch
 
@@ -376,7 +385,8 @@ def trace_training_step(
 
     counter = LiveBytesCounter()
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
-    latent_size = resolution // 8
+    latent_size = resolution // latent_downsample(spec)
+    latent_channels = spec.vae.get("latent_channels", 4)
     with fake_mode:
         opt, simulated = make_optimizer(optimizer, lora_params)
         # steady state: the optimizer state exists before the traced step (step 2 onward)
@@ -392,7 +402,7 @@ def trace_training_step(
         with counter.mode(), _attention_context(attention):
             counter.phase = "inputs"
             if cache_latents:
-                latents = torch.empty(batch_size, 4, latent_size, latent_size, dtype=torch.float32)
+                latents = torch.empty(batch_size, latent_channels, latent_size, latent_size, dtype=torch.float32)
             else:
                 images = torch.empty(batch_size, 3, resolution, resolution, dtype=module_dtype)
                 counter.phase = "vae_encode"
@@ -525,6 +535,7 @@ def architecture_facts(family: str, reference_resolution: int | None = None) -> 
         "lora_modules": {part: {kind: dict(sorted(c.items())) for kind, c in kinds.items()}
                          for part, kinds in lora.items()},
         "attention_reference_resolution": resolution,
+        "latent_downsample": latent_downsample(spec),
         **scores,
     }
 
@@ -546,7 +557,7 @@ def _attention_scores(bundle: Any, resolution: int) -> dict[str, float]:
         return original(q, k, *args, **kwargs)
 
     unet = bundle.unet
-    latent = resolution // 8
+    latent = resolution // latent_downsample(bundle.family)
     pixels = latent * latent
     cross_dim = unet.config.cross_attention_dim
     with torch.device("meta"):
