@@ -23,8 +23,10 @@ Activations per calibrated family and gradient-checkpointing setting:
 ``c0 + c1*rank + batch*latent_pixels*(a + b*rank)`` (fp16/bf16 autocast, SDPA/flash), plus:
 trained text encoders (bytes per sample), VAE encoding when latents are not cached (a transient
 before the UNet forward, bytes per image pixel), fp8 base weights (upcast copies saved for
-backward), fp32 (no autocast: activations x a measured factor), and math attention (saved N x N
-scores: bytes per attention score, scores counted from the architecture).
+backward), fp32 (no autocast: a family's own fp32 coefficients where traced -- the tiny families,
+whose CPU plans train in fp32 -- else activations x a shared factor), and math attention (saved N x N
+scores: bytes per attention score, scores counted from the architecture). Latent pixels are image
+pixels over the VAE's downsampling (``latent_downsample`` in each architecture: 8, the tiny VAE 2).
 """
 
 from __future__ import annotations
@@ -161,12 +163,19 @@ def _validate(inputs: MemoryInputs) -> None:
         (inputs.weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}"),
         (inputs.attention in ATTENTIONS, f"attention must be one of {', '.join(ATTENTIONS)}"),
         (inputs.lora_dtype in ("fp32", "fp16", "bf16"), "lora_dtype must be fp32, fp16 or bf16"),
-        (inputs.batch_size >= 1 and inputs.rank >= 1 and inputs.resolution >= 64,
-         "batch_size and rank must be >= 1 and resolution >= 64"),
+        (inputs.batch_size >= 1 and inputs.rank >= 1, "batch_size and rank must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(f"memory model input {inputs}: {message}")
+
+
+def _validate_resolution(inputs: MemoryInputs, downsample: int) -> None:
+    """At least 8 latent pixels a side (64 px for the full-size VAEs, 16 px for the tiny one)."""
+    smallest = 8 * downsample
+    if min(inputs.resolution, inputs.height or inputs.resolution) < smallest:
+        raise UserError(f"memory model input {inputs}: resolution must be >= {smallest} px for {inputs.family} "
+                        f"(8 latent pixels at the VAE's {downsample}x downsampling)")
 
 
 def lora_tensor_sizes(architecture: dict[str, Any], parts: list[str], rank: int,
@@ -234,16 +243,24 @@ def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]
     return unet_bytes, te_bytes, vae_bytes
 
 
+def latent_downsample(architecture: dict[str, Any]) -> int:
+    """Image pixels per latent pixel along a side (from the VAE config, see memtrace); 8 unless recorded."""
+    return int(architecture.get("latent_downsample", 8))
+
+
 def _activations(cal: dict[str, Any], shared: dict[str, Any], inputs: MemoryInputs, lora_grad_bytes: int,
                  notes: list[str]) -> int:
     gc = "gc" if inputs.gradient_checkpointing else "no_gc"
     arch = cal["architecture"]
     height = inputs.height or inputs.resolution
-    pixels = (inputs.resolution // 8) * (height // 8)
+    down = latent_downsample(arch)
+    pixels = (inputs.resolution // down) * (height // down)
     bs, rank = inputs.batch_size, inputs.rank
-    coef = cal["activations"][gc]
+    fp32 = not autocast_enabled(inputs)  # no autocast: activations kept in fp32
+    own_fp32 = fp32 and "activations_fp32" in cal  # traced in fp32 (tiny families), else the shared factor
+    coef = cal["activations_fp32" if own_fp32 else "activations"][gc]
     act = coef["c0"] + coef["c1"] * rank + bs * pixels * (coef["a"] + coef["b"] * rank)
-    if not autocast_enabled(inputs):  # no autocast: activations kept in fp32
+    if fp32 and not own_fp32:
         act *= shared["fp32_activation_factor"][gc]
     if inputs.weight_dtype == "fp8":
         act += cal["fp8_extra"][gc]
@@ -274,6 +291,7 @@ def predict_memory(inputs: MemoryInputs, calibration: dict[str, Any] | None = No
     calibration = calibration or load_calibration()
     cal = family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
+    _validate_resolution(inputs, latent_downsample(arch))
     notes: list[str] = []
     parts = ["unet"] + (list(arch["text_encoder_prefixes"]) if inputs.train_text_encoder else [])
     sizes = lora_tensor_sizes(arch, parts, inputs.rank, inputs.conv_dim)

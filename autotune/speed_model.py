@@ -87,7 +87,8 @@ def step_flops(inputs: Any, calibration: dict[str, Any] | None = None) -> StepFl
                         "regenerate them with bench/calibrate_memory.py --flops-only")
     fam = table[name]
     height = inputs.height or inputs.resolution
-    pixels = (inputs.resolution // 8) * (height // 8)
+    down = int(fam.get("latent_downsample", 8))
+    pixels = (inputs.resolution // down) * (height // down)
     bs = inputs.batch_size
     forward = bs * _poly(fam["unet_forward"], pixels)
     backward = bs * _poly(fam["unet_backward_gc" if inputs.gradient_checkpointing else "unet_backward"], pixels)
@@ -163,6 +164,7 @@ def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, r
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from autotune.memtrace import latent_downsample
     from sd_scripts_compat.families import get_family
     from sd_scripts_compat.lora import create_network
     from sd_scripts_compat.models import build_modules
@@ -175,7 +177,7 @@ def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, r
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         unet.train()
-    latent = resolution // 8
+    latent = resolution // latent_downsample(spec)
     with torch.device("meta"):
         x = torch.empty(1, unet.config.in_channels, latent, latent)
         cond = torch.empty(1, 77, unet.config.cross_attention_dim)
@@ -223,15 +225,21 @@ def count_encoder_flops(family: str, resolution: int) -> dict[str, float]:
 
 def fit_flops(family: str, resolutions: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Per-sample FLOP fits in latent pixels for one family: ``f1*P + f2*P^2`` through two resolutions
-    (half and full native size; the P-independent part -- time embedding -- is negligible)."""
+    (half and full native size; the P-independent part -- time embedding, the cross-attention keys and
+    values of the 77 tokens -- is negligible at full size). Given three or more resolutions a constant
+    ``f0`` is fitted too: in the tiny families that part is a sizeable share of a step."""
     import numpy as np
 
+    from autotune.memtrace import latent_downsample
     from sd_scripts_compat.families import get_family
 
-    native = get_family(family).resolution
+    spec = get_family(family)
+    native = spec.resolution
+    down = latent_downsample(spec)
     resolutions = resolutions or (native // 2, native)
-    pixels = np.array([(r // 8) ** 2 for r in resolutions], dtype=float)
-    design = np.stack([pixels, pixels**2], axis=1)
+    pixels = np.array([(r // down) ** 2 for r in resolutions], dtype=float)
+    columns = [pixels, pixels**2] if len(resolutions) < 3 else [np.ones_like(pixels), pixels, pixels**2]
+    design = np.stack(columns, axis=1)
     series: dict[str, list[float]] = {"unet_forward": [], "unet_backward": [], "unet_backward_gc": []}
     for res in resolutions:
         plain = count_flops(family, res, gradient_checkpointing=False)
@@ -239,13 +247,15 @@ def fit_flops(family: str, resolutions: tuple[int, ...] | None = None) -> dict[s
         series["unet_forward"].append(plain["forward"])
         series["unet_backward"].append(plain["backward"])
         series["unet_backward_gc"].append(gc["backward"])
-    fits = {name: [0.0, *(float(c) for c in np.linalg.lstsq(design, np.array(v), rcond=None)[0])]
+    pad = [0.0] if len(resolutions) < 3 else []
+    fits = {name: [*pad, *(float(c) for c in np.linalg.lstsq(design, np.array(v), rcond=None)[0])]
             for name, v in series.items()}
     encoders = count_encoder_flops(family, native)
     # the VAE encoder is convolutional but for one mid-block attention: linear in pixels is close
-    fits["vae_encode"] = [0.0, encoders["vae_encode"] / (native // 8) ** 2, 0.0]
+    fits["vae_encode"] = [0.0, encoders["vae_encode"] / (native // down) ** 2, 0.0]
     return {
         **fits,
+        "latent_downsample": down,
         "text_encoder_forward": encoders["text_encoder_forward"],
         "text_encoder_backward_ratio": encoders["text_encoder_backward"] / encoders["text_encoder_forward"],
         "counted_at": list(resolutions),

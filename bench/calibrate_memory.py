@@ -2,6 +2,10 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py            # trace, fit, write, print
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --reuse    # refit from saved traces
+
+``--reuse`` traces only the configurations missing from ``bench/results/memory_traces.jsonl`` (the
+tiny families take seconds each; SDXL minutes) and counts FLOPs only for families the JSON lacks, so
+adding a family -- as tiny-sd15 / tiny-sdxl were -- never re-traces the full-size ones.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
 
 Traces (``autotune.memtrace``) are the ground truth; the analytic model (``autotune.memory_model``)
@@ -22,7 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TRACES = ROOT / "bench" / "results" / "memory_traces.jsonl"  # raw traces (ignored by git), for --reuse
-NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024}
+NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024, "tiny-sd15": 64, "tiny-sdxl": 64}
+TINY = ("tiny-sd15", "tiny-sdxl")
+# Resolutions whose core traces (BASE settings) enter the activation fit. The full-size families are
+# fitted at their native size only (each SDXL trace costs minutes); the tiny ones trace in seconds, so
+# two resolutions pin the per-latent-pixel slope independently of the constant.
+FIT_RESOLUTIONS = {"tiny-sd15": (32, 64), "tiny-sdxl": (32, 64)}
+TINY_RANKS = (8, 32)
 BASE = {"optimizer": "AdamW", "weight_dtype": "fp16", "train_text_encoder": False, "cache_latents": True,
         "cache_text_encoder_outputs": True, "attention": "sdpa"}
 
@@ -45,6 +55,19 @@ def fit_grid() -> list[dict[str, object]]:
     grid += [config("sd15", batch_size=bs, rank=r, gc=gc) for gc in (False, True) for bs in (1, 4) for r in (16, 64)]
     grid += [config("sd15", gc=gc, train_text_encoder=True, cache_text_encoder_outputs=False) for gc in (False, True)]
     grid += [config("sd15", gc=True, weight_dtype="fp8"), config("sd15", gc=True, cache_latents=False)]
+    return grid + tiny_fit_grid()
+
+
+def tiny_fit_grid() -> list[dict[str, object]]:
+    """The tiny families' traces (seconds each): res x batch x rank x GC in fp16 (autocast) and fp32 --
+    the CPU plan trains them in fp32, so fp32 gets its own coefficients instead of the assumed factor --
+    plus the auxiliary traces at rank 16 (trained text encoder, uncached latents, fp8)."""
+    grid = [config(f, res, batch_size=bs, rank=r, gc=gc, weight_dtype=dtype)
+            for f in TINY for dtype in ("fp16", "fp32") for res in FIT_RESOLUTIONS[f] for gc in (False, True)
+            for bs in (1, 4) for r in TINY_RANKS]
+    for f in TINY:
+        grid += [config(f, gc=gc, train_text_encoder=True, cache_text_encoder_outputs=False) for gc in (False, True)]
+        grid += [config(f, gc=True, weight_dtype="fp8"), config(f, gc=True, cache_latents=False)]
     return grid
 
 
@@ -52,7 +75,19 @@ def held_out_grid() -> list[dict[str, object]]:
     return [
         config("sd15", 768, batch_size=2, rank=32, gc=True, optimizer="AdamW8bit"),
         config("sd15", 256, batch_size=1, rank=8, gc=False, optimizer="Prodigy"),
-    ]
+    ] + tiny_held_out_grid()
+
+
+def tiny_held_out_grid() -> list[dict[str, object]]:
+    """Resolutions, batches and ranks the tiny fit never saw, in each precision the planner uses."""
+    out: list[dict[str, object]] = []
+    for f in TINY:
+        out += [config(f, 48, batch_size=2, rank=16, gc=False, weight_dtype="fp32"),
+                config(f, 48, batch_size=2, rank=16, gc=True, weight_dtype="bf16", optimizer="AdamW8bit"),
+                config(f, 96, batch_size=3, rank=16, gc=True, weight_dtype="fp32"),
+                config(f, 64, batch_size=2, rank=16, gc=False, weight_dtype="fp32", optimizer="AdamW8bit",
+                       train_text_encoder=True, cache_text_encoder_outputs=False)]
+    return out
 
 
 def key(cfg: dict[str, object]) -> str:
@@ -98,8 +133,16 @@ def _inputs(cfg: dict[str, object]):  # noqa: ANN202
                         cache_text_encoder_outputs=cfg["cache_text_encoder_outputs"], attention=cfg["attention"])
 
 
-def _is_core(cfg: dict[str, object]) -> bool:
-    return all(cfg[k] == v for k, v in BASE.items()) and cfg["resolution"] == NATIVE[cfg["family"]]
+def _is_core(cfg: dict[str, object], weight_dtype: str = "fp16") -> bool:
+    """A trace of the activation fit: BASE settings (in ``weight_dtype``) at one of the fit resolutions."""
+    base = {**BASE, "weight_dtype": weight_dtype}
+    return (all(cfg[k] == v for k, v in base.items())
+            and cfg["resolution"] in FIT_RESOLUTIONS.get(cfg["family"], (NATIVE[cfg["family"]],)))
+
+
+def _latent_pixels(cfg: dict[str, object], arch: dict[str, object]) -> int:
+    """Latent pixels of a square ``cfg["resolution"]``; the VAE's downsampling comes from the architecture."""
+    return (cfg["resolution"] // arch.get("latent_downsample", 8)) ** 2
 
 
 def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, object]]) -> dict[str, object]:
@@ -121,26 +164,29 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
     for family in ["sd15"] + [f for f in NATIVE if f != "sd15"]:  # SD1.5 first: others borrow its rank terms
         entry = families[family]
         entry.update(activations={}, fp8_extra={}, text_encoder_train_per_sample={}, borrowed=[])
-        pixels = (NATIVE[family] // 8) ** 2
+        arch = entry["architecture"]
         for gc_name, gc in (("no_gc", False), ("gc", True)):
+            # fp32 (no autocast) gets coefficients of its own where traced (the tiny families: their
+            # CPU plans train in fp32), else the shared fp32 factor applies to the fp16 ones
+            fp32 = [(c, r) for c, r in rows
+                    if c["family"] == family and _is_core(c, "fp32") and c["gradient_checkpointing"] == gc]
+            if _full_grid(fp32):
+                entry.setdefault("activations_fp32", {})[gc_name] = _fit_full(fp32, arch)
             core = [(c, r) for c, r in rows
                     if c["family"] == family and _is_core(c) and c["gradient_checkpointing"] == gc]
             y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
-            ranks = {c["rank"] for c, _ in core}
-            batches = {c["batch_size"] for c, _ in core}
-            if len(core) >= 4 and len(ranks) >= 2 and len(batches) >= 2:
-                x = np.array([[1.0, c["rank"], c["batch_size"] * pixels, c["batch_size"] * pixels * c["rank"]]
-                              for c, _ in core])
-                coef = np.linalg.lstsq(x, y, rcond=None)[0]
+            if _full_grid(core):
+                coef = list(_fit_full(core, arch).values())
             elif len(core) >= 2:
                 # rank terms from SD1.5 scaled by LoRA size (c1: per-rank parameter count; b: module
                 # count), then c0 and a fitted: act - c1*r - bs*P*b*r = c0 + bs*P*a
                 ref = families["sd15"]["activations"][gc_name]
-                arch, ref_arch = entry["architecture"], families["sd15"]["architecture"]
+                ref_arch = families["sd15"]["architecture"]
                 c1 = ref["c1"] * _per_rank(arch) / _per_rank(ref_arch)
                 b = ref["b"] * _modules(arch) / _modules(ref_arch)
-                x = np.array([[1.0, c["batch_size"] * pixels] for c, _ in core])
-                rest = y - np.array([c1 * c["rank"] + b * c["batch_size"] * pixels * c["rank"] for c, _ in core])
+                x = np.array([[1.0, c["batch_size"] * _latent_pixels(c, arch)] for c, _ in core])
+                rest = y - np.array([c1 * c["rank"] + b * c["batch_size"] * _latent_pixels(c, arch) * c["rank"]
+                                     for c, _ in core])
                 c0, a = np.linalg.lstsq(x, rest, rcond=None)[0]
                 coef = [c0, c1, a, b]
                 entry["borrowed"].append(f"activations.{gc_name} rank terms (sd15 x LoRA size)")
@@ -161,6 +207,8 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
         changed = {k for k, v in BASE.items() if cfg[k] != v}
         if cfg["resolution"] != NATIVE[family] or cfg["rank"] != 16 or cfg["batch_size"] != 1:
             continue
+        if changed == {"weight_dtype"} and cfg["weight_dtype"] == "fp32" and "activations_fp32" in entry:
+            continue  # fitted on its own above
         act = res["activations_peak_bytes"]
         if changed == {"train_text_encoder", "cache_text_encoder_outputs"}:
             # with GC the peak comes before the text encoders' backward: their LoRA grads (counted as
@@ -177,7 +225,7 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
             shared["assumed"] = [k for k in shared["assumed"] if k != "fp32_activation_factor"]
         elif changed == {"attention"}:
             arch = entry["architecture"]
-            pixels = (cfg["resolution"] // 8) ** 2
+            pixels = _latent_pixels(cfg, arch)
             if cfg["gradient_checkpointing"]:
                 scores = arch["attn_self_max_layer_per_pixel2"] * pixels**2
             else:
@@ -214,6 +262,21 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
                         and architectures[f]["text_encoders"] == architectures[family]["text_encoders"])
             families[family]["calibrated_as"] = same
     return calibration
+
+
+def _full_grid(core: list[tuple[dict[str, object], dict[str, object]]]) -> bool:
+    """Enough traces for all four activation coefficients: two ranks and two batch sizes at least."""
+    return len(core) >= 4 and len({c["rank"] for c, _ in core}) >= 2 and len({c["batch_size"] for c, _ in core}) >= 2
+
+
+def _fit_full(core: list[tuple[dict[str, object], dict[str, object]]], arch: dict[str, object]) -> dict[str, float]:
+    """Least squares of act = c0 + c1*r + bs*P*(a + b*r) over the traces (P: latent pixels)."""
+    import numpy as np
+
+    x = np.array([[1.0, c["rank"], c["batch_size"] * _latent_pixels(c, arch),
+                   c["batch_size"] * _latent_pixels(c, arch) * c["rank"]] for c, _ in core])
+    y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
+    return dict(zip(("c0", "c1", "a", "b"), (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0]), strict=True))
 
 
 def _per_rank(arch: dict[str, object]) -> int:
@@ -272,12 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     from autotune.memory_model import CALIBRATION_PATH, load_calibration
     from autotune.memtrace import architecture_facts
 
-    needs_flops = not CALIBRATION_PATH.is_file() or "flops" not in load_calibration()
-    if args.flops_only or (needs_flops and not args.trace_only and not args.check):
+    shipped_flops = load_calibration().get("flops", {}) if CALIBRATION_PATH.is_file() else {}
+    missing = [f for f in NATIVE if f not in shipped_flops]
+    if args.flops_only or (missing and not args.trace_only and not args.check):
         from autotune.speed_model import fit_flops
 
         started = time.perf_counter()
-        flops = {f: fit_flops(f) for f in NATIVE}
+        # the tiny families: three resolutions, so the fit has a constant (see fit_flops)
+        flops = {**shipped_flops, **{f: fit_flops(f, (32, 64, 128) if f in TINY else None)
+                                     for f in (NATIVE if args.flops_only else missing)}}
         data = json.loads(CALIBRATION_PATH.read_text()) if CALIBRATION_PATH.is_file() else {"families": {}}
         data["flops"] = flops
         write_json(CALIBRATION_PATH, data)
@@ -303,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    architectures = {f: architecture_facts(f) for f in ("sd15", "sd2", "sd2-v", "sdxl")}
+    architectures = {f: architecture_facts(f) for f in ("sd15", "sd2", "sd2-v", "sdxl", *TINY)}
     calibration = fit(known, architectures)
     fit_keys = {key(c) for c in fit_grid()}
     rows = [(json.loads(k), v) for k, v in known.items()]
