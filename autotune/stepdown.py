@@ -177,7 +177,7 @@ def rescale_factor(predicted_failed_mib: float, measured_mib: float | None, budg
     The failed attempt needed more than the budget and at least what was measured before it failed,
     so the evidence is max(measured, budget x 1.02); the rescaled prediction of the failed settings
     is therefore always over budget. The factor may be below 1 (a model in other units, or one that
-    over-predicts, as the full-size model borrowed for a tiny family on CPU).
+    over-predicts, e.g. tensor bytes against a CPU process's resident memory).
     """
     if predicted_failed_mib <= 0:
         return 1.0
@@ -313,27 +313,13 @@ def memory_predictor(family: str, *, train_text_encoder: bool = True, attention:
     :func:`next_settings` is what ties the figures to this machine.
     """
     from autotune.memory_model import MemoryInputs, family_calibration, predict_memory
-    from sd_scripts_compat.errors import UserError
-    from sd_scripts_compat.families import get_family
 
-    px_scale = 1.0
-    try:
-        family_calibration(family)
-    except UserError:
-        # Tiny test families are not calibrated: borrow the full-size twin's model at the twin's
-        # scale of resolution. Only the ratios between rungs matter here, since next_settings
-        # rescales by what the failed run measured.
-        twin = family.removeprefix("tiny-")
-        if twin == family:
-            raise
-        family_calibration(twin)
-        px_scale = get_family(twin).resolution / get_family(family).resolution
-        family = twin
+    family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
         weight_dtype = "fp8" if s.fp8_base else {"bf16": "bf16", "fp16": "fp16"}.get(s.mixed_precision, "fp32")
         inputs = MemoryInputs(
-            family=family, resolution=int(s.resolution[0] * px_scale), height=int(s.resolution[1] * px_scale),
+            family=family, resolution=s.resolution[0], height=s.resolution[1],
             batch_size=s.train_batch_size,
             rank=s.network_dim, gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type,
             weight_dtype=weight_dtype, train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,

@@ -153,3 +153,27 @@ def test_settings_from_oom_event_and_back():
     values = replace(s, cache_text_encoder_outputs=True).kohya_values()
     assert values["resolution"] == "768,512" and values["network_train_unet_only"] is True
     assert TrainSettings.from_mapping({"resolution": "512"}).resolution == (512, 512)
+
+
+def test_tiny_family_ladder_on_its_own_calibration():
+    """tiny-sd15 on CPU (fp32, 32-64 px): predictions are the tiny family's own model, no borrowed twin,
+    and the ladder walks down to the tiny floor resolution."""
+    from autotune.memory_model import MemoryInputs, predict_memory
+    from sd_scripts_compat.errors import UserError
+
+    predict = memory_predictor("tiny-sd15", cuda=False)
+    tiny = TrainSettings(train_batch_size=4, gradient_accumulation_steps=1, resolution=(64, 64), network_dim=16,
+                         network_alpha=8.0, mixed_precision="no", cache_latents=True)
+    direct = predict_memory(MemoryInputs(
+        family="tiny-sd15", resolution=64, batch_size=4, rank=16, gradient_checkpointing=False, optimizer="AdamW",
+        weight_dtype="fp32", train_text_encoder=True, cache_latents=True, cache_text_encoder_outputs=False,
+        cuda_context_gib=0.0, safety_margin_gib=0.0))
+    assert predict(tiny) == direct.total_bytes / 2**20
+    limits = LadderLimits(budget_mib=(predict(replace(tiny, train_batch_size=2)) + predict(tiny)) / 2,
+                          min_resolution=32, resolution_step=16)
+    decision = next_settings(tiny, limits, predict)
+    assert isinstance(decision, Decision) and decision.settings.train_batch_size == 2
+    floor = next_settings(tiny, replace(limits, budget_mib=0.001), predict, measured_mib=predict(tiny))
+    assert isinstance(floor, Exhausted) and floor.floor.resolution == (32, 32)
+    with pytest.raises(UserError, match="no memory calibration"):
+        memory_predictor("sd3")
