@@ -347,3 +347,26 @@ def test_gpu_validate_dry_run_trains_at_planned_settings(tmp_path):
     assert case["timed_micro_steps"] >= 1 and case["measured_it_per_s"] > 0
     assert case["predicted_peak_bytes"] <= case["usable_bytes"]
     assert (tmp_path / "sd15_8gb.json").is_file()
+
+
+@pytest.mark.parametrize("family", ["tiny-sd15", "tiny-sdxl"])
+def test_tiny_family_plan_cli_subprocess(family, tmp_path):
+    """The README quickstart's plan: `autotune plan DATASET --model builtin:tiny-* --json` as a user runs it,
+    on the tiny family's own calibration. Without a GPU it is an fp32 CPU plan at the tiny native size."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    examples = repo / "examples" / "dataset"
+    dataset = examples if examples.is_dir() else make_dataset(tmp_path / "ds", {"10_sks cat": 6})
+    done = subprocess.run([sys.executable, "-m", "autotune", "plan", str(dataset), "--model", f"builtin:{family}",
+                           "--json"], cwd=repo, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["fits"] and plan["family"] == family
+    assert plan["prediction"]["peak_bytes"] <= plan["prediction"]["usable_bytes"]
+    if plan["device"] == "CPU":
+        assert plan["settings"]["mixed_precision"] == "no"
+        assert plan["settings"]["resolution"] <= 64
