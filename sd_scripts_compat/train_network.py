@@ -165,7 +165,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
 
     # ---- 4. Caching: latents, then text-encoder outputs; encoders no longer needed leave the device
     vae_dtype = torch.float32 if config.no_half_vae or device.type == "cpu" else weight_dtype
-    bundle.vae.to(device, dtype=vae_dtype)
+    _place(bundle.vae, device, vae_dtype)
     cached_latents = bool(config.cache_latents or config.cache_latents_to_disk)
     if cached_latents:
         for dataset in datasets:
@@ -175,7 +175,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         offload(bundle.vae)
     train_text_encoder = not config.network_train_unet_only and _text_encoder_lr(config) != 0
     for encoder in bundle.text_encoders:
-        encoder.to(device, dtype=weight_dtype)
+        _place(encoder, device, weight_dtype)
     cached_text = bool(config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk)
     if cached_text:
         for dataset in datasets:
@@ -194,7 +194,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     use_fp8 = bool(config.fp8_base or config.fp8_base_unet)
     if use_fp8 and not fp8_supported(device):
         raise UserError("fp8_base needs a GPU with compute capability 8.9 or newer (Ada, Hopper); remove fp8_base")
-    unet.to(device, dtype=weight_dtype)
+    _place(unet, device, weight_dtype)
     if use_fp8:
         store_frozen_weights_in_fp8(unet, weight_dtype)
     if config.gradient_checkpointing:
@@ -411,7 +411,8 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                     save_state(paths.state_dir())
                     last_state_save = now
                 if config.sample_every_n_steps and counters.global_step % config.sample_every_n_steps == 0:
-                    _sample(bundle, config, paths, accelerator, weight_dtype, f"step{counters.global_step:08d}")
+                    _sample(bundle, config, paths, accelerator, weight_dtype, dataset_spec.resolution,
+                            f"step{counters.global_step:08d}")
                 if counters.global_step >= max_train_steps:
                     break
             else:  # the epoch ran to its end
@@ -426,7 +427,8 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                     _save_checkpoint(accelerator, paths, config, counters, save_lora, save_state,
                                      suffix=f"-{counters.epoch:06d}", step=None)
                 if config.sample_every_n_epochs and counters.epoch % config.sample_every_n_epochs == 0:
-                    _sample(bundle, config, paths, accelerator, weight_dtype, f"e{counters.epoch:06d}")
+                    _sample(bundle, config, paths, accelerator, weight_dtype, dataset_spec.resolution,
+                            f"e{counters.epoch:06d}")
                 continue
             break
     except KeyboardInterrupt:
@@ -555,6 +557,14 @@ def _enable_xformers(unet: Any) -> None:
                         "remove xformers to use torch SDPA") from None
 
 
+def _place(module: Any, device: Any, dtype: Any) -> None:
+    """Move a module; cast only when its dtype differs (diffusers warns on every dtype cast)."""
+    if next(module.parameters()).dtype == dtype:
+        module.to(device)
+    else:
+        module.to(device, dtype=dtype)
+
+
 def _free_device_memory(device: Any) -> None:
     import torch
 
@@ -649,12 +659,13 @@ def _save_checkpoint(accelerator: Any, paths: RunPaths, config: Any, counters: A
         shutil.rmtree(old.with_name(old.stem + "-state"), ignore_errors=True)
 
 
-def _sample(bundle: Any, config: Any, paths: RunPaths, accelerator: Any, dtype: Any, name: str) -> None:
+def _sample(bundle: Any, config: Any, paths: RunPaths, accelerator: Any, dtype: Any, resolution: tuple[int, int],
+            name: str) -> None:
     from sd_scripts_compat.sampling import read_sample_prompts, render_samples
 
     if not config.sample_prompts or not accelerator.is_main_process:
         return
-    prompts = read_sample_prompts(config.sample_prompts, tuple(config.resolution))
+    prompts = read_sample_prompts(config.sample_prompts, resolution)
     training = [m.training for m in (bundle.unet, *bundle.text_encoders)]
     vae_device = next(bundle.vae.parameters()).device
     bundle.vae.to(accelerator.device)
