@@ -116,7 +116,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
 
     started = time.time()
     # ---- 1. Process, precision, output folder --------------------------------------------------
-    paths = RunPaths(Path(config.output_dir or "output"), config.output_name or "last",
+    paths = RunPaths(Path(config.output_dir or "output"), _safe_output_name(config.output_name or "last"),
                      Path(config.autotune_events_dir) if config.autotune_events_dir else None)
     _check_output_dir(paths.output_dir)
     accelerator = Accelerator(
@@ -521,6 +521,14 @@ def _text_encoder_lr(config: Any) -> float | None:
         raise UserError(f"text_encoder_lr = {list(lrs)}: one learning rate per text encoder is not supported; "
                         "give a single value")
     return lrs[0]
+
+
+def _safe_output_name(name: str) -> str:
+    """Every file we write is ``output_dir / (output_name + suffix)``: the name must not lead elsewhere."""
+    if not name or name in (".", "..") or Path(name).name != name or "\\" in name or "\0" in name:
+        raise UserError(f"output_name = {name!r}: must be a plain file name (no folders); "
+                        "put the folder in output_dir")
+    return name
 
 
 def _check_output_dir(output_dir: Path) -> None:

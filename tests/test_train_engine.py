@@ -170,6 +170,7 @@ def test_ctrl_c_saves_state_and_the_run_resumes_to_the_exact_step_count(tmp_path
     ({"max_train_steps": 1.5}, "max_train_steps"),
     ({"pretrained_model_name_or_path": "/nonexistent/model.safetensors"}, "/nonexistent/model.safetensors"),
     ({"train_data_dir": "/nonexistent/images"}, "/nonexistent/images"),
+    ({"output_name": "../../escaped"}, "output_name"),
 ])
 def test_bad_input_is_one_line_on_stderr_exit_2_and_no_output(tmp_path, change, expected):
     config = write_config(tmp_path / "config.toml", {**base_config(tmp_path), **change})
