@@ -24,7 +24,7 @@ from sd_scripts_compat.kohya_args import ARGS_TSV, build_argparser, load_arg_spe
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[1]
-REFERENCE_TSV = Path("/work/shared/reference/kohya/train_network_args.tsv")
+REFERENCE_TSV = REPO.parent / "shared" / "reference" / "kohya" / "train_network_args.tsv"  # shared/ sits beside
 
 
 def write(tmp_path: Path, text: str, name: str = "config.toml") -> Path:

@@ -13,9 +13,8 @@ from sd_scripts_compat.lora import create_network
 from sd_scripts_compat.lora_file import describe_lora
 from sd_scripts_compat.models import build_modules
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "kohya"
-if not REFERENCE.is_dir():
-    REFERENCE = Path("/work/shared/reference/kohya")
+# copies of shared/reference/kohya/keys_*.json: the keys sd-scripts' own networks/lora.py produces
+REFERENCE = Path(__file__).parent / "data" / "kohya"
 
 CASES = [
     # reference file, family, conv_dim, TE modules per prefix, UNet modules

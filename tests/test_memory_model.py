@@ -10,7 +10,7 @@ import pytest
 from autotune.memory_model import MemoryInputs, canonical_optimizer, predict_memory
 from sd_scripts_compat.errors import UserError
 
-KOHYA = Path("/work/shared/reference/kohya")
+KOHYA = Path(__file__).parent / "data" / "kohya"  # copies of shared/reference/kohya/keys_*.json
 BASE = MemoryInputs(family="sd15", resolution=512, batch_size=2, rank=16, gradient_checkpointing=False,
                     optimizer="AdamW")
 

@@ -13,7 +13,7 @@ from sd_scripts_compat.oom import INJECT_ENV, OomInjector, is_oom_error
     "CUDA error: out of memory",
     "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
-    "[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
+    "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
     "HIP out of memory. Tried to allocate 20.00 MiB",
     "MPS backend out of memory (MPS allocated: 1 GB)",
     "could not create a primitive",
