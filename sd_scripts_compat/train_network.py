@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -49,9 +50,9 @@ class RunPaths:
     def lora_file(self, suffix: str = "") -> Path:
         return self.output_dir / f"{self.output_name}{suffix}.safetensors"
 
-    def state_dir(self, step: int | None = None) -> Path:
-        name = f"{self.output_name}-step{step:08d}-state" if step is not None else f"{self.output_name}-state"
-        return self.output_dir / name
+    def state_dir(self) -> Path:
+        """The rolling state folder (kohya's ``{output_name}-state``); per-step ones come from save_every_n_*."""
+        return self.output_dir / f"{self.output_name}-state"
 
 
 class DynamicLossScale:
@@ -267,7 +268,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         accelerator.print(f"resumed from {config.resume} at step {counters.global_step} (epoch {counters.epoch + 1})")
 
     settings = _settings_for_events(config, weight_dtype, use_fp8)
-    session_id = int.from_bytes(__import__("os").urandom(4), "little") & 0x7FFFFFFF
+    session_id = secrets.randbits(31)  # ss_session_id, as sd-scripts writes it
     retries = _read_retry_log(config.autotune_retry_log)
     tracker_config = {"max_train_steps": max_train_steps, "train_batch_size": dataset_spec.batch_size}
     if config.logging_dir and config.log_with:
