@@ -3,8 +3,13 @@
 Each case runs in its own process (so peak RSS is that run's alone): ours through
 ``python -m sd_scripts_compat.train_network`` with a generated kohya config, the baseline through
 ``python bench/engine.py --baseline ...``, a textbook diffusers + peft LoRA loop of the same model,
-targets, data, resolution, batch, optimizer and caching. Seconds per step exclude the first
-(warm-up) steps. Prints a table; ``--json FILE`` also writes the figures.
+targets, data, resolution, batch, optimizer and caching.
+
+Both sides are timed the same way: the host clock at the end of every optimizer step; a step's time is
+the gap to the previous step's end, the first (warm-up) steps left out. This machine is a shared VM
+whose steps jitter by tens of percent, so every case runs ``--repeats`` times, ours and the baseline
+alternating, and the table gives the median step time over all repeats (the mean is in ``--json``).
+Prints a table; ``--json FILE`` also writes the figures.
 
     python bench/engine.py                 # tiny-sd15, tiny-sdxl at 64 px, sd15 at 256 px, caching on/off
     python bench/engine.py --quick         # tiny models only
@@ -58,7 +63,7 @@ def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path)
     subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
     done = json.loads((events / "done.json").read_text())
-    return {"seconds_per_step": done["seconds_per_step"], "peak_rss_mib": done["peak_memory"]}
+    return {"step_seconds": done["step_seconds"], "peak_rss_mib": done["peak_memory"]}
 
 
 def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
@@ -102,10 +107,9 @@ def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
             return hidden, {"text_embeds": out2.text_embeds, "time_ids": time_ids}
 
     unet.train()
-    times = []
+    step_ended_at = []
     for step in range(steps + WARMUP_STEPS):
         index = step % len(images)
-        started = time.perf_counter()
         if cached is not None:
             latents = cached[index]
         else:
@@ -121,9 +125,9 @@ def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - started)
-    return {"seconds_per_step": statistics.mean(times[WARMUP_STEPS:]),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        step_ended_at.append(time.time())
+    step_seconds = [b - a for a, b in zip(step_ended_at[WARMUP_STEPS - 1:], step_ended_at[WARMUP_STEPS:])]
+    return {"step_seconds": step_seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def run_baseline_in_child(model: str, resolution: int, cache: bool, steps: int) -> dict:
@@ -133,10 +137,19 @@ def run_baseline_in_child(model: str, resolution: int, cache: bool, steps: int) 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def summarize(runs: list[dict]) -> dict:
+    """Median and mean step time over every timed step of every repeat; peak RSS of the largest run."""
+    steps = [t for run in runs for t in run["step_seconds"]]
+    return {"median_s": statistics.median(steps), "mean_s": statistics.mean(steps), "timed_steps": len(steps),
+            "peak_rss_mib": max(run["peak_rss_mib"] for run in runs)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models only")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per case (after warm-up)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run for the tiny models (after warm-up)")
+    parser.add_argument("--sd15-steps", type=int, default=4, help="timed steps per run for sd15 at 256 px")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side and case, alternating ours / baseline")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--baseline", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -148,19 +161,24 @@ def main() -> int:
     # (at 256 px a tiny model would attend over 16k tokens per layer, which says nothing about the engine).
     cases = [("tiny-sd15", 64), ("tiny-sdxl", 64)] + ([] if args.quick else [("sd15", 256)])
     rows = []
+    print(f"median seconds per step over {args.repeats} alternating runs per side")
     print(f"{'model':<10} {'px':>4} {'cache':>5} | {'ours s/step':>11} {'base s/step':>11} {'ratio':>6} | "
           f"{'ours RSS MiB':>12} {'base RSS MiB':>12}")
     for model, resolution in cases:
-        steps = args.steps if model.startswith("tiny") else max(2, args.steps // 2)
+        steps = args.steps if model.startswith("tiny") else args.sd15_steps
         for cache in (True, False):
-            with tempfile.TemporaryDirectory() as tmp:
-                ours = our_run(model, resolution, cache, steps, Path(tmp))
-            base = run_baseline_in_child(model, resolution, cache, steps)
-            ratio = ours["seconds_per_step"] / base["seconds_per_step"]
+            ours_runs, base_runs = [], []
+            for _ in range(args.repeats):
+                with tempfile.TemporaryDirectory() as tmp:
+                    ours_runs.append(our_run(model, resolution, cache, steps, Path(tmp)))
+                base_runs.append(run_baseline_in_child(model, resolution, cache, steps))
+            ours, base = summarize(ours_runs), summarize(base_runs)
+            ratio = ours["median_s"] / base["median_s"]
             rows.append({"model": model, "resolution": resolution, "cache_latents": cache, "ours": ours,
-                         "baseline": base, "ratio": ratio})
-            print(f"{model:<10} {resolution:>4} {'on' if cache else 'off':>5} | {ours['seconds_per_step']:>11.4f} "
-                  f"{base['seconds_per_step']:>11.4f} {ratio:>6.2f} | {ours['peak_rss_mib']:>12.0f} "
+                         "baseline": base, "ratio_of_medians": ratio, "ratio_of_means": ours["mean_s"] / base["mean_s"],
+                         "ours_runs": ours_runs, "baseline_runs": base_runs})
+            print(f"{model:<10} {resolution:>4} {'on' if cache else 'off':>5} | {ours['median_s']:>11.4f} "
+                  f"{base['median_s']:>11.4f} {ratio:>6.2f} | {ours['peak_rss_mib']:>12.0f} "
                   f"{base['peak_rss_mib']:>12.0f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

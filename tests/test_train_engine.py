@@ -62,6 +62,9 @@ def test_tiny_sd15_flat_config_trains_learns_and_writes_a_kohya_lora(tmp_path):
     events = tmp_path / "events"
     result = run_engine(config, events=events)
     done = json.loads((events / "done.json").read_text())
+    # one host-clock duration per optimizer step after the 2 warm-up steps; their mean is seconds_per_step
+    assert len(done["step_seconds"]) == 22 and min(done["step_seconds"]) > 0
+    assert done["seconds_per_step"] == pytest.approx(sum(done["step_seconds"]) / 22)
     losses = [loss for _, loss in done["validation_loss"]]
     assert [step for step, _ in done["validation_loss"]] == [0, 12, 24]
     # the held-out loss at fixed timesteps and noise falls clearly: the LoRA learnt the data
