@@ -474,64 +474,6 @@ def make_dataloader(dataset: TrainDataset, sampler: BucketBatchSampler, *, num_w
     # Its own generator: each new iterator draws a worker base seed, and drawing it from the global RNG
     # would shift dropout noise between a straight run and a resumed one.
     generator = torch.Generator().manual_seed(dataset.seed)
-    loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=num_workers,
-                        persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
-                        generator=generator)
-    return loader if num_workers > 0 else PrefetchingLoader(loader)
-
-
-class PrefetchingLoader:
-    """Iterate a worker-less DataLoader one batch ahead on a background thread.
-
-    With ``max_data_loader_n_workers = 0`` every batch would be loaded on the training thread between
-    steps; here the next one loads while the current step computes (PIL's decode and resize and numpy
-    release the GIL). Batches stay exactly the same: each is a pure function of (epoch, step, position).
-    Hand-written because torch's DataLoader prefetches only with worker processes.
-    """
-
-    def __init__(self, loader: Any, depth: int = 1) -> None:
-        self.loader, self.depth = loader, depth
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Any:
-        import queue
-        import threading
-
-        items: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-        done = object()
-
-        def offer(entry: tuple[Any, BaseException | None]) -> bool:
-            """Put, but give up once the consumer has stopped (it will never take the entry)."""
-            while not stop.is_set():
-                try:
-                    items.put(entry, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        def produce() -> None:
-            try:
-                for item in self.loader:
-                    if not offer((item, None)):
-                        return
-                offer((done, None))
-            except BaseException as error:  # noqa: BLE001 - handed to the training thread, raised there
-                offer((done, error))
-
-        thread = threading.Thread(target=produce, name="batch-prefetch", daemon=True)
-        thread.start()
-        try:
-            while True:
-                item, error = items.get()
-                if error is not None:
-                    raise error
-                if item is done:
-                    return
-                yield item
-        finally:  # the loop ended or broke off (max steps, Ctrl-C, an error): the thread ends here, not
-            stop.set()  # at interpreter exit, where a thread still inside torch would abort the process
-            thread.join(timeout=10)
+    return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=num_workers,
+                      persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
+                      generator=generator)

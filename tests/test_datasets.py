@@ -179,39 +179,3 @@ def test_dataloader_with_workers_matches_direct_collate(tmp_path):
         assert torch.equal(batch["images"], direct["images"]) and batch["captions"] == direct["captions"]
     sampler.set_epoch(2)
     assert len(list(loader)) == len(dataset.batches_for_epoch(2))
-
-
-def test_worker_less_loader_prefetches_on_a_thread_with_the_same_batches(tmp_path):
-    import threading
-
-    make_images(tmp_path / "2_x", 6)
-    spec = spec_for(SubsetSpec(str(tmp_path / "2_x"), num_repeats=2, caption_extension=".txt", shuffle_caption=True,
-                               flip_aug=True))
-    dataset = build_dataset(spec, seed=5)
-    sampler = BucketBatchSampler(dataset, epoch=0)
-    loader = make_dataloader(dataset, sampler, num_workers=0)
-    assert type(loader).__name__ == "PrefetchingLoader" and len(loader) == len(sampler)
-    got = list(loader)
-    expected = dataset.batches_for_epoch(0)
-    assert len(got) == len(expected)
-    for step, (batch, ids) in enumerate(zip(got, expected, strict=True)):
-        direct = dataset.collate(ids, epoch=0, step=step)
-        assert torch.equal(batch["images"], direct["images"]) and batch["captions"] == direct["captions"]
-    # breaking off mid-epoch (max_train_steps reached) lets the loading thread end
-    for _ in loader:
-        break
-    for _ in range(50):
-        if not any(t.name == "batch-prefetch" for t in threading.enumerate()):
-            break
-        threading.Event().wait(0.05)
-    assert not any(t.name == "batch-prefetch" for t in threading.enumerate())
-
-
-def test_prefetched_image_that_breaks_mid_epoch_raises_its_user_error_on_the_training_thread(tmp_path):
-    paths = make_images(tmp_path / "1_x", 4)
-    dataset = build_dataset(spec_for(SubsetSpec(str(tmp_path / "1_x")), batch_size=1), seed=0)
-    loader = make_dataloader(dataset, BucketBatchSampler(dataset, epoch=0), num_workers=0)
-    for path in paths:  # scanned fine, then the files go bad before they are loaded
-        path.write_bytes(b"not a png any more")
-    with pytest.raises(UserError, match="cannot decode image"):
-        list(loader)
