@@ -217,3 +217,29 @@ def test_accelerate_launch_two_cpu_processes_trains_and_writes_one_file(tmp_path
     assert metadata["ss_steps"] == "4"
     assert metadata["ss_total_batch_size"] == "4"  # 2 per process x 2 processes
     assert result.stdout.count("done: 4 steps") == 1  # one process reports and writes
+
+
+@pytest.mark.slow
+def test_frozen_text_encoder_with_fixed_captions_is_encoded_once_and_trains_the_same(tmp_path):
+    """UNet-only training with fixed captions caches the text-encoder outputs in memory; a run whose
+    captions only look variable (shuffle_caption on one-tag captions) encodes live every step: same LoRA."""
+    import shutil
+
+    data = tmp_path / "data" / "2_thing"
+    data.mkdir(parents=True)
+    for image in sorted(DATASET.rglob("*.png"))[:4]:
+        shutil.copy(image, data / image.name)
+        (data / image.name).with_suffix(".txt").write_text(f"a photo of {image.stem}", encoding="utf-8")
+    values = base_config(tmp_path, train_data_dir=str(tmp_path / "data"), network_train_unet_only=True,
+                         train_batch_size=1, max_train_steps=4, cache_latents=True)
+    cached = run_engine(write_config(tmp_path / "cached.toml", values))
+    assert "outputs are cached in memory" in cached.stdout
+    live_values = dict(values, output_dir=str(tmp_path / "live"), shuffle_caption=True)
+    live = run_engine(write_config(tmp_path / "live.toml", live_values))
+    assert "outputs are cached in memory" not in live.stdout
+    first = lora_tensors(tmp_path / "out" / "lora.safetensors")
+    second = lora_tensors(tmp_path / "live" / "lora.safetensors")
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], rtol=1e-5, atol=1e-6)
+    assert any(v.abs().sum() > 0 for k, v in first.items() if "lora_up" in k)
