@@ -7,8 +7,10 @@ targets, data, resolution, batch, optimizer and caching.
 
 Both sides are timed the same way: the host clock at the end of every optimizer step; a step's time is
 the gap to the previous step's end, the first (warm-up) steps left out. This machine is a shared VM
-whose steps jitter by tens of percent, so every case runs ``--repeats`` times, ours and the baseline
-alternating, and the table gives the median step time over all repeats (the mean is in ``--json``).
+whose speed drifts by 10-20% over seconds to minutes (a plain matmul loop shows the same), so every case
+runs several times, ours and the baseline alternating. The table gives each side's median step time over
+all repeats, and the median over repeats of the paired ratio (ours / the baseline run right after it),
+which cancels slow drift; ``--json`` adds the means and every step.
 Prints a table; ``--json FILE`` also writes the figures.
 
     python bench/engine.py                 # tiny-sd15, tiny-sdxl at 64 px, sd15 at 256 px, caching on/off
@@ -149,7 +151,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models only")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run for the tiny models (after warm-up)")
     parser.add_argument("--sd15-steps", type=int, default=4, help="timed steps per run for sd15 at 256 px")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side and case, alternating ours / baseline")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per side and case for the tiny models")
+    parser.add_argument("--sd15-repeats", type=int, default=3, help="runs per side and case for sd15")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--baseline", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -161,24 +164,27 @@ def main() -> int:
     # (at 256 px a tiny model would attend over 16k tokens per layer, which says nothing about the engine).
     cases = [("tiny-sd15", 64), ("tiny-sdxl", 64)] + ([] if args.quick else [("sd15", 256)])
     rows = []
-    print(f"median seconds per step over {args.repeats} alternating runs per side")
-    print(f"{'model':<10} {'px':>4} {'cache':>5} | {'ours s/step':>11} {'base s/step':>11} {'ratio':>6} | "
-          f"{'ours RSS MiB':>12} {'base RSS MiB':>12}")
+    print(f"median seconds per step; runs per side: {args.repeats} (tiny), {args.sd15_repeats} (sd15), alternating")
+    print(f"{'model':<10} {'px':>4} {'cache':>5} | {'ours s/step':>11} {'base s/step':>11} {'ratio':>6} "
+          f"{'paired':>6} | {'ours RSS MiB':>12} {'base RSS MiB':>12}")
     for model, resolution in cases:
-        steps = args.steps if model.startswith("tiny") else args.sd15_steps
+        steps, repeats = (args.steps, args.repeats) if model.startswith("tiny") else (args.sd15_steps,
+                                                                                      args.sd15_repeats)
         for cache in (True, False):
             ours_runs, base_runs = [], []
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 with tempfile.TemporaryDirectory() as tmp:
                     ours_runs.append(our_run(model, resolution, cache, steps, Path(tmp)))
                 base_runs.append(run_baseline_in_child(model, resolution, cache, steps))
             ours, base = summarize(ours_runs), summarize(base_runs)
             ratio = ours["median_s"] / base["median_s"]
+            paired = statistics.median(statistics.median(o["step_seconds"]) / statistics.median(b["step_seconds"])
+                                       for o, b in zip(ours_runs, base_runs, strict=True))
             rows.append({"model": model, "resolution": resolution, "cache_latents": cache, "ours": ours,
                          "baseline": base, "ratio_of_medians": ratio, "ratio_of_means": ours["mean_s"] / base["mean_s"],
-                         "ours_runs": ours_runs, "baseline_runs": base_runs})
+                         "paired_ratio": paired, "ours_runs": ours_runs, "baseline_runs": base_runs})
             print(f"{model:<10} {resolution:>4} {'on' if cache else 'off':>5} | {ours['median_s']:>11.4f} "
-                  f"{base['median_s']:>11.4f} {ratio:>6.2f} | {ours['peak_rss_mib']:>12.0f} "
+                  f"{base['median_s']:>11.4f} {ratio:>6.2f} {paired:>6.2f} | {ours['peak_rss_mib']:>12.0f} "
                   f"{base['peak_rss_mib']:>12.0f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
