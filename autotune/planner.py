@@ -831,7 +831,7 @@ def _choices(c: _Context) -> tuple[Choice, ...]:
            else "8 latent pixels: the tiny VAE downsamples 2x)"))
     add("bucket_no_upscale", True, "small images are not blown up past their own size")
     add("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder")
-    add("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (.npz next to the images)")
+    add("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (files next to the images)")
     if s.cache_text_encoder_outputs:
         add("cache_text_encoder_outputs", True,
             "text encoders run once and leave VRAM (SDXL UNet-only training); captions cannot be shuffled")
