@@ -304,9 +304,12 @@ def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
     return f"{name}: {_short(change)} ({why})"
 
 
-def memory_predictor(family: str, *, train_text_encoder: bool = True, attention: str = "sdpa",
-                     cuda: bool = True) -> Callable[[TrainSettings], float]:
+def memory_predictor(family: str, *, train_text_encoder: bool = True, text_encoder_outputs_cached: bool = False,
+                     attention: str = "sdpa", cuda: bool = True) -> Callable[[TrainSettings], float]:
     """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
+
+    ``text_encoder_outputs_cached``: the engine caches them whatever the settings say (it does so for a
+    frozen text encoder with fixed captions), so the text encoders are off the device.
 
     On CPU (``cuda=False``) the CUDA context and the safety margin are left out: they are constants
     that would hide the differences between rungs; the measured/predicted rescaling in
@@ -323,7 +326,8 @@ def memory_predictor(family: str, *, train_text_encoder: bool = True, attention:
             batch_size=s.train_batch_size,
             rank=s.network_dim, gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type,
             weight_dtype=weight_dtype, train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,
-            cache_latents=s.cache_latents, cache_text_encoder_outputs=s.cache_text_encoder_outputs, attention=attention,
+            cache_latents=s.cache_latents,
+            cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached, attention=attention,
             **({} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}),
         )
         return predict_memory(inputs).total_bytes / 2**20

@@ -177,3 +177,27 @@ def test_tiny_family_ladder_on_its_own_calibration():
     assert isinstance(floor, Exhausted) and floor.floor.resolution == (32, 32)
     with pytest.raises(UserError, match="no memory calibration"):
         memory_predictor("sd3")
+
+
+def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_and_the_ladder():
+    """A UNet-only run with fixed captions: our engine caches the text-encoder outputs itself, so the
+    predictor leaves the encoders out and `autotune run` offers no text-encoder caching rung."""
+    import argparse
+
+    from autotune.commands.run import _limits
+    from autotune.probe import probe_system
+    from sd_scripts_compat.families import get_family
+
+    unet_only = replace(SDXL, cache_text_encoder_outputs=False)
+    resident = memory_predictor("sdxl", train_text_encoder=False)
+    engine_cached = memory_predictor("sdxl", train_text_encoder=False, text_encoder_outputs_cached=True)
+    assert engine_cached(unet_only) == resident(replace(unet_only, cache_text_encoder_outputs=True))
+    assert engine_cached(unet_only) < resident(unet_only) - 1000  # SDXL's two encoders: over 1.5 GB in fp16
+
+    args = argparse.Namespace(memory_limit=20000, vram=None)
+    probe, family = probe_system(), get_family("sdxl")
+    fixed = _limits(probe, family, {"network_train_unet_only": True}, args, cuda=False, usable_mib=None)
+    shuffled = _limits(probe, family, {"network_train_unet_only": True, "shuffle_caption": True}, args,
+                       cuda=False, usable_mib=None)
+    trains_te = _limits(probe, family, {}, args, cuda=False, usable_mib=None)
+    assert not fixed.te_cache_allowed and not shuffled.te_cache_allowed and trains_te.te_cache_allowed

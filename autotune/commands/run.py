@@ -229,18 +229,29 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
     else:
         budget = probe.memory.ram_available_bytes / 2**20
     tiny = family.resolution < 256
-    randomized = bool(flat.get("shuffle_caption") or flat.get("caption_dropout_rate")
-                      or flat.get("caption_tag_dropout_rate") or flat.get("caption_dropout_every_n_epochs"))
+    # the rung would change nothing when the engine already caches the frozen text encoder's outputs
+    te_cache_allowed = not _captions_randomized(flat) and not _engine_caches_text(flat)
     return LadderLimits(
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
-        te_cache_allowed=not randomized, min_resolution=32 if tiny else 256, resolution_step=16 if tiny else 64,
+        te_cache_allowed=te_cache_allowed, min_resolution=32 if tiny else 256, resolution_step=16 if tiny else 64,
     )
+
+
+def _captions_randomized(flat: dict[str, Any]) -> bool:
+    return bool(flat.get("shuffle_caption") or flat.get("caption_dropout_rate")
+                or flat.get("caption_tag_dropout_rate") or flat.get("caption_dropout_every_n_epochs"))
+
+
+def _engine_caches_text(flat: dict[str, Any]) -> bool:
+    """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
+    return bool(flat.get("network_train_unet_only")) and not _captions_randomized(flat)
 
 
 def _predictor(family: Any, flat: dict[str, Any], cuda: bool) -> Any:
     from autotune.stepdown import memory_predictor
 
     return memory_predictor(family.name, train_text_encoder=not flat.get("network_train_unet_only"),
+                            text_encoder_outputs_cached=_engine_caches_text(flat),
                             attention="xformers" if flat.get("xformers") else "sdpa", cuda=cuda)
 
 
