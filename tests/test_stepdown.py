@@ -184,7 +184,7 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
     predictor leaves the encoders out and `autotune run` offers no text-encoder caching rung."""
     import argparse
 
-    from autotune.commands.run import _limits
+    from autotune.commands.run import _caption_randomizers_in, _limits
     from autotune.probe import probe_system
     from sd_scripts_compat.families import get_family
 
@@ -201,3 +201,9 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
                        cuda=False, usable_mib=None)
     trains_te = _limits(probe, family, {}, args, cuda=False, usable_mib=None)
     assert not fixed.te_cache_allowed and not shuffled.te_cache_allowed and trains_te.te_cache_allowed
+    # a caption option set on one subset of a dataset.toml counts too
+    subsets = [{"image_dir": "a"}, {"image_dir": "b", "shuffle_caption": True}]
+    dataset = {"general": {}, "datasets": [{"subsets": subsets}]}
+    assert _caption_randomizers_in(dataset) == {"shuffle_caption": True}
+    assert _caption_randomizers_in({"datasets": [{"caption_dropout_rate": 0.1, "subsets": [{}]}]}) == {
+        "caption_dropout_rate": 0.1}

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     flat = _flat(config)
     if dataset:
         flat.update({k: v for k, v in (dataset.get("general") or {}).items() if not isinstance(v, (dict, list))})
+        flat.update(_caption_randomizers_in(dataset))
     family = detect_family(str(flat.get("pretrained_model_name_or_path", args.model)), getattr(args, "family", None))
     settings = settings_from_configs(config, dataset)
     prior: list[dict[str, Any]] = []
@@ -237,9 +238,21 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
     )
 
 
+CAPTION_RANDOMIZERS = ("shuffle_caption", "caption_dropout_rate", "caption_tag_dropout_rate",
+                       "caption_dropout_every_n_epochs", "token_warmup_step")
+
+
 def _captions_randomized(flat: dict[str, Any]) -> bool:
-    return bool(flat.get("shuffle_caption") or flat.get("caption_dropout_rate")
-                or flat.get("caption_tag_dropout_rate") or flat.get("caption_dropout_every_n_epochs"))
+    return any(flat.get(key) for key in CAPTION_RANDOMIZERS)
+
+
+def _caption_randomizers_in(dataset: dict[str, Any]) -> dict[str, Any]:
+    """Caption options set in any [[datasets]] block or subset of a dataset.toml (they act per subset)."""
+    found: dict[str, Any] = {}
+    for block in dataset.get("datasets") or []:
+        for scope in (block, *(block.get("subsets") or [])):
+            found.update({key: scope[key] for key in CAPTION_RANDOMIZERS if scope.get(key)})
+    return found
 
 
 def _engine_caches_text(flat: dict[str, Any]) -> bool:
