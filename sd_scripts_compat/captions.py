@@ -110,11 +110,15 @@ def process_caption(caption: str, subset: SubsetSpec, rng: random.Random, *, epo
     return ", ".join(fixed + flex + fixed_suffix)
 
 
+# the subset keys that make a processed caption change between steps
+CAPTION_RANDOMIZING_KEYS = ("shuffle_caption", "caption_dropout_rate", "caption_tag_dropout_rate", "token_warmup_step",
+                            "caption_dropout_every_n_epochs")
+
+
 def caption_is_deterministic(subset: SubsetSpec) -> str | None:
     """None when the subset's processed caption never changes (so text-encoder outputs may be cached);
     otherwise the name of the key that makes it random."""
-    for key in ("shuffle_caption", "caption_dropout_rate", "caption_tag_dropout_rate", "token_warmup_step",
-                "caption_dropout_every_n_epochs"):
+    for key in CAPTION_RANDOMIZING_KEYS:
         if getattr(subset, key):
             return key
     return None

@@ -324,7 +324,6 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     interrupted = False
     step_started = time.time()
     step_ended_at: list[float] = []  # host clock at each optimizer step of this session (for done.json)
-    steps_this_session = 0
     if validation is not None and counters.global_step == 0:  # the baseline the curve is read against
         validation.run(unet, conditioner, noise_scheduler, weight_dtype, accelerator, 0, train_text_encoder, noise,
                        alphas_cumprod)
@@ -385,16 +384,15 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                 optimizer.zero_grad(set_to_none=True)
                 counters.global_step += 1
                 counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
-                steps_this_session += 1
-                step_ended_at.append(time.time())
+                now = time.time()
+                step_ended_at.append(now)
                 progress.update(1)
 
-                now = time.time()
                 if now - last_report >= PROGRESS_EVERY_SECONDS or counters.global_step == max_train_steps:
                     mean_loss = (running_loss / max(running_count, 1)).item()  # the one host sync, ~every 2 s
                     running_loss.zero_()
                     running_count = 0
-                    rate = steps_this_session / max(now - step_started, 1e-9)
+                    rate = len(step_ended_at) / max(now - step_started, 1e-9)
                     peak_memory_mib = max(peak_memory_mib, _peak_memory_mib(device))
                     progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
                     accelerator.log({"loss/current": mean_loss, "lr/unet": lr_scheduler.get_last_lr()[-1],

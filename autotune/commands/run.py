@@ -238,20 +238,20 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
     )
 
 
-CAPTION_RANDOMIZERS = ("shuffle_caption", "caption_dropout_rate", "caption_tag_dropout_rate",
-                       "caption_dropout_every_n_epochs", "token_warmup_step")
-
-
 def _captions_randomized(flat: dict[str, Any]) -> bool:
-    return any(flat.get(key) for key in CAPTION_RANDOMIZERS)
+    from sd_scripts_compat.captions import CAPTION_RANDOMIZING_KEYS
+
+    return any(flat.get(key) for key in CAPTION_RANDOMIZING_KEYS)
 
 
 def _caption_randomizers_in(dataset: dict[str, Any]) -> dict[str, Any]:
     """Caption options set in any [[datasets]] block or subset of a dataset.toml (they act per subset)."""
+    from sd_scripts_compat.captions import CAPTION_RANDOMIZING_KEYS
+
     found: dict[str, Any] = {}
     for block in dataset.get("datasets") or []:
         for scope in (block, *(block.get("subsets") or [])):
-            found.update({key: scope[key] for key in CAPTION_RANDOMIZERS if scope.get(key)})
+            found.update({key: scope[key] for key in CAPTION_RANDOMIZING_KEYS if scope.get(key)})
     return found
 
 
