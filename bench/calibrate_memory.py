@@ -8,7 +8,7 @@ tiny families take seconds each; SDXL minutes) and counts FLOPs only for familie
 adding a family -- as tiny-sd15 / tiny-sdxl were -- never re-traces the full-size ones.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
 
-Traces (``autotune.memtrace``) are the ground truth; the analytic model (``autotune.memory_model``)
+Traces (``autotune.calibration.memtrace``) are the ground truth; the analytic model (``autotune.estimate.memory_model``)
 is what the planner uses. "fit" rows are the traces the coefficients come from, "held-out" rows are
 configurations the fit never saw (other resolutions, ranks, optimizers, dtypes).
 """
@@ -105,7 +105,7 @@ def load_traces() -> dict[str, dict[str, object]]:
 
 
 def run_traces(configs: list[dict[str, object]], known: dict[str, dict[str, object]], fresh: bool) -> None:
-    from autotune.memtrace import trace_training_step
+    from autotune.calibration.memtrace import trace_training_step
 
     TRACES.parent.mkdir(parents=True, exist_ok=True)
     for cfg in configs:
@@ -124,7 +124,7 @@ def run_traces(configs: list[dict[str, object]], known: dict[str, dict[str, obje
 
 
 def _inputs(cfg: dict[str, object]):  # noqa: ANN202
-    from autotune.memory_model import MemoryInputs
+    from autotune.estimate.memory_model import MemoryInputs
 
     return MemoryInputs(family=cfg["family"], resolution=cfg["resolution"], batch_size=cfg["batch_size"],
                         rank=cfg["rank"], gradient_checkpointing=cfg["gradient_checkpointing"],
@@ -149,7 +149,7 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
     """Least-squares fit of the activation coefficients, then the auxiliary terms (see memory_model)."""
     import numpy as np
 
-    from autotune.memory_model import predict_memory
+    from autotune.estimate.memory_model import predict_memory
 
     rows = [(json.loads(k), v) for k, v in known.items()]
     families: dict[str, dict[str, object]] = {}
@@ -297,7 +297,7 @@ def write_json(path: Path, data: dict[str, object]) -> None:
 
 def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibration: dict[str, object],
                 title: str) -> float:
-    from autotune.memory_model import predict_memory
+    from autotune.estimate.memory_model import predict_memory
 
     print(f"\n{title}")
     print("| family | res | bs | rank | GC | optimizer | dtype | TE trained | latents cached | attn | trace GiB "
@@ -332,13 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse:
         known = load_traces()
     started = time.perf_counter()
-    from autotune.memory_model import CALIBRATION_PATH, load_calibration
-    from autotune.memtrace import architecture_facts
+    from autotune.calibration.memtrace import architecture_facts
+    from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
 
     shipped_flops = load_calibration().get("flops", {}) if CALIBRATION_PATH.is_file() else {}
     missing = [f for f in NATIVE if f not in shipped_flops]
     if args.flops_only or (missing and not args.trace_only and not args.check):
-        from autotune.speed_model import fit_flops
+        from autotune.estimate.speed_model import fit_flops
 
         started = time.perf_counter()
         # the tiny families: three resolutions, so the fit has a constant (see fit_flops)

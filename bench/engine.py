@@ -76,8 +76,8 @@ def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
     from peft import LoraConfig
     from PIL import Image
 
-    from sd_scripts_compat.families import get_family
-    from sd_scripts_compat.models import build_modules
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
 
     torch.manual_seed(1)
     bundle = build_modules(get_family(model))

@@ -2,8 +2,8 @@
 
 For the built-in full-size SD1.5 and SDXL (random weights, nothing downloaded) and emulated cards of
 8 / 12 / 16 / 24 GB (``torch.cuda.set_per_process_memory_fraction`` on the real card), it plans with
-``autotune.planner`` (the card's own rates, the emulated memory), then runs a short training at exactly the
-planned settings: our kohya LoRA network (``sd_scripts_compat.lora.create_network``) on the UNet (and the
+``autotune.planning.planner`` (the card's own rates, the emulated memory), then runs a short training at exactly the
+planned settings: our kohya LoRA network (``sd_scripts_compat.network.lora.create_network``) on the UNet (and the
 text encoder when the plan trains it), random cached latents and text embeddings, the planned micro-batch,
 gradient accumulation, checkpointing, optimizer, precision and fp8 storage. A direct step loop instead of
 the full trainer: no dataset, no VAE and no caching pass, so one case takes seconds.
@@ -69,8 +69,8 @@ def write_json(path: Path, data: Any) -> None:
 
 def device_spec(torch: Any, dry_run: bool) -> Any:
     """The catalogue entry of this GPU (its rates feed the speed prediction); the generic card otherwise."""
-    from autotune.gpu_catalog import find_gpu, lookup_gpu
-    from autotune.planner import GENERIC_GPU_NAME
+    from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
+    from autotune.planning.planner import GENERIC_GPU_NAME
 
     if not dry_run and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory / GIB
@@ -81,7 +81,7 @@ def device_spec(torch: Any, dry_run: bool) -> Any:
 
 
 def make_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
-    from autotune.planner import PlanRequest, gpu_from_spec, nominal_dataset, plan_training
+    from autotune.planning.planner import PlanRequest, gpu_from_spec, nominal_dataset, plan_training
 
     target = gpu_from_spec(spec, vram_gb=tier_gb, name=f"{spec.name} limited to {tier_gb:g} GB")
     return plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", gpus=(target,), goal=goal,
@@ -93,11 +93,11 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     """Train at the plan's settings for warmup + steps micro-steps; measure memory and speed."""
     import torch.nn.functional as F
 
-    from sd_scripts_compat.families import get_family
-    from sd_scripts_compat.lora import create_network
-    from sd_scripts_compat.models import build_modules
-    from sd_scripts_compat.optim import make_optimizer
-    from sd_scripts_compat.precision import store_frozen_weights_in_fp8
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.network.lora import create_network
+    from sd_scripts_compat.training.optim import make_optimizer
+    from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
     s = plan.settings
     family = get_family(train_family)

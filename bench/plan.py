@@ -53,8 +53,8 @@ def time_cli(dataset: Path, family: str, gpu: str, runs: int, out: Path) -> list
 
 
 def time_in_process(dataset: Path, family: str, gpu: str, runs: int) -> list[float]:
-    from autotune.gpu_catalog import lookup_gpu
-    from autotune.planner import PlanRequest, gpu_from_spec, plan_training
+    from autotune.hardware.gpu_catalog import lookup_gpu
+    from autotune.planning.planner import PlanRequest, gpu_from_spec, plan_training
 
     request = PlanRequest(dataset_dir=str(dataset), model=f"builtin:{family}",
                           gpus=(gpu_from_spec(lookup_gpu(gpu)),), cpu_physical_cores=8)

@@ -69,7 +69,7 @@ LEFT_OUT = [
 
 
 def main() -> int:
-    from autotune.memory_model import MemoryInputs, predict_memory
+    from autotune.estimate.memory_model import MemoryInputs, predict_memory
 
     print("| row | setting | assumed | published | predicted peak | ratio | kind | ok |")
     print("|---|---|---|---|---|---|---|---|")

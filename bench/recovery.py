@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.stepdown import LadderLimits, TrainSettings, memory_predictor  # noqa: E402
-from autotune.watchdog import EVENTS_DIR, Job, supervise  # noqa: E402
+from autotune.recovery.ladder import LadderLimits, TrainSettings, memory_predictor  # noqa: E402
+from autotune.recovery.watchdog import EVENTS_DIR, Job, supervise  # noqa: E402
 
 
 def make_dataset(root: Path) -> Path:

@@ -7,7 +7,7 @@ read only when the progress bar refreshes), feeds cached latents when asked, and
 pinned memory and ``non_blocking``.
 
 Extension flags (ours, command line only): ``--autotune_events_dir``, ``--save_state_every_seconds``,
-``--autotune_retry_log``; see ``sd_scripts_compat.oom`` for the watchdog contract.
+``--autotune_retry_log``; see ``sd_scripts_compat.contract`` for the watchdog contract.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.contract import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, is_oom_error
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.oom import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, is_oom_error
 
 PROGRESS_EVERY_SECONDS = 2.0
 TIMING_WARMUP_STEPS = 2
 
 
 def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
-    from sd_scripts_compat.config import load_training_config
+    from sd_scripts_compat.config.training_config import load_training_config
 
     program = "sdxl_train_network" if sdxl else "train_network"
     try:
@@ -86,29 +86,29 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     from accelerate.utils import set_seed
     from diffusers import DDPMScheduler
 
-    from sd_scripts_compat.config import dataset_group_from_config
-    from sd_scripts_compat.datasets import (
+    from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, offload
+    from sd_scripts_compat.config.training_config import dataset_group_from_config
+    from sd_scripts_compat.contract import OomInjector, memory_figures, write_json_atomic
+    from sd_scripts_compat.dataset.train_dataset import (
         BucketBatchSampler,
         build_dataset,
         build_validation_dataset,
         make_dataloader,
     )
-    from sd_scripts_compat.latent_cache import cache_latents, encode_images, offload
-    from sd_scripts_compat.lora import create_network, create_network_from_weights, parse_network_args
-    from sd_scripts_compat.lora_file import TrainingFacts, build_metadata, read_lora_file, save_lora_file
-    from sd_scripts_compat.model_loading import load_base_model
-    from sd_scripts_compat.objectives import (
+    from sd_scripts_compat.models.loading import load_base_model
+    from sd_scripts_compat.models.text_encoding import cache_text_encoder_outputs
+    from sd_scripts_compat.network.lora import create_network, create_network_from_weights, parse_network_args
+    from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, read_lora_file, save_lora_file
+    from sd_scripts_compat.training.objectives import (
         NoiseSettings,
         diffusion_target,
         per_sample_loss,
         sample_noise_and_timesteps,
         step_generator,
     )
-    from sd_scripts_compat.oom import OomInjector, memory_figures, write_json_atomic
-    from sd_scripts_compat.optim import make_lr_scheduler, make_optimizer
-    from sd_scripts_compat.precision import fp8_supported, store_frozen_weights_in_fp8
-    from sd_scripts_compat.text_encoding import cache_text_encoder_outputs
-    from sd_scripts_compat.train_state import (
+    from sd_scripts_compat.training.optim import make_lr_scheduler, make_optimizer
+    from sd_scripts_compat.training.precision import fp8_supported, store_frozen_weights_in_fp8
+    from sd_scripts_compat.training.train_state import (
         TrainCounters,
         load_train_state,
         restore_rng_state,
@@ -499,7 +499,7 @@ class _Conditioner:
     def condition(self, batch: dict[str, Any], *, train: bool) -> tuple[Any, dict[str, Any] | None]:
         import torch
 
-        from sd_scripts_compat.text_encoding import encode_prompts, sdxl_time_ids
+        from sd_scripts_compat.models.text_encoding import encode_prompts, sdxl_time_ids
 
         if "encoder_hidden_states" in batch:
             hidden, pooled = batch["encoder_hidden_states"].to(self.dtype), batch.get("pooled")
@@ -517,7 +517,7 @@ class _Conditioner:
 
 def _captions_fixed(datasets: list[Any]) -> bool:
     """True when no caption option (shuffle, dropout, warm-up) changes a processed caption between steps."""
-    from sd_scripts_compat.captions import caption_is_deterministic
+    from sd_scripts_compat.dataset.captions import caption_is_deterministic
 
     return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
 
@@ -679,7 +679,7 @@ def _save_checkpoint(accelerator: Any, paths: RunPaths, config: Any, counters: A
 
 def _sample(bundle: Any, config: Any, paths: RunPaths, accelerator: Any, dtype: Any, resolution: tuple[int, int],
             name: str) -> None:
-    from sd_scripts_compat.sampling import read_sample_prompts, render_samples
+    from sd_scripts_compat.training.sampling import read_sample_prompts, render_samples
 
     if not config.sample_prompts or not accelerator.is_main_process:
         return
@@ -737,9 +737,9 @@ def validation_loss(dataset: Any, unet: Any, conditioner: Any, noise_scheduler: 
     """
     import torch
 
-    from sd_scripts_compat.datasets import BucketBatchSampler, make_dataloader
-    from sd_scripts_compat.latent_cache import encode_images
-    from sd_scripts_compat.objectives import diffusion_target, per_sample_loss
+    from sd_scripts_compat.caching.latent_cache import encode_images
+    from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
+    from sd_scripts_compat.training.objectives import diffusion_target, per_sample_loss
 
     was_training = unet.training
     unet.eval()

@@ -7,7 +7,7 @@ import random
 import pytest
 from PIL import Image
 
-from sd_scripts_compat.buckets import (
+from sd_scripts_compat.dataset.buckets import (
     BucketConfig,
     crop_geometry,
     make_bucket_resolutions,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from autotune.cli import COMMANDS
-from autotune.probe import SystemProbe
+from autotune.hardware.probe import SystemProbe
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
 

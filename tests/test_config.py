@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sd_scripts_compat.config import (
+from sd_scripts_compat.config.kohya_args import ARGS_TSV, build_argparser, load_arg_specs
+from sd_scripts_compat.config.training_config import (
     ALIASES,
     IMPLEMENTED,
     WRAPPER_KEYS,
@@ -20,7 +21,6 @@ from sd_scripts_compat.config import (
     load_training_config,
 )
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.kohya_args import ARGS_TSV, build_argparser, load_arg_specs
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def test_lora_scripts_default_template_is_accepted():
 def test_gui_keys_warn_and_unimplemented_kohya_keys_warn(tmp_path, caplog):
     path = write(tmp_path, 'model_train_type = "sd-lora"\nconv_dim = 4\nlowram = true\nvae = "/m/vae.pt"\n'
                            'mem_eff_attn = true\nhighvram = false\n')
-    with caplog.at_level("WARNING", logger="sd_scripts_compat.config"):
+    with caplog.at_level("WARNING", logger="sd_scripts_compat.config.training_config"):
         cfg = load(path)
     text = "\n".join(cfg.warnings)
     assert "model_train_type" in text and "conv_dim" in text and 'network_args = ["conv_dim=4"' in text
@@ -294,7 +294,7 @@ def test_bad_file_shows_one_line_on_stderr_in_a_real_process(tmp_path):
     path = write(tmp_path, "[training_arguments]\nlearning_rat = 1e-4\n")
     script = (
         "import sys\n"
-        "from sd_scripts_compat.config import load_training_config\n"
+        "from sd_scripts_compat.config.training_config import load_training_config\n"
         "from sd_scripts_compat.errors import UserError\n"
         "try:\n"
         "    load_training_config(sys.argv[1:], sdxl=False)\n"
@@ -327,7 +327,7 @@ def test_train_data_dir_folder_convention(tmp_path, caplog):
                            'resolution = "512,768"\ntrain_batch_size = 2\nshuffle_caption = true\n'
                            'caption_extension = ".txt"\nprior_loss_weight = 0.5\nenable_bucket = true\n')
     cfg = load(path)
-    with caplog.at_level("WARNING", logger="sd_scripts_compat.dataset_config"):
+    with caplog.at_level("WARNING", logger="sd_scripts_compat.config.dataset_config"):
         group = dataset_group_from_config(cfg)
     assert len(group.datasets) == 1
     dataset = group.datasets[0]

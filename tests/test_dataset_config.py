@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sd_scripts_compat.config import dataset_args, load_training_config
-from sd_scripts_compat.dataset_config import load_dataset_config
-from sd_scripts_compat.dataset_spec import SubsetSpec
+from sd_scripts_compat.config.dataset_config import load_dataset_config
+from sd_scripts_compat.config.dataset_spec import SubsetSpec
+from sd_scripts_compat.config.training_config import dataset_args, load_training_config
 from sd_scripts_compat.errors import UserError
 
 DATA = Path(__file__).parent / "data"
@@ -120,7 +120,7 @@ def test_subset_rules(tmp_path):
 
 def test_finetune_subset_is_read_and_flagged_as_not_implemented(tmp_path, caplog):
     path = write(tmp_path, '[[datasets]]\n[[datasets.subsets]]\nmetadata_file = "meta.json"\nimage_dir = "imgs"\n')
-    with caplog.at_level("WARNING", logger="sd_scripts_compat.dataset_config"):
+    with caplog.at_level("WARNING", logger="sd_scripts_compat.config.dataset_config"):
         group = load_dataset_config(path, {}, default_resolution=(512, 512))
     assert group.datasets[0].subsets[0].metadata_file == "meta.json"
     assert any("metadata_file" in r.getMessage() and "does not implement" in r.getMessage() for r in caplog.records)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.dataset_spec import DatasetSpec, SubsetSpec
-from sd_scripts_compat.datasets import (
+from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.dataset.train_dataset import (
     BucketBatchSampler,
     build_dataset,
     build_validation_dataset,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import toml
 
-from autotune.gpu_catalog import CATALOG_PATH, GpuSpec, find_gpu, load_catalog, lookup_gpu, normalize_gpu_name
+from autotune.hardware.gpu_catalog import CATALOG_PATH, GpuSpec, find_gpu, load_catalog, lookup_gpu, normalize_gpu_name
 from sd_scripts_compat.errors import UserError
 
 

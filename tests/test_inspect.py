@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.lora import create_network
-from sd_scripts_compat.lora_file import TrainingFacts, build_metadata, save_lora_file
-from sd_scripts_compat.models import build_modules
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.network.lora import create_network
+from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, save_lora_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.dataset_spec import DatasetSpec, SubsetSpec
-from sd_scripts_compat.datasets import build_dataset, mix_seed
+from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, latent_cache_path, offload
+from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.dataset.train_dataset import build_dataset, mix_seed
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.latent_cache import cache_latents, encode_images, latent_cache_path, offload
-from sd_scripts_compat.models import build_modules
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.lora import create_network
-from sd_scripts_compat.lora_file import read_lora_file, save_lora_file
-from sd_scripts_compat.models import build_modules
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.network.lora import create_network
+from sd_scripts_compat.network.lora_file import read_lora_file, save_lora_file
 
 ATOL = 1e-5
 

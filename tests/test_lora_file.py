@@ -13,16 +13,16 @@ import torch
 from safetensors.torch import save, save_file
 
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.lora import create_network
-from sd_scripts_compat.lora_file import (
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.network.lora import create_network
+from sd_scripts_compat.network.lora_file import (
     TrainingFacts,
     build_metadata,
     describe_lora,
     read_lora_file,
     save_lora_file,
 )
-from sd_scripts_compat.models import build_modules
 
 
 @pytest.fixture(scope="module")

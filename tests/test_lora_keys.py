@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.lora import create_network
-from sd_scripts_compat.lora_file import describe_lora
-from sd_scripts_compat.models import build_modules
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.network.lora import create_network
+from sd_scripts_compat.network.lora_file import describe_lora
 
 # copies of shared/reference/kohya/keys_*.json: the keys sd-scripts' own networks/lora.py produces
 REFERENCE = Path(__file__).parent / "data" / "kohya"

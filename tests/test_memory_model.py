@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.memory_model import MemoryInputs, canonical_optimizer, predict_memory
+from autotune.estimate.memory_model import MemoryInputs, canonical_optimizer, predict_memory
 from sd_scripts_compat.errors import UserError
 
 KOHYA = Path(__file__).parent / "data" / "kohya"  # copies of shared/reference/kohya/keys_*.json
@@ -102,7 +102,7 @@ def test_bad_input_is_a_user_error() -> None:
 @pytest.mark.parametrize("gc", [False, True])
 def test_prediction_matches_fresh_small_trace(gc: bool) -> None:
     """SD1.5 at 256 px (a resolution the calibration never traced): analytic within 10 % of a fresh trace."""
-    from autotune.memtrace import trace_training_step
+    from autotune.calibration.memtrace import trace_training_step
 
     trace = trace_training_step("sd15", resolution=256, batch_size=1, rank=16, gradient_checkpointing=gc,
                                 optimizer="AdamW", weight_dtype="fp16")
@@ -117,7 +117,7 @@ def test_prediction_matches_fresh_small_trace(gc: bool) -> None:
 def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None:
     """Own coefficients (fp16 and fp32), the tiny VAE's 2x downsampling, FLOP fits: nothing borrowed
     from the full-size twin for the activations."""
-    from autotune.memory_model import family_calibration, load_calibration
+    from autotune.estimate.memory_model import family_calibration, load_calibration
 
     cal = family_calibration(family)
     assert cal["architecture"]["latent_downsample"] == 2
@@ -129,7 +129,7 @@ def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None
     assert peaks == sorted(peaks) and len(set(peaks)) == 4
     with pytest.raises(UserError, match="resolution must be >= 16 px"):
         predict_memory(tiny.with_(resolution=8))
-    from autotune.speed_model import count_flops, step_flops
+    from autotune.estimate.speed_model import count_flops, step_flops
 
     counted = count_flops(family, 48, gradient_checkpointing=True)  # 48 px: between the counted 32/64/128
     shipped = step_flops(tiny.with_(resolution=48, gradient_checkpointing=True))
@@ -141,7 +141,7 @@ def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None
                                                              ("tiny-sdxl", True, "bf16")])
 def test_tiny_prediction_matches_fresh_trace(family: str, gc: bool, weight_dtype: str) -> None:
     """48 px, batch 3, rank 16 (no fit trace has any of these): analytic within 10 % of a fresh trace."""
-    from autotune.memtrace import trace_training_step
+    from autotune.calibration.memtrace import trace_training_step
 
     trace = trace_training_step(family, resolution=48, batch_size=3, rank=16, gradient_checkpointing=gc,
                                 optimizer="AdamW", weight_dtype=weight_dtype)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.memtrace import LiveBytesCounter, architecture_facts, optimizer_state_shapes, trace_training_step
+from autotune.calibration.memtrace import (
+    LiveBytesCounter,
+    architecture_facts,
+    optimizer_state_shapes,
+    trace_training_step,
+)
 
 
 @pytest.mark.parametrize(("weight_dtype", "gc", "optimizer"), [
@@ -81,9 +86,9 @@ def test_caching_and_fp8_change_resident_weights() -> None:
 
 def test_architecture_facts_lora_counts_match_the_network() -> None:
     """Per-rank module shapes in the facts give exactly the network's parameter count."""
-    from sd_scripts_compat.families import get_family
-    from sd_scripts_compat.lora import create_network
-    from sd_scripts_compat.models import build_modules
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.network.lora import create_network
 
     facts = architecture_facts("tiny-sdxl")
     rank = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sd_scripts_compat.oom import INJECT_ENV, OomInjector, is_oom_error
+from sd_scripts_compat.contract import INJECT_ENV, OomInjector, is_oom_error
 
 
 @pytest.mark.parametrize("message", [

@@ -1,4 +1,4 @@
-"""Optimizers and schedulers by kohya's names (sd_scripts_compat/optim.py), built for real on CPU tensors."""
+"""Optimizers and schedulers by kohya's names (sd_scripts_compat/training/optim.py), built for real on CPU tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.optim import make_lr_scheduler, make_optimizer
+from sd_scripts_compat.training.optim import make_lr_scheduler, make_optimizer
 
 
 def lora_like_groups(seed: int = 0, lrs: tuple[float, float] = (1e-4, 5e-5)) -> list[dict]:

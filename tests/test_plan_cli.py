@@ -95,9 +95,9 @@ def test_fake_probe_two_gpus_held_memory_and_display(monkeypatch, tmp_path):
     """No NVIDIA driver here: a probe answer for two cards (one driving a display) stands in for NVML."""
     import argparse
 
-    from autotune import probe as probe_module
     from autotune.commands import plan as plan_command
-    from autotune.planner import GIB, plan_training
+    from autotune.hardware import probe as probe_module
+    from autotune.planning.planner import GIB, plan_training
 
     real_probe = probe_module.probe_system
 

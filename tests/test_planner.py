@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.gpu_catalog import load_catalog, lookup_gpu
-from autotune.planner import (
+from autotune.hardware.gpu_catalog import load_catalog, lookup_gpu
+from autotune.planning.planner import (
     GIB,
     GOAL_PROFILES,
     DatasetSummary,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sd_scripts_compat.precision import store_frozen_weights_in_fp8
+from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
 
 def _model() -> torch.nn.Module:

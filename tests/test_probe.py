@@ -13,7 +13,7 @@ from importlib import metadata
 import psutil
 import pytest
 
-from autotune.probe import SystemProbe, capability_flags, probe_system, render, torch_build
+from autotune.hardware.probe import SystemProbe, capability_flags, probe_system, render, torch_build
 
 GIB = 1 << 30
 
@@ -148,7 +148,7 @@ def test_human_view(live):
 
 
 def test_probe_imports_nothing_heavy_without_a_gpu(tmp_path):
-    code = ("import json, sys; from autotune.probe import probe_system; p = probe_system(sys.argv[1]); "
+    code = ("import json, sys; from autotune.hardware.probe import probe_system; p = probe_system(sys.argv[1]); "
             "heavy = ('torch', 'diffusers', 'transformers', 'rich'); "
             "print(json.dumps({'gpu': p.cuda_gpu_found, 'build': p.libraries['torch'].build, "
             "'mods': sorted(m for m in heavy if m in sys.modules)}))")

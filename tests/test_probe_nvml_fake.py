@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pynvml as real_pynvml
 import pytest
 
-from autotune import probe as probe_module
-from autotune.probe import SystemProbe, probe_system
+from autotune.hardware import probe as probe_module
+from autotune.hardware.probe import SystemProbe, probe_system
 from sd_scripts_compat.errors import UserError
 
 MIB = 1 << 20

@@ -34,8 +34,8 @@ import toml
 from safetensors import safe_open
 
 from autotune.commands.run import address_space_limit
-from autotune.stepdown import LadderLimits, TrainSettings, memory_predictor
-from autotune.watchdog import Job, supervise
+from autotune.recovery.ladder import LadderLimits, TrainSettings, memory_predictor
+from autotune.recovery.watchdog import Job, supervise
 
 pytestmark = pytest.mark.skipif(
     not (Path(__file__).parents[1] / "sd_scripts_compat" / "train_network.py").is_file(),

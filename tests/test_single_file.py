@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.model_loading import load_base_model
-from sd_scripts_compat.models import build_modules
-from sd_scripts_compat.single_file import (
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.models.loading import load_base_model
+from sd_scripts_compat.models.single_file import (
     Checkpoint,
     detect_family,
     expected_shapes,
@@ -112,7 +112,7 @@ def test_sd2_v_marker_selects_v_family(tmp_path):
         assert "v_pred" in set(handle.keys())
         assert handle.metadata()["modelspec.prediction_type"] == "v"
     assert_bundles_equal(source, loaded)
-    from sd_scripts_compat.single_file import read_checkpoint
+    from sd_scripts_compat.models.single_file import read_checkpoint
 
     checkpoint = read_checkpoint(path, header_only=True)
     assert detect_family(checkpoint, candidates=[eps, vpred]).name == vpred.name
@@ -182,7 +182,7 @@ def test_full_size_layout_converts_back_on_meta(name):
     """Full-size families: our original layout, fed to diffusers' converters, gives every module key and shape."""
     import torch
 
-    from sd_scripts_compat.single_file import _empty_bundle, convert_checkpoint
+    from sd_scripts_compat.models.single_file import _empty_bundle, convert_checkpoint
 
     family = get_family(name)
     with torch.device("meta"):

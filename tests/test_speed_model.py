@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.memory_model import MemoryInputs
-from autotune.speed_model import count_flops, efficiency, predict_speed, step_flops
+from autotune.estimate.memory_model import MemoryInputs
+from autotune.estimate.speed_model import count_flops, efficiency, predict_speed, step_flops
 
 SD15 = MemoryInputs(family="sd15", resolution=512, batch_size=1, rank=16, gradient_checkpointing=False)
 SDXL = MemoryInputs(family="sdxl", resolution=1024, batch_size=1, rank=16, gradient_checkpointing=False)
@@ -63,7 +63,7 @@ def test_predictions_behave() -> None:
 
 
 def test_gpu_catalogue_rate_by_precision() -> None:
-    from autotune.gpu_catalog import lookup_gpu
+    from autotune.hardware.gpu_catalog import lookup_gpu
 
     gpu = lookup_gpu("RTX 4090")
     fp16 = predict_speed(SD15.with_(weight_dtype="fp16"), gpu)

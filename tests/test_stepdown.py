@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from autotune.stepdown import (
+from autotune.recovery.ladder import (
     Decision,
     Exhausted,
     LadderLimits,
@@ -158,7 +158,7 @@ def test_settings_from_oom_event_and_back():
 def test_tiny_family_ladder_on_its_own_calibration():
     """tiny-sd15 on CPU (fp32, 32-64 px): predictions are the tiny family's own model, no borrowed twin,
     and the ladder walks down to the tiny floor resolution."""
-    from autotune.memory_model import MemoryInputs, predict_memory
+    from autotune.estimate.memory_model import MemoryInputs, predict_memory
     from sd_scripts_compat.errors import UserError
 
     predict = memory_predictor("tiny-sd15", cuda=False)
@@ -185,8 +185,8 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
     import argparse
 
     from autotune.commands.run import _caption_randomizers_in, _limits
-    from autotune.probe import probe_system
-    from sd_scripts_compat.families import get_family
+    from autotune.hardware.probe import probe_system
+    from sd_scripts_compat.models.families import get_family
 
     unet_only = replace(SDXL, cache_text_encoder_outputs=False)
     resident = memory_predictor("sdxl", train_text_encoder=False)

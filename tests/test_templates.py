@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from autotune.make_templates import FAMILIES, TEMPLATE_DIR, TIERS_GB, write_templates
-from sd_scripts_compat.config import load_training_config
-from sd_scripts_compat.dataset_config import read_dataset_config
-from sd_scripts_compat.families import get_family
+from autotune.planning.templates import FAMILIES, TEMPLATE_DIR, TIERS_GB, write_templates
+from sd_scripts_compat.config.dataset_config import read_dataset_config
+from sd_scripts_compat.config.training_config import load_training_config
+from sd_scripts_compat.models.families import get_family
 
 
 def relative_files(root: Path) -> dict[str, bytes]:
@@ -29,7 +29,7 @@ def test_committed_templates_are_not_stale(fresh):
     stale = sorted(name for name in expected if committed.get(name) != expected[name])
     extra = sorted(set(committed) - set(expected))
     assert not stale and not extra, (f"templates/ is stale ({stale[:5]}, extra {extra[:5]}); "
-                                     "run: python -m autotune.make_templates")
+                                     "run: python -m autotune.planning.templates")
 
 
 def test_every_family_and_tier_has_a_template(fresh):

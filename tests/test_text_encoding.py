@@ -6,12 +6,12 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.dataset_spec import DatasetSpec, SubsetSpec
-from sd_scripts_compat.datasets import build_dataset
+from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.families import get_family
-from sd_scripts_compat.models import build_modules
-from sd_scripts_compat.text_encoding import (
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.models.text_encoding import (
     cache_text_encoder_outputs,
     encode_prompts,
     sdxl_time_ids,

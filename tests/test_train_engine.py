@@ -15,7 +15,7 @@ import pytest
 import toml
 import torch
 
-from sd_scripts_compat.lora_file import describe_lora, read_lora_file
+from sd_scripts_compat.network.lora_file import describe_lora, read_lora_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"

@@ -16,8 +16,8 @@ import toml
 from fixtures.fake_engine import fake_memory_mib
 from safetensors import safe_open
 
-from autotune.stepdown import LadderLimits, TrainSettings
-from autotune.watchdog import (
+from autotune.recovery.ladder import LadderLimits, TrainSettings
+from autotune.recovery.watchdog import (
     DECISIONS_JSONL,
     DECISIONS_LOG,
     Job,

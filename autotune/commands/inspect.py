@@ -26,7 +26,7 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _family_line(info: dict[str, Any]) -> str:
-    from sd_scripts_compat.families import get_family
+    from sd_scripts_compat.models.families import get_family
 
     if info["family"]:
         return f"{info['family']} ({get_family(info['family']).description})"
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sd_scripts_compat.lora_file import TRAINING_FIELDS, describe_lora_file
+    from sd_scripts_compat.network.lora_file import TRAINING_FIELDS, describe_lora_file
 
     info = describe_lora_file(args.file)  # UserError (not a LoRA, corrupt) -> one line, exit 2
     if args.json:

@@ -1,7 +1,7 @@
 """Show this machine's GPU(s), CPU, RAM, free disk and ML libraries, or what the tools assume for a named GPU.
 
 Without a GPU, driver or NVML this still answers (with the reason no CUDA GPU was found). `--json` prints one
-object whose fields are documented in autotune/probe.py; `--gpu "RTX 3060"` shows the catalogue's figures for a
+object whose fields are documented in autotune/hardware/probe.py; `--gpu "RTX 3060"` shows the catalogue's figures for a
 card that is not in this machine.
 """
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune.probe import probe_system, render
+    from autotune.hardware.probe import probe_system, render
 
     probe = probe_system(output_dir=args.output_dir, assume_gpu=args.gpu)
     if args.json:

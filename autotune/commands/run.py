@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.watchdog import DECISIONS_LOG
+from autotune.recovery.watchdog import DECISIONS_LOG
 from sd_scripts_compat.errors import UserError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -80,7 +80,7 @@ def _flat(document: dict[str, Any]) -> dict[str, Any]:
 
 def settings_from_configs(config: dict[str, Any], dataset: dict[str, Any] | None) -> Any:
     """The memory-relevant settings as kohya would resolve them (first dataset > [general] > config)."""
-    from autotune.stepdown import TrainSettings
+    from autotune.recovery.ladder import TrainSettings
 
     values = _flat(config)
     if dataset:
@@ -95,7 +95,7 @@ def settings_from_configs(config: dict[str, Any], dataset: dict[str, Any] | None
 
 
 def _prepare_output(out: Path, resume: bool) -> None:
-    from autotune.watchdog import RUN_STATE, newest_state
+    from autotune.recovery.watchdog import RUN_STATE, newest_state
 
     if resume:
         if not (out / RUN_STATE).is_file():
@@ -128,10 +128,18 @@ def run(args: argparse.Namespace) -> int:
     import shutil
     from dataclasses import asdict
 
-    from autotune.planner import detect_family
-    from autotune.probe import probe_system
-    from autotune.stepdown import TrainSettings
-    from autotune.watchdog import RUN_STATE, Job, _set_everywhere, load_toml, read_json, supervise, write_toml_atomic
+    from autotune.hardware.probe import probe_system
+    from autotune.planning.planner import detect_family
+    from autotune.recovery.ladder import TrainSettings
+    from autotune.recovery.watchdog import (
+        RUN_STATE,
+        Job,
+        _set_everywhere,
+        load_toml,
+        read_json,
+        supervise,
+        write_toml_atomic,
+    )
 
     dataset_dir = Path(args.dataset).resolve()
     counts = check_dataset(dataset_dir)
@@ -216,7 +224,7 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
     The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
     address-space cap or the available RAM.
     """
-    from autotune.stepdown import LadderLimits
+    from autotune.recovery.ladder import LadderLimits
 
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
     if args.memory_limit:
@@ -239,14 +247,14 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
 
 
 def _captions_randomized(flat: dict[str, Any]) -> bool:
-    from sd_scripts_compat.captions import CAPTION_RANDOMIZING_KEYS
+    from sd_scripts_compat.dataset.captions import CAPTION_RANDOMIZING_KEYS
 
     return any(flat.get(key) for key in CAPTION_RANDOMIZING_KEYS)
 
 
 def _caption_randomizers_in(dataset: dict[str, Any]) -> dict[str, Any]:
     """Caption options set in any [[datasets]] block or subset of a dataset.toml (they act per subset)."""
-    from sd_scripts_compat.captions import CAPTION_RANDOMIZING_KEYS
+    from sd_scripts_compat.dataset.captions import CAPTION_RANDOMIZING_KEYS
 
     found: dict[str, Any] = {}
     for block in dataset.get("datasets") or []:
@@ -261,7 +269,7 @@ def _engine_caches_text(flat: dict[str, Any]) -> bool:
 
 
 def _predictor(family: Any, flat: dict[str, Any], cuda: bool) -> Any:
-    from autotune.stepdown import memory_predictor
+    from autotune.recovery.ladder import memory_predictor
 
     return memory_predictor(family.name, train_text_encoder=not flat.get("network_train_unet_only"),
                             text_encoder_outputs_cached=_engine_caches_text(flat),
@@ -274,8 +282,8 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, float | None]:
     Returns the dataset config path and the plan's usable memory (MiB) for the step-down budget.
     """
     from autotune.commands.plan import build_request, render
-    from autotune.planner import plan_training
-    from autotune.toml_writer import write_plan_files
+    from autotune.planning.planner import plan_training
+    from autotune.planning.toml_writer import write_plan_files
 
     args.out = str(out)
     plan = plan_training(build_request(args))

@@ -1,0 +1,1 @@
+"""Analytic memory and speed models (no torch): what a setting costs on a card."""

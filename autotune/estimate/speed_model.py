@@ -1,0 +1,263 @@
+"""Predicted training speed: FLOPs per step from the architectures, the card's rate, an efficiency.
+
+FLOPs are counted once per family with ``torch.utils.flop_counter.FlopCounterMode`` on the meta
+device (on fake CPU tensors the CPU flash-attention op counts as 0 FLOPs; on meta SDPA takes the
+math path, whose two matmuls are the standard attention FLOPs) and shipped as per-sample fits in
+latent pixels P (``f1*P + f2*P^2``: convs/linears ~P, self-attention ~P^2) in the
+``flops`` section of ``autotune/data/memory_calibration.json`` (``bench/calibrate_memory.py
+--flops-only`` regenerates it), so planning never traces.
+
+- Backward of a frozen-weight UNet with LoRA is counted, not assumed: it needs the input gradients
+  of every layer (~1x forward) but weight gradients only for the small LoRA matrices, so it comes
+  out ~1.1-1.15x the forward (SD1.5 512: 0.92 vs 0.80 TFLOP; SDXL 1024: 7.5 vs 6.8).
+- Gradient checkpointing recomputes the checkpointed blocks' forward during backward: counted too
+  (diffusers checkpoints the resnet / transformer blocks, ~0.77x of a full forward).
+- Text encoders add their forward when not cached (and their backward when trained); the VAE adds
+  its encoder when latents are not cached.
+
+Efficiency (achieved / catalogue dense fp16-with-fp32-accumulate rate) rises with the work per
+micro-step ``w`` (TFLOP): ``eff = 0.33 * w / (w + 3.5)``. Small batches leave the GPU waiting on
+kernel launches, the optimizer and the data loader, so small steps run far from peak. Fitted to
+published LoRA throughput (``shared/reference/vram_datapoints.md``): row 1, SD1.5 512 bs1 on a
+2080 Ti at ~3.3 it/s (1.8 TFLOP/step, 5.9 TFLOP/s of 53.8: 11 %) and row 18, SDXL bs8 with GC on
+a 4090 at ~3 s/it (159 TFLOP/step, 53 TFLOP/s of 165: 32 %); row 17 (SDXL 1024 bs1 on a 3090 Ti,
+1.12 s/it) is predicted at 0.7-0.95 s/it, i.e. the curve is somewhat optimistic at bs1.
+On the CPU (no GPU given) the rate is ~75 GFLOP/s per physical core in fp32 (this machine's 2
+cores: ~150 GFLOP/s, from the stack notes' full-size step timings), bf16 ~3.6x slower.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+EFFICIENCY_MAX = 0.33
+EFFICIENCY_HALF_TFLOP = 3.5
+CPU_GFLOPS_PER_CORE = 75.0
+CPU_BF16_SLOWDOWN = 3.6
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one micro-step (whole batch), by part."""
+
+    unet_forward: float
+    unet_backward: float  # includes the gradient-checkpointing recompute when on
+    text_encoders: float
+    vae_encode: float
+
+    @property
+    def total(self) -> float:
+        return self.unet_forward + self.unet_backward + self.text_encoders + self.vae_encode
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """``it_per_s`` counts optimizer steps (one step = ``gradient_accumulation_steps`` micro-steps),
+    as kohya's progress bar does."""
+
+    it_per_s: float
+    seconds_per_step: float
+    total_seconds: float
+    steps: int
+    flops_per_micro_step: float
+    efficiency: float
+    peak_tflops: float
+    achieved_tflops: float
+    device: str
+
+
+def _poly(coef: list[float], pixels: float) -> float:
+    return sum(c * pixels**i for i, c in enumerate(coef))
+
+
+def step_flops(inputs: Any, calibration: dict[str, Any] | None = None) -> StepFlops:
+    """FLOPs of one micro-step for ``inputs`` (a ``MemoryInputs``), from the shipped fits."""
+    from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
+    from sd_scripts_compat.errors import UserError
+
+    calibration = calibration or load_calibration()
+    table = calibration.get("flops", {})
+    name = inputs.family
+    if name not in table:  # a family sharing another's architecture (sd2-v -> sd2)
+        name = calibration.get("families", {}).get(name, {}).get("calibrated_as", name)
+    if name not in table:
+        raise UserError(f"{CALIBRATION_PATH.name}: no FLOP counts for family {inputs.family!r}; "
+                        "regenerate them with bench/calibrate_memory.py --flops-only")
+    fam = table[name]
+    height = inputs.height or inputs.resolution
+    down = int(fam.get("latent_downsample", 8))
+    pixels = (inputs.resolution // down) * (height // down)
+    bs = inputs.batch_size
+    forward = bs * _poly(fam["unet_forward"], pixels)
+    backward = bs * _poly(fam["unet_backward_gc" if inputs.gradient_checkpointing else "unet_backward"], pixels)
+    text = 0.0
+    if inputs.train_text_encoder:
+        text = bs * fam["text_encoder_forward"] * (1 + fam["text_encoder_backward_ratio"])
+    elif not inputs.cache_text_encoder_outputs:
+        text = bs * fam["text_encoder_forward"]
+    vae = 0.0 if inputs.cache_latents else bs * _poly(fam["vae_encode"], pixels)
+    return StepFlops(unet_forward=forward, unet_backward=backward, text_encoders=text, vae_encode=vae)
+
+
+def efficiency(tflop_per_micro_step: float) -> float:
+    """Fraction of the card's dense tensor rate a LoRA step reaches (see the module doc for the source)."""
+    w = max(tflop_per_micro_step, 0.0)
+    return EFFICIENCY_MAX * w / (w + EFFICIENCY_HALF_TFLOP)
+
+
+def card_rate_tflops(gpu: Any, precision: str) -> float:
+    """The catalogue rate for the compute precision: bf16/fp16 tensor rate, else plain fp32."""
+    if precision == "bf16":
+        rate = getattr(gpu, "bf16_tensor_tflops", None) or getattr(gpu, "fp16_tensor_tflops", None)
+    elif precision in ("fp16", "fp8"):
+        rate = getattr(gpu, "fp16_tensor_tflops", None)
+    else:
+        rate = None
+    return float(rate or gpu.fp32_tflops)
+
+
+def compute_precision(inputs: Any) -> str:
+    mixed = getattr(inputs, "mixed_precision", None)
+    if mixed in ("fp16", "bf16"):
+        return mixed
+    if mixed == "no":
+        return "fp32"
+    return {"fp8": "fp16"}.get(inputs.weight_dtype, inputs.weight_dtype)
+
+
+def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accumulation_steps: int = 1,
+                  peak_tflops: float | None = None, cpu_cores: int | None = None,
+                  calibration: dict[str, Any] | None = None) -> SpeedEstimate:
+    """Seconds per optimizer step and for ``steps`` steps.
+
+    The rate is ``peak_tflops`` when given (a plain number), else the ``gpu``'s catalogue rate
+    (anything with ``fp16_tensor_tflops`` / ``bf16_tensor_tflops`` / ``fp32_tflops``, e.g.
+    ``autotune.hardware.gpu_catalog.GpuSpec``), else the CPU's (``cpu_cores`` physical cores).
+    """
+    flops = step_flops(inputs, calibration)
+    precision = compute_precision(inputs)
+    tflop = flops.total / 1e12
+    if peak_tflops is not None or gpu is not None:
+        rate = float(peak_tflops) if peak_tflops is not None else card_rate_tflops(gpu, precision)
+        eff = efficiency(tflop)
+        device = getattr(gpu, "name", None) or f"{rate:g} TFLOP/s"
+    else:
+        cores = max(1, int(cpu_cores or 1))
+        rate = cores * CPU_GFLOPS_PER_CORE / 1000 / (CPU_BF16_SLOWDOWN if precision == "bf16" else 1.0)
+        eff = 1.0  # the CPU figure is already an achieved rate
+        device = f"cpu x{cores}"
+    achieved = rate * eff
+    micro = tflop / achieved if achieved > 0 else math.inf
+    per_step = micro * max(1, gradient_accumulation_steps)
+    return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
+                         steps=steps, flops_per_micro_step=flops.total, efficiency=eff, peak_tflops=rate,
+                         achieved_tflops=achieved, device=device)
+
+
+# ----------------------------------------------------------------------------------------- counting
+
+
+def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, rank: int = 16) -> dict[str, float]:
+    """Count one batch-1 UNet forward and backward (LoRA-trained, frozen base) on the meta device."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autotune.calibration.memtrace import latent_downsample
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.network.lora import create_network
+
+    spec = get_family(family)
+    bundle = build_modules(spec, device="meta", seed=None)
+    network = create_network(bundle, network_dim=rank, network_alpha=rank, train_text_encoder=False)
+    network.apply_to()
+    unet = bundle.unet
+    if gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        unet.train()
+    latent = resolution // latent_downsample(spec)
+    with torch.device("meta"):
+        x = torch.empty(1, unet.config.in_channels, latent, latent)
+        cond = torch.empty(1, 77, unet.config.cross_attention_dim)
+        added = None
+        if spec.is_sdxl:
+            pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+            added = {"text_embeds": torch.empty(1, pooled),
+                     "time_ids": torch.empty(1, 6)}
+        with FlopCounterMode(display=False) as forward:
+            out = unet(x, torch.tensor([1]), cond, added_cond_kwargs=added).sample
+        with FlopCounterMode(display=False) as backward:
+            out.float().pow(2).mean().backward()
+    return {"forward": float(forward.get_total_flops()), "backward": float(backward.get_total_flops())}
+
+
+def count_encoder_flops(family: str, resolution: int) -> dict[str, float]:
+    """Text encoders' forward and backward (trained) and the VAE encoder's forward, batch 1, on meta."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.network.lora import create_network
+
+    spec = get_family(family)
+    bundle = build_modules(spec, device="meta", seed=None)
+    network = create_network(bundle, network_dim=16, network_alpha=16, train_unet=False, train_text_encoder=True)
+    network.apply_to()
+    te_forward = te_backward = 0.0
+    with torch.device("meta"):
+        for te, te_spec in zip(bundle.text_encoders, spec.text_encoders, strict=True):
+            ids = torch.zeros(1, te_spec.tokenizer["model_max_length"], dtype=torch.long)
+            with FlopCounterMode(display=False) as fwd:
+                out = te(ids, output_hidden_states=True)
+            with FlopCounterMode(display=False) as bwd:
+                out.hidden_states[-2].float().pow(2).mean().backward()
+            te_forward += fwd.get_total_flops()
+            te_backward += bwd.get_total_flops()
+        image = torch.empty(1, 3, resolution, resolution)
+        with FlopCounterMode(display=False) as vae, torch.no_grad():
+            bundle.vae.encode(image)
+    return {"text_encoder_forward": float(te_forward), "text_encoder_backward": float(te_backward),
+            "vae_encode": float(vae.get_total_flops())}
+
+
+def fit_flops(family: str, resolutions: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Per-sample FLOP fits in latent pixels for one family: ``f1*P + f2*P^2`` through two resolutions
+    (half and full native size; the P-independent part -- time embedding, the cross-attention keys and
+    values of the 77 tokens -- is negligible at full size). Given three or more resolutions a constant
+    ``f0`` is fitted too: in the tiny families that part is a sizeable share of a step."""
+    import numpy as np
+
+    from autotune.calibration.memtrace import latent_downsample
+    from sd_scripts_compat.models.families import get_family
+
+    spec = get_family(family)
+    native = spec.resolution
+    down = latent_downsample(spec)
+    resolutions = resolutions or (native // 2, native)
+    pixels = np.array([(r // down) ** 2 for r in resolutions], dtype=float)
+    columns = [pixels, pixels**2] if len(resolutions) < 3 else [np.ones_like(pixels), pixels, pixels**2]
+    design = np.stack(columns, axis=1)
+    series: dict[str, list[float]] = {"unet_forward": [], "unet_backward": [], "unet_backward_gc": []}
+    for res in resolutions:
+        plain = count_flops(family, res, gradient_checkpointing=False)
+        gc = count_flops(family, res, gradient_checkpointing=True)
+        series["unet_forward"].append(plain["forward"])
+        series["unet_backward"].append(plain["backward"])
+        series["unet_backward_gc"].append(gc["backward"])
+    pad = [0.0] if len(resolutions) < 3 else []
+    fits = {name: [*pad, *(float(c) for c in np.linalg.lstsq(design, np.array(v), rcond=None)[0])]
+            for name, v in series.items()}
+    encoders = count_encoder_flops(family, native)
+    # the VAE encoder is convolutional but for one mid-block attention: linear in pixels is close
+    fits["vae_encode"] = [0.0, encoders["vae_encode"] / (native // down) ** 2, 0.0]
+    return {
+        **fits,
+        "latent_downsample": down,
+        "text_encoder_forward": encoders["text_encoder_forward"],
+        "text_encoder_backward_ratio": encoders["text_encoder_backward"] / encoders["text_encoder_forward"],
+        "counted_at": list(resolutions),
+        "counted": {name: values for name, values in series.items()},
+    }

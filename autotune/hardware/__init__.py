@@ -1,0 +1,1 @@
+"""What this machine has: the probe and the GPU catalogue."""

@@ -1,0 +1,101 @@
+"""Regenerate ``templates/``: ready configs per family and VRAM tier, planned by the tuner itself.
+
+    python -m autotune.planning.templates            # rewrites templates/ in the repository
+    python -m autotune.planning.templates --out DIR  # writes elsewhere (the staleness test does this)
+
+Each ``templates/<family>/<tier>gb/`` holds ``config.toml`` + ``dataset.toml`` (kohya format) planned for a
+card of that size with a generic Ampere card's rates (bf16), goal character, priority balanced, and a
+stand-in dataset (``./train/10_subject``, 20 images); edit ``pretrained_model_name_or_path`` and the
+dataset's ``image_dir``. Paths are relative, so the files do not depend on where they were generated.
+A tier where nothing fits gets ``DOES_NOT_FIT.txt`` with the planner's message instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from autotune.planning.planner import GIB, Plan, PlanRequest, gpu_from_vram, nominal_dataset, plan_training
+from autotune.planning.toml_writer import render_config, render_dataset
+from sd_scripts_compat.atomic import write_text_atomic
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
+FAMILIES = ("sd15", "sd2", "sdxl")
+TIERS_GB = (6, 8, 12, 16, 24, 48)
+TEMPLATE_CPU_CORES = 8  # a typical desktop; only max_data_loader_n_workers depends on it
+MODEL_PLACEHOLDER = "./models/{family}.safetensors"
+
+
+def template_plan(family: str, tier_gb: int) -> Plan:
+    """The plan a template holds (deterministic: no probe, no dataset scan, relative paths)."""
+    request = PlanRequest(dataset_dir=None, model=MODEL_PLACEHOLDER.format(family=family), family=family,
+                          gpus=(gpu_from_vram(tier_gb),), dataset=nominal_dataset(),
+                          cpu_physical_cores=TEMPLATE_CPU_CORES,
+                          probe_summary="none: template for a generic card of this size")
+    return plan_training(request)
+
+
+def template_files() -> dict[str, str]:
+    """Relative path -> text of every template file."""
+    files: dict[str, str] = {}
+    rows = []
+    for family in FAMILIES:
+        for tier in TIERS_GB:
+            folder = f"{family}/{tier}gb"
+            plan = template_plan(family, tier)
+            if not plan.fits:
+                files[f"{folder}/DOES_NOT_FIT.txt"] = plan.message + "\n"
+                rows.append(f"| {family} | {tier} | does not fit | | | | | |")
+                continue
+            files[f"{folder}/config.toml"] = render_config(plan, "kohya")
+            files[f"{folder}/dataset.toml"] = render_dataset(plan)
+            s, p = plan.settings, plan.prediction
+            rows.append(f"| {family} | {tier} | {s.resolution} | {s.micro_batch} x {s.grad_accum} | "
+                        f"{'on' if s.gradient_checkpointing else 'off'} | {s.rank} | {s.optimizer}"
+                        f"{' + fp8 base' if s.fp8_base else ''} | {p.peak_bytes / GIB:.2f} |")
+    files["README.md"] = "\n".join([
+        "# Templates (generated: `python -m autotune.planning.templates`; do not edit by hand)",
+        "",
+        "Planned by lora-autotune for a card of each size (generic Ampere rates, bf16), goal character, priority",
+        "balanced, 20 images x 10 repeats. Copy a folder, set `pretrained_model_name_or_path` in config.toml and",
+        "`image_dir` in dataset.toml, then run `accelerate launch train_network.py --config_file config.toml`",
+        "(`sdxl_train_network.py` for SDXL) from that folder. `autotune plan` does the same for your own GPU and data.",
+        "",
+        "| family | GB | resolution | micro-batch x accumulation | checkpointing | rank | optimizer "
+        "| predicted peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ])
+    return files
+
+
+def write_templates(root: Path) -> list[Path]:
+    """Write every template under ``root``; a tier's files from an earlier run that no longer apply go."""
+    files = template_files()
+    written = []
+    for family in FAMILIES:
+        for tier in TIERS_GB:
+            for name in ("config.toml", "dataset.toml", "DOES_NOT_FIT.txt"):
+                old = root / family / f"{tier}gb" / name
+                if f"{family}/{tier}gb/{name}" not in files and old.is_file():
+                    old.unlink()
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=TEMPLATE_DIR, help="folder to write (default: templates/)")
+    args = parser.parse_args(argv)
+    paths = write_templates(args.out)
+    print(f"wrote {len(paths)} files under {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,211 @@
+"""Write a plan as ``config.toml`` + ``dataset.toml`` that sd-scripts (and lora-scripts) accept unchanged.
+
+sd-scripts reads ``--config_file`` with the ``toml`` package (TOML 0.5: no mixed-type arrays), flattens
+sections one level and puts values into its argparse namespace without conversion, so the file must
+hold kohya's names with kohya's own value types: ``resolution = "1024,1024"`` (a string), list options
+(``network_args``, ``optimizer_args``, ``text_encoder_lr``) as homogeneous arrays. ``dataset.toml``
+follows kohya's ``[general]`` / ``[[datasets]]`` / ``[[datasets.subsets]]`` schema.
+
+The ``toml`` package cannot write comments, and every tuned key carries one (its reason), so lines are
+laid out here and each value is encoded by ``toml.dumps``; the finished text is parsed back and compared
+with the values before anything is written.
+
+Formats: ``kohya`` is flat (comment headings only); ``lora-scripts`` puts the same keys into the sections
+lora-scripts' templates use (``[model_arguments]``, ``[dataset_arguments]``, ...), which sd-scripts
+flattens away again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from autotune.planning.planner import GIB, Plan
+from sd_scripts_compat.atomic import write_text_atomic
+from sd_scripts_compat.errors import UserError
+
+FORMATS = ("kohya", "lora-scripts")
+
+# Section of each key in lora-scripts' layout (config/lora.toml of Akegarasu/lora-scripts); the kohya
+# format shows the same groups as comment headings. Keys not listed go to [others], as there.
+SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model_arguments", ("pretrained_model_name_or_path", "v2", "v_parameterization", "vae", "no_half_vae")),
+    ("dataset_arguments", ("dataset_config", "train_data_dir", "reg_data_dir", "resolution", "enable_bucket",
+                           "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale",
+                           "cache_latents", "cache_latents_to_disk", "cache_text_encoder_outputs",
+                           "cache_text_encoder_outputs_to_disk", "caption_extension", "shuffle_caption",
+                           "keep_tokens", "max_data_loader_n_workers", "persistent_data_loader_workers")),
+    ("additional_network_arguments", ("network_module", "network_dim", "network_alpha", "network_args",
+                                      "network_train_unet_only", "network_train_text_encoder_only",
+                                      "network_weights")),
+    ("optimizer_arguments", ("optimizer_type", "optimizer_args", "learning_rate", "unet_lr", "text_encoder_lr",
+                             "lr_scheduler", "lr_warmup_steps", "lr_scheduler_num_cycles", "max_grad_norm")),
+    ("training_arguments", ("train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
+                            "mixed_precision", "fp8_base", "full_fp16", "full_bf16", "sdpa", "xformers",
+                            "max_train_epochs", "max_train_steps", "seed", "clip_skip", "noise_offset",
+                            "min_snr_gamma")),
+    ("saving_arguments", ("output_dir", "output_name", "save_model_as", "save_precision", "save_every_n_epochs",
+                          "save_state")),
+    ("logging_arguments", ("logging_dir", "log_with", "log_prefix")),
+)
+OTHERS_SECTION = "others"
+
+
+def section_of(key: str) -> str:
+    for name, keys in SECTIONS:
+        if key in keys:
+            return name
+    return OTHERS_SECTION
+
+
+def encode_value(value: Any) -> str:
+    """One TOML value as the ``toml`` package writes it; arrays must be homogeneous (TOML 0.5)."""
+    import toml
+
+    if isinstance(value, (list, tuple)):
+        kinds = {type(item) for item in value}
+        if len(kinds) > 1:
+            raise ValueError(f"mixed-type array {value!r}: TOML 0.5 (sd-scripts' toml package) rejects it")
+        return "[" + ", ".join(encode_value(item) for item in value) + "]"
+    if isinstance(value, dict) or value is None:
+        raise ValueError(f"{value!r}: not a kohya option value")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value!r}: TOML 0.5 has no inf/nan")
+    line = toml.dumps({"v": value})
+    return line.split("=", 1)[1].strip()
+
+
+def _comment(text: str) -> str:
+    return "# " + " ".join(text.split())
+
+
+def human_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def header_lines(plan: Plan, what: str) -> list[str]:
+    """The header every written file starts with: tool, probe, prediction."""
+    p = plan.prediction
+    script = next((w for w in plan.launch_command if w.endswith(".py")), "train_network.py")
+    lines = [
+        f"{what} written by lora-autotune {plan.version} (autotune plan) for sd-scripts {script} "
+        "or lora-autotune's engine",
+        f"model: {plan.model} (family {plan.family}); goal {plan.goal}; priority {plan.priority}",
+        f"device: {plan.device}" + (f"; {plan.num_processes} processes" if plan.num_processes > 1 else ""),
+    ]
+    if plan.probe_summary:
+        lines.append(f"probe: {plan.probe_summary}")
+    if p is not None:
+        parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in p.components if size)
+        lines += [
+            f"predicted peak VRAM: {p.peak_bytes / GIB:.2f} GiB per device of {p.usable_bytes / GIB:.2f} GiB usable",
+            f"predicted memory by part (GiB): {parts}",
+            f"predicted speed: {p.it_per_s:.3g} it/s (optimizer steps, kohya's progress bar), "
+            f"{p.micro_steps_per_s:.3g} micro-steps/s per device, {p.samples_per_s:.3g} samples/s",
+            f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}",
+        ]
+    if plan.fallbacks:
+        lines.append("given up to fit, in order: " + ", ".join(plan.fallbacks))
+    if plan.launch_command:
+        lines.append("run: " + " ".join(_shell_word(w) for w in plan.launch_command))
+    return [_comment(line) for line in lines]
+
+
+def _shell_word(word: str) -> str:
+    safe = all(ch.isalnum() or ch in "-_./:=,+@" for ch in word)
+    return word if safe and word else "'" + word.replace("'", "'\\''") + "'"
+
+
+def render_config(plan: Plan, fmt: str = "kohya") -> str:
+    """config.toml text of a fitting plan, in ``fmt`` (kohya | lora-scripts)."""
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if not plan.fits:
+        raise UserError(plan.message)
+    values = plan.kohya_values()
+    choices = [c for c in plan.choices if c.kohya]
+    order = [name for name, _ in SECTIONS] + [OTHERS_SECTION]
+    grouped: dict[str, list] = {name: [] for name in order}
+    for choice in choices:
+        grouped[section_of(choice.key)].append(choice)
+    lines = header_lines(plan, "config.toml")
+    for name in order:
+        if not grouped[name]:
+            continue
+        lines.append("")
+        lines.append(f"[{name}]" if fmt == "lora-scripts" else _comment(f"--- {name.replace('_', ' ')} ---"))
+        for choice in grouped[name]:
+            lines.append(_comment(choice.reason))
+            lines.append(f"{choice.key} = {encode_value(choice.value)}")
+    text = "\n".join(lines) + "\n"
+    _check_round_trip(text, values, sectioned=fmt == "lora-scripts")
+    return text
+
+
+def render_dataset(plan: Plan) -> str:
+    """dataset.toml text: [general], one [[datasets]] and a [[datasets.subsets]] per image folder."""
+    if not plan.fits:
+        raise UserError(plan.message)
+    config = plan.dataset_config
+    lines = header_lines(plan, "dataset.toml")
+    lines.append(_comment("kohya dataset config: subset values override [[datasets]], which override [general]"))
+    lines += ["", "[general]"]
+    for key, value in config["general"].items():
+        lines.append(f"{key} = {encode_value(value)}")
+    for dataset in config["datasets"]:
+        lines += ["", "[[datasets]]"]
+        for key, value in dataset.items():
+            if key != "subsets":
+                lines.append(f"{key} = {encode_value(value)}")
+        for subset in dataset["subsets"]:
+            lines += ["", "  [[datasets.subsets]]"]
+            for key, value in subset.items():
+                lines.append(f"  {key} = {encode_value(value)}")
+    text = "\n".join(lines) + "\n"
+    import toml
+
+    if toml.loads(text) != config:
+        raise AssertionError("dataset.toml does not parse back to the planned values")
+    return text
+
+
+def _check_round_trip(text: str, values: dict[str, Any], sectioned: bool) -> None:
+    import toml
+
+    parsed = toml.loads(text)
+    if sectioned:
+        flat: dict[str, Any] = {}
+        for section in parsed.values():
+            flat.update(section)
+        parsed = flat
+    expected = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
+    if parsed != expected:
+        raise AssertionError("config.toml does not parse back to the planned values")
+
+
+def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "kohya") -> tuple[Path, Path]:
+    """Write config.toml and dataset.toml into ``out_dir`` (created if missing); returns their paths.
+
+    Both texts are rendered (and checked) before either file is touched.
+    """
+    config_text = render_config(plan, fmt)
+    dataset_text = render_dataset(plan)
+    out = Path(out_dir).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        config_path, dataset_path = out / "config.toml", out / "dataset.toml"
+        write_text_atomic(dataset_path, dataset_text)
+        write_text_atomic(config_path, config_text)
+    except OSError as error:
+        raise UserError(f"--out {out_dir}: cannot write there ({error.strerror or error}); "
+                        "choose a writable folder") from None
+    return config_path, dataset_path

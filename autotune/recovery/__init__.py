@@ -1,0 +1,1 @@
+"""The watchdog that runs the engine as a child process, and the OOM step-down ladder."""

@@ -1,0 +1,335 @@
+"""The OOM step-down ladder: from settings that ran out of memory to the next settings that fit.
+
+Pure functions over small dataclasses, so every decision is unit-testable without a GPU. The
+memory prediction comes in as a callable (``predict(settings) -> MiB``) built from the memory
+model by :func:`memory_predictor`; a measurement from the failed run rescales it, because the
+failure itself proves the model was optimistic for this machine.
+
+Preference order (cheapest loss of quality/speed first):
+  1. smaller micro-batch, more gradient accumulation (micro x accum, the effective batch, unchanged)
+  2. gradient checkpointing on
+  3. 8-bit optimizer (AdamW -> AdamW8bit, Lion -> Lion8bit)
+  4. text-encoder output caching (SDXL; implies training the UNet only)
+  5. lower max bucket resolution (down to the training resolution)
+  6. lower resolution (in bucket steps, down to a floor)
+  7. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
+  8. fp8 base weights, where the card supports it
+The ladder is walked cumulatively: a rung's mildest option that is predicted to fit wins; if none
+fits, the rung's strongest option is kept and the next rung is tried on top of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+EIGHT_BIT_OPTIMIZERS = {"adamw": "AdamW8bit", "lion": "Lion8bit", "pagedadamw": "PagedAdamW8bit",
+                        "pagedlion": "PagedLion8bit"}
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The memory-relevant knobs of one attempt (kohya names; the ``settings`` block of ``oom.json``)."""
+
+    train_batch_size: int
+    gradient_accumulation_steps: int
+    resolution: tuple[int, int]  # (width, height), as kohya's "W,H"
+    gradient_checkpointing: bool = False
+    optimizer_type: str = "AdamW"
+    network_dim: int = 16
+    network_alpha: float | None = None
+    mixed_precision: str = "no"
+    cache_latents: bool = False
+    cache_text_encoder_outputs: bool = False
+    max_bucket_reso: int | None = None  # None: no bucketing
+    fp8_base: bool = False
+
+    @property
+    def effective_batch(self) -> int:
+        return self.train_batch_size * self.gradient_accumulation_steps
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], defaults: TrainSettings | None = None) -> TrainSettings:
+        """Read kohya-typed values (``resolution`` as "W,H", int or list) from a config or an OOM event."""
+        base = asdict(defaults) if defaults is not None else {}
+        known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
+        merged = {**base, **known}
+        # max_bucket_reso only matters with bucketing; kohya reports its default (1024) either way
+        bucketing = values.get("enable_bucket")
+        if bucketing is None:
+            bucketing = defaults is not None and defaults.max_bucket_reso is not None
+        if not bucketing:
+            merged["max_bucket_reso"] = None
+        merged["resolution"] = parse_resolution(merged.get("resolution", 512))
+        merged.setdefault("train_batch_size", 1)
+        merged.setdefault("gradient_accumulation_steps", 1)
+        for key in ("train_batch_size", "gradient_accumulation_steps", "network_dim"):
+            if key in merged:
+                merged[key] = int(merged[key])
+        if merged.get("max_bucket_reso") is not None:
+            merged["max_bucket_reso"] = int(merged["max_bucket_reso"])
+        return cls(**merged)
+
+    def kohya_values(self) -> dict[str, Any]:
+        """The settings as kohya config values (strings where kohya wants strings)."""
+        values: dict[str, Any] = {
+            "train_batch_size": self.train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "resolution": f"{self.resolution[0]},{self.resolution[1]}",
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "optimizer_type": self.optimizer_type,
+            "network_dim": self.network_dim,
+            "mixed_precision": self.mixed_precision,
+            "cache_latents": self.cache_latents,
+            "cache_text_encoder_outputs": self.cache_text_encoder_outputs,
+            "fp8_base": self.fp8_base,
+        }
+        if self.network_alpha is not None:
+            values["network_alpha"] = self.network_alpha
+        if self.max_bucket_reso is not None:
+            values["max_bucket_reso"] = self.max_bucket_reso
+        if self.cache_text_encoder_outputs:
+            values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
+        return values
+
+    def describe(self) -> str:
+        parts = [f"micro-batch {self.train_batch_size} x accum {self.gradient_accumulation_steps}",
+                 f"{self.resolution[0]}x{self.resolution[1]}", f"rank {self.network_dim}", self.optimizer_type]
+        if self.gradient_checkpointing:
+            parts.append("grad-checkpointing")
+        if self.cache_text_encoder_outputs:
+            parts.append("TE outputs cached")
+        if self.max_bucket_reso is not None:
+            parts.append(f"max bucket {self.max_bucket_reso}")
+        if self.fp8_base:
+            parts.append("fp8 base")
+        return ", ".join(parts)
+
+
+def parse_resolution(value: Any) -> tuple[int, int]:
+    """kohya's resolution: "W,H", "S", an int or a 1-2 element list -> (W, H)."""
+    if isinstance(value, (list, tuple)):
+        items = [int(v) for v in value]
+    elif isinstance(value, str):
+        items = [int(v.strip()) for v in value.split(",") if v.strip()]
+    else:
+        items = [int(value)]
+    if len(items) == 1:
+        items *= 2
+    return items[0], items[1]
+
+
+@dataclass(frozen=True)
+class LadderLimits:
+    """What the machine and the model family allow the ladder to do."""
+
+    budget_mib: float  # usable memory on the device (VRAM, or RAM / address-space limit on CPU)
+    is_sdxl: bool = False
+    fp8_supported: bool = False  # float8 storage (CUDA cc >= 8.9)
+    te_cache_allowed: bool = True  # False when captions are randomised per step (shuffle, dropout)
+    min_resolution: int = 256
+    resolution_step: int = 64
+    min_rank: int = 4
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The next attempt's settings, why, and what the (rescaled) model predicts for them."""
+
+    settings: TrainSettings
+    changes: dict[str, tuple[Any, Any]]  # key -> (old, new)
+    reasons: tuple[str, ...]
+    predicted_mib: float  # rescaled prediction for the new settings
+    scale: float  # measured / predicted factor applied
+    resume_compatible: bool  # False when the saved state cannot be loaded (rank, optimizer, TE LoRA dropped)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """Nothing on the ladder is predicted to fit: the smallest configuration and what it needs."""
+
+    floor: TrainSettings
+    needed_mib: float
+    budget_mib: float
+    tried: tuple[str, ...] = field(default_factory=tuple)
+    scale: float = 1.0  # measured / predicted factor applied to needed_mib
+
+    def message(self) -> str:
+        tried = "; ".join(self.tried) if self.tried else "nothing else"
+        return (f"out of memory and nothing left to step down: tried {tried}. The smallest configuration "
+                f"({self.floor.describe()}) needs about {self.needed_mib / 1024:.2f} GiB but only "
+                f"{self.budget_mib / 1024:.2f} GiB is usable; free memory, use a card with at least "
+                f"{self.needed_mib / 1024:.2f} GiB, or use a smaller model.")
+
+
+# changes after which a saved state no longer matches the network/optimizer shapes
+_STATE_BREAKING = {"network_dim", "optimizer_type", "cache_text_encoder_outputs"}
+
+
+def rescale_factor(predicted_failed_mib: float, measured_mib: float | None, budget_mib: float) -> float:
+    """measured / predicted for the failed settings, ties the model to this machine.
+
+    The failed attempt needed more than the budget and at least what was measured before it failed,
+    so the evidence is max(measured, budget x 1.02); the rescaled prediction of the failed settings
+    is therefore always over budget. The factor may be below 1 (a model in other units, or one that
+    over-predicts, e.g. tensor bytes against a CPU process's resident memory).
+    """
+    if predicted_failed_mib <= 0:
+        return 1.0
+    evidence = max(measured_mib or 0.0, budget_mib * 1.02)
+    return evidence / predicted_failed_mib
+
+
+def _divisor_batches(settings: TrainSettings) -> list[TrainSettings]:
+    """Smaller micro-batches whose accumulation keeps micro x accum exactly the same (largest first)."""
+    effective = settings.effective_batch
+    out = []
+    for micro in range(settings.train_batch_size - 1, 0, -1):
+        if effective % micro == 0:
+            out.append(replace(settings, train_batch_size=micro, gradient_accumulation_steps=effective // micro))
+    return out
+
+
+def _rungs(settings: TrainSettings, limits: LadderLimits) -> list[tuple[str, list[TrainSettings], str]]:
+    """Each rung: (name, candidate settings mildest first, reason template)."""
+    rungs: list[tuple[str, list[TrainSettings], str]] = []
+    rungs.append(("micro-batch", _divisor_batches(settings),
+                  "smaller micro-batch with more gradient accumulation keeps the effective batch"))
+    rungs.append(("gradient checkpointing",
+                  [] if settings.gradient_checkpointing else [replace(settings, gradient_checkpointing=True)],
+                  "gradient checkpointing recomputes activations instead of storing them (~20-30% slower)"))
+    eight = EIGHT_BIT_OPTIMIZERS.get(settings.optimizer_type.lower())
+    rungs.append(("8-bit optimizer", [replace(settings, optimizer_type=eight)] if eight else [],
+                  "an 8-bit optimizer stores its moments in a quarter of the memory"))
+    te = limits.is_sdxl and limits.te_cache_allowed and not settings.cache_text_encoder_outputs
+    rungs.append(("text-encoder caching", [replace(settings, cache_text_encoder_outputs=True)] if te else [],
+                  "caching text-encoder outputs moves the text encoders off the device (UNet-only training)"))
+    long_side = max(settings.resolution)
+    buckets = []
+    if settings.max_bucket_reso is not None:
+        reso = settings.max_bucket_reso - limits.resolution_step
+        while reso >= long_side:
+            buckets.append(replace(settings, max_bucket_reso=reso))
+            reso -= limits.resolution_step
+    rungs.append(("max bucket resolution", buckets,
+                  "a lower max bucket resolution caps the largest (most memory-hungry) buckets"))
+    resolutions = []
+    width, height = settings.resolution
+    step = limits.resolution_step
+    while min(width, height) - step >= limits.min_resolution:
+        width, height = width - step, height - step
+        bucket = settings.max_bucket_reso
+        if bucket is not None:
+            bucket = min(bucket, max(width, height))
+        resolutions.append(replace(settings, resolution=(width, height), max_bucket_reso=bucket))
+    rungs.append(("resolution", resolutions, "a lower training resolution shrinks every activation"))
+    ranks = []
+    dim = settings.network_dim
+    while dim // 2 >= limits.min_rank:
+        new_dim = dim // 2
+        alpha = settings.network_alpha
+        new_alpha = None if alpha is None else alpha * new_dim / settings.network_dim
+        ranks.append(replace(settings, network_dim=new_dim, network_alpha=new_alpha))
+        dim = new_dim
+    rungs.append(("rank", ranks, "a lower rank shrinks the LoRA, its gradients and optimizer state "
+                                 "(alpha kept in proportion)"))
+    fp8 = limits.fp8_supported and not settings.fp8_base
+    rungs.append(("fp8 base", [replace(settings, fp8_base=True)] if fp8 else [],
+                  "fp8 storage halves the frozen base weights"))
+    return rungs
+
+
+def _changes(old: TrainSettings, new: TrainSettings) -> dict[str, tuple[Any, Any]]:
+    a, b = asdict(old), asdict(new)
+    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+def next_settings(
+    failed: TrainSettings,
+    limits: LadderLimits,
+    predict: Callable[[TrainSettings], float],
+    measured_mib: float | None = None,
+    tried: Sequence[TrainSettings] = (),
+) -> Decision | Exhausted:
+    """Pick the next configuration predicted to fit after ``failed`` ran out of memory.
+
+    ``tried`` are settings that already failed (never proposed again). Returns a :class:`Decision`,
+    or :class:`Exhausted` with the smallest configuration and its predicted need.
+    """
+    scale = rescale_factor(predict(failed), measured_mib, limits.budget_mib)
+    tried_set = set(tried) | {failed}
+    current = failed
+    reasons: list[str] = []
+    walked: list[str] = []
+    for name, candidates, why in _rungs(failed, limits):
+        # rebuild the rung's candidates on top of what earlier rungs already applied
+        rung_candidates = [_apply(current, failed, cand) for cand in candidates]
+        if not rung_candidates:
+            continue
+        for cand in rung_candidates:
+            predicted = predict(cand) * scale
+            if predicted <= limits.budget_mib and cand not in tried_set:
+                change = _changes(current, cand)
+                return Decision(
+                    settings=cand,
+                    changes=_changes(failed, cand),
+                    reasons=(*reasons, _reason(name, why, change)),
+                    predicted_mib=predicted,
+                    scale=scale,
+                    resume_compatible=not (_STATE_BREAKING & set(_changes(failed, cand))),
+                )
+        strongest = rung_candidates[-1]
+        reasons.append(_reason(name, why, _changes(current, strongest)))
+        walked.append(f"{name} ({_short(_changes(current, strongest))})")
+        current = strongest
+    return Exhausted(floor=current, needed_mib=predict(current) * scale, budget_mib=limits.budget_mib,
+                     tried=tuple(walked), scale=scale)
+
+
+def _apply(current: TrainSettings, failed: TrainSettings, candidate: TrainSettings) -> TrainSettings:
+    """Carry the fields a rung candidate changed (relative to ``failed``) onto ``current``."""
+    return replace(current, **{k: new for k, (_, new) in _changes(failed, candidate).items()})
+
+
+def _short(change: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} {old}->{new}" for k, (old, new) in change.items())
+
+
+def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
+    return f"{name}: {_short(change)} ({why})"
+
+
+def memory_predictor(family: str, *, train_text_encoder: bool = True, text_encoder_outputs_cached: bool = False,
+                     attention: str = "sdpa", cuda: bool = True) -> Callable[[TrainSettings], float]:
+    """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
+
+    ``text_encoder_outputs_cached``: the engine caches them whatever the settings say (it does so for a
+    frozen text encoder with fixed captions), so the text encoders are off the device.
+
+    On CPU (``cuda=False``) the CUDA context and the safety margin are left out: they are constants
+    that would hide the differences between rungs; the measured/predicted rescaling in
+    :func:`next_settings` is what ties the figures to this machine.
+    """
+    from autotune.estimate.memory_model import MemoryInputs, family_calibration, predict_memory
+
+    family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
+
+    def predict(s: TrainSettings) -> float:
+        weight_dtype = "fp8" if s.fp8_base else {"bf16": "bf16", "fp16": "fp16"}.get(s.mixed_precision, "fp32")
+        inputs = MemoryInputs(
+            family=family, resolution=s.resolution[0], height=s.resolution[1],
+            batch_size=s.train_batch_size,
+            rank=s.network_dim, gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type,
+            weight_dtype=weight_dtype, train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,
+            cache_latents=s.cache_latents,
+            cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached, attention=attention,
+            **({} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}),
+        )
+        return predict_memory(inputs).total_bytes / 2**20
+
+    return predict

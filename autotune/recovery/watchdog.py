@@ -1,0 +1,581 @@
+"""Run the training engine as a child process and recover from out-of-memory, kills and stalls.
+
+The engine is a separate process on purpose: after a CUDA OOM the allocator can be fragmented and
+the OS OOM killer leaves nothing to catch, so the only reliable recovery is a fresh process that
+resumes from the newest saved state. The watchdog talks to the engine only through the contract in
+``sd_scripts_compat.contract``: exit codes, ``progress.json`` / ``oom.json`` / ``done.json`` in an events
+folder, kohya-named state folders, and the engine extension flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, TrainSettings, next_settings
+from sd_scripts_compat.contract import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, write_json_atomic
+
+USER_ERROR_EXIT_CODE = 2
+ALLOC_CONF = "expandable_segments:True"
+DECISIONS_JSONL = "autotune_decisions.jsonl"
+DECISIONS_LOG = "autotune_decisions.log"
+RETRY_LOG = "autotune_retries.json"
+CHILD_LOG = "autotune_train.log"
+EVENTS_DIR = "autotune_events"
+RUN_STATE = "autotune_run.json"  # the supervisor's own state: current settings and retries, for --resume
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """How one child process ended."""
+
+    outcome: str  # done | oom | os_kill | stall | user_error | interrupted | crash
+    returncode: int | None
+    message: str
+    oom_event: dict[str, Any] | None = None
+    done_event: dict[str, Any] | None = None
+    last_progress: dict[str, Any] | None = None
+    seconds: float = 0.0
+    peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
+    peak_vm_mib: float | None = None  # peak address space: the figure RLIMIT_AS caps
+
+
+def child_env(base: dict[str, str], cuda: bool) -> dict[str, str]:
+    """The child's environment: on CUDA, expandable segments (less fragmentation after a step-down).
+
+    Both names are set because torch renamed the variable (PYTORCH_ALLOC_CONF) and still reads the old one.
+    """
+    env = dict(base)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cuda:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+        env["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
+    return env
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON event file, or None when absent or unreadable (events are written atomically, so rare)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        with lock:
+            for sink in sinks:
+                sink.write(line)
+                sink.flush()
+        if tail is not None and line.strip():
+            tail.append(line.rstrip("\n"))
+    stream.close()
+
+
+def _looks_like_oom(line: str) -> bool:
+    """The engine's own OOM classifier, applied to a traceback's last lines."""
+    from sd_scripts_compat.contract import is_oom_error
+
+    return is_oom_error(RuntimeError(line))
+
+
+def proc_memory_mib(pid: int) -> tuple[float | None, float | None]:
+    """(peak RSS, peak address space) of a live process in MiB from /proc, or (None, None) elsewhere."""
+    rss = vm = None
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    rss = int(line.split()[1]) / 1024
+                elif line.startswith("VmPeak:"):
+                    vm = int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss, vm
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_attempt(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    events_dir: Path,
+    log_path: Path,
+    stall_timeout_s: float,
+    echo: bool = True,
+    preexec_fn: Callable[[], None] | None = None,
+    poll_s: float = 0.25,
+    kill_grace_s: float = 10.0,
+    on_start: Callable[[int], None] | None = None,
+) -> AttemptResult:
+    """Run one child to its end, streaming its output to the screen and ``log_path``.
+
+    The child gets its own process group so a stall kill also reaches any workers it started, and
+    Ctrl-C reaches it only through us (forwarded as SIGINT, so it saves state and exits 130).
+    A stall is no change in ``progress.json`` for ``stall_timeout_s`` (counted from launch until
+    the first progress file).
+    """
+    events_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("progress.json", "oom.json", "done.json"):
+        (events_dir / name).unlink(missing_ok=True)
+    progress_path = events_dir / "progress.json"
+    started = time.monotonic()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=preexec_fn)
+        lock = threading.Lock()
+        err_tail: deque[str] = deque(maxlen=40)
+        out_sinks: list[TextIO] = [log, sys.stdout] if echo else [log]
+        err_sinks: list[TextIO] = [log, sys.stderr] if echo else [log]
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, out_sinks, None, lock), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, err_sinks, err_tail, lock), daemon=True)]
+        for pump in pumps:
+            pump.start()
+        if on_start is not None:
+            on_start(proc.pid)
+        last_change, last_mtime = time.monotonic(), None
+        killed_for: str | None = None
+        peak_rss = peak_vm = None
+        try:
+            while proc.poll() is None:
+                time.sleep(poll_s)
+                rss, vm = proc_memory_mib(proc.pid)
+                peak_rss = max(filter(None, (peak_rss, rss)), default=None)
+                peak_vm = max(filter(None, (peak_vm, vm)), default=None)
+                try:
+                    mtime = progress_path.stat().st_mtime_ns
+                except FileNotFoundError:
+                    mtime = None
+                if mtime != last_mtime:
+                    last_mtime, last_change = mtime, time.monotonic()
+                elif time.monotonic() - last_change > stall_timeout_s and killed_for is None:
+                    killed_for = "stall"
+                    _signal_group(proc, signal.SIGTERM)
+                    try:
+                        proc.wait(kill_grace_s)
+                    except subprocess.TimeoutExpired:
+                        _signal_group(proc, signal.SIGKILL)
+        except KeyboardInterrupt:
+            killed_for = "interrupted"
+            _signal_group(proc, signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        for pump in pumps:
+            pump.join(5)
+    seconds = time.monotonic() - started
+    rc = proc.returncode
+    progress = read_json(progress_path)
+    tail_line = err_tail[-1] if err_tail else ""
+    common = {"returncode": rc, "last_progress": progress, "seconds": seconds, "peak_rss_mib": peak_rss,
+              "peak_vm_mib": peak_vm}
+    if killed_for == "stall":
+        step = progress.get("step") if progress else None
+        return AttemptResult("stall", message=f"no progress for {stall_timeout_s:g} s (last step {step}); killed",
+                             **common)
+    if killed_for == "interrupted" or rc == INTERRUPTED_EXIT_CODE:
+        return AttemptResult("interrupted", message="interrupted; state saved by the engine", **common)
+    if rc == 0:
+        return AttemptResult("done", message="finished", done_event=read_json(events_dir / "done.json"), **common)
+    if rc == OOM_EXIT_CODE:
+        event = read_json(events_dir / "oom.json")
+        message = (event or {}).get("message") or "out of memory"
+        return AttemptResult("oom", message=str(message), oom_event=event, **common)
+    if rc == -signal.SIGKILL:
+        return AttemptResult("os_kill", message="killed by SIGKILL (the OS out-of-memory killer, most likely)",
+                             **common)
+    if rc == USER_ERROR_EXIT_CODE:
+        return AttemptResult("user_error", message=tail_line or "the engine rejected its input", **common)
+    oom_line = next((line for line in reversed(err_tail) if _looks_like_oom(line)), None)
+    if oom_line is not None:  # an OOM outside the engine's training-step handler (loading, caching)
+        return AttemptResult("oom", message=oom_line, **common)
+    detail = f"signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+    return AttemptResult("crash", message=f"training crashed ({detail}): {tail_line}", **common)
+
+
+# ---------------------------------------------------------------- state folders and configs
+
+
+def state_step(folder: Path) -> int | None:
+    """The optimizer step a state folder resumes at (our format, or kohya's keys), None if unreadable."""
+    data = read_json(folder / "train_state.json")
+    if data is None:
+        return None
+    counters = data.get("counters") or {}
+    for value in (counters.get("global_step"), data.get("global_step"), data.get("current_step")):
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def newest_state(output_dir: Path) -> tuple[Path, int] | None:
+    """The state folder with the highest step in ``output_dir`` (newest wins a tie), or None."""
+    best: tuple[int, int, Path] | None = None
+    if not output_dir.is_dir():
+        return None
+    for folder in output_dir.iterdir():
+        if not folder.is_dir() or folder.name.startswith(".") or not folder.name.endswith("-state"):
+            continue
+        step = state_step(folder)
+        if step is None:
+            continue
+        key = (step, folder.stat().st_mtime_ns, folder)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return (best[2], best[0]) if best else None
+
+
+def clean_partial_files(output_dir: Path) -> list[str]:
+    """Remove what a killed child left half-written: hidden temp files/folders of atomic writes.
+
+    A state folder caught between its two renames (only ``X-state.old`` left) is put back instead.
+    """
+    removed: list[str] = []
+    if not output_dir.is_dir():
+        return removed
+    for entry in sorted(output_dir.iterdir()):
+        name = entry.name
+        if name.endswith("-state.old") and entry.is_dir():
+            target = entry.with_name(name[: -len(".old")])
+            if target.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(name)
+            else:
+                os.replace(entry, target)
+            continue
+        if name.startswith(".") and (".tmp" in name or "-state." in name or name.endswith(".part")):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(name)
+    return removed
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    import toml
+
+    return toml.loads(path.read_text(encoding="utf-8"))
+
+
+def _set_everywhere(document: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """Set keys where they already are (top level or one section down, as kohya flattens); else at top."""
+    out = json.loads(json.dumps(document))
+    for key, value in values.items():
+        placed = False
+        if key in out and not isinstance(out[key], dict):
+            out[key] = value
+            placed = True
+        for section in out.values():
+            if isinstance(section, dict) and key in section:
+                section[key] = value
+                placed = True
+        if not placed:
+            out[key] = value
+    return out
+
+
+def write_toml_atomic(path: Path, document: dict[str, Any], header: str = "") -> None:
+    import tempfile
+
+    import toml
+
+    text = header + toml.dumps(document)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def override_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
+                    base: TrainSettings | None = None) -> None:
+    """Write ``src`` with the settings' values replaced (wherever kohya would read them) to ``dst``.
+
+    Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
+    does not grow keys (and the engine's "ignored option" warnings) it never had.
+    """
+    values = settings.kohya_values()
+    if base is not None:
+        before = base.kohya_values()
+        values = {k: v for k, v in values.items() if before.get(k) != v}
+    write_toml_atomic(dst, _set_everywhere(load_toml(src), values), header)
+
+
+def override_dataset_config(src: Path, dst: Path, settings: TrainSettings, header: str = "") -> None:
+    """Dataset configs win over the main config in kohya, so batch size and resolution change here too."""
+    document = load_toml(src)
+    values = {"batch_size": settings.train_batch_size,
+              "resolution": [settings.resolution[0], settings.resolution[1]]}
+    if settings.max_bucket_reso is not None:
+        values["max_bucket_reso"] = settings.max_bucket_reso
+    blocks: list[dict[str, Any]] = []
+    if isinstance(document.get("general"), dict):
+        blocks.append(document["general"])
+    blocks.extend(d for d in document.get("datasets", []) if isinstance(d, dict))
+    for block in blocks:
+        for key, value in values.items():
+            if key in block:
+                block[key] = value
+    write_toml_atomic(dst, document, header)
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+@dataclass
+class Job:
+    """One training run to supervise. ``config_path`` (and ``dataset_config_path``) are kohya TOMLs."""
+
+    config_path: Path
+    output_dir: Path
+    settings: TrainSettings
+    limits: LadderLimits
+    predict: Callable[[TrainSettings], float]
+    dataset_config_path: Path | None = None
+    entry: list[str] = field(default_factory=lambda: ["-m", "sd_scripts_compat.train_network"])
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    cuda: bool = False
+    max_retries: int = 5
+    stall_timeout_s: float = 600.0
+    save_state_every_s: float = 30.0
+    resume: bool = False
+    preexec_fn: Callable[[], None] | None = None
+    python: str = sys.executable
+    echo: bool = True
+    prior_retries: list[dict[str, Any]] = field(default_factory=list)  # from an interrupted run (--resume)
+    train_output_dir: Path | None = None  # the engine's output_dir (LoRA, states); default: output_dir
+    extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
+    budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
+    on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
+
+    @property
+    def states_dir(self) -> Path:
+        return self.train_output_dir or self.output_dir
+
+
+@dataclass
+class RunResult:
+    ok: bool
+    outcome: str
+    message: str
+    output_file: str | None
+    final_settings: TrainSettings
+    retries: list[dict[str, Any]]
+    attempts: list[AttemptResult]
+
+
+class DecisionLog:
+    """Every decision, as JSON lines (for tools) and text (for people), in the output folder and on screen."""
+
+    def __init__(self, output_dir: Path, echo: bool) -> None:
+        self.jsonl = output_dir / DECISIONS_JSONL
+        self.text = output_dir / DECISIONS_LOG
+        self.echo = echo
+
+    def write(self, event: str, text: str, **data: Any) -> None:
+        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event, "text": text, **data}
+        with open(self.jsonl, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, default=str) + "\n")
+        with open(self.text, "a", encoding="utf-8") as handle:
+            handle.write(f"{record['time']} {event}: {text}\n")
+        if self.echo:
+            print(f"[autotune] {text}", file=sys.stderr, flush=True)
+
+
+def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[Path, Path | None]:
+    if settings == job.settings:
+        return job.config_path, job.dataset_config_path
+    config = job.output_dir / f"config.attempt{attempt}.toml"
+    header = f"# attempt {attempt} after out-of-memory step-down: {settings.describe()}\n"
+    override_config(job.config_path, config, settings, header, base=job.settings)
+    dataset = None
+    if job.dataset_config_path is not None:
+        dataset = job.output_dir / f"dataset.attempt{attempt}.toml"
+        override_dataset_config(job.dataset_config_path, dataset, settings, header)
+    return config, dataset
+
+
+def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
+    """The memory the failed attempt was seen to use, in the budget's own unit.
+
+    "device": the engine's CUDA peak (else its peak RSS); "address_space": the peak address space
+    sampled from /proc (what RLIMIT_AS caps); "ram": peak resident memory.
+    """
+    memory = (result.oom_event or {}).get("memory") or {}
+    if budget_kind == "address_space":
+        return result.peak_vm_mib
+    keys = ("cuda_max_reserved_mib", "cuda_max_allocated_mib") if budget_kind == "device" else ()
+    for key in (*keys, "peak_rss_mib"):
+        if isinstance(memory.get(key), (int, float)) and memory[key] > 0:
+            return float(memory[key])
+    return result.peak_rss_mib
+
+
+def supervise(job: Job) -> RunResult:
+    """Run ``job`` to the end: retry on OOM / OS kill / stall with stepped-down settings, from the newest state.
+
+    Stops on done, a user error (exit 2), an interrupt (130), a crash, when the ladder is exhausted,
+    or after ``max_retries`` retries.
+    """
+    job.output_dir.mkdir(parents=True, exist_ok=True)
+    log = DecisionLog(job.output_dir, job.echo)
+    events_dir = job.output_dir / EVENTS_DIR
+    retry_log_path = job.output_dir / RETRY_LOG
+    retries: list[dict[str, Any]] = list(job.prior_retries)
+    attempts: list[AttemptResult] = []
+    settings = job.settings
+    tried: list[TrainSettings] = []
+    resume_ok = job.resume
+    attempt = len(retries)
+    log.write("start", f"training with {settings.describe()}", settings=asdict(settings))
+    while True:
+        removed = clean_partial_files(job.output_dir) + clean_partial_files(job.states_dir)
+        if removed:
+            log.write("cleanup", f"removed half-written files of a killed run: {', '.join(removed)}")
+        config, dataset = _attempt_configs(job, attempt, settings)
+        state = newest_state(job.states_dir) if resume_ok else None
+        _write_list_atomic(retry_log_path, retries)
+        write_json_atomic(job.output_dir / RUN_STATE, {
+            **job.extra_state, "settings": asdict(settings), "attempt": attempt, "retries": retries,
+            "config": str(job.config_path)})
+        argv = [job.python, *job.entry, "--config_file", str(config)]
+        if dataset is not None:
+            argv += ["--dataset_config", str(dataset)]
+        argv += list(job.extra_args)
+        argv += ["--autotune_events_dir", str(events_dir),
+                 "--save_state_every_seconds", f"{job.save_state_every_s:g}",
+                 "--autotune_retry_log", str(retry_log_path)]
+        if state is not None:
+            argv += ["--resume", str(state[0])]
+            log.write("resume", f"attempt {attempt}: resuming from {state[0].name} at step {state[1]}",
+                      state=str(state[0]), step=state[1])
+        env = child_env(job.env, job.cuda)
+        result = run_attempt(argv, env=env, events_dir=events_dir, log_path=job.output_dir / CHILD_LOG,
+                             stall_timeout_s=job.stall_timeout_s, echo=job.echo, preexec_fn=job.preexec_fn,
+                             on_start=job.on_child_start)
+        attempts.append(result)
+        if result.outcome == "done":
+            output = (result.done_event or {}).get("output_file")
+            _write_final_configs(job, settings)
+            log.write("done", f"finished after {len(retries)} retr{'y' if len(retries) == 1 else 'ies'}; "
+                      f"LoRA: {output}; final settings in config.final.toml", output_file=output,
+                      settings=asdict(settings))
+            clean_partial_files(job.output_dir)
+            clean_partial_files(job.states_dir)
+            return RunResult(True, "done", "finished", output, settings, retries, attempts)
+        if result.outcome in ("user_error", "interrupted", "crash"):
+            log.write(result.outcome, result.message, returncode=result.returncode)
+            return RunResult(False, result.outcome, result.message, None, settings, retries, attempts)
+        # oom, os_kill, stall: recoverable
+        failed_step = _failed_step(result)
+        if len(retries) >= job.max_retries:
+            message = (f"giving up after {len(retries)} retries ({result.outcome} at step {failed_step}); "
+                       f"last settings: {settings.describe()}; see {job.output_dir / DECISIONS_LOG}")
+            log.write("give_up", message)
+            return RunResult(False, "retries_exhausted", message, None, settings, retries, attempts)
+        if result.outcome == "stall":
+            decision: Decision | Exhausted | None = None
+            new_settings, reason, compatible = settings, "stalled: retrying the same settings from the last state", True
+        else:
+            failed = settings
+            if result.oom_event and isinstance(result.oom_event.get("settings"), dict):
+                failed = TrainSettings.from_mapping(result.oom_event["settings"], defaults=settings)
+            tried.append(failed)
+            decision = next_settings(failed, job.limits, job.predict, measured_mib(result, job.budget_kind),
+                                      tried)
+            if isinstance(decision, Exhausted):
+                message = decision.message()
+                log.write("exhausted", message, floor=asdict(decision.floor), needed_mib=decision.needed_mib)
+                return RunResult(False, "exhausted", message, None, settings, retries, attempts)
+            new_settings, reason, compatible = decision.settings, decision.reason, decision.resume_compatible
+        state_after = newest_state(job.states_dir)
+        resume_step = state_after[1] if (state_after and compatible) else 0
+        lost = max(0, failed_step - resume_step) if failed_step is not None else None
+        record = {
+            "attempt": attempt,
+            "failure": result.outcome,
+            "step": failed_step,
+            "message": result.message[:300],
+            "memory": (result.oom_event or {}).get("memory") or {"peak_rss_mib": result.peak_rss_mib,
+                                                                  "peak_vm_mib": result.peak_vm_mib},
+            "changes": {k: list(v) for k, v in (decision.changes.items() if isinstance(decision, Decision) else [])},
+            "reason": reason,
+            "predicted_mib": round(decision.predicted_mib, 1) if isinstance(decision, Decision) else None,
+            "scale": round(decision.scale, 3) if isinstance(decision, Decision) else None,
+            "resume_step": resume_step,
+            "steps_lost": lost,
+            "seconds_in_attempt": round(result.seconds, 2),
+        }
+        retries.append(record)
+        restart = "" if compatible else " (the saved state does not fit the new network/optimizer: restarting)"
+        log.write(result.outcome, f"attempt {attempt} failed: {result.outcome} at step {failed_step} "
+                  f"({result.message[:200]}); next: {new_settings.describe()} because {reason}; "
+                  f"resume at step {resume_step}, {lost} step(s) lost{restart}", **record)
+        if not compatible:
+            _retire_states(job.states_dir)
+        settings = new_settings
+        resume_ok = True  # states the new settings cannot load were retired above
+        attempt += 1
+
+
+def _failed_step(result: AttemptResult) -> int | None:
+    for source in (result.oom_event, result.last_progress):
+        if source and isinstance(source.get("step"), int):
+            return source["step"]
+    return None
+
+
+def _retire_states(output_dir: Path) -> None:
+    """Move unusable states aside (kept for the user, invisible to the resume search)."""
+    for folder in output_dir.glob("*-state"):
+        if folder.is_dir():
+            os.replace(folder, folder.with_name(folder.name + ".retired"))
+
+
+def _write_list_atomic(path: Path, items: list[dict[str, Any]]) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(items, handle, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_final_configs(job: Job, settings: TrainSettings) -> None:
+    header = ("# settings that finally worked (written by autotune run"
+              f"{'' if settings == job.settings else ' after out-of-memory step-down'}): {settings.describe()}\n")
+    override_config(job.config_path, job.output_dir / "config.final.toml", settings, header, base=job.settings)
+    if job.dataset_config_path is not None:
+        override_dataset_config(job.dataset_config_path, job.output_dir / "dataset.final.toml", settings, header)

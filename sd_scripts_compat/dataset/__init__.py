@@ -1,0 +1,1 @@
+"""Images in: the dataset scan, captions, aspect buckets, the training dataset and its loader."""

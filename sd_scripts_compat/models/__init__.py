@@ -1,0 +1,1 @@
+"""Model families (data), building, loading (single files, diffusers folders), text encoding."""

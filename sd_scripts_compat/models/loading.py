@@ -1,0 +1,182 @@
+"""``load_base_model``: one entry point for every way a user holds a base model, all offline.
+
+Accepted specs:
+  builtin:<id>                random-weight families (tiny ones for demos/tests, full-size ones for
+                              shape-only probes with ``device="meta"``)
+  a diffusers folder          with ``model_index.json`` (its own tokenizer folders are used)
+  FILE.safetensors            original single-file layout (the way most users hold SD1.5/SDXL)
+  FILE.ckpt / FILE.pt         the same, only with ``allow_pickle=True`` (``--allow_pickle``)
+Every result is a ``ModelBundle``; every bad input is a one-line ``UserError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import FamilySpec, family_names, get_family
+
+if TYPE_CHECKING:
+    import torch
+
+    from sd_scripts_compat.models.build import ModelBundle
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_IDS = ("tiny-sd15", "tiny-sdxl", "sd15", "sd2", "sd2-v", "sdxl")
+DIFFUSERS_TEXT_PARTS = ("text_encoder", "text_encoder_2")
+DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
+
+
+def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, allow_pickle: bool = False,
+                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> ModelBundle:
+    """Load (or build) a base model from ``spec``; see the module docstring for the accepted forms.
+
+    ``family`` is the user's statement of what the model is (e.g. ``sd2-v`` for an SD2 768-v file
+    without a v-prediction marker); a model that contradicts it is a UserError naming both.
+    """
+    if family is not None and family not in family_names():
+        raise UserError(f"unknown model family {family!r}; known: {', '.join(family_names())}")
+    text = os.fspath(spec)
+    if text.startswith(BUILTIN_PREFIX):
+        return _load_builtin(text[len(BUILTIN_PREFIX):], family=family, device=device, dtype=dtype)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return load_diffusers_folder(path, family=family, device=device, dtype=dtype)
+    from sd_scripts_compat.models.single_file import load_single_file
+
+    return load_single_file(path, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype)
+
+
+def _load_builtin(name: str, *, family: str | None, device: str | torch.device,
+                  dtype: torch.dtype | None) -> ModelBundle:
+    from sd_scripts_compat.models.build import build_modules
+
+    if name not in BUILTIN_IDS:
+        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_IDS)
+        raise UserError(f"unknown built-in model {BUILTIN_PREFIX}{name}; known: {known}")
+    if family is not None and family != name:
+        raise UserError(f"{BUILTIN_PREFIX}{name} is a {name} model but family {family} was requested; "
+                        f"drop the family option or use {family}")
+    return build_modules(get_family(name), device=device, dtype=dtype, seed=0)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} not found; expected a diffusers model folder part") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); expected a diffusers config") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object; expected a diffusers config")
+    return data
+
+
+def _shape_signature(modules: list[Any]) -> list[dict[str, tuple[int, ...]]]:
+    return [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in modules]
+
+
+def detect_folder_family(unet: Any, vae: Any, text_encoders: list[Any], prediction_type: str | None,
+                         stated: str | None, folder: Path) -> FamilySpec:
+    """The family whose modules have exactly these state-dict shapes (and prediction type, for SD2)."""
+    import torch
+
+    from sd_scripts_compat.models.single_file import _empty_bundle
+
+    got = _shape_signature([unet, vae, *text_encoders])
+    matched = []
+    for name in family_names():
+        spec = get_family(name)
+        if len(spec.text_encoders) != len(text_encoders):
+            continue
+        if tuple(spec.unet["block_out_channels"]) != tuple(unet.config.block_out_channels):
+            continue  # cheap pre-filter before building the family on meta
+        with torch.device("meta"):
+            ref = _empty_bundle(spec)
+        if _shape_signature([ref.unet, ref.vae, *ref.text_encoders]) == got:
+            matched.append(spec)
+    if not matched:
+        raise UserError(f"{folder}: the model's shapes match no known family ({', '.join(family_names())}); "
+                        "expected an SD1.x, SD2.x or SDXL base model")
+    wanted = prediction_type or "epsilon"
+    if stated is not None:
+        for spec in matched:
+            if spec.name == stated and (prediction_type is None or spec.prediction_type == prediction_type):
+                return spec
+    detected = next((s for s in matched if s.prediction_type == wanted), matched[0])
+    if stated is not None and stated != detected.name:
+        raise UserError(f"{folder} is a {detected.name} model but family {stated} was requested; "
+                        f"drop the family option or use {detected.name}")
+    return detected
+
+
+def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None = None,
+                          device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> ModelBundle:
+    """A diffusers pipeline folder (``model_index.json``), read with local files only.
+
+    Its own ``tokenizer``/``tokenizer_2`` folders win over the shipped vocabulary; the scheduler
+    config (and with it the prediction type) comes from ``scheduler/`` when present.
+    """
+    import torch
+    import transformers
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    from sd_scripts_compat.models.build import ModelBundle, load_tokenizer
+
+    folder = Path(folder)
+    index = _read_json(folder / "model_index.json") if (folder / "model_index.json").is_file() else None
+    if index is None:
+        raise UserError(f"{folder} is a folder without model_index.json; expected a diffusers model folder "
+                        "(unet/, vae/, text_encoder/ ...) or a .safetensors file")
+    for part in ("unet", "vae", "text_encoder"):
+        if not (folder / part / "config.json").is_file():
+            raise UserError(f"{folder / part / 'config.json'} not found; expected a complete diffusers model folder")
+    target = dtype or torch.float32
+    try:
+        unet = UNet2DConditionModel.from_pretrained(folder / "unet", local_files_only=True, torch_dtype=target)
+        vae = AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True, torch_dtype=target)
+        text_encoders = []
+        for part in DIFFUSERS_TEXT_PARTS:
+            if not (folder / part).is_dir():
+                continue
+            class_name = (index.get(part) or [None, None])[1] or _read_json(folder / part / "config.json").get(
+                "architectures", ["CLIPTextModel"])[0]
+            cls = getattr(transformers, class_name, None)
+            if cls is None or not class_name.startswith("CLIPTextModel"):
+                raise UserError(f"{folder / part}: text encoder class {class_name!r} is not supported; expected "
+                                "CLIPTextModel or CLIPTextModelWithProjection")
+            text_encoders.append(cls.from_pretrained(folder / part, local_files_only=True, dtype=target))
+    except UserError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{folder}: could not load the diffusers model ({reason[:200]}); expected a complete, "
+                        "uncorrupted diffusers folder") from None
+
+    scheduler_file = folder / "scheduler" / "scheduler_config.json"
+    scheduler_config = _read_json(scheduler_file) if scheduler_file.is_file() else None
+    prediction = scheduler_config.get("prediction_type") if scheduler_config else None
+    spec = detect_folder_family(unet, vae, text_encoders, prediction, family, folder)
+
+    tokenizers, tokenizer_sources = [], []
+    for te_spec, part in zip(spec.text_encoders, DIFFUSERS_TOKENIZER_PARTS, strict=False):
+        own = folder / part
+        max_length = te_spec.tokenizer["model_max_length"]
+        # hub folders hold vocab.json + merges.txt; transformers 5's save_pretrained writes tokenizer.json
+        if ((own / "vocab.json").is_file() and (own / "merges.txt").is_file()) or (own / "tokenizer.json").is_file():
+            tokenizers.append(load_tokenizer(str(own), pad_token=None, max_length=max_length))
+            tokenizer_sources.append(str(own))
+        else:
+            tokenizers.append(load_tokenizer(pad_token=te_spec.tokenizer["pad_token"], max_length=max_length))
+            tokenizer_sources.append("shipped")
+    for module in (unet, vae, *text_encoders):
+        module.requires_grad_(False)
+        module.eval()
+        module.to(device)
+    return ModelBundle(family=spec, unet=unet, vae=vae, text_encoders=text_encoders, tokenizers=tokenizers,
+                       scheduler_config=dict(scheduler_config or spec.scheduler),
+                       prediction_type=prediction or spec.prediction_type, source=str(folder),
+                       extra={"format": "diffusers", "tokenizer_sources": tokenizer_sources})

@@ -1,0 +1,265 @@
+"""Tokenizing and encoding captions as sd-scripts does, plus text-encoder output caching.
+
+- SD1/SD2 (``hidden_state == "last"``): the last hidden state; with ``clip_skip = k`` the output of
+  layer -k passed through the final layer norm.
+- SDXL (``"penultimate"``): each encoder's penultimate hidden state, without the final norm,
+  concatenated on the feature axis; the pooled output (``text_embeds``) of the encoder that has a
+  projection, taken at the first EOS token of the *first* 75-token chunk.
+- ``max_token_length`` 150/225: the prompt is tokenized to max_token_length + 2, cut into 75-token
+  chunks each wrapped as ``<BOS> chunk <EOS|PAD>`` (77 tokens), encoded chunk by chunk, and the
+  outputs are joined back as ``BOS state + 75 states per chunk + last state`` (77/152/227 tokens).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.atomic import atomic_path
+from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
+from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
+from sd_scripts_compat.dataset.train_dataset import ImageRecord, TextEntry, TrainDataset
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from sd_scripts_compat.models.build import ModelBundle
+
+CHUNK = 75  # content tokens per 77-token window
+TE_CACHE_FORMAT = "lora-autotune-te/1"
+TE_CACHE_SUFFIX = ".te.safetensors"
+
+
+@dataclass
+class TextConditioning:
+    encoder_hidden_states: torch.Tensor  # (B, tokens, features)
+    pooled: torch.Tensor | None = None  # (B, projection_dim), SDXL only
+
+
+def check_max_token_length(max_token_length: int | None) -> int:
+    """None means 75. Only 75/150/225 are valid, as in sd-scripts."""
+    if max_token_length is None:
+        return CHUNK
+    if max_token_length not in (75, 150, 225):
+        raise UserError(f"max_token_length = {max_token_length} is not supported; use 75, 150 or 225")
+    return max_token_length
+
+
+def tokenize(tokenizer: Any, captions: list[str], max_token_length: int | None = None) -> torch.Tensor:
+    """Token ids shaped (B, chunks, 77) following sd-scripts' long-prompt rules.
+
+    When the pad token is the EOS token (SD1) every chunk is ``BOS + 75 ids + last id``. Otherwise
+    (pad "!", SDXL's second tokenizer) a chunk whose content runs to its end gets EOS as last id,
+    and an empty chunk starts ``BOS EOS PAD...`` so every window holds an EOS.
+    """
+    import torch
+
+    length = check_max_token_length(max_token_length)
+    window = tokenizer.model_max_length
+    ids = tokenizer(captions, padding="max_length", truncation=True, max_length=length + 2,
+                    return_tensors="pt").input_ids
+    if length + 2 <= window:
+        return ids.unsqueeze(1)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = []
+    for row in ids:
+        chunks = []
+        for start in range(1, length + 2 - window + 2, window - 2):
+            chunk = torch.cat([row[:1], row[start: start + window - 2], row[-1:]])
+            if pad != eos:
+                if chunk[-2] != eos and chunk[-2] != pad:
+                    chunk[-1] = eos
+                if chunk[1] == pad:
+                    chunk[1] = eos
+            chunks.append(chunk)
+        rows.append(torch.stack(chunks))
+    return torch.stack(rows)
+
+
+def _join_chunks(states: torch.Tensor, batch: int, window: int) -> torch.Tensor:
+    """(B*n, 77, D) -> (B, 75n + 2, D): first BOS state, the 75 content states of each window, last state."""
+    import torch
+
+    states = states.reshape(batch, -1, states.shape[-1])
+    if states.shape[1] == window:
+        return states
+    parts = [states[:, :1]]
+    parts += [states[:, start: start + window - 2] for start in range(1, states.shape[1], window)]
+    parts.append(states[:, -1:])
+    return torch.cat(parts, dim=1)
+
+
+def _first_eos_positions(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Index of the first EOS per row (the last position when a row has none)."""
+    is_eos = ids == eos_token_id
+    first = is_eos.int().argmax(dim=-1)
+    return first.where(is_eos.any(dim=-1), ids.shape[-1] - 1)
+
+
+def _final_layer_norm(encoder: Any) -> Any:
+    """transformers 5 puts ``final_layer_norm`` on the model itself; 4.x had it under ``text_model``."""
+    norm = getattr(encoder, "final_layer_norm", None)
+    return norm if norm is not None else encoder.text_model.final_layer_norm
+
+
+def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_skip: int | None = None,
+                  dtype: Any = None) -> TextConditioning:
+    """Encode ids from :func:`tokenize` (one tensor per text encoder). Keeps autograd, so a trained
+    text encoder LoRA gets gradients; wrap in ``torch.no_grad()`` when it is frozen."""
+    import torch
+
+    specs = bundle.family.text_encoders
+    if clip_skip is not None and clip_skip < 1:
+        raise UserError(f"clip_skip = {clip_skip} must be >= 1")
+    if clip_skip not in (None, 1) and any(s.hidden_state == "penultimate" for s in specs):
+        warnings.warn("clip_skip is ignored for SDXL: it always uses the penultimate layer, as sd-scripts does",
+                      stacklevel=2)
+    hidden, pooled = [], None
+    for spec, encoder, tokenizer, ids in zip(specs, bundle.text_encoders, bundle.tokenizers, token_ids):
+        batch, _chunks, window = ids.shape
+        flat = ids.reshape(-1, window).to(next(encoder.parameters()).device)
+        out = encoder(flat, output_hidden_states=True, return_dict=True)
+        if spec.hidden_state == "penultimate":
+            states = out.hidden_states[-2]
+        elif clip_skip is None or clip_skip == 1:
+            states = out.last_hidden_state
+        else:
+            if clip_skip > len(out.hidden_states) - 1:
+                raise UserError(f"clip_skip = {clip_skip} exceeds the text encoder's "
+                                f"{len(out.hidden_states) - 1} layers")
+            states = _final_layer_norm(encoder)(out.hidden_states[-clip_skip])
+        hidden.append(_join_chunks(states, batch, window))
+        projection = getattr(encoder, "text_projection", None)
+        if projection is not None:
+            last = out.last_hidden_state
+            positions = _first_eos_positions(flat, tokenizer.eos_token_id)
+            pooled_all = projection(last[torch.arange(last.shape[0], device=last.device), positions])
+            pooled = pooled_all.reshape(batch, -1, pooled_all.shape[-1])[:, 0]
+    states = torch.cat(hidden, dim=-1) if len(hidden) > 1 else hidden[0]
+    if dtype is not None:
+        states = states.to(dtype)
+        pooled = pooled.to(dtype) if pooled is not None else None
+    return TextConditioning(states, pooled)
+
+
+def encode_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length: int | None = None,
+                   clip_skip: int | None = None, dtype: Any = None) -> TextConditioning:
+    """Tokenize and encode captions with every text encoder of the bundle (on their current devices)."""
+    ids = [tokenize(tokenizer, captions, max_token_length) for tokenizer in bundle.tokenizers]
+    return encode_tokens(bundle, ids, clip_skip=clip_skip, dtype=dtype)
+
+
+def sdxl_time_ids(original_sizes_hw: torch.Tensor, crop_top_lefts: torch.Tensor, target_sizes_hw: torch.Tensor,
+                  dtype: Any = None) -> torch.Tensor:
+    """SDXL's size conditioning, (B, 6): original (h, w), crop (top, left), target (h, w); diffusers'
+    UNet embeds it itself (``added_cond_kwargs={"text_embeds": pooled, "time_ids": ...}``)."""
+    import torch
+
+    time_ids = torch.cat([original_sizes_hw, crop_top_lefts, target_sizes_hw], dim=1)
+    return time_ids.to(dtype) if dtype is not None else time_ids.float()
+
+
+# ----- caching -----
+
+def text_cache_path(record: ImageRecord) -> Path:
+    return record.path.with_name(record.path.name + TE_CACHE_SUFFIX)
+
+
+def read_text_file(path: Path) -> TextEntry:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return TextEntry(tensors["encoder_hidden_states"], tensors.get("pooled"))
+
+
+def _text_metadata(caption: str, key: str, max_token_length: int, clip_skip: int | None, dtype: Any) -> dict[str, str]:
+    return {"format": TE_CACHE_FORMAT, "caption": caption, "text_encoders": key,
+            "max_token_length": str(max_token_length), "clip_skip": str(clip_skip), "dtype": str(dtype)}
+
+
+def _text_cache_valid(path: Path, expected: dict[str, str]) -> bool:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception:  # truncated or foreign: rebuild
+        return False
+    return all(metadata.get(k) == v for k, v in expected.items())
+
+
+def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"encoder_hidden_states": entry.encoder_hidden_states.contiguous()}
+    if entry.pooled is not None:
+        tensors["pooled"] = entry.pooled.contiguous()
+    try:
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
+    except PermissionError:
+        raise UserError(f"{path.parent}: cannot write the text-encoder cache there (permission denied); "
+                        "use cache_text_encoder_outputs without _to_disk") from None
+
+
+def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
+                               batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
+                               clip_skip: int | None = None, is_main_process: bool = True) -> CacheStats:
+    """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
+    the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
+    shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
+    are encoded once. Disk files ``<image name>.te.safetensors`` record the caption, the encoders'
+    fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ."""
+    import torch
+
+    for subset in dataset.subsets:
+        key_name = caption_is_deterministic(subset)
+        if key_name is not None:
+            raise UserError(f"{key_name} (subset {subset.image_dir}) makes captions change every step, so text "
+                            "encoder outputs cannot be cached; turn off one of them")
+    length = check_max_token_length(max_token_length)
+    te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders)
+    captions = {r.index: process_caption(r.caption, dataset.subset_of(r), random.Random(0)) for r in dataset.records}
+
+    pending: list[ImageRecord] = []
+    reused = 0
+    for record in dataset.records:
+        if to_disk:
+            path = text_cache_path(record)
+            dataset.text_files[record.index] = path
+            dataset.text_outputs.pop(record.index, None)
+            if not is_main_process:
+                continue
+            if _text_cache_valid(path, _text_metadata(captions[record.index], te_key, length, clip_skip, dtype)):
+                reused += 1
+                continue
+        pending.append(record)
+    if to_disk and not is_main_process:
+        return CacheStats(0, 0)
+
+    unique = sorted({captions[r.index] for r in pending})
+    if unique:
+        for encoder in bundle.text_encoders:
+            encoder.to(device=device) if dtype is None else encoder.to(device=device, dtype=dtype)
+    encoded: dict[str, TextEntry] = {}
+    with torch.no_grad():
+        for start in range(0, len(unique), max(1, batch_size)):
+            chunk = unique[start: start + max(1, batch_size)]
+            out = encode_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
+            for i, caption in enumerate(chunk):
+                pooled = out.pooled[i].cpu().clone() if out.pooled is not None else None
+                encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled)
+    for record in pending:
+        entry = encoded[captions[record.index]]
+        if to_disk:
+            _save_text(text_cache_path(record), entry,
+                       _text_metadata(captions[record.index], te_key, length, clip_skip, dtype))
+        else:
+            dataset.text_outputs[record.index] = entry
+    return CacheStats(encoded=len(unique), reused=reused)

@@ -1,0 +1,1 @@
+"""The LoRA network and kohya's LoRA file format."""

@@ -1,0 +1,420 @@
+"""LoRA networks with sd-scripts ``networks.lora`` semantics and kohya's state-dict names.
+
+Own modules, not peft: kohya's dropout (on the ``lora_down`` output), rank dropout, module dropout
+and per-module ``alpha`` buffer differ from peft's input dropout and config-level alpha, and the
+saved keys must be kohya's exactly. Each ``LoRAModule`` wraps one base Linear/Conv2d by replacing
+that module's ``forward``; the base module tree, its parameter names and its weights stay untouched,
+so ``remove()`` restores the model bit-exactly.
+
+Targets (facts of sd-scripts, checked against ``shared/reference/kohya/keys_*.json``):
+- UNet: every Linear and 1x1 Conv2d inside each ``Transformer2DModel`` (dim/alpha = network_dim/alpha);
+  with ``conv_dim`` also the modules inside ``ResnetBlock2D``, ``Downsample2D``, ``Upsample2D``:
+  3x3 convs get conv_dim/conv_alpha, their Linear (time_emb_proj) and 1x1 conv (conv_shortcut) get
+  network_dim/network_alpha.
+- Text encoders: the Linear layers inside ``CLIPAttention`` / ``CLIPMLP``.
+Keys: ``lora_unet_<name>`` (SD1/2: diffusers names; SDXL: SGM names), ``lora_te_`` / ``lora_te1_`` /
+``lora_te2_`` + transformers-4 CLIP names (``text_model.encoder.layers.0...``), dots -> ``_``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
+
+UNET_TARGETS = ("Transformer2DModel",)
+UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
+# transformers 5 has one CLIPAttention class (SDPA is an attention backend, not a subclass); older
+# releases had CLIPSdpaAttention / CLIPFlashAttention2 subclasses, kept so their models still match.
+TEXT_ENCODER_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP")
+
+# network_args keys we understand -> converter; the value names match create_network's keywords.
+_NETWORK_ARG_TYPES: dict[str, Any] = {
+    "conv_dim": int,
+    "conv_alpha": float,
+    "dropout": float,
+    "rank_dropout": float,
+    "module_dropout": float,
+}
+# sd-scripts networks.lora args this engine does not implement (a clear error beats silently ignoring them).
+_UNSUPPORTED_KOHYA_ARGS = {
+    "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight", "mid_lr_weight",
+    "up_lr_weight", "block_lr_zero_threshold", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+    "loraplus_text_encoder_lr_ratio", "train_blocks", "algo", "preset",
+}
+
+
+def parse_network_args(items: list[str] | None) -> dict[str, Any]:
+    """Parse kohya ``network_args`` (``["conv_dim=4", "conv_alpha=1"]``) into create_network keywords.
+
+    As in sd-scripts, ``conv_alpha`` defaults to 1.0 when ``conv_dim`` is given without it.
+    """
+    parsed: dict[str, Any] = {}
+    for item in items or []:
+        if not isinstance(item, str) or "=" not in item:
+            raise UserError(f"network_args entry {item!r} is not 'key=value' (e.g. \"conv_dim=4\")")
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in _UNSUPPORTED_KOHYA_ARGS:
+            raise UserError(f"network_args key {key!r} is an sd-scripts option this engine does not support; "
+                            f"remove it (supported: {', '.join(_NETWORK_ARG_TYPES)})")
+        if key not in _NETWORK_ARG_TYPES:
+            raise UserError(f"unknown network_args key {key!r}; supported: {', '.join(_NETWORK_ARG_TYPES)}")
+        try:
+            parsed[key] = _NETWORK_ARG_TYPES[key](value)
+        except ValueError:
+            raise UserError(f"network_args {key}={value!r} is not a valid {_NETWORK_ARG_TYPES[key].__name__}") from None
+    if "conv_dim" in parsed and "conv_alpha" not in parsed:
+        parsed["conv_alpha"] = 1.0
+    for key in ("dropout", "rank_dropout", "module_dropout"):
+        if key in parsed and not 0.0 <= parsed[key] < 1.0:
+            raise UserError(f"network_args {key}={parsed[key]} must be in [0, 1)")
+    return parsed
+
+
+class LoRAModule(nn.Module):
+    """One low-rank adapter: ``base(x) + up(down(x)) * scale * multiplier`` (scale = alpha / dim).
+
+    The base module is held as a plain (unregistered) reference so that this module's state dict
+    holds only ``lora_down.weight``, ``lora_up.weight`` and ``alpha``.
+    """
+
+    def __init__(self, lora_name: str, base: nn.Module, dim: int, alpha: float | int | None,
+                 multiplier: float = 1.0, dropout: float | None = None, rank_dropout: float | None = None,
+                 module_dropout: float | None = None) -> None:
+        super().__init__()
+        self.lora_name = lora_name
+        self.lora_dim = int(dim)
+        device = base.weight.device
+        if isinstance(base, nn.Conv2d):
+            self.lora_down = nn.Conv2d(base.in_channels, self.lora_dim, base.kernel_size, base.stride,
+                                       base.padding, bias=False, device=device)
+            self.lora_up = nn.Conv2d(self.lora_dim, base.out_channels, (1, 1), (1, 1), bias=False, device=device)
+        elif isinstance(base, nn.Linear):
+            self.lora_down = nn.Linear(base.in_features, self.lora_dim, bias=False, device=device)
+            self.lora_up = nn.Linear(self.lora_dim, base.out_features, bias=False, device=device)
+        else:
+            raise TypeError(f"LoRA supports Linear and Conv2d, not {type(base).__name__} ({lora_name})")
+        alpha = float(alpha) if alpha else float(self.lora_dim)  # None or 0 -> alpha = dim
+        self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32, device=device))
+        self.scale = alpha / self.lora_dim
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_up.weight)
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+        self._base = (base,)  # tuple: not registered as a submodule
+        self._saved_forward: Any = None
+        self._had_instance_forward = False
+        self.applied = False
+
+    @property
+    def base(self) -> nn.Module:
+        return self._base[0]
+
+    @property
+    def is_conv(self) -> bool:
+        return isinstance(self.lora_down, nn.Conv2d)
+
+    def set_alpha(self, alpha: float) -> None:
+        """Set alpha and the scale that follows from it (a loaded file's alpha must change the output)."""
+        alpha = float(alpha) if alpha else float(self.lora_dim)
+        self.alpha.fill_(alpha)
+        self.scale = alpha / self.lora_dim
+
+    def apply_to(self) -> None:
+        if self.applied:
+            return
+        base = self.base
+        self._had_instance_forward = "forward" in base.__dict__
+        self._saved_forward = base.forward
+        base.forward = self.forward
+        self.applied = True
+
+    def remove(self) -> None:
+        if not self.applied:
+            return
+        base = self.base
+        if self._had_instance_forward:
+            base.forward = self._saved_forward
+        else:
+            del base.forward  # back to the class's own forward
+        self._saved_forward = None
+        self.applied = False
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``up(down(x)) * scale * multiplier`` with kohya's dropouts when training (no base output)."""
+        weight_dtype = self.lora_down.weight.dtype
+        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(weight_dtype)  # under autocast the layer casts itself; a copy here would be kept for backward
+        lx = self.lora_down(x)
+        scale = self.scale
+        if self.training and self.dropout:
+            lx = nn.functional.dropout(lx, p=self.dropout)
+        if self.training and self.rank_dropout:
+            mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
+            if lx.dim() == 3:  # Linear on [batch, tokens, dim]
+                mask = mask.unsqueeze(1)
+            elif lx.dim() == 4:  # Conv on [batch, dim, h, w]
+                mask = mask.unsqueeze(-1).unsqueeze(-1)
+            lx = lx * mask.to(lx.dtype)
+            scale = scale / (1.0 - self.rank_dropout)  # keep the expected output unchanged
+        return self.lora_up(lx) * (self.multiplier * scale)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        base_out = self._saved_forward(x, *args, **kwargs)
+        if self.multiplier == 0:
+            return base_out
+        if self.training and self.module_dropout and torch.rand(()) < self.module_dropout:
+            return base_out
+        delta = self.lora_delta(x)
+        return base_out + (delta if delta.dtype == base_out.dtype else delta.to(base_out.dtype))
+
+
+def _clip_name(name: str) -> str:
+    """transformers-4 CLIP module name: transformers 5's CLIPTextModel dropped the ``text_model.`` level
+    (CLIPTextModelWithProjection still has it), while kohya's keys always carry it."""
+    return name if name.startswith("text_model.") else f"text_model.{name}"
+
+
+def _lora_key(prefix: str, name: str) -> str:
+    return f"{prefix}_{name.replace('.', '_')}"
+
+
+def _is_1x1(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv2d) and tuple(module.kernel_size) == (1, 1)
+
+
+def iter_target_modules(bundle: ModelBundle, *, conv: bool, unet: bool = True,
+                        text_encoder: bool = True) -> Iterator[tuple[str, str, nn.Module, bool]]:
+    """Yield ``(lora_name, part, base_module, uses_conv_dim)`` for every module kohya would wrap.
+
+    ``part`` is "unet" or the text encoder's lora prefix; ``uses_conv_dim`` marks 3x3 convs.
+    """
+    family = bundle.family
+    if text_encoder:
+        for spec, encoder in zip(family.text_encoders, bundle.text_encoders, strict=True):
+            for name, module in encoder.named_modules():
+                if type(module).__name__ not in TEXT_ENCODER_TARGETS:
+                    continue
+                for child_name, child in module.named_modules():
+                    if isinstance(child, nn.Linear):
+                        full = f"{name}.{child_name}" if child_name else name
+                        yield _lora_key(spec.lora_prefix, _clip_name(full)), spec.lora_prefix, child, False
+    if unet:
+        targets = UNET_TARGETS + (UNET_CONV_TARGETS if conv else ())
+        unet_config = dict(bundle.unet.config)
+        sgm = family.unet_lora_names == "sgm"
+        if sgm:
+            from sd_scripts_compat.models.unet_names import diffusers_to_ldm_unet_name
+        for name, module in bundle.unet.named_modules():
+            if type(module).__name__ not in targets:
+                continue
+            for child_name, child in module.named_modules():
+                if not isinstance(child, nn.Linear | nn.Conv2d):
+                    continue
+                full = f"{name}.{child_name}" if child_name else name
+                key_name = diffusers_to_ldm_unet_name(full, unet_config) if sgm else full
+                uses_conv_dim = isinstance(child, nn.Conv2d) and not _is_1x1(child)
+                yield _lora_key("lora_unet", key_name), "unet", child, uses_conv_dim
+
+
+class LoRANetwork(nn.Module):
+    """All LoRA modules of one model bundle; its ``state_dict()`` is the kohya state dict."""
+
+    def __init__(self, bundle: ModelBundle, modules: list[tuple[str, LoRAModule]]) -> None:
+        super().__init__()
+        self.bundle = bundle
+        self.unet_loras: list[LoRAModule] = []
+        self.text_encoder_loras: list[LoRAModule] = []
+        for part, lora in modules:
+            self.add_module(lora.lora_name, lora)
+            (self.unet_loras if part == "unet" else self.text_encoder_loras).append(lora)
+
+    @property
+    def unet_modules(self) -> int:
+        return len(self.unet_loras)
+
+    @property
+    def text_encoder_modules(self) -> int:
+        return len(self.text_encoder_loras)
+
+    @property
+    def conv_modules(self) -> int:
+        """UNet modules on 3x3 convs (LoCon); 0 without conv_dim."""
+        return sum(1 for lora in self.unet_loras if lora.is_conv and tuple(lora.lora_down.kernel_size) != (1, 1))
+
+    def loras(self) -> list[LoRAModule]:
+        return self.text_encoder_loras + self.unet_loras
+
+    def apply_to(self) -> None:
+        for lora in self.loras():
+            lora.apply_to()
+
+    def remove(self) -> None:
+        for lora in self.loras():
+            lora.remove()
+
+    def set_multiplier(self, m: float) -> None:
+        for lora in self.loras():
+            lora.multiplier = float(m)
+
+    def prepare_optimizer_params(self, text_encoder_lr: float | None, unet_lr: float | None,
+                                 default_lr: float) -> list[dict[str, Any]]:
+        """Optimizer param groups as sd-scripts builds them: text encoder group, then UNet group.
+
+        A part's lr is its own lr when given, else ``default_lr``; a part whose lr is 0 gets no group
+        (sd-scripts skips it) and its LoRA parameters are frozen.
+        """
+        groups: list[dict[str, Any]] = []
+        for loras, lr in ((self.text_encoder_loras, text_encoder_lr), (self.unet_loras, unet_lr)):
+            params = [p for lora in loras for p in lora.parameters()]
+            if not params:
+                continue
+            lr = default_lr if lr is None else lr
+            for p in params:
+                p.requires_grad_(bool(lr))
+            if lr:
+                groups.append({"params": params, "lr": lr})
+        return groups
+
+    def kohya_state_dict(self) -> dict[str, torch.Tensor]:
+        """Exact kohya keys: ``<lora_name>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-dim)."""
+        return {key: value.detach() for key, value in self.state_dict().items()}
+
+    def load_kohya_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True,
+                              source: str = "LoRA weights") -> None:
+        """Load kohya weights (alpha may be int64 or float; tensors of any float dtype are cast).
+
+        Refuses, with a UserError naming ``source``, a file made for another family (other key scheme
+        or other widths). ``strict``: the file's keys must be exactly this network's. Unlike sd-scripts,
+        a loaded alpha also updates the module's scale, so the output follows the file.
+        """
+        check_lora_family(sd, self.bundle.family, source)
+        own = self.state_dict()
+        unexpected = sorted(set(sd) - set(own))
+        missing = sorted(set(own) - set(sd))
+        if strict and (unexpected or missing):
+            detail = (f"{len(unexpected)} keys the model has no module for (e.g. {unexpected[0]})" if unexpected
+                      else f"{len(missing)} keys missing (e.g. {missing[0]})")
+            raise UserError(f"{source}: LoRA does not match this network: {detail}; "
+                            "create the network from the file's own dims (dim_from_weights)")
+        by_name = {lora.lora_name: lora for lora in self.loras()}
+        for key, value in sd.items():
+            if key not in own:
+                continue
+            target = own[key]
+            if tuple(value.shape) != tuple(target.shape):
+                raise UserError(f"{source}: {key} has shape {list(value.shape)}, the network expects "
+                                f"{list(target.shape)}; use the file's own dims (dim_from_weights) or the "
+                                "model family it was trained for")
+        with torch.no_grad():
+            for key, value in sd.items():
+                if key not in own:
+                    continue
+                lora_name, _, param = key.partition(".")
+                if param == "alpha":
+                    by_name[lora_name].set_alpha(float(value.item()))
+                else:
+                    own[key].copy_(value.to(own[key].dtype))
+
+
+def _new_module(lora_name: str, base: nn.Module, dim: int, alpha: float | None, **kwargs: Any) -> LoRAModule:
+    # Parameters are created on the base module's device (meta stays meta: shapes only).
+    return LoRAModule(lora_name, base, dim, alpha, **kwargs)
+
+
+def create_network(bundle: ModelBundle, *, network_dim: int = 4, network_alpha: float = 1.0,
+                   conv_dim: int | None = None, conv_alpha: float | None = None, dropout: float | None = None,
+                   rank_dropout: float | None = None, module_dropout: float | None = None,
+                   train_unet: bool = True, train_text_encoder: bool = True, multiplier: float = 1.0) -> LoRANetwork:
+    """A fresh kohya LoRA network for ``bundle`` (not yet applied: call ``apply_to()``).
+
+    ``conv_dim`` adds LoCon modules on the ResnetBlock2D / Downsample2D / Upsample2D convs; as in
+    sd-scripts its alpha defaults to 1.0. Parts not trained get no modules (and no keys in the file).
+    """
+    if network_dim is None or network_dim < 1:
+        raise UserError(f"network_dim must be a positive integer, got {network_dim!r}")
+    if conv_dim is not None and conv_dim < 1:
+        conv_dim = None
+    if conv_dim is not None and conv_alpha is None:
+        conv_alpha = 1.0
+    options = {"multiplier": multiplier, "dropout": dropout, "rank_dropout": rank_dropout,
+               "module_dropout": module_dropout}
+    modules = []
+    for lora_name, part, base, uses_conv_dim in iter_target_modules(
+            bundle, conv=conv_dim is not None, unet=train_unet, text_encoder=train_text_encoder):
+        dim, alpha = (conv_dim, conv_alpha) if uses_conv_dim else (network_dim, network_alpha)
+        modules.append((part, _new_module(lora_name, base, dim, alpha, **options)))
+    return LoRANetwork(bundle, modules)
+
+
+def create_network_from_weights(bundle: ModelBundle, weights: dict[str, torch.Tensor] | str, *,
+                                train_unet: bool = True, train_text_encoder: bool = True,
+                                multiplier: float = 1.0) -> LoRANetwork:
+    """A network shaped by a kohya file (``dim_from_weights``): one module per module in the file,
+    dims from ``lora_down`` and alphas from ``alpha``; the file's weights are loaded into it.
+
+    Keys of a part not trained (``train_text_encoder=False``...) are ignored, as in sd-scripts.
+    """
+    source = "LoRA weights"
+    if isinstance(weights, str):
+        from sd_scripts_compat.network.lora_file import read_lora_file
+
+        source = weights
+        weights, _ = read_lora_file(weights)
+    check_lora_family(weights, bundle.family, source)
+    modules = []
+    used: set[str] = set()
+    for lora_name, part, base, _ in iter_target_modules(bundle, conv=True, unet=train_unet,
+                                                       text_encoder=train_text_encoder):
+        down = weights.get(f"{lora_name}.lora_down.weight")
+        if down is None:
+            continue
+        alpha = weights.get(f"{lora_name}.alpha")
+        module = _new_module(lora_name, base, int(down.shape[0]),
+                             None if alpha is None else float(alpha.item()), multiplier=multiplier)
+        modules.append((part, module))
+        used.update(k for k in (f"{lora_name}.lora_down.weight", f"{lora_name}.lora_up.weight",
+                                f"{lora_name}.alpha") if k in weights)
+    prefixes = (["lora_unet_"] if train_unet else []) + (
+        [f"{te.lora_prefix}_" for te in bundle.family.text_encoders] if train_text_encoder else [])
+    wanted = {k: v for k, v in weights.items() if k.startswith(tuple(prefixes))}
+    leftover = sorted(set(wanted) - used)
+    if leftover:
+        raise UserError(f"{source}: {len(leftover)} LoRA keys have no matching module in a "
+                        f"{bundle.family.name} model (e.g. {leftover[0]}); is it for another model family?")
+    network = LoRANetwork(bundle, modules)
+    network.load_kohya_state_dict({k: weights[k] for k in used}, strict=False, source=source)
+    return network
+
+
+def check_lora_family(sd: dict[str, torch.Tensor], family: Any, source: str) -> None:
+    """UserError when the key scheme of a kohya state dict (text-encoder prefixes, SD1/2 diffusers vs
+    SDXL SGM UNet names) or its cross-attention / text-encoder widths do not fit ``family``."""
+    from sd_scripts_compat.network.lora_file import lora_layout
+
+    layout = lora_layout(sd)
+    label = layout["label"]
+    te_prefixes = {te.lora_prefix for te in family.text_encoders}
+    foreign = sorted(set(layout["te_prefixes"]) - te_prefixes)
+    if foreign or (layout["unet_names"] and layout["unet_names"] != family.unet_lora_names):
+        raise UserError(f"{source}: this LoRA was made for {label}, but the model is {family.name} "
+                        f"({family.description}); use a LoRA trained for this model family")
+    cross = family.unet.get("cross_attention_dim")
+    if layout["cross_attention_dim"] is not None and layout["cross_attention_dim"] != cross:
+        raise UserError(f"{source}: this LoRA was made for {label} (cross-attention width "
+                        f"{layout['cross_attention_dim']}), but the model {family.name} has {cross}")
+    for te in family.text_encoders:
+        width = layout["te_widths"].get(te.lora_prefix)
+        if width is not None and width != te.config["hidden_size"]:
+            raise UserError(f"{source}: this LoRA was made for {label} ({te.lora_prefix} width {width}), "
+                            f"but the model {family.name} has {te.config['hidden_size']}")

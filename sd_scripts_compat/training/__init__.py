@@ -1,0 +1,1 @@
+"""The training recipe and its parts: objectives, optimizers, precision, state, validation, sampling."""
