@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.recovery.ladder import LadderLimits, TrainSettings, memory_predictor  # noqa: E402
+from autotune.recovery.ladder import LadderLimits, memory_predictor  # noqa: E402
 from autotune.recovery.watchdog import EVENTS_DIR, Job, supervise  # noqa: E402
+from sd_scripts_compat.config.settings import settings_from_files  # noqa: E402
 
 
 def make_dataset(root: Path) -> Path:
@@ -115,7 +116,8 @@ def scenario(tmp: Path, data: Path, name: str, *, micro: int, accum: int, steps:
         env["SD_COMPAT_INJECT_OOM"] = inject
     with Monitor(out / EVENTS_DIR) as monitor:
         monitor.kill_at_step = kill_at
-        job = Job(config_path=out / "config.toml", output_dir=out, settings=TrainSettings.from_mapping(config),
+        job = Job(config_path=out / "config.toml", output_dir=out,
+                  settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                   limits=LadderLimits(budget_mib=1e6, min_resolution=16, resolution_step=16),
                   predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
                   train_output_dir=out / "output", save_state_every_s=save_every, on_child_start=monitor.on_start)

@@ -24,12 +24,20 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a file we write gets the umask's permissions
     try:
         yield Path(tmp)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask (reading it means setting it; set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:

@@ -1,24 +1,122 @@
-"""Out-of-memory detection, OOM event files and deterministic fault injection.
+"""The contract between the watchdog (``autotune run``) and a training engine, imported by both.
 
-The watchdog (``autotune run``) talks to the engine only through a child process: exit codes,
-small JSON event files and saved states. This module is the engine's side of that contract.
+The watchdog runs the engine only as a child process, so everything they share is here: the exit
+codes, the event files the engine writes into ``--autotune_events_dir`` (small JSON documents with a
+versioned schema), the engine extension flags, how the newest saved state is found, and which error
+messages mean "out of memory". An engine that follows this module (ours, or a wrapper around the
+user's sd-scripts) can be supervised.
 
-Exit codes: 0 done, 2 bad input (UserError), ``OOM_EXIT_CODE`` out of memory (an ``oom.json``
-event says where and with which settings), 130 interrupted (state saved).
+Events (each written atomically, so a reader never sees half a file):
+- ``progress.json``: ``step, epoch, max_train_steps, time, it_per_s, loss``, rewritten every few seconds;
+  the watchdog's stall detector watches its modification time.
+- ``oom.json``: ``step, epoch, message, memory`` (MiB figures), ``state_dir``, ``settings`` (a
+  ``TrainSettings.to_event()`` block: what the run really used) and ``resolved`` (per-dataset values,
+  text-encoder caching, weight dtype).
+- ``done.json``: ``output_file, steps, seconds, seconds_per_step, step_seconds, peak_memory,
+  validation_loss, settings, resolved``.
+Every event carries ``schema`` (:data:`SCHEMA_VERSION`) and ``event`` (its kind).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from sd_scripts_compat.atomic import write_json_atomic  # noqa: F401 - part of the event contract
+from sd_scripts_compat.atomic import write_json_atomic
 
-OOM_EXIT_CODE = 87
-INTERRUPTED_EXIT_CODE = 130
-INJECT_ENV = "SD_COMPAT_INJECT_OOM"
+SCHEMA_VERSION = 1
+
+# exit codes
+DONE_EXIT_CODE = 0
+USER_ERROR_EXIT_CODE = 2  # bad input: one line on stderr
+OOM_EXIT_CODE = 87  # out of memory; oom.json says where and with which settings
+INTERRUPTED_EXIT_CODE = 130  # SIGINT: state saved
+
+# event files
+PROGRESS = "progress"
+OOM = "oom"
+DONE = "done"
+EVENT_KINDS = (PROGRESS, OOM, DONE)
+
+# the engine's extension flags (command line only; never written into kohya configs)
+EVENTS_DIR_FLAG = "--autotune_events_dir"
+SAVE_STATE_EVERY_FLAG = "--save_state_every_seconds"
+RETRY_LOG_FLAG = "--autotune_retry_log"
+
+STATE_FILE = "train_state.json"  # inside each state folder (ours and kohya's)
+
+
+def event_path(events_dir: str | Path, kind: str) -> Path:
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"unknown event kind {kind!r}; one of {', '.join(EVENT_KINDS)}")
+    return Path(events_dir) / f"{kind}.json"
+
+
+def write_event(events_dir: str | Path, kind: str, payload: dict[str, Any]) -> Path:
+    """Write one event atomically, stamped with its kind and the schema version."""
+    path = event_path(events_dir, kind)
+    write_json_atomic(path, {**payload, "schema": SCHEMA_VERSION, "event": kind})
+    return path
+
+
+def read_event(events_dir: str | Path, kind: str) -> dict[str, Any] | None:
+    """An event, or None when absent, unreadable, or of another schema version than ours."""
+    try:
+        data = json.loads(event_path(events_dir, kind).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
+        return None
+    return data
+
+
+def clear_events(events_dir: str | Path) -> None:
+    """Remove the previous attempt's events before a child starts."""
+    for kind in EVENT_KINDS:
+        event_path(events_dir, kind).unlink(missing_ok=True)
+
+
+def state_step(folder: Path) -> int | None:
+    """The optimizer step a state folder resumes at (our format, or kohya's keys), None if unreadable."""
+    try:
+        data = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    counters = data.get("counters") or {}
+    for value in (counters.get("global_step"), data.get("global_step"), data.get("current_step")):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def newest_state(output_dir: Path) -> tuple[Path, int] | None:
+    """The ``*-state`` folder with the highest step in ``output_dir`` (newest wins a tie), or None.
+
+    The one way a state to resume from is found, by the watchdog and by ``autotune run --resume``.
+    """
+    best: tuple[int, int, Path] | None = None
+    if not output_dir.is_dir():
+        return None
+    for folder in output_dir.iterdir():
+        if not folder.is_dir() or folder.name.startswith(".") or not folder.name.endswith("-state"):
+            continue
+        step = state_step(folder)
+        if step is None:
+            continue
+        key = (step, folder.stat().st_mtime_ns, folder)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return (best[2], best[0]) if best else None
+
+
+def looks_like_oom(line: str) -> bool:
+    """True when a line of an engine's stderr reports an out-of-memory condition."""
+    return bool(_OOM_PATTERNS.search(line))
+
 
 # Messages that are an out-of-memory condition in other clothes (CUDA, cuBLAS, cuDNN, CPU, ROCm, MPS).
 _OOM_PATTERNS = re.compile(
@@ -59,53 +157,3 @@ def memory_figures() -> dict[str, float]:
         figures["cuda_total_mib"] = total / 2**20
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
-
-
-@dataclass(frozen=True)
-class OomInjector:
-    """Raises a real ``torch.OutOfMemoryError`` on demand, so the OOM ladder is testable on CPU.
-
-    ``SD_COMPAT_INJECT_OOM`` holds comma-separated rules:
-      ``step=N``           raise once when global step N is about to run (a marker file in
-                           ``marker_dir`` makes it fire once, even across restarts);
-      ``pixels_gt=P``      raise whenever micro-batch x height x width (in pixels) exceeds P.
-    """
-
-    steps: frozenset[int]
-    pixels_gt: int | None
-    marker_dir: Path | None
-
-    @classmethod
-    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> OomInjector | None:
-        spec = (environ if environ is not None else os.environ).get(INJECT_ENV, "").strip()
-        if not spec:
-            return None
-        steps: set[int] = set()
-        pixels_gt = None
-        for rule in filter(None, (part.strip() for part in spec.split(","))):
-            key, _, value = rule.partition("=")
-            if key == "step" and value.isdigit():
-                steps.add(int(value))
-            elif key == "pixels_gt" and value.isdigit():
-                pixels_gt = int(value)
-            else:
-                raise ValueError(f"{INJECT_ENV}: cannot read rule {rule!r} (use step=N or pixels_gt=P)")
-        return cls(frozenset(steps), pixels_gt, marker_dir)
-
-    def check(self, step: int, batch_size: int, height: int, width: int) -> None:
-        import torch
-
-        pixels = batch_size * height * width
-        if self.pixels_gt is not None and pixels > self.pixels_gt:
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory (injected by {INJECT_ENV}: {batch_size}x{height}x{width} = {pixels} px "
-                f"> {self.pixels_gt})"
-            )
-        if step in self.steps:
-            marker = self.marker_dir / f"injected-oom-step{step}" if self.marker_dir else None
-            if marker is not None and marker.exists():
-                return
-            if marker is not None:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_ENV} at step {step})")

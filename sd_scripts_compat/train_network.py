@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.contract import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, is_oom_error
+from sd_scripts_compat.contract import DONE, INTERRUPTED_EXIT_CODE, OOM, OOM_EXIT_CODE, PROGRESS, is_oom_error
 from sd_scripts_compat.errors import UserError
 
 PROGRESS_EVERY_SECONDS = 2.0
@@ -87,8 +87,9 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     from diffusers import DDPMScheduler
 
     from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, offload
+    from sd_scripts_compat.config.settings import dataset_report, resolved_settings
     from sd_scripts_compat.config.training_config import dataset_group_from_config
-    from sd_scripts_compat.contract import OomInjector, memory_figures, write_json_atomic
+    from sd_scripts_compat.contract import memory_figures, write_event
     from sd_scripts_compat.dataset.train_dataset import (
         BucketBatchSampler,
         build_dataset,
@@ -99,6 +100,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     from sd_scripts_compat.models.text_encoding import cache_text_encoder_outputs
     from sd_scripts_compat.network.lora import create_network, create_network_from_weights, parse_network_args
     from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, read_lora_file, save_lora_file
+    from sd_scripts_compat.training.faults import OomInjector
     from sd_scripts_compat.training.objectives import (
         NoiseSettings,
         diffusion_target,
@@ -272,7 +274,9 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
             counters.step_in_epoch = counters.step_in_epoch * saved_batch // dataset_spec.batch_size
         accelerator.print(f"resumed from {config.resume} at step {counters.global_step} (epoch {counters.epoch + 1})")
 
-    settings = _settings_for_events(config, weight_dtype, use_fp8)
+    settings = resolved_settings(config, dataset_spec).to_event()  # what ran: the ladder steps down from it
+    resolved = {"datasets": [dataset_report(dataset_spec)], "latents_cached": cached_latents,
+                "text_encoder_outputs_cached": cached_text, "weight_dtype": str(weight_dtype).replace("torch.", "")}
     session_id = secrets.randbits(31)  # ss_session_id, as sd-scripts writes it
     retries = _read_retry_log(config.autotune_retry_log)
     tracker_config = {"max_train_steps": max_train_steps, "train_batch_size": dataset_spec.batch_size}
@@ -399,7 +403,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
                                      "speed/it_per_s": rate, "memory/peak_mib": peak_memory_mib},
                                     step=counters.global_step)
                     if paths.events_dir and accelerator.is_main_process:
-                        write_json_atomic(paths.events_dir / "progress.json", {
+                        write_event(paths.events_dir, PROGRESS, {
                             "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": max_train_steps,
                             "time": now, "it_per_s": rate, "loss": mean_loss})
                     last_report = now
@@ -450,10 +454,10 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         state_dir = None
         if accelerator.is_main_process and counters.global_step > 0:
             state_dir = str(save_state(paths.state_dir()))
-        event = {"step": counters.global_step, "epoch": counters.epoch, "settings": settings,
+        event = {"step": counters.global_step, "epoch": counters.epoch, "settings": settings, "resolved": resolved,
                  "memory": memory_figures(), "message": oom["message"], "state_dir": state_dir}
         if paths.events_dir and accelerator.is_main_process:
-            write_json_atomic(paths.events_dir / "oom.json", event)
+            write_event(paths.events_dir, OOM, event)
         print(f"out of memory at step {counters.global_step}: {oom['message']}", file=sys.stderr)
         return OOM_EXIT_CODE
     if interrupted:
@@ -477,10 +481,11 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     seconds_per_step = sum(step_seconds) / len(step_seconds) if step_seconds else None
     if accelerator.is_main_process:
         if paths.events_dir:
-            write_json_atomic(paths.events_dir / "done.json", {
+            write_event(paths.events_dir, DONE, {
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
                 "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory_mib,
-                "validation_loss": validation.history if validation is not None else []})
+                "validation_loss": validation.history if validation is not None else [],
+                "settings": settings, "resolved": resolved})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory_mib:.0f} MiB, "
               f"LoRA written to {output_file}")
     accelerator.end_training()
@@ -630,18 +635,6 @@ def _average_gradients(params: list[Any], world: int) -> None:
     for grad in grads:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-def _settings_for_events(config: Any, weight_dtype: Any, use_fp8: bool) -> dict[str, Any]:
-    return {
-        "train_batch_size": config.train_batch_size, "gradient_accumulation_steps": config.gradient_accumulation_steps,
-        "resolution": list(config.resolution) if config.resolution else None,
-        "gradient_checkpointing": bool(config.gradient_checkpointing), "optimizer_type": config.optimizer_type,
-        "network_dim": config.network_dim, "mixed_precision": config.mixed_precision,
-        "cache_latents": bool(config.cache_latents or config.cache_latents_to_disk),
-        "cache_text_encoder_outputs": bool(config.cache_text_encoder_outputs),
-        "max_bucket_reso": config.max_bucket_reso, "fp8_base": use_fp8, "weight_dtype": str(weight_dtype),
-    }
 
 
 def _read_retry_log(path: str | None) -> list[Any]:

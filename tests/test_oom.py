@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sd_scripts_compat.contract import INJECT_ENV, OomInjector, is_oom_error
+from sd_scripts_compat.contract import is_oom_error
+from sd_scripts_compat.training.faults import INJECT_ENV, OomInjector
 
 
 @pytest.mark.parametrize("message", [

@@ -34,8 +34,9 @@ import toml
 from safetensors import safe_open
 
 from autotune.commands.run import address_space_limit
-from autotune.recovery.ladder import LadderLimits, TrainSettings, memory_predictor
+from autotune.recovery.ladder import LadderLimits, memory_predictor
 from autotune.recovery.watchdog import Job, supervise
+from sd_scripts_compat.config.settings import settings_from_files
 
 pytestmark = pytest.mark.skipif(
     not (Path(__file__).parents[1] / "sd_scripts_compat" / "train_network.py").is_file(),
@@ -77,7 +78,8 @@ def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolu
     env.pop("SD_COMPAT_INJECT_OOM", None)
     if inject:
         env["SD_COMPAT_INJECT_OOM"] = inject
-    return Job(config_path=out / "config.toml", output_dir=out, settings=TrainSettings.from_mapping(config),
+    return Job(config_path=out / "config.toml", output_dir=out,
+               settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                limits=LadderLimits(budget_mib=budget, min_resolution=16, resolution_step=16),
                predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
                train_output_dir=out / "output", save_state_every_s=kw.pop("save_state_every_s", 30.0), **kw)

@@ -6,6 +6,7 @@ rules, not particular coefficients of the memory model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -137,22 +138,20 @@ def test_rank_or_optimizer_change_is_not_resume_compatible(sd15_predict):
     assert isinstance(decision, Decision)
     breaking = {"network_dim", "optimizer_type", "cache_text_encoder_outputs"} & set(decision.changes)
     assert decision.resume_compatible == (not breaking)
-    assert rank_only.kohya_values()["network_alpha"] == 4.0
+    assert rank_only.config_values()["network_alpha"] == 4.0
 
 
-def test_settings_from_oom_event_and_back():
-    event = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "resolution": [768, 512],
-             "gradient_checkpointing": False, "optimizer_type": "AdamW8bit", "network_dim": 16,
-             "mixed_precision": "bf16", "cache_latents": True, "cache_text_encoder_outputs": False,
-             "max_bucket_reso": 1024, "fp8_base": False, "weight_dtype": "torch.bfloat16"}
-    s = TrainSettings.from_mapping(event, defaults=SD15)
-    assert s.resolution == (768, 512) and s.max_bucket_reso is None  # no bucketing before: stays off
-    assert s.network_alpha == 8.0  # not in the event: kept from the running settings
-    with_buckets = TrainSettings.from_mapping({**event, "enable_bucket": True})
-    assert with_buckets.max_bucket_reso == 1024
-    values = replace(s, cache_text_encoder_outputs=True).kohya_values()
+def test_settings_event_round_trip_and_kohya_values():
+    s = replace(SD15, resolution=(768, 512), max_bucket_reso=1024)
+    event = s.to_event()
+    assert event["resolution"] == [768, 512] and set(event) == set(TrainSettings.__dataclass_fields__)
+    assert TrainSettings.from_event(json.loads(json.dumps(event))) == s
+    with pytest.raises(ValueError, match="lacks network_dim"):
+        TrainSettings.from_event({k: v for k, v in event.items() if k != "network_dim"})
+    values = replace(s, cache_text_encoder_outputs=True).config_values()
     assert values["resolution"] == "768,512" and values["network_train_unet_only"] is True
-    assert TrainSettings.from_mapping({"resolution": "512"}).resolution == (512, 512)
+    assert s.dataset_values() == {"batch_size": 4, "resolution": [768, 512], "max_bucket_reso": 1024}
+    assert s.with_rank(4).network_alpha == 2.0 and s.with_rank(4).network_dim == 4
 
 
 def test_tiny_family_ladder_on_its_own_calibration():
@@ -179,31 +178,49 @@ def test_tiny_family_ladder_on_its_own_calibration():
         memory_predictor("sd3")
 
 
-def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_and_the_ladder():
+def _resolved_run(tmp_path, name: str, config: dict, subsets: list[dict]):
+    """A run as the engine's own reader resolves it, from real config.toml + dataset.toml files."""
+    import toml
+
+    from sd_scripts_compat.config.settings import settings_from_files
+
+    folder = tmp_path / name
+    folder.mkdir()
+    for subset in subsets:
+        (folder / subset["image_dir"]).mkdir()
+    dataset = {"general": {"resolution": 1024}, "datasets": [{"subsets": [
+        {**subset, "image_dir": str(folder / subset["image_dir"])} for subset in subsets]}]}
+    (folder / "dataset.toml").write_text(toml.dumps(dataset))
+    (folder / "config.toml").write_text(toml.dumps({"pretrained_model_name_or_path": "builtin:sdxl", **config}))
+    return settings_from_files(folder / "config.toml", folder / "dataset.toml", sdxl=True)
+
+
+def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_and_the_ladder(tmp_path):
     """A UNet-only run with fixed captions: our engine caches the text-encoder outputs itself, so the
     predictor leaves the encoders out and `autotune run` offers no text-encoder caching rung."""
     import argparse
 
-    from autotune.commands.run import _caption_randomizers_in, _limits
+    from autotune.commands.run import _limits
     from autotune.hardware.probe import probe_system
     from sd_scripts_compat.models.families import get_family
 
-    unet_only = replace(SDXL, cache_text_encoder_outputs=False)
-    resident = memory_predictor("sdxl", train_text_encoder=False)
-    engine_cached = memory_predictor("sdxl", train_text_encoder=False, text_encoder_outputs_cached=True)
+    unet_only = replace(SDXL, cache_text_encoder_outputs=False, network_train_unet_only=True)
+    resident = memory_predictor("sdxl")
+    engine_cached = memory_predictor("sdxl", text_encoder_outputs_cached=True)
     assert engine_cached(unet_only) == resident(replace(unet_only, cache_text_encoder_outputs=True))
     assert engine_cached(unet_only) < resident(unet_only) - 1000  # SDXL's two encoders: over 1.5 GB in fp16
 
     args = argparse.Namespace(memory_limit=20000, vram=None)
     probe, family = probe_system(), get_family("sdxl")
-    fixed = _limits(probe, family, {"network_train_unet_only": True}, args, cuda=False, usable_mib=None)
-    shuffled = _limits(probe, family, {"network_train_unet_only": True, "shuffle_caption": True}, args,
-                       cuda=False, usable_mib=None)
-    trains_te = _limits(probe, family, {}, args, cuda=False, usable_mib=None)
+
+    def limits(name: str, config: dict, subsets: list[dict]) -> LadderLimits:
+        return _limits(probe, family, _resolved_run(tmp_path, name, config, subsets), args, cuda=False,
+                       usable_mib=None)
+
+    fixed = limits("fixed", {"network_train_unet_only": True}, [{"image_dir": "a"}])
+    shuffled = limits("shuffled", {"network_train_unet_only": True, "shuffle_caption": True}, [{"image_dir": "a"}])
+    trains_te = limits("te", {}, [{"image_dir": "a"}])
     assert not fixed.te_cache_allowed and not shuffled.te_cache_allowed and trains_te.te_cache_allowed
     # a caption option set on one subset of a dataset.toml counts too
-    subsets = [{"image_dir": "a"}, {"image_dir": "b", "shuffle_caption": True}]
-    dataset = {"general": {}, "datasets": [{"subsets": subsets}]}
-    assert _caption_randomizers_in(dataset) == {"shuffle_caption": True}
-    assert _caption_randomizers_in({"datasets": [{"caption_dropout_rate": 0.1, "subsets": [{}]}]}) == {
-        "caption_dropout_rate": 0.1}
+    one_subset = limits("subset", {}, [{"image_dir": "a"}, {"image_dir": "b", "caption_dropout_rate": 0.1}])
+    assert not one_subset.te_cache_allowed

@@ -8,23 +8,24 @@ checkable exactly. Real-engine end-to-end runs are in test_run_e2e.py.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import toml
-from fixtures.fake_engine import fake_memory_mib
+from fixtures.fake_engine import fake_memory_mib, fake_settings
 from safetensors import safe_open
 
-from autotune.recovery.ladder import LadderLimits, TrainSettings
+from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.watchdog import (
     DECISIONS_JSONL,
     DECISIONS_LOG,
     Job,
     clean_partial_files,
-    newest_state,
     supervise,
 )
+from sd_scripts_compat.contract import newest_state
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_engine.py"
 STEPS = 20
@@ -43,8 +44,10 @@ def make_job(tmp_path: Path, rules: str, *, batch: int = 8, budget: float = 250.
         "train_batch_size": batch, "gradient_accumulation_steps": 1, "resolution": "64,64",
         "optimizer_type": "AdamW", "network_dim": 8,
     }))
-    settings = TrainSettings.from_mapping(toml.loads(config.read_text()))
+    settings = fake_settings(toml.loads(config.read_text()))
     env = {"PATH": "/usr/bin:/bin", "FAKE_ENGINE": rules}
+    if "PYTHONPATH" in os.environ:  # a checkout that is not the installed one: the fake imports the contract
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return Job(config_path=config, output_dir=out, settings=settings, limits=LadderLimits(budget_mib=budget),
                predict=fake_memory_mib, entry=[str(FAKE)], env=env, echo=False, python=sys.executable, **kw)
 

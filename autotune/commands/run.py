@@ -64,38 +64,12 @@ def check_dataset(folder: Path) -> dict[str, int]:
     return counts
 
 
-# ---------------------------------------------------------------- config helpers
-
-
-def _flat(document: dict[str, Any]) -> dict[str, Any]:
-    """kohya's view of a config TOML: sections flattened one level, later keys win."""
-    flat: dict[str, Any] = {}
-    for key, value in document.items():
-        if isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
-    return flat
-
-
-def settings_from_configs(config: dict[str, Any], dataset: dict[str, Any] | None) -> Any:
-    """The memory-relevant settings as kohya would resolve them (first dataset > [general] > config)."""
-    from autotune.recovery.ladder import TrainSettings
-
-    values = _flat(config)
-    if dataset:
-        general = dataset.get("general") or {}
-        first = (dataset.get("datasets") or [{}])[0]
-        for key_in_dataset, key in (("batch_size", "train_batch_size"), ("resolution", "resolution"),
-                                    ("enable_bucket", "enable_bucket"), ("max_bucket_reso", "max_bucket_reso")):
-            for block in (general, first):
-                if key_in_dataset in block:
-                    values[key] = block[key_in_dataset]
-    return TrainSettings.from_mapping(values)
+# ---------------------------------------------------------------- output folder
 
 
 def _prepare_output(out: Path, resume: bool) -> None:
-    from autotune.recovery.watchdog import RUN_STATE, newest_state
+    from autotune.recovery.watchdog import RUN_STATE
+    from sd_scripts_compat.contract import newest_state
 
     if resume:
         if not (out / RUN_STATE).is_file():
@@ -125,21 +99,9 @@ def address_space_limit(limit_mib: float) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import shutil
-    from dataclasses import asdict
 
     from autotune.hardware.probe import probe_system
-    from autotune.planning.planner import detect_family
-    from autotune.recovery.ladder import TrainSettings
-    from autotune.recovery.watchdog import (
-        RUN_STATE,
-        Job,
-        _set_everywhere,
-        load_toml,
-        read_json,
-        supervise,
-        write_toml_atomic,
-    )
+    from autotune.recovery.watchdog import RUN_STATE, Job, read_json, supervise
 
     dataset_dir = Path(args.dataset).resolve()
     counts = check_dataset(dataset_dir)
@@ -151,56 +113,32 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_limit and cuda:
         raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
 
-    config_path, dataset_path = out / "config.toml", out / "dataset.toml"
-    usable_mib: float | None = None
-    if args.resume:
-        saved = read_json(out / RUN_STATE) or {}
-        usable_mib = saved.get("usable_mib")
-        dataset_path = dataset_path if dataset_path.is_file() else None
-    elif args.config:
-        user = Path(args.config)
-        if not user.is_file():
-            raise UserError(f"{user}: config file not found; pass a kohya config.toml")
-        forced: dict[str, Any] = {"output_dir": str(out / "output"), "pretrained_model_name_or_path": args.model}
-        if args.dataset_config:
-            shutil.copyfile(args.dataset_config, dataset_path)
-            forced["dataset_config"] = str(dataset_path)
-        else:
-            forced["train_data_dir"] = str(dataset_dir)
-            dataset_path = None
-        write_toml_atomic(config_path, _set_everywhere(load_toml(user), forced), f"# from {user} (autotune run)\n")
-    else:
-        dataset_path, usable_mib = _plan(args, out)
-
-    config = load_toml(config_path)
-    dataset = load_toml(dataset_path) if dataset_path else None
-    flat = _flat(config)
-    if dataset:
-        flat.update({k: v for k, v in (dataset.get("general") or {}).items() if not isinstance(v, (dict, list))})
-        flat.update(_caption_randomizers_in(dataset))
-    family = detect_family(str(flat.get("pretrained_model_name_or_path", args.model)), getattr(args, "family", None))
-    settings = settings_from_configs(config, dataset)
+    config_path, dataset_path, usable_mib = _configs(args, out, dataset_dir)
+    family, resolved = _resolve(config_path, dataset_path, args)
+    settings = resolved.settings
     prior: list[dict[str, Any]] = []
     if args.resume:
         saved = read_json(out / RUN_STATE) or {}
+        usable_mib = saved.get("usable_mib")
         if isinstance(saved.get("settings"), dict):
-            settings = TrainSettings.from_mapping(saved["settings"], defaults=settings)
+            settings = _saved_settings(saved["settings"], out)
         prior = list(saved.get("retries") or [])
-    limits = _limits(probe, family, flat, args, cuda, usable_mib)
+    limits = _limits(probe, family, resolved, args, cuda, usable_mib)
+    train_output = Path(resolved.config.output_dir or out)
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
-        predict=_predictor(family, flat, cuda), dataset_config_path=dataset_path,
+        predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
         entry=["-m", "sd_scripts_compat.sdxl_train_network" if family.is_sdxl else "sd_scripts_compat.train_network"],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
         stall_timeout_s=args.stall_timeout, save_state_every_s=args.save_state_every, resume=args.resume,
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
-        train_output_dir=Path(flat.get("output_dir") or out), extra_state={"usable_mib": limits.budget_mib},
+        train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib},
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
     )
     result = supervise(job)
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
-                          "output_file": result.output_file, "final_settings": asdict(result.final_settings),
+                          "output_file": result.output_file, "final_settings": result.final_settings.to_event(),
                           "retries": result.retries, "output_dir": str(out)}, indent=2, default=str))
     if result.ok:
         retries = len(result.retries)
@@ -217,7 +155,70 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namespace, cuda: bool,
+def _configs(args: argparse.Namespace, out: Path, dataset_dir: Path) -> tuple[Path, Path | None, float | None]:
+    """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
+    being resumed. Returns their paths and the plan's usable memory (MiB), when there is a plan."""
+    config_path, dataset_path = out / "config.toml", out / "dataset.toml"
+    if args.resume:
+        return config_path, dataset_path if dataset_path.is_file() else None, None
+    if not args.config:
+        return _plan(args, out)
+    return config_path, _copy_user_configs(args, out, dataset_dir), None
+
+
+def _copy_user_configs(args: argparse.Namespace, out: Path, dataset_dir: Path) -> Path | None:
+    """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
+
+    The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out/output`` and the
+    user is told so. Returns the dataset config's path in ``out`` (None: the folder convention).
+    """
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
+
+    user = Path(args.config)
+    document = read_toml(user)
+    forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
+    given_output = flat_values(document).get("output_dir")
+    if given_output:
+        print(f"LoRA files and states go to {Path(given_output).resolve()} (output_dir of {user})")
+    else:
+        forced["output_dir"] = str(out / "output")
+        print(f"{user} sets no output_dir: LoRA files and states go to {out / 'output'}")
+    dataset_path: Path | None = None
+    if args.dataset_config:
+        dataset_path = out / "dataset.toml"
+        write_toml(dataset_path, read_toml(args.dataset_config, "dataset config"),
+                   f"# from {args.dataset_config} (autotune run)\n")
+        forced["dataset_config"] = str(dataset_path)
+    else:
+        forced["train_data_dir"] = str(dataset_dir)
+    write_toml(out / "config.toml", set_config_values(document, forced), f"# from {user} (autotune run)\n")
+    return dataset_path
+
+
+def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The family and the run as the engine will resolve it (its own reader, kohya's precedence)."""
+    from autotune.planning.planner import detect_family
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.config.settings import settings_from_files
+
+    model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
+    family = detect_family(model, getattr(args, "family", None))
+    resolved = settings_from_files(config_path, dataset_path, sdxl=family.is_sdxl,
+                                   default_resolution=(family.resolution, family.resolution))
+    return family, resolved
+
+
+def _saved_settings(values: dict[str, Any], out: Path) -> Any:
+    from sd_scripts_compat.config.settings import TrainSettings
+
+    try:
+        return TrainSettings.from_event(values)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"{out}: the saved run state is from another version ({error}); "
+                        "start a new run with another --out") from None
+
+
+def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cuda: bool,
             usable_mib: float | None) -> Any:
     """What the ladder may do on this machine, and the memory it must fit in (MiB).
 
@@ -239,47 +240,35 @@ def _limits(probe: Any, family: Any, flat: dict[str, Any], args: argparse.Namesp
         budget = probe.memory.ram_available_bytes / 2**20
     tiny = family.resolution < 256
     # the rung would change nothing when the engine already caches the frozen text encoder's outputs
-    te_cache_allowed = not _captions_randomized(flat) and not _engine_caches_text(flat)
+    te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
     return LadderLimits(
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
         te_cache_allowed=te_cache_allowed, min_resolution=32 if tiny else 256, resolution_step=16 if tiny else 64,
     )
 
 
-def _captions_randomized(flat: dict[str, Any]) -> bool:
-    from sd_scripts_compat.dataset.captions import CAPTION_RANDOMIZING_KEYS
+def _captions_randomized(resolved: Any) -> bool:
+    """A caption option (shuffle, dropout, warm-up) on any subset, wherever the dataset.toml set it."""
+    from sd_scripts_compat.dataset.captions import caption_is_deterministic
 
-    return any(flat.get(key) for key in CAPTION_RANDOMIZING_KEYS)
-
-
-def _caption_randomizers_in(dataset: dict[str, Any]) -> dict[str, Any]:
-    """Caption options set in any [[datasets]] block or subset of a dataset.toml (they act per subset)."""
-    from sd_scripts_compat.dataset.captions import CAPTION_RANDOMIZING_KEYS
-
-    found: dict[str, Any] = {}
-    for block in dataset.get("datasets") or []:
-        for scope in (block, *(block.get("subsets") or [])):
-            found.update({key: scope[key] for key in CAPTION_RANDOMIZING_KEYS if scope.get(key)})
-    return found
+    return any(caption_is_deterministic(subset) is not None for subset in resolved.dataset.subsets)
 
 
-def _engine_caches_text(flat: dict[str, Any]) -> bool:
+def _engine_caches_text(resolved: Any) -> bool:
     """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
-    return bool(flat.get("network_train_unet_only")) and not _captions_randomized(flat)
+    return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
 
 
-def _predictor(family: Any, flat: dict[str, Any], cuda: bool) -> Any:
+def _predictor(family: Any, resolved: Any, cuda: bool) -> Any:
     from autotune.recovery.ladder import memory_predictor
 
-    return memory_predictor(family.name, train_text_encoder=not flat.get("network_train_unet_only"),
-                            text_encoder_outputs_cached=_engine_caches_text(flat),
-                            attention="xformers" if flat.get("xformers") else "sdpa", cuda=cuda)
+    return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
 
 
-def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, float | None]:
+def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, float | None]:
     """Plan with `autotune plan`'s own request builder; write config.toml + dataset.toml into ``out``.
 
-    Returns the dataset config path and the plan's usable memory (MiB) for the step-down budget.
+    Returns both paths and the plan's usable memory (MiB) for the step-down budget.
     """
     from autotune.commands.plan import build_request, render
     from autotune.planning.planner import plan_training
@@ -290,7 +279,7 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, float | None]:
     if not plan.fits:
         raise UserError(f"{args.model}: {plan.message}")
     render(plan)
-    _config, dataset = write_plan_files(plan, out, args.format)
+    config, dataset = write_plan_files(plan, out, args.format)
     usable = plan.prediction.usable_bytes / 2**20 if plan.prediction and plan.settings and \
         plan.settings.mixed_precision != "no" else None
-    return dataset, usable
+    return config, dataset, usable

@@ -18,25 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_of_config(config: Path, kohya_args: list[str]) -> str | None:
     """The base model named on the command line or in the config (sections flattened, as sd-scripts does)."""
-    import toml
-
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
 
     if "--pretrained_model_name_or_path" in kohya_args:
         index = kohya_args.index("--pretrained_model_name_or_path")
         return kohya_args[index + 1] if index + 1 < len(kohya_args) else None
-    try:
-        data = toml.loads(config.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{config}: config file not found") from None
-    except (OSError, toml.TomlDecodeError) as error:
-        raise UserError(f"{config}: not a readable TOML file ({error})") from None
-    for key, value in data.items():
-        if key == "pretrained_model_name_or_path":
-            return str(value)
-        if isinstance(value, dict) and "pretrained_model_name_or_path" in value:
-            return str(value["pretrained_model_name_or_path"])
-    return None
+    value = flat_values(read_toml(config)).get("pretrained_model_name_or_path")
+    return str(value) if value else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,9 +36,12 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.settings import TrainSettings
 
 CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "memory_calibration.json"
 GIB = 2**30
@@ -83,6 +86,26 @@ class MemoryInputs:
 
     def with_(self, **changes: Any) -> MemoryInputs:
         return replace(self, **changes)
+
+
+def inputs_for_settings(family: str, settings: TrainSettings, *, text_encoder_outputs_cached: bool = False,
+                        **overrides: Any) -> MemoryInputs:
+    """The memory model's inputs for one ``TrainSettings`` (the planner's and the ladder's one mapping).
+
+    ``text_encoder_outputs_cached``: the text encoders are off the device whatever the settings say
+    (our engine caches a frozen encoder's outputs for fixed captions).
+    """
+    width, height = settings.resolution
+    return MemoryInputs(
+        family=family, resolution=width, height=height if height != width else None,
+        batch_size=settings.train_batch_size, rank=settings.network_dim,
+        gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
+        weight_dtype=settings.weight_dtype,
+        train_text_encoder=not settings.network_train_unet_only and not settings.cache_text_encoder_outputs,
+        cache_latents=settings.cache_latents,
+        cache_text_encoder_outputs=settings.cache_text_encoder_outputs or text_encoder_outputs_cached,
+        attention=settings.attention, **overrides,
+    )
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ flattens away again.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 from autotune.planning.planner import GIB, Plan
 from sd_scripts_compat.atomic import write_text_atomic
+from sd_scripts_compat.config.kohya_toml import encode_value, flat_values, loads
 from sd_scripts_compat.errors import UserError
 
 FORMATS = ("kohya", "lora-scripts")
@@ -58,23 +58,6 @@ def section_of(key: str) -> str:
         if key in keys:
             return name
     return OTHERS_SECTION
-
-
-def encode_value(value: Any) -> str:
-    """One TOML value as the ``toml`` package writes it; arrays must be homogeneous (TOML 0.5)."""
-    import toml
-
-    if isinstance(value, (list, tuple)):
-        kinds = {type(item) for item in value}
-        if len(kinds) > 1:
-            raise ValueError(f"mixed-type array {value!r}: TOML 0.5 (sd-scripts' toml package) rejects it")
-        return "[" + ", ".join(encode_value(item) for item in value) + "]"
-    if isinstance(value, dict) or value is None:
-        raise ValueError(f"{value!r}: not a kohya option value")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{value!r}: TOML 0.5 has no inf/nan")
-    line = toml.dumps({"v": value})
-    return line.split("=", 1)[1].strip()
 
 
 def _comment(text: str) -> str:
@@ -171,22 +154,13 @@ def render_dataset(plan: Plan) -> str:
             for key, value in subset.items():
                 lines.append(f"  {key} = {encode_value(value)}")
     text = "\n".join(lines) + "\n"
-    import toml
-
-    if toml.loads(text) != config:
+    if loads(text) != config:
         raise AssertionError("dataset.toml does not parse back to the planned values")
     return text
 
 
 def _check_round_trip(text: str, values: dict[str, Any], sectioned: bool) -> None:
-    import toml
-
-    parsed = toml.loads(text)
-    if sectioned:
-        flat: dict[str, Any] = {}
-        for section in parsed.values():
-            flat.update(section)
-        parsed = flat
+    parsed = flat_values(loads(text)) if sectioned else loads(text)
     expected = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     if parsed != expected:
         raise AssertionError("config.toml does not parse back to the planned values")

@@ -21,103 +21,13 @@ fits, the rung's strongest option is kept and the next rung is tried on top of i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from sd_scripts_compat.config.settings import TrainSettings
 
 EIGHT_BIT_OPTIMIZERS = {"adamw": "AdamW8bit", "lion": "Lion8bit", "pagedadamw": "PagedAdamW8bit",
                         "pagedlion": "PagedLion8bit"}
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """The memory-relevant knobs of one attempt (kohya names; the ``settings`` block of ``oom.json``)."""
-
-    train_batch_size: int
-    gradient_accumulation_steps: int
-    resolution: tuple[int, int]  # (width, height), as kohya's "W,H"
-    gradient_checkpointing: bool = False
-    optimizer_type: str = "AdamW"
-    network_dim: int = 16
-    network_alpha: float | None = None
-    mixed_precision: str = "no"
-    cache_latents: bool = False
-    cache_text_encoder_outputs: bool = False
-    max_bucket_reso: int | None = None  # None: no bucketing
-    fp8_base: bool = False
-
-    @property
-    def effective_batch(self) -> int:
-        return self.train_batch_size * self.gradient_accumulation_steps
-
-    @classmethod
-    def from_mapping(cls, values: dict[str, Any], defaults: TrainSettings | None = None) -> TrainSettings:
-        """Read kohya-typed values (``resolution`` as "W,H", int or list) from a config or an OOM event."""
-        base = asdict(defaults) if defaults is not None else {}
-        known = {k: values[k] for k in cls.__dataclass_fields__ if k in values and values[k] is not None}
-        merged = {**base, **known}
-        # max_bucket_reso only matters with bucketing; kohya reports its default (1024) either way
-        bucketing = values.get("enable_bucket")
-        if bucketing is None:
-            bucketing = defaults is not None and defaults.max_bucket_reso is not None
-        if not bucketing:
-            merged["max_bucket_reso"] = None
-        merged["resolution"] = parse_resolution(merged.get("resolution", 512))
-        merged.setdefault("train_batch_size", 1)
-        merged.setdefault("gradient_accumulation_steps", 1)
-        for key in ("train_batch_size", "gradient_accumulation_steps", "network_dim"):
-            if key in merged:
-                merged[key] = int(merged[key])
-        if merged.get("max_bucket_reso") is not None:
-            merged["max_bucket_reso"] = int(merged["max_bucket_reso"])
-        return cls(**merged)
-
-    def kohya_values(self) -> dict[str, Any]:
-        """The settings as kohya config values (strings where kohya wants strings)."""
-        values: dict[str, Any] = {
-            "train_batch_size": self.train_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "resolution": f"{self.resolution[0]},{self.resolution[1]}",
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "optimizer_type": self.optimizer_type,
-            "network_dim": self.network_dim,
-            "mixed_precision": self.mixed_precision,
-            "cache_latents": self.cache_latents,
-            "cache_text_encoder_outputs": self.cache_text_encoder_outputs,
-            "fp8_base": self.fp8_base,
-        }
-        if self.network_alpha is not None:
-            values["network_alpha"] = self.network_alpha
-        if self.max_bucket_reso is not None:
-            values["max_bucket_reso"] = self.max_bucket_reso
-        if self.cache_text_encoder_outputs:
-            values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
-        return values
-
-    def describe(self) -> str:
-        parts = [f"micro-batch {self.train_batch_size} x accum {self.gradient_accumulation_steps}",
-                 f"{self.resolution[0]}x{self.resolution[1]}", f"rank {self.network_dim}", self.optimizer_type]
-        if self.gradient_checkpointing:
-            parts.append("grad-checkpointing")
-        if self.cache_text_encoder_outputs:
-            parts.append("TE outputs cached")
-        if self.max_bucket_reso is not None:
-            parts.append(f"max bucket {self.max_bucket_reso}")
-        if self.fp8_base:
-            parts.append("fp8 base")
-        return ", ".join(parts)
-
-
-def parse_resolution(value: Any) -> tuple[int, int]:
-    """kohya's resolution: "W,H", "S", an int or a 1-2 element list -> (W, H)."""
-    if isinstance(value, (list, tuple)):
-        items = [int(v) for v in value]
-    elif isinstance(value, str):
-        items = [int(v.strip()) for v in value.split(",") if v.strip()]
-    else:
-        items = [int(value)]
-    if len(items) == 1:
-        items *= 2
-    return items[0], items[1]
 
 
 @dataclass(frozen=True)
@@ -231,11 +141,8 @@ def _rungs(settings: TrainSettings, limits: LadderLimits) -> list[tuple[str, lis
     ranks = []
     dim = settings.network_dim
     while dim // 2 >= limits.min_rank:
-        new_dim = dim // 2
-        alpha = settings.network_alpha
-        new_alpha = None if alpha is None else alpha * new_dim / settings.network_dim
-        ranks.append(replace(settings, network_dim=new_dim, network_alpha=new_alpha))
-        dim = new_dim
+        dim //= 2
+        ranks.append(settings.with_rank(dim))
     rungs.append(("rank", ranks, "a lower rank shrinks the LoRA, its gradients and optimizer state "
                                  "(alpha kept in proportion)"))
     fp8 = limits.fp8_supported and not settings.fp8_base
@@ -245,8 +152,7 @@ def _rungs(settings: TrainSettings, limits: LadderLimits) -> list[tuple[str, lis
 
 
 def _changes(old: TrainSettings, new: TrainSettings) -> dict[str, tuple[Any, Any]]:
-    a, b = asdict(old), asdict(new)
-    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    return new.changed_from(old)
 
 
 def next_settings(
@@ -304,8 +210,8 @@ def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
     return f"{name}: {_short(change)} ({why})"
 
 
-def memory_predictor(family: str, *, train_text_encoder: bool = True, text_encoder_outputs_cached: bool = False,
-                     attention: str = "sdpa", cuda: bool = True) -> Callable[[TrainSettings], float]:
+def memory_predictor(family: str, *, text_encoder_outputs_cached: bool = False,
+                     cuda: bool = True) -> Callable[[TrainSettings], float]:
     """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
 
     ``text_encoder_outputs_cached``: the engine caches them whatever the settings say (it does so for a
@@ -315,21 +221,14 @@ def memory_predictor(family: str, *, train_text_encoder: bool = True, text_encod
     that would hide the differences between rungs; the measured/predicted rescaling in
     :func:`next_settings` is what ties the figures to this machine.
     """
-    from autotune.estimate.memory_model import MemoryInputs, family_calibration, predict_memory
+    from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
 
     family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
+    overrides = {} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}
 
     def predict(s: TrainSettings) -> float:
-        weight_dtype = "fp8" if s.fp8_base else {"bf16": "bf16", "fp16": "fp16"}.get(s.mixed_precision, "fp32")
-        inputs = MemoryInputs(
-            family=family, resolution=s.resolution[0], height=s.resolution[1],
-            batch_size=s.train_batch_size,
-            rank=s.network_dim, gradient_checkpointing=s.gradient_checkpointing, optimizer=s.optimizer_type,
-            weight_dtype=weight_dtype, train_text_encoder=train_text_encoder and not s.cache_text_encoder_outputs,
-            cache_latents=s.cache_latents,
-            cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached, attention=attention,
-            **({} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}),
-        )
+        inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached,
+                                     **overrides)
         return predict_memory(inputs).total_bytes / 2**20
 
     return predict

@@ -19,14 +19,31 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, TrainSettings, next_settings
-from sd_scripts_compat.contract import INTERRUPTED_EXIT_CODE, OOM_EXIT_CODE, write_json_atomic
+from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, next_settings
+from sd_scripts_compat.atomic import write_json_atomic
+from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, set_dataset_values, write_toml
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.contract import (
+    DONE,
+    EVENTS_DIR_FLAG,
+    INTERRUPTED_EXIT_CODE,
+    OOM,
+    OOM_EXIT_CODE,
+    PROGRESS,
+    RETRY_LOG_FLAG,
+    SAVE_STATE_EVERY_FLAG,
+    USER_ERROR_EXIT_CODE,
+    clear_events,
+    event_path,
+    looks_like_oom,
+    newest_state,
+    read_event,
+)
 
-USER_ERROR_EXIT_CODE = 2
 ALLOC_CONF = "expandable_segments:True"
 DECISIONS_JSONL = "autotune_decisions.jsonl"
 DECISIONS_LOG = "autotune_decisions.log"
@@ -84,13 +101,6 @@ def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threa
     stream.close()
 
 
-def _looks_like_oom(line: str) -> bool:
-    """The engine's own OOM classifier, applied to a traceback's last lines."""
-    from sd_scripts_compat.contract import is_oom_error
-
-    return is_oom_error(RuntimeError(line))
-
-
 def proc_memory_mib(pid: int) -> tuple[float | None, float | None]:
     """(peak RSS, peak address space) of a live process in MiB from /proc, or (None, None) elsewhere."""
     rss = vm = None
@@ -134,9 +144,8 @@ def run_attempt(
     the first progress file).
     """
     events_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("progress.json", "oom.json", "done.json"):
-        (events_dir / name).unlink(missing_ok=True)
-    progress_path = events_dir / "progress.json"
+    clear_events(events_dir)
+    progress_path = event_path(events_dir, PROGRESS)
     started = time.monotonic()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as log:
@@ -188,7 +197,7 @@ def run_attempt(
             pump.join(5)
     seconds = time.monotonic() - started
     rc = proc.returncode
-    progress = read_json(progress_path)
+    progress = read_event(events_dir, PROGRESS)
     tail_line = err_tail[-1] if err_tail else ""
     common = {"returncode": rc, "last_progress": progress, "seconds": seconds, "peak_rss_mib": peak_rss,
               "peak_vm_mib": peak_vm}
@@ -199,9 +208,9 @@ def run_attempt(
     if killed_for == "interrupted" or rc == INTERRUPTED_EXIT_CODE:
         return AttemptResult("interrupted", message="interrupted; state saved by the engine", **common)
     if rc == 0:
-        return AttemptResult("done", message="finished", done_event=read_json(events_dir / "done.json"), **common)
+        return AttemptResult("done", message="finished", done_event=read_event(events_dir, DONE), **common)
     if rc == OOM_EXIT_CODE:
-        event = read_json(events_dir / "oom.json")
+        event = read_event(events_dir, OOM)
         message = (event or {}).get("message") or "out of memory"
         return AttemptResult("oom", message=str(message), oom_event=event, **common)
     if rc == -signal.SIGKILL:
@@ -209,7 +218,7 @@ def run_attempt(
                              **common)
     if rc == USER_ERROR_EXIT_CODE:
         return AttemptResult("user_error", message=tail_line or "the engine rejected its input", **common)
-    oom_line = next((line for line in reversed(err_tail) if _looks_like_oom(line)), None)
+    oom_line = next((line for line in reversed(err_tail) if looks_like_oom(line)), None)
     if oom_line is not None:  # an OOM outside the engine's training-step handler (loading, caching)
         return AttemptResult("oom", message=oom_line, **common)
     detail = f"signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
@@ -217,35 +226,6 @@ def run_attempt(
 
 
 # ---------------------------------------------------------------- state folders and configs
-
-
-def state_step(folder: Path) -> int | None:
-    """The optimizer step a state folder resumes at (our format, or kohya's keys), None if unreadable."""
-    data = read_json(folder / "train_state.json")
-    if data is None:
-        return None
-    counters = data.get("counters") or {}
-    for value in (counters.get("global_step"), data.get("global_step"), data.get("current_step")):
-        if isinstance(value, int):
-            return value
-    return None
-
-
-def newest_state(output_dir: Path) -> tuple[Path, int] | None:
-    """The state folder with the highest step in ``output_dir`` (newest wins a tie), or None."""
-    best: tuple[int, int, Path] | None = None
-    if not output_dir.is_dir():
-        return None
-    for folder in output_dir.iterdir():
-        if not folder.is_dir() or folder.name.startswith(".") or not folder.name.endswith("-state"):
-            continue
-        step = state_step(folder)
-        if step is None:
-            continue
-        key = (step, folder.stat().st_mtime_ns, folder)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return (best[2], best[0]) if best else None
 
 
 def clean_partial_files(output_dir: Path) -> list[str]:
@@ -275,75 +255,29 @@ def clean_partial_files(output_dir: Path) -> list[str]:
     return removed
 
 
-def load_toml(path: Path) -> dict[str, Any]:
-    import toml
-
-    return toml.loads(path.read_text(encoding="utf-8"))
-
-
-def _set_everywhere(document: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """Set keys where they already are (top level or one section down, as kohya flattens); else at top."""
-    out = json.loads(json.dumps(document))
-    for key, value in values.items():
-        placed = False
-        if key in out and not isinstance(out[key], dict):
-            out[key] = value
-            placed = True
-        for section in out.values():
-            if isinstance(section, dict) and key in section:
-                section[key] = value
-                placed = True
-        if not placed:
-            out[key] = value
-    return out
-
-
-def write_toml_atomic(path: Path, document: dict[str, Any], header: str = "") -> None:
-    import tempfile
-
-    import toml
-
-    text = header + toml.dumps(document)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def override_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
                     base: TrainSettings | None = None) -> None:
-    """Write ``src`` with the settings' values replaced (wherever kohya would read them) to ``dst``.
+    """Write ``src`` with the settings' values set wherever kohya reads them, to ``dst``.
 
     Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
     does not grow keys (and the engine's "ignored option" warnings) it never had.
     """
-    values = settings.kohya_values()
+    values = settings.config_values()
     if base is not None:
-        before = base.kohya_values()
+        before = base.config_values()
         values = {k: v for k, v in values.items() if before.get(k) != v}
-    write_toml_atomic(dst, _set_everywhere(load_toml(src), values), header)
+    write_toml(dst, set_config_values(read_toml(src), values), header)
 
 
-def override_dataset_config(src: Path, dst: Path, settings: TrainSettings, header: str = "") -> None:
-    """Dataset configs win over the main config in kohya, so batch size and resolution change here too."""
-    document = load_toml(src)
-    values = {"batch_size": settings.train_batch_size,
-              "resolution": [settings.resolution[0], settings.resolution[1]]}
-    if settings.max_bucket_reso is not None:
-        values["max_bucket_reso"] = settings.max_bucket_reso
-    blocks: list[dict[str, Any]] = []
-    if isinstance(document.get("general"), dict):
-        blocks.append(document["general"])
-    blocks.extend(d for d in document.get("datasets", []) if isinstance(d, dict))
-    for block in blocks:
-        for key, value in values.items():
-            if key in block:
-                block[key] = value
-    write_toml_atomic(dst, document, header)
+def override_dataset_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
+                            base: TrainSettings | None = None) -> None:
+    """Dataset configs win over the main config in kohya, so batch size, resolution and bucket limits
+    that changed are set on every [[datasets]] block too."""
+    values = settings.dataset_values()
+    if base is not None:
+        before = base.dataset_values()
+        values = {k: v for k, v in values.items() if before.get(k) != v}
+    write_toml(dst, set_dataset_values(read_toml(src, "dataset config"), values), header)
 
 
 # ---------------------------------------------------------------- the supervisor
@@ -419,7 +353,7 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
     dataset = None
     if job.dataset_config_path is not None:
         dataset = job.output_dir / f"dataset.attempt{attempt}.toml"
-        override_dataset_config(job.dataset_config_path, dataset, settings, header)
+        override_dataset_config(job.dataset_config_path, dataset, settings, header, base=job.settings)
     return config, dataset
 
 
@@ -455,24 +389,23 @@ def supervise(job: Job) -> RunResult:
     tried: list[TrainSettings] = []
     resume_ok = job.resume
     attempt = len(retries)
-    log.write("start", f"training with {settings.describe()}", settings=asdict(settings))
+    log.write("start", f"training with {settings.describe()}", settings=settings.to_event())
     while True:
         removed = clean_partial_files(job.output_dir) + clean_partial_files(job.states_dir)
         if removed:
             log.write("cleanup", f"removed half-written files of a killed run: {', '.join(removed)}")
         config, dataset = _attempt_configs(job, attempt, settings)
         state = newest_state(job.states_dir) if resume_ok else None
-        _write_list_atomic(retry_log_path, retries)
+        write_json_atomic(retry_log_path, retries)
         write_json_atomic(job.output_dir / RUN_STATE, {
-            **job.extra_state, "settings": asdict(settings), "attempt": attempt, "retries": retries,
+            **job.extra_state, "settings": settings.to_event(), "attempt": attempt, "retries": retries,
             "config": str(job.config_path)})
         argv = [job.python, *job.entry, "--config_file", str(config)]
         if dataset is not None:
             argv += ["--dataset_config", str(dataset)]
         argv += list(job.extra_args)
-        argv += ["--autotune_events_dir", str(events_dir),
-                 "--save_state_every_seconds", f"{job.save_state_every_s:g}",
-                 "--autotune_retry_log", str(retry_log_path)]
+        argv += [EVENTS_DIR_FLAG, str(events_dir), SAVE_STATE_EVERY_FLAG, f"{job.save_state_every_s:g}",
+                 RETRY_LOG_FLAG, str(retry_log_path)]
         if state is not None:
             argv += ["--resume", str(state[0])]
             log.write("resume", f"attempt {attempt}: resuming from {state[0].name} at step {state[1]}",
@@ -487,7 +420,7 @@ def supervise(job: Job) -> RunResult:
             _write_final_configs(job, settings)
             log.write("done", f"finished after {len(retries)} retr{'y' if len(retries) == 1 else 'ies'}; "
                       f"LoRA: {output}; final settings in config.final.toml", output_file=output,
-                      settings=asdict(settings))
+                      settings=settings.to_event())
             clean_partial_files(job.output_dir)
             clean_partial_files(job.states_dir)
             return RunResult(True, "done", "finished", output, settings, retries, attempts)
@@ -507,13 +440,13 @@ def supervise(job: Job) -> RunResult:
         else:
             failed = settings
             if result.oom_event and isinstance(result.oom_event.get("settings"), dict):
-                failed = TrainSettings.from_mapping(result.oom_event["settings"], defaults=settings)
+                failed = TrainSettings.from_event(result.oom_event["settings"])
             tried.append(failed)
             decision = next_settings(failed, job.limits, job.predict, measured_mib(result, job.budget_kind),
                                       tried)
             if isinstance(decision, Exhausted):
                 message = decision.message()
-                log.write("exhausted", message, floor=asdict(decision.floor), needed_mib=decision.needed_mib)
+                log.write("exhausted", message, floor=decision.floor.to_event(), needed_mib=decision.needed_mib)
                 return RunResult(False, "exhausted", message, None, settings, retries, attempts)
             new_settings, reason, compatible = decision.settings, decision.reason, decision.resume_compatible
         state_after = newest_state(job.states_dir)
@@ -560,22 +493,10 @@ def _retire_states(output_dir: Path) -> None:
             os.replace(folder, folder.with_name(folder.name + ".retired"))
 
 
-def _write_list_atomic(path: Path, items: list[dict[str, Any]]) -> None:
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(items, handle, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_final_configs(job: Job, settings: TrainSettings) -> None:
     header = ("# settings that finally worked (written by autotune run"
               f"{'' if settings == job.settings else ' after out-of-memory step-down'}): {settings.describe()}\n")
     override_config(job.config_path, job.output_dir / "config.final.toml", settings, header, base=job.settings)
     if job.dataset_config_path is not None:
-        override_dataset_config(job.dataset_config_path, job.output_dir / "dataset.final.toml", settings, header)
+        override_dataset_config(job.dataset_config_path, job.output_dir / "dataset.final.toml", settings, header,
+                                base=job.settings)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec, SubsetSpec
+from sd_scripts_compat.config.kohya_toml import read_toml
 from sd_scripts_compat.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -246,29 +247,18 @@ def validate_user_config(user_config: Any, source: str) -> dict[str, Any]:
 
 def read_dataset_config(path: str | Path) -> dict[str, Any]:
     """Parse a dataset config (.toml, or .json as sd-scripts also allows) and validate it."""
-    import toml
-
     path = Path(path)
     source = str(path)
     if not path.is_file():
         raise UserError(f"{source}: dataset config not found (--dataset_config)")
+    if path.suffix.lower() != ".json":
+        return validate_user_config(read_toml(path, "dataset config"), source)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"{source}: cannot read the dataset config: {error}") from None
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{source}:{error.lineno}: malformed JSON: {error.msg} (column {error.colno})") from None
-    else:
-        try:
-            data = toml.loads(text)
-        except toml.TomlDecodeError as error:
-            raise UserError(f"{source}:{error.lineno}: malformed TOML: {error.msg} (line {error.lineno}, "
-                            f"column {error.colno})") from None
-        except (ValueError, IndexError, TypeError) as error:  # toml 0.10.2 raises these on some bad input
-            raise UserError(f"{source}: malformed TOML: {error}") from None
+    except json.JSONDecodeError as error:
+        raise UserError(f"{source}:{error.lineno}: malformed JSON: {error.msg} (column {error.colno})") from None
     return validate_user_config(data, source)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec
 from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs
+from sd_scripts_compat.config.kohya_toml import flatten, read_toml
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.training.optim import OPTIMIZERS, SCHEDULERS
 
@@ -349,39 +350,6 @@ class _Origins:
         return f"default {name}"
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    import toml
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"{path}: cannot read the config file: {error}") from None
-    try:
-        return toml.loads(text)
-    except toml.TomlDecodeError as error:
-        raise UserError(f"{path}:{error.lineno}: malformed TOML: {error.msg} (line {error.lineno}, "
-                        f"column {error.colno})") from None
-    except (ValueError, IndexError, TypeError) as error:  # toml 0.10.2 raises these on some bad input
-        raise UserError(f"{path}: malformed TOML: {error}") from None
-
-
-def _flatten(data: dict[str, Any], source: str, warnings: list[str]) -> tuple[dict[str, Any], dict[str, str | None]]:
-    """sd-scripts' flattening: tables contribute their keys, section names are ignored, later keys win."""
-    flat: dict[str, Any] = {}
-    section_of: dict[str, str | None] = {}
-    for key, value in data.items():
-        items = value.items() if isinstance(value, dict) else [(key, value)]
-        section = key if isinstance(value, dict) else None
-        for inner_key, inner_value in items:
-            if inner_key in flat and flat[inner_key] != inner_value:
-                before = section_of[inner_key]
-                warnings.append(f"{source}: {inner_key} is set in [{before or 'top level'}] and again in "
-                                f"[{section or 'top level'}]; the later value {inner_value!r} wins")
-            flat[inner_key] = inner_value
-            section_of[inner_key] = section
-    return flat, section_of
-
-
 def _check_kind(spec: ArgSpec, value: Any, where: str) -> Any:
     """Check a TOML value against the option's kind; return it in the form argparse would give."""
     is_int = isinstance(value, int) and not isinstance(value, bool)
@@ -612,7 +580,7 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
         if not path.is_file():
             raise UserError(f"{path}: config file not found (--config_file)")
         source = str(path)
-        flat, section_of = _flatten(_read_toml(path), source, warnings)
+        flat, section_of = flatten(read_toml(path), source, warnings)
         origins.file = source
         for key, value in flat.items():
             section = f" (in [{section_of[key]}])" if section_of[key] else ""

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-STATE_FILE = "train_state.json"
+from sd_scripts_compat.contract import STATE_FILE
+
 TENSOR_FILE = "tensors.safetensors"
 
 
@@ -158,19 +159,3 @@ def load_train_state(folder: Path) -> LoadedState:
         lr_scheduler_state=_decode(document["lr_scheduler"], tensors),
         rng=_decode(document["rng"], tensors),
     )
-
-
-def newest_state(output_dir: Path, output_name: str) -> Path | None:
-    """The state folder with the highest step in ``output_dir`` (what ``autotune run --resume`` picks)."""
-    best: tuple[int, Path] | None = None
-    for candidate in Path(output_dir).glob(f"{output_name}*-state"):
-        state_file = candidate / STATE_FILE
-        if not state_file.is_file():
-            continue
-        try:
-            step = int(json.loads(state_file.read_text(encoding="utf-8"))["counters"]["global_step"])
-        except (OSError, ValueError, KeyError):
-            continue
-        if best is None or step > best[0]:
-            best = (step, candidate)
-    return best[1] if best else None

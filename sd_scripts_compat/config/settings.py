@@ -1,0 +1,213 @@
+"""The settings that decide a run's memory and speed: one type, with kohya's names, everywhere.
+
+The planner chooses a ``TrainSettings``, the writer turns it into config.toml / dataset.toml, the
+engine reports the one it actually resolved (after kohya's precedence: subset > dataset > general >
+config > defaults), and the OOM ladder steps down from that report. Because every side uses this
+type and the same reader (:func:`settings_from_files` runs the engine's own config reader), a value
+cannot be lost between them: the micro-batch a dataset.toml sets is the micro-batch the ladder sees.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.config.kohya_toml import parse_resolution
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.dataset_spec import DatasetSpec
+    from sd_scripts_compat.config.training_config import TrainingConfig
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Memory- and speed-relevant knobs of one run, by their kohya names.
+
+    ``train_batch_size`` is the micro-batch the dataset really uses (a dataset.toml's ``batch_size``
+    wins over the config's), ``resolution`` is (width, height), ``max_bucket_reso`` is None when
+    bucketing is off.
+    """
+
+    train_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    resolution: tuple[int, int] = (512, 512)
+    gradient_checkpointing: bool = False
+    optimizer_type: str = "AdamW"
+    network_dim: int = 16
+    network_alpha: float | None = None
+    network_train_unet_only: bool = False
+    mixed_precision: str = "no"
+    fp8_base: bool = False
+    cache_latents: bool = False
+    cache_text_encoder_outputs: bool = False
+    max_bucket_reso: int | None = None
+    xformers: bool = False
+
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step on one device."""
+        return self.train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def weight_dtype(self) -> str:
+        """The frozen base weights' storage: fp8, bf16, fp16 or fp32."""
+        if self.fp8_base:
+            return "fp8"
+        return {"bf16": "bf16", "fp16": "fp16"}.get(self.mixed_precision, "fp32")
+
+    @property
+    def attention(self) -> str:
+        return "xformers" if self.xformers else "sdpa"
+
+    def with_rank(self, network_dim: int, network_alpha: float | None = None) -> TrainSettings:
+        """Another rank; alpha follows in proportion unless given, so the LoRA's scale alpha/dim holds."""
+        if network_alpha is None and self.network_alpha is not None:
+            network_alpha = self.network_alpha * network_dim / self.network_dim
+        return replace(self, network_dim=network_dim, network_alpha=network_alpha)
+
+    # ---- kohya files ------------------------------------------------------------------------------
+
+    def config_values(self) -> dict[str, Any]:
+        """The settings as training-config values, in kohya's value types ("W,H" resolution)."""
+        values: dict[str, Any] = {
+            "train_batch_size": self.train_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "resolution": f"{self.resolution[0]},{self.resolution[1]}",
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "optimizer_type": self.optimizer_type,
+            "network_dim": self.network_dim,
+            "mixed_precision": self.mixed_precision,
+            "cache_latents": self.cache_latents,
+            "cache_text_encoder_outputs": self.cache_text_encoder_outputs,
+            "fp8_base": self.fp8_base,
+        }
+        if self.network_alpha is not None:
+            values["network_alpha"] = self.network_alpha
+        if self.max_bucket_reso is not None:
+            values["max_bucket_reso"] = self.max_bucket_reso
+        if self.network_train_unet_only or self.cache_text_encoder_outputs:
+            values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
+        if self.xformers:
+            values["xformers"] = True
+        return values
+
+    def dataset_values(self) -> dict[str, Any]:
+        """The dataset-level values of a dataset.toml (they win over the training config in kohya)."""
+        values: dict[str, Any] = {"batch_size": self.train_batch_size, "resolution": list(self.resolution)}
+        if self.max_bucket_reso is not None:
+            values["max_bucket_reso"] = self.max_bucket_reso
+        return values
+
+    def changed_from(self, base: TrainSettings) -> dict[str, tuple[Any, Any]]:
+        """Field -> (old, new) for every field that differs from ``base``."""
+        old, new = asdict(base), asdict(self)
+        return {k: (old[k], new[k]) for k in old if old[k] != new[k]}
+
+    # ---- events -----------------------------------------------------------------------------------
+
+    def to_event(self) -> dict[str, Any]:
+        """JSON-ready, every field present (the ``settings`` block of the engine's events)."""
+        out = asdict(self)
+        out["resolution"] = list(self.resolution)
+        return out
+
+    @classmethod
+    def from_event(cls, values: Mapping[str, Any]) -> TrainSettings:
+        """Read a ``to_event`` block back; a missing or ill-typed field is a ValueError naming it."""
+        names = {f.name for f in fields(cls)}
+        missing = sorted(names - set(values))
+        if missing:
+            raise ValueError(f"settings block lacks {', '.join(missing)}")
+        data = {name: values[name] for name in names}
+        data["resolution"] = parse_resolution(data["resolution"])
+        for name in ("train_batch_size", "gradient_accumulation_steps", "network_dim"):
+            data[name] = int(data[name])
+        if data["max_bucket_reso"] is not None:
+            data["max_bucket_reso"] = int(data["max_bucket_reso"])
+        if data["network_alpha"] is not None:
+            data["network_alpha"] = float(data["network_alpha"])
+        return cls(**data)
+
+    def describe(self) -> str:
+        parts = [f"micro-batch {self.train_batch_size} x accum {self.gradient_accumulation_steps}",
+                 f"{self.resolution[0]}x{self.resolution[1]}", f"rank {self.network_dim}", self.optimizer_type]
+        if self.gradient_checkpointing:
+            parts.append("grad-checkpointing")
+        if self.cache_text_encoder_outputs:
+            parts.append("TE outputs cached")
+        if self.max_bucket_reso is not None:
+            parts.append(f"max bucket {self.max_bucket_reso}")
+        if self.fp8_base:
+            parts.append("fp8 base")
+        return ", ".join(parts)
+
+
+def resolved_settings(config: TrainingConfig, dataset: DatasetSpec) -> TrainSettings:
+    """The settings a run really uses, from the engine's checked config and its (one) resolved dataset."""
+    return TrainSettings(
+        train_batch_size=dataset.batch_size,
+        gradient_accumulation_steps=max(1, config.gradient_accumulation_steps),
+        resolution=tuple(dataset.resolution),
+        gradient_checkpointing=bool(config.gradient_checkpointing),
+        optimizer_type=config.optimizer_type,
+        network_dim=config.network_dim,
+        network_alpha=config.network_alpha,
+        network_train_unet_only=bool(config.network_train_unet_only),
+        mixed_precision=config.mixed_precision,
+        fp8_base=bool(config.fp8_base or config.fp8_base_unet),
+        cache_latents=bool(config.cache_latents),
+        cache_text_encoder_outputs=bool(config.cache_text_encoder_outputs),
+        max_bucket_reso=dataset.max_bucket_reso if dataset.enable_bucket else None,
+        xformers=bool(config.xformers),
+    )
+
+
+def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:
+    """What the engine resolved for one dataset (the ``datasets`` list of its events)."""
+    return {"batch_size": dataset.batch_size, "resolution": list(dataset.resolution),
+            "enable_bucket": dataset.enable_bucket, "min_bucket_reso": dataset.min_bucket_reso,
+            "max_bucket_reso": dataset.max_bucket_reso, "bucket_reso_steps": dataset.bucket_reso_steps,
+            "bucket_no_upscale": dataset.bucket_no_upscale, "num_subsets": len(dataset.subsets)}
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run's config and dataset as the engine will resolve them, read before it starts."""
+
+    config: TrainingConfig
+    dataset: DatasetSpec
+    settings: TrainSettings
+
+
+def settings_from_files(config_path: str | Path, dataset_config_path: str | Path | None, *, sdxl: bool,
+                        default_resolution: tuple[int, int] | None = None) -> ResolvedRun:
+    """Read config.toml (+ dataset.toml) with the engine's own reader, exactly as a training run will.
+
+    The reader's warnings are not shown here (the engine shows them when it starts); its errors are
+    the engine's one-line errors, raised now rather than after a model has loaded.
+    """
+    from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
+
+    argv = ["--config_file", str(config_path)]
+    if dataset_config_path is not None:
+        argv += ["--dataset_config", str(dataset_config_path)]
+    loggers = [logging.getLogger(name) for name in ("sd_scripts_compat.config.training_config",
+                                                    "sd_scripts_compat.config.dataset_config")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        config = load_training_config(argv, sdxl=sdxl)
+        group = dataset_group_from_config(config, default_resolution=default_resolution)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    if len(group.datasets) != 1:
+        raise UserError(f"{dataset_config_path or config_path}: {len(group.datasets)} [[datasets]] given; the "
+                        "engine trains on exactly one (put several folders as [[datasets.subsets]] of one dataset)")
+    dataset = group.datasets[0]
+    return ResolvedRun(config=config, dataset=dataset, settings=resolved_settings(config, dataset))
