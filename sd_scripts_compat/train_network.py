@@ -31,7 +31,9 @@ TIMING_WARMUP_STEPS = 2
 
 def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
     from sd_scripts_compat.config.training_config import load_training_config
+    from sd_scripts_compat.quiet import silence_harmless_library_messages
 
+    silence_harmless_library_messages()
     program = "sdxl_train_network" if sdxl else "train_network"
     try:
         config = load_training_config(sys.argv[1:] if argv is None else argv, sdxl=sdxl)

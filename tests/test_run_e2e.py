@@ -233,6 +233,7 @@ def test_cli_user_error_is_passed_through(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("autotune run: error:") and "lerning_rate" in last
+    assert done.stderr.strip().count("\n") == 0, done.stderr  # said once, by the reader, before any child ran
 
 
 def test_cli_bad_dataset_is_one_line(tmp_path):
@@ -240,3 +241,46 @@ def test_cli_bad_dataset_is_one_line(tmp_path):
     done = _cli(str(tmp_path / "empty"), "--model", "builtin:tiny-sd15", "--out", str(tmp_path / "o"))
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "N_name" in done.stderr
+
+
+def test_dataset_toml_batch_survives_an_oom_step_down(tmp_path):
+    """The batch a dataset.toml sets (batch_size = 4, config.toml silent) is the batch the ladder steps down
+    from: after an OOM at step 1 the effective batch stays 4 (2 x 2), and the engine reported what it ran."""
+    data = make_dataset(tmp_path, images=4)
+    config, dataset = tmp_path / "c.toml", tmp_path / "d.toml"
+    config.write_text(toml.dumps({
+        "network_module": "networks.lora", "network_dim": 4, "network_alpha": 2, "learning_rate": 1e-3,
+        "optimizer_type": "AdamW", "mixed_precision": "no", "seed": 7, "max_train_steps": 3,
+        "max_data_loader_n_workers": 0, "lr_scheduler": "constant", "output_name": "echo"}))
+    dataset.write_text(toml.dumps({"general": {"resolution": 32, "caption_extension": ".caption"},
+                                   "datasets": [{"batch_size": 4,
+                                                 "subsets": [{"image_dir": str(data / "1_toy")}]}]}))
+    out = tmp_path / "run"
+    done = _cli(str(data), "--model", "builtin:tiny-sd15", "--config", str(config), "--dataset-config", str(dataset),
+                "--out", str(out), env_extra={"SD_COMPAT_INJECT_OOM": "step=1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"c.toml sets no output_dir: LoRA files and states go to {out / 'output'}" in done.stdout
+    retry = json.loads((out / "autotune_retries.json").read_text())[0]
+    assert retry["failure"] == "oom" and retry["step"] == 1
+    assert retry["changes"] == {"train_batch_size": [4, 2], "gradient_accumulation_steps": [1, 2]}
+    log = (out / "autotune_decisions.log").read_text()
+    assert "next: micro-batch 2 x accum 2" in log, log
+    attempt = toml.loads((out / "dataset.attempt1.toml").read_text())
+    assert attempt["datasets"][0]["batch_size"] == 2
+    final = toml.loads((out / "config.final.toml").read_text())
+    assert final["gradient_accumulation_steps"] == 2 and (out / "output" / "echo.safetensors").is_file()
+    assert "Failed to load CPU gemm_4bit_forward" not in done.stderr  # known-harmless library noise is filtered
+    assert "should be kept in float32: []" not in done.stderr
+
+
+def test_run_honours_a_given_config_output_dir(tmp_path):
+    data = make_dataset(tmp_path, images=2)
+    elsewhere = tmp_path / "my-loras"
+    config = tmp_path / "c.toml"
+    config.write_text(toml.dumps({"output_dir": str(elsewhere), "output_name": "mine", "max_train_steps": 1,
+                                  "resolution": "32,32", "network_dim": 4, "optimizer_type": "AdamW",
+                                  "max_data_loader_n_workers": 0, "caption_extension": ".caption"}))
+    done = _cli(str(data), "--model", "builtin:tiny-sd15", "--config", str(config), "--out", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"LoRA files and states go to {elsewhere} (output_dir of {config})" in done.stdout
+    assert (elsewhere / "mine.safetensors").is_file() and not (tmp_path / "run" / "output").exists()

@@ -10,14 +10,12 @@ never load pickles we did not ask for; here nothing needs unpickling at all.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.atomic import atomic_folder, write_text_atomic
 from sd_scripts_compat.contract import STATE_FILE
 
 TENSOR_FILE = "tensors.safetensors"
@@ -96,31 +94,21 @@ def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: Any
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        tensors: dict[str, Any] = {f"lora/{k}": v.detach().contiguous().cpu() for k, v in lora_state.items()}
-        document = {
-            "format": "lora-autotune-state/1",
-            "counters": asdict(counters),
-            "settings": settings,
-            "optimizer": _encode(optimizer.state_dict(), tensors, "optimizer"),
-            "lr_scheduler": _encode(lr_scheduler.state_dict(), tensors, "lr_scheduler"),
-            "rng": _encode(rng_state(), tensors, "rng"),
-            # kohya's train_state.json keys, so sd-scripts users recognise the folder
-            "current_epoch": counters.epoch,
-            "current_step": counters.global_step,
-        }
+    tensors: dict[str, Any] = {f"lora/{k}": v.detach().contiguous().cpu() for k, v in lora_state.items()}
+    document = {
+        "format": "lora-autotune-state/1",
+        "counters": asdict(counters),
+        "settings": settings,
+        "optimizer": _encode(optimizer.state_dict(), tensors, "optimizer"),
+        "lr_scheduler": _encode(lr_scheduler.state_dict(), tensors, "lr_scheduler"),
+        "rng": _encode(rng_state(), tensors, "rng"),
+        # kohya's train_state.json keys, so sd-scripts users recognise the folder
+        "current_epoch": counters.epoch,
+        "current_step": counters.global_step,
+    }
+    with atomic_folder(folder) as tmp:
         save_file(tensors, str(tmp / TENSOR_FILE))
-        (tmp / STATE_FILE).write_text(json.dumps(document, indent=1), encoding="utf-8")
-        old = folder.with_name(folder.name + ".old")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_text_atomic(tmp / STATE_FILE, json.dumps(document, indent=1))
     return folder
 
 

@@ -1,0 +1,37 @@
+"""Keep known-harmless library messages off the user's screen.
+
+The screen should show our messages. Two libraries log warnings on every run that say nothing to a
+LoRA trainer: bitsandbytes (CPU build) cannot fetch an optional 4-bit GEMM kernel from a model hub it
+must not reach anyway, and diffusers warns about keeping float32 modules when a VAE without any such
+modules (the list it prints is empty) is cast. Each filter matches one message exactly; anything else
+those loggers say still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+# logger name -> messages (regular expressions on the formatted message) that are dropped
+HARMLESS: dict[str, tuple[str, ...]] = {
+    "bitsandbytes.backends.cpu.ops": (r"^Failed to load CPU gemm_4bit_forward from kernels-community",),
+    "diffusers.models.modeling_utils": (r"^There are modules in \w+ that should be kept in float32: \[\]\.",),
+}
+
+
+class _DropMatching(logging.Filter):
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.patterns = tuple(re.compile(p) for p in patterns)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.patterns)
+
+
+def silence_harmless_library_messages() -> None:
+    """Install the filters (idempotent); call before the libraries are imported."""
+    for name, patterns in HARMLESS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMatching) for f in logger.filters):
+            logger.addFilter(_DropMatching(patterns))

@@ -1,0 +1,48 @@
+"""Atomic writes: whole files or nothing, with the permissions the umask gives (not mkstemp's 0600)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from sd_scripts_compat.atomic import atomic_folder, atomic_path, write_json_atomic, write_text_atomic
+
+
+@pytest.fixture
+def umask():
+    def set_mask(mask: int) -> None:
+        os.umask(mask)
+
+    before = os.umask(0o022)
+    yield set_mask
+    os.umask(before)
+
+
+@pytest.mark.parametrize(("mask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_files_and_folders_get_the_umask_permissions(tmp_path, umask, mask, file_mode, dir_mode):
+    umask(mask)
+    write_text_atomic(tmp_path / "a.toml", "x = 1\n")
+    write_json_atomic(tmp_path / "events" / "done.json", {"steps": 3})
+    with atomic_folder(tmp_path / "lora-state") as folder:
+        write_text_atomic(folder / "train_state.json", "{}")
+    assert stat.S_IMODE((tmp_path / "a.toml").stat().st_mode) == file_mode
+    assert stat.S_IMODE((tmp_path / "events" / "done.json").stat().st_mode) == file_mode
+    assert stat.S_IMODE((tmp_path / "lora-state").stat().st_mode) == dir_mode
+    assert (tmp_path / "a.toml").read_text() == "x = 1\n"
+
+
+def test_a_failed_write_leaves_the_old_file_and_folder_and_no_temp(tmp_path):
+    write_text_atomic(tmp_path / "c.toml", "old = 1\n")
+    with atomic_folder(tmp_path / "s-state") as folder:
+        (folder / "f").write_text("old")
+    with pytest.raises(RuntimeError), atomic_folder(tmp_path / "s-state") as folder:
+        (folder / "f").write_text("new")
+        raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "c.toml") as tmp:
+        tmp.write_text("new = 1\n")
+        raise RuntimeError("killed mid-write")
+    assert (tmp_path / "c.toml").read_text() == "old = 1\n"
+    assert (tmp_path / "s-state" / "f").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "s-state"]
