@@ -79,6 +79,9 @@ def test_diffusers_folder_prediction_type_and_stated_family(tmp_path):
     with pytest.raises(UserError, match="cross_attention_dim 4096.*match no known family.*--family"):
         detect_family(str(odd))
     assert detect_family(str(odd), "sdxl").name == "sdxl"  # nothing to contradict: the statement is trusted
+    bare = diffusers_folder(tmp_path / "bare", "sd15", unet={"in_channels": 4})
+    with pytest.raises(UserError, match="cross_attention_dim None, block_out_channels None match no known family"):
+        detect_family(str(bare))
     (tmp_path / "nothing").mkdir()
     with pytest.raises(UserError, match="no unet/config.json"):
         detect_family(str(tmp_path / "nothing"))

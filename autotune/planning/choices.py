@@ -15,7 +15,7 @@ from typing import Any
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GoalProfile, learning_rate
 from autotune.planning.request import GIB, PlanRequest
-from autotune.planning.resolution import RESOLUTION_STEP, TINY_CPU_MAX_STEPS, bucket_rules, is_tiny_scale
+from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.models.families import FamilySpec
 
@@ -92,9 +92,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
         Choice("enable_bucket", True, "keeps each image's aspect ratio; bucket area never exceeds resolution^2"),
         Choice("min_bucket_reso", min_bucket, "half the resolution: narrower buckets waste pixels"),
         Choice("max_bucket_reso", s.max_bucket_reso, "twice the resolution: tall/wide images keep their shape"),
-        Choice("bucket_reso_steps", step, f"bucket sides in {step} px steps ("
-               + ("kohya's default, 8 latent pixels)" if step == RESOLUTION_STEP
-                  else "8 latent pixels: the tiny VAE downsamples 2x)")),
+        Choice("bucket_reso_steps", step, bucket_step_reason(step)),
         Choice("bucket_no_upscale", True, "small images are not blown up past their own size"),
         Choice("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder"),
         Choice("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (files next to the images)"),

@@ -39,6 +39,12 @@ def bucket_rules(family: FamilySpec, resolution: int) -> tuple[int, int]:
     return step, max(floor, resolution // 2 // step * step)
 
 
+def bucket_step_reason(step: int) -> str:
+    """Why buckets go in ``step`` px: 8 latent pixels of the family's VAE."""
+    return f"bucket sides in {step} px steps (" + ("kohya's default, 8 latent pixels)" if step == RESOLUTION_STEP
+                                                   else "8 latent pixels: the tiny VAE downsamples 2x)")
+
+
 def resolution_ladder(native: int, pinned: int | None) -> list[int]:
     """The resolutions the search may try, largest first: the pinned or native size, then 64 px steps down
     to 5/8 of the native size (never below 256 px)."""

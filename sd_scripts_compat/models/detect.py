@@ -138,9 +138,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def unet_config_candidates(config: Mapping[str, Any], pool: Iterable[FamilySpec]) -> list[FamilySpec]:
-    """Families whose UNet config agrees with ``config`` on every distinguishing key ``config`` has."""
+    """Families whose UNet config agrees with ``config`` on every distinguishing key ``config`` has (none
+    when it has none of them: nothing to tell the families apart by)."""
     keys = [key for key in UNET_DISTINGUISHING_KEYS if key in config]
-    return [f for f in pool if all(_same(config[key], f.unet.get(key)) for key in keys)]
+    return [f for f in pool if keys and all(_same(config[key], f.unet.get(key)) for key in keys)]
 
 
 def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
