@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from autotune.hardware.gpu_catalog import load_catalog, lookup_gpu
+from autotune.planning.goals import target_views
 from autotune.planning.planner import (
     GIB,
     GOAL_PROFILES,
     DatasetSummary,
     PlanRequest,
     Preferences,
-    _target_views,
     detect_family,
     gpu_from_spec,
     gpu_from_vram,
@@ -295,7 +295,7 @@ def test_steps_and_learning_rate_follow_the_documented_rule(tmp_path):
                                          gpus=(gpu_from_vram(24),), cpu_physical_cores=8))
         values = plan.kohya_values()
         effective = {c.key: c.value for c in plan.choices}["effective_batch"]
-        target = _target_views(GOAL_PROFILES[goal], dataset.num_images, "balanced")
+        target = target_views(GOAL_PROFILES[goal], dataset.num_images, "balanced")
         epochs = max(1, round(target / dataset.views_per_epoch))
         assert values["max_train_epochs"] == epochs
         assert plan.prediction.optimizer_steps == epochs * math.ceil(dataset.views_per_epoch / effective)

@@ -114,11 +114,9 @@ __all__ = [
     "MIN_RESOLUTION_FRACTION", "OPTIMIZERS", "PRIORITIES", "PRIORITY_OPTIMIZER", "PRIORITY_VIEW_SCALE",
     "RESOLUTION_STEP", "TINY_CPU_MAX_STEPS", "TINY_MIN_BUCKET_RESO", "TINY_RESOLUTION_STEP", "Choice",
     "DatasetSummary", "GoalProfile", "GpuTarget", "Plan", "PlanRequest", "Prediction", "Preferences", "SubsetInfo",
-    "_target_views", "bucket_rules", "detect_family", "gpu_from_spec", "gpu_from_vram", "learning_rate",
-    "nominal_dataset", "plan_training", "scan_dataset",
+    "TrainSettings", "bucket_rules", "detect_family", "gpu_from_spec", "gpu_from_vram", "learning_rate",
+    "nominal_dataset", "plan_training", "scan_dataset", "target_views",
 ]
-
-_target_views = target_views  # the old private name, still imported by tests
 
 
 @dataclass(frozen=True)
