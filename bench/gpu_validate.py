@@ -70,7 +70,7 @@ def write_json(path: Path, data: Any) -> None:
 def device_spec(torch: Any, dry_run: bool) -> Any:
     """The catalogue entry of this GPU (its rates feed the speed prediction); the generic card otherwise."""
     from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
-    from autotune.planning.planner import GENERIC_GPU_NAME
+    from autotune.planning.request import GENERIC_GPU_NAME
 
     if not dry_run and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory / GIB
@@ -81,7 +81,9 @@ def device_spec(torch: Any, dry_run: bool) -> Any:
 
 
 def make_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
-    from autotune.planning.planner import PlanRequest, gpu_from_spec, nominal_dataset, plan_training
+    from autotune.planning.dataset import nominal_dataset
+    from autotune.planning.planner import plan_training
+    from autotune.planning.request import PlanRequest, gpu_from_spec
 
     target = gpu_from_spec(spec, vram_gb=tier_gb, name=f"{spec.name} limited to {tier_gb:g} GB")
     return plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", gpus=(target,), goal=goal,
@@ -101,7 +103,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
 
     s = plan.settings
     family = get_family(train_family)
-    res = resolution or s.resolution
+    res = resolution or s.resolution[0]
     cuda = device == "cuda"
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.mixed_precision)
     if not cuda:
@@ -116,16 +118,17 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
         bundle.text_encoders = []
     unet = bundle.unet.to(weight_dtype)
     text_encoders = [te.to(weight_dtype) for te in bundle.text_encoders]
-    if not s.train_text_encoder:
+    train_te = not s.network_train_unet_only
+    if not train_te:
         text_encoders = text_encoders if not s.cache_text_encoder_outputs else []
     if s.fp8_base and cuda:
         store_frozen_weights_in_fp8(unet, weight_dtype)
     if s.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
-        for te in text_encoders if s.train_text_encoder else []:
+        for te in text_encoders if train_te else []:
             te.gradient_checkpointing_enable()
-    network = create_network(bundle, network_dim=s.rank, network_alpha=float(s.alpha),
-                             train_text_encoder=s.train_text_encoder)
+    network = create_network(bundle, network_dim=s.network_dim, network_alpha=float(s.network_alpha),
+                             train_text_encoder=train_te)
     network.to(device)
     network.apply_to()
     values = plan.kohya_values()
@@ -133,7 +136,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     groups = network.prepare_optimizer_params(te_lr, values["unet_lr"], values["learning_rate"])
     optimizer_args = dict(item.split("=", 1) for item in values.get("optimizer_args", []))
     optimizer_args = {k: _literal(v) for k, v in optimizer_args.items()}
-    optimizer, _ = make_optimizer(s.optimizer, groups, values["learning_rate"], optimizer_args)
+    optimizer, _ = make_optimizer(s.optimizer_type, groups, values["learning_rate"], optimizer_args)
     scaler = torch.amp.GradScaler("cuda") if cuda and amp_dtype == torch.float16 else None
     # One mutable holder, so the step closure sees the objects and cleanup can drop them all at once.
     state: dict[str, Any] = {"unet": unet, "text_encoders": text_encoders, "optimizer": optimizer,
@@ -148,7 +151,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
         torch.cuda.reset_peak_memory_stats(0)
     baseline_reserved = torch.cuda.memory_reserved(0) if cuda else 0
 
-    mb, accum = s.micro_batch, s.grad_accum
+    mb, accum = s.train_batch_size, s.gradient_accumulation_steps
     latent = res // 8
     cross = family.unet["cross_attention_dim"]
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -159,7 +162,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
         timesteps = torch.randint(0, 1000, (mb,), generator=generator).to(device)
         with torch.autocast(device_type=device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             text_encoders = state["text_encoders"]
-            if s.train_text_encoder and text_encoders:
+            if train_te and text_encoders:
                 vocab = int(text_encoders[0].config.vocab_size)
                 ids = torch.randint(0, vocab - 1, (mb, 77), generator=generator).to(device)
                 states = [te(ids, output_hidden_states=True).hidden_states[-2] for te in text_encoders]

@@ -144,11 +144,10 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
                              family=_stated_family(config, sdxl))
     family = bundle.family
-    vae_scale = 2 ** (len(bundle.vae.config.block_out_channels) - 1)  # pixels per latent pixel
+    vae_scale = family.latent_downsample  # pixels per latent pixel
     if family.is_sdxl != sdxl:
-        entry = "sdxl_train_network" if family.is_sdxl else "train_network"
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
-                        f"train it with sd_scripts_compat.{entry}")
+                        f"train it with {family.engine_module}")
     v_parameterization = bool(config.v_parameterization) or family.v_parameterization
     if config.xformers:
         _enable_xformers(bundle.unet)
@@ -562,11 +561,11 @@ def _check_output_dir(output_dir: Path) -> None:
 
 def _stated_family(config: Any, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
+    from sd_scripts_compat.models.detect import family_for_kohya_flags
+
     if sdxl:
         return None  # detected from the file; train() checks it is SDXL
-    if config.v2:
-        return "sd2-v" if config.v_parameterization else "sd2"
-    return None
+    return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 
 def _enable_xformers(unet: Any) -> None:

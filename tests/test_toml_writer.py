@@ -13,6 +13,7 @@ from autotune.planning.planner import PlanRequest, Preferences, gpu_from_spec, g
 from autotune.planning.toml_writer import SECTIONS, encode_value, render_config, write_plan_files
 from sd_scripts_compat.config.dataset_config import read_dataset_config
 from sd_scripts_compat.config.kohya_args import arg_specs
+from sd_scripts_compat.config.settings import settings_from_files
 from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import get_family
@@ -86,12 +87,14 @@ def test_written_configs_are_kohya_and_pass_the_strict_reader(tmp_path, family, 
     # the strong check: our engine's strict reader takes both files without a warning
     cfg = load_training_config(["--config_file", str(config_path)], sdxl=sdxl)
     assert cfg.warnings == ()
-    assert cfg.train_batch_size == plan.settings.micro_batch
+    assert cfg.train_batch_size == plan.settings.train_batch_size
     assert cfg.gradient_checkpointing == plan.settings.gradient_checkpointing
     assert cfg.dataset_config == str(dataset_path)
     group = dataset_group_from_config(cfg)
     (ds,) = group.datasets
-    assert ds.resolution == (plan.settings.resolution,) * 2 and ds.batch_size == plan.settings.micro_batch
+    assert ds.resolution == plan.settings.resolution and ds.batch_size == plan.settings.train_batch_size
+    # the settings the engine resolves from the written files are the planned ones, field for field
+    assert settings_from_files(config_path, dataset_path, sdxl=sdxl).settings == plan.settings
     assert sorted((Path(s.image_dir).name, s.num_repeats) for s in ds.subsets) == [("10_sks dog", 10), ("5_style", 5)]
     read_dataset_config(dataset_path)
 

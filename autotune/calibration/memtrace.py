@@ -143,12 +143,8 @@ class LiveBytesCounter:
 
 
 def latent_downsample(spec: Any) -> int:
-    """Image pixels per latent pixel along a side, from the family's VAE config.
-
-    diffusers' pipelines derive it the same way (``2 ** (len(block_out_channels) - 1)``): each encoder
-    block but the last halves the image. 8 for the full-size VAEs, 2 for the tiny test VAE.
-    """
-    return 2 ** (len(spec.vae["block_out_channels"]) - 1)
+    """Image pixels per latent pixel along a side: ``FamilySpec.latent_downsample`` (from the VAE config)."""
+    return int(spec.latent_downsample)
 
 
 def torch_dtype(name: str) -> Any:

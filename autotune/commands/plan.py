@@ -16,7 +16,7 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from autotune.planning.planner import GOALS, OPTIMIZERS, PRIORITIES
+    from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
 
     parser.add_argument("dataset", metavar="DATASET", help="folder of N_name image subfolders (N = repeats)")
     parser.add_argument("--model", required=True, metavar="PATH|builtin:ID",
@@ -50,7 +50,7 @@ def _physical_cores() -> int:
 
 def build_request(args: argparse.Namespace) -> Any:
     """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest."""
-    from autotune.planning.planner import PlanRequest, Preferences
+    from autotune.planning.request import PlanRequest, Preferences
 
     gpus, cores, ram, probe_line = _targets(args)
     if args.cpu_cores is not None:
@@ -68,7 +68,7 @@ def build_request(args: argparse.Namespace) -> Any:
 
 def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
     from autotune.hardware.gpu_catalog import lookup_gpu
-    from autotune.planning.planner import gpu_from_spec, gpu_from_vram
+    from autotune.planning.request import gpu_from_spec, gpu_from_vram
     from sd_scripts_compat.errors import UserError
 
     names, vrams = args.gpu or [], args.vram or []
@@ -96,7 +96,7 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]
 def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
     from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
     from autotune.hardware.probe import probe_system
-    from autotune.planning.planner import GENERIC_GPU_NAME, GpuTarget
+    from autotune.planning.request import GENERIC_GPU_NAME, GpuTarget
 
     probe = probe_system(output_dir=args.out or ".", use_torch=False)
     cores = int(probe.cpu.physical_cores or probe.cpu.logical_cores or 1)
@@ -128,7 +128,7 @@ def render(plan: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from autotune.planning.planner import GIB
+    from autotune.planning.request import GIB
     from autotune.planning.toml_writer import encode_value, human_seconds
 
     console = Console()

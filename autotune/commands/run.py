@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from autotune.recovery.watchdog import DECISIONS_LOG
 from sd_scripts_compat.errors import UserError
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
-_REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,24 +40,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- dataset check
 
 
-def check_dataset(folder: Path) -> dict[str, int]:
-    """Basic checks before anything heavy: the folder exists and has N_name subfolders with images.
+def check_dataset(folder: Path) -> Any:
+    """Basic checks before anything heavy, with the planner's own scan (``sd_scripts_compat.dataset.scan``):
+    the folder exists and holds images, in N_name subfolders or directly in it (one subset, 1 repeat).
 
-    Returns {subfolder name: image count}. A missing or empty dataset is a one-line UserError.
+    Returns the ``DatasetScan``. A missing folder or one without images is a one-line UserError.
     """
-    if not folder.is_dir():
-        raise UserError(f"{folder}: dataset folder not found; pass a folder that holds N_name subfolders of images")
-    counts: dict[str, int] = {}
-    for sub in sorted(folder.iterdir()):
-        if sub.is_dir() and _REPEAT_FOLDER.match(sub.name):
-            counts[sub.name] = sum(1 for f in sub.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
-    if not counts:
-        raise UserError(f"{folder}: no N_name subfolders (e.g. '10_sks dog'); put the images in a subfolder "
-                        "named <repeats>_<class tokens>")
-    if not any(counts.values()):
-        raise UserError(f"{folder}: the subfolders {', '.join(counts)} hold no images "
-                        f"({', '.join(sorted(IMAGE_SUFFIXES))}); add images")
-    return counts
+    from sd_scripts_compat.dataset.scan import require_images, scan_dataset_folder
+
+    return require_images(scan_dataset_folder(folder))
+
+
+def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
+    """``--config`` without ``--dataset-config`` trains on the folder as sd-scripts' ``train_data_dir``,
+    which reads only N_name subfolders: images directly in the folder are a one-line UserError there."""
+    if args.config and not args.dataset_config and not args.resume and scan.top_level:
+        raise UserError(f"{scan.root}: the images lie directly in the folder, but --config without "
+                        "--dataset-config trains on it as train_data_dir, which reads only N_name subfolders; "
+                        f"move them into e.g. {scan.root / '10_mychar'}, or give --dataset-config")
+
+
+def describe_scan(scan: Any) -> str:
+    """One line: each subset with its image count (and every skipped folder, with why)."""
+    parts = [f"{'images directly in the folder' if scan.top_level else s.folder.name} ({s.num_images} images)"
+             for s in scan.subsets]
+    return ", ".join(parts) + "".join(f"; {warning}" for warning in scan.warnings)
 
 
 # ---------------------------------------------------------------- output folder
@@ -104,16 +107,17 @@ def run(args: argparse.Namespace) -> int:
     from autotune.recovery.watchdog import RUN_STATE, Job, read_json, supervise
 
     dataset_dir = Path(args.dataset).resolve()
-    counts = check_dataset(dataset_dir)
+    scan = check_dataset(dataset_dir)
+    check_folder_convention(args, scan)
     out = Path(args.out or Path("output") / dataset_dir.name).resolve()
     _prepare_output(out, args.resume)
-    print(f"dataset {dataset_dir}: " + ", ".join(f"{name} ({n} images)" for name, n in counts.items()))
+    print(f"dataset {dataset_dir}: {describe_scan(scan)}")
     probe = probe_system(out, use_torch=False)
     cuda = probe.accelerator == "cuda"
     if args.memory_limit and cuda:
         raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
 
-    config_path, dataset_path, usable_mib = _configs(args, out, dataset_dir)
+    config_path, dataset_path, usable_mib = _configs(args, out, scan)
     family, resolved = _resolve(config_path, dataset_path, args)
     settings = resolved.settings
     prior: list[dict[str, Any]] = []
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
-        entry=["-m", "sd_scripts_compat.sdxl_train_network" if family.is_sdxl else "sd_scripts_compat.train_network"],
+        entry=["-m", family.engine_module],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
         stall_timeout_s=args.stall_timeout, save_state_every_s=args.save_state_every, resume=args.resume,
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
@@ -155,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _configs(args: argparse.Namespace, out: Path, dataset_dir: Path) -> tuple[Path, Path | None, float | None]:
+def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path | None, float | None]:
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
     being resumed. Returns their paths and the plan's usable memory (MiB), when there is a plan."""
     config_path, dataset_path = out / "config.toml", out / "dataset.toml"
@@ -163,17 +167,19 @@ def _configs(args: argparse.Namespace, out: Path, dataset_dir: Path) -> tuple[Pa
         return config_path, dataset_path if dataset_path.is_file() else None, None
     if not args.config:
         return _plan(args, out)
-    return config_path, _copy_user_configs(args, out, dataset_dir), None
+    return config_path, _copy_user_configs(args, out, scan), None
 
 
-def _copy_user_configs(args: argparse.Namespace, out: Path, dataset_dir: Path) -> Path | None:
+def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path | None:
     """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
 
     The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out/output`` and the
-    user is told so. Returns the dataset config's path in ``out`` (None: the folder convention).
+    user is told so. Returns the dataset config's path in ``out`` (None: the folder convention, which
+    needs N_name subfolders: sd-scripts' ``train_data_dir`` does not read images directly in the folder).
     """
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 
+    dataset_dir = scan.root
     user = Path(args.config)
     document = read_toml(user)
     forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
@@ -197,9 +203,9 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, dataset_dir: Path) -
 
 def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
     """The family and the run as the engine will resolve it (its own reader, kohya's precedence)."""
-    from autotune.planning.planner import detect_family
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.config.settings import settings_from_files
+    from sd_scripts_compat.models.detect import detect_family
 
     model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
     family = detect_family(model, getattr(args, "family", None))
@@ -225,6 +231,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
     The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
     address-space cap or the available RAM.
     """
+    from autotune.planning.resolution import step_and_floor
     from autotune.recovery.ladder import LadderLimits
 
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
@@ -238,12 +245,12 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
         budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
     else:
         budget = probe.memory.ram_available_bytes / 2**20
-    tiny = family.resolution < 256
+    min_resolution_px, resolution_step = step_and_floor(family)
     # the rung would change nothing when the engine already caches the frozen text encoder's outputs
     te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
     return LadderLimits(
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
-        te_cache_allowed=te_cache_allowed, min_resolution=32 if tiny else 256, resolution_step=16 if tiny else 64,
+        te_cache_allowed=te_cache_allowed, min_resolution=min_resolution_px, resolution_step=resolution_step,
     )
 
 

@@ -28,8 +28,8 @@ def model_of_config(config: Path, kohya_args: list[str]) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune.planning.planner import detect_family
     from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.models.detect import detect_family
     from sd_scripts_compat.train_network import main
 
     config = Path(args.config)

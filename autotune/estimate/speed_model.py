@@ -164,7 +164,6 @@ def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, r
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from autotune.calibration.memtrace import latent_downsample
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
@@ -177,7 +176,7 @@ def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, r
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         unet.train()
-    latent = resolution // latent_downsample(spec)
+    latent = resolution // spec.latent_downsample
     with torch.device("meta"):
         x = torch.empty(1, unet.config.in_channels, latent, latent)
         cond = torch.empty(1, 77, unet.config.cross_attention_dim)
@@ -230,12 +229,11 @@ def fit_flops(family: str, resolutions: tuple[int, ...] | None = None) -> dict[s
     ``f0`` is fitted too: in the tiny families that part is a sizeable share of a step."""
     import numpy as np
 
-    from autotune.calibration.memtrace import latent_downsample
     from sd_scripts_compat.models.families import get_family
 
     spec = get_family(family)
     native = spec.resolution
-    down = latent_downsample(spec)
+    down = spec.latent_downsample
     resolutions = resolutions or (native // 2, native)
     pixels = np.array([(r // down) ** 2 for r in resolutions], dtype=float)
     columns = [pixels, pixels**2] if len(resolutions) < 3 else [np.ones_like(pixels), pixels, pixels**2]

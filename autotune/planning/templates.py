@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from autotune.planning.planner import GIB, Plan, PlanRequest, gpu_from_vram, nominal_dataset, plan_training
+from autotune.planning.dataset import nominal_dataset
+from autotune.planning.planner import Plan, plan_training
+from autotune.planning.request import GIB, PlanRequest, gpu_from_vram
 from autotune.planning.toml_writer import render_config, render_dataset
 from sd_scripts_compat.atomic import write_text_atomic
 
@@ -50,8 +52,9 @@ def template_files() -> dict[str, str]:
             files[f"{folder}/config.toml"] = render_config(plan, "kohya")
             files[f"{folder}/dataset.toml"] = render_dataset(plan)
             s, p = plan.settings, plan.prediction
-            rows.append(f"| {family} | {tier} | {s.resolution} | {s.micro_batch} x {s.grad_accum} | "
-                        f"{'on' if s.gradient_checkpointing else 'off'} | {s.rank} | {s.optimizer}"
+            rows.append(f"| {family} | {tier} | {s.resolution[0]} | {s.train_batch_size} x "
+                        f"{s.gradient_accumulation_steps} | {'on' if s.gradient_checkpointing else 'off'} | "
+                        f"{s.network_dim} | {s.optimizer_type}"
                         f"{' + fp8 base' if s.fp8_base else ''} | {p.peak_bytes / GIB:.2f} |")
     files["README.md"] = "\n".join([
         "# Templates (generated: `python -m autotune.planning.templates`; do not edit by hand)",

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from autotune.planning.planner import GIB, Plan
+from autotune.planning.planner import Plan
+from autotune.planning.request import GIB
 from sd_scripts_compat.atomic import write_text_atomic
 from sd_scripts_compat.config.kohya_toml import encode_value, flat_values, loads
 from sd_scripts_compat.errors import UserError

@@ -22,6 +22,7 @@ from typing import Any
 
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec, SubsetSpec
 from sd_scripts_compat.config.kohya_toml import read_toml
+from sd_scripts_compat.dataset.scan import MIN_REPEATS, parse_repeat_folder
 from sd_scripts_compat.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -335,7 +336,8 @@ def folder_subsets(data_dir: str | Path, *, is_reg: bool, option: str) -> list[d
     """Subsets from kohya's DreamBooth folder convention: ``<data_dir>/<N>_<class tokens>/``.
 
     ``10_sks dog`` gives 10 repeats and class tokens "sks dog"; a folder whose name does not start
-    with an integer (or starts with one below 1) is skipped with a warning, as sd-scripts does.
+    with an integer (or starts with one below 1) is skipped with a warning, as sd-scripts does
+    (the rule is ``dataset.scan.parse_repeat_folder``, shared with autotune's dataset scan).
     Subfolders are taken in sorted order so runs do not depend on the file system's listing order.
     """
     root = Path(data_dir)
@@ -343,14 +345,13 @@ def folder_subsets(data_dir: str | Path, *, is_reg: bool, option: str) -> list[d
         raise UserError(f"{option} = {str(data_dir)!r}: folder not found")
     subsets = []
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
-        head, _, tail = sub.name.partition("_")
-        try:
-            repeats = int(head)
-        except ValueError:
+        parsed = parse_repeat_folder(sub.name)
+        if parsed is None:
             log.warning("%s: skipping folder %r: its name does not start with a repeat count (e.g. '10_sks dog')",
                         option, sub.name)
             continue
-        if repeats < 1:
+        repeats, tail = parsed
+        if repeats < MIN_REPEATS:
             log.warning("%s: skipping folder %r: repeat count %d is below 1", option, sub.name, repeats)
             continue
         subsets.append({"image_dir": str(sub), "num_repeats": repeats, "class_tokens": tail, "is_reg": is_reg})

@@ -25,12 +25,11 @@ from sd_scripts_compat.dataset.buckets import (
     resize_and_crop,
 )
 from sd_scripts_compat.dataset.captions import base_caption, process_caption, tag_frequency
+from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, list_images
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     import torch
-
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def mix_seed(*parts: object) -> int:
@@ -84,7 +83,7 @@ class TextEntry:
 def _scan_dir(image_dir: Path) -> list[Path]:
     if not image_dir.is_dir():
         raise UserError(f"image_dir {image_dir}: not a directory; fix the path in train_data_dir / dataset_config")
-    paths = sorted(p for p in image_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    paths = list_images(image_dir)
     if not paths:
         raise UserError(f"image_dir {image_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}); add images or remove "
                         "the subset")

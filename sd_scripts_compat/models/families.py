@@ -1,9 +1,10 @@
 """Model families (SD 1.x, SD 2.x, SDXL and their tiny test twins) as data.
 
 Each family is one JSON file in ``data/families/``: diffusers-style configs for the UNet, VAE and
-text encoder(s), the noise-scheduler config, and the few facts kohya's file format needs (base
-model version, modelspec architecture, LoRA key prefixes). Code asks the spec; it never branches
-on a family name.
+text encoder(s), the noise-scheduler config, and the few facts kohya needs (base model version,
+modelspec architecture, LoRA key prefixes, whether it is a ``--v2`` model, which training script
+trains it, the text-encoder layout of its single-file checkpoints). Code asks the spec; it never
+branches on a family name. ``sd_scripts_compat.models.detect`` tells which family a model is.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class FamilySpec:
     modelspec_architecture: str
     resolution: int
     prediction_type: str
+    v2: bool  # kohya's --v2: SD 2.x (OpenCLIP text encoder, 1024-wide cross-attention)
+    kohya_script: str  # the sd-scripts entry point that trains it: train_network.py / sdxl_train_network.py
+    single_file_layout: str  # text-encoder layout of its original-layout checkpoints: "sd1", "sd2", "sdxl"
     unet: dict[str, Any]
     vae: dict[str, Any]
     text_encoders: tuple[TextEncoderSpec, ...]
@@ -52,6 +56,17 @@ class FamilySpec:
     @property
     def v_parameterization(self) -> bool:
         return self.prediction_type == "v_prediction"
+
+    @property
+    def latent_downsample(self) -> int:
+        """Image pixels per latent pixel along a side: each VAE encoder block but the last halves the image
+        (diffusers derives it the same way). 8 for the full-size VAEs."""
+        return 2 ** (len(self.vae["block_out_channels"]) - 1)
+
+    @property
+    def engine_module(self) -> str:
+        """Our engine's module for ``kohya_script`` (``python -m sd_scripts_compat.sdxl_train_network``)."""
+        return "sd_scripts_compat." + self.kohya_script.removesuffix(".py")
 
 
 def family_names() -> list[str]:

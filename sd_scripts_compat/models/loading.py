@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec, family_names, get_family
+from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family, known_family
+from sd_scripts_compat.models.families import FamilySpec, family_names
 
 if TYPE_CHECKING:
     import torch
 
     from sd_scripts_compat.models.build import ModelBundle
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_IDS = ("tiny-sd15", "tiny-sdxl", "sd15", "sd2", "sd2-v", "sdxl")
+BUILTIN_IDS = tuple(family_names())  # every family can be built (random weights)
 DIFFUSERS_TEXT_PARTS = ("text_encoder", "text_encoder_2")
 DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
 
@@ -37,11 +37,11 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
     ``family`` is the user's statement of what the model is (e.g. ``sd2-v`` for an SD2 768-v file
     without a v-prediction marker); a model that contradicts it is a UserError naming both.
     """
-    if family is not None and family not in family_names():
-        raise UserError(f"unknown model family {family!r}; known: {', '.join(family_names())}")
+    if family is not None:
+        known_family(family, ENGINE_STATED_BY)
     text = os.fspath(spec)
     if text.startswith(BUILTIN_PREFIX):
-        return _load_builtin(text[len(BUILTIN_PREFIX):], family=family, device=device, dtype=dtype)
+        return _load_builtin(text, family=family, device=device, dtype=dtype)
     path = Path(text).expanduser()
     if path.is_dir():
         return load_diffusers_folder(path, family=family, device=device, dtype=dtype)
@@ -50,17 +50,12 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
     return load_single_file(path, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype)
 
 
-def _load_builtin(name: str, *, family: str | None, device: str | torch.device,
+def _load_builtin(model: str, *, family: str | None, device: str | torch.device,
                   dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.build import build_modules
 
-    if name not in BUILTIN_IDS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_IDS)
-        raise UserError(f"unknown built-in model {BUILTIN_PREFIX}{name}; known: {known}")
-    if family is not None and family != name:
-        raise UserError(f"{BUILTIN_PREFIX}{name} is a {name} model but family {family} was requested; "
-                        f"drop the family option or use {family}")
-    return build_modules(get_family(name), device=device, dtype=dtype, seed=0)
+    return build_modules(detect_family(model, family, stated_by=ENGINE_STATED_BY), device=device, dtype=dtype,
+                         seed=0)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -79,38 +74,34 @@ def _shape_signature(modules: list[Any]) -> list[dict[str, tuple[int, ...]]]:
     return [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in modules]
 
 
-def detect_folder_family(unet: Any, vae: Any, text_encoders: list[Any], prediction_type: str | None,
-                         stated: str | None, folder: Path) -> FamilySpec:
-    """The family whose modules have exactly these state-dict shapes (and prediction type, for SD2)."""
+def check_folder_shapes(spec: FamilySpec, unet: Any, vae: Any, text_encoders: list[Any], folder: Path) -> None:
+    """The strict check after loading: the modules have exactly the state-dict shapes of ``spec``, the
+    family ``models.detect`` read from the folder's configs (a one-line UserError naming the first
+    difference otherwise)."""
     import torch
 
     from sd_scripts_compat.models.single_file import _empty_bundle
 
+    with torch.device("meta"):
+        ref = _empty_bundle(spec)
+    want = _shape_signature([ref.unet, ref.vae, *ref.text_encoders])
     got = _shape_signature([unet, vae, *text_encoders])
-    matched = []
-    for name in family_names():
-        spec = get_family(name)
-        if len(spec.text_encoders) != len(text_encoders):
-            continue
-        if tuple(spec.unet["block_out_channels"]) != tuple(unet.config.block_out_channels):
-            continue  # cheap pre-filter before building the family on meta
-        with torch.device("meta"):
-            ref = _empty_bundle(spec)
-        if _shape_signature([ref.unet, ref.vae, *ref.text_encoders]) == got:
-            matched.append(spec)
-    if not matched:
-        raise UserError(f"{folder}: the model's shapes match no known family ({', '.join(family_names())}); "
-                        "expected an SD1.x, SD2.x or SDXL base model")
-    wanted = prediction_type or "epsilon"
-    if stated is not None:
-        for spec in matched:
-            if spec.name == stated and (prediction_type is None or spec.prediction_type == prediction_type):
-                return spec
-    detected = next((s for s in matched if s.prediction_type == wanted), matched[0])
-    if stated is not None and stated != detected.name:
-        raise UserError(f"{folder} is a {detected.name} model but family {stated} was requested; "
-                        f"drop the family option or use {detected.name}")
-    return detected
+    if want == got:
+        return
+    raise UserError(f"{folder}: the model's shapes do not match family {spec.name}, which its configs name "
+                    f"({_first_difference(want, got, spec)}); expected an SD1.x, SD2.x or SDXL base model")
+
+
+def _first_difference(want: list[dict[str, tuple[int, ...]]], got: list[dict[str, tuple[int, ...]]],
+                      spec: FamilySpec) -> str:
+    if len(want) != len(got):
+        return f"{len(got) - 2} text encoder(s), {spec.name} has {len(want) - 2}"
+    parts = ("unet", "vae", *DIFFUSERS_TEXT_PARTS)
+    for part, expected, shapes in zip(parts, want, got):
+        for key in sorted(expected.keys() | shapes.keys()):
+            if expected.get(key) != shapes.get(key):
+                return f"{part} {key} is {shapes.get(key)}, expected {expected.get(key)}"
+    return "same shapes"
 
 
 def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None = None,
@@ -134,6 +125,7 @@ def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None 
     for part in ("unet", "vae", "text_encoder"):
         if not (folder / part / "config.json").is_file():
             raise UserError(f"{folder / part / 'config.json'} not found; expected a complete diffusers model folder")
+    spec = detect_family(folder, family, stated_by=ENGINE_STATED_BY)  # from its configs, before any weights
     target = dtype or torch.float32
     try:
         unet = UNet2DConditionModel.from_pretrained(folder / "unet", local_files_only=True, torch_dtype=target)
@@ -159,7 +151,7 @@ def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None 
     scheduler_file = folder / "scheduler" / "scheduler_config.json"
     scheduler_config = _read_json(scheduler_file) if scheduler_file.is_file() else None
     prediction = scheduler_config.get("prediction_type") if scheduler_config else None
-    spec = detect_folder_family(unet, vae, text_encoders, prediction, family, folder)
+    check_folder_shapes(spec, unet, vae, text_encoders, folder)
 
     tokenizers, tokenizer_sources = [], []
     for te_spec, part in zip(spec.text_encoders, DIFFUSERS_TOKENIZER_PARTS, strict=False):

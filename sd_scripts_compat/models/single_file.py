@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec, family_names, get_family, model_config
+from sd_scripts_compat.models.detect import (
+    ENGINE_STATED_BY,
+    V_PRED_KEY,
+    all_families,
+    checkpoint_candidates,
+    choose_family,
+    file_prediction,
+)
+from sd_scripts_compat.models.families import FamilySpec, model_config
 from sd_scripts_compat.models.unet_names import diffusers_to_ldm_unet_name
 
 if TYPE_CHECKING:
@@ -40,21 +48,11 @@ SD1_TE_PREFIX = "cond_stage_model.transformer.text_model."
 SD2_TE_PREFIX = "cond_stage_model.model."
 SDXL_TE1_PREFIX = "conditioner.embedders.0.transformer.text_model."
 SDXL_TE2_PREFIX = "conditioner.embedders.1.model."
-V_PRED_KEY = "v_pred"  # an empty tensor some tools (sd-scripts, ComfyUI) use to mark v-prediction SD2 files
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth")
+# The original text-encoder layouts (a family's ``single_file_layout`` names one of them).
 LAYOUT_NAMES = {"sd1": "SD 1.x (CLIP-L text encoder)", "sd2": "SD 2.x (OpenCLIP-H text encoder)",
                 "sdxl": "SDXL (CLIP-L + OpenCLIP-bigG text encoders)"}
-
-
-def family_layout(family: FamilySpec) -> str:
-    """Which original text-encoder layout a family uses: "sd1", "sd2" or "sdxl" (from its base-model version)."""
-    version = family.ss_base_model_version
-    if version.startswith("sdxl"):
-        return "sdxl"
-    if version.startswith("sd_v2"):
-        return "sd2"
-    return "sd1"
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -138,7 +136,7 @@ def original_state_dict(bundle: ModelBundle, include_placeholders: bool = True) 
     ``include_placeholders=False`` leaves out tensors that exist only for other tools' sake (SD2's
     unused 24th text block, OpenCLIP's logit_scale): that is the set a loader needs.
     """
-    layout = family_layout(bundle.family)
+    layout = bundle.family.single_file_layout
     unet_config = dict(bundle.unet.config)
     out = {UNET_PREFIX + diffusers_to_ldm_unet_name(name, unet_config): t
            for name, t in bundle.unet.state_dict().items()}
@@ -323,15 +321,6 @@ def _expected_shapes_cached(key: _FamilyKey) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in original_state_dict(bundle, include_placeholders=False).items()}
 
 
-def _conv_in_fits(checkpoint: Checkpoint, family: FamilySpec) -> bool:
-    """Cheap pre-filter before building a family's full expected shapes: the UNet's first conv."""
-    unet = family.unet
-    expected = (unet["block_out_channels"][0], unet.get("in_channels", 4), unet.get("conv_in_kernel", 3),
-                unet.get("conv_in_kernel", 3))
-    shape = checkpoint.shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
-    return shape is None or tuple(shape) == expected
-
-
 def _mismatch(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> str | None:
     for key, shape in expected.items():
         if key not in shapes:
@@ -341,21 +330,10 @@ def _mismatch(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tupl
     return None
 
 
-def _file_prediction(checkpoint: Checkpoint) -> str | None:
-    """"v_prediction" / "epsilon" when the file says so, else None (SD2 768-v files often carry no marker)."""
-    if V_PRED_KEY in checkpoint.shapes:
-        return "v_prediction"
-    stated = checkpoint.metadata.get("modelspec.prediction_type", "").lower()
-    if stated in ("v", "v_prediction", "v-prediction"):
-        return "v_prediction"
-    if stated == "epsilon":
-        return "epsilon"
-    return None
-
-
 def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None,
                   candidates: Iterable[FamilySpec] | None = None) -> FamilySpec:
-    """The family of a single file, from key structure, tensor shapes and v-prediction markers.
+    """The family of a single file: the cheap candidates of ``models.detect`` (layout, first conv), then
+    every tensor shape, then ``detect.choose_family`` (stated family, v-prediction markers).
 
     A ``FamilySpec`` passed as ``stated`` is the only candidate (custom variants, tests). A stated
     family name that the file contradicts is a UserError naming both.
@@ -364,10 +342,9 @@ def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None
     if isinstance(stated, FamilySpec):
         pool = [stated]
     else:
-        pool = list(candidates) if candidates is not None else [get_family(n) for n in family_names()]
-    pool = [f for f in pool if family_layout(f) == layout and _conv_in_fits(checkpoint, f)]
+        pool = list(candidates) if candidates is not None else all_families()
     matched, reasons = [], []
-    for family in pool:
+    for family in checkpoint_candidates(checkpoint.shapes, layout, pool):
         reason = _mismatch(checkpoint.shapes, expected_shapes(family))
         if reason is None:
             matched.append(family)
@@ -379,20 +356,8 @@ def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None
         wanted = f" (requested family {stated_name})" if stated_name else ""
         raise UserError(f"{checkpoint.path} looks like {LAYOUT_NAMES[layout]} but its tensor shapes match no known "
                         f"family{wanted}: {detail}")
-    marker = _file_prediction(checkpoint)
-    if stated_name is not None:
-        for family in matched:
-            if family.name == stated_name and marker in (None, family.prediction_type):
-                return family
-        detected = _pick(matched, marker)
-        raise UserError(f"{checkpoint.path} is a {detected.name} checkpoint but family {stated_name} was requested; "
-                        f"drop the family option or use {detected.name}")
-    return _pick(matched, marker)
-
-
-def _pick(matched: list[FamilySpec], marker: str | None) -> FamilySpec:
-    wanted = marker or "epsilon"
-    return next((f for f in matched if f.prediction_type == wanted), matched[0])
+    return choose_family(matched, file_prediction(checkpoint.shapes, checkpoint.metadata), stated_name,
+                         subject=str(checkpoint.path), noun="checkpoint", stated_by=ENGINE_STATED_BY)
 
 
 def convert_checkpoint(tensors: Mapping[str, torch.Tensor], family: FamilySpec) -> dict[str, dict[str, Any]]:
@@ -407,7 +372,7 @@ def convert_checkpoint(tensors: Mapping[str, torch.Tensor], family: FamilySpec) 
         convert_open_clip_checkpoint,
     )
 
-    layout = family_layout(family)
+    layout = family.single_file_layout
     parts: dict[str, dict[str, Any]] = {
         "unet": convert_ldm_unet_checkpoint(dict(tensors), model_config(family.unet)),
         "vae": convert_ldm_vae_checkpoint(dict(tensors), model_config(family.vae)),

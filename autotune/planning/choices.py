@@ -1,0 +1,230 @@
+"""Every setting a plan writes into config.toml, each with the rule that chose it (its reason).
+
+``plan_choices`` lists them in the order the file shows them, one function per section (model and
+dataset, network, optimizer, training, saving, informational); the reasons are the comments above
+each key in config.toml and the "reason" column of ``autotune plan``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotune.planning.dataset import DatasetSummary
+from autotune.planning.goals import GoalProfile, learning_rate
+from autotune.planning.request import GIB, PlanRequest
+from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.models.families import FamilySpec
+
+OPTIMIZER_REASONS = {
+    "AdamW8bit": "8-bit Adam state (2 bytes/param instead of 8), same quality in practice",
+    "AdamW": "fp32 Adam state: the reference optimizer (priority quality)",
+    "Prodigy": "Prodigy estimates its own step size (learning rates 1.0)",
+}
+PRODIGY_ARGS = ["decouple=True", "weight_decay=0.01", "use_bias_correction=True", "safeguard_warmup=True"]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One planned setting. ``kohya`` False: informational (effective batch, devices), not a config key."""
+
+    key: str
+    value: Any
+    reason: str
+    kohya: bool = True
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What the choices are made from: the request, the search's settings and the amount of training."""
+
+    request: PlanRequest
+    family: FamilySpec
+    dataset: DatasetSummary
+    goal: GoalProfile
+    settings: TrainSettings
+    devices: int
+    effective: int
+    epochs: int
+    steps: int
+    target_views: int
+    precision_reason: str
+    fallbacks: tuple[str, ...]
+    preferred_opt: str
+    usable: int
+    peak: int
+
+    @property
+    def side(self) -> int:
+        """The (square) training resolution in px."""
+        return self.settings.resolution[0]
+
+
+def plan_choices(c: PlanContext) -> tuple[Choice, ...]:
+    """Every setting in config.toml, with its reason, in the order the file shows them."""
+    return (*_model_and_dataset(c), *_network(c), *_optimizer(c), *_training(c), *_saving(c), *_informational(c))
+
+
+def _model_and_dataset(c: PlanContext) -> list[Choice]:
+    s, fam, req = c.settings, c.family, c.request
+    out = [Choice("pretrained_model_name_or_path", req.model,
+                  "builtin:<id> is understood by lora-autotune's engine only" if req.model.startswith("builtin:")
+                  else "the base model you gave")]
+    if fam.v2:
+        out.append(Choice("v2", True, "SD 2.x: OpenCLIP text encoder and 1024-wide cross-attention"))
+    if fam.v_parameterization:
+        out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
+    here = req.output_dir is not None
+    out.append(Choice("dataset_config", str(Path(req.output_dir).expanduser().resolve() / "dataset.toml")
+                      if here else "dataset.toml",
+                      "images, repeats and captions: the dataset.toml written next to this file" if here
+                      else "images, repeats and captions: dataset.toml, relative to the folder you launch from"))
+    pinned = req.preferences.resolution
+    res_reason = (f"{fam.name}'s native size" if c.side == fam.resolution and not pinned
+                  else "your --resolution" if pinned and c.side == pinned
+                  else f"lowered from {fam.resolution}: nothing fit at the native size (quality cost)")
+    step, min_bucket = bucket_rules(fam, c.side)
+    out += [
+        Choice("resolution", f"{c.side},{c.side}", res_reason + "; activation memory grows with its square"),
+        Choice("enable_bucket", True, "keeps each image's aspect ratio; bucket area never exceeds resolution^2"),
+        Choice("min_bucket_reso", min_bucket, "half the resolution: narrower buckets waste pixels"),
+        Choice("max_bucket_reso", s.max_bucket_reso, "twice the resolution: tall/wide images keep their shape"),
+        Choice("bucket_reso_steps", step, bucket_step_reason(step)),
+        Choice("bucket_no_upscale", True, "small images are not blown up past their own size"),
+        Choice("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder"),
+        Choice("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (files next to the images)"),
+    ]
+    if s.cache_text_encoder_outputs:
+        out.append(Choice("cache_text_encoder_outputs", True,
+                          "text encoders run once and leave VRAM (SDXL UNet-only training); captions cannot be "
+                          "shuffled"))
+    workers = min(2, req.cpu_physical_cores // 2)
+    out.append(Choice("max_data_loader_n_workers", workers, f"{req.cpu_physical_cores} physical cores; cached "
+                      "latents make a batch cheap to load, so 0-2 workers"))
+    if workers > 0:
+        out.append(Choice("persistent_data_loader_workers", True, "workers survive between epochs (no restart stall)"))
+    return out
+
+
+def _network(c: PlanContext) -> list[Choice]:
+    s, req, goal = c.settings, c.request, c.goal
+    pinned = req.preferences.rank
+    rank_reason = ("your --rank" if pinned and s.network_dim == pinned
+                   else f"goal {req.goal}: rank {goal.rank}" if s.network_dim == goal.rank
+                   else f"lowered from {pinned or goal.rank} to fit memory (fewer LoRA parameters)")
+    out = [
+        Choice("network_module", "networks.lora", "kohya's LoRA (LierLa: linear layers of attention and MLPs)"),
+        Choice("network_dim", s.network_dim, rank_reason),
+        Choice("network_alpha", s.network_alpha,
+               "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
+    ]
+    if s.network_train_unet_only:
+        te_reason = ("UNet only: fit memory" if any(f.startswith("UNet only") for f in c.fallbacks)
+                     else "your choice" if req.preferences.train_text_encoder is False
+                     else "SDXL: training its two text encoders costs much memory for little gain")
+        out.append(Choice("network_train_unet_only", True, te_reason))
+    return out
+
+
+def _optimizer(c: PlanContext) -> list[Choice]:
+    s, req, goal = c.settings, c.request, c.goal
+    opt_reason = OPTIMIZER_REASONS[s.optimizer_type]
+    if s.optimizer_type != c.preferred_opt:
+        opt_reason = f"switched from {c.preferred_opt} to fit memory; " + opt_reason
+    elif req.preferences.optimizer:
+        opt_reason = "your --optimizer; " + opt_reason
+    out = [Choice("optimizer_type", s.optimizer_type, opt_reason)]
+    if s.optimizer_type == "Prodigy":
+        out.append(Choice("optimizer_args", list(PRODIGY_ARGS), "Prodigy's usual LoRA settings (decoupled weight "
+                                                                "decay)"))
+        unet_lr, te_lr = 1.0, 1.0
+        lr_reason = "Prodigy: 1.0 means 'use the estimated step size'"
+    else:
+        unet_lr = learning_rate(goal, c.effective)
+        te_lr = float(f"{unet_lr / 2:.3g}")
+        lr_reason = (f"goal {req.goal}: {goal.unet_lr:g} x sqrt(effective batch {c.effective} / 4), "
+                     "clamped to [2.5e-5, 4e-4]")
+    out += [Choice("learning_rate", unet_lr, "same as unet_lr (kohya uses the per-part rates below)"),
+            Choice("unet_lr", unet_lr, lr_reason)]
+    if not s.network_train_unet_only:
+        out.append(Choice("text_encoder_lr", [te_lr], "half the UNet rate: text encoders overfit fast"))
+    out += [Choice("lr_scheduler", "cosine", "decays to zero by the last step"),
+            Choice("lr_warmup_steps", int(round(0.05 * c.steps)),
+                   f"5% of {c.steps} steps: protects the fresh LoRA from large early updates")]
+    return out
+
+
+def _training(c: PlanContext) -> list[Choice]:
+    s, fam, req, goal = c.settings, c.family, c.request, c.goal
+    mb, accum = s.train_batch_size, s.gradient_accumulation_steps
+    out = [
+        Choice("train_batch_size", mb, f"fastest fitting micro-batch: predicted peak {c.peak / GIB:.2f} GiB of "
+                                       f"{c.usable / GIB:.2f} GiB usable per device"),
+        Choice("gradient_accumulation_steps", accum, f"effective batch {c.effective} = {mb} x {accum}"
+               + (f" x {c.devices} devices" if c.devices > 1 else "") + f" (goal {req.goal} wants "
+               f"{goal.effective_batch})"),
+        Choice("gradient_checkpointing", s.gradient_checkpointing,
+               "needed to fit: recomputes activations in backward (~30% slower, far less memory)"
+               if s.gradient_checkpointing else "off: everything fits without recomputing activations (faster)"),
+        Choice("mixed_precision", s.mixed_precision, c.precision_reason),
+    ]
+    if s.fp8_base:
+        out.append(Choice("fp8_base", True, "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; "
+                                            "slight quality cost)"))
+    if s.xformers:
+        out.append(Choice("xformers", True, "your --attention xformers: memory-efficient attention kernel"))
+    else:
+        out.append(Choice("sdpa", True, "PyTorch scaled-dot-product attention: flash / memory-efficient kernels, "
+                                        "no extra install"))
+    if fam.is_sdxl and s.mixed_precision == "fp16":
+        out.append(Choice("no_half_vae", True, "SDXL's VAE overflows in fp16 (NaN latents); it only runs while "
+                                               "caching"))
+    epochs_reason = (f"~{c.target_views} image-views for goal {req.goal} ({c.dataset.num_images} images, "
+                     f"{c.dataset.views_per_epoch} views per epoch) -> {c.steps} optimizer steps")
+    if not req.gpus and is_tiny_scale(fam) and not req.preferences.epochs:
+        epochs_reason += f"; tiny model on CPU: capped to a short run (<= {TINY_CPU_MAX_STEPS} steps, >= 1 epoch)"
+    out += [Choice("max_train_epochs", c.epochs, epochs_reason),
+            Choice("seed", req.preferences.seed, "fixed seed: reruns are reproducible")]
+    return out
+
+
+def output_paths(request: PlanRequest) -> tuple[str, str]:
+    """(output_dir, logging_dir): relative to the launch folder, or under ``--out``."""
+    if request.output_dir is None:
+        return "./output", "./logs"
+    base = Path(request.output_dir).expanduser().resolve()
+    return str(base / "output"), str(base / "logs")
+
+
+def output_name(request: PlanRequest, dataset: DatasetSummary, family: FamilySpec) -> str:
+    if request.preferences.output_name:
+        return request.preferences.output_name
+    stem = Path(dataset.root).name if request.dataset_dir else "lora"
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in stem).strip("_") or "lora"
+    return f"{safe}-{family.name}"
+
+
+def _saving(c: PlanContext) -> list[Choice]:
+    output_dir, logging_dir = output_paths(c.request)
+    return [
+        Choice("output_dir", output_dir, "trained LoRA files go here"),
+        Choice("output_name", output_name(c.request, c.dataset, c.family), "dataset folder and family"),
+        Choice("save_model_as", "safetensors", "safe format, kohya's default"),
+        Choice("save_precision", "fp16", "half-size LoRA files, loadable everywhere"),
+        Choice("save_every_n_epochs", max(1, math.ceil(c.epochs / 4)), "about four checkpoints to compare"),
+        Choice("logging_dir", logging_dir, "TensorBoard logs"),
+        Choice("log_with", "tensorboard", "loss curves without an account"),
+    ]
+
+
+def _informational(c: PlanContext) -> list[Choice]:
+    out = [Choice("effective_batch", c.effective, "samples per optimizer step across accumulation and devices",
+                  kohya=False),
+           Choice("num_processes", c.devices, "data-parallel processes (one per GPU)", kohya=False)]
+    if c.fallbacks:
+        out.append(Choice("fallbacks", ", ".join(c.fallbacks), "given up, in this order, because nothing fit before",
+                          kohya=False))
+    return out

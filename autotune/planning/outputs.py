@@ -1,0 +1,48 @@
+"""What a plan produces besides config.toml's keys: the dataset.toml values and the launch command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from autotune.planning.dataset import DatasetSummary
+from autotune.planning.resolution import bucket_rules
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.models.families import FamilySpec
+
+
+def dataset_config(settings: TrainSettings, dataset: DatasetSummary, family: FamilySpec) -> dict[str, Any]:
+    """kohya's dataset.toml: [general] + one [[datasets]] with a [[datasets.subsets]] per N_name folder."""
+    subsets = []
+    for sub in dataset.subsets:
+        entry: dict[str, Any] = {"image_dir": sub.image_dir, "num_repeats": sub.num_repeats}
+        if sub.class_tokens:
+            entry["class_tokens"] = sub.class_tokens
+        subsets.append(entry)
+    cached_text = settings.cache_text_encoder_outputs
+    general: dict[str, Any] = {"caption_extension": dataset.caption_extension, "shuffle_caption": not cached_text,
+                               "keep_tokens": 0 if cached_text else 1}
+    step, min_bucket = bucket_rules(family, settings.resolution[0])
+    block = {
+        "resolution": list(settings.resolution),
+        "batch_size": settings.train_batch_size,
+        "enable_bucket": True,
+        "min_bucket_reso": min_bucket,
+        "max_bucket_reso": settings.max_bucket_reso,
+        "bucket_reso_steps": step,
+        "bucket_no_upscale": True,
+        "subsets": subsets,
+    }
+    return {"general": general, "datasets": [block]}
+
+
+def launch_command(family: FamilySpec, devices: int, precision: str, output_dir: str | None) -> tuple[str, ...]:
+    """The sd-scripts command line for this plan (our engine takes the same --config_file)."""
+    config = "config.toml" if output_dir is None else str(Path(output_dir).expanduser().resolve() / "config.toml")
+    cmd = ["accelerate", "launch", "--num_processes", str(devices)]
+    if devices > 1:
+        cmd.append("--multi_gpu")
+    if precision in ("fp16", "bf16"):
+        cmd += ["--mixed_precision", precision]
+    cmd += ["--num_cpu_threads_per_process", "1", family.kohya_script, "--config_file", config]
+    return tuple(cmd)

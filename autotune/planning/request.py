@@ -1,0 +1,129 @@
+"""What a plan is asked for: the devices to plan for, the user's pinned preferences, and their checks.
+
+``gpu_from_spec`` / ``gpu_from_vram`` turn a catalogue card or a bare ``--vram GB`` into a
+``GpuTarget``; ``validate_request`` turns a bad goal, priority or preference into a one-line UserError
+naming the option, before anything is planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from autotune.planning.dataset import DatasetSummary
+from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
+from autotune.planning.resolution import MIN_BUCKET_RESO, RESOLUTION_STEP
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.hardware.gpu_catalog import GpuSpec
+
+GIB = 1024**3
+# Cards without a name (--vram only) plan with these rates: a mid Ampere card, bf16 capable.
+GENERIC_GPU_NAME = "RTX 3090"
+ATTENTIONS = ("sdpa", "xformers")
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """One device to plan for: its memory, what others already hold on it, and its catalogue rates."""
+
+    name: str
+    total_bytes: int
+    held_bytes: int = 0  # other processes + display, from the live probe; 0 for a named card
+    compute_capability: str | None = None
+    bf16: bool = False
+    fp8: bool = False
+    spec: GpuSpec | None = None
+    source: str = "catalogue"  # "probe", "catalogue", "--vram"
+
+    @property
+    def usable_bytes(self) -> int:
+        return max(0, self.total_bytes - self.held_bytes)
+
+    @property
+    def cc_tuple(self) -> tuple[int, int] | None:
+        if not self.compute_capability:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    @property
+    def bf16_capable(self) -> bool:
+        cc = self.cc_tuple
+        return cc >= (8, 0) if cc is not None else self.bf16
+
+    @property
+    def fp8_base_capable(self) -> bool:
+        """fp8_base stores frozen weights in float8; our engine (as fp8 pays off) wants compute capability 8.9+."""
+        cc = self.cc_tuple
+        return cc is not None and cc >= (8, 9)
+
+
+@dataclass(frozen=True)
+class Preferences:
+    """What the user pinned. None = let the planner choose."""
+
+    optimizer: str | None = None  # AdamW8bit | AdamW | Prodigy
+    train_text_encoder: bool | None = None
+    rank: int | None = None
+    resolution: int | None = None
+    attention: str = "sdpa"  # sdpa | xformers
+    allow_fp8: bool = True
+    epochs: int | None = None
+    seed: int = 42
+    output_name: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    dataset_dir: str | None
+    model: str  # "builtin:sdxl" or a path (safetensors file / diffusers folder)
+    family: str | None = None  # detected from ``model`` when None
+    gpus: tuple[GpuTarget, ...] = ()  # empty: plan for this machine's CPU
+    goal: str = "character"
+    priority: str = "balanced"
+    preferences: Preferences = field(default_factory=Preferences)
+    cpu_physical_cores: int = 4
+    cpu_memory_bytes: int | None = None  # for CPU-only plans
+    dataset: DatasetSummary | None = None  # given instead of scanning ``dataset_dir`` (templates)
+    output_dir: str | None = None  # where config.toml goes; trained LoRAs go to <output_dir>/output
+    probe_summary: str = ""  # one line describing the probe, for the config header
+
+
+def gpu_from_spec(spec: GpuSpec, vram_gb: float | None = None, held_bytes: int = 0,
+                  source: str = "catalogue", name: str | None = None) -> GpuTarget:
+    """A planning target from a catalogue card; ``vram_gb`` overrides its memory (emulating a smaller card)."""
+    gb = spec.vram_gb if vram_gb is None else vram_gb
+    return GpuTarget(name=name or spec.name, total_bytes=int(round(gb * GIB)), held_bytes=held_bytes,
+                     compute_capability=spec.compute_capability, bf16=spec.bf16, fp8=spec.fp8, spec=spec,
+                     source=source)
+
+
+def gpu_from_vram(vram_gb: float, base: GpuSpec | None = None) -> GpuTarget:
+    """``--vram GB`` alone: a card of that size with the rates of ``base`` (default: a generic Ampere card)."""
+    if vram_gb <= 0:
+        raise UserError(f"--vram {vram_gb}: must be a positive number of GB, e.g. --vram 12")
+    if base is None:
+        from autotune.hardware.gpu_catalog import lookup_gpu
+
+        base = lookup_gpu(GENERIC_GPU_NAME)
+    return gpu_from_spec(base, vram_gb=vram_gb, source="--vram", name=f"{vram_gb:g} GB GPU ({base.name} rates)")
+
+
+def validate_request(request: PlanRequest) -> None:
+    """A one-line UserError naming the option for a bad goal, priority or preference."""
+    if request.goal not in GOALS:
+        raise UserError(f"--goal {request.goal}: unknown goal; choose one of {', '.join(GOALS)}")
+    if request.priority not in PRIORITIES:
+        raise UserError(f"--priority {request.priority}: unknown priority; choose one of {', '.join(PRIORITIES)}")
+    prefs = request.preferences
+    if prefs.optimizer is not None and prefs.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer {prefs.optimizer}: the planner chooses among {', '.join(OPTIMIZERS)}")
+    if prefs.rank is not None and prefs.rank < 1:
+        raise UserError(f"--rank {prefs.rank}: must be a positive integer, e.g. 16")
+    if prefs.resolution is not None and (prefs.resolution < MIN_BUCKET_RESO or prefs.resolution % RESOLUTION_STEP):
+        raise UserError(f"--resolution {prefs.resolution}: must be a multiple of {RESOLUTION_STEP}, "
+                        f"at least {MIN_BUCKET_RESO}")
+    if prefs.attention not in ATTENTIONS:
+        raise UserError(f"--attention {prefs.attention}: choose sdpa or xformers")

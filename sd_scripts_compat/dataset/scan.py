@@ -1,0 +1,156 @@
+"""One dataset scan: which files are images, kohya's ``N_name`` folder rule, and what a dataset folder holds.
+
+Every reader of a dataset folder goes through here, so they cannot disagree about it: the engine's
+folder convention (``train_data_dir``) and image listing, ``autotune plan`` (counting images and
+repeats) and ``autotune run`` (checking the folder before anything heavy). The scan only lists and
+stats files; it never opens an image.
+
+The rules (sd-scripts'):
+
+- an image is a file ending in one of ``IMAGE_EXTENSIONS``, in any letter case;
+- a subfolder ``N_name`` holds images repeated N times per epoch with class tokens ``name``
+  (``10_sks dog`` -> 10, "sks dog"); a subfolder whose name does not start with an integer is
+  skipped, and so is one with N below 1 (its images would be seen 0 times);
+- a caption is the file next to an image with the image's stem and a caption extension.
+
+``scan_dataset_folder`` adds one rule of its own: images directly in the folder, when it has no
+``N_name`` subfolders, form one subset with 1 repeat (a dataset.toml can point at any folder; sd-scripts'
+``train_data_dir`` cannot, so ``DatasetScan.top_level`` says when that is the case).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sd_scripts_compat.errors import UserError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+CAPTION_EXTENSIONS = (".txt", ".caption")  # lora-scripts' default first, then sd-scripts' argparse default
+
+
+def is_image(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def list_images(folder: Path) -> list[Path]:
+    """The images directly in ``folder``, sorted by name (so runs never depend on the listing order)."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and is_image(p))
+
+
+def parse_repeat_folder(name: str) -> tuple[int, str] | None:
+    """kohya's folder rule: ``"10_sks dog"`` -> ``(10, "sks dog")``; None when the name does not start with
+    an integer. Like sd-scripts, the count is the text before the first ``_`` and the class tokens are the
+    rest, as they are (``"10"`` -> ``(10, "")``). A count below 1 is returned as it is: such a folder is
+    skipped (see ``MIN_REPEATS``)."""
+    head, _, tail = name.partition("_")
+    try:
+        return int(head), tail
+    except ValueError:
+        return None
+
+
+MIN_REPEATS = 1
+
+
+@dataclass(frozen=True)
+class SubsetScan:
+    """One image folder: its repeats and class tokens (None when the folder name gives none), its images,
+    and the caption files next to them by extension (every extension of the scan is a key)."""
+
+    folder: Path
+    num_repeats: int
+    class_tokens: str | None
+    images: tuple[Path, ...]
+    caption_files: dict[str, tuple[Path, ...]] = field(hash=False)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    def caption_extensions(self) -> list[str | None]:
+        """Per image (in ``images`` order): the first caption extension, in the scan's order, that it has a
+        caption file for; None for an image without one."""
+        present = {ext: set(files) for ext, files in self.caption_files.items()}
+        return [next((ext for ext, files in present.items() if image.with_suffix(ext) in files), None)
+                for image in self.images]
+
+
+@dataclass(frozen=True)
+class DatasetScan:
+    """What a dataset folder holds. ``subsets`` is empty when it holds no usable images (see
+    ``require_images``); ``warnings`` name every folder skipped and why."""
+
+    root: Path
+    subsets: tuple[SubsetScan, ...]
+    warnings: tuple[str, ...]
+    top_level: bool  # the one subset is ``root`` itself: images directly in the folder, 1 repeat
+
+    @property
+    def num_images(self) -> int:
+        return sum(s.num_images for s in self.subsets)
+
+    @property
+    def views_per_epoch(self) -> int:
+        """Images seen in one kohya epoch: each folder's images times its repeats."""
+        return sum(s.num_images * s.num_repeats for s in self.subsets)
+
+
+def _subset(folder: Path, repeats: int, tokens: str | None, images: list[Path],
+            caption_extensions: tuple[str, ...]) -> SubsetScan:
+    captions = {ext: tuple(c for c in (image.with_suffix(ext) for image in images) if c.is_file())
+                for ext in caption_extensions}
+    return SubsetScan(folder=folder, num_repeats=repeats, class_tokens=tokens, images=tuple(images),
+                      caption_files=captions)
+
+
+def scan_dataset_folder(path: str | os.PathLike[str],
+                        caption_extensions: tuple[str, ...] = CAPTION_EXTENSIONS) -> DatasetScan:
+    """Scan a dataset folder the way sd-scripts reads ``--train_data_dir`` (see the module docstring).
+
+    Subfolders are taken in sorted order; hidden ones (``.name``) are passed over silently. A missing
+    folder is a one-line UserError; a folder without usable images is not (``subsets`` is empty and
+    ``warnings`` say why), so a caller can report everything at once.
+    """
+    root = Path(path).expanduser().resolve()
+    if not root.is_dir():
+        raise UserError(f"dataset folder {path} not found; give a folder of images or of N_name subfolders "
+                        "(e.g. 10_mychar/)")
+    subsets: list[SubsetScan] = []
+    warnings: list[str] = []
+    repeat_folders = 0
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        parsed = parse_repeat_folder(folder.name)
+        if parsed is None:
+            warnings.append(f"{folder.name}/ skipped: not named N_name (N = repeats, e.g. 10_{folder.name}), "
+                            "as sd-scripts skips it")
+            continue
+        repeats, tokens = parsed
+        repeat_folders += 1
+        if repeats < MIN_REPEATS:
+            warnings.append(f"{folder.name}/ skipped: {repeats} repeats means its images are seen 0 times "
+                            "(sd-scripts skips it); name it e.g. 1_" + (tokens or "name"))
+            continue
+        images = list_images(folder)
+        if not images:
+            warnings.append(f"{folder.name}/ holds no images ({', '.join(IMAGE_EXTENSIONS)}); skipped")
+            continue
+        subsets.append(_subset(folder, repeats, tokens or None, images, caption_extensions))
+    top = list_images(root)
+    if top and repeat_folders:
+        warnings.append(f"{len(top)} image(s) directly in {root.name}/ not used: with N_name subfolders, "
+                        "only their images are read")
+    top_level = bool(top) and not repeat_folders
+    if top_level:
+        subsets.append(_subset(root, 1, None, top, caption_extensions))
+    return DatasetScan(root=root, subsets=tuple(subsets), warnings=tuple(warnings), top_level=top_level)
+
+
+def require_images(scan: DatasetScan) -> DatasetScan:
+    """``scan`` itself, or a one-line UserError when it found no images to train on."""
+    if scan.subsets:
+        return scan
+    why = f" ({'; '.join(scan.warnings)})" if scan.warnings else ""
+    raise UserError(f"dataset folder {scan.root} holds no images in N_name subfolders{why}; put images "
+                    f"({', '.join(IMAGE_EXTENSIONS)}) in e.g. {scan.root / '10_mychar'}")

@@ -1,0 +1,197 @@
+"""One family detector: which family (``data/families/*.json``) a model is, cheaply and from data only.
+
+``detect_family(model, stated)`` answers for ``builtin:ID``, a diffusers folder and a single-file
+``.safetensors`` checkpoint by reading headers and config files only (no weights, no torch), so the
+planner, ``autotune run`` and ``autotune train`` can ask it before anything heavy. The engine's
+loaders keep their stricter checks (every tensor shape) but narrow and choose with the same pieces:
+
+- ``checkpoint_candidates``: families whose single-file layout (the ``single_file_layout`` fact) and
+  first UNet conv match a checkpoint's keys and shapes;
+- ``unet_config_candidates``: families whose UNet config agrees on the keys that tell families apart;
+- ``file_prediction``: the v-prediction markers a single file can carry;
+- ``choose_family``: the one rule that picks among the candidates: the stated family when it is one
+  of them and the file does not contradict it, else the one with the model's prediction type (epsilon
+  when the model does not say), full-size families before their tiny twins; a stated family that the
+  model contradicts is a one-line UserError naming both.
+
+Nothing here branches on a family name: the facts are in the family files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import FamilySpec, family_names, get_family
+
+BUILTIN_PREFIX = "builtin:"
+V_PRED_KEY = "v_pred"  # an empty tensor some tools (sd-scripts, ComfyUI) use to mark v-prediction SD2 files
+V_PREDICTION_NAMES = ("v", "v_prediction", "v-prediction")  # modelspec.prediction_type values meaning v
+# UNet config keys that tell the families apart (a real diffusers config has both; others may differ in form)
+UNET_DISTINGUISHING_KEYS = ("cross_attention_dim", "block_out_channels")
+ENGINE_STATED_BY = "the family option"  # how the engine's loaders name a stated family in their errors
+
+
+def all_families() -> list[FamilySpec]:
+    return [get_family(name) for name in family_names()]
+
+
+def known_family(name: str, stated_by: str = "--family") -> FamilySpec:
+    """The family called ``name``, or a one-line UserError listing the known ones."""
+    if name not in family_names():
+        raise UserError(f"unknown model family {name!r} ({stated_by}); known: {', '.join(family_names())}")
+    return get_family(name)
+
+
+def detect_family(model: str | os.PathLike[str], stated: str | None = None, *,
+                  stated_by: str = "--family") -> FamilySpec:
+    """The family of ``builtin:ID``, a diffusers folder or a ``.safetensors`` file, from headers and configs.
+
+    ``stated`` is the user's word for it (e.g. ``sd2-v`` for an SD2 768-v file without a v-prediction
+    marker); ``stated_by`` names where it came from in error messages. A model that contradicts it is a
+    UserError; a model that cannot be read cheaply (missing, a pickle checkpoint) takes it on trust,
+    so a plan can be made for a model that is elsewhere.
+    """
+    if stated is not None:
+        known_family(stated, stated_by)
+    text = os.fspath(model)
+    if text.startswith(BUILTIN_PREFIX):
+        return _builtin(text, stated, stated_by)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _family_of_folder(path, stated, stated_by)
+    if path.is_file() and path.suffix.lower() == ".safetensors":
+        return _family_of_single_file(path, stated, stated_by)
+    if stated is not None:
+        return get_family(stated)
+    if path.is_file():
+        raise UserError(f"{path}: cannot tell the family of a {path.suffix or 'suffix-less'} file without loading "
+                        f"it; name it with {stated_by} ({', '.join(family_names())})")
+    raise UserError(f"model {text} not found; give a .safetensors file, a diffusers folder or builtin:<id> "
+                    f"({', '.join(family_names())})")
+
+
+def _builtin(model: str, stated: str | None, stated_by: str) -> FamilySpec:
+    name = model[len(BUILTIN_PREFIX):]
+    if name not in family_names():
+        raise UserError(f"unknown built-in model {model}; known: "
+                        f"{', '.join(BUILTIN_PREFIX + n for n in family_names())}")
+    if stated is not None and stated != name:
+        raise UserError(f"{model} is a {name} model but family {stated} was requested; drop {stated_by} or use "
+                        f"{BUILTIN_PREFIX}{stated}")
+    return get_family(name)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: unreadable config ({error}); repair the diffusers folder") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object; expected a diffusers config")
+    return data
+
+
+def _family_of_folder(folder: Path, stated: str | None, stated_by: str) -> FamilySpec:
+    """A diffusers folder: ``unet/config.json`` and the scheduler's prediction type."""
+    unet_file = folder / "unet" / "config.json"
+    if not unet_file.is_file():
+        raise UserError(f"{folder}: no unet/config.json; expected a diffusers folder with model_index.json "
+                        "or a .safetensors file")
+    unet = _read_config(unet_file)
+    scheduler_file = folder / "scheduler" / "scheduler_config.json"
+    prediction = _read_config(scheduler_file).get("prediction_type") if scheduler_file.is_file() else None
+    matched = unet_config_candidates(unet, all_families())
+    if not matched:
+        if stated is not None:
+            return get_family(stated)
+        facts = ", ".join(f"{key} {unet.get(key)}" for key in UNET_DISTINGUISHING_KEYS)
+        raise UserError(f"{unet_file}: {facts} match no known family ({', '.join(family_names())}); expected an "
+                        f"SD1.x, SD2.x or SDXL model, or name its family with {stated_by}")
+    return choose_family(matched, prediction, stated, subject=str(folder), stated_by=stated_by)
+
+
+def _family_of_single_file(path: Path, stated: str | None, stated_by: str) -> FamilySpec:
+    """A single file: its layout from the header's keys, the first UNet conv, the v-prediction markers."""
+    from sd_scripts_compat.models.single_file import detect_layout, read_checkpoint
+
+    checkpoint = read_checkpoint(path, header_only=True)
+    matched = checkpoint_candidates(checkpoint.shapes, detect_layout(checkpoint), all_families())
+    if not matched:
+        if stated is not None:
+            return get_family(stated)
+        raise UserError(f"{path}: its first UNet convolution matches no known family ({', '.join(family_names())}); "
+                        f"expected an SD1.x, SD2.x or SDXL checkpoint, or name its family with {stated_by}")
+    prediction = file_prediction(checkpoint.shapes, checkpoint.metadata)
+    return choose_family(matched, prediction, stated, subject=str(path), noun="checkpoint", stated_by=stated_by)
+
+
+# ------------------------------------------------------------------------------------- shared pieces
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (list(a) if isinstance(a, (list, tuple)) else a) == (list(b) if isinstance(b, (list, tuple)) else b)
+
+
+def unet_config_candidates(config: Mapping[str, Any], pool: Iterable[FamilySpec]) -> list[FamilySpec]:
+    """Families whose UNet config agrees with ``config`` on every distinguishing key ``config`` has (none
+    when it has none of them: nothing to tell the families apart by)."""
+    keys = [key for key in UNET_DISTINGUISHING_KEYS if key in config]
+    return [f for f in pool if keys and all(_same(config[key], f.unet.get(key)) for key in keys)]
+
+
+def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
+                          pool: Iterable[FamilySpec]) -> list[FamilySpec]:
+    """Families of single-file ``layout`` whose first UNet conv has the shape in ``shapes`` (when present)."""
+    from sd_scripts_compat.models.single_file import UNET_PREFIX
+
+    shape = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
+    out = []
+    for family in pool:
+        unet = family.unet
+        kernel = unet.get("conv_in_kernel", 3)
+        expected = (unet["block_out_channels"][0], unet.get("in_channels", 4), kernel, kernel)
+        if family.single_file_layout == layout and (shape is None or tuple(shape) == expected):
+            out.append(family)
+    return out
+
+
+def file_prediction(shapes: Mapping[str, Any], metadata: Mapping[str, str]) -> str | None:
+    """"v_prediction" / "epsilon" when a single file says so, else None (SD2 768-v files often carry no marker)."""
+    if V_PRED_KEY in shapes:
+        return "v_prediction"
+    stated = metadata.get("modelspec.prediction_type", "").lower()
+    if stated in V_PREDICTION_NAMES:
+        return "v_prediction"
+    if stated == "epsilon":
+        return "epsilon"
+    return None
+
+
+def choose_family(matched: list[FamilySpec], prediction: str | None, stated: str | None, *, subject: str,
+                  noun: str = "model", stated_by: str = "--family") -> FamilySpec:
+    """The one rule that picks a family among ``matched`` (see the module docstring)."""
+    ordered = sorted(matched, key=lambda f: f.tiny)  # stable: full-size first, else family-name order
+    if stated is not None:
+        for family in ordered:
+            if family.name == stated and prediction in (None, family.prediction_type):
+                return family
+    wanted = prediction or "epsilon"
+    detected = next((f for f in ordered if f.prediction_type == wanted), ordered[0])
+    if stated is not None and stated != detected.name:
+        raise UserError(f"{subject} is a {detected.name} {noun} but family {stated} was requested; "
+                        f"drop {stated_by} or use {detected.name}")
+    return detected
+
+
+def family_for_kohya_flags(v2: bool, v_parameterization: bool) -> str | None:
+    """The full-size family kohya's ``--v2`` / ``--v_parameterization`` flags name, None without ``--v2``
+    (kohya has no family flag; without ``--v2`` the file decides)."""
+    if not v2:
+        return None
+    wanted = "v_prediction" if v_parameterization else "epsilon"
+    return next(f.name for f in all_families() if f.v2 and not f.tiny and f.prediction_type == wanted)
