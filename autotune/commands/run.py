@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds without progress before the run is killed and retried (default 600)")
     parser.add_argument("--save-state-every", type=float, default=60.0,
                         help="seconds between cheap state saves, the most work an OS kill can lose (default 60)")
+    parser.add_argument("--skip-doctor", action="store_true",
+                        help="start even when `autotune doctor` finds errors in the dataset (not recommended)")
     parser.add_argument("--memory-limit", type=float,
                         help="CPU only: cap the trainer's address space at this many MiB (a real, catchable OOM)")
 
@@ -109,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
     dataset_dir = Path(args.dataset).resolve()
     scan = check_dataset(dataset_dir)
     check_folder_convention(args, scan)
+    if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
+        from autotune.doctor import check_before_training
+
+        print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
+                                               resolution=args.resolution)))
     out = Path(args.out or Path("output") / dataset_dir.name).resolve()
     _prepare_output(out, args.resume)
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")

@@ -1,0 +1,182 @@
+"""Captions as the engine will read them: found, missing, orphaned, empty; their length in CLIP tokens against
+``max_token_length``; the folder's class (trigger) tokens in them; and the tag frequency.
+
+Captions are read with the engine's own ``read_caption`` (first line of ``<stem><caption_extension>``, an
+empty file or one that is not UTF-8 is an error there), and counted with the CLIP tokenizer the project
+ships, so the doctor cannot disagree with training about what a caption is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.doctor.report import ERROR, WARNING, Problem
+from sd_scripts_compat.dataset.captions import read_caption, tag_frequency
+from sd_scripts_compat.dataset.scan import CAPTION_EXTENSIONS, SubsetScan
+from sd_scripts_compat.errors import UserError
+
+TokenCounter = Callable[[list[str]], list[int]]
+TOKEN_LIMITS = (75, 150, 225)  # kohya's max_token_length None (75) / 150 / 225
+
+
+@dataclass(frozen=True)
+class CaptionFacts:
+    found: int
+    missing: int
+    orphaned: int
+    empty: int
+    captions: tuple[str, ...]  # per image: what the engine trains it with (caption, else class tokens, else "")
+    problems: tuple[Problem, ...]
+
+
+def shipped_token_counter() -> TokenCounter:
+    """Content tokens per caption (BOS/EOS not counted) with the CLIP tokenizer the project ships, no hub."""
+    from sd_scripts_compat.models.build import load_tokenizer
+
+    tokenizer = load_tokenizer()
+
+    def count(captions: list[str]) -> list[int]:
+        if not captions:
+            return []
+        ids = tokenizer(captions, add_special_tokens=False, truncation=False, verbose=False).input_ids
+        return [len(row) for row in ids]
+
+    return count
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def check_captions(subset: SubsetScan, root: Path, extension: str, count_tokens: TokenCounter,
+                   max_token_length: int) -> CaptionFacts:
+    """Every caption check of one subset folder."""
+    problems: list[Problem] = []
+    captions: list[str] = []
+    read: list[tuple[str, str]] = []  # (caption file, text) of the captions that were read
+    missing: list[Path] = []
+    empty = 0
+    for image in subset.images:
+        path = image.with_name(image.stem + extension)
+        if not path.is_file():
+            missing.append(image)
+            problems += _other_extension(image, root, extension)
+            captions.append(subset.class_tokens or "")
+            continue
+        text, problem = _read(image, path, root, extension)
+        if problem is not None:
+            problems.append(problem)
+            empty += problem.code in ("caption-empty", "caption-blank")
+        if text is not None:
+            read.append((_rel(path, root), text))
+        captions.append(text or "")
+    problems += _missing(subset, missing, root, extension)
+    orphans = _orphans(subset, root)
+    problems += orphans
+    problems += _token_lengths(read, count_tokens, max_token_length)
+    if subset.class_tokens:
+        problems += [_no_trigger(rel, subset.class_tokens) for rel, text in read
+                     if text and not _contains(text, subset.class_tokens)]
+    return CaptionFacts(found=len(subset.images) - len(missing), missing=len(missing), orphaned=len(orphans),
+                        empty=empty, captions=tuple(captions), problems=tuple(problems))
+
+
+def top_tags(captions: tuple[str, ...], count: int) -> tuple[tuple[str, int], ...]:
+    """The engine's tag frequency (kohya's ss_tag_frequency rule), most frequent first, ties by name."""
+    frequency = tag_frequency(captions)
+    return tuple(sorted(frequency.items(), key=lambda item: (-item[1], item[0]))[:count])
+
+
+def _read(image: Path, path: Path, root: Path, extension: str) -> tuple[str | None, Problem | None]:
+    """The caption the engine reads (its first line), or the error the engine would stop with."""
+    rel = _rel(path, root)
+    try:
+        text = read_caption(image, extension)
+    except UserError:
+        if path.stat().st_size == 0:
+            return None, Problem(ERROR, "caption-empty", rel, "the caption file is empty; the engine stops at it "
+                                 "(an empty file is almost always a tagging accident)",
+                                 "write a caption, or delete the file to train the image with the class tokens")
+        return None, Problem(ERROR, "caption-not-utf8", rel, "the caption file is not UTF-8; the engine stops at it",
+                             "re-save it as UTF-8")
+    if text is None:  # vanished between the listing and the read
+        return None, None
+    if not text:
+        return "", Problem(WARNING, "caption-blank", rel, "the first line is blank and the engine reads only the "
+                           "first line, so the image trains with an empty caption", "put the caption on the first line")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(lines) > 1:
+        return text, Problem(WARNING, "caption-multiline", rel, f"{len(lines)} lines: the engine reads only the "
+                             "first, the rest is never trained", "join the lines into one, separated by commas")
+    return text, None
+
+
+def _other_extension(image: Path, root: Path, extension: str) -> list[Problem]:
+    """A caption beside the image with another caption extension: the engine never reads it."""
+    return [Problem(WARNING, "caption-other-extension", _rel(other, root),
+                    f"not read: the dataset's captions are {extension} (the extension most of its captions use)",
+                    f"rename it to {image.stem}{extension}")
+            for other in (image.with_name(image.stem + ext) for ext in CAPTION_EXTENSIONS if ext != extension)
+            if other.is_file()]
+
+
+def _missing(subset: SubsetScan, missing: list[Path], root: Path, extension: str) -> list[Problem]:
+    """Images without a caption: one problem for a folder that has none at all, else one per image."""
+    if not missing:
+        return []
+    tokens = subset.class_tokens
+    trains = f"the class tokens '{tokens}' as its whole caption" if tokens else \
+        "an empty caption (the folder name gives no class tokens)"
+    fix = f"write a {extension} caption beside each image (e.g. with a tagger)"
+    if len(missing) == len(subset.images):
+        return [Problem(WARNING, "caption-none", _rel(subset.folder, root) if subset.folder != root else ".",
+                        f"no {extension} captions: every image trains with {trains}", fix)]
+    return [Problem(WARNING, "caption-missing", _rel(image, root), f"no {image.stem}{extension}: it trains with "
+                    f"{trains}", fix) for image in missing]
+
+
+def _orphans(subset: SubsetScan, root: Path) -> list[Problem]:
+    """Caption files whose image is not there (or is in a format the engine does not read)."""
+    stems = {image.stem for image in subset.images}
+    files = sorted(p for p in subset.folder.iterdir() if p.is_file())
+    other_files: dict[str, list[str]] = {}
+    for path in files:
+        if path.suffix not in CAPTION_EXTENSIONS:
+            other_files.setdefault(path.stem, []).append(path.name)
+    problems = []
+    for path in files:
+        if path.suffix not in CAPTION_EXTENSIONS or path.stem in stems:
+            continue
+        others = other_files.get(path.stem, [])
+        why = f"its image {others[0]} is a format the engine does not read" if others else \
+            f"there is no image {path.stem}.* beside it"
+        problems.append(Problem(WARNING, "caption-orphan", _rel(path, root), f"caption without an image: {why}, "
+                                "so it is never read", "add or convert the image, or delete the caption"))
+    return problems
+
+
+def _token_lengths(read: list[tuple[str, str]], count_tokens: TokenCounter, limit: int) -> list[Problem]:
+    problems = []
+    for (rel, _), tokens in zip(read, count_tokens([text for _, text in read])):
+        if tokens <= limit:
+            continue
+        wider = next((n for n in TOKEN_LIMITS if n >= tokens), None)
+        fix = f"shorten it, or set max_token_length = {wider}" if wider else \
+            f"shorten it to {TOKEN_LIMITS[-1]} tokens or fewer ({TOKEN_LIMITS[-1]} is the most kohya allows)"
+        problems.append(Problem(WARNING, "caption-too-long", rel, f"{tokens} CLIP tokens: the text encoder reads "
+                                f"the first {limit} (max_token_length {limit}) and the rest is cut", fix))
+    return problems
+
+
+def _contains(text: str, tokens: str) -> bool:
+    """The class tokens appear as whole words, in any letter case."""
+    return re.search(rf"(?<!\w){re.escape(tokens.strip())}(?!\w)", text, re.IGNORECASE) is not None
+
+
+def _no_trigger(rel: str, tokens: str) -> Problem:
+    return Problem(WARNING, "trigger-missing", rel, f"the caption lacks the class tokens '{tokens}' (from the folder "
+                   "name); a caption file replaces them, so this image does not teach the LoRA its trigger",
+                   f"start the caption with '{tokens}, '")

@@ -1,0 +1,130 @@
+"""``diagnose``: every check on a dataset folder, before training, as one DoctorReport.
+
+The folder is listed by the engine's one scan (``scan_dataset_folder``), the caption extension is the one
+the planner will write (``autotune.planning.dataset.summarise``), the buckets are the planner's rules on the
+engine's bucket code. Everything the doctor finds becomes a problem naming a file; only input the user must
+fix before anything can be said (a missing folder, a bad --resolution/--batch) is a UserError.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+from autotune.doctor.buckets import DEFAULT_RESOLUTION, STAND_IN_FAMILY, BucketItem, bucket_config, plan_buckets
+from autotune.doctor.captions import TokenCounter, check_captions, shipped_token_counter, top_tags
+from autotune.doctor.duplicates import duplicate_problems
+from autotune.doctor.folders import scan_problems, unsupported_files
+from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck, check_image
+from autotune.doctor.report import ERROR, DoctorReport, DoctorSettings, Problem, SubsetFacts, sort_problems
+from sd_scripts_compat.dataset.scan import DatasetScan, SubsetScan, scan_dataset_folder
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import FamilySpec
+
+TOP_TAGS = 10
+
+
+def resolve_family(model: str | None, family: str | None) -> FamilySpec | None:
+    """The model's family (from headers and configs, no weights), the stated one, or None."""
+    from sd_scripts_compat.models.detect import detect_family, known_family
+
+    if model:
+        return detect_family(model, family)
+    return known_family(family) if family else None
+
+
+def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, family: str | None = None,
+             resolution: int | None = None, batch: int | None = None, caption_extension: str | None = None,
+             max_token_length: int | None = None, count_tokens: TokenCounter | None = None) -> DoctorReport:
+    """Check a dataset folder for everything that would silently shrink it, crash the run or train garbage.
+
+    ``model``/``family`` pick the bucket rules and the default resolution (the family's native size, else
+    512 px); ``batch`` (default 1) decides which buckets are smaller than a batch; ``caption_extension``
+    defaults to the planner's choice; ``max_token_length`` is kohya's (None = 75). ``count_tokens`` replaces
+    the shipped CLIP tokenizer (callers that check many datasets load it once).
+    """
+    from autotune.planning.dataset import summarise
+    from sd_scripts_compat.models.detect import known_family
+    from sd_scripts_compat.models.text_encoding import check_max_token_length
+
+    scan = scan_dataset_folder(dataset_dir)
+    spec = resolve_family(model, family)
+    side = resolution or (spec.resolution if spec else DEFAULT_RESOLUTION)
+    if side <= 0:
+        raise UserError(f"--resolution {side}: must be a positive number of pixels (e.g. 512)")
+    batch = 1 if batch is None else batch
+    if batch < 1:
+        raise UserError(f"--batch {batch}: must be 1 or more")
+    if caption_extension is not None and not caption_extension.startswith("."):
+        raise UserError(f"--caption-extension {caption_extension}: give it with its dot (e.g. .{caption_extension})")
+    limit = check_max_token_length(max_token_length)
+    config = bucket_config(spec or known_family(STAND_IN_FAMILY), side)
+    extension = caption_extension or summarise(scan).caption_extension
+    settings = DoctorSettings(family=spec.name if spec else None, resolution=side, batch_size=batch,
+                              bucket_reso_steps=config.bucket_reso_steps, min_bucket_reso=config.min_bucket_reso,
+                              max_bucket_reso=config.max_bucket_reso, bucket_no_upscale=config.bucket_no_upscale,
+                              caption_extension=extension, max_token_length=limit,
+                              bomb_limit_pixels=BOMB_LIMIT_PIXELS)
+    problems: list[Problem] = scan_problems(scan)
+    checks = {image: check_image(image, _rel(image, scan.root)) for s in scan.subsets for image in s.images}
+    counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))
+    subsets, items = [], []
+    for subset in scan.subsets:
+        facts, found = _subset(scan, subset, checks, extension, counter, limit)
+        subsets.append(facts)
+        problems += found
+        items += [BucketItem(_rel(i, scan.root), checks[i].size, subset.num_repeats)  # type: ignore[arg-type]
+                  for i in subset.images if checks[i].usable]
+    problems += duplicate_problems([(_rel(image, scan.root), image) for image in checks])
+    rows, bucket_problems, steps = plan_buckets(items, config, batch)
+    problems += bucket_problems
+    failed = {p.file for p in problems if p.severity == ERROR}
+    subsets = [replace(facts, usable_images=sum(_rel(i, scan.root) not in failed for i in subset.images))
+               for facts, subset in zip(subsets, scan.subsets)]
+    return DoctorReport(root=str(scan.root), settings=settings, subsets=tuple(subsets), buckets=rows,
+                        steps_per_epoch=steps, views_per_epoch=sum(r.views for r in rows),
+                        problems=sort_problems(problems))
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck], extension: str,
+            counter: TokenCounter, limit: int) -> tuple[SubsetFacts, list[Problem]]:
+    """One folder's facts and problems: its images' checks, its captions, its unsupported files."""
+    problems = [p for image in subset.images for p in checks[image].problems]
+    problems += unsupported_files(subset, scan.root)
+    captions = check_captions(subset, scan.root, extension, counter, limit)
+    problems += captions.problems
+    modes = Counter(checks[image].mode or "unknown" for image in subset.images)
+    facts = SubsetFacts(folder=_rel(subset.folder, scan.root) if subset.folder != scan.root else ".",
+                        num_repeats=subset.num_repeats, class_tokens=subset.class_tokens, images=subset.num_images,
+                        usable_images=0,  # known once the buckets are made (an image too small for any)
+                        captions_found=captions.found, captions_missing=captions.missing,
+                        captions_orphaned=captions.orphaned, captions_empty=captions.empty,
+                        modes=tuple(sorted(modes.items())), top_tags=top_tags(captions.captions, TOP_TAGS))
+    return facts, problems
+
+
+def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | None = None,
+                          family: str | None = None, **options: object) -> list[str]:
+    """For `autotune run` and the wizard: the brief lines to show, or a one-line UserError on errors.
+
+    A model whose family cannot be told cheaply is checked with a full-size family's bucket rules: the
+    caller's own model check says what is wrong with it, in its own words, later."""
+    from autotune.doctor.report import brief
+
+    try:
+        resolve_family(model, family)
+    except UserError:
+        model = family = None
+    report = diagnose(dataset_dir, model=model, family=family, **options)  # type: ignore[arg-type]
+    if report.errors:
+        first = report.errors[0]
+        more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
+        raise UserError(f"{Path(report.root) / first.file}: {first.message}{more}; run `autotune doctor "
+                        f"{report.root}` for every problem and its fix, or pass --skip-doctor")
+    return brief(report)
