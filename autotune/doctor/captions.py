@@ -95,6 +95,9 @@ def _read(image: Path, path: Path, root: Path, extension: str) -> tuple[str | No
     rel = _rel(path, root)
     try:
         text = read_caption(image, extension)
+    except OSError as exc:
+        return None, Problem(ERROR, "caption-unreadable", rel, f"the caption file cannot be read "
+                             f"({exc.__class__.__name__}); the engine stops at it", "fix its permissions or re-save it")
     except UserError:
         if path.stat().st_size == 0:
             return None, Problem(ERROR, "caption-empty", rel, "the caption file is empty; the engine stops at it "
@@ -107,7 +110,10 @@ def _read(image: Path, path: Path, root: Path, extension: str) -> tuple[str | No
     if not text:
         return "", Problem(WARNING, "caption-blank", rel, "the first line is blank and the engine reads only the "
                            "first line, so the image trains with an empty caption", "put the caption on the first line")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError:  # gone or locked since the engine's read: the first line is all that matters
+        lines = [text]
     if len(lines) > 1:
         return text, Problem(WARNING, "caption-multiline", rel, f"{len(lines)} lines: the engine reads only the "
                              "first, the rest is never trained", "join the lines into one, separated by commas")

@@ -61,7 +61,11 @@ def check_image(path: Path, rel: str) -> ImageCheck:
     problems = _decode_problems(path, rel)
     if problems:
         return ImageCheck(path, size, mode, problems)
-    found = list(_mode_problems(path, rel, mode))
+    try:
+        found = _mode_problems(path, rel, mode)
+    except Exception as exc:  # it decoded, yet a conversion failed: the engine's would too
+        return ImageCheck(path, size, mode, (Problem(ERROR, "mode-unsupported", rel, f"mode {mode}: converting it "
+                                                     f"fails ({exc.__class__.__name__})", REPLACE),))
     if orientation in ROTATIONS:
         found.append(Problem(WARNING, "exif-rotation", rel,
                              f"EXIF says it is stored {ROTATIONS[orientation]} (orientation {orientation}); the "

@@ -21,7 +21,7 @@ key bumps it. Paths are relative to ``dataset`` with ``/`` separators ("." is th
     }
 
 Problem codes: images: empty-file, unreadable, corrupt, truncated, bomb, high-bit-depth, mode-unsupported (errors),
-alpha, palette, cmyk, exif-rotation (warnings); captions: caption-empty, caption-not-utf8 (errors),
+alpha, palette, cmyk, exif-rotation (warnings); captions: caption-empty, caption-not-utf8, caption-unreadable (errors),
 caption-blank, caption-multiline, caption-missing, caption-none, caption-orphan, caption-other-extension,
 caption-too-long, trigger-missing; folders: no-images (error), folder-skipped, top-level-ignored,
 unsupported-format; duplicate; buckets: too-small (error), small, bucket-under-batch.
