@@ -87,6 +87,7 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
     from diffusers import DDPMScheduler
 
     from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, offload
+    from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
     from sd_scripts_compat.config.settings import dataset_report, resolved_settings
     from sd_scripts_compat.config.training_config import dataset_group_from_config
     from sd_scripts_compat.contract import memory_figures, write_event
@@ -97,7 +98,6 @@ def train(config: Any, *, sdxl: bool) -> int:  # noqa: C901 - one recipe, top to
         make_dataloader,
     )
     from sd_scripts_compat.models.loading import load_base_model
-    from sd_scripts_compat.models.text_encoding import cache_text_encoder_outputs
     from sd_scripts_compat.network.lora import create_network, create_network_from_weights, parse_network_args
     from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, read_lora_file, save_lora_file
     from sd_scripts_compat.training.faults import OomInjector
