@@ -7,7 +7,8 @@ watchdog, Ctrl-C and ``save_state_every_seconds`` write).
 
 Pruning follows sd-scripts: ``save_last_n_epochs`` keeps the newest N epoch files; ``save_last_n_steps``
 keeps the files of the last N *steps* (a file of step s stays while s > current step - N). State folders
-are pruned the same way.
+are pruned the same way by ``save_last_n_epochs_state`` / ``save_last_n_steps_state``, which default to
+``save_last_n_epochs`` / ``save_last_n_steps``, so LoRA files and states can be kept for different spans.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class SavePolicy:
     def from_config(cls, config: Any) -> SavePolicy:
         return cls(save_state=bool(config.save_state),
                    keep_epoch_files=config.save_last_n_epochs, keep_step_files=config.save_last_n_steps,
-                   keep_epoch_states=config.save_last_n_epochs, keep_step_states=config.save_last_n_steps)
+                   keep_epoch_states=config.save_last_n_epochs_state or config.save_last_n_epochs,
+                   keep_step_states=config.save_last_n_steps_state or config.save_last_n_steps)
 
 
 @dataclass(frozen=True)

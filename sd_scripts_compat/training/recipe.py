@@ -497,8 +497,11 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
     now = time.time()
     loop = LoopState(running_loss=torch.zeros((), device=process.device), last_report=now, last_state_save=now,
                      session_started=now)
-    if r.validation is not None and counters.global_step == 0:  # the baseline the curve is read against
-        r.validation.run(0)
+    if counters.global_step == 0:  # before the first step: the validation baseline, then sample_at_first
+        if r.validation is not None:
+            r.validation.run(0)
+        if config.sample_at_first:
+            _sample(r, "e000000")  # sd-scripts names the samples before the first step epoch 0
     sampler = BucketBatchSampler(r.data.train, epoch=counters.epoch, start_step=counters.step_in_epoch,
                                  num_replicas=process.world, rank=process.rank)
     loader = make_dataloader(r.data.train, sampler, num_workers=config.max_data_loader_n_workers or 0,

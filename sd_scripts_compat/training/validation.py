@@ -1,7 +1,8 @@
 """Validation loss on the held-out images of ``validation_split``, at fixed timesteps and noise.
 
 Fixed timesteps and noise make successive measurements comparable (only the LoRA changed), so
-over-training shows as a rising curve.
+over-training shows as a rising curve. ``max_validation_steps`` caps the batches of one run, as in
+sd-scripts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class ValidationRun:
         self.dataset = dataset
         self.every_steps = config.validate_every_n_steps
         self.every_epochs = config.validate_every_n_epochs
-        self.max_batches: int | None = None
+        self.max_batches = config.max_validation_steps
         self.seed = config.validation_seed if config.validation_seed is not None else seed
         self.unet, self.conditioner, self.noise_scheduler = unet, conditioner, noise_scheduler
         self.dtype, self.accelerator = dtype, accelerator
