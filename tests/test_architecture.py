@@ -127,3 +127,61 @@ def test_importing_the_entry_point_and_every_engine_module_loads_no_autotune_mod
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]", result.stdout
+
+
+# ---- every option the engine claims to implement is read by its code ---------------------------------
+
+CONFIG_NAMES = ("config", "cfg")  # what the engine calls a TrainingConfig
+# Keys whose only correct handling is a check in the config reader: the engine does one thing (trains
+# networks.lora, writes safetensors) and any other value is an error there; config_file is the file itself.
+CHECKED_BY_THE_READER = {"network_module", "save_model_as", "config_file"}
+
+
+def config_reads(source: str) -> set[str]:
+    """Keys a module's source reads from a config: ``config.key`` / ``cfg.key``, ``getattr(x, "key")``,
+    ``self.key`` inside ``class TrainingConfig``, and the names listed in ``dataset_args``."""
+    keys: set[str] = set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) \
+                and node.value.id in CONFIG_NAMES:
+            keys.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            keys.add(str(node.args[1].value))
+        elif isinstance(node, ast.ClassDef) and node.name == "TrainingConfig":
+            keys.update(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                        and isinstance(n.value, ast.Name) and n.value.id == "self")
+        elif isinstance(node, ast.FunctionDef) and node.name == "dataset_args":
+            keys.update(n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return keys
+
+
+def literals_in_function(source: str, function: str) -> set[str]:
+    """The string constants inside one top-level function of ``source``."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    raise AssertionError(f"no function {function}")
+
+
+def test_config_reads_sees_attributes_getattr_and_dataset_args():
+    source = ("def f(config, cfg, other):\n    config.alpha; cfg.beta; other.gamma; getattr(config, 'delta')\n"
+              "    config.epsilon = 1\n"
+              "def dataset_args(cfg):\n    names = ('zeta',)\n")
+    assert config_reads(source) == {"alpha", "beta", "delta", "zeta"}
+
+
+def test_every_implemented_option_is_read_by_the_engine():
+    from sd_scripts_compat.config.training_config import ALIASES, IMPLEMENTED
+
+    read: set[str] = set()
+    for path in sorted(ENGINE.rglob("*.py")):
+        read |= config_reads(path.read_text(encoding="utf-8"))
+    reader = (ENGINE / "config" / "training_config.py").read_text(encoding="utf-8")
+    in_normalize = literals_in_function(reader, "_normalize")
+    in_reader = in_normalize | literals_in_function(reader, "load_training_config")
+    read |= ALIASES & in_normalize  # deprecated spellings are mapped to their keys there
+    read |= CHECKED_BY_THE_READER & in_reader
+    unread = sorted(IMPLEMENTED - read)
+    assert not unread, f"IMPLEMENTED keys no engine code reads (implement them or drop them from IMPLEMENTED): {unread}"
