@@ -6,18 +6,14 @@ import pytest
 import torch
 from PIL import Image
 
+from sd_scripts_compat.caching.entries import text_cache_path
+from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.text_encoding import (
-    cache_text_encoder_outputs,
-    encode_prompts,
-    sdxl_time_ids,
-    text_cache_path,
-    tokenize,
-)
+from sd_scripts_compat.models.text_encoding import encode_prompts, sdxl_time_ids, tokenize
 
 LONG = ", ".join(f"tag{i} word{i}" for i in range(60))  # well over 75 tokens
 

@@ -243,3 +243,50 @@ def test_frozen_text_encoder_with_fixed_captions_is_encoded_once_and_trains_the_
     for key in first:
         torch.testing.assert_close(first[key], second[key], rtol=1e-5, atol=1e-6)
     assert any(v.abs().sum() > 0 for k, v in first.items() if "lora_up" in k)
+
+
+def small_dataset(tmp_path: Path, images: int = 4) -> Path:
+    """``images`` of the example images in one ``1_thing`` folder, each with its own caption."""
+    import shutil
+
+    data = tmp_path / "data" / "1_thing"
+    data.mkdir(parents=True)
+    for image in sorted(DATASET.rglob("*.png"))[:images]:
+        shutil.copy(image, data / image.name)
+        (data / image.name).with_suffix(".txt").write_text(f"a photo of {image.stem}", encoding="utf-8")
+    return data.parent
+
+
+@pytest.mark.slow
+def test_save_last_n_states_prune_old_state_folders_apart_from_the_lora_files(tmp_path):
+    """4 images, batch 2: 2 steps per epoch, 3 epochs. States are kept for fewer steps / epochs than
+    the LoRA files (sd-scripts: a step save s stays while s > step - N; the newest N epoch saves stay)."""
+    values = base_config(tmp_path, train_data_dir=str(small_dataset(tmp_path)), max_train_steps=None,
+                         max_train_epochs=3, cache_latents=True, save_state=True,
+                         save_every_n_steps=1, save_last_n_steps=4, save_last_n_steps_state=2,
+                         save_every_n_epochs=1, save_last_n_epochs_state=1)
+    values = {k: v for k, v in values.items() if v is not None}
+    run_engine(write_config(tmp_path / "config.toml", values))
+    out = tmp_path / "out"
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    states = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert files == ["lora-000001.safetensors", "lora-000002.safetensors", "lora-step00000003.safetensors",
+                     "lora-step00000004.safetensors", "lora-step00000005.safetensors", "lora-step00000006.safetensors",
+                     "lora.safetensors"]
+    assert states == ["lora-000002-state", "lora-state", "lora-step00000005-state", "lora-step00000006-state"]
+    kept = json.loads((out / "lora-step00000005-state" / "train_state.json").read_text())["counters"]
+    assert kept["global_step"] == 5 and kept["epoch"] == 2
+
+
+@pytest.mark.slow
+def test_sample_at_first_renders_the_prompts_before_the_first_step(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a circle shape --w 32 --h 32 --s 2 --d 1\n", encoding="utf-8")
+    values = base_config(tmp_path, max_train_steps=2, cache_latents=True, sample_prompts=str(prompts),
+                         sample_at_first=True, save_every_n_steps=1)
+    run_engine(write_config(tmp_path / "config.toml", values))
+    out = tmp_path / "out"
+    samples = sorted(p.name for p in (out / "sample").iterdir())
+    assert samples == ["lora_e000000_00.png"]  # only the one before training: no sample_every_n_* given
+    first_step = out / "lora-step00000001.safetensors"
+    assert (out / "sample" / samples[0]).stat().st_mtime_ns <= first_step.stat().st_mtime_ns

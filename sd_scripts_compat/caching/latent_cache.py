@@ -1,12 +1,12 @@
 """Latent caching: encode each image once with the VAE, in memory or in a file beside the image.
 
-A disk cache file is ``<image name>.<W>x<H>.latents.safetensors`` and records what it was made from
-(image byte size + mtime + sha256, bucket, resize and crop, VAE fingerprint, scaling factor, whether
-flipped latents are included), so it is reused across runs and rebuilt when any of those change.
-sd-scripts only checks the latent shape; it silently reuses latents of an edited image or of
-another VAE. Latents are sampled from the VAE posterior (as kohya does), with a noise seed per image
-so memory and disk caches hold identical values, and are stored already multiplied by the VAE's
-``scaling_factor``.
+A disk cache file is ``<image name>.<W>x<H>.latents.safetensors`` (named and read in ``caching.entries``)
+and records what it was made from (image byte size + mtime + sha256, bucket, resize and crop, VAE
+fingerprint, scaling factor, whether flipped latents are included), so it is reused across runs and
+rebuilt when any of those change. sd-scripts only checks the latent shape; it silently reuses latents
+of an edited image or of another VAE. Latents are sampled from the VAE posterior (as kohya does), with
+a noise seed per image so memory and disk caches hold identical values, and are stored already
+multiplied by the VAE's ``scaling_factor``.
 """
 
 from __future__ import annotations
@@ -19,34 +19,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
+from sd_scripts_compat.caching.entries import LatentEntry, latent_cache_path
 from sd_scripts_compat.dataset.buckets import resize_and_crop
-from sd_scripts_compat.dataset.train_dataset import (
-    ImageRecord,
-    LatentEntry,
-    TrainDataset,
-    image_to_tensor,
-    load_image_rgb,
-    mix_seed,
-)
+from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset, image_to_tensor, load_image_rgb, mix_seed
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
 CACHE_FORMAT = "lora-autotune-latents/1"
-CACHE_SUFFIX = ".latents.safetensors"
 
 
 @dataclass(frozen=True)
 class CacheStats:
     encoded: int  # images run through the encoder in this call
     reused: int  # images whose disk cache was valid
-
-
-def latent_cache_path(record: ImageRecord) -> Path:
-    """Beside the image; the bucket is in the name so several resolutions can coexist."""
-    width, height = record.bucket
-    return record.path.with_name(f"{record.path.name}.{width}x{height}{CACHE_SUFFIX}")
 
 
 def file_sha256(path: Path) -> str:
@@ -148,13 +135,6 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 
     with atomic_path(path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-
-
-def read_latent_file(path: Path) -> LatentEntry:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    return LatentEntry(tensors["latents"], tensors.get("latents_flipped"))
 
 
 def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype: Any = None, vae_batch_size: int = 1,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sd_scripts_compat.caching.entries import LatentEntry, TextEntry, read_latent_file, read_text_file
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.buckets import (
     BucketAssignment,
@@ -66,18 +67,6 @@ class BatchKey:
     epoch: int
     step: int  # index of the batch within the epoch
     items: tuple[int, ...]  # ImageRecord indices
-
-
-@dataclass
-class LatentEntry:
-    latents: torch.Tensor  # (C, h, w), scaled by the VAE's scaling factor
-    latents_flipped: torch.Tensor | None = None
-
-
-@dataclass
-class TextEntry:
-    encoder_hidden_states: torch.Tensor  # (tokens, features)
-    pooled: torch.Tensor | None = None  # SDXL text_embeds
 
 
 def _scan_dir(image_dir: Path) -> list[Path]:
@@ -144,7 +133,7 @@ class TrainDataset:
     """A scanned, bucketed dataset. Build it with :func:`build_dataset`.
 
     The caches (``latents``/``latent_files``, ``text_outputs``/``text_files``) are filled by
-    ``latent_cache.cache_latents`` and ``text_encoding.cache_text_encoder_outputs``; fill them before
+    ``latent_cache.cache_latents`` and ``text_cache.cache_text_encoder_outputs``; fill them before
     creating DataLoader workers (workers get a copy of the dataset).
     """
 
@@ -303,8 +292,6 @@ class TrainDataset:
     def _cached_latents(self, record: ImageRecord, flipped: bool) -> torch.Tensor:
         entry = self.latents.get(record.index)
         if entry is None:
-            from sd_scripts_compat.caching.latent_cache import read_latent_file
-
             entry = read_latent_file(self.latent_files[record.index])
         if flipped:
             if entry.latents_flipped is None:
@@ -315,8 +302,6 @@ class TrainDataset:
     def _cached_text(self, record: ImageRecord) -> TextEntry | None:
         entry = self.text_outputs.get(record.index)
         if entry is None and record.index in self.text_files:
-            from sd_scripts_compat.models.text_encoding import read_text_file
-
             entry = read_text_file(self.text_files[record.index])
         return entry
 

@@ -1,4 +1,4 @@
-"""Tokenizing and encoding captions as sd-scripts does, plus text-encoder output caching.
+"""Tokenizing and encoding captions as sd-scripts does (caching the outputs is ``caching.text_cache``).
 
 - SD1/SD2 (``hidden_state == "last"``): the last hidden state; with ``clip_skip = k`` the output of
   layer -k passed through the final layer norm.
@@ -12,16 +12,10 @@
 
 from __future__ import annotations
 
-import random
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import atomic_path
-from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
-from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
-from sd_scripts_compat.dataset.train_dataset import ImageRecord, TextEntry, TrainDataset
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -30,8 +24,6 @@ if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle
 
 CHUNK = 75  # content tokens per 77-token window
-TE_CACHE_FORMAT = "lora-autotune-te/1"
-TE_CACHE_SUFFIX = ".te.safetensors"
 
 
 @dataclass
@@ -161,105 +153,3 @@ def sdxl_time_ids(original_sizes_hw: torch.Tensor, crop_top_lefts: torch.Tensor,
 
     time_ids = torch.cat([original_sizes_hw, crop_top_lefts, target_sizes_hw], dim=1)
     return time_ids.to(dtype) if dtype is not None else time_ids.float()
-
-
-# ----- caching -----
-
-def text_cache_path(record: ImageRecord) -> Path:
-    return record.path.with_name(record.path.name + TE_CACHE_SUFFIX)
-
-
-def read_text_file(path: Path) -> TextEntry:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    return TextEntry(tensors["encoder_hidden_states"], tensors.get("pooled"))
-
-
-def _text_metadata(caption: str, key: str, max_token_length: int, clip_skip: int | None, dtype: Any) -> dict[str, str]:
-    return {"format": TE_CACHE_FORMAT, "caption": caption, "text_encoders": key,
-            "max_token_length": str(max_token_length), "clip_skip": str(clip_skip), "dtype": str(dtype)}
-
-
-def _text_cache_valid(path: Path, expected: dict[str, str]) -> bool:
-    from safetensors import safe_open
-
-    if not path.is_file():
-        return False
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-    except Exception:  # truncated or foreign: rebuild
-        return False
-    return all(metadata.get(k) == v for k, v in expected.items())
-
-
-def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {"encoder_hidden_states": entry.encoder_hidden_states.contiguous()}
-    if entry.pooled is not None:
-        tensors["pooled"] = entry.pooled.contiguous()
-    try:
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata=metadata)
-    except PermissionError:
-        raise UserError(f"{path.parent}: cannot write the text-encoder cache there (permission denied); "
-                        "use cache_text_encoder_outputs without _to_disk") from None
-
-
-def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
-                               batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
-                               clip_skip: int | None = None, is_main_process: bool = True) -> CacheStats:
-    """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
-    the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
-    shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
-    are encoded once. Disk files ``<image name>.te.safetensors`` record the caption, the encoders'
-    fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ."""
-    import torch
-
-    for subset in dataset.subsets:
-        key_name = caption_is_deterministic(subset)
-        if key_name is not None:
-            raise UserError(f"{key_name} (subset {subset.image_dir}) makes captions change every step, so text "
-                            "encoder outputs cannot be cached; turn off one of them")
-    length = check_max_token_length(max_token_length)
-    te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders)
-    captions = {r.index: process_caption(r.caption, dataset.subset_of(r), random.Random(0)) for r in dataset.records}
-
-    pending: list[ImageRecord] = []
-    reused = 0
-    for record in dataset.records:
-        if to_disk:
-            path = text_cache_path(record)
-            dataset.text_files[record.index] = path
-            dataset.text_outputs.pop(record.index, None)
-            if not is_main_process:
-                continue
-            if _text_cache_valid(path, _text_metadata(captions[record.index], te_key, length, clip_skip, dtype)):
-                reused += 1
-                continue
-        pending.append(record)
-    if to_disk and not is_main_process:
-        return CacheStats(0, 0)
-
-    unique = sorted({captions[r.index] for r in pending})
-    if unique:
-        for encoder in bundle.text_encoders:
-            encoder.to(device=device) if dtype is None else encoder.to(device=device, dtype=dtype)
-    encoded: dict[str, TextEntry] = {}
-    with torch.no_grad():
-        for start in range(0, len(unique), max(1, batch_size)):
-            chunk = unique[start: start + max(1, batch_size)]
-            out = encode_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
-            for i, caption in enumerate(chunk):
-                pooled = out.pooled[i].cpu().clone() if out.pooled is not None else None
-                encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled)
-    for record in pending:
-        entry = encoded[captions[record.index]]
-        if to_disk:
-            _save_text(text_cache_path(record), entry,
-                       _text_metadata(captions[record.index], te_key, length, clip_skip, dtype))
-        else:
-            dataset.text_outputs[record.index] = entry
-    return CacheStats(encoded=len(unique), reused=reused)

@@ -82,3 +82,29 @@ def store_frozen_weights_in_fp8(module: Any, compute_dtype: Any) -> int:
         layer.forward = forward
         count += 1
     return count
+
+
+class DynamicLossScale:
+    """Loss scaling for ``full_fp16``, where LoRA weights and gradients are fp16.
+
+    Hand-written because torch's GradScaler refuses to unscale fp16 gradients by design.
+    """
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.scale, self.growth_interval, self.good_steps = scale, growth_interval, 0
+
+    def unscale_and_check(self, params: list[Any]) -> bool:
+        """Unscale the gradients in place; False (and a smaller scale) when any is not finite."""
+        import torch
+
+        grads = [p.grad for p in params if p.grad is not None]
+        for grad in grads:
+            grad.div_(self.scale)
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) if grads else True
+        if finite:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        else:
+            self.scale, self.good_steps = max(self.scale / 2.0, 1.0), 0
+        return finite

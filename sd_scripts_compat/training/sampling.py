@@ -101,3 +101,30 @@ def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, ou
             image.save(tmp)
         written.append(target)
     return written
+
+
+def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: Any, resolution: tuple[int, int], *,
+                           out_dir: Path, name: str) -> None:
+    """Render ``sample_prompts`` on the main process with the LoRA as trained so far.
+
+    Encoders that caching moved off the device come back for the render and leave again; the
+    modules' train/eval modes are restored, so the run continues exactly as before.
+    """
+    if not config.sample_prompts or not accelerator.is_main_process:
+        return
+    prompts = read_sample_prompts(config.sample_prompts, resolution)
+    training = [m.training for m in (bundle.unet, *bundle.text_encoders)]
+    vae_device = next(bundle.vae.parameters()).device
+    bundle.vae.to(accelerator.device)
+    text_devices = [next(te.parameters()).device for te in bundle.text_encoders]
+    for encoder in bundle.text_encoders:
+        encoder.to(accelerator.device)
+    try:
+        render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir, name=name,
+                       device=accelerator.device, dtype=dtype, clip_skip=config.clip_skip)
+    finally:
+        bundle.vae.to(vae_device)
+        for encoder, device, was_training in zip(bundle.text_encoders, text_devices, training[1:]):
+            encoder.to(device)
+            encoder.train(was_training)
+        bundle.unet.train(training[0])

@@ -1,0 +1,63 @@
+"""What a cache holds and where its files live: the entry types, the file names and the readers.
+
+The dataset reads caches while batching and the caching modules write them; both import this module,
+which imports nothing from ``dataset/``, so neither side has to import the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+LATENT_CACHE_SUFFIX = ".latents.safetensors"
+TEXT_CACHE_SUFFIX = ".te.safetensors"
+
+
+class CachedImage(Protocol):
+    """What a cache file name is made from (an ``ImageRecord`` is one)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def bucket(self) -> tuple[int, int]: ...
+
+
+@dataclass
+class LatentEntry:
+    latents: torch.Tensor  # (C, h, w), scaled by the VAE's scaling factor
+    latents_flipped: torch.Tensor | None = None
+
+
+@dataclass
+class TextEntry:
+    encoder_hidden_states: torch.Tensor  # (tokens, features)
+    pooled: torch.Tensor | None = None  # SDXL text_embeds
+
+
+def latent_cache_path(record: CachedImage) -> Path:
+    """Beside the image; the bucket is in the name so several resolutions can coexist."""
+    width, height = record.bucket
+    return record.path.with_name(f"{record.path.name}.{width}x{height}{LATENT_CACHE_SUFFIX}")
+
+
+def text_cache_path(record: CachedImage) -> Path:
+    return record.path.with_name(record.path.name + TEXT_CACHE_SUFFIX)
+
+
+def read_latent_file(path: Path) -> LatentEntry:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return LatentEntry(tensors["latents"], tensors.get("latents_flipped"))
+
+
+def read_text_file(path: Path) -> TextEntry:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return TextEntry(tensors["encoder_hidden_states"], tensors.get("pooled"))

@@ -1,0 +1,775 @@
+"""The LoRA training run as a recipe: setup steps that each return an explicit object, then the loop.
+
+``train`` reads top to bottom: :func:`setup_process` (accelerator, device, dtypes, paths, seed),
+:func:`load_model`, :func:`build_data`, :func:`cache_inputs` (latents, text-encoder outputs),
+:func:`build_network`, :func:`build_optimization` (optimizer, schedule, loss scale, step counts),
+:func:`build_objective`, :func:`resume`, then :func:`run_loop` and the ending (OOM, Ctrl-C or done).
+The order of the steps is the order of their effects on the RNG and the device, so it is fixed.
+
+The hot path does no per-step host syncs (the running loss stays on the device and is read only when
+the progress bar refreshes, about every 2 s), feeds cached latents when asked, and copies batches with
+pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.contract.write_event``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sd_scripts_compat.contract import (
+    DONE,
+    INTERRUPTED_EXIT_CODE,
+    OOM,
+    OOM_EXIT_CODE,
+    PROGRESS,
+    is_oom_error,
+    memory_figures,
+    write_event,
+)
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
+from sd_scripts_compat.training.conditioning import Conditioner
+from sd_scripts_compat.training.devices import (
+    average_gradients,
+    free_device_memory,
+    peak_memory_mib,
+    place,
+    to_device,
+    unwrap_optimizer,
+)
+from sd_scripts_compat.training.faults import OomInjector
+from sd_scripts_compat.training.objectives import NoiseSettings
+from sd_scripts_compat.training.precision import DynamicLossScale
+from sd_scripts_compat.training.validation import ValidationRun
+
+PROGRESS_EVERY_SECONDS = 2.0
+TIMING_WARMUP_STEPS = 2
+
+
+# ---- 1. Process, precision, output folder ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Process:
+    """This process's place in the run: accelerate's state, dtypes, output paths, seed, clock."""
+
+    accelerator: Any
+    device: Any
+    seed: int
+    weight_dtype: Any
+    save_dtype: Any
+    paths: RunPaths
+    injector: OomInjector | None
+    started: float
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+def setup_process(config: Any) -> Process:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    started = time.time()
+    paths = RunPaths.create(config)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # several CPU processes (accelerate launch / torchrun) then use gloo
+        mixed_precision=config.mixed_precision,
+        log_with=config.log_with if config.logging_dir else None,
+        project_dir=config.logging_dir,
+    )
+    seed = config.seed if config.seed is not None else 42
+    set_seed(seed)
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    if accelerator.device.type == "cpu" and weight_dtype == torch.float16:
+        weight_dtype = torch.float32  # accelerate keeps fp16 "mixed precision" on CPU as fp32
+    save_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "float": torch.float32}.get(
+        config.save_precision or "float", torch.float32)
+    return Process(accelerator=accelerator, device=accelerator.device, seed=seed, weight_dtype=weight_dtype,
+                   save_dtype=save_dtype, paths=paths, started=started,
+                   injector=OomInjector.from_env(paths.events_dir or paths.output_dir))
+
+
+# ---- 2. Base model ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Model:
+    bundle: Any  # models.build.ModelBundle
+    family: Any
+    vae_scale: int  # pixels per latent pixel
+    v_parameterization: bool
+    train_text_encoder: bool  # whether the LoRA has text-encoder modules that learn
+
+
+def load_model(config: Any, process: Process, *, sdxl: bool) -> Model:
+    from sd_scripts_compat.models.loading import load_base_model
+
+    bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
+                             family=_stated_family(config, sdxl))
+    family = bundle.family
+    vae_scale = family.latent_downsample
+    if family.is_sdxl != sdxl:
+        raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
+                        f"train it with {family.engine_module}")
+    if config.xformers:
+        _enable_xformers(bundle.unet)
+    elif config.sdpa is not False:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        bundle.unet.set_attn_processor(AttnProcessor2_0())
+    return Model(bundle=bundle, family=family, vae_scale=vae_scale,
+                 v_parameterization=bool(config.v_parameterization) or family.v_parameterization,
+                 train_text_encoder=not config.network_train_unet_only and text_encoder_lr(config) != 0)
+
+
+# ---- 3. Datasets -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Data:
+    spec: Any  # config.dataset_spec.DatasetSpec
+    train: Any  # dataset.train_dataset.TrainDataset
+    validation: Any | None
+
+    @property
+    def all(self) -> list[Any]:
+        return [d for d in (self.train, self.validation) if d is not None]
+
+
+def build_data(config: Any, process: Process, model: Model) -> Data:
+    from sd_scripts_compat.config.training_config import dataset_group_from_config
+    from sd_scripts_compat.dataset.train_dataset import build_dataset, build_validation_dataset
+
+    resolution = (model.family.resolution, model.family.resolution)
+    group = dataset_group_from_config(config, default_resolution=resolution)
+    if len(group.datasets) != 1:
+        raise UserError(f"dataset_config: {len(group.datasets)} [[datasets]] given; this engine trains on exactly "
+                        "one (put several folders as [[datasets.subsets]] of one dataset)")
+    spec = group.datasets[0]
+    train = build_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight)
+    validation = build_validation_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight) \
+        if spec.validation_split > 0 else None
+    return Data(spec=spec, train=train, validation=validation)
+
+
+# ---- 4. Caching: latents, then text-encoder outputs; encoders no longer needed leave the device ----
+
+@dataclass(frozen=True)
+class Inputs:
+    """How batches become UNet inputs: from caches or live, and the conditioner that reads them."""
+
+    cached_latents: bool
+    cached_text: bool
+    conditioner: Conditioner
+
+
+def cache_inputs(config: Any, process: Process, model: Model, data: Data) -> Inputs:
+    cached_latents = _cache_latents(config, process, model, data)
+    cached_text = _cache_text(config, process, model, data)
+    conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
+                              dtype=process.weight_dtype)
+    return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
+
+
+def _cache_latents(config: Any, process: Process, model: Model, data: Data) -> bool:
+    import torch
+
+    from sd_scripts_compat.caching.latent_cache import cache_latents, offload
+
+    vae = model.bundle.vae
+    vae_dtype = torch.float32 if config.no_half_vae or process.device.type == "cpu" else process.weight_dtype
+    place(vae, process.device, vae_dtype)
+    if not (config.cache_latents or config.cache_latents_to_disk):
+        return False
+    for dataset in data.all:
+        cache_latents(dataset, vae, device=process.device, dtype=vae_dtype, vae_batch_size=config.vae_batch_size,
+                      to_disk=bool(config.cache_latents_to_disk), is_main_process=process.is_main)
+    process.accelerator.wait_for_everyone()  # other processes read the files the main process wrote
+    offload(vae)
+    return True
+
+
+def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool:
+    from sd_scripts_compat.caching.latent_cache import offload
+    from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
+
+    for encoder in model.bundle.text_encoders:
+        place(encoder, process.device, process.weight_dtype)
+    cached = bool(config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk)
+    if not cached and not model.train_text_encoder and _captions_fixed(data.all):
+        # A frozen text encoder gives a fixed caption the same output at every step: encode each caption
+        # once, in memory (sd-scripts re-encodes every step for SD 1.x/2.x; the outputs are the same).
+        cached = True
+        process.accelerator.print("text encoders are not trained and captions are fixed: "
+                                  "their outputs are cached in memory")
+    if not cached:
+        return False
+    for dataset in data.all:
+        cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
+                                   to_disk=bool(config.cache_text_encoder_outputs_to_disk),
+                                   max_token_length=config.max_token_length, clip_skip=config.clip_skip,
+                                   is_main_process=process.is_main)
+    process.accelerator.wait_for_everyone()
+    for encoder in model.bundle.text_encoders:
+        offload(encoder)
+    return True
+
+
+# ---- 5. UNet precision and the LoRA network ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Network:
+    network: Any  # network.lora.LoRANetwork, hooked into the UNet (and text encoders)
+    trainable: list[Any] = field(default_factory=list)
+
+
+def build_network(config: Any, process: Process, model: Model) -> Network:
+    import torch
+
+    from sd_scripts_compat.training.precision import fp8_supported, store_frozen_weights_in_fp8
+
+    unet = model.bundle.unet
+    use_fp8 = bool(config.fp8_base or config.fp8_base_unet)
+    if use_fp8 and not fp8_supported(process.device):
+        raise UserError("fp8_base needs a GPU with compute capability 8.9 or newer (Ada, Hopper); remove fp8_base")
+    place(unet, process.device, process.weight_dtype)
+    if use_fp8:
+        store_frozen_weights_in_fp8(unet, process.weight_dtype)
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        if model.train_text_encoder:
+            for encoder in model.bundle.text_encoders:
+                enable = getattr(encoder, "activation_checkpointing_enable", None) or \
+                    encoder.gradient_checkpointing_enable  # renamed in transformers 5
+                enable()
+    network = _create_network(config, model)
+    network.apply_to()
+    lora_dtype = {(True, False): torch.float16, (False, True): torch.bfloat16}.get(
+        (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
+    network.to(process.device, dtype=lora_dtype)
+    network.train()
+    return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad])
+
+
+def _create_network(config: Any, model: Model) -> Any:
+    """A new LoRA, or one shaped (dim_from_weights) or initialised from ``network_weights``."""
+    from sd_scripts_compat.network.lora import create_network, create_network_from_weights, parse_network_args
+    from sd_scripts_compat.network.lora_file import read_lora_file
+
+    network_kwargs = parse_network_args(config.network_args)
+    if config.network_weights and config.dim_from_weights:
+        return create_network_from_weights(model.bundle, config.network_weights, train_unet=True,
+                                           train_text_encoder=model.train_text_encoder)
+    network = create_network(model.bundle, network_dim=config.network_dim or 4,
+                             network_alpha=config.network_alpha if config.network_alpha is not None else 1.0,
+                             dropout=config.network_dropout, train_unet=True,
+                             train_text_encoder=model.train_text_encoder, **network_kwargs)
+    if config.network_weights:
+        network.load_kohya_state_dict(read_lora_file(config.network_weights)[0])
+    return network
+
+
+# ---- 6. Optimizer, schedule, step counts; the diffusion objective ------------------------------------
+
+@dataclass(frozen=True)
+class Optimization:
+    optimizer: Any  # accelerate-wrapped unless full_fp16 (then the loss scale is ours)
+    description: str  # ss_optimizer
+    lr_scheduler: Any
+    loss_scale: DynamicLossScale | None
+    accumulation: int
+    batches_per_epoch: int  # micro-batches per epoch for this process
+    max_train_steps: int
+    total_epochs: int
+    warmup_steps: int
+
+
+def build_optimization(config: Any, process: Process, network: Network, data: Data) -> Optimization:
+    from sd_scripts_compat.training.optim import make_lr_scheduler, make_optimizer
+
+    param_groups = network.network.prepare_optimizer_params(text_encoder_lr(config), config.unet_lr,
+                                                            config.learning_rate)
+    optimizer, description = make_optimizer(config.optimizer_type or "AdamW", param_groups, config.learning_rate,
+                                            config.optimizer_args)
+    accumulation = max(1, config.gradient_accumulation_steps)
+    batches_per_epoch = data.train.num_batches(process.world)
+    steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
+    max_train_steps = steps_per_epoch * config.max_train_epochs if config.max_train_epochs else config.max_train_steps
+    data.train.max_train_steps = max_train_steps  # token_warmup_step given as a fraction needs it
+    warmup_steps = config.warmup_steps(max_train_steps)
+    lr_scheduler = make_lr_scheduler(config.lr_scheduler, optimizer, num_training_steps=max_train_steps,
+                                     num_warmup_steps=warmup_steps, num_cycles=config.lr_scheduler_num_cycles or 1,
+                                     power=config.lr_scheduler_power or 1.0, learning_rate=config.learning_rate,
+                                     scheduler_args=config.lr_scheduler_args)
+    loss_scale = DynamicLossScale() if config.full_fp16 else None
+    if loss_scale is None:
+        optimizer = process.accelerator.prepare(optimizer)  # GradScaler for fp16 mixed precision lives here
+    return Optimization(optimizer=optimizer, description=description, lr_scheduler=lr_scheduler,
+                        loss_scale=loss_scale, accumulation=accumulation, batches_per_epoch=batches_per_epoch,
+                        max_train_steps=max_train_steps, total_epochs=math.ceil(max_train_steps / steps_per_epoch),
+                        warmup_steps=warmup_steps)
+
+
+@dataclass(frozen=True)
+class Objective:
+    noise_scheduler: Any
+    alphas_cumprod: Any  # on the device, for min_snr_gamma
+    noise: NoiseSettings
+
+
+def build_objective(config: Any, process: Process, model: Model) -> Objective:
+    from diffusers import DDPMScheduler
+
+    noise_scheduler = DDPMScheduler.from_config(model.bundle.scheduler_config)
+    noise = NoiseSettings(noise_offset=config.noise_offset, min_timestep=config.min_timestep or 0,
+                          max_timestep=config.max_timestep or 1000, v_parameterization=model.v_parameterization,
+                          min_snr_gamma=config.min_snr_gamma)
+    return Objective(noise_scheduler=noise_scheduler, alphas_cumprod=noise_scheduler.alphas_cumprod.to(process.device),
+                     noise=noise)
+
+
+# ---- 7. Resume -------------------------------------------------------------------------------------
+
+def resume(config: Any, process: Process, network: Network, optimization: Optimization, data: Data) -> Any:
+    """The counters to start from: zero, or those of the ``resume`` state (whose weights, optimizer,
+    schedule and RNG states are loaded here)."""
+    from sd_scripts_compat.training.train_state import TrainCounters, load_train_state, restore_rng_state
+
+    if not config.resume:
+        return TrainCounters()
+    state = load_train_state(Path(config.resume))
+    network.network.load_kohya_state_dict(state.lora_state)
+    unwrap_optimizer(optimization.optimizer).load_state_dict(state.optimizer_state)
+    optimization.lr_scheduler.load_state_dict(state.lr_scheduler_state)
+    restore_rng_state(state.rng)
+    counters = state.counters
+    batch_size = data.spec.batch_size
+    saved_batch = int(counters.extra.get("micro_batch", batch_size))
+    if saved_batch != batch_size:
+        # the watchdog changed the micro-batch: skip the samples already seen (rounded down, so none is
+        # skipped unseen; at most one micro-batch of samples is seen twice)
+        counters.step_in_epoch = counters.step_in_epoch * saved_batch // batch_size
+    process.accelerator.print(f"resumed from {config.resume} at step {counters.global_step} "
+                              f"(epoch {counters.epoch + 1})")
+    return counters
+
+
+# ---- 8. What the run reports and writes ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Report:
+    """The ``settings`` and ``resolved`` blocks of the oom and done events (the ladder steps down from them)."""
+
+    settings: dict[str, Any]
+    resolved: dict[str, Any]
+
+
+def report_run(config: Any, process: Process, data: Data, inputs: Inputs) -> Report:
+    from sd_scripts_compat.config.settings import dataset_report, resolved_settings
+
+    resolved = {"datasets": [dataset_report(data.spec)], "latents_cached": inputs.cached_latents,
+                "text_encoder_outputs_cached": inputs.cached_text,
+                "weight_dtype": str(process.weight_dtype).replace("torch.", "")}
+    return Report(settings=resolved_settings(config, data.spec).to_event(), resolved=resolved)
+
+
+def build_checkpointer(config: Any, process: Process, model: Model, data: Data, inputs: Inputs, network: Network,
+                       optimization: Optimization, report: Report) -> Checkpointer:
+    from sd_scripts_compat.network.lora_file import TrainingFacts
+
+    retries = _read_retry_log(config.autotune_retry_log)
+    batch_size = data.spec.batch_size
+    facts = TrainingFacts(
+        output_name=process.paths.output_name, network_dim=config.network_dim, network_alpha=config.network_alpha,
+        learning_rate=config.learning_rate, optimizer=optimization.description, resolution=data.spec.resolution,
+        training_started_at=process.started, session_id=secrets.randbits(31),  # ss_session_id, as sd-scripts
+        network_args=dict(config.network_args) or None, network_dropout=config.network_dropout,
+        unet_lr=config.unet_lr, text_encoder_lr=text_encoder_lr(config), lr_scheduler=config.lr_scheduler,
+        lr_warmup_steps=optimization.warmup_steps, mixed_precision=process.accelerator.mixed_precision,
+        num_train_images=data.train.num_train_images, num_reg_images=data.train.num_reg_images,
+        num_batches_per_epoch=optimization.batches_per_epoch, num_epochs=optimization.total_epochs,
+        max_train_steps=optimization.max_train_steps, batch_size_per_device=batch_size,
+        total_batch_size=batch_size * process.world * optimization.accumulation,
+        gradient_checkpointing=bool(config.gradient_checkpointing),
+        gradient_accumulation_steps=optimization.accumulation, max_grad_norm=config.max_grad_norm,
+        seed=process.seed, clip_skip=config.clip_skip, max_token_length=config.max_token_length,
+        cache_latents=inputs.cached_latents, noise_offset=config.noise_offset, min_snr_gamma=config.min_snr_gamma,
+        sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
+        tag_frequency=data.train.tag_frequencies, dataset_dirs=data.train.dataset_dirs(),
+        training_comment=config.training_comment,
+        extra={"ss_autotune_retries": json.dumps(retries)} if retries else {},
+    )
+    return Checkpointer(paths=process.paths, policy=SavePolicy.from_config(config), network=network.network,
+                        optimizer=unwrap_optimizer(optimization.optimizer), lr_scheduler=optimization.lr_scheduler,
+                        settings=report.settings, micro_batch=batch_size, facts=facts, family=model.family,
+                        save_dtype=process.save_dtype, is_main_process=process.is_main)
+
+
+# ---- 9. The loop -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything the loop reads, built once by the setup steps."""
+
+    config: Any
+    process: Process
+    model: Model
+    data: Data
+    inputs: Inputs
+    network: Network
+    optimization: Optimization
+    objective: Objective
+    report: Report
+    checkpointer: Checkpointer
+    validation: ValidationRun | None
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from step to step (this session only)."""
+
+    running_loss: Any  # a device scalar: summed without host syncs, read at each progress refresh
+    last_report: float
+    last_state_save: float
+    running_count: int = 0
+    session_started: float = 0.0
+    peak_memory_mib: float = 0.0
+    step_ended_at: list[float] = field(default_factory=list)  # host clock at each optimizer step (done.json)
+    oom: dict[str, Any] | None = None
+    interrupted: bool = False
+
+
+def train(config: Any, *, sdxl: bool) -> int:
+    """One training run; returns the process exit code (0, OOM_EXIT_CODE or INTERRUPTED_EXIT_CODE)."""
+    process = setup_process(config)
+    model = load_model(config, process, sdxl=sdxl)
+    data = build_data(config, process, model)
+    inputs = cache_inputs(config, process, model, data)
+    network = build_network(config, process, model)
+    optimization = build_optimization(config, process, network, data)
+    objective = build_objective(config, process, model)
+    counters = resume(config, process, network, optimization, data)
+    report = report_run(config, process, data, inputs)
+    checkpointer = build_checkpointer(config, process, model, data, inputs, network, optimization, report)
+    if config.logging_dir and config.log_with:
+        process.accelerator.init_trackers(config.log_prefix or "network_train", config={
+            "max_train_steps": optimization.max_train_steps, "train_batch_size": data.spec.batch_size})
+    validation = None if data.validation is None else ValidationRun(
+        data.validation, config, process.seed, unet=model.bundle.unet, conditioner=inputs.conditioner,
+        noise_scheduler=objective.noise_scheduler, dtype=process.weight_dtype, accelerator=process.accelerator,
+        noise_settings=objective.noise, alphas_cumprod=objective.alphas_cumprod)
+    recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
+                    validation)
+    loop = run_loop(recipe, counters)
+    if loop.oom is not None:
+        return finish_oom(recipe, loop, counters)
+    if loop.interrupted:
+        return finish_interrupted(recipe, counters)
+    return finish_done(recipe, loop, counters)
+
+
+def run_loop(r: Recipe, counters: Any) -> LoopState:
+    """Train to max_train_steps; an OOM or Ctrl-C ends the loop and is recorded in the returned state."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
+
+    config, process = r.config, r.process
+    progress = tqdm(total=r.optimization.max_train_steps, initial=counters.global_step, desc="steps",
+                    disable=not process.is_main, dynamic_ncols=True, smoothing=0.1)
+    now = time.time()
+    loop = LoopState(running_loss=torch.zeros((), device=process.device), last_report=now, last_state_save=now,
+                     session_started=now)
+    if counters.global_step == 0:  # before the first step: the validation baseline, then sample_at_first
+        if r.validation is not None:
+            r.validation.run(0)
+        if config.sample_at_first:
+            _sample(r, "e000000")  # sd-scripts names the samples before the first step epoch 0
+    sampler = BucketBatchSampler(r.data.train, epoch=counters.epoch, start_step=counters.step_in_epoch,
+                                 num_replicas=process.world, rank=process.rank)
+    loader = make_dataloader(r.data.train, sampler, num_workers=config.max_data_loader_n_workers or 0,
+                             persistent_workers=bool(config.persistent_data_loader_workers),
+                             pin_memory=process.device.type == "cuda")
+    try:
+        while counters.global_step < r.optimization.max_train_steps:
+            run_epoch(r, loop, counters, sampler, loader, progress)
+    except KeyboardInterrupt:
+        loop.interrupted = True
+    except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else re-raises
+        if not is_oom_error(error):
+            raise
+        loop.oom = {"message": str(error).splitlines()[0][:500], "type": type(error).__name__}
+    # Outside the except block: the exception's frames (and the activations they hold) are gone now.
+    progress.close()
+    return loop
+
+
+def run_epoch(r: Recipe, loop: LoopState, counters: Any, sampler: Any, loader: Any, progress: Any) -> None:
+    """The rest of the current epoch: micro-batches, an optimizer step every ``accumulation`` of them."""
+    optimization = r.optimization
+    sampler.set_epoch(counters.epoch, start_step=counters.step_in_epoch)
+    batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
+    for batch in loader:
+        micro_step(r, loop, counters, batch, batch_index)
+        batch_index += 1
+        if batch_index % optimization.accumulation != 0 and batch_index < optimization.batches_per_epoch:
+            continue
+        optimizer_step(r, counters)
+        counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
+        after_step(r, loop, counters, progress)
+        if counters.global_step >= optimization.max_train_steps:
+            return
+    end_epoch(r, counters)
+
+
+def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any], batch_index: int) -> None:
+    """Forward and backward of one micro-batch; its loss is added to the running loss on the device."""
+    import torch
+
+    from sd_scripts_compat.caching.latent_cache import encode_images
+    from sd_scripts_compat.training.objectives import (
+        diffusion_target,
+        per_sample_loss,
+        sample_noise_and_timesteps,
+        step_generator,
+    )
+
+    process, objective, unet = r.process, r.objective, r.model.bundle.unet
+    batch = to_device(batch, process.device)
+    latents = batch.get("latents")
+    if latents is None:
+        with torch.no_grad():
+            seeds = [(process.seed * 1_000_003 + counters.global_step * 4099 + batch_index * 131 + i) % 2**63
+                     for i in range(batch["images"].shape[0])]
+            vae = r.model.bundle.vae
+            latents = encode_images(vae, batch["images"], noise_seeds=seeds, scaling_factor=vae.config.scaling_factor)
+    latents = latents.to(process.weight_dtype)
+    if process.injector is not None:
+        process.injector.check(counters.global_step, latents.shape[0], latents.shape[2] * r.model.vae_scale,
+                               latents.shape[3] * r.model.vae_scale)
+    generator = step_generator(process.seed, counters.global_step, batch_index * process.world + process.rank,
+                               process.device)
+    with process.accelerator.autocast():
+        encoder_hidden, added_cond = r.inputs.conditioner.condition(batch, train=r.model.train_text_encoder)
+        step_noise, timesteps = sample_noise_and_timesteps(latents, objective.noise, generator)
+        noisy = objective.noise_scheduler.add_noise(latents, step_noise, timesteps)
+        prediction = unet(noisy, timesteps, encoder_hidden, added_cond_kwargs=added_cond).sample
+    target = diffusion_target(objective.noise_scheduler, latents, step_noise, timesteps,
+                              objective.noise.v_parameterization)
+    loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], objective.alphas_cumprod,
+                           objective.noise).mean()
+    scaled = loss / r.optimization.accumulation
+    if r.optimization.loss_scale is not None:
+        (scaled * r.optimization.loss_scale.scale).backward()
+    else:
+        process.accelerator.backward(scaled)
+    loop.running_loss += loss.detach()
+    loop.running_count += 1
+
+
+def optimizer_step(r: Recipe, counters: Any) -> None:
+    """Average (several processes), unscale (full_fp16), clip, step, schedule, zero: one optimizer step."""
+    import torch
+
+    optimization, trainable, config = r.optimization, r.network.trainable, r.config
+    if r.process.world > 1:
+        average_gradients(trainable, r.process.world)
+    loss_scale = optimization.loss_scale
+    do_step = loss_scale.unscale_and_check(trainable) if loss_scale is not None else True
+    if config.max_grad_norm and do_step:
+        if loss_scale is None:
+            r.process.accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+    if do_step:
+        optimization.optimizer.step()
+    optimization.lr_scheduler.step()
+    optimization.optimizer.zero_grad(set_to_none=True)
+    counters.global_step += 1
+
+
+def after_step(r: Recipe, loop: LoopState, counters: Any, progress: Any) -> None:
+    """What follows an optimizer step: progress (every ~2 s), validation, saves and samples when due."""
+    config, step = r.config, counters.global_step
+    now = time.time()
+    loop.step_ended_at.append(now)
+    progress.update(1)
+    if now - loop.last_report >= PROGRESS_EVERY_SECONDS or step == r.optimization.max_train_steps:
+        _report_progress(r, loop, counters, progress, now)
+    if r.validation is not None and r.validation.due(step, epoch_end=False):
+        r.validation.run(step)
+    if config.save_every_n_steps and step % config.save_every_n_steps == 0:
+        r.checkpointer.save_intermediate(counters, suffix=f"-step{step:08d}", step=step)
+    if (config.save_state_every_seconds and r.process.is_main
+            and now - loop.last_state_save >= config.save_state_every_seconds):
+        r.checkpointer.save_state(r.process.paths.state_dir(), counters)
+        loop.last_state_save = now
+    if config.sample_every_n_steps and step % config.sample_every_n_steps == 0:
+        _sample(r, f"step{step:08d}")
+
+
+def end_epoch(r: Recipe, counters: Any) -> None:
+    """The epoch ran to its end: count it, then validation, saves and samples when due."""
+    config = r.config
+    counters.epoch += 1
+    counters.step_in_epoch = 0
+    epoch = counters.epoch
+    if r.validation is not None and r.validation.due(counters.global_step, epoch_end=True, epoch=epoch):
+        r.validation.run(counters.global_step)
+    if config.save_every_n_epochs and epoch % config.save_every_n_epochs == 0 \
+            and counters.global_step < r.optimization.max_train_steps:
+        r.checkpointer.save_intermediate(counters, suffix=f"-{epoch:06d}", step=None)
+    if config.sample_every_n_epochs and epoch % config.sample_every_n_epochs == 0:
+        _sample(r, f"e{epoch:06d}")
+
+
+def _report_progress(r: Recipe, loop: LoopState, counters: Any, progress: Any, now: float) -> None:
+    """The one host sync of the loop (the running loss), then the bar, the tracker and progress.json."""
+    mean_loss = (loop.running_loss / max(loop.running_count, 1)).item()
+    loop.running_loss.zero_()
+    loop.running_count = 0
+    rate = len(loop.step_ended_at) / max(now - loop.session_started, 1e-9)
+    loop.peak_memory_mib = max(loop.peak_memory_mib, peak_memory_mib(r.process.device))
+    lr_scheduler = r.optimization.lr_scheduler
+    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+    r.process.accelerator.log({"loss/current": mean_loss, "lr/unet": lr_scheduler.get_last_lr()[-1],
+                               "speed/it_per_s": rate, "memory/peak_mib": loop.peak_memory_mib},
+                              step=counters.global_step)
+    events_dir = r.process.paths.events_dir
+    if events_dir and r.process.is_main:
+        write_event(events_dir, PROGRESS, {
+            "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
+            "time": now, "it_per_s": rate, "loss": mean_loss})
+    loop.last_report = now
+
+
+def _sample(r: Recipe, name: str) -> None:
+    from sd_scripts_compat.training.sampling import sample_during_training
+
+    paths = r.process.paths
+    sample_during_training(r.model.bundle, r.config, r.process.accelerator, r.process.weight_dtype,
+                           r.data.spec.resolution, out_dir=paths.output_dir / "sample",
+                           name=f"{paths.output_name}_{name}")
+
+
+# ---- 10. The ending: OOM, Ctrl-C, or the final LoRA and summary -----------------------------------------
+
+def finish_oom(r: Recipe, loop: LoopState, counters: Any) -> int:
+    """Free what the failed step held, save the state (when a step was done) and write oom.json."""
+    process = r.process
+    r.optimization.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    free_device_memory(process.device)
+    state_dir = None
+    if process.is_main and counters.global_step > 0:
+        state_dir = str(r.checkpointer.save_state(process.paths.state_dir(), counters))
+    event = {"step": counters.global_step, "epoch": counters.epoch, "settings": r.report.settings,
+             "resolved": r.report.resolved, "memory": memory_figures(), "message": loop.oom["message"],
+             "state_dir": state_dir}
+    if process.paths.events_dir and process.is_main:
+        write_event(process.paths.events_dir, OOM, event)
+    print(f"out of memory at step {counters.global_step}: {loop.oom['message']}", file=sys.stderr)
+    return OOM_EXIT_CODE
+
+
+def finish_interrupted(r: Recipe, counters: Any) -> int:
+    if r.process.is_main:
+        folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
+        print(f"\ninterrupted at step {counters.global_step}; state saved to {folder} "
+              f"(continue with --resume {folder})", file=sys.stderr)
+    return INTERRUPTED_EXIT_CODE
+
+
+def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
+    """The final LoRA (and state when asked), done.json and the summary line."""
+    config, process = r.config, r.process
+    process.accelerator.wait_for_everyone()
+    output_file = process.paths.lora_file()
+    if process.is_main:
+        r.checkpointer.save_lora(output_file, counters, final=True)
+        if config.save_state or config.save_state_on_train_end:
+            r.checkpointer.save_state(process.paths.state_dir(), counters)
+    peak_memory = max(loop.peak_memory_mib, peak_memory_mib(process.device))
+    seconds = time.time() - process.started
+    # steady state: after the first steps (allocator, caches); one duration per optimizer step
+    ended = loop.step_ended_at
+    step_seconds = [b - a for a, b in zip(ended[TIMING_WARMUP_STEPS - 1:], ended[TIMING_WARMUP_STEPS:])]
+    seconds_per_step = sum(step_seconds) / len(step_seconds) if step_seconds else None
+    if process.is_main:
+        if process.paths.events_dir:
+            write_event(process.paths.events_dir, DONE, {
+                "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
+                "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory,
+                "validation_loss": r.validation.history if r.validation is not None else [],
+                "settings": r.report.settings, "resolved": r.report.resolved})
+        print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
+              f"LoRA written to {output_file}")
+    process.accelerator.end_training()
+    return 0
+
+
+# ---- helpers: small, explicit, no state of their own ------------------------------------------------
+
+def text_encoder_lr(config: Any) -> float | None:
+    """kohya allows one text_encoder_lr per encoder; the network takes one for all of them."""
+    lrs = config.text_encoder_lr
+    if not lrs:
+        return None
+    if len(set(lrs)) > 1:
+        raise UserError(f"text_encoder_lr = {list(lrs)}: one learning rate per text encoder is not supported; "
+                        "give a single value")
+    return lrs[0]
+
+
+def _captions_fixed(datasets: list[Any]) -> bool:
+    """True when no caption option (shuffle, dropout, warm-up) changes a processed caption between steps."""
+    from sd_scripts_compat.dataset.captions import caption_is_deterministic
+
+    return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
+
+
+def _stated_family(config: Any, sdxl: bool) -> str | None:
+    """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
+    if sdxl:
+        return None  # detected from the file; load_model checks it is SDXL
+    if config.v2:
+        return "sd2-v" if config.v_parameterization else "sd2"
+    return None
+
+
+def _enable_xformers(unet: Any) -> None:
+    try:
+        import xformers  # noqa: F401
+    except ImportError:
+        raise UserError("xformers = true but xformers is not installed; pip install 'lora-autotune[xformers]' "
+                        "or remove xformers (torch SDPA is the default)") from None
+    try:
+        unet.enable_xformers_memory_efficient_attention()
+    except (ValueError, NotImplementedError, RuntimeError) as error:
+        raise UserError(f"xformers is installed but cannot run here ({str(error).splitlines()[0]}); "
+                        "remove xformers to use torch SDPA") from None
+
+
+def _read_retry_log(path: str | None) -> list[Any]:
+    if not path:
+        return []
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path}: cannot read the retry log ({error})") from None

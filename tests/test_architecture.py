@@ -1,0 +1,187 @@
+"""Static checks of the engine's structure: no import cycle among its modules, no import of the tuner,
+and every option the engine claims to implement is read by its code.
+
+The import graph is read from the source with ``ast`` (imports inside functions and under
+``TYPE_CHECKING`` included), so a cycle hidden behind a deferred import is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "sd_scripts_compat"
+PACKAGE = "sd_scripts_compat"
+
+
+def engine_modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is_package) for every module of the engine."""
+    modules = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def imported_names(module: str, path: Path, is_package: bool) -> set[str]:
+    """Every dotted name ``module`` imports, wherever the import statement is (functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importing module's package
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Engine module -> the engine modules it imports (``from pkg import mod`` points at ``pkg.mod``)."""
+    modules = engine_modules()
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        targets = set()
+        for imported in imported_names(name, path, is_package):
+            if imported in modules:
+                targets.add(imported)
+            elif imported.rpartition(".")[0] in modules:  # from module import attribute
+                targets.add(imported.rpartition(".")[0])
+        graph[name] = targets - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path ``[a, b, ..., a]``, or None when the graph is acyclic (iterative DFS)."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            child = next(stack[-1], None)
+            if child is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                return path[path.index(child):] + [child]
+            elif child not in state:
+                state[child] = 1
+                path.append(child)
+                stack.append(iter(sorted(graph[child])))
+    return None
+
+
+def test_the_cycle_finder_names_a_cycle_and_passes_a_tree():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_sees_imports_inside_functions():
+    graph = import_graph()
+    # dataset/train_dataset.py reads cache files through caching/entries.py; latent_cache imports the dataset
+    assert "sd_scripts_compat.caching.entries" in graph["sd_scripts_compat.dataset.train_dataset"]
+    assert "sd_scripts_compat.dataset.train_dataset" in graph["sd_scripts_compat.caching.latent_cache"]
+    # train_network.main imports the recipe inside the function
+    assert "sd_scripts_compat.training.recipe" in graph["sd_scripts_compat.train_network"]
+
+
+def test_engine_modules_import_each_other_without_a_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cache_entries_import_nothing_from_the_dataset():
+    imports = import_graph()["sd_scripts_compat.caching.entries"]
+    assert not {m for m in imports if m.startswith("sd_scripts_compat.dataset")}, imports
+
+
+def test_engine_never_imports_autotune_in_its_source():
+    offenders = sorted(
+        f"{name} imports {imported}"
+        for name, (path, is_package) in engine_modules().items()
+        for imported in imported_names(name, path, is_package)
+        if imported == "autotune" or imported.startswith("autotune.")
+    )
+    assert not offenders, offenders
+
+
+def test_importing_the_entry_point_and_every_engine_module_loads_no_autotune_module():
+    """A real interpreter: the entry point first, then every module of the engine (their top-level imports)."""
+    code = ("import importlib, sys\n"
+            "import sd_scripts_compat.train_network\n"
+            f"for name in {sorted(engine_modules())!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'autotune' or m.startswith('autotune.')))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+# ---- every option the engine claims to implement is read by its code ---------------------------------
+
+CONFIG_NAMES = ("config", "cfg")  # what the engine calls a TrainingConfig
+# Keys whose only correct handling is a check in the config reader: the engine does one thing (trains
+# networks.lora, writes safetensors) and any other value is an error there; config_file is the file itself.
+CHECKED_BY_THE_READER = {"network_module", "save_model_as", "config_file"}
+
+
+def config_reads(source: str) -> set[str]:
+    """Keys a module's source reads from a config: ``config.key`` / ``cfg.key``, ``getattr(x, "key")``,
+    ``self.key`` inside ``class TrainingConfig``, and the names listed in ``dataset_args``."""
+    keys: set[str] = set()
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) \
+                and node.value.id in CONFIG_NAMES:
+            keys.add(node.attr)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            keys.add(str(node.args[1].value))
+        elif isinstance(node, ast.ClassDef) and node.name == "TrainingConfig":
+            keys.update(n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                        and isinstance(n.value, ast.Name) and n.value.id == "self")
+        elif isinstance(node, ast.FunctionDef) and node.name == "dataset_args":
+            keys.update(n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+    return keys
+
+
+def literals_in_function(source: str, function: str) -> set[str]:
+    """The string constants inside one top-level function of ``source``."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    raise AssertionError(f"no function {function}")
+
+
+def test_config_reads_sees_attributes_getattr_and_dataset_args():
+    source = ("def f(config, cfg, other):\n    config.alpha; cfg.beta; other.gamma; getattr(config, 'delta')\n"
+              "    config.epsilon = 1\n"
+              "def dataset_args(cfg):\n    names = ('zeta',)\n")
+    assert config_reads(source) == {"alpha", "beta", "delta", "zeta"}
+
+
+def test_every_implemented_option_is_read_by_the_engine():
+    from sd_scripts_compat.config.training_config import ALIASES, IMPLEMENTED
+
+    read: set[str] = set()
+    for path in sorted(ENGINE.rglob("*.py")):
+        read |= config_reads(path.read_text(encoding="utf-8"))
+    reader = (ENGINE / "config" / "training_config.py").read_text(encoding="utf-8")
+    in_normalize = literals_in_function(reader, "_normalize")
+    in_reader = in_normalize | literals_in_function(reader, "load_training_config")
+    read |= ALIASES & in_normalize  # deprecated spellings are mapped to their keys there
+    read |= CHECKED_BY_THE_READER & in_reader
+    unread = sorted(IMPLEMENTED - read)
+    assert not unread, f"IMPLEMENTED keys no engine code reads (implement them or drop them from IMPLEMENTED): {unread}"
