@@ -112,7 +112,7 @@ def test_sd2_v_marker_selects_v_family(tmp_path):
         assert "v_pred" in set(handle.keys())
         assert handle.metadata()["modelspec.prediction_type"] == "v"
     assert_bundles_equal(source, loaded)
-    from sd_scripts_compat.models.single_file import read_checkpoint
+    from sd_scripts_compat.models.checkpoint import read_checkpoint
 
     checkpoint = read_checkpoint(path, header_only=True)
     assert detect_family(checkpoint, candidates=[eps, vpred]).name == vpred.name

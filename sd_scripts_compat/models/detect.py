@@ -117,7 +117,7 @@ def _family_of_folder(folder: Path, stated: str | None, stated_by: str) -> Famil
 
 def _family_of_single_file(path: Path, stated: str | None, stated_by: str) -> FamilySpec:
     """A single file: its layout from the header's keys, the first UNet conv, the v-prediction markers."""
-    from sd_scripts_compat.models.single_file import detect_layout, read_checkpoint
+    from sd_scripts_compat.models.checkpoint import detect_layout, read_checkpoint
 
     checkpoint = read_checkpoint(path, header_only=True)
     matched = checkpoint_candidates(checkpoint.shapes, detect_layout(checkpoint), all_families())
@@ -147,7 +147,7 @@ def unet_config_candidates(config: Mapping[str, Any], pool: Iterable[FamilySpec]
 def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
                           pool: Iterable[FamilySpec]) -> list[FamilySpec]:
     """Families of single-file ``layout`` whose first UNet conv has the shape in ``shapes`` (when present)."""
-    from sd_scripts_compat.models.single_file import UNET_PREFIX
+    from sd_scripts_compat.models.checkpoint import UNET_PREFIX
 
     shape = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
     out = []

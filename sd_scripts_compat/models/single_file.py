@@ -26,6 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.checkpoint import (
+    SD1_TE_PREFIX,
+    SD2_TE_PREFIX,
+    SDXL_TE1_PREFIX,
+    SDXL_TE2_PREFIX,
+    UNET_PREFIX,
+    VAE_PREFIX,
+    Checkpoint,
+    detect_layout,
+    read_checkpoint,
+)
 from sd_scripts_compat.models.detect import (
     ENGINE_STATED_BY,
     V_PRED_KEY,
@@ -42,14 +53,6 @@ if TYPE_CHECKING:
 
     from sd_scripts_compat.models.build import ModelBundle
 
-UNET_PREFIX = "model.diffusion_model."
-VAE_PREFIX = "first_stage_model."
-SD1_TE_PREFIX = "cond_stage_model.transformer.text_model."
-SD2_TE_PREFIX = "cond_stage_model.model."
-SDXL_TE1_PREFIX = "conditioner.embedders.0.transformer.text_model."
-SDXL_TE2_PREFIX = "conditioner.embedders.1.model."
-
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth")
 # The original text-encoder layouts (a family's ``single_file_layout`` names one of them).
 LAYOUT_NAMES = {"sd1": "SD 1.x (CLIP-L text encoder)", "sd2": "SD 2.x (OpenCLIP-H text encoder)",
                 "sdxl": "SDXL (CLIP-L + OpenCLIP-bigG text encoders)"}
@@ -197,92 +200,6 @@ def save_single_file(bundle: ModelBundle, path: str | os.PathLike[str], dtype: t
 
 
 # ----------------------------------------------------------------------------------------- reading
-
-
-@dataclass
-class Checkpoint:
-    """A single file's tensors (or only their shapes) and its safetensors metadata."""
-
-    path: Path
-    shapes: dict[str, tuple[int, ...]]
-    metadata: dict[str, str]
-    tensors: dict[str, torch.Tensor] | None  # None when only the header was read
-
-
-def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                    header_only: bool = False) -> Checkpoint:
-    """Read a ``.safetensors`` (or, behind ``allow_pickle``, a ``.ckpt``/``.pt``) checkpoint.
-
-    Every failure is a one-line UserError naming the file: missing, unknown suffix, pickle without
-    the flag, unreadable / truncated / not a checkpoint at all.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"model file {path} not found; expected a .safetensors checkpoint, a diffusers folder "
-                        "with model_index.json, or builtin:<id>")
-    suffix = path.suffix.lower()
-    if suffix == ".safetensors":
-        return _read_safetensors(path, header_only)
-    if suffix in PICKLE_SUFFIXES:
-        if not allow_pickle:
-            raise UserError(f"{path} is a pickle checkpoint, which can run code when loaded; convert it to "
-                            ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
-        return _read_pickle(path)
-    raise UserError(f"{path}: unknown model file type {suffix or '(no suffix)'!r}; expected .safetensors "
-                    "(or .ckpt/.pt with --allow_pickle) or a diffusers folder with model_index.json")
-
-
-def _read_safetensors(path: Path, header_only: bool) -> Checkpoint:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            metadata = dict(handle.metadata() or {})
-            keys = list(handle.keys())
-            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in keys}
-            tensors = None if header_only else {key: handle.get_tensor(key) for key in keys}
-    except Exception as exc:  # safetensors raises its own SafetensorError plus OSError/ValueError
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path} is not a readable safetensors file (corrupt or truncated?): {reason}; "
-                        "expected a Stable Diffusion checkpoint") from None
-    return Checkpoint(path=path, shapes=shapes, metadata=metadata, tensors=tensors)
-
-
-def _read_pickle(path: Path) -> Checkpoint:
-    import torch
-
-    try:
-        raw = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path} could not be loaded with torch.load(weights_only=True) (corrupt, truncated or "
-                        f"holds more than tensors): {reason[:200]}") from None
-    if isinstance(raw, dict) and isinstance(raw.get("state_dict"), dict):
-        raw = raw["state_dict"]
-    if not isinstance(raw, dict):
-        raise UserError(f"{path} holds a {type(raw).__name__}, not a state dict; "
-                        "expected a Stable Diffusion checkpoint")
-    tensors = {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
-    return Checkpoint(path=path, shapes={k: tuple(v.shape) for k, v in tensors.items()}, metadata={}, tensors=tensors)
-
-
-def detect_layout(checkpoint: Checkpoint) -> str:
-    """"sd1", "sd2" or "sdxl" from the key structure; a UserError for LoRAs and other non-models."""
-    keys = checkpoint.shapes.keys()
-    if any(k.startswith(("lora_unet_", "lora_te")) or ".lora_down." in k or ".lora_A." in k for k in keys):
-        raise UserError(f"{checkpoint.path} is a LoRA file, not a base model; pass it as network_weights and give "
-                        "a Stable Diffusion checkpoint as the base model")
-    if not any(k.startswith(UNET_PREFIX) for k in keys):
-        raise UserError(f"{checkpoint.path} holds no Stable Diffusion UNet (no '{UNET_PREFIX}*' keys); expected "
-                        "an original-layout SD1/SD2/SDXL checkpoint")
-    if any(k.startswith(SDXL_TE2_PREFIX) for k in keys):
-        return "sdxl"
-    if any(k.startswith(SD2_TE_PREFIX) for k in keys):
-        return "sd2"
-    if any(k.startswith(SD1_TE_PREFIX) for k in keys):
-        return "sd1"
-    raise UserError(f"{checkpoint.path} has a UNet but no known text encoder (expected cond_stage_model.* or "
-                    "conditioner.embedders.*); expected a full SD1/SD2/SDXL checkpoint")
 
 
 def expected_shapes(family: FamilySpec) -> dict[str, tuple[int, ...]]:
