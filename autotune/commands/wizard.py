@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradient checkpointing on / off")
     values.add_argument("--train-text-encoder", action=argparse.BooleanOptionalAction, default=None,
                         help="train the text encoder LoRA too / UNet only")
+    parser.add_argument("--accept", action="store_true",
+                        help="accept the plan (with the values above) instead of asking; one that does not fit "
+                        "is an error")
     parser.add_argument("--start", action=argparse.BooleanOptionalAction, default=None,
                         help="start `autotune run` at the end (default: ask; with --yes: start)")
 

@@ -48,7 +48,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
     base = plan_training(request)
     if not base.fits:
         raise UserError(base.message)
-    plan = with_pickle_allowed(review(asker, request, base, start).plan, model)
+    plan = with_pickle_allowed(review(asker, request, base, start, accept=args.accept).plan, model)
     config, dataset_toml = write_all(data, plan, output)
     asker.say(f"\nWrote {config} and {dataset_toml} ({output.fmt} layout).", style="bold")
     for line in commands(plan, output, config):

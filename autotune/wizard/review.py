@@ -28,15 +28,16 @@ KNOB_OF_KEY = {"train_batch_size": "train_batch_size", "gradient_accumulation_st
                "gradient_checkpointing": "gradient_checkpointing", "network_train_unet_only": "train_text_encoder"}
 
 
-def review(asker: Asker, request: Any, base: Any, start: Overrides) -> Evaluation:
-    """Show, change, re-predict until the user accepts a fitting plan; returns that evaluation."""
+def review(asker: Asker, request: Any, base: Any, start: Overrides, accept: bool = False) -> Evaluation:
+    """Show, change, re-predict until the user accepts a fitting plan; returns that evaluation.
+    ``accept`` (``--accept``) answers the first "Next" question as ``--yes`` would."""
     current = evaluate(request, base, start)
     while True:
         show(asker, current)
-        if asker.assume_yes:
+        if asker.assume_yes or accept:
             if not current.fits:
                 raise UserError(_flag_error(current))
-            asker.say("Plan accepted (--yes).")
+            asker.say(f"Plan accepted ({'--yes' if asker.assume_yes else '--accept'}).")
             return current
         options = []
         if current.fits:
@@ -162,12 +163,14 @@ def ask_change(asker: Asker, current: Evaluation, request: Any, base: Any) -> Ov
     def text_of(value: Any) -> str:
         return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
-    knob = asker.choose("Which value?", [Option(f"{LABELS[k]}: {text_of(v)}", k) for k, v in shown.items()],
-                        default="train_batch_size")
-    old = shown[knob]
     from sd_scripts_compat.models.families import get_family
 
     tiny = get_family(current.plan.family).resolution < 256
+    if tiny:
+        del shown["resolution"]  # the tiny test families train at their native size only
+    knob = asker.choose("Which value?", [Option(f"{LABELS[k]}: {text_of(v)}", k) for k, v in shown.items()],
+                        default="train_batch_size")
+    old = shown[knob]
     on_gpu = bool(request.gpus)
     if knob in ("gradient_checkpointing", "train_text_encoder"):
         new: Any = asker.choose(f"{LABELS[knob]}", [Option("on", True), Option("off", False)], default=not old)

@@ -63,8 +63,8 @@ def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
         numbers = [gpu.index for gpu in probe.gpus if gpu.vram_total_bytes]  # the order targets_from_probe keeps
         return Hardware((target,), cores, ram, line, local,
                         cuda_index=numbers[index] if len(targets) > 1 else None)
-    asker.say(f"No GPU found ({probe.cuda_reason or 'none'}): training here would run on the CPU, which is "
-              "slow (fine for the builtin:tiny-* models).", style="yellow")
+    asker.say("No GPU found: training here would run on the CPU, which is slow (fine for the builtin:tiny-* "
+              "models).", style="yellow")
     where = asker.choose("Plan for", [Option("this machine's CPU", "cpu"),
                                       Option("a named GPU (write configs for another machine)", "named")],
                          default="cpu", flag="--cpu",
