@@ -97,11 +97,15 @@ class Asker:
             problem = check(text) if check is not None else None
             return problem or True
 
+        extra: dict[str, Any] = {}
         if path:
-            question = questionary.path(message, default=default, validate=validate,
-                                        only_directories=only_directories)
-        else:
-            question = questionary.text(message, default=default, validate=validate)
+            # Tab completes; Enter always answers (questionary.path's Enter first closes an open completion
+            # menu, and its "/" opens one, so typing a path and Enter would not answer).
+            from prompt_toolkit.completion import PathCompleter
+
+            extra = {"completer": PathCompleter(only_directories=only_directories, expanduser=True),
+                     "complete_while_typing": False, "instruction": "(Tab completes)"}
+        question = questionary.text(message, default=default, validate=validate, **extra)
         return str(question.unsafe_ask()).strip()
 
     def confirm(self, message: str, *, default: bool, explanation: str = "", flag: str | None = None,
