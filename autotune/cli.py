@@ -19,6 +19,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("inspect", "autotune.commands.inspect", "show a LoRA file's family, modules, ranks, precision and metadata"),
     ("plan", "autotune.commands.plan", "plan LoRA settings that fit a GPU (fastest predicted), write kohya configs"),
     ("doctor", "autotune.commands.doctor", "check a dataset before training: images, captions, buckets, steps"),
+    ("wizard", "autotune.commands.wizard", "interactive setup: questions, a plan that fits, configs or a training"),
     ("run", "autotune.commands.run", "train a LoRA under the OOM watchdog: plan, run, step down and resume"),
     ("train", "autotune.commands.train", "train with a kohya config.toml (sd-scripts' train_network flags)"),
 ]

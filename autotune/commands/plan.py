@@ -94,11 +94,17 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]
 
 
 def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
-    from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
     from autotune.hardware.probe import probe_system
+
+    return targets_from_probe(probe_system(output_dir=args.out or ".", use_torch=False))
+
+
+def targets_from_probe(probe: Any) -> tuple[list[Any], int, int | None, str]:
+    """A probe's cards as planning targets (what others hold counts as taken), the physical cores, the
+    available RAM and a one-line summary; `autotune plan` and `autotune wizard` read a probe this one way."""
+    from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
     from autotune.planning.request import GENERIC_GPU_NAME, GpuTarget
 
-    probe = probe_system(output_dir=args.out or ".", use_torch=False)
     cores = int(probe.cpu.physical_cores or probe.cpu.logical_cores or 1)
     gpus, parts = [], []
     for info in probe.gpus:

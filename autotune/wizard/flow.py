@@ -1,0 +1,161 @@
+"""The wizard from the first question to the last: hardware, model, dataset, goal and output, the plan
+review, then the end: config.toml + dataset.toml, the commands that use them, and ``autotune run``.
+
+Nothing is written before the end. There the organised dataset (if any) and the two configs are written
+with Ctrl-C held back until they are all on disk (each file is atomic; held back, the set is too).
+Training starts in this process through the CLI's own ``autotune run`` entry (``autotune.cli.main``):
+the same argument parsing and checks as the command line printed just above it, no second interpreter
+start-up, and Ctrl-C reaches the watchdog, which saves state and prints how to resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from autotune.wizard import steps
+from autotune.wizard.answers import check_flags, overrides_from_args
+from autotune.wizard.ask import Asker
+from sd_scripts_compat.errors import UserError
+
+
+def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
+    from rich.console import Console
+
+    from autotune.planning.planner import plan_training
+    from autotune.wizard.review import review
+    from sd_scripts_compat.models.families import get_family
+
+    check_flags(args)
+    asker = Asker(console or Console(highlight=False), assume_yes=args.yes)
+    asker.say("[bold]autotune wizard[/bold]: a few questions, then a plan that fits your GPU. "
+              "Ctrl-C quits and writes nothing.", markup=True)
+    hardware = steps.hardware(asker, args)
+    model = steps.base_model(asker, args)
+    data = steps.dataset(asker, args)
+    output = steps.goal_and_output(asker, args, data, model.family)
+    start = overrides_from_args(args, family_tiny=get_family(model.family).resolution < 256,
+                                on_gpu=bool(hardware.gpus))
+    request = build_request(hardware, model, data, output)
+    base = plan_training(request)
+    if not base.fits:
+        raise UserError(base.message)
+    plan = with_pickle_allowed(review(asker, request, base, start, accept=args.accept).plan, model)
+    config, dataset_toml = write_all(data, plan, output)
+    asker.say(f"\nWrote {config} and {dataset_toml} ({output.fmt} layout).", style="bold")
+    for line in commands(plan, output, config):
+        asker.say(line, soft_wrap=True)
+    return offer_training(asker, args, hardware, model, data, output, config, dataset_toml)
+
+
+def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: steps.DatasetChoice,
+                  output: steps.OutputChoice) -> Any:
+    from autotune.planning.planner import PlanRequest, Preferences
+
+    return PlanRequest(dataset_dir=str(data.folder), model=model.model, family=model.family, gpus=hardware.gpus,
+                       goal=output.goal, priority=output.priority, preferences=Preferences(output_name=output.name),
+                       cpu_physical_cores=hardware.cpu_cores, cpu_memory_bytes=hardware.ram_bytes,
+                       dataset=data.summary, output_dir=str(output.folder),
+                       probe_summary=hardware.summary + "; autotune wizard")
+
+
+def with_pickle_allowed(plan: Any, model: steps.ModelChoice) -> Any:
+    """The user allowed a pickle checkpoint: the config says so (our engine refuses pickles otherwise)."""
+    from autotune.planning.planner import Choice
+
+    if not model.allow_pickle:
+        return plan
+    choices = list(plan.choices)
+    at = next(i for i, c in enumerate(choices) if c.key == "pretrained_model_name_or_path") + 1
+    choices.insert(at, Choice("allow_pickle", True, "you allowed this pickle checkpoint in the wizard; it is "
+                                                    "loaded with torch.load(weights_only=True)"))
+    return replace(plan, choices=tuple(choices))
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C while the files are written takes effect once they are all written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def write_all(data: steps.DatasetChoice, plan: Any, output: steps.OutputChoice) -> tuple[Path, Path]:
+    """The organised dataset (if any), then dataset.toml and config.toml; a failure removes what this made."""
+    import shutil
+
+    from autotune.planning.toml_writer import write_plan_files
+    from autotune.wizard import organise
+
+    with interrupts_held():
+        if data.layout is not None:
+            organise.create(data.layout)
+        try:
+            return write_plan_files(plan, output.folder, output.fmt)
+        except BaseException:
+            if data.layout is not None:
+                shutil.rmtree(data.layout.target, ignore_errors=True)
+            raise
+
+
+def commands(plan: Any, output: steps.OutputChoice, config: Path) -> list[str]:
+    """The exact command lines that train with the written files."""
+    words = [str(config) if w.endswith("config.toml") else w for w in plan.launch_command]
+    lines = ["Train with sd-scripts (run it in your sd-scripts folder):", "  " + shlex.join(words)]
+    if output.fmt == "lora-scripts":
+        script = next(w for w in words if w.endswith(".py"))
+        launch = ["python", "-m", "accelerate.commands.launch", *words[2:]]
+        launch[launch.index(script)] = f"./scripts/stable/{script}"
+        lines += ["Train with lora-scripts (run it in your lora-scripts folder):", "  " + shlex.join(launch)]
+    if plan.model.startswith("builtin:"):
+        lines.append(f"  ({plan.model} is lora-autotune's own: sd-scripts needs a real checkpoint there)")
+    return lines
+
+
+def run_command(model: steps.ModelChoice, data: steps.DatasetChoice, output: steps.OutputChoice, config: Path,
+                dataset_toml: Path) -> list[str]:
+    """``autotune run`` with the written files (its own output in OUT/run, the LoRA in OUT/output)."""
+    return ["run", str(data.folder), "--model", model.model, "--family", model.family, "--config", str(config),
+            "--dataset-config", str(dataset_toml), "--out", str(output.folder / "run")]
+
+
+def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardware, model: steps.ModelChoice,
+                   data: steps.DatasetChoice, output: steps.OutputChoice, config: Path, dataset_toml: Path) -> int:
+    """Offer ``autotune run`` on this machine; the configs for another machine end the wizard here."""
+    argv = run_command(model, data, output, config, dataset_toml)
+    # NVML numbers cards in PCI order; CUDA numbers them fastest first unless told otherwise.
+    visible = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": str(hardware.cuda_index)} \
+        if hardware.cuda_index is not None else {}
+    env = "".join(f"{key}={value} " for key, value in visible.items())
+    if not hardware.local:
+        asker.say("These configs are for another machine: copy the dataset and the output folder there (the "
+                  "paths in them are this machine's) and run the command above.")
+        return 0
+    if not data.kohya_layout:
+        asker.say("Not offering to train here: `autotune run` needs N_name subfolders (see above).")
+        return 0
+    asker.say("Train here with lora-autotune (OOM watchdog: steps down and resumes if memory runs out):")
+    asker.say("  " + env + shlex.join(["autotune", *argv]), soft_wrap=True)
+    if not asker.confirm("Start training now?", default=True, flag="--start", given=args.start,
+                         explanation="you can also run the command above later"):
+        return 0
+    from autotune.cli import main
+
+    os.environ.update(visible)  # the run's trainer inherits the chosen card
+    return main(argv)
