@@ -446,3 +446,13 @@ def test_pty_whole_flow_ends_in_a_finished_training(tmp_path):
     config = toml.loads((out / "config.toml").read_text())
     assert config["train_batch_size"] == 2
     assert list((out / "output").glob("*.safetensors"))
+
+
+def test_doctor_errors_are_shown_and_no_training_is_offered(tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(EXAMPLES, data)
+    (data / "10_circle shape" / "circle_00.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    code, shown = drive([str(data), "--cpu", "--model", "builtin:tiny-sd15", "--out", str(out), "--yes"], keys="")
+    assert code == 0
+    assert "doctor:" in shown and "circle_00.png" in shown and "Not offering to train here" in shown
+    assert (out / "config.toml").is_file() and not (out / "run").exists()

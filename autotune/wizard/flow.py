@@ -41,6 +41,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
     hardware = steps.hardware(asker, args)
     model = steps.base_model(asker, args)
     data = steps.dataset(asker, args)
+    healthy = steps.doctor(asker, model, data)
     output = steps.goal_and_output(asker, args, data, model.family)
     start = overrides_from_args(args, family_tiny=get_family(model.family).resolution < 256,
                                 on_gpu=bool(hardware.gpus))
@@ -53,6 +54,10 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
     asker.say(f"\nWrote {config} and {dataset_toml} ({output.fmt} layout).", style="bold")
     for line in commands(plan, output, config):
         asker.say(line, soft_wrap=True)
+    if not healthy:
+        asker.say("Not offering to train here: the doctor found errors in the dataset (see above); fix them, "
+                  "then run `autotune run` as printed by `autotune doctor`'s advice.", style="yellow")
+        return 0
     return offer_training(asker, args, hardware, model, data, output, config, dataset_toml)
 
 

@@ -297,6 +297,21 @@ def dataset(asker: Asker, args: argparse.Namespace) -> DatasetChoice:
     return _offer_organise(asker, args, folder, summary)
 
 
+def doctor(asker: Asker, model: ModelChoice, data: DatasetChoice) -> bool:
+    """`autotune doctor`'s checks on the chosen folder, for the chosen model: the brief now; False on errors
+    (the wizard then writes the configs but starts no training, as `autotune run` would refuse to)."""
+    from autotune.doctor import check_before_training
+
+    try:
+        lines = check_before_training(data.folder, model=model.model, family=model.family)
+    except UserError as error:
+        asker.say(f"  doctor: {error}", style="red")
+        return False
+    for line in lines:
+        asker.say(f"  {line}")
+    return True
+
+
 def show_dataset(asker: Asker, summary: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
