@@ -746,11 +746,11 @@ def _captions_fixed(datasets: list[Any]) -> bool:
 
 def _stated_family(config: Any, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
+    from sd_scripts_compat.models.detect import family_for_kohya_flags
+
     if sdxl:
         return None  # detected from the file; load_model checks it is SDXL
-    if config.v2:
-        return "sd2-v" if config.v_parameterization else "sd2"
-    return None
+    return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 
 def _enable_xformers(unet: Any) -> None:
