@@ -25,9 +25,10 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a file we write gets the umask's permissions
     try:
         yield Path(tmp)
+        # mkstemp makes 0600 and some writers (safetensors) recreate the file so: set the umask's permissions
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -47,6 +48,9 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                os.chmod(file, 0o666 & ~_umask())
         old = target.with_name(target.name + ".old")
         if target.exists():
             os.replace(target, old)

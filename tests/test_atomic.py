@@ -6,6 +6,8 @@ import os
 import stat
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from sd_scripts_compat.atomic import atomic_folder, atomic_path, write_json_atomic, write_text_atomic
 
@@ -27,9 +29,14 @@ def test_files_and_folders_get_the_umask_permissions(tmp_path, umask, mask, file
     write_json_atomic(tmp_path / "events" / "done.json", {"steps": 3})
     with atomic_folder(tmp_path / "lora-state") as folder:
         write_text_atomic(folder / "train_state.json", "{}")
+        save_file({"w": torch.zeros(2)}, str(folder / "tensors.safetensors"))  # safetensors recreates as 0600
+    with atomic_path(tmp_path / "lora.safetensors") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp))
     assert stat.S_IMODE((tmp_path / "a.toml").stat().st_mode) == file_mode
     assert stat.S_IMODE((tmp_path / "events" / "done.json").stat().st_mode) == file_mode
     assert stat.S_IMODE((tmp_path / "lora-state").stat().st_mode) == dir_mode
+    assert stat.S_IMODE((tmp_path / "lora-state" / "tensors.safetensors").stat().st_mode) == file_mode
+    assert stat.S_IMODE((tmp_path / "lora.safetensors").stat().st_mode) == file_mode
     assert (tmp_path / "a.toml").read_text() == "x = 1\n"
 
 
