@@ -675,6 +675,21 @@ class SdScriptsEngine:
 # ---------------------------------------------------------------- setting it up
 
 
+def early_check(engine: str, python: str | None, model: str | None) -> Install:
+    """The cheap refusals, before the dataset check and the plan: a PATH that is not sd-scripts, a
+    --python that is not a program, a model only autotune's engine can load."""
+    from sd_scripts_compat.models.detect import BUILTIN_PREFIX
+
+    root = parse_engine(engine)
+    if root is None:
+        raise UserError(f"--engine {engine}: nothing to wrap; drop --engine to use autotune's engine")
+    install = find_install(root, python)
+    if model and str(model).startswith(BUILTIN_PREFIX):
+        raise UserError(f"--model {model}: a built-in test model only autotune's engine can load; give sd-scripts "
+                        "a .safetensors checkpoint or a diffusers folder")
+    return install
+
+
 def prepare(engine: str, python: str | None, *, family: Any, config: Path, output_dir: Path, states_dir: Path,
             save_every_s: float, env: Mapping[str, str], planned_it_per_s: float | None = None,
             extra_args: list[str] | None = None) -> SdScriptsEngine:
