@@ -167,7 +167,7 @@ def locate(path: Path) -> tuple[Path, str]:
         raise UserError(f"--engine sd-scripts={path}: no such folder; give an sd-scripts checkout, or the "
                         "lora-scripts / kohya_ss folder that holds one")
     for place, what in SCRIPT_PLACES:
-        folder = (path / place).resolve()
+        folder = Path(os.path.abspath(path / place))  # as the user named it (a symlinked layout stays readable)
         if (folder / "train_network.py").is_file() and (folder / "library" / "train_util.py").is_file():
             return folder, what
     looked = ", ".join(place for place, _ in SCRIPT_PLACES)
@@ -298,17 +298,24 @@ def config_for_sd_scripts(config: Path, options: ScriptOptions, out: Path, value
     ``values`` with a None value are removed (``max_train_epochs`` when the step count is pinned).
     Returns the path and the removed wrapper keys.
     """
-    from sd_scripts_compat.config.training_config import WRAPPER_KEYS
-
     document = read_toml(config)
-    keys = list(flat_values(document))
-    dropped = [key for key in keys if key in WRAPPER_KEYS and key not in options.names]
-    check_options(options, [k for k in keys if k not in dropped], str(config))
+    dropped = check_config(config, options)
     removed = set(dropped) | {key for key, value in values.items() if value is None}
     document = _without(document, removed)
     document = set_config_values(document, {k: v for k, v in values.items() if v is not None})
     write_toml(out, document, header)
     return out, dropped
+
+
+def check_config(config: Path, options: ScriptOptions) -> list[str]:
+    """Refuse a config key this sd-scripts does not know; return the wrapper-only keys (lora-scripts GUI keys,
+    which sd-scripts ignores: left out of what it is given, with a note)."""
+    from sd_scripts_compat.config.training_config import WRAPPER_KEYS
+
+    keys = list(flat_values(read_toml(config)))
+    dropped = [key for key in keys if key in WRAPPER_KEYS and key not in options.names]
+    check_options(options, [k for k in keys if k not in dropped], str(config))
+    return dropped
 
 
 def _without(document: Mapping[str, Any], keys: set[str]) -> dict[str, Any]:
@@ -461,8 +468,7 @@ class AttemptWatch:
         self.true_step = step
         if changed or time.monotonic() - self.last_write >= 1.0:
             self._write_progress(loss=bar.loss)
-        if changed:
-            self.scan(final=False, ok=False)
+        self.scan(final=False, ok=False)  # every redraw: the one after a save shows that save's step
 
     def _write_progress(self, loss: float | None = None, phase: str | None = None) -> None:
         if self.events_dir is None:
@@ -501,20 +507,24 @@ class AttemptWatch:
             ledger.states[folder.name] = {"step": true, "sd_step": sd_step, "mtime_ns": mtime,
                                           "confirmed": bool(final and ok)}
             dirty = True
-        if dirty:
+        gone = [name for name in ledger.states if not (states_dir / name).is_dir()]  # trimmed by sd-scripts
+        for name in gone:
+            del ledger.states[name]
+        if dirty or gone:
             ledger.save()
 
     def _offset_for(self, sd_step: int, current: int, folder: Path) -> int:
         """sd-scripts' count minus the true step, fixed at this attempt's first save.
 
-        The bar line read when a new folder is first seen can trail the save by a step or two (our pipe
-        reader runs behind the child), so an observed offset within that lag of the arranged one is the
-        arranged one; anything else is sd-scripts counting differently.
+        sd-scripts redraws its bar right after each save, so the bar line on which a new folder is first
+        seen normally shows that save's step; our pipe reader can run a step or two behind or ahead of
+        the child, so an observed offset within that lag of the arranged one is the arranged one; anything
+        else is sd-scripts counting differently.
         """
         if self.offset is not None:
             return self.offset
         observed = sd_step - current
-        self.offset = self.expected_offset if 0 <= observed - self.expected_offset <= COUNTER_LAG else observed
+        self.offset = self.expected_offset if abs(observed - self.expected_offset) <= COUNTER_LAG else observed
         if self.offset != self.expected_offset:
             self._counter_is_off(folder)
         return self.offset
@@ -604,6 +614,10 @@ class SdScriptsEngine:
         argv = self._argv(path, dataset, state, target)
         self.watch = AttemptWatch(self, state, pinned, offset, path)
         log.write("sd_scripts_command", f"attempt {attempt}: {shlex.join(argv)}", argv=argv)
+        every, rate, source = self.save_every
+        log.write("sd_scripts_saves", f"attempt {attempt}: sd-scripts has no time-based saves, so its state is "
+                  f"saved every {every} step(s) (~{every / rate:.2g} s at {rate:.3g} it/s, {source}); a failure "
+                  f"loses at most the {every} step(s) since the last save", save_every_n_steps=every, it_per_s=rate)
         return argv
 
     def _argv(self, config: Path, dataset: Path | None, state: tuple[Path, int] | None,
@@ -639,10 +653,6 @@ class SdScriptsEngine:
         watch = self.watch
         assert watch is not None
         watch.scan(final=True, ok=result.outcome == "done")
-        every, rate, source = self.save_every
-        log.write("sd_scripts_saves", f"sd-scripts has no time-based saves: state saved every {every} steps "
-                  f"(~{every / rate:.0f} s at {rate:.3g} it/s, {source}); a failure loses at most the {every} "
-                  "steps since the last save", save_every_n_steps=every, it_per_s=rate)
         if watch.it_per_s:
             self.measured_it_per_s = watch.it_per_s
         for event, text, data in watch.notes:
@@ -708,7 +718,7 @@ def prepare(engine: str, python: str | None, *, family: Any, config: Path, outpu
         tokenizers = tokenizer_cache(output_dir, family.single_file_layout, pads)
     result = SdScriptsEngine(install, options, output_dir, states_dir, save_every_s, planned_it_per_s, tokenizers,
                              list(extra_args or []))
-    config_for_sd_scripts(config, options, output_dir / "sd_scripts.check.toml", {}, "# checked against sd-scripts\n")
+    check_config(config, options)
     return result
 
 
@@ -723,10 +733,7 @@ def train_with_sd_scripts(engine: str, python: str | None, *, family: Any, confi
     check_import(install)
     options = OptionReader().options(install, family.kohya_script)
     print(f"sd-scripts version {options.version}")
-    from sd_scripts_compat.config.training_config import WRAPPER_KEYS
-
-    keys = [k for k in flat_values(read_toml(config)) if k not in WRAPPER_KEYS or k in options.names]
-    check_options(options, keys, str(config))
+    check_config(config, options)  # the wrapper keys it ignores stay: this is the user's own file
     check_options(options, [m["name"] for m in _OPTION.finditer(" ".join(kohya_args))], "the command line")
     argv = [install.python, str(options.script), "--config_file", str(config), *kohya_args]
     print(f"$ {shlex.join(argv)}", flush=True)
