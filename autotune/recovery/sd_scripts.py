@@ -659,6 +659,10 @@ class SdScriptsEngine:
             log.write(event, text, **data)
         if watch.stop_reason is not None and result.outcome == "crash":
             return replace(result, outcome="continue", message=watch.stop_reason)
+        if result.outcome == "interrupted":  # ASSUMED: sd-scripts has no SIGINT handler (KeyboardInterrupt)
+            newest = self.ledger.newest(self.states_dir)
+            return replace(result, message="interrupted; sd-scripts saves no state on Ctrl-C: --resume continues "
+                           f"from its last step save ({newest[0].name if newest else 'none yet'})")
         if result.outcome != "done":
             return result
         return self._finished(result, watch, log)
