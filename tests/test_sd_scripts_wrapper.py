@@ -103,8 +103,9 @@ def commands(job: Job) -> list[list[str]]:
     return [x["argv"] for x in lines if x["event"] == "sd_scripts_command"]
 
 
-def test_fake_oom_on_stderr_steps_down_and_resumes_at_the_saved_step(tmp_path):
-    job = make_job(tmp_path, "oom_at=7")
+@pytest.mark.parametrize("quiet", ["", ",quiet_saves"], ids=["save_announced", "save_not_announced"])
+def test_fake_oom_on_stderr_steps_down_and_resumes_at_the_saved_step(tmp_path, quiet):
+    job = make_job(tmp_path, "oom_at=7" + quiet)
     result = supervise(job)
     assert result.ok, result.message
     assert (result.final_settings.train_batch_size, result.final_settings.gradient_accumulation_steps) == (2, 2)

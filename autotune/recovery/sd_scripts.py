@@ -84,6 +84,8 @@ _BAR = re.compile(r"(?:^|\r)\s*(?P<desc>[^|\r]*?):?\s*(?P<pct>\d+)%\|[^|]*\|\s*(
                   r"\s*\[(?P<inner>[^\]]*)\]")
 _RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it)")
 _LOSS = re.compile(r"avr_loss=(?P<loss>[-+0-9.eE]+|nan|inf)")
+# ASSUMED (train_util.save_and_remove_state_stepwise): logger.info(f"saving state at step {step_no}") on stderr
+_SAVING = re.compile(r"saving state at step (?P<step>\d+)")
 _EPOCH = re.compile(r"^\s*epoch (?P<epoch>\d+)/(?P<epochs>\d+)\s*$")
 _VERSION = re.compile(r"(?:sd-scripts|kohya)[^\n]*?\bv?(?P<v>\d+\.\d+(?:\.\d+)?\S*)|version[:= ]+v?(?P<w>\d+\.\d+\S*)",
                       re.IGNORECASE)
@@ -432,6 +434,8 @@ class AttemptWatch:
         self.epoch: int | None = None
         self.it_per_s: float | None = None
         self.offset: int | None = None  # observed at the first save of this attempt
+        self.announced: int | None = None  # sd-scripts' step in its last "saving state at step N" line
+        self.unresolved: dict[str, tuple[int, int, int]] = {}  # folder -> (true step when seen, its step, mtime)
         self.stop_reason: str | None = None
         self.notes: list[tuple[str, str, dict[str, Any]]] = []
         self.last_write = 0.0
@@ -441,9 +445,11 @@ class AttemptWatch:
         with self.lock:
             bar = parse_bar(line)
             if bar is None:
-                epoch = _EPOCH.match(line)
+                epoch, saving = _EPOCH.match(line), _SAVING.search(line)
                 if epoch:
                     self.epoch = int(epoch["epoch"])
+                if saving:
+                    self.announced = int(saving["step"])
                 return
             if not bar.is_steps:  # caching latents / loading: alive, not stepping
                 if time.monotonic() - self.last_write >= 1.0:
@@ -466,6 +472,10 @@ class AttemptWatch:
             self.it_per_s = bar.it_per_s
         changed = step != self.true_step
         self.true_step = step
+        if self.announced is not None:  # the redraw right after a save shows the saved step
+            if self.offset is None:
+                self._fix_offset(self.announced - step, f"step {self.announced}")
+            self.announced = None
         if changed or time.monotonic() - self.last_write >= 1.0:
             self._write_progress(loss=bar.loss)
         self.scan(final=False, ok=False)  # every redraw: the one after a save shows that save's step
@@ -483,7 +493,11 @@ class AttemptWatch:
 
     def scan(self, *, final: bool, ok: bool) -> None:
         """Record the state folders sd-scripts wrote since the last look. A folder is confirmed (whole) once
-        a later step was reported, or when the run ended well; a killed run's newest folder may be half."""
+        a later step was reported, or when the run ended well; a killed run's newest folder may be half.
+
+        A new folder waits (``unresolved``) until this attempt's counter offset is known, from the save
+        announcement (exact) or, failing that, from the bar line it was first seen on (``_fix_offset``).
+        """
         ledger, states_dir = self.engine.ledger, self.engine.states_dir
         if not states_dir.is_dir():
             return
@@ -501,38 +515,39 @@ class AttemptWatch:
             if mtime < self.started_ns and entry is None:
                 continue  # there before this attempt and never ours: newest() reads its own step
             sd_step = state_step(folder)
-            if sd_step is None:
-                continue
-            true = sd_step - self._offset_for(sd_step, current, folder)
-            ledger.states[folder.name] = {"step": true, "sd_step": sd_step, "mtime_ns": mtime,
-                                          "confirmed": bool(final and ok)}
-            dirty = True
+            seen = self.unresolved.get(folder.name)
+            if sd_step is not None and (seen is None or seen[2] != mtime):
+                self.unresolved[folder.name] = (current, sd_step, mtime)
+        for name, (seen_at, sd_step, mtime) in list(self.unresolved.items()):
+            if self.offset is None and (final or current > seen_at + COUNTER_LAG):
+                self._fix_offset(sd_step - seen_at, name)  # no announcement came: the bar line it appeared on
+            if self.offset is not None:
+                ledger.states[name] = {"step": sd_step - self.offset, "sd_step": sd_step, "mtime_ns": mtime,
+                                       "confirmed": bool(final and ok)}
+                del self.unresolved[name]
+                dirty = True
         gone = [name for name in ledger.states if not (states_dir / name).is_dir()]  # trimmed by sd-scripts
         for name in gone:
             del ledger.states[name]
         if dirty or gone:
             ledger.save()
 
-    def _offset_for(self, sd_step: int, current: int, folder: Path) -> int:
-        """sd-scripts' count minus the true step, fixed at this attempt's first save.
+    def _fix_offset(self, observed: int, folder: str) -> None:
+        """This attempt's counter offset (sd-scripts' step minus the true step), from its first save.
 
-        sd-scripts redraws its bar right after each save, so the bar line on which a new folder is first
-        seen normally shows that save's step; our pipe reader can run a step or two behind or ahead of
-        the child, so an observed offset within that lag of the arranged one is the arranged one; anything
-        else is sd-scripts counting differently.
+        ``observed`` is exact when it comes from the save announcement and the bar redraw right after it
+        (ASSUMED order: update, save, announcement, redraw); from a folder seen on some bar line it can be
+        a step or two off, since our pipe reader runs behind or ahead of the child. Within that lag of the
+        arranged offset it is the arranged one; beyond, sd-scripts counts differently.
         """
-        if self.offset is not None:
-            return self.offset
-        observed = sd_step - current
         self.offset = self.expected_offset if abs(observed - self.expected_offset) <= COUNTER_LAG else observed
         if self.offset != self.expected_offset:
             self._counter_is_off(folder)
-        return self.offset
 
-    def _counter_is_off(self, folder: Path) -> None:
+    def _counter_is_off(self, folder: str) -> None:
         offset, resume, target = self.offset or 0, self.resume_step, self.engine.ledger.target_steps
-        what = (f"sd-scripts' step counter is off by {offset:+d} after resuming at step {resume} (its state "
-                f"{folder.name} says step {state_step(folder)}; upstream resume issues 1999/2171/2248)")
+        what = (f"sd-scripts' step counter is off by {offset:+d} after resuming at step {resume} (seen at its "
+                f"save {folder}; upstream resume issues 1999/2171/2248)")
         fixed_max = (target or 0) + offset
         if self.resume_state is None or target is None or self.expected_offset != 0:
             self.notes.append(("sd_scripts_counter", f"{what}; the ledger keeps the true steps",
