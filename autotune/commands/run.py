@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start even when `autotune doctor` finds errors in the dataset (not recommended)")
     parser.add_argument("--memory-limit", type=float,
                         help="CPU only: cap the trainer's address space at this many MiB (a real, catchable OOM)")
+    parser.add_argument("--engine", metavar="sd-scripts=PATH",
+                        help="train with your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) "
+                             "under the same watchdog, instead of autotune's engine")
+    parser.add_argument("--python", help="with --engine: the Python that runs sd-scripts (default: the venv "
+                                         "beside it, else this Python)")
 
 
 # ---------------------------------------------------------------- dataset check
@@ -109,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
     from autotune.recovery.watchdog import RUN_STATE, Job, read_json, supervise
 
     dataset_dir = Path(args.dataset).resolve()
+    if getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
+        from autotune.recovery.sd_scripts import early_check
+
+        early_check(args.engine, args.python, args.model)
     scan = check_dataset(dataset_dir)
     check_folder_convention(args, scan)
     if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
@@ -136,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
         prior = list(saved.get("retries") or [])
     limits = _limits(probe, family, resolved, args, cuda, usable_mib)
     train_output = Path(resolved.config.output_dir or out)
+    engine = None
+    if getattr(args, "engine", None):
+        from autotune.recovery.sd_scripts import prepare
+
+        engine = prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
+                         states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
+                         planned_it_per_s=getattr(args, "planned_it_per_s", None))
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
@@ -145,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
         train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib},
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
+        engine=engine, python=engine.install.python if engine else sys.executable,
     )
     result = supervise(job)
     if args.json:
@@ -294,6 +311,7 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, float | None
         raise UserError(f"{args.model}: {plan.message}")
     render(plan)
     config, dataset = write_plan_files(plan, out, args.format)
+    args.planned_it_per_s = plan.prediction.it_per_s if plan.prediction else None  # sd-scripts' first save interval
     usable = plan.prediction.usable_bytes / 2**20 if plan.prediction and plan.settings and \
         plan.settings.mixed_precision != "no" else None
     return config, dataset, usable

@@ -2,6 +2,8 @@
 
 The same as ``python -m sd_scripts_compat.train_network`` (or ``sdxl_train_network``), picking the
 entry point from the model's family, so a config that works with sd-scripts runs here unchanged.
+``--engine sd-scripts=PATH [--python PY]`` (anywhere after CONFIG) runs the user's own sd-scripts
+instead, after checking that it imports and knows every option of the config.
 """
 
 from __future__ import annotations
@@ -27,14 +29,36 @@ def model_of_config(config: Path, kohya_args: list[str]) -> str | None:
     return str(value) if value else None
 
 
+def own_options(kohya_args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``--engine X`` / ``--python Y`` (ours; sd-scripts has neither) pulled out of the flags after CONFIG."""
+    ours: dict[str, str] = {}
+    rest: list[str] = []
+    words = iter(kohya_args)
+    for word in words:
+        name, sep, value = word.partition("=")
+        if name in ("--engine", "--python"):
+            ours[name[2:]] = value if sep else next(words, "")
+        else:
+            rest.append(word)
+    return ours, rest
+
+
 def run(args: argparse.Namespace) -> int:
     from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.models.detect import detect_family
-    from sd_scripts_compat.train_network import main
 
     config = Path(args.config)
-    model = model_of_config(config, args.kohya_args)
+    ours, kohya_args = own_options(args.kohya_args)
+    model = model_of_config(config, kohya_args)
     if model is None:
         raise UserError(f"{config}: no pretrained_model_name_or_path; add it to the config or the command line")
-    sdxl = detect_family(model).is_sdxl
-    return main(["--config_file", str(config), *args.kohya_args], sdxl=sdxl)
+    family = detect_family(model)
+    if ours.get("engine"):
+        from autotune.recovery.sd_scripts import early_check, train_with_sd_scripts
+
+        early_check(ours["engine"], ours.get("python"), model)
+        return train_with_sd_scripts(ours["engine"], ours.get("python"), family=family, config=config,
+                                     kohya_args=kohya_args)
+    from sd_scripts_compat.train_network import main
+
+    return main(["--config_file", str(config), *kohya_args], sdxl=family.is_sdxl)

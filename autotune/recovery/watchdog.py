@@ -18,10 +18,10 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, next_settings
 from sd_scripts_compat.atomic import write_json_atomic
@@ -89,15 +89,41 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock) -> None:
-    for raw in iter(stream.readline, b""):
+def _segments(stream: Any) -> Iterator[bytes]:
+    """A child's output cut after each ``\n`` and also after each ``\r``: a progress bar (tqdm, as
+    sd-scripts prints it) redraws itself with ``\r`` and writes no ``\n`` until it closes."""
+    pending = b""
+    while chunk := stream.read1(65536):
+        pending += chunk
+        while (cut := _first_break(pending)) >= 0:
+            yield pending[: cut + 1]
+            pending = pending[cut + 1:]
+    if pending:
+        yield pending
+
+
+def _first_break(data: bytes) -> int:
+    ends = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
+    if not ends:
+        return -1
+    cut = min(ends)
+    return cut + 1 if data[cut:cut + 2] == b"\r\n" else cut
+
+
+def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock,
+          on_line: Callable[[str], None] | None = None) -> None:
+    """Copy ``stream`` to ``sinks`` (the log first, then the screen) line by line."""
+    for raw in _segments(stream):
         line = raw.decode("utf-8", errors="replace")
+        redraw = line.endswith("\r")  # a progress-bar redraw: shown live, logged as a line, kept out of the tail
         with lock:
-            for sink in sinks:
-                sink.write(line)
+            for index, sink in enumerate(sinks):
+                sink.write(line[:-1] + "\n" if redraw and index == 0 else line)
                 sink.flush()
-        if tail is not None and line.strip():
-            tail.append(line.rstrip("\n"))
+        if tail is not None and line.strip() and not redraw:
+            tail.append(line.rstrip("\r\n"))
+        if on_line is not None:
+            on_line(line.rstrip("\r\n"))
     stream.close()
 
 
@@ -135,13 +161,15 @@ def run_attempt(
     poll_s: float = 0.25,
     kill_grace_s: float = 10.0,
     on_start: Callable[[int], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
 ) -> AttemptResult:
     """Run one child to its end, streaming its output to the screen and ``log_path``.
 
     The child gets its own process group so a stall kill also reaches any workers it started, and
     Ctrl-C reaches it only through us (forwarded as SIGINT, so it saves state and exits 130).
     A stall is no change in ``progress.json`` for ``stall_timeout_s`` (counted from launch until
-    the first progress file).
+    the first progress file). ``on_line`` sees every line of both streams (an engine adapter turns
+    another trainer's output into progress events with it: ``autotune.recovery.sd_scripts``).
     """
     events_dir.mkdir(parents=True, exist_ok=True)
     clear_events(events_dir)
@@ -157,8 +185,8 @@ def run_attempt(
         err_tail: deque[str] = deque(maxlen=40)
         out_sinks: list[TextIO] = [log, sys.stdout] if echo else [log]
         err_sinks: list[TextIO] = [log, sys.stderr] if echo else [log]
-        pumps = [threading.Thread(target=_pump, args=(proc.stdout, out_sinks, None, lock), daemon=True),
-                 threading.Thread(target=_pump, args=(proc.stderr, err_sinks, err_tail, lock), daemon=True)]
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, out_sinks, None, lock, on_line), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, err_sinks, err_tail, lock, on_line), daemon=True)]
         for pump in pumps:
             pump.start()
         if on_start is not None:
@@ -283,6 +311,22 @@ def override_dataset_config(src: Path, dst: Path, settings: TrainSettings, heade
 # ---------------------------------------------------------------- the supervisor
 
 
+class EngineHooks(Protocol):
+    """What the supervisor asks of a trainer that does not follow our contract itself (the user's
+    sd-scripts: ``autotune.recovery.sd_scripts.SdScriptsEngine``). Our engine needs none of it."""
+
+    def attempt_argv(self, attempt: int, config: Path, dataset: Path | None, state: tuple[Path, int] | None,
+                     log: DecisionLog) -> list[str]: ...
+
+    def line_handler(self, events_dir: Path) -> Callable[[str], None]: ...
+
+    def child_started(self, pid: int) -> None: ...
+
+    def newest_state(self, states_dir: Path) -> tuple[Path, int] | None: ...
+
+    def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult: ...
+
+
 @dataclass
 class Job:
     """One training run to supervise. ``config_path`` (and ``dataset_config_path``) are kohya TOMLs."""
@@ -309,6 +353,12 @@ class Job:
     extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
     budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
+    engine: EngineHooks | None = None  # another trainer under the watchdog (sd-scripts); None: our engine
+
+    def child_started(self, pid: int) -> None:
+        for hook in (self.engine.child_started if self.engine else None, self.on_child_start):
+            if hook is not None:
+                hook(pid)
 
     @property
     def states_dir(self) -> Path:
@@ -395,25 +445,33 @@ def supervise(job: Job) -> RunResult:
         if removed:
             log.write("cleanup", f"removed half-written files of a killed run: {', '.join(removed)}")
         config, dataset = _attempt_configs(job, attempt, settings)
-        state = newest_state(job.states_dir) if resume_ok else None
+        find_state = job.engine.newest_state if job.engine else newest_state
+        state = find_state(job.states_dir) if resume_ok else None
         write_json_atomic(retry_log_path, retries)
         write_json_atomic(job.output_dir / RUN_STATE, {
             **job.extra_state, "settings": settings.to_event(), "attempt": attempt, "retries": retries,
             "config": str(job.config_path)})
-        argv = [job.python, *job.entry, "--config_file", str(config)]
-        if dataset is not None:
-            argv += ["--dataset_config", str(dataset)]
-        argv += list(job.extra_args)
-        argv += [EVENTS_DIR_FLAG, str(events_dir), SAVE_STATE_EVERY_FLAG, f"{job.save_state_every_s:g}",
-                 RETRY_LOG_FLAG, str(retry_log_path)]
+        if job.engine is not None:
+            argv = job.engine.attempt_argv(attempt, config, dataset, state, log)
+        else:
+            argv = [job.python, *job.entry, "--config_file", str(config)]
+            if dataset is not None:
+                argv += ["--dataset_config", str(dataset)]
+            argv += list(job.extra_args)
+            argv += [EVENTS_DIR_FLAG, str(events_dir), SAVE_STATE_EVERY_FLAG, f"{job.save_state_every_s:g}",
+                     RETRY_LOG_FLAG, str(retry_log_path)]
+            if state is not None:
+                argv += ["--resume", str(state[0])]
         if state is not None:
-            argv += ["--resume", str(state[0])]
             log.write("resume", f"attempt {attempt}: resuming from {state[0].name} at step {state[1]}",
                       state=str(state[0]), step=state[1])
         env = child_env(job.env, job.cuda)
         result = run_attempt(argv, env=env, events_dir=events_dir, log_path=job.output_dir / CHILD_LOG,
                              stall_timeout_s=job.stall_timeout_s, echo=job.echo, preexec_fn=job.preexec_fn,
-                             on_start=job.on_child_start)
+                             on_start=job.child_started,
+                             on_line=job.engine.line_handler(events_dir) if job.engine else None)
+        if job.engine is not None:
+            result = job.engine.finish(result, log)
         attempts.append(result)
         if result.outcome == "done":
             output = (result.done_event or {}).get("output_file")
@@ -434,9 +492,11 @@ def supervise(job: Job) -> RunResult:
                        f"last settings: {settings.describe()}; see {job.output_dir / DECISIONS_LOG}")
             log.write("give_up", message)
             return RunResult(False, "retries_exhausted", message, None, settings, retries, attempts)
-        if result.outcome == "stall":
+        if result.outcome in ("stall", "continue"):  # continue: the engine stopped short of the last step
             decision: Decision | Exhausted | None = None
-            new_settings, reason, compatible = settings, "stalled: retrying the same settings from the last state", True
+            new_settings, compatible = settings, True
+            reason = "stalled: retrying the same settings from the last state" if result.outcome == "stall" \
+                else result.message
         else:
             failed = settings
             if result.oom_event and isinstance(result.oom_event.get("settings"), dict):
@@ -449,7 +509,7 @@ def supervise(job: Job) -> RunResult:
                 log.write("exhausted", message, floor=decision.floor.to_event(), needed_mib=decision.needed_mib)
                 return RunResult(False, "exhausted", message, None, settings, retries, attempts)
             new_settings, reason, compatible = decision.settings, decision.reason, decision.resume_compatible
-        state_after = newest_state(job.states_dir)
+        state_after = find_state(job.states_dir)
         resume_step = state_after[1] if (state_after and compatible) else 0
         lost = max(0, failed_step - resume_step) if failed_step is not None else None
         record = {

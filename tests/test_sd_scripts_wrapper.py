@@ -1,0 +1,312 @@
+"""The watchdog on the user's own sd-scripts (``--engine sd-scripts=PATH``), against a FAKE sd-scripts.
+
+sd-scripts itself cannot be fetched here, so every loop runs against tests/fixtures/fake_sd_scripts/ (a
+stand-in with sd-scripts' command line, tqdm output, state folders and exit behaviour; see its docstring).
+Children, files and signals are real. The fake "trains" one number from the samples each step draws, so
+``expected_w`` checks the step count and the data position of every resume at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import toml
+
+from autotune.recovery.ladder import LadderLimits
+from autotune.recovery.sd_scripts import (
+    DEFAULT_IT_PER_S,
+    LEDGER_FILE,
+    OptionReader,
+    check_import,
+    find_install,
+    locate,
+    parse_bar,
+    parse_engine,
+    prepare,
+    save_every_n_steps,
+)
+from autotune.recovery.watchdog import DECISIONS_LOG, Job, supervise
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import get_family
+
+FAKE = Path(__file__).parent / "fixtures" / "fake_sd_scripts"
+FAKE_SCRIPTS = FAKE / "sd-scripts"
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES, REPEATS = 3, 4  # K = 12 samples per epoch
+STEPS, EFFECTIVE = 20, 4
+
+
+def expected_w(steps: int, effective: int = EFFECTIVE, samples: int = IMAGES * REPEATS) -> float:
+    """What the fake's number is after ``steps`` optimizer steps drawn in order from sample 0."""
+    return sum(((j * effective + i) % samples % 7 + 1) / 8 for j in range(steps) for i in range(effective))
+
+
+def read_fake_lora(path: str | Path) -> tuple[float, dict[str, str]]:
+    """The fake's LoRA: a one-tensor safetensors file (read by hand: the fake writes it by hand too)."""
+    raw = Path(path).read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    return struct.unpack("<d", raw[8 + size:16 + size])[0], header["__metadata__"]
+
+
+def make_dataset(root: Path, pngs: bool = False) -> Path:
+    folder = root / "data" / f"{REPEATS}_toy"
+    folder.mkdir(parents=True)
+    for i in range(IMAGES):
+        if pngs:
+            from PIL import Image
+
+            Image.new("RGB", (64, 64), (40 * i, 90, 200)).save(folder / f"img{i}.png")
+            (folder / f"img{i}.caption").write_text("a toy")
+        else:
+            (folder / f"img{i}.png").write_bytes(b"not decoded by the fake")
+    return folder.parent
+
+
+def fake_env(tmp: Path, rules: str = "", **extra: str) -> dict[str, str]:
+    return {**os.environ, "FAKE_SD_SCRIPTS": rules, "FAKE_SD_SCRIPTS_MARKS": str(tmp / "marks"),
+            "HF_HUB_OFFLINE": "1", **extra}
+
+
+def make_job(tmp: Path, rules: str, *, micro: int = 4, budget: float = 300.0, save_every_s: float = 3.0,
+             config_extra: dict | None = None, env_extra: dict | None = None, **kw) -> Job:
+    """A supervised run of the fake at micro-batch ``micro`` x accumulation (EFFECTIVE / micro), 20 steps."""
+    data = make_dataset(tmp)
+    (tmp / "model.safetensors").write_bytes(b"the fake only checks that it exists")
+    out = tmp / "out"
+    out.mkdir()
+    config = out / "config.toml"
+    config.write_text(toml.dumps({
+        "pretrained_model_name_or_path": str(tmp / "model.safetensors"), "train_data_dir": str(data),
+        "output_dir": str(out / "output"), "output_name": "lora", "max_train_steps": STEPS,
+        "train_batch_size": micro, "gradient_accumulation_steps": EFFECTIVE // micro, "resolution": "64,64",
+        "network_dim": 8, "optimizer_type": "AdamW", **(config_extra or {})}))
+    env = fake_env(tmp, rules, **(env_extra or {}))
+    engine = prepare(f"sd-scripts={FAKE}", None, family=get_family("tiny-sd15"), config=config, output_dir=out,
+                     states_dir=out / "output", save_every_s=save_every_s, env=env)
+    settings = TrainSettings(train_batch_size=micro, gradient_accumulation_steps=EFFECTIVE // micro,
+                             resolution=(64, 64), network_dim=8)
+    return Job(config_path=config, output_dir=out, settings=settings, limits=LadderLimits(budget_mib=budget),
+               predict=lambda s: 100.0 * s.train_batch_size, env=env, echo=False, engine=engine,
+               python=engine.install.python, train_output_dir=out / "output", **kw)
+
+
+def commands(job: Job) -> list[list[str]]:
+    lines = [json.loads(x) for x in (job.output_dir / "autotune_decisions.jsonl").read_text().splitlines()]
+    return [x["argv"] for x in lines if x["event"] == "sd_scripts_command"]
+
+
+@pytest.mark.parametrize("quiet", ["", ",quiet_saves"], ids=["save_announced", "save_not_announced"])
+def test_fake_oom_on_stderr_steps_down_and_resumes_at_the_saved_step(tmp_path, quiet):
+    job = make_job(tmp_path, "oom_at=7" + quiet)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert (result.final_settings.train_batch_size, result.final_settings.gradient_accumulation_steps) == (2, 2)
+    retry = result.retries[0]
+    assert retry["failure"] == "oom" and "CUDA out of memory" in retry["message"]
+    assert (retry["step"], retry["resume_step"], retry["steps_lost"]) == (7, 6, 1)  # saves every 3 steps at 1 it/s
+    w, meta = read_fake_lora(result.output_file)
+    assert w == pytest.approx(expected_w(STEPS)) and meta["fake_true_steps"] == str(STEPS)
+    first, second = commands(job)
+    assert "--save_state" in first and first[first.index("--save_every_n_steps") + 1] == "3"
+    assert "--autotune_events_dir" not in first and "--resume" not in first
+    tail = second[second.index("--resume"):]
+    assert tail == ["--resume", str(job.states_dir / "lora-step00000006-state"), "--initial_step", "6",
+                    "--skip_until_initial_step"]
+    attempt = toml.load(second[second.index("--config_file") + 1])
+    assert (attempt["train_batch_size"], attempt["gradient_accumulation_steps"], attempt["max_train_steps"]) == \
+        (2, 2, STEPS)
+    log = (job.output_dir / DECISIONS_LOG).read_text()
+    assert "saved every 3 step(s)" in log and "loses at most the 3 step(s) since the last save" in log
+    assert "resume at step 6, 1 step(s) lost" in log
+
+
+def test_fake_sigkill_resumes_from_the_last_whole_state(tmp_path):
+    job = make_job(tmp_path, "kill_at=12,step_s=0.05", budget=1000.0, micro=2, save_every_s=2.0)
+    result = supervise(job)
+    assert result.ok, result.message
+    retry = result.retries[0]
+    assert retry["failure"] == "os_kill" and retry["step"] == 12
+    assert retry["resume_step"] == 10 and retry["steps_lost"] == 2
+    assert result.final_settings.train_batch_size == 1  # an OS kill is taken for an OOM: stepped down
+    w, meta = read_fake_lora(result.output_file)
+    assert w == pytest.approx(expected_w(STEPS)) and meta["ss_steps"] == str(STEPS)
+
+
+def test_fake_stall_is_killed_and_retried_with_the_same_settings(tmp_path):
+    job = make_job(tmp_path, "stall_at=4", budget=1000.0, save_every_s=1.0, stall_timeout_s=1.5)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["failure"] for r in result.retries] == ["stall"]
+    # the state of step 4 was written just before the hang, but no later step proved it whole
+    assert result.retries[0]["resume_step"] == 3 and result.final_settings == job.settings
+    assert read_fake_lora(result.output_file)[0] == pytest.approx(expected_w(STEPS))
+
+
+def test_fake_counter_reset_after_resume_is_caught_and_compensated(tmp_path):
+    """A version whose step counter restarts at 0 after a resume (names, train_state.json and the end
+    condition all off): the first save gives it away, the attempt is relaunched from the same state with
+    max_train_steps = target - 6, and training still ends at exactly step 20 with the right data."""
+    job = make_job(tmp_path, "counter=reset,oom_at=7,step_s=0.1", save_every_s=0.5)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["failure"] for r in result.retries] == ["oom", "continue"]
+    assert result.retries[0]["resume_step"] == 6  # saved every step; step 7's state was not yet proven whole
+    assert result.retries[1]["resume_step"] == 6 and "off by -6" in result.retries[1]["message"]
+    third = commands(job)[2]
+    assert third[third.index("--resume") + 1].endswith("lora-step00000006-state")
+    assert third[third.index("--initial_step") + 1] == "6"
+    assert toml.load(third[third.index("--config_file") + 1])["max_train_steps"] == STEPS - 6
+    w, meta = read_fake_lora(result.output_file)
+    assert meta["fake_true_steps"] == str(STEPS) and meta["ss_steps"] == str(STEPS - 6)  # its own count is off
+    assert w == pytest.approx(expected_w(STEPS))
+    ledger = json.loads((job.output_dir / LEDGER_FILE).read_text())
+    assert ledger["target_steps"] == STEPS and ledger["states"]["lora-state"]["step"] == STEPS
+
+
+def test_not_sd_scripts_and_missing_folders_are_one_line_errors(tmp_path):
+    with pytest.raises(UserError, match="not sd-scripts: no train_network.py"):
+        locate(FAKE / "not_sd_scripts")
+    with pytest.raises(UserError, match="no such folder"):
+        locate(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="expected sd-scripts=PATH"):
+        parse_engine("kohya=/x")
+
+
+def test_layouts_say_what_was_found_and_pick_the_venv(tmp_path):
+    assert locate(FAKE_SCRIPTS) == (FAKE_SCRIPTS, "an sd-scripts checkout")
+    assert locate(FAKE)[1].startswith("the sd-scripts inside a kohya_ss")
+    lora = tmp_path / "lora-scripts"
+    (lora / "scripts").mkdir(parents=True)
+    (lora / "scripts" / "stable").symlink_to(FAKE_SCRIPTS)
+    venv = lora / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (venv / "python").chmod(0o755)
+    install = find_install(lora, None)
+    assert install.scripts_dir == lora / "scripts" / "stable" and "lora-scripts" in install.found_as
+    assert install.python == str(venv / "python") and "venv" in install.python_origin
+    assert find_install(FAKE_SCRIPTS, None).python == sys.executable
+    with pytest.raises(UserError, match="--python /nope: not an executable"):
+        find_install(lora, "/nope")
+
+
+def test_import_error_shows_its_last_line():
+    install = find_install(FAKE / "broken_import", None)
+    with pytest.raises(UserError) as error:
+        check_import(install)
+    message = str(error.value)
+    assert "No module named 'fake_sd_scripts_missing_dependency'" in message and "\n" not in message
+
+
+def test_an_option_this_sd_scripts_lacks_is_refused_before_launch(tmp_path):
+    with pytest.raises(UserError) as error:
+        make_job(tmp_path, "", config_extra={"network_dropout": 0.1},
+                 env_extra={"FAKE_SD_SCRIPTS_LACKS": "network_dropout"})
+    assert "has no --network_dropout" in str(error.value) and "version 0.9.1" in str(error.value)
+    assert not (tmp_path / "out" / "output").exists()  # nothing was launched
+    (tmp_path / "b").mkdir()
+    with pytest.raises(UserError, match="has no --skip_until_initial_step"):
+        make_job(tmp_path / "b", "", env_extra={"FAKE_SD_SCRIPTS_LACKS": "skip_until_initial_step"})
+
+
+def test_options_are_read_once_per_script_version(tmp_path):
+    reader = OptionReader(fake_env(tmp_path))
+    install = find_install(FAKE_SCRIPTS, None)
+    first = reader.options(install, "train_network.py")
+    assert reader.options(install, "train_network.py") is first
+    assert {"save_every_n_steps", "skip_until_initial_step", "tokenizer_cache_dir"} <= first.names
+    assert "cache_text_encoder_outputs" not in first.names  # SDXL-only: sdxl_train_network.py has it
+    assert "cache_text_encoder_outputs" in reader.options(install, "sdxl_train_network.py").names
+
+
+def test_parse_bar_reads_tqdm_as_sd_scripts_prints_it():
+    bar = parse_bar("steps:  12%|█▏        | 12/100 [00:10<01:13,  1.19it/s, avr_loss=0.123]")
+    assert bar is not None and bar.is_steps and (bar.n, bar.total, bar.it_per_s, bar.loss) == (12, 100, 1.19, 0.123)
+    slow = parse_bar("\rsteps:  50%|█████     | 5/10 [00:25<00:25,  5.00s/it, avr_loss=nan]")
+    assert slow is not None and slow.it_per_s == pytest.approx(0.2)
+    start = parse_bar("steps:   0%|          | 0/40 [00:00<?, ?it/s]")
+    assert start is not None and start.n == 0 and start.it_per_s is None
+    caching = parse_bar("100%|██████████| 12/12 [00:01<00:00, 9.87it/s]")
+    assert caching is not None and not caching.is_steps
+    assert parse_bar("INFO     saving state at step 12") is None
+
+
+def test_save_interval_follows_the_rate():
+    assert save_every_n_steps(60, 2.5) == 150
+    assert save_every_n_steps(60, None) == int(60 * DEFAULT_IT_PER_S)
+    assert save_every_n_steps(60, 2.5, target_steps=40) == 40
+    assert save_every_n_steps(0.1, 0.5) == 1
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "autotune", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def diffusers_folder(tmp: Path) -> Path:
+    """A model the family detector reads (unet/config.json of tiny-sd15); the fake never loads it."""
+    (tmp / "model" / "unet").mkdir(parents=True)
+    (tmp / "model" / "unet" / "config.json").write_text(json.dumps(get_family("tiny-sd15").unet))
+    return tmp / "model"
+
+
+def test_cli_run_plans_then_supervises_the_fake_from_a_lora_scripts_folder(tmp_path):
+    data = make_dataset(tmp_path, pngs=True)
+    lora = tmp_path / "lora-scripts"
+    (lora / "scripts").mkdir(parents=True)
+    (lora / "scripts" / "stable").symlink_to(FAKE_SCRIPTS)
+    out = tmp_path / "run"
+    done = _cli("run", str(data), "--model", str(diffusers_folder(tmp_path)), "--engine", f"sd-scripts={lora}",
+                "--out", str(out), "--save-state-every", "0.2", env=fake_env(tmp_path, "oom_at=5"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(the stable sd-scripts of a lora-scripts (SD-Trainer) folder)" in done.stdout
+    assert f"python: {sys.executable}" in done.stdout and "sd-scripts version 0.9.1" in done.stdout
+    assert f"attempt 0: {sys.executable} {lora / 'scripts' / 'stable' / 'train_network.py'}" in done.stderr
+    retry = json.loads((out / "autotune_retries.json").read_text())[0]
+    assert retry["failure"] == "oom" and retry["step"] == 5 and retry["resume_step"] == 4
+    w, meta = read_fake_lora(out / "output" / "data-tiny-sd15.safetensors")
+    target = json.loads((out / LEDGER_FILE).read_text())["target_steps"]
+    assert meta["fake_true_steps"] == str(target) and target > 5
+    assert (out / "sd_scripts_tokenizers" / "openai_clip-vit-large-patch14" / "vocab.json").is_file()
+
+
+def test_cli_bad_engine_path_and_builtin_model_are_one_line(tmp_path):
+    data = make_dataset(tmp_path, pngs=True)
+    env = fake_env(tmp_path)
+    bad = _cli("run", str(data), "--model", "builtin:tiny-sd15", "--engine", f"sd-scripts={FAKE / 'not_sd_scripts'}",
+               "--out", str(tmp_path / "o"), env=env, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "not sd-scripts" in bad.stderr
+    builtin = _cli("run", str(data), "--model", "builtin:tiny-sd15", "--engine", f"sd-scripts={FAKE_SCRIPTS}",
+                   "--out", str(tmp_path / "o"), env=env, cwd=tmp_path)
+    assert builtin.returncode == 2 and "only autotune's engine can load" in builtin.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_train_runs_the_config_in_the_users_sd_scripts(tmp_path):
+    data = make_dataset(tmp_path)
+    config = tmp_path / "mine.toml"
+    config.write_text(toml.dumps({"model_arguments": {"pretrained_model_name_or_path": str(diffusers_folder(tmp_path))},
+                                  "train_data_dir": str(data), "output_dir": str(tmp_path / "loras"),
+                                  "output_name": "mine", "max_train_steps": 3, "train_batch_size": 2}))
+    env = {k: v for k, v in fake_env(tmp_path).items() if k != "HF_HUB_OFFLINE"}
+    done = _cli("train", str(config), "--engine", f"sd-scripts={FAKE}", "--gradient_accumulation_steps", "2",
+                env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"$ {sys.executable} {FAKE_SCRIPTS / 'train_network.py'} --config_file {config} " \
+           "--gradient_accumulation_steps 2" in done.stdout
+    w, meta = read_fake_lora(tmp_path / "loras" / "mine.safetensors")
+    assert meta["ss_steps"] == "3" and w == pytest.approx(expected_w(3))
+    lacking = _cli("train", str(config), "--engine", f"sd-scripts={FAKE}", "--no_such_flag", env=env, cwd=tmp_path)
+    assert lacking.returncode == 2 and "has no --no_such_flag" in lacking.stderr
