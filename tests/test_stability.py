@@ -391,3 +391,18 @@ def test_watchdog_gives_up_with_one_message_when_every_rung_still_diverges(tmp_p
     assert len(result.attempts) == 3 and result.message.count("\n") == 0
     assert "nothing safer is left" in result.message and "the loss is nan at step 3" in result.message
     assert "unstable" in (job.output_dir / DECISIONS_LOG).read_text()
+
+
+def test_a_state_that_diverges_again_right_after_the_resume_is_set_aside_and_the_run_restarts(tmp_path):
+    """Halving is not enough from a damaged state: the retry diverges again at the same step, so the same
+    settings run from step 0 (no rung used), then the next rung is taken from the fresh run's state."""
+    job = fake_job(tmp_path, "diverge_at=5,diverge_lr_gt=5e-4,step_s=0.05", lr=1.6e-3, save_state_every_s=0.01)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["rung"] for r in result.retries] == ["learning rate", "restart", "learning rate again"]
+    restart = result.retries[1]
+    assert restart["changes"] == {} and restart["resume_step"] == 0 and "already damaged" in restart["reason"]
+    assert result.retries[2]["resume_step"] > 0  # a state of the fresh run, not a retired one
+    assert list(job.output_dir.glob("*-state.retired"))
+    assert toml.load(job.output_dir / "config.final.toml")["learning_rate"] == pytest.approx(2e-4)
+    assert "restarting from step 0" in (job.output_dir / DECISIONS_LOG).read_text()

@@ -1,9 +1,11 @@
 """The stability ladder: from settings whose training diverged (``diverged.json``) to safer ones.
 
 Pure functions over ``TrainSettings``, unit-tested like the OOM ladder. The watchdog rolls the run
-back to its newest state (the engine saves only finite weights, so that state is good) and retries
-with the next rung that changes something; every rung is used at most once per run, and after
-``StabilityLimits.max_tries`` divergences, or when no rung is left, :class:`Unstable` says so in one
+back to its newest state (the engine saves only finite weights) and retries with the next rung that
+changes something; when that retry diverges again before it gets past the step where the last one did,
+the state's weights are finite but already damaged, and the watchdog runs the same settings again
+from step 0 (:data:`RESTART`, no rung used); every rung is used at most once per run, and after
+``StabilityLimits.max_tries`` rungs, or when no rung is left, :class:`Unstable` says so in one
 message. No rung changes a tensor shape, so the saved state always fits the new settings.
 
 Rungs, in order (cheapest loss of speed or learning first):
@@ -25,6 +27,7 @@ from typing import Any
 from sd_scripts_compat.config.settings import TrainSettings
 
 RUNGS = ("precision", "learning rate", "gradient clipping", "learning rate again")
+RESTART = "restart"  # the watchdog's own step: same settings from step 0 when the state itself is damaged
 CLIP_NORM = 1.0
 
 

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, next_settings
-from autotune.recovery.stability import StabilityDecision, StabilityLimits, Unstable, next_stable_settings
+from autotune.recovery.stability import (
+    RESTART,
+    RUNGS,
+    StabilityDecision,
+    StabilityLimits,
+    Unstable,
+    next_stable_settings,
+)
 from sd_scripts_compat.atomic import write_json_atomic
 from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, set_dataset_values, write_toml
 from sd_scripts_compat.config.settings import TrainSettings
@@ -458,7 +465,7 @@ def supervise(job: Job) -> RunResult:
                 message = decision.message()
                 log.write("unstable", message, settings=decision.settings.to_event(), tried=list(decision.tried))
                 return RunResult(False, "unstable", message, None, settings, retries, attempts)
-            new_settings, reason, compatible = decision.settings, decision.reason, True
+            new_settings, reason, compatible = decision.settings, decision.reason, decision.resume_compatible
         else:
             failed = settings
             if result.oom_event and isinstance(result.oom_event.get("settings"), dict):
@@ -477,6 +484,8 @@ def supervise(job: Job) -> RunResult:
         record = _retry_record(attempt, result, decision, reason, failed_step, resume_step, lost)
         retries.append(record)
         restart = "" if compatible else " (the saved state does not fit the new network/optimizer: restarting)"
+        if isinstance(decision, StabilityDecision) and decision.rung == RESTART:
+            restart = " (restarting from step 0: the saved state is set aside)"
         log.write(result.outcome, f"attempt {attempt} failed: {result.outcome} at step {failed_step} "
                   f"({result.message[:200]}); next: {new_settings.describe()} because {reason}; "
                   f"resume at step {resume_step}, {lost} step(s) lost{restart}", **record)
@@ -494,9 +503,17 @@ def _after_divergence(job: Job, result: AttemptResult, settings: TrainSettings,
     failed = settings
     if isinstance(event.get("settings"), dict):
         failed = TrainSettings.from_event(event["settings"])
-    used = [r["rung"] for r in retries if r.get("failure") == "diverged" and r.get("rung")]
+    step = _failed_step(result)
+    previous = retries[-1] if retries and retries[-1].get("failure") == "diverged" else None
+    if previous and previous.get("resume_step") and step is not None and step <= (previous.get("step") or 0):
+        # Resumed under safer settings, it diverged again before passing the step where the last attempt did:
+        # the state's weights are finite but already damaged (a rate too high grows them until they overflow).
+        return StabilityDecision(settings=failed, changes={}, rung=RESTART, resume_compatible=False, reason=(
+            f"the state at step {previous['resume_step']} diverged again at step {step} under safer settings, so "
+            "its weights are already damaged: the same settings again from step 0"))
+    used = [r["rung"] for r in retries if r.get("failure") == "diverged" and r.get("rung") in RUNGS]
     max_steps = event.get("max_train_steps") or (result.last_progress or {}).get("max_train_steps")
-    return next_stable_settings(failed, job.stability, used=used, diverged_step=_failed_step(result),
+    return next_stable_settings(failed, job.stability, used=used, diverged_step=step,
                                 max_train_steps=max_steps if isinstance(max_steps, int) else None,
                                 last_reason=str(event.get("reason") or result.message))
 
