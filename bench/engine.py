@@ -15,6 +15,11 @@ Prints a table; ``--json FILE`` also writes the figures.
 
     python bench/engine.py                 # tiny-sd15, tiny-sdxl at 64 px, sd15 at 256 px, caching on/off
     python bench/engine.py --quick         # tiny models only
+    python bench/engine.py --detection     # our step with and without the instability checks (ratio)
+
+``--detection`` times our engine alone on tiny-sd15 with cached latents, with the instability checks
+(the default) and without them (``SD_COMPAT_NO_DIVERGENCE_CHECK=1``, read by the engine for this bench
+only), alternating which side runs first; the paired ratio is with / without of each repeat's medians.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ WARMUP_STEPS = 2
 PEFT_TARGETS = r".*attentions.*\.(to_q|to_k|to_v|to_out\.0|proj_in|proj_out|ff\.net\.0\.proj|ff\.net\.2)$"
 
 
-def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path) -> dict:
+def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path,
+            env_extra: dict | None = None) -> dict:
     sdxl = "sdxl" in model
     config = workdir / "config.toml"
     config.write_text("\n".join([
@@ -63,7 +69,7 @@ def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path)
     events = workdir / "events"
     command = [sys.executable, "-m", module, "--config_file", str(config), "--autotune_events_dir", str(events)]
     subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})})
     done = json.loads((events / "done.json").read_text())
     return {"step_seconds": done["step_seconds"], "peak_rss_mib": done["peak_memory"]}
 
@@ -146,6 +152,31 @@ def summarize(runs: list[dict]) -> dict:
             "peak_rss_mib": max(run["peak_rss_mib"] for run in runs)}
 
 
+def detection_cost(resolution: int, steps: int, repeats: int) -> dict:
+    """Our step time on tiny-sd15 (cached latents) with and without the instability checks, paired per repeat."""
+    off = {"SD_COMPAT_NO_DIVERGENCE_CHECK": "1"}
+    runs: dict[str, list[dict]] = {"with": [], "without": []}
+    for repeat in range(repeats):
+        order = ("with", "without") if repeat % 2 == 0 else ("without", "with")
+        for side in order:
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[side].append(our_run("tiny-sd15", resolution, True, steps, Path(tmp),
+                                          env_extra=None if side == "with" else off))
+    paired = [statistics.median(a["step_seconds"]) / statistics.median(b["step_seconds"])
+              for a, b in zip(runs["with"], runs["without"], strict=True)]
+    return {"resolution": resolution, "with": summarize(runs["with"]), "without": summarize(runs["without"]),
+            "paired_ratios": paired, "paired_ratio": statistics.median(paired), "runs": runs}
+
+
+def print_detection(row: dict) -> None:
+    ratio = row["with"]["median_s"] / row["without"]["median_s"]
+    print(f"instability checks, tiny-sd15 {row['resolution']} px, cached latents, {len(row['paired_ratios'])} "
+          "alternating repeats per side")
+    print(f"{'with s/step':>11} {'without s/step':>14} {'ratio':>6} {'paired':>6} {'paired min..max':>16}")
+    print(f"{row['with']['median_s']:>11.4f} {row['without']['median_s']:>14.4f} {ratio:>6.3f} "
+          f"{row['paired_ratio']:>6.3f} {min(row['paired_ratios']):>7.3f}..{max(row['paired_ratios']):<7.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models only")
@@ -154,11 +185,20 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs per side and case for the tiny models")
     parser.add_argument("--sd15-repeats", type=int, default=3, help="runs per side and case for sd15")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--detection", action="store_true",
+                        help="only our engine, with and without the instability checks (tiny-sd15, cached latents)")
+    parser.add_argument("--resolution", type=int, default=64, help="with --detection: the training resolution")
     parser.add_argument("--baseline", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline:
         model, resolution, cache, steps = args.baseline
         print(json.dumps(baseline_run(model, int(resolution), bool(int(cache)), int(steps))))
+        return 0
+    if args.detection:
+        row = detection_cost(args.resolution, args.steps, args.repeats)
+        print_detection(row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=1))
         return 0
     # The tiny VAE downsamples by 2, not 8: 64 px gives the tiny models the 32x32 latents that 256 px gives sd15
     # (at 256 px a tiny model would attend over 16k tokens per layer, which says nothing about the engine).

@@ -12,6 +12,12 @@ Events (each written atomically, so a reader never sees half a file):
 - ``oom.json``: ``step, epoch, message, memory`` (MiB figures), ``state_dir``, ``settings`` (a
   ``TrainSettings.to_event()`` block: what the run really used) and ``resolved`` (per-dataset values,
   text-encoder caching, weight dtype).
+- ``diverged.json``: ``step`` (0-based index of the first bad step), ``tripped_at_step`` (where a rule fired),
+  ``detected_at_step`` (steps done when the engine saw it and stopped), ``epoch``, ``max_train_steps``, ``kind``
+  (``nonfinite_loss``, ``nonfinite_grad``, ``nonfinite_weights`` or ``divergence``), ``reason`` (one line),
+  ``baseline_loss``, ``loss_history`` (``[step, loss, grad_norm]`` of the last steps, non-finite values as
+  null), ``settings`` and ``resolved``. The engine exits with :data:`DIVERGED_EXIT_CODE`; it saved nothing
+  after the bad step, so the newest state holds finite weights.
 - ``done.json``: ``output_file, steps, seconds, seconds_per_step, step_seconds, peak_memory,
   validation_loss, settings, resolved``.
 Every event carries ``schema`` (:data:`SCHEMA_VERSION`) and ``event`` (its kind).
@@ -33,12 +39,14 @@ DONE_EXIT_CODE = 0
 USER_ERROR_EXIT_CODE = 2  # bad input: one line on stderr
 OOM_EXIT_CODE = 87  # out of memory; oom.json says where and with which settings
 INTERRUPTED_EXIT_CODE = 130  # SIGINT: state saved
+DIVERGED_EXIT_CODE = 88  # non-finite or diverging loss; diverged.json says where, nothing bad was saved
 
 # event files
 PROGRESS = "progress"
 OOM = "oom"
 DONE = "done"
-EVENT_KINDS = (PROGRESS, OOM, DONE)
+DIVERGED = "diverged"
+EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED)
 
 # the engine's extension flags (command line only; never written into kohya configs)
 EVENTS_DIR_FLAG = "--autotune_events_dir"

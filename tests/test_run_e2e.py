@@ -61,7 +61,7 @@ def make_dataset(root: Path, images: int = 4, size: int = 64, repeats: int = 1) 
 
 def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolution: int = 32,
              gc: bool = False, inject: str | None = None, budget: float = 1e6, images: int = 4,
-             repeats: int = 1, **kw) -> Job:
+             repeats: int = 1, config_extra: dict | None = None, env_extra: dict | None = None, **kw) -> Job:
     data = tmp / "data" if (tmp / "data").is_dir() else make_dataset(tmp, images=images, repeats=repeats)
     out = tmp / name
     out.mkdir()
@@ -72,12 +72,15 @@ def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolu
         "network_module": "networks.lora", "network_dim": 4, "network_alpha": 2, "learning_rate": 1e-3,
         "optimizer_type": "AdamW", "mixed_precision": "no", "seed": 7, "caption_extension": ".caption",
         "gradient_checkpointing": gc, "max_data_loader_n_workers": 0, "lr_scheduler": "constant",
+        **(config_extra or {}),
     }
     (out / "config.toml").write_text(toml.dumps(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MALLOC_ARENA_MAX": "2"}
     env.pop("SD_COMPAT_INJECT_OOM", None)
     if inject:
         env["SD_COMPAT_INJECT_OOM"] = inject
+    env.pop("SD_COMPAT_INJECT_NAN", None)
+    env.update(env_extra or {})
     return Job(config_path=out / "config.toml", output_dir=out,
                settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                limits=LadderLimits(budget_mib=budget, min_resolution=16, resolution_step=16),
@@ -284,3 +287,76 @@ def test_run_honours_a_given_config_output_dir(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"LoRA files and states go to {elsewhere} (output_dir of {config})" in done.stdout
     assert (elsewhere / "mine.safetensors").is_file() and not (tmp_path / "run" / "output").exists()
+
+
+# ---------------------------------------------------------------- unstable training (NaN, divergence)
+
+def nonfinite_values(folder: Path) -> dict[str, int]:
+    """File -> number of non-finite values, over every .safetensors under ``folder`` (LoRAs and states)."""
+    bad = {}
+    for path in sorted(folder.rglob("*.safetensors")):
+        with safe_open(str(path), "np") as handle:
+            count = sum(int((~np.isfinite(t)).sum()) for t in (handle.get_tensor(k) for k in handle.keys())
+                        if np.issubdtype(t.dtype, np.floating))
+        if count:
+            bad[str(path.relative_to(folder))] = count
+    return bad
+
+
+def test_injected_nan_at_a_random_step_is_rolled_back_and_finishes_with_finite_weights(tmp_path):
+    """The loss turns NaN once at a seeded random step: the engine stops (exit 88), the watchdog resumes
+    from the newest state with the rate halved, and the run ends at the target step count, every file finite."""
+    steps = 12
+    nan_step = random.Random(16).randint(3, steps - 3)
+    print(f"NaN injected at step {nan_step}")
+    job = make_job(tmp_path, "nan", micro=1, accum=1, steps=steps, save_state_every_s=0.5,
+                   env_extra={"SD_COMPAT_INJECT_NAN": f"step={nan_step}"})
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["failure"] for r in result.retries] == ["diverged"]
+    record = result.retries[0]
+    assert record["step"] == nan_step and record["detection"]["kind"] in ("nonfinite_loss", "nonfinite_grad")
+    assert 0 < record["resume_step"] <= nan_step and record["rung"] == "learning rate"
+    meta = check_kohya_lora(result.output_file, steps)
+    recorded = json.loads(meta["ss_autotune_retries"])
+    assert recorded[0]["failure"] == "diverged" and recorded[0]["changes"]["learning_rate"] == [1e-3, 5e-4]
+    final = toml.load(job.output_dir / "config.final.toml")
+    assert final["learning_rate"] == 5e-4 and final["lr_scheduler"] == "constant_with_warmup"
+    assert nonfinite_values(job.output_dir) == {}
+    check_outputs_whole(job)
+
+
+@pytest.mark.slow  # four engine starts: ~60 s on a quiet machine
+def test_real_divergence_is_caught_the_rate_lowered_and_no_worse_than_a_run_started_there(tmp_path):
+    """No injection: AdamW at learning rate 4.0 drives the tiny UNet's activations to overflow (its loss
+    stays near 1.1, the level of a random prediction, until the gradients turn NaN at about step 20).
+    Caught at the first non-finite step; the halved rate resumed from the last state diverges again at
+    once (that state's weights are already damaged), so the watchdog runs the halved rate from step 0.
+    The held-out loss is compared with the same run started at the final settings: no worse than it by
+    more than 2% (here the two are one and the same training, so they agree to the last digit)."""
+    steps = 30
+    extra = {"learning_rate": 4.0, "validation_split": 0.25, "validation_seed": 1, "validate_every_n_steps": 10}
+    job = make_job(tmp_path, "diverging", micro=1, accum=1, steps=steps, images=8, config_extra=extra,
+                   save_state_every_s=1.0)
+    result = supervise(job)
+    assert result.ok, result.message
+    first = result.retries[0]
+    detection = first["detection"]
+    print(f"diverged at step {first['step']}, rule tripped at {detection['tripped_at_step']}, engine stopped at "
+          f"{detection['detected_at_step']}; retries: {[(r['rung'], r['step']) for r in result.retries]}")
+    assert first["failure"] == "diverged" and detection["kind"] in ("nonfinite_loss", "nonfinite_grad")
+    assert detection["tripped_at_step"] == first["step"] < detection["detected_at_step"] <= steps
+    lowered = result.final_settings
+    assert lowered.learning_rate <= 2.0 and lowered.lr_warmup_steps > 0
+    check_kohya_lora(result.output_file, steps)
+    assert nonfinite_values(job.output_dir) == {}
+    retried = result.attempts[-1].done_event["validation_loss"]
+    reference = supervise(make_job(tmp_path, "reference", micro=1, accum=1, steps=steps, images=8, config_extra={
+        **extra, "learning_rate": lowered.learning_rate, "lr_scheduler": lowered.lr_scheduler,
+        "lr_warmup_steps": lowered.lr_warmup_steps}))
+    assert reference.ok and reference.retries == [], reference.message
+    baseline = reference.attempts[-1].done_event["validation_loss"]
+    print(f"held-out loss at step {steps}: retried {retried[-1][1]:.5f}, "
+          f"started at the lower rate {baseline[-1][1]:.5f}")
+    assert retried[-1][0] == baseline[-1][0] == steps
+    assert retried[-1][1] <= baseline[-1][1] * 1.02

@@ -146,6 +146,16 @@ def test_settings_event_round_trip_and_kohya_values():
     event = s.to_event()
     assert event["resolution"] == [768, 512] and set(event) == set(TrainSettings.__dataclass_fields__)
     assert TrainSettings.from_event(json.loads(json.dumps(event))) == s
+    # the stability fields: rates (one per text encoder), warm-up as steps or a ratio, clipping, precision
+    stable = replace(s, learning_rate=5e-5, unet_lr=1e-4, text_encoder_lr=(5e-5, 2e-5), lr_warmup_steps=0.05,
+                     lr_scheduler="cosine", max_grad_norm=0.0, mixed_precision="fp16", full_fp16=True)
+    back = TrainSettings.from_event(json.loads(json.dumps(stable.to_event())))
+    assert back == stable and back.text_encoder_lr == (5e-5, 2e-5) and hash(back) == hash(stable)
+    assert replace(stable, lr_warmup_steps=40).to_event()["lr_warmup_steps"] == 40
+    values = stable.config_values()
+    assert values["text_encoder_lr"] == [5e-5, 2e-5] and values["unet_lr"] == 1e-4 and values["full_fp16"] is True
+    assert values["max_grad_norm"] == 0.0 and values["lr_scheduler"] == "cosine"
+    assert "unet_lr" not in s.config_values() and "text_encoder_lr" not in s.config_values()
     with pytest.raises(ValueError, match="lacks network_dim"):
         TrainSettings.from_event({k: v for k, v in event.items() if k != "network_dim"})
     values = replace(s, cache_text_encoder_outputs=True).config_values()

@@ -1,5 +1,6 @@
 """Train a LoRA end to end: check the dataset, probe, plan (or take your config), then run the engine
-under the OOM watchdog, which steps down to settings that fit and resumes from the last saved state.
+under the watchdog, which steps down to settings that fit after an OOM, to safer settings after a
+diverged (NaN or exploding) loss, and resumes from the last saved state.
 
     autotune run DATASET/ --model builtin:tiny-sd15
     autotune run DATASET/ --model model.safetensors --vram 8 --goal character
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run in --out from its newest state")
-    parser.add_argument("--max-retries", type=int, default=5, help="retries after OOM / kill / stall (default 5)")
+    parser.add_argument("--max-retries", type=int, default=5,
+                        help="retries after OOM / divergence / kill / stall (default 5)")
     parser.add_argument("--stall-timeout", type=float, default=600.0,
                         help="seconds without progress before the run is killed and retried (default 600)")
     parser.add_argument("--save-state-every", type=float, default=60.0,
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib},
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
         engine=engine, python=engine.install.python if engine else sys.executable,
+        stability=_stability_limits(probe, cuda),
     )
     result = supervise(job)
     if args.json:
@@ -276,6 +279,14 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
         te_cache_allowed=te_cache_allowed, min_resolution=min_resolution_px, resolution_step=resolution_step,
     )
+
+
+def _stability_limits(probe: Any, cuda: bool) -> Any:
+    """The stability ladder may move fp16 to bf16 only on a card that computes in bf16."""
+    from autotune.recovery.stability import StabilityLimits
+
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    return StabilityLimits(bf16_supported=bool(gpu and gpu.bf16))
 
 
 def _captions_randomized(resolved: Any) -> bool:

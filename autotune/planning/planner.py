@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autotune import __version__
@@ -238,9 +238,24 @@ def plan_training(request: PlanRequest) -> Plan:
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "
                f"predicted peak {chosen.peak / GIB:.2f} of {usable / GIB:.2f} GiB usable")
-    return Plan(fits=True, message=summary, settings=s, choices=plan_choices(context),
+    choices = plan_choices(context)
+    return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,
                 launch_command=launch_command(family, devices, precision, request.output_dir), **common)
+
+
+# TrainSettings fields the plan's choices write (the search itself never varies them)
+_RATE_FIELDS = ("learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "max_grad_norm",
+                "full_fp16", "full_bf16")
+
+
+def _with_written_rates(s: TrainSettings, choices: Sequence[Choice]) -> TrainSettings:
+    """The searched settings plus the learning-rate, clipping and precision values the choices write, so
+    ``plan.settings`` is what the engine will read back from the files (the stability ladder starts there)."""
+    written = {c.key: c.value for c in choices if c.kohya and c.key in _RATE_FIELDS}
+    if isinstance(written.get("text_encoder_lr"), list):
+        written["text_encoder_lr"] = tuple(float(lr) for lr in written["text_encoder_lr"])
+    return replace(s, **written)
 
 
 def _nothing_fits(smallest: Scored, gpus: Sequence[GpuTarget], device: str) -> str:

@@ -1,10 +1,15 @@
-"""Run the training engine as a child process and recover from out-of-memory, kills and stalls.
+"""Run the training engine as a child process and recover from out-of-memory, divergence, kills and stalls.
 
 The engine is a separate process on purpose: after a CUDA OOM the allocator can be fragmented and
 the OS OOM killer leaves nothing to catch, so the only reliable recovery is a fresh process that
 resumes from the newest saved state. The watchdog talks to the engine only through the contract in
-``sd_scripts_compat.contract``: exit codes, ``progress.json`` / ``oom.json`` / ``done.json`` in an events
-folder, kohya-named state folders, and the engine extension flags.
+``sd_scripts_compat.contract``: exit codes, ``progress.json`` / ``oom.json`` / ``diverged.json`` /
+``done.json`` in an events folder, kohya-named state folders, and the engine extension flags.
+
+An OOM steps down on the memory ladder (``recovery.ladder``); a diverged run (a non-finite or exploding
+loss) is rolled back to its newest state, which the engine saves only from finite weights, and steps
+through the stability ladder (``recovery.stability``). Both are logged in the same decision log and
+retry log (``ss_autotune_retries`` in the final LoRA; config.final.toml holds the changed keys).
 """
 
 from __future__ import annotations
@@ -24,10 +29,20 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, next_settings
+from autotune.recovery.stability import (
+    RESTART,
+    RUNGS,
+    StabilityDecision,
+    StabilityLimits,
+    Unstable,
+    next_stable_settings,
+)
 from sd_scripts_compat.atomic import write_json_atomic
 from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, set_dataset_values, write_toml
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.contract import (
+    DIVERGED,
+    DIVERGED_EXIT_CODE,
     DONE,
     EVENTS_DIR_FLAG,
     INTERRUPTED_EXIT_CODE,
@@ -57,11 +72,12 @@ RUN_STATE = "autotune_run.json"  # the supervisor's own state: current settings 
 class AttemptResult:
     """How one child process ended."""
 
-    outcome: str  # done | oom | os_kill | stall | user_error | interrupted | crash
+    outcome: str  # done | oom | diverged | os_kill | stall | user_error | interrupted | crash
     returncode: int | None
     message: str
     oom_event: dict[str, Any] | None = None
     done_event: dict[str, Any] | None = None
+    diverged_event: dict[str, Any] | None = None
     last_progress: dict[str, Any] | None = None
     seconds: float = 0.0
     peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
@@ -241,6 +257,10 @@ def run_attempt(
         event = read_event(events_dir, OOM)
         message = (event or {}).get("message") or "out of memory"
         return AttemptResult("oom", message=str(message), oom_event=event, **common)
+    if rc == DIVERGED_EXIT_CODE:
+        event = read_event(events_dir, DIVERGED)
+        message = (event or {}).get("reason") or "training diverged"
+        return AttemptResult("diverged", message=f"training diverged: {message}", diverged_event=event, **common)
     if rc == -signal.SIGKILL:
         return AttemptResult("os_kill", message="killed by SIGKILL (the OS out-of-memory killer, most likely)",
                              **common)
@@ -352,6 +372,7 @@ class Job:
     train_output_dir: Path | None = None  # the engine's output_dir (LoRA, states); default: output_dir
     extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
     budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
+    stability: StabilityLimits = field(default_factory=StabilityLimits)
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
     engine: EngineHooks | None = None  # another trainer under the watchdog (sd-scripts); None: our engine
 
@@ -398,7 +419,7 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
     if settings == job.settings:
         return job.config_path, job.dataset_config_path
     config = job.output_dir / f"config.attempt{attempt}.toml"
-    header = f"# attempt {attempt} after out-of-memory step-down: {settings.describe()}\n"
+    header = f"# attempt {attempt} after a step-down (out of memory or instability): {settings.describe()}\n"
     override_config(job.config_path, config, settings, header, base=job.settings)
     dataset = None
     if job.dataset_config_path is not None:
@@ -424,9 +445,10 @@ def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
 
 
 def supervise(job: Job) -> RunResult:
-    """Run ``job`` to the end: retry on OOM / OS kill / stall with stepped-down settings, from the newest state.
+    """Run ``job`` to the end: retry on OOM / divergence / OS kill / stall with stepped-down settings, from
+    the newest state.
 
-    Stops on done, a user error (exit 2), an interrupt (130), a crash, when the ladder is exhausted,
+    Stops on done, a user error (exit 2), an interrupt (130), a crash, when a ladder is exhausted,
     or after ``max_retries`` retries.
     """
     job.output_dir.mkdir(parents=True, exist_ok=True)
@@ -485,18 +507,25 @@ def supervise(job: Job) -> RunResult:
         if result.outcome in ("user_error", "interrupted", "crash"):
             log.write(result.outcome, result.message, returncode=result.returncode)
             return RunResult(False, result.outcome, result.message, None, settings, retries, attempts)
-        # oom, os_kill, stall: recoverable
+        # oom, diverged, os_kill, stall: recoverable
         failed_step = _failed_step(result)
         if len(retries) >= job.max_retries:
             message = (f"giving up after {len(retries)} retries ({result.outcome} at step {failed_step}); "
                        f"last settings: {settings.describe()}; see {job.output_dir / DECISIONS_LOG}")
             log.write("give_up", message)
             return RunResult(False, "retries_exhausted", message, None, settings, retries, attempts)
+        decision: Decision | Exhausted | StabilityDecision | Unstable | None = None
         if result.outcome in ("stall", "continue"):  # continue: the engine stopped short of the last step
-            decision: Decision | Exhausted | None = None
             new_settings, compatible = settings, True
             reason = "stalled: retrying the same settings from the last state" if result.outcome == "stall" \
                 else result.message
+        elif result.outcome == "diverged":
+            decision = _after_divergence(job, result, settings, retries)
+            if isinstance(decision, Unstable):
+                message = decision.message()
+                log.write("unstable", message, settings=decision.settings.to_event(), tried=list(decision.tried))
+                return RunResult(False, "unstable", message, None, settings, retries, attempts)
+            new_settings, reason, compatible = decision.settings, decision.reason, decision.resume_compatible
         else:
             failed = settings
             if result.oom_event and isinstance(result.oom_event.get("settings"), dict):
@@ -512,23 +541,11 @@ def supervise(job: Job) -> RunResult:
         state_after = find_state(job.states_dir)
         resume_step = state_after[1] if (state_after and compatible) else 0
         lost = max(0, failed_step - resume_step) if failed_step is not None else None
-        record = {
-            "attempt": attempt,
-            "failure": result.outcome,
-            "step": failed_step,
-            "message": result.message[:300],
-            "memory": (result.oom_event or {}).get("memory") or {"peak_rss_mib": result.peak_rss_mib,
-                                                                  "peak_vm_mib": result.peak_vm_mib},
-            "changes": {k: list(v) for k, v in (decision.changes.items() if isinstance(decision, Decision) else [])},
-            "reason": reason,
-            "predicted_mib": round(decision.predicted_mib, 1) if isinstance(decision, Decision) else None,
-            "scale": round(decision.scale, 3) if isinstance(decision, Decision) else None,
-            "resume_step": resume_step,
-            "steps_lost": lost,
-            "seconds_in_attempt": round(result.seconds, 2),
-        }
+        record = _retry_record(attempt, result, decision, reason, failed_step, resume_step, lost)
         retries.append(record)
         restart = "" if compatible else " (the saved state does not fit the new network/optimizer: restarting)"
+        if isinstance(decision, StabilityDecision) and decision.rung == RESTART:
+            restart = " (restarting from step 0: the saved state is set aside)"
         log.write(result.outcome, f"attempt {attempt} failed: {result.outcome} at step {failed_step} "
                   f"({result.message[:200]}); next: {new_settings.describe()} because {reason}; "
                   f"resume at step {resume_step}, {lost} step(s) lost{restart}", **record)
@@ -539,8 +556,57 @@ def supervise(job: Job) -> RunResult:
         attempt += 1
 
 
+def _after_divergence(job: Job, result: AttemptResult, settings: TrainSettings,
+                      retries: list[dict[str, Any]]) -> StabilityDecision | Unstable:
+    """The stability ladder's answer to a diverged attempt (rungs already used come from the retry log)."""
+    event = result.diverged_event or {}
+    failed = settings
+    if isinstance(event.get("settings"), dict):
+        failed = TrainSettings.from_event(event["settings"])
+    step = _failed_step(result)
+    previous = retries[-1] if retries and retries[-1].get("failure") == "diverged" else None
+    if previous and previous.get("resume_step") and step is not None and step <= (previous.get("step") or 0):
+        # Resumed under safer settings, it diverged again before passing the step where the last attempt did:
+        # the state's weights are finite but already damaged (a rate too high grows them until they overflow).
+        return StabilityDecision(settings=failed, changes={}, rung=RESTART, resume_compatible=False, reason=(
+            f"the state at step {previous['resume_step']} diverged again at step {step} under safer settings, so "
+            "its weights are already damaged: the same settings again from step 0"))
+    used = [r["rung"] for r in retries if r.get("failure") == "diverged" and r.get("rung") in RUNGS]
+    max_steps = event.get("max_train_steps") or (result.last_progress or {}).get("max_train_steps")
+    return next_stable_settings(failed, job.stability, used=used, diverged_step=step,
+                                max_train_steps=max_steps if isinstance(max_steps, int) else None,
+                                last_reason=str(event.get("reason") or result.message))
+
+
+def _retry_record(attempt: int, result: AttemptResult, decision: Any, reason: str, failed_step: int | None,
+                  resume_step: int, lost: int | None) -> dict[str, Any]:
+    """One entry of the retry log (and of ``ss_autotune_retries``): what failed, what changed, why."""
+    oom = isinstance(decision, Decision)
+    record: dict[str, Any] = {
+        "attempt": attempt,
+        "failure": result.outcome,
+        "step": failed_step,
+        "message": result.message[:300],
+        "memory": (result.oom_event or {}).get("memory") or {"peak_rss_mib": result.peak_rss_mib,
+                                                              "peak_vm_mib": result.peak_vm_mib},
+        "changes": {k: list(v) for k, v in (decision.changes.items()
+                                             if isinstance(decision, (Decision, StabilityDecision)) else [])},
+        "reason": reason,
+        "predicted_mib": round(decision.predicted_mib, 1) if oom else None,
+        "scale": round(decision.scale, 3) if oom else None,
+        "resume_step": resume_step,
+        "steps_lost": lost,
+        "seconds_in_attempt": round(result.seconds, 2),
+    }
+    if isinstance(decision, StabilityDecision):
+        event = result.diverged_event or {}
+        record["rung"] = decision.rung
+        record["detection"] = {key: event.get(key) for key in ("kind", "tripped_at_step", "detected_at_step")}
+    return record
+
+
 def _failed_step(result: AttemptResult) -> int | None:
-    for source in (result.oom_event, result.last_progress):
+    for source in (result.diverged_event, result.oom_event, result.last_progress):
         if source and isinstance(source.get("step"), int):
             return source["step"]
     return None
@@ -555,7 +621,8 @@ def _retire_states(output_dir: Path) -> None:
 
 def _write_final_configs(job: Job, settings: TrainSettings) -> None:
     header = ("# settings that finally worked (written by autotune run"
-              f"{'' if settings == job.settings else ' after out-of-memory step-down'}): {settings.describe()}\n")
+              f"{'' if settings == job.settings else ' after a step-down: out of memory or instability'}): "
+              f"{settings.describe()}\n")
     override_config(job.config_path, job.output_dir / "config.final.toml", settings, header, base=job.settings)
     if job.dataset_config_path is not None:
         override_dataset_config(job.dataset_config_path, job.output_dir / "dataset.final.toml", settings, header,

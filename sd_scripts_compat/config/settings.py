@@ -1,8 +1,9 @@
-"""The settings that decide a run's memory and speed: one type, with kohya's names, everywhere.
+"""The settings that decide a run's memory, speed and stability: one type, with kohya's names, everywhere.
 
 The planner chooses a ``TrainSettings``, the writer turns it into config.toml / dataset.toml, the
 engine reports the one it actually resolved (after kohya's precedence: subset > dataset > general >
-config > defaults), and the OOM ladder steps down from that report. Because every side uses this
+config > defaults), and the OOM ladder (memory) and the stability ladder (learning rate, warm-up,
+clipping, precision) step down from that report. Because every side uses this
 type and the same reader (:func:`settings_from_files` runs the engine's own config reader), a value
 cannot be lost between them: the micro-batch a dataset.toml sets is the micro-batch the ladder sees.
 """
@@ -25,11 +26,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Memory- and speed-relevant knobs of one run, by their kohya names.
+    """Memory-, speed- and stability-relevant knobs of one run, by their kohya names.
 
     ``train_batch_size`` is the micro-batch the dataset really uses (a dataset.toml's ``batch_size``
     wins over the config's), ``resolution`` is (width, height), ``max_bucket_reso`` is None when
-    bucketing is off.
+    bucketing is off. The learning-rate fields default to kohya's defaults (TrainingConfig's); the
+    planner writes its own rates through its choices, so it never reads them from here.
     """
 
     train_batch_size: int = 1
@@ -46,6 +48,14 @@ class TrainSettings:
     cache_text_encoder_outputs: bool = False
     max_bucket_reso: int | None = None
     xformers: bool = False
+    learning_rate: float = 2e-6
+    unet_lr: float | None = None
+    text_encoder_lr: tuple[float, ...] | None = None
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int | float = 0  # int: steps; float in (0, 1): a ratio of the total steps (kohya)
+    max_grad_norm: float = 1.0  # 0: no clipping
+    full_fp16: bool = False
+    full_bf16: bool = False
 
     @property
     def effective_batch(self) -> int:
@@ -93,6 +103,13 @@ class TrainSettings:
             values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
         if self.xformers:
             values["xformers"] = True
+        values.update({"learning_rate": self.learning_rate, "lr_scheduler": self.lr_scheduler,
+                       "lr_warmup_steps": self.lr_warmup_steps, "max_grad_norm": self.max_grad_norm,
+                       "full_fp16": self.full_fp16, "full_bf16": self.full_bf16})
+        if self.unet_lr is not None:
+            values["unet_lr"] = self.unet_lr
+        if self.text_encoder_lr is not None:
+            values["text_encoder_lr"] = list(self.text_encoder_lr)
         return values
 
     def dataset_values(self) -> dict[str, Any]:
@@ -113,6 +130,7 @@ class TrainSettings:
         """JSON-ready, every field present (the ``settings`` block of the engine's events)."""
         out = asdict(self)
         out["resolution"] = list(self.resolution)
+        out["text_encoder_lr"] = list(self.text_encoder_lr) if self.text_encoder_lr is not None else None
         return out
 
     @classmethod
@@ -128,8 +146,14 @@ class TrainSettings:
             data[name] = int(data[name])
         if data["max_bucket_reso"] is not None:
             data["max_bucket_reso"] = int(data["max_bucket_reso"])
-        if data["network_alpha"] is not None:
-            data["network_alpha"] = float(data["network_alpha"])
+        for name in ("network_alpha", "unet_lr"):
+            if data[name] is not None:
+                data[name] = float(data[name])
+        data["learning_rate"], data["max_grad_norm"] = float(data["learning_rate"]), float(data["max_grad_norm"])
+        if data["text_encoder_lr"] is not None:
+            data["text_encoder_lr"] = tuple(float(lr) for lr in data["text_encoder_lr"])
+        warmup = data["lr_warmup_steps"]
+        data["lr_warmup_steps"] = warmup if isinstance(warmup, int) else float(warmup)
         return cls(**data)
 
     def describe(self) -> str:
@@ -143,6 +167,13 @@ class TrainSettings:
             parts.append(f"max bucket {self.max_bucket_reso}")
         if self.fp8_base:
             parts.append("fp8 base")
+        parts.append(f"lr {self.learning_rate:g}")
+        if self.lr_warmup_steps:
+            parts.append(f"warm-up {self.lr_warmup_steps:g}")
+        if not self.max_grad_norm:
+            parts.append("no grad clipping")
+        if self.full_fp16 or self.full_bf16:
+            parts.append("full fp16" if self.full_fp16 else "full bf16")
         return ", ".join(parts)
 
 
@@ -163,6 +194,14 @@ def resolved_settings(config: TrainingConfig, dataset: DatasetSpec) -> TrainSett
         cache_text_encoder_outputs=bool(config.cache_text_encoder_outputs),
         max_bucket_reso=dataset.max_bucket_reso if dataset.enable_bucket else None,
         xformers=bool(config.xformers),
+        learning_rate=float(config.learning_rate),
+        unet_lr=config.unet_lr,
+        text_encoder_lr=tuple(config.text_encoder_lr) if config.text_encoder_lr else None,
+        lr_scheduler=config.lr_scheduler,
+        lr_warmup_steps=config.lr_warmup_steps,
+        max_grad_norm=float(config.max_grad_norm or 0.0),
+        full_fp16=bool(config.full_fp16),
+        full_bf16=bool(config.full_bf16),
     )
 
 

@@ -87,7 +87,8 @@ class Checkpointer:
     """Writes this run's LoRA files and state folders (main process only) and prunes old ones.
 
     ``facts`` holds the run's metadata; the per-file fields (name, epoch, steps, finish time) are
-    filled in at each save.
+    filled in at each save. ``guard`` (a ``training.stability.StabilityGuard``) is asked before every
+    save and raises instead of letting non-finite or diverged weights be written.
     """
 
     paths: RunPaths
@@ -101,10 +102,13 @@ class Checkpointer:
     family: Any
     save_dtype: Any
     is_main_process: bool
+    guard: Any = None
 
     def save_state(self, folder: Path, counters: Any) -> Path:
         from sd_scripts_compat.training.train_state import save_train_state
 
+        if self.guard is not None:
+            self.guard.before_save()
         counters.extra["micro_batch"] = self.micro_batch  # a resume with another micro-batch re-maps the position
         return save_train_state(folder, lora_state=self.network.kohya_state_dict(), optimizer=self.optimizer,
                                 lr_scheduler=self.lr_scheduler, counters=counters, settings=self.settings)
@@ -112,6 +116,8 @@ class Checkpointer:
     def save_lora(self, path: Path, counters: Any, *, final: bool) -> None:
         from sd_scripts_compat.network.lora_file import build_metadata, save_lora_file
 
+        if self.guard is not None:
+            self.guard.before_save()
         facts = replace(self.facts, output_name=path.stem, epoch=counters.epoch, steps=counters.global_step,
                         training_finished_at=time.time() if final else None)
         save_lora_file(path, self.network.kohya_state_dict(), build_metadata(self.family, facts),

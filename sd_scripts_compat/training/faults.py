@@ -1,7 +1,10 @@
-"""Deterministic fault injection, so the OOM ladder is testable on a CPU that never runs out of memory.
+"""Deterministic fault injection, so the OOM and stability ladders are testable on a CPU.
 
-``SD_COMPAT_INJECT_OOM`` holds comma-separated rules (see :class:`OomInjector`); tests and benches set
-it on the engine's environment, the watchdog never does.
+``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`) and ``SD_COMPAT_INJECT_NAN`` (see
+:class:`NanInjector`) hold comma-separated rules; tests and benches set them on the engine's
+environment, the watchdog never does. A *real* divergence needs no injector: a learning rate far too
+high for the tiny model (``learning_rate = 2.0`` with AdamW on ``builtin:tiny-sd15``) makes its loss turn
+NaN within a few dozen steps by itself.
 """
 
 from __future__ import annotations
@@ -9,8 +12,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 INJECT_ENV = "SD_COMPAT_INJECT_OOM"
+NAN_ENV = "SD_COMPAT_INJECT_NAN"
+
+
+def _marker_fires(marker_dir: Path | None, name: str) -> bool:
+    """True the first time only: a marker file in ``marker_dir`` remembers it, even across restarts."""
+    marker = marker_dir / name if marker_dir else None
+    if marker is not None and marker.exists():
+        return False
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    return True
 
 
 @dataclass(frozen=True)
@@ -53,11 +69,37 @@ class OomInjector:
                 f"CUDA out of memory (injected by {INJECT_ENV}: {batch_size}x{height}x{width} = {pixels} px "
                 f"> {self.pixels_gt})"
             )
-        if step in self.steps:
-            marker = self.marker_dir / f"injected-oom-step{step}" if self.marker_dir else None
-            if marker is not None and marker.exists():
-                return
-            if marker is not None:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
+        if step in self.steps and _marker_fires(self.marker_dir, f"injected-oom-step{step}"):
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_ENV} at step {step})")
+
+
+@dataclass(frozen=True)
+class NanInjector:
+    """Makes the training loss NaN on demand, so the divergence detection and rollback are testable.
+
+    ``SD_COMPAT_INJECT_NAN`` holds comma-separated ``step=N`` rules: the loss of the first micro-batch
+    of optimizer step N (0-based: the step that runs when N steps are done, as for the OOM injector)
+    becomes NaN, once (a marker file in ``marker_dir``), so its gradients are NaN too.
+    """
+
+    steps: frozenset[int]
+    marker_dir: Path | None
+
+    @classmethod
+    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> NanInjector | None:
+        spec = (environ if environ is not None else os.environ).get(NAN_ENV, "").strip()
+        if not spec:
+            return None
+        steps: set[int] = set()
+        for rule in filter(None, (part.strip() for part in spec.split(","))):
+            key, _, value = rule.partition("=")
+            if key != "step" or not value.isdigit():
+                raise ValueError(f"{NAN_ENV}: cannot read rule {rule!r} (use step=N)")
+            steps.add(int(value))
+        return cls(frozenset(steps), marker_dir)
+
+    def poison(self, step: int, loss: Any) -> Any:
+        """``loss``, or NaN times it when step ``step`` is to be poisoned (the first time only)."""
+        if step in self.steps and _marker_fires(self.marker_dir, f"injected-nan-step{step}"):
+            return loss * float("nan")
+        return loss

@@ -6,8 +6,9 @@
 :func:`build_objective`, :func:`resume`, then :func:`run_loop` and the ending (OOM, Ctrl-C or done).
 The order of the steps is the order of their effects on the RNG and the device, so it is fixed.
 
-The hot path does no per-step host syncs (the running loss stays on the device and is read only when
-the progress bar refreshes, about every 2 s), feeds cached latents when asked, and copies batches with
+The hot path does no per-step host syncs (the step losses and gradient norms stay on the device and
+are read only when the progress bar refreshes, about every 2 s, and before a save: see
+``training.stability``, which also stops an unstable run), feeds cached latents when asked, and copies batches with
 pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.contract.write_event``.
 """
 
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.contract import (
+    DIVERGED,
+    DIVERGED_EXIT_CODE,
     DONE,
     INTERRUPTED_EXIT_CODE,
     OOM,
@@ -44,12 +47,13 @@ from sd_scripts_compat.training.devices import (
     to_device,
     unwrap_optimizer,
 )
-from sd_scripts_compat.training.faults import OomInjector
+from sd_scripts_compat.training.faults import NanInjector, OomInjector
 from sd_scripts_compat.training.objectives import NoiseSettings
 from sd_scripts_compat.training.precision import DynamicLossScale
+from sd_scripts_compat.training.stability import Diverged, StabilityGuard
 from sd_scripts_compat.training.validation import ValidationRun
 
-PROGRESS_EVERY_SECONDS = 2.0
+PROGRESS_EVERY_SECONDS = 2.0  # the loop's one host sync: progress bar, progress.json, instability checks
 TIMING_WARMUP_STEPS = 2
 
 
@@ -67,6 +71,7 @@ class Process:
     paths: RunPaths
     injector: OomInjector | None
     started: float
+    nan_injector: NanInjector | None = None
 
     @property
     def world(self) -> int:
@@ -103,7 +108,8 @@ def setup_process(config: Any) -> Process:
         config.save_precision or "float", torch.float32)
     return Process(accelerator=accelerator, device=accelerator.device, seed=seed, weight_dtype=weight_dtype,
                    save_dtype=save_dtype, paths=paths, started=started,
-                   injector=OomInjector.from_env(paths.events_dir or paths.output_dir))
+                   injector=OomInjector.from_env(paths.events_dir or paths.output_dir),
+                   nan_injector=NanInjector.from_env(paths.events_dir or paths.output_dir))
 
 
 # ---- 2. Base model ---------------------------------------------------------------------------------
@@ -354,8 +360,11 @@ def resume(config: Any, process: Process, network: Network, optimization: Optimi
         return TrainCounters()
     state = load_train_state(Path(config.resume))
     network.network.load_kohya_state_dict(state.lora_state)
-    unwrap_optimizer(optimization.optimizer).load_state_dict(state.optimizer_state)
+    optimizer = unwrap_optimizer(optimization.optimizer)
+    configured_lrs = list(optimization.lr_scheduler.base_lrs)
+    optimizer.load_state_dict(state.optimizer_state)
     optimization.lr_scheduler.load_state_dict(state.lr_scheduler_state)
+    _follow_configured_rates(optimizer, optimization.lr_scheduler, configured_lrs)
     restore_rng_state(state.rng)
     counters = state.counters
     batch_size = data.spec.batch_size
@@ -367,6 +376,22 @@ def resume(config: Any, process: Process, network: Network, optimization: Optimi
     process.accelerator.print(f"resumed from {config.resume} at step {counters.global_step} "
                               f"(epoch {counters.epoch + 1})")
     return counters
+
+
+def _follow_configured_rates(optimizer: Any, lr_scheduler: Any, configured_lrs: list[float]) -> None:
+    """The state's learning rates give way to this run's config (a resume after the watchdog lowered them).
+
+    Loading a state restores each param group's ``lr`` / ``initial_lr`` and the schedule's ``base_lrs``
+    as they were when it was saved; the schedule's shape (warm-up, decay) comes from this run's config,
+    since only its step count is in the state. Here the configured base rates are put back and the
+    current rate recomputed for the loaded step (``last_epoch``), exactly as an uninterrupted run with
+    this config would have it: with unchanged rates the values are the same floats as before.
+    """
+    lr_scheduler.base_lrs = list(configured_lrs)
+    for group, lr in zip(optimizer.param_groups, configured_lrs):
+        group["initial_lr"] = lr
+    lr_scheduler.last_epoch -= 1
+    lr_scheduler.step()  # recomputes every group's lr from base_lrs for last_epoch + 1, the loaded step
 
 
 # ---- 8. What the run reports and writes ---------------------------------------------------------------
@@ -389,7 +414,7 @@ def report_run(config: Any, process: Process, data: Data, inputs: Inputs) -> Rep
 
 
 def build_checkpointer(config: Any, process: Process, model: Model, data: Data, inputs: Inputs, network: Network,
-                       optimization: Optimization, report: Report) -> Checkpointer:
+                       optimization: Optimization, report: Report, guard: Any = None) -> Checkpointer:
     from sd_scripts_compat.network.lora_file import TrainingFacts
 
     retries = _read_retry_log(config.autotune_retry_log)
@@ -417,7 +442,7 @@ def build_checkpointer(config: Any, process: Process, model: Model, data: Data, 
     return Checkpointer(paths=process.paths, policy=SavePolicy.from_config(config), network=network.network,
                         optimizer=unwrap_optimizer(optimization.optimizer), lr_scheduler=optimization.lr_scheduler,
                         settings=report.settings, micro_batch=batch_size, facts=facts, family=model.family,
-                        save_dtype=process.save_dtype, is_main_process=process.is_main)
+                        save_dtype=process.save_dtype, is_main_process=process.is_main, guard=guard)
 
 
 # ---- 9. The loop -----------------------------------------------------------------------------------
@@ -437,25 +462,25 @@ class Recipe:
     report: Report
     checkpointer: Checkpointer
     validation: ValidationRun | None
+    guard: StabilityGuard | None = None
 
 
 @dataclass
 class LoopState:
     """What the loop carries from step to step (this session only)."""
 
-    running_loss: Any  # a device scalar: summed without host syncs, read at each progress refresh
     last_report: float
     last_state_save: float
-    running_count: int = 0
     session_started: float = 0.0
     peak_memory_mib: float = 0.0
     step_ended_at: list[float] = field(default_factory=list)  # host clock at each optimizer step (done.json)
     oom: dict[str, Any] | None = None
     interrupted: bool = False
+    diverged: dict[str, Any] | None = None  # the guard's report: a non-finite or diverging loss
 
 
 def train(config: Any, *, sdxl: bool) -> int:
-    """One training run; returns the process exit code (0, OOM_EXIT_CODE or INTERRUPTED_EXIT_CODE)."""
+    """One training run; returns the process exit code (0, OOM, DIVERGED or INTERRUPTED_EXIT_CODE)."""
     process = setup_process(config)
     model = load_model(config, process, sdxl=sdxl)
     data = build_data(config, process, model)
@@ -465,7 +490,8 @@ def train(config: Any, *, sdxl: bool) -> int:
     objective = build_objective(config, process, model)
     counters = resume(config, process, network, optimization, data)
     report = report_run(config, process, data, inputs)
-    checkpointer = build_checkpointer(config, process, model, data, inputs, network, optimization, report)
+    guard = build_guard(process, network, optimization, counters)
+    checkpointer = build_checkpointer(config, process, model, data, inputs, network, optimization, report, guard)
     if config.logging_dir and config.log_with:
         process.accelerator.init_trackers(config.log_prefix or "network_train", config={
             "max_train_steps": optimization.max_train_steps, "train_batch_size": data.spec.batch_size})
@@ -474,18 +500,29 @@ def train(config: Any, *, sdxl: bool) -> int:
         noise_scheduler=objective.noise_scheduler, dtype=process.weight_dtype, accelerator=process.accelerator,
         noise_settings=objective.noise, alphas_cumprod=objective.alphas_cumprod)
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
-                    validation)
+                    validation, guard)
     loop = run_loop(recipe, counters)
-    if loop.oom is not None:
-        return finish_oom(recipe, loop, counters)
-    if loop.interrupted:
-        return finish_interrupted(recipe, counters)
-    return finish_done(recipe, loop, counters)
+    try:
+        if loop.diverged is not None:
+            raise Diverged(loop.diverged)
+        if loop.oom is not None:
+            return finish_oom(recipe, loop, counters)
+        if loop.interrupted:
+            return finish_interrupted(recipe, counters)
+        return finish_done(recipe, loop, counters)
+    except Diverged as diverged:  # also from a save refused for non-finite weights
+        return finish_diverged(recipe, diverged.report, counters)
+
+
+def build_guard(process: Process, network: Network, optimization: Optimization, counters: Any) -> StabilityGuard:
+    """The instability checks of this session; a loss scaler (ours or accelerate's) owns non-finite grads."""
+    scaled = optimization.loss_scale is not None or getattr(process.accelerator, "scaler", None) is not None
+    return StabilityGuard(process.device, network.trainable, unwrap_optimizer(optimization.optimizer),
+                          scaled=scaled, extra=counters.extra)
 
 
 def run_loop(r: Recipe, counters: Any) -> LoopState:
-    """Train to max_train_steps; an OOM or Ctrl-C ends the loop and is recorded in the returned state."""
-    import torch
+    """Train to max_train_steps; an OOM, Ctrl-C or instability ends the loop and is recorded in the returned state."""
     from tqdm.auto import tqdm
 
     from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
@@ -494,8 +531,7 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
     progress = tqdm(total=r.optimization.max_train_steps, initial=counters.global_step, desc="steps",
                     disable=not process.is_main, dynamic_ncols=True, smoothing=0.1)
     now = time.time()
-    loop = LoopState(running_loss=torch.zeros((), device=process.device), last_report=now, last_state_save=now,
-                     session_started=now)
+    loop = LoopState(last_report=now, last_state_save=now, session_started=now)
     if counters.global_step == 0:  # before the first step: the validation baseline, then sample_at_first
         if r.validation is not None:
             r.validation.run(0)
@@ -511,6 +547,8 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
             run_epoch(r, loop, counters, sampler, loader, progress)
     except KeyboardInterrupt:
         loop.interrupted = True
+    except Diverged as diverged:
+        loop.diverged = diverged.report
     except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else re-raises
         if not is_oom_error(error):
             raise
@@ -574,13 +612,14 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
                               objective.noise.v_parameterization)
     loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], objective.alphas_cumprod,
                            objective.noise).mean()
+    if process.nan_injector is not None:
+        loss = process.nan_injector.poison(counters.global_step, loss)
     scaled = loss / r.optimization.accumulation
     if r.optimization.loss_scale is not None:
         (scaled * r.optimization.loss_scale.scale).backward()
     else:
         process.accelerator.backward(scaled)
-    loop.running_loss += loss.detach()
-    loop.running_count += 1
+    r.guard.add_loss(loss)
 
 
 def optimizer_step(r: Recipe, counters: Any) -> None:
@@ -592,15 +631,18 @@ def optimizer_step(r: Recipe, counters: Any) -> None:
         average_gradients(trainable, r.process.world)
     loss_scale = optimization.loss_scale
     do_step = loss_scale.unscale_and_check(trainable) if loss_scale is not None else True
+    grad_norm = None
     if config.max_grad_norm and do_step:
         if loss_scale is None:
-            r.process.accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
+            grad_norm = r.process.accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
         else:
             torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+    r.guard.before_optimizer_step(grad_norm)  # with fused AdamW a non-finite step skips itself on the device
     if do_step:
         optimization.optimizer.step()
     optimization.lr_scheduler.step()
     optimization.optimizer.zero_grad(set_to_none=True)
+    r.guard.after_optimizer_step(counters.global_step)
     counters.global_step += 1
 
 
@@ -640,10 +682,9 @@ def end_epoch(r: Recipe, counters: Any) -> None:
 
 
 def _report_progress(r: Recipe, loop: LoopState, counters: Any, progress: Any, now: float) -> None:
-    """The one host sync of the loop (the running loss), then the bar, the tracker and progress.json."""
-    mean_loss = (loop.running_loss / max(loop.running_count, 1)).item()
-    loop.running_loss.zero_()
-    loop.running_count = 0
+    """The one host sync of the loop (step losses, gradient norms: judged by the guard, which raises
+    :class:`Diverged`), then the bar, the tracker and progress.json."""
+    mean_loss = r.guard.report_loss()
     rate = len(loop.step_ended_at) / max(now - loop.session_started, 1e-9)
     loop.peak_memory_mib = max(loop.peak_memory_mib, peak_memory_mib(r.process.device))
     lr_scheduler = r.optimization.lr_scheduler
@@ -686,6 +727,18 @@ def finish_oom(r: Recipe, loop: LoopState, counters: Any) -> int:
         write_event(process.paths.events_dir, OOM, event)
     print(f"out of memory at step {counters.global_step}: {loop.oom['message']}", file=sys.stderr)
     return OOM_EXIT_CODE
+
+
+def finish_diverged(r: Recipe, report: dict[str, Any], counters: Any) -> int:
+    """Nothing is saved (the newest state holds the last finite weights); diverged.json says what tripped."""
+    process = r.process
+    if process.paths.events_dir and process.is_main:
+        write_event(process.paths.events_dir, DIVERGED, {
+            **report, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
+            "settings": r.report.settings, "resolved": r.report.resolved})
+    print(f"training diverged: {report['reason']} (nothing saved after it; the newest state is the last good one)",
+          file=sys.stderr)
+    return DIVERGED_EXIT_CODE
 
 
 def finish_interrupted(r: Recipe, counters: Any) -> int:
