@@ -146,7 +146,7 @@ def latent_downsample(spec: Any) -> int:
     """Image pixels per latent pixel along a side, from the family's VAE config.
 
     diffusers' pipelines derive it the same way (``2 ** (len(block_out_channels) - 1)``): each encoder
-    block but the last halves the image. 8 for the full-size VAEs, 2 for the tiny test VAE.
+    block but the last halves the image. 8 for every built-in VAE, the tiny test twins' included.
     """
     return 2 ** (len(spec.vae["block_out_channels"]) - 1)
 
