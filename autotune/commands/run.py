@@ -238,12 +238,11 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
         budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
     else:
         budget = probe.memory.ram_available_bytes / 2**20
-    tiny = family.resolution < 256
     # the rung would change nothing when the engine already caches the frozen text encoder's outputs
     te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
     return LadderLimits(
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
-        te_cache_allowed=te_cache_allowed, min_resolution=32 if tiny else 256, resolution_step=16 if tiny else 64,
+        te_cache_allowed=te_cache_allowed, min_resolution=256, resolution_step=64,  # tiny families too (8x VAEs)
     )
 
 

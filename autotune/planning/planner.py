@@ -37,9 +37,9 @@ Decision rules (each chosen value carries its rule as a reason string):
 - **Amount of training.** target image-views = clamp(views_per_image(goal) x images, min, max) x priority scale;
   epochs = max(1, round(target / views per epoch)), where views per epoch = sum(images x repeats) over the
   ``N_name`` folders; optimizer steps = epochs x ceil(views per epoch / effective batch).
-  **CPU plans of tiny families** (native size < 256 px, demos and tests) are capped to a short run: as many
-  whole epochs as fit in ``TINY_CPU_MAX_STEPS`` optimizer steps (at least one). On the CPU a tiny model's
-  step costs per-op overhead, not FLOPs (measured here: ~1 s per optimizer step of 4 micro-steps at 64 px
+  **CPU plans of tiny families** (``tiny`` in the family data, demos and tests) are capped to a short run: as
+  many whole epochs as fit in ``TINY_CPU_MAX_STEPS`` optimizer steps (at least one). On the CPU a tiny model's
+  step costs per-op overhead, not FLOPs (measured here: ~1 s per optimizer step of 4 micro-steps at 256 px
   against the speed model's 0.08 s), so the full view count would take minutes for a smoke test.
 - **Learning rate** (AdamW family): unet_lr = base(goal) x sqrt(effective batch / 4), clamped to
   [2.5e-5, 4e-4]; text_encoder_lr = unet_lr / 2. Prodigy sets its own step size: all rates 1.0.
@@ -76,20 +76,16 @@ RESOLUTION_STEP = 64  # kohya's bucket_reso_steps default; latents must be multi
 MIN_RESOLUTION_FRACTION = 5 / 8  # 1024 -> 640, 512 -> 320: below that a family's outputs fall apart
 # Cards without a name (--vram only) plan with these rates: a mid Ampere card, bf16 capable.
 GENERIC_GPU_NAME = "RTX 3090"
-# Tiny test families (native size < 256 px; their VAE downsamples 2x, not 8x): buckets in 16 px steps
-# (8 latent pixels, as 64 px is for the full-size VAEs) from 32 px up, the same floor and step the OOM
-# ladder uses for them in `autotune run`.
-TINY_RESOLUTION_STEP = 16
-TINY_MIN_BUCKET_RESO = 32
+# CPU plans of tiny families are short runs (module docstring)
 TINY_CPU_MAX_STEPS = 40  # quickstart on a 2-core CPU: ~1 s per step, about a minute with startup
 
 
 def bucket_rules(family: FamilySpec, resolution: int) -> tuple[int, int]:
     """(bucket_reso_steps, min_bucket_reso) for a family at a training resolution: half the resolution,
-    in bucket steps, never below 256 px (tiny families: 32 px, 16 px steps; see TINY_RESOLUTION_STEP)."""
-    step, floor = ((RESOLUTION_STEP, 256) if family.resolution >= 256
-                   else (TINY_RESOLUTION_STEP, TINY_MIN_BUCKET_RESO))
-    return step, max(floor, resolution // 2 // step * step)
+    in kohya's 64 px steps, never below 256 px. The same for every family: the tiny twins' VAEs downsample
+    8x like the full-size ones, so they exercise the same bucket arithmetic (``family`` stays in the
+    signature: a family whose VAE downsampled otherwise would need another step)."""
+    return RESOLUTION_STEP, max(256, resolution // 2 // RESOLUTION_STEP * RESOLUTION_STEP)
 
 
 @dataclass(frozen=True)
@@ -713,7 +709,7 @@ def plan_training(request: PlanRequest) -> Plan:
     epochs = prefs.epochs or max(1, round(target_views / views_per_epoch))
     effective_real = s.micro_batch * s.grad_accum * devices
     steps_per_epoch = math.ceil(views_per_epoch / effective_real)
-    short_cpu_run = not gpus and family.resolution < 256 and not prefs.epochs
+    short_cpu_run = not gpus and family.tiny and not prefs.epochs
     if short_cpu_run:
         epochs = max(1, min(epochs, TINY_CPU_MAX_STEPS // steps_per_epoch))
     steps = epochs * steps_per_epoch
@@ -826,9 +822,7 @@ def _choices(c: _Context) -> tuple[Choice, ...]:
     step, min_bucket = bucket_rules(fam, s.resolution)
     add("min_bucket_reso", min_bucket, "half the resolution: narrower buckets waste pixels")
     add("max_bucket_reso", s.resolution * 2, "twice the resolution: tall/wide images keep their shape")
-    add("bucket_reso_steps", step, f"bucket sides in {step} px steps ("
-        + ("kohya's default, 8 latent pixels)" if step == RESOLUTION_STEP
-           else "8 latent pixels: the tiny VAE downsamples 2x)"))
+    add("bucket_reso_steps", step, f"bucket sides in {step} px steps (kohya's default, 8 latent pixels)")
     add("bucket_no_upscale", True, "small images are not blown up past their own size")
     add("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder")
     add("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (files next to the images)")
@@ -901,7 +895,7 @@ def _choices(c: _Context) -> tuple[Choice, ...]:
         add("no_half_vae", True, "SDXL's VAE overflows in fp16 (NaN latents); it only runs while caching")
     epochs_reason = (f"~{c.target_views} image-views for goal {req.goal} ({c.dataset.num_images} images, "
                      f"{c.dataset.views_per_epoch} views per epoch) -> {c.steps} optimizer steps")
-    if not req.gpus and fam.resolution < 256 and not req.preferences.epochs:
+    if not req.gpus and fam.tiny and not req.preferences.epochs:
         epochs_reason += f"; tiny model on CPU: capped to a short run (<= {TINY_CPU_MAX_STEPS} steps, >= 1 epoch)"
     add("max_train_epochs", c.epochs, epochs_reason)
     add("seed", req.preferences.seed, "fixed seed: reruns are reproducible")
