@@ -193,7 +193,8 @@ def test_real_allocation_failure_under_rlimit_steps_down(tmp_path, reference):
 
 def test_sigkill_mid_run_resumes_from_last_state(tmp_path):
     steps = 8
-    job = make_job(tmp_path, "killed", micro=2, accum=2, steps=steps, save_state_every_s=0.5)
+    # 128 px (16x16 latents): at 64 px the 8 steps can end inside the first 0.5 s state interval
+    job = make_job(tmp_path, "killed", micro=2, accum=2, steps=steps, resolution=128, save_state_every_s=0.5)
     killed: list[int] = []
 
     def killer(pid: int) -> None:
