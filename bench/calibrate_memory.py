@@ -6,6 +6,9 @@
 ``--reuse`` traces only the configurations missing from ``bench/results/memory_traces.jsonl`` (the
 tiny families take seconds each; SDXL minutes) and counts FLOPs only for families the JSON lacks, so
 adding a family -- as tiny-sd15 / tiny-sdxl were -- never re-traces the full-size ones.
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --families tiny-sd15,tiny-sdxl
+re-traces and refits only the named families (after a change to their geometry) and copies every other
+row of the shipped JSON unchanged; it needs no saved traces.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
 
 Traces (``autotune.calibration.memtrace``) are the ground truth; the analytic model (``autotune.estimate.memory_model``)
@@ -26,12 +29,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TRACES = ROOT / "bench" / "results" / "memory_traces.jsonl"  # raw traces (ignored by git), for --reuse
-NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024, "tiny-sd15": 64, "tiny-sdxl": 64}
+NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024, "tiny-sd15": 256, "tiny-sdxl": 256}
 TINY = ("tiny-sd15", "tiny-sdxl")
 # Resolutions whose core traces (BASE settings) enter the activation fit. The full-size families are
 # fitted at their native size only (each SDXL trace costs minutes); the tiny ones trace in seconds, so
-# two resolutions pin the per-latent-pixel slope independently of the constant.
-FIT_RESOLUTIONS = {"tiny-sd15": (32, 64), "tiny-sdxl": (32, 64)}
+# two resolutions pin the per-latent-pixel slope independently of the constant (16x16 and 32x32 latents:
+# their VAEs downsample 8x, like the full-size ones).
+FIT_RESOLUTIONS = {"tiny-sd15": (128, 256), "tiny-sdxl": (128, 256)}
+TINY_FLOP_RESOLUTIONS = (128, 256, 512)  # three: the FLOP fit gets a constant (see fit_flops)
 TINY_RANKS = (8, 32)
 BASE = {"optimizer": "AdamW", "weight_dtype": "fp16", "train_text_encoder": False, "cache_latents": True,
         "cache_text_encoder_outputs": True, "attention": "sdpa"}
@@ -82,10 +87,10 @@ def tiny_held_out_grid() -> list[dict[str, object]]:
     """Resolutions, batches and ranks the tiny fit never saw, in each precision the planner uses."""
     out: list[dict[str, object]] = []
     for f in TINY:
-        out += [config(f, 48, batch_size=2, rank=16, gc=False, weight_dtype="fp32"),
-                config(f, 48, batch_size=2, rank=16, gc=True, weight_dtype="bf16", optimizer="AdamW8bit"),
-                config(f, 96, batch_size=3, rank=16, gc=True, weight_dtype="fp32"),
-                config(f, 64, batch_size=2, rank=16, gc=False, weight_dtype="fp32", optimizer="AdamW8bit",
+        out += [config(f, 192, batch_size=2, rank=16, gc=False, weight_dtype="fp32"),
+                config(f, 192, batch_size=2, rank=16, gc=True, weight_dtype="bf16", optimizer="AdamW8bit"),
+                config(f, 384, batch_size=3, rank=16, gc=True, weight_dtype="fp32"),
+                config(f, 256, batch_size=2, rank=16, gc=False, weight_dtype="fp32", optimizer="AdamW8bit",
                        train_text_encoder=True, cache_text_encoder_outputs=False)]
     return out
 
@@ -145,14 +150,23 @@ def _latent_pixels(cfg: dict[str, object], arch: dict[str, object]) -> int:
     return (cfg["resolution"] // arch.get("latent_downsample", 8)) ** 2
 
 
-def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, object]]) -> dict[str, object]:
-    """Least-squares fit of the activation coefficients, then the auxiliary terms (see memory_model)."""
-    import numpy as np
+def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, object]],
+        base: dict[str, object] | None = None) -> dict[str, object]:
+    """Least-squares fit of the activation coefficients, then the auxiliary terms (see memory_model).
+
+    Only the families in ``architectures`` are fitted. With ``base`` (the shipped calibration) every other
+    family's entry and the shared factors are copied from it unchanged, so refitting the tiny families
+    neither needs nor touches the full-size families' traces (SD1.5's entry is still read: the tiny
+    families borrow its fp8 ratio between the GC settings).
+    """
+    import copy
 
     from autotune.estimate.memory_model import predict_memory
 
-    rows = [(json.loads(k), v) for k, v in known.items()]
+    rows = [(json.loads(k), v) for k, v in known.items() if json.loads(k)["family"] in architectures]
     families: dict[str, dict[str, object]] = {}
+    if base is not None:
+        families.update(copy.deepcopy({f: e for f, e in base["families"].items() if f not in architectures}))
     for family, arch in architectures.items():
         families[family] = {"architecture": arch}
     # Assumed unless traced: without autocast every saved activation is fp32 instead of fp16 (x2);
@@ -160,40 +174,10 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
     shared: dict[str, object] = {"fp32_activation_factor": {"no_gc": 2.0, "gc": 2.0},
                                  "math_attention_bytes_per_score": {"no_gc": 6.0, "gc": 6.0},
                                  "assumed": ["fp32_activation_factor", "math_attention_bytes_per_score"]}
-    names = ("c0", "c1", "a", "b")
-    for family in ["sd15"] + [f for f in NATIVE if f != "sd15"]:  # SD1.5 first: others borrow its rank terms
-        entry = families[family]
-        entry.update(activations={}, fp8_extra={}, text_encoder_train_per_sample={}, borrowed=[])
-        arch = entry["architecture"]
-        for gc_name, gc in (("no_gc", False), ("gc", True)):
-            # fp32 (no autocast) gets coefficients of its own where traced (the tiny families: their
-            # CPU plans train in fp32), else the shared fp32 factor applies to the fp16 ones
-            fp32 = [(c, r) for c, r in rows
-                    if c["family"] == family and _is_core(c, "fp32") and c["gradient_checkpointing"] == gc]
-            if _full_grid(fp32):
-                entry.setdefault("activations_fp32", {})[gc_name] = _fit_full(fp32, arch)
-            core = [(c, r) for c, r in rows
-                    if c["family"] == family and _is_core(c) and c["gradient_checkpointing"] == gc]
-            y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
-            if _full_grid(core):
-                coef = list(_fit_full(core, arch).values())
-            elif len(core) >= 2:
-                # rank terms from SD1.5 scaled by LoRA size (c1: per-rank parameter count; b: module
-                # count), then c0 and a fitted: act - c1*r - bs*P*b*r = c0 + bs*P*a
-                ref = families["sd15"]["activations"][gc_name]
-                ref_arch = families["sd15"]["architecture"]
-                c1 = ref["c1"] * _per_rank(arch) / _per_rank(ref_arch)
-                b = ref["b"] * _modules(arch) / _modules(ref_arch)
-                x = np.array([[1.0, c["batch_size"] * _latent_pixels(c, arch)] for c, _ in core])
-                rest = y - np.array([c1 * c["rank"] + b * c["batch_size"] * _latent_pixels(c, arch) * c["rank"]
-                                     for c, _ in core])
-                c0, a = np.linalg.lstsq(x, rest, rcond=None)[0]
-                coef = [c0, c1, a, b]
-                entry["borrowed"].append(f"activations.{gc_name} rank terms (sd15 x LoRA size)")
-            else:  # no traces (SD2): SD1.5's coefficients per latent pixel (near-identical UNet)
-                coef = [families["sd15"]["activations"][gc_name][n] for n in names]
-                entry["borrowed"].append(f"activations.{gc_name} (sd15)")
-            entry["activations"][gc_name] = dict(zip(names, (float(v) for v in coef), strict=True))
+    if base is not None:
+        shared = copy.deepcopy({k: base[k] for k in shared})
+    fitted = [f for f in NATIVE if f in architectures]
+    _fit_activations(rows, families, sorted(fitted, key=lambda f: f != "sd15"))  # SD1.5 first: others borrow
     # auxiliary terms: differences against the fitted base prediction of the same configuration
     calibration = {"families": families, **shared}
 
@@ -232,16 +216,68 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
                 scores = arch["attn_self_scores_per_pixel2"] * pixels**2 + arch["attn_cross_scores_per_pixel"] * pixels
             shared["math_attention_bytes_per_score"][gc_name] = (act - base_act(cfg)) / scores
             shared["assumed"] = [k for k in shared["assumed"] if k != "math_attention_bytes_per_score"]
-    # terms traced on some families / GC settings only are borrowed: the other GC setting scaled by
-    # SD1.5's ratio between the two, or SD1.5's value scaled by the size of what the term depends on.
-    # fp8 without GC when untraced: every upcast fp16 weight copy is saved for backward (2 B/element).
+    calibration.update(shared)
+    _borrow_untraced(families, fitted)
+    for family in architectures:
+        if family not in NATIVE:
+            same = next(f for f in NATIVE if architectures[f]["unet"] == architectures[family]["unet"]
+                        and architectures[f]["text_encoders"] == architectures[family]["text_encoders"])
+            families[family]["calibrated_as"] = same
+    return calibration
+
+
+def _fit_activations(rows: list[tuple[dict[str, object], dict[str, object]]], families: dict[str, dict[str, object]],
+                     order: list[str]) -> None:
+    """Activation coefficients per family and GC setting, in ``order`` (SD1.5 first: others borrow from it)."""
+    import numpy as np
+
+    names = ("c0", "c1", "a", "b")
+    for family in order:
+        entry = families[family]
+        entry.update(activations={}, fp8_extra={}, text_encoder_train_per_sample={}, borrowed=[])
+        arch = entry["architecture"]
+        for gc_name, gc in (("no_gc", False), ("gc", True)):
+            # fp32 (no autocast) gets coefficients of its own where traced (the tiny families: their
+            # CPU plans train in fp32), else the shared fp32 factor applies to the fp16 ones
+            fp32 = [(c, r) for c, r in rows
+                    if c["family"] == family and _is_core(c, "fp32") and c["gradient_checkpointing"] == gc]
+            if _full_grid(fp32):
+                entry.setdefault("activations_fp32", {})[gc_name] = _fit_full(fp32, arch)
+            core = [(c, r) for c, r in rows
+                    if c["family"] == family and _is_core(c) and c["gradient_checkpointing"] == gc]
+            y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
+            if _full_grid(core):
+                coef = list(_fit_full(core, arch).values())
+            elif len(core) >= 2:
+                # rank terms from SD1.5 scaled by LoRA size (c1: per-rank parameter count; b: module
+                # count), then c0 and a fitted: act - c1*r - bs*P*b*r = c0 + bs*P*a
+                ref = families["sd15"]["activations"][gc_name]
+                ref_arch = families["sd15"]["architecture"]
+                c1 = ref["c1"] * _per_rank(arch) / _per_rank(ref_arch)
+                b = ref["b"] * _modules(arch) / _modules(ref_arch)
+                x = np.array([[1.0, c["batch_size"] * _latent_pixels(c, arch)] for c, _ in core])
+                rest = y - np.array([c1 * c["rank"] + b * c["batch_size"] * _latent_pixels(c, arch) * c["rank"]
+                                     for c, _ in core])
+                c0, a = np.linalg.lstsq(x, rest, rcond=None)[0]
+                coef = [c0, c1, a, b]
+                entry["borrowed"].append(f"activations.{gc_name} rank terms (sd15 x LoRA size)")
+            else:  # no traces (SD2): SD1.5's coefficients per latent pixel (near-identical UNet)
+                coef = [families["sd15"]["activations"][gc_name][n] for n in names]
+                entry["borrowed"].append(f"activations.{gc_name} (sd15)")
+            entry["activations"][gc_name] = dict(zip(names, (float(v) for v in coef), strict=True))
+
+
+def _borrow_untraced(families: dict[str, dict[str, object]], fitted: list[str]) -> None:
+    """Terms traced on some families / GC settings only are borrowed: the other GC setting scaled by
+    SD1.5's ratio between the two, or SD1.5's value scaled by the size of what the term depends on.
+    fp8 without GC when untraced: every upcast fp16 weight copy is saved for backward (2 B/element)."""
     ref = families["sd15"]
     if "no_gc" not in ref["fp8_extra"]:
         ref["fp8_extra"]["no_gc"] = 2.0 * ref["architecture"]["unet"]["fp8_elements"]
         ref["borrowed"].append("fp8_extra.no_gc (assumed: all upcast fp16 weights saved)")
     sizes = {"fp8_extra": lambda a: a["unet"]["fp8_elements"],
              "text_encoder_train_per_sample": lambda a: sum(t["float_elements"] for t in a["text_encoders"])}
-    for family in NATIVE:
+    for family in fitted:
         entry = families[family]
         for term, size in sizes.items():
             for gc_name, other in (("no_gc", "gc"), ("gc", "no_gc")):
@@ -256,12 +292,6 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
         if "vae_encode_per_image_pixel" not in entry:
             entry["vae_encode_per_image_pixel"] = ref["vae_encode_per_image_pixel"]  # same VAE
             entry["borrowed"].append("vae_encode_per_image_pixel (sd15, same VAE)")
-    for family in architectures:
-        if family not in NATIVE:
-            same = next(f for f in NATIVE if architectures[f]["unet"] == architectures[family]["unet"]
-                        and architectures[f]["text_encoders"] == architectures[family]["text_encoders"])
-            families[family]["calibrated_as"] = same
-    return calibration
 
 
 def _full_grid(core: list[tuple[dict[str, object], dict[str, object]]]) -> bool:
@@ -317,6 +347,46 @@ def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibra
     return worst
 
 
+def refit_families(selected: list[str]) -> int:
+    """Fresh traces, FLOP counts and fits for ``selected`` only, merged into the shipped JSON.
+
+    Every other family's entry and FLOP fit, the shared factors and the other families' trace rows are
+    copied from the shipped file as they are: changing a tiny family's geometry costs a minute of tiny
+    traces instead of re-tracing SDXL (minutes per trace), and the full-size calibration stays byte-identical.
+    """
+    import torch
+
+    from autotune.calibration.memtrace import architecture_facts
+    from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
+    from autotune.estimate.speed_model import fit_flops
+
+    unknown = [f for f in selected if f not in NATIVE]
+    if unknown or not selected:
+        raise SystemExit(f"--families {','.join(selected)}: choose among {', '.join(NATIVE)}")
+    shipped = json.loads(CALIBRATION_PATH.read_text(encoding="utf-8"))
+    if torch.__version__ != shipped["torch"]:
+        print(f"note: shipped calibration is from torch {shipped['torch']}, these traces from {torch.__version__}")
+    started = time.perf_counter()
+    known: dict[str, dict[str, object]] = {}
+    run_traces([c for c in fit_grid() + held_out_grid() if c["family"] in selected], known, fresh=True)
+    print(f"tracing took {time.perf_counter() - started:.0f} s")
+    calibration = fit(known, {f: architecture_facts(f) for f in selected}, base=shipped)
+    flops = {**shipped["flops"], **{f: fit_flops(f, TINY_FLOP_RESOLUTIONS if f in TINY else None) for f in selected}}
+    fit_keys = {key(c) for c in fit_grid()}
+    rows = [(json.loads(k), v) for k, v in known.items()]
+    traces = [t for t in shipped["traces"] if t["config"]["family"] not in selected]
+    traces += [{"config": c, "peak_bytes": r["peak_bytes"], "seconds": r["seconds"], "used_for_fit": key(c) in fit_keys}
+               for c, r in rows]
+    calibration.update(flops=flops, generated_by=shipped["generated_by"], torch=shipped["torch"], traces=traces)
+    write_json(CALIBRATION_PATH, calibration)
+    load_calibration.cache_clear()
+    print(f"wrote {CALIBRATION_PATH} ({', '.join(selected)} refitted, every other row as shipped)")
+    worst_fit = print_table([r for r in rows if key(r[0]) in fit_keys], calibration, "Fit traces vs analytic model")
+    worst_held = print_table([r for r in rows if key(r[0]) not in fit_keys], calibration,
+                             "Held-out traces vs analytic model")
+    return 0 if max(worst_fit, worst_held) <= 10 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reuse", action="store_true", help="reuse traces in bench/results/memory_traces.jsonl")
@@ -326,8 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flops-only", action="store_true", help="recount the FLOP fits (meta device) only")
     parser.add_argument("--part", default="0/1", help="I/N: trace only every N-th configuration from I "
                         "(run N processes side by side)")
+    parser.add_argument("--families", default=None, help="comma-separated, e.g. tiny-sd15,tiny-sdxl: trace, count "
+                        "and refit only these; every other family's rows stay as shipped (see refit_families)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.families is not None:
+        return refit_families([f.strip() for f in args.families.split(",") if f.strip()])
     known = {} if not args.reuse else load_traces()
     if args.reuse:
         known = load_traces()
@@ -342,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
         started = time.perf_counter()
         # the tiny families: three resolutions, so the fit has a constant (see fit_flops)
-        flops = {**shipped_flops, **{f: fit_flops(f, (32, 64, 128) if f in TINY else None)
+        flops = {**shipped_flops, **{f: fit_flops(f, TINY_FLOP_RESOLUTIONS if f in TINY else None)
                                      for f in (NATIVE if args.flops_only else missing)}}
         data = json.loads(CALIBRATION_PATH.read_text()) if CALIBRATION_PATH.is_file() else {"families": {}}
         data["flops"] = flops

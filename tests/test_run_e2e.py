@@ -1,4 +1,4 @@
-"""End to end: the real engine (builtin:tiny-sd15, 32-64 px, CPU fp32) under the watchdog.
+"""End to end: the real engine (builtin:tiny-sd15, 64-128 px, CPU fp32) under the watchdog.
 
 Every test runs real child processes: injected OOMs (a real torch.OutOfMemoryError raised in the
 training step by SD_COMPAT_INJECT_OOM), a genuine allocation failure under RLIMIT_AS, and a SIGKILL
@@ -11,7 +11,7 @@ Tolerance of the weight comparisons (stated, and why):
 - micro-batch changed (effective batch kept): the engine draws noise and timesteps per micro-batch,
   so a 4x1 step and a 1x4 step see different noise for the same images and the summed gradients
   differ in float order; the runs are two samples of the same training, not the same numbers. After
-  6 steps from lora_up = 0 the update is noise-dominated: measured relative L2 distance 0.85 between
+  6 steps from lora_up = 0 the update is noise-dominated: measured relative L2 distance 0.95 between
   the 4->2->1 run and the 1x4 run. We assert only what holds: finite, < 1.5, and the update norms
   within a factor 2 of each other (the same amount of training happened).
 """
@@ -43,7 +43,9 @@ pytestmark = pytest.mark.skipif(
     reason="engine not present")
 
 EFFECTIVE = 4
-RLIMIT_HEADROOM_MIB = 250.0  # over the reference run's peak address space; micro-batch 64 at 32 px needs more
+# over the reference run's peak address space; micro-batch 64 at 128 px (16x16 latents) needs more: the memory
+# model predicts ~345 MiB of tensors for it, ~180 MiB at micro-batch 32 (64 px would need only ~95 MiB)
+RLIMIT_HEADROOM_MIB = 250.0
 
 
 def make_dataset(root: Path, images: int = 4, size: int = 64, repeats: int = 1) -> Path:
@@ -59,10 +61,11 @@ def make_dataset(root: Path, images: int = 4, size: int = 64, repeats: int = 1) 
     return folder.parent
 
 
-def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolution: int = 32,
+def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolution: int = 64,
              gc: bool = False, inject: str | None = None, budget: float = 1e6, images: int = 4,
              repeats: int = 1, config_extra: dict | None = None, env_extra: dict | None = None, **kw) -> Job:
-    data = tmp / "data" if (tmp / "data").is_dir() else make_dataset(tmp, images=images, repeats=repeats)
+    data = tmp / "data" if (tmp / "data").is_dir() else make_dataset(tmp, images=images, size=resolution,
+                                                                     repeats=repeats)
     out = tmp / name
     out.mkdir()
     config = {
@@ -83,7 +86,7 @@ def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolu
     env.update(env_extra or {})
     return Job(config_path=out / "config.toml", output_dir=out,
                settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
-               limits=LadderLimits(budget_mib=budget, min_resolution=16, resolution_step=16),
+               limits=LadderLimits(budget_mib=budget, min_resolution=64, resolution_step=64),
                predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
                train_output_dir=out / "output", save_state_every_s=kw.pop("save_state_every_s", 30.0), **kw)
 
@@ -179,7 +182,7 @@ def test_real_allocation_failure_under_rlimit_steps_down(tmp_path, reference):
     """No injection: an address-space cap makes micro-batch 64 fail inside torch's CPU allocator
     ("DefaultCPUAllocator: can't allocate memory"); the watchdog steps down to a micro-batch that fits."""
     limit = reference[1] + RLIMIT_HEADROOM_MIB
-    job = make_job(tmp_path, "rlimit", micro=64, accum=1, steps=1, repeats=16, budget=limit,
+    job = make_job(tmp_path, "rlimit", micro=64, accum=1, steps=1, repeats=16, resolution=128, budget=limit,
                    budget_kind="address_space", preexec_fn=address_space_limit(limit))
     result = supervise(job)
     assert result.ok, result.message
@@ -193,7 +196,8 @@ def test_real_allocation_failure_under_rlimit_steps_down(tmp_path, reference):
 
 def test_sigkill_mid_run_resumes_from_last_state(tmp_path):
     steps = 8
-    job = make_job(tmp_path, "killed", micro=2, accum=2, steps=steps, save_state_every_s=0.5)
+    # 128 px (16x16 latents): at 64 px the 8 steps can end inside the first 0.5 s state interval
+    job = make_job(tmp_path, "killed", micro=2, accum=2, steps=steps, resolution=128, save_state_every_s=0.5)
     killed: list[int] = []
 
     def killer(pid: int) -> None:
@@ -231,7 +235,7 @@ def _cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Comp
 def test_cli_user_error_is_passed_through(tmp_path):
     data = make_dataset(tmp_path)
     config = tmp_path / "my.toml"
-    config.write_text('lerning_rate = 1e-4\nmax_train_steps = 2\nresolution = "32,32"\n')
+    config.write_text('lerning_rate = 1e-4\nmax_train_steps = 2\nresolution = "64,64"\n')
     done = _cli(str(data), "--model", "builtin:tiny-sd15", "--config", str(config), "--out", str(tmp_path / "o"))
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]

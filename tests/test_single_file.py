@@ -79,8 +79,13 @@ def test_file_has_original_layout(tmp_path):
     assert "model.diffusion_model.label_emb.0.0.weight" in keys
     assert "conditioner.embedders.0.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight" in keys
     assert "first_stage_model.decoder.up.0.block.0.conv1.weight" in keys
+    # four VAE levels, as in SD's own files: three downsamples (8x), the last level without one
+    assert {"first_stage_model.encoder.down.2.downsample.conv.weight",
+            "first_stage_model.encoder.down.3.block.0.conv1.weight",
+            "first_stage_model.decoder.up.3.upsample.conv.weight"} <= keys
+    assert "first_stage_model.encoder.down.3.downsample.conv.weight" not in keys
     assert not any(k.startswith(("unet.", "vae.", "down_blocks")) for k in keys)
-    assert q == [64, 64, 1, 1]  # VAE attention stored as 1x1 convs
+    assert q == [32, 32, 1, 1]  # VAE attention stored as 1x1 convs (the last level's 32 channels)
     assert in_proj.get_shape() == [3 * 32, 32]  # fused q/k/v
     assert proj == [32, 32]
     assert meta["modelspec.architecture"] == "stable-diffusion-xl-v1-base"

@@ -165,25 +165,25 @@ def test_settings_event_round_trip_and_kohya_values():
 
 
 def test_tiny_family_ladder_on_its_own_calibration():
-    """tiny-sd15 on CPU (fp32, 32-64 px): predictions are the tiny family's own model, no borrowed twin,
-    and the ladder walks down to the tiny floor resolution."""
+    """tiny-sd15 on CPU (fp32, 128-256 px): predictions are the tiny family's own model, no borrowed twin,
+    and the ladder walks down to the floor resolution in kohya's 64 px steps, as for the full-size families."""
     from autotune.estimate.memory_model import MemoryInputs, predict_memory
     from sd_scripts_compat.errors import UserError
 
     predict = memory_predictor("tiny-sd15", cuda=False)
-    tiny = TrainSettings(train_batch_size=4, gradient_accumulation_steps=1, resolution=(64, 64), network_dim=16,
+    tiny = TrainSettings(train_batch_size=4, gradient_accumulation_steps=1, resolution=(256, 256), network_dim=16,
                          network_alpha=8.0, mixed_precision="no", cache_latents=True)
     direct = predict_memory(MemoryInputs(
-        family="tiny-sd15", resolution=64, batch_size=4, rank=16, gradient_checkpointing=False, optimizer="AdamW",
+        family="tiny-sd15", resolution=256, batch_size=4, rank=16, gradient_checkpointing=False, optimizer="AdamW",
         weight_dtype="fp32", train_text_encoder=True, cache_latents=True, cache_text_encoder_outputs=False,
         cuda_context_gib=0.0, safety_margin_gib=0.0))
     assert predict(tiny) == direct.total_bytes / 2**20
     limits = LadderLimits(budget_mib=(predict(replace(tiny, train_batch_size=2)) + predict(tiny)) / 2,
-                          min_resolution=32, resolution_step=16)
+                          min_resolution=128, resolution_step=64)
     decision = next_settings(tiny, limits, predict)
     assert isinstance(decision, Decision) and decision.settings.train_batch_size == 2
     floor = next_settings(tiny, replace(limits, budget_mib=0.001), predict, measured_mib=predict(tiny))
-    assert isinstance(floor, Exhausted) and floor.floor.resolution == (32, 32)
+    assert isinstance(floor, Exhausted) and floor.floor.resolution == (128, 128)
     with pytest.raises(UserError, match="no memory calibration"):
         memory_predictor("sd3")
 
@@ -231,6 +231,23 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
     shuffled = limits("shuffled", {"network_train_unet_only": True, "shuffle_caption": True}, [{"image_dir": "a"}])
     trains_te = limits("te", {}, [{"image_dir": "a"}])
     assert not fixed.te_cache_allowed and not shuffled.te_cache_allowed and trains_te.te_cache_allowed
+    assert (fixed.resolution_step, fixed.min_resolution) == (64, 256)  # kohya's bucket step, the 256 px floor
     # a caption option set on one subset of a dataset.toml counts too
     one_subset = limits("subset", {}, [{"image_dir": "a"}, {"image_dir": "b", "caption_dropout_rate": 0.1}])
     assert not one_subset.te_cache_allowed
+
+
+def test_run_ladder_steps_tiny_families_like_full_size_ones(tmp_path):
+    """`autotune run`'s ladder limits: kohya's 64 px resolution steps and the 256 px floor for every family,
+    the tiny twins included (their VAEs downsample 8x, like the full-size ones)."""
+    import argparse
+
+    from autotune.commands.run import _limits
+    from autotune.hardware.probe import probe_system
+    from sd_scripts_compat.models.families import get_family
+
+    resolved = _resolved_run(tmp_path, "run", {}, [{"image_dir": "a"}])
+    args = argparse.Namespace(memory_limit=20000, vram=None)
+    for name in ("tiny-sd15", "tiny-sdxl", "sd15", "sdxl"):
+        limits = _limits(probe_system(), get_family(name), resolved, args, cuda=False, usable_mib=None)
+        assert (limits.min_resolution, limits.resolution_step) == (256, 64), name

@@ -103,10 +103,10 @@ def _dataset(tmp_path, **subset_kwargs):
     folder.mkdir(exist_ok=True)
     for i in range(3):
         if not (folder / f"{i}.png").exists():
-            Image.new("RGB", (32, 32), (i * 50, 0, 0)).save(folder / f"{i}.png")
+            Image.new("RGB", (64, 64), (i * 50, 0, 0)).save(folder / f"{i}.png")
             (folder / f"{i}.txt").write_text(["a cat", "a dog", "a cat"][i], encoding="utf-8")
     spec = DatasetSpec(subsets=(SubsetSpec(str(folder), caption_extension=".txt", **subset_kwargs),),
-                       resolution=(32, 32), batch_size=3)
+                       resolution=(64, 64), batch_size=3)
     return build_dataset(spec, seed=0)
 
 

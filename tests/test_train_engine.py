@@ -1,5 +1,6 @@
 """The training engine, end to end: real runs of ``python -m sd_scripts_compat.train_network`` on the
-tiny built-in models over ``examples/dataset``, on this CPU."""
+tiny built-in models over ``examples/dataset``, on this CPU, at 64 px (8x8 latents: the tiny VAEs
+downsample 8x like the real ones)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def write_config(path: Path, values: dict) -> Path:
 def base_config(tmp_path: Path, model: str = "builtin:tiny-sd15", **overrides) -> dict:
     values = {
         "pretrained_model_name_or_path": model, "train_data_dir": str(DATASET), "output_dir": str(tmp_path / "out"),
-        "output_name": "lora", "resolution": "32,32", "caption_extension": ".txt", "train_batch_size": 2,
+        "output_name": "lora", "resolution": "64,64", "caption_extension": ".txt", "train_batch_size": 2,
         "max_train_steps": 6, "network_dim": 4, "network_alpha": 4, "learning_rate": 1e-3, "seed": 3,
         "max_data_loader_n_workers": 0,
     }
@@ -83,14 +84,14 @@ def test_tiny_sd15_flat_config_trains_learns_and_writes_a_kohya_lora(tmp_path):
 def test_tiny_sdxl_lora_scripts_sections_and_dataset_config_train_sample_and_log(tmp_path):
     dataset = {
         "general": {"caption_extension": ".txt"},  # no shuffle: text-encoder outputs are cached
-        "datasets": [{"resolution": 32, "batch_size": 4, "enable_bucket": True, "min_bucket_reso": 16,
-                      "max_bucket_reso": 48, "bucket_reso_steps": 16, "validation_split": 0.25,
+        "datasets": [{"resolution": 64, "batch_size": 4, "enable_bucket": True, "min_bucket_reso": 64,
+                      "max_bucket_reso": 128, "bucket_reso_steps": 64, "validation_split": 0.25,
                       "subsets": [{"image_dir": str(p), "num_repeats": 2, "class_tokens": p.name.split("_", 1)[1]}
                                   for p in sorted(DATASET.iterdir())]}],
     }
     dataset_path = write_config(tmp_path / "dataset.toml", dataset)
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a circle shape --w 32 --h 32 --s 2 --d 1\n# a comment\n")
+    prompts.write_text("a circle shape --w 64 --h 64 --s 2 --d 1\n# a comment\n")
     sections = {  # the way lora-scripts writes a config: sections, its own wrapper keys included
         "model_arguments": {"pretrained_model_name_or_path": "builtin:tiny-sdxl"},
         "dataset_arguments": {"cache_latents": True},

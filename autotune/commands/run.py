@@ -272,7 +272,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
         budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
     else:
         budget = probe.memory.ram_available_bytes / 2**20
-    min_resolution_px, resolution_step = step_and_floor(family)
+    resolution_step, min_resolution_px = step_and_floor(family)
     # the rung would change nothing when the engine already caches the frozen text encoder's outputs
     te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
     return LadderLimits(

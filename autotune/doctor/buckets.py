@@ -77,7 +77,8 @@ def _small(item: BucketItem, bucket: Size, config: BucketConfig) -> list[Problem
     w, h = item.size
     small = min(item.size) < config.min_bucket_reso
     why = "bucket_no_upscale keeps small images small" if small else "extreme aspect ratio"
-    fix = (f"use an image at least {config.min_bucket_reso} px (better {config.resolution[0]} px) on its short side"
+    better = f" (better {config.resolution[0]} px)" if config.resolution[0] > config.min_bucket_reso else ""
+    fix = (f"use an image at least {config.min_bucket_reso} px{better} on its short side"
            if small else "crop it to a less extreme aspect ratio")
     return [Problem(WARNING, "small", item.rel, f"{w} x {h} trains at bucket {bucket[0]} x {bucket[1]}, below the "
                     f"smallest bucket side of {config.min_bucket_reso} px ({why})", fix)]

@@ -26,7 +26,7 @@ before the UNet forward, bytes per image pixel), fp8 base weights (upcast copies
 backward), fp32 (no autocast: a family's own fp32 coefficients where traced -- the tiny families,
 whose CPU plans train in fp32 -- else activations x a shared factor), and math attention (saved N x N
 scores: bytes per attention score, scores counted from the architecture). Latent pixels are image
-pixels over the VAE's downsampling (``latent_downsample`` in each architecture: 8, the tiny VAE 2).
+pixels over the VAE's downsampling (``latent_downsample`` in each architecture: 8 for every built-in VAE).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _validate(inputs: MemoryInputs) -> None:
 
 
 def _validate_resolution(inputs: MemoryInputs, downsample: int) -> None:
-    """At least 8 latent pixels a side (64 px for the full-size VAEs, 16 px for the tiny one)."""
+    """At least 8 latent pixels a side (64 px at the built-in VAEs' 8x downsampling, the tiny ones included)."""
     smallest = 8 * downsample
     if min(inputs.resolution, inputs.height or inputs.resolution) < smallest:
         raise UserError(f"memory model input {inputs}: resolution must be >= {smallest} px for {inputs.family} "

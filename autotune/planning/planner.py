@@ -37,7 +37,7 @@ Decision rules (each chosen value carries its rule as a reason string):
 - **Amount of training.** target image-views = clamp(views_per_image(goal) x images, min, max) x priority scale;
   epochs = max(1, round(target / views per epoch)), where views per epoch = sum(images x repeats) over the
   ``N_name`` folders; optimizer steps = epochs x ceil(views per epoch / effective batch).
-  **CPU plans of tiny families** (native size < 256 px, demos and tests) are capped to a short run: as many
+  **CPU plans of tiny families** (``tiny`` in the family data, demos and tests) are capped to a short run: as many
   whole epochs as fit in ``TINY_CPU_MAX_STEPS`` optimizer steps (at least one). On the CPU a tiny model's
   step costs per-op overhead, not FLOPs (measured here: ~1 s per optimizer step of 4 micro-steps at 64 px
   against the speed model's 0.08 s), so the full view count would take minutes for a smoke test.
@@ -100,8 +100,6 @@ from autotune.planning.resolution import (
     MIN_RESOLUTION_FRACTION,
     RESOLUTION_STEP,
     TINY_CPU_MAX_STEPS,
-    TINY_MIN_BUCKET_RESO,
-    TINY_RESOLUTION_STEP,
     bucket_rules,
     is_tiny_scale,
 )
@@ -112,7 +110,7 @@ from sd_scripts_compat.models.detect import detect_family
 __all__ = [
     "CAPTION_EXTENSIONS", "DDP_EFFICIENCY", "GENERIC_GPU_NAME", "GIB", "GOALS", "GOAL_PROFILES", "IMAGE_EXTENSIONS",
     "MIN_RESOLUTION_FRACTION", "OPTIMIZERS", "PRIORITIES", "PRIORITY_OPTIMIZER", "PRIORITY_VIEW_SCALE",
-    "RESOLUTION_STEP", "TINY_CPU_MAX_STEPS", "TINY_MIN_BUCKET_RESO", "TINY_RESOLUTION_STEP", "Choice",
+    "RESOLUTION_STEP", "TINY_CPU_MAX_STEPS", "Choice",
     "DatasetSummary", "GoalProfile", "GpuTarget", "Plan", "PlanRequest", "Prediction", "Preferences", "SubsetInfo",
     "TrainSettings", "bucket_rules", "detect_family", "gpu_from_spec", "gpu_from_vram", "learning_rate",
     "nominal_dataset", "plan_training", "scan_dataset", "target_views",

@@ -43,7 +43,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
     data = steps.dataset(asker, args)
     healthy = steps.doctor(asker, model, data)
     output = steps.goal_and_output(asker, args, data, model.family)
-    start = overrides_from_args(args, family_tiny=get_family(model.family).resolution < 256,
+    start = overrides_from_args(args, family_tiny=get_family(model.family).tiny,
                                 on_gpu=bool(hardware.gpus))
     request = build_request(hardware, model, data, output)
     base = plan_training(request)

@@ -82,7 +82,7 @@ class Target:
     def of(cls, request: PlanRequest, plan: Plan) -> Target:
         spec = get_family(plan.family)
         assert plan.prediction is not None and plan.dataset is not None, "a fitting plan"
-        return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.resolution < 256, gpus=tuple(request.gpus),
+        return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
                    views_per_epoch=plan.dataset.views_per_epoch)
 

@@ -165,7 +165,7 @@ def ask_change(asker: Asker, current: Evaluation, request: Any, base: Any) -> Ov
 
     from sd_scripts_compat.models.families import get_family
 
-    tiny = get_family(current.plan.family).resolution < 256
+    tiny = get_family(current.plan.family).tiny
     if tiny:
         del shown["resolution"]  # the tiny test families train at their native size only
     knob = asker.choose("Which value?", [Option(f"{LABELS[k]}: {text_of(v)}", k) for k, v in shown.items()],
