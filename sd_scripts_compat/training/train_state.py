@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.atomic import atomic_folder, write_text_atomic
-from sd_scripts_compat.contract import STATE_FILE
+from sd_scripts_compat.atomic import atomic_folder, atomic_path, write_text_atomic
+from sd_scripts_compat.contract import STATE_FILE, disk_full_guard
 
 TENSOR_FILE = "tensors.safetensors"
 
@@ -106,9 +106,13 @@ def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: Any
         "current_epoch": counters.epoch,
         "current_step": counters.global_step,
     }
-    with atomic_folder(folder) as tmp:
-        save_file(tensors, str(tmp / TENSOR_FILE))
-        write_text_atomic(tmp / STATE_FILE, json.dumps(document, indent=1))
+    text = json.dumps(document, indent=1)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values()) + len(text)
+    # a full disk: one line naming the folder and the space needed; the previous state folder stays whole
+    with disk_full_guard(folder.parent, needed, f"the training state {folder.name}"), atomic_folder(folder) as tmp:
+        with atomic_path(tmp / TENSOR_FILE) as tensor_file:  # atomic_path: the umask's permissions, not 0600
+            save_file(tensors, str(tensor_file))
+        write_text_atomic(tmp / STATE_FILE, text)
     return folder
 
 
