@@ -27,14 +27,29 @@ def model_of_config(config: Path, kohya_args: list[str]) -> str | None:
     return str(value) if value else None
 
 
-def run(args: argparse.Namespace) -> int:
+def is_sdxl(model: str, config: Path, kohya_args: list[str]) -> bool:
+    """Whether the model is SDXL (which engine entry point trains it). A pickle checkpoint's family cannot be
+    read from a header: without ``--allow_pickle`` it is the engine's one-line refusal now, with it the file's
+    keys are read (the engine loads it again; pickles are the slow path)."""
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.models.detect import detect_family
+    from sd_scripts_compat.models.single_file import PICKLE_SUFFIXES, detect_layout, read_checkpoint
+
+    if Path(model).suffix.lower() not in PICKLE_SUFFIXES or not Path(model).is_file():
+        return detect_family(model).is_sdxl
+    if "--allow_pickle" not in kohya_args and flat_values(read_toml(config)).get("allow_pickle") is not True:
+        raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; convert it to "
+                        ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
+    return detect_layout(read_checkpoint(model, allow_pickle=True, header_only=True)) == "sdxl"
+
+
+def run(args: argparse.Namespace) -> int:
+    from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.train_network import main
 
     config = Path(args.config)
     model = model_of_config(config, args.kohya_args)
     if model is None:
         raise UserError(f"{config}: no pretrained_model_name_or_path; add it to the config or the command line")
-    sdxl = detect_family(model).is_sdxl
-    return main(["--config_file", str(config), *args.kohya_args], sdxl=sdxl)
+    return main(["--config_file", str(config), *args.kohya_args], sdxl=is_sdxl(model, config, args.kohya_args))
