@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.errors import UserError
 
 
@@ -113,12 +112,13 @@ class Checkpointer:
     def save_lora(self, path: Path, counters: Any, *, final: bool) -> None:
         from sd_scripts_compat.network.lora_file import build_metadata, save_lora_file
 
-        facts = replace(self.facts, output_name=path.stem, epoch=counters.epoch, steps=counters.global_step,
+        # the final file's ss_epoch is the epochs trained (sd-scripts writes num_train_epochs), an intermediate
+        # one's the epochs completed (at a step save mid-epoch, sd-scripts' 0-based epoch)
+        epoch = counters.epochs_begun if final else counters.epoch
+        facts = replace(self.facts, output_name=path.stem, epoch=epoch, steps=counters.global_step,
                         training_finished_at=time.time() if final else None)
-        state = self.network.kohya_state_dict()
-        itemsize = getattr(self.save_dtype, "itemsize", 4)  # the file holds the tensors cast to save_dtype
-        with disk_full_guard(path.parent, sum(v.numel() for v in state.values()) * itemsize, f"the LoRA {path.name}"):
-            save_lora_file(path, state, build_metadata(self.family, facts), save_dtype=self.save_dtype)
+        save_lora_file(path, self.network.kohya_state_dict(), build_metadata(self.family, facts),
+                       save_dtype=self.save_dtype)
 
     def save_intermediate(self, counters: Any, *, suffix: str, step: int | None) -> None:
         """An intermediate LoRA (+ state with save_state) at an epoch end (``step`` None) or a step;

@@ -29,6 +29,13 @@ class TrainCounters:
     seconds_trained: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def epochs_begun(self) -> int:
+        """sd-scripts' epoch number: the 1-based epoch in progress, or the one just finished at an epoch's end
+        (its ``current_epoch`` in train_state.json, and the final LoRA's ``ss_epoch``: 20 after 20 whole epochs,
+        where ``epoch`` is still 19 when the last step ended the run before the epoch-end bookkeeping)."""
+        return self.epoch + (1 if self.step_in_epoch > 0 else 0)
+
 
 def _encode(value: Any, tensors: dict[str, Any], path: str) -> Any:
     """Turn a nested optimizer/scheduler state into JSON, moving tensors into ``tensors``."""
@@ -103,7 +110,7 @@ def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: Any
         "lr_scheduler": _encode(lr_scheduler.state_dict(), tensors, "lr_scheduler"),
         "rng": _encode(rng_state(), tensors, "rng"),
         # kohya's train_state.json keys, so sd-scripts users recognise the folder
-        "current_epoch": counters.epoch,
+        "current_epoch": counters.epochs_begun,
         "current_step": counters.global_step,
     }
     text = json.dumps(document, indent=1)
