@@ -55,6 +55,9 @@ def module_fingerprint(module: Any) -> str:
 
     config = getattr(module, "config", {})
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    # diffusers' bookkeeping keys are no part of the model, and "_use_default_values" is a list made from a set:
+    # its order changes from process to process, which made every run miss the cache it wrote the run before
+    config = {k: v for k, v in config.items() if not str(k).startswith("_")}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
     with torch.no_grad():
         for name, tensor in module.state_dict().items():
