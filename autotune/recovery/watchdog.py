@@ -93,9 +93,10 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-# The engine's one-line error ("train_network: error: ..."): logged, but not shown, because the supervisor
-# reports the attempt's outcome itself (``autotune run: error: ...``) and the user should read it once.
-_ENGINE_ERROR_LINE = re.compile(r"^(sdxl_)?train_network: error: ")
+# The engine's own one-line reports ("train_network: error: ...", "train_network: SIGINT: stopped at step ..."):
+# logged, but not shown, because the supervisor reports the attempt's outcome itself (``autotune run: error:
+# ...``, or how to continue with ``autotune run --resume``) and the user should read it once.
+_ENGINE_ERROR_LINE = re.compile(r"^(sdxl_)?train_network: ")
 
 
 def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock) -> None:

@@ -718,7 +718,8 @@ def finish_interrupted(r: Recipe, counters: Any) -> int:
     stops = r.stops or StopSignals()
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
-        print(f"{stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
+        program = "sdxl_train_network" if r.model.family.is_sdxl else "train_network"
+        print(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
               f"(continue with --resume {folder})", file=sys.stderr)
     return stops.exit_code
 
