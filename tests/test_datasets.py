@@ -197,6 +197,23 @@ def test_engine_loader_scales_16_bit_greyscale_to_8_bits(tmp_path):
     assert abs(rgb.mean() - 127.5) < 1  # not the 99.6 % white picture convert("RGB") makes
 
 
+def test_an_image_broken_after_the_scan_is_one_line_from_a_dataloader_worker(tmp_path):
+    """torch re-raises a worker's UserError with the worker's traceback in its message; one_line recovers the
+    user's line (what train_network and autotune print)."""
+    from sd_scripts_compat.errors import one_line
+
+    make_images(tmp_path / "1_x", 2)
+    dataset = build_dataset(spec_for(SubsetSpec(str(tmp_path / "1_x")), batch_size=1), seed=0)
+    (tmp_path / "1_x" / "img01.png").write_bytes(b"not a picture any more")
+    loader = make_dataloader(dataset, BucketBatchSampler(dataset), num_workers=1)
+    with pytest.raises(UserError) as raised:
+        list(loader)
+    assert "Original Traceback" in str(raised.value)  # what torch hands the main process
+    line = one_line(raised.value)
+    assert line.startswith(str(tmp_path / "1_x" / "img01.png")) and "cannot decode image" in line
+    assert "\n" not in line and "Traceback" not in line
+
+
 def test_bomb_and_truncated_jpeg_are_one_line_errors_naming_the_file(tmp_path):
     import io
 

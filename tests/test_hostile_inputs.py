@@ -420,6 +420,24 @@ def _wait_until_torch_is_loaded(pid: int, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def test_an_engine_error_in_autotune_run_is_shown_once_and_the_same_out_can_be_used_again(tmp_path: Path):
+    """The doctor skipped, the engine itself refuses a truncated JPEG in the child: its one line reaches the user
+    once, as `autotune run: error: ...`, after no library noise; nothing is left in --out, so the same command
+    gives the same answer again (not "holds an earlier run")."""
+    data, out = truncated_jpeg(tmp_path), tmp_path / "run"
+    command = [sys.executable, "-m", "autotune", "run", str(data), "--model", TINY, "--out", str(out), "--epochs",
+               "1", "--skip-doctor"]
+    before = files_under(tmp_path)
+    lines = []
+    for _ in range(2):
+        done = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+        lines.append(check_one_line(done, USER_ERROR, "img1.jpg: cannot read image (the file is truncated)"))
+        assert lines[-1].startswith("autotune run: error: ") and "train_network" not in lines[-1]
+        assert done.stdout.count("img1.jpg") == 0  # not also among the decisions on stdout
+        assert files_under(tmp_path) == before and not out.exists()
+    assert lines[0] == lines[1]
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to know the engine has started")
 @pytest.mark.parametrize("phase", ["starting", "caching"])
 @pytest.mark.parametrize(("number", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],

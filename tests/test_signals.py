@@ -1,8 +1,8 @@
 """Crash safety and signals on real tiny runs (builtin:tiny-sd15, 64 px, CPU): real SIGINT / SIGTERM / SIGKILL,
 a real read-only bind mount and a real full tmpfs (both need root and mount; skipped where they cannot be made).
 
-- three interruptions in a row (SIGINT; SIGTERM to the process group with a DataLoader worker; SIGINT to a
-  child that started with SIGINT ignored, as a background job does), each resumed: the final LoRA equals a
+- three interruptions in a row (SIGINT to the process group, a DataLoader worker included; SIGTERM; SIGINT to
+  a child that started with SIGINT ignored, as a background job does), each resumed: the final LoRA equals a
   straight run's bit for bit, with the right step and epoch counts (sd-scripts miscounts after several
   resumes: its issues 1999, 2171, 2248);
 - a SIGKILL in the middle of writing the LoRA and in the middle of writing the state (the atomic-write test
@@ -91,7 +91,7 @@ def interrupt(config: Path, events: Path, number: int, *, resume: Path | None, g
                              preexec_fn=ignore_sigint if sigint_ignored else None)
     wait_for(lambda: (events / "progress.json").exists() or child.poll() is not None, what="progress.json")
     if group:
-        os.killpg(child.pid, number)  # as the watchdog and `docker stop` do: workers get it too
+        os.killpg(child.pid, number)  # as a terminal's Ctrl-C does: the DataLoader workers get it too
     else:
         child.send_signal(number)
     _, stderr = child.communicate(timeout=300)
@@ -109,7 +109,9 @@ def test_three_interruptions_resumed_end_with_the_straight_runs_lora_steps_and_e
     config = write_config(tmp_path / "config.toml", data, out, max_data_loader_n_workers=1,
                           persistent_data_loader_workers=True)
     state = out / "lora-state"
-    stops = [(signal.SIGINT, 130, {}), (signal.SIGTERM, 143, {"group": True}),
+    # Ctrl-C in a terminal (the whole group: the DataLoader worker too), `docker stop` / the watchdog (SIGTERM
+    # to the engine), and `kill -INT` to a child that inherited SIGINT as ignored (a background job)
+    stops = [(signal.SIGINT, 130, {"group": True}), (signal.SIGTERM, 143, {}),
              (signal.SIGINT, 130, {"sigint_ignored": True})]
     steps: list[int] = []
     for number, code, how in stops:
@@ -296,3 +298,14 @@ def test_full_disk_while_saving_is_one_line_exit_28_and_the_state_stays(tmp_path
         assert read_lora_file(out / "lora.safetensors")[1]["ss_steps"] == "2"
         assert load_train_state(out / "lora-state").counters.global_step == 2
         assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+        # the same through `autotune run --config` (its output_dir on the full disk): one line, exit 28, no retry
+        run = subprocess.run([sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15",
+                              "--config", str(longer), "--out", str(tmp_path / "run")], cwd=tmp_path, env=ENV,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 28, run.stderr[-3000:]
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in run.stderr + run.stdout, run.stderr[-3000:]
+        assert lines[0].startswith("autotune run: error: ") and str(out) in lines[0] and "disk full" in lines[0]
+        assert "out of memory" not in run.stdout and "attempt 0 failed" not in run.stdout  # not retried
+        assert load_train_state(out / "lora-state").counters.global_step == 2

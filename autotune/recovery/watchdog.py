@@ -137,15 +137,17 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 @contextlib.contextmanager
 def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int]) -> Any:
     """While the child runs, SIGINT (Ctrl-C) and SIGTERM (``kill``, ``docker stop``, a scheduler) sent to us go
-    to the child's process group: the engine saves its state and exits; we wait for it. Installed even when
-    the signal was inherited as ignored (a background job), so ``kill -INT`` always works."""
+    to the child: the engine stops at the next step boundary, saves its state, ends its DataLoader workers and
+    exits; we wait for it. Sent to the engine's process only: a worker killed by SIGTERM would fail the step in
+    flight. Installed even when the signal was inherited as ignored (a background job), so ``kill -INT`` works."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def forward(number: int, _frame: Any) -> None:
         received.append(number)
-        _signal_group(proc, number)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(number)
 
     previous = {number: signal.signal(number, forward) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -173,7 +175,7 @@ def run_attempt(
 
     The child gets its own process group so a stall kill also reaches any workers it started, and
     Ctrl-C (SIGINT) or SIGTERM reaches it only through us (forwarded as it came, so it saves state and exits
-    130 / 143; after ``stop_grace_s`` without an exit it is killed).
+    130 / 143; after ``stop_grace_s`` without an exit its group is killed).
     A stall is no change in ``progress.json`` for ``stall_timeout_s`` (counted from launch until
     the first progress file).
     """

@@ -528,14 +528,14 @@ def make_dataloader(dataset: TrainDataset, sampler: BucketBatchSampler, *, num_w
     generator = torch.Generator().manual_seed(dataset.seed)
     return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=num_workers,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
-                      generator=generator, worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
+                      generator=generator, worker_init_fn=ignore_sigint if num_workers > 0 else None)
 
 
-def ignore_stop_signals(_worker_id: int) -> None:
-    """In a DataLoader worker: SIGINT and SIGTERM (Ctrl-C, the watchdog, ``docker stop`` reach the whole process
-    group) are the main process's to handle. It stops at a step boundary and then shuts the workers down; a
-    worker that died at the signal instead would fail the step still in flight."""
+def ignore_sigint(_worker_id: int) -> None:
+    """In a DataLoader worker: Ctrl-C reaches the terminal's whole process group, and a worker would exit at it
+    while the main process finishes its step (which then fails for want of the batch in flight). The main process
+    stops at a step boundary and shuts its workers down itself. SIGTERM keeps its default: that is how torch and
+    multiprocessing end workers that do not stop, and a worker ignoring it would hang the exit."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -14,7 +14,10 @@ both signals for the length of a run:
   if the save never ends).
 
 With several processes (``accelerate launch``) the ranks agree on the step to stop at (one all-reduce of the
-flag per step), or one would wait for the others forever.
+flag per step), or one would wait for the others forever. DataLoader workers ignore SIGINT (a terminal's
+Ctrl-C reaches them too); a SIGTERM sent to the whole process group (``kill -TERM -PGID``) ends them at once,
+so with ``max_data_loader_n_workers > 0`` send it to the engine's process (as the watchdog and ``docker stop``
+do), or the step in flight fails for want of its batch.
 """
 
 from __future__ import annotations
