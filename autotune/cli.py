@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from autotune import __version__
 
@@ -25,14 +26,22 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``autotune plan: error: ...; see autotune plan --help``): the usage
+    block it prints first would bury the line that says what is wrong."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (``autotune --help`` imports none of them)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="autotune",
         description="Plan, run and recover LoRA training for Stable Diffusion on the GPU you have.",
     )
     parser.add_argument("--version", action="version", version=f"lora-autotune {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, module_name, help_text in COMMANDS:
         if name != command:
             subparsers.add_parser(name, help=help_text, description=help_text)
@@ -50,7 +59,7 @@ def _command_in(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.errors import UserError, one_line
 
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_in(argv))
@@ -61,11 +70,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except UserError as error:
-        print(f"autotune {args.command}: error: {error}", file=sys.stderr)
+        print(f"autotune {args.command}: error: {one_line(error)}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print(f"autotune {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as error:  # a full disk under one of our own writes (configs, logs, reports)
+        from sd_scripts_compat.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
+
+        if not is_disk_full_error(error):
+            raise
+        where = f" writing {error.filename}" if error.filename else ""
+        print(f"autotune {args.command}: error: disk full{where} ({error.strerror}); free some space there or "
+              "write elsewhere", file=sys.stderr)
+        return DISK_FULL_EXIT_CODE
 
 
 if __name__ == "__main__":

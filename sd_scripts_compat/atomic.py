@@ -2,6 +2,10 @@
 
 Every output of ours (LoRA files, caches, configs, events, sample images) goes through here, so a
 crash, a kill or a full disk never leaves a half-written file under the real name.
+
+Test hook: ``SD_COMPAT_TEST_SAVE_PAUSE=PATTERN:SECONDS`` makes every write whose target name matches the glob
+``PATTERN`` wait ``SECONDS`` with its content complete but not yet renamed into place, so a test can kill the
+process in the middle of a save (tests/test_signals.py). Read at each write; unset in normal use.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+TEST_PAUSE_ENV = "SD_COMPAT_TEST_SAVE_PAUSE"
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
@@ -25,10 +31,12 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     os.close(fd)
+    mode = 0o666 & ~_umask()  # mkstemp makes 0600; a file we write gets the umask's permissions
+    os.chmod(tmp, mode)
     try:
         yield Path(tmp)
-        # mkstemp makes 0600 and some writers (safetensors) recreate the file so: set the umask's permissions
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, mode)  # again: a writer may have replaced the file (safetensors' save_file writes 0600)
+        _test_pause(target)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -51,6 +59,7 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         for file in tmp.rglob("*"):
             if file.is_file():
                 os.chmod(file, 0o666 & ~_umask())
+        _test_pause(target)
         old = target.with_name(target.name + ".old")
         if target.exists():
             os.replace(target, old)
@@ -59,6 +68,19 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _test_pause(target: Path) -> None:
+    """The test hook of the module docstring: a pause before the rename, for writes named like the pattern."""
+    spec = os.environ.get(TEST_PAUSE_ENV)
+    if not spec:
+        return
+    import fnmatch
+    import time
+
+    pattern, _, seconds = spec.rpartition(":")
+    if fnmatch.fnmatch(target.name, pattern):
+        time.sleep(float(seconds))
 
 
 def _umask() -> int:

@@ -21,16 +21,28 @@ Events (each written atomically, so a reader never sees half a file):
 - ``done.json``: ``output_file, steps, seconds, seconds_per_step, step_seconds, peak_memory,
   validation_loss, settings, resolved``.
 Every event carries ``schema`` (:data:`SCHEMA_VERSION`) and ``event`` (its kind).
+
+Exit codes: :data:`DONE_EXIT_CODE` 0; :data:`USER_ERROR_EXIT_CODE` 2 (bad input, one line on stderr, final);
+:data:`OOM_EXIT_CODE` 87 (retried with smaller settings); :data:`INTERRUPTED_EXIT_CODE` 130 (SIGINT) and
+:data:`TERMINATED_EXIT_CODE` 143 (SIGTERM: schedulers, ``docker stop``), both a clean stop with the state saved
+(the watchdog reports either as "interrupted"); :data:`DISK_FULL_EXIT_CODE` 28 (``ENOSPC``'s number: a save
+found no space; one line on stderr names the folder and the space needed, the previous file or state is
+intact; final, never retried: a smaller batch needs no less disk).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.atomic import write_json_atomic
+from sd_scripts_compat.errors import UserError
 
 SCHEMA_VERSION = 1
 
@@ -40,6 +52,9 @@ USER_ERROR_EXIT_CODE = 2  # bad input: one line on stderr
 OOM_EXIT_CODE = 87  # out of memory; oom.json says where and with which settings
 INTERRUPTED_EXIT_CODE = 130  # SIGINT: state saved
 DIVERGED_EXIT_CODE = 88  # non-finite or diverging loss; diverged.json says where, nothing bad was saved
+TERMINATED_EXIT_CODE = 143  # SIGTERM (128 + 15): state saved, as for SIGINT
+DISK_FULL_EXIT_CODE = 28  # no space left for a save (errno ENOSPC is 28); the previous save is intact
+STOPPED_EXIT_CODES = (INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE)
 
 # event files
 PROGRESS = "progress"
@@ -134,6 +149,61 @@ _OOM_PATTERNS = re.compile(
     r"|could not create a primitive|std::bad_alloc",  # oneDNN / C++ allocations failing under a memory limit
     re.IGNORECASE,
 )
+
+
+class DiskFullError(UserError):
+    """A write found no space left (or the quota used up): one line naming the folder and the space needed."""
+
+    exit_code = DISK_FULL_EXIT_CODE
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# safetensors (Rust) reports a full disk in its own error type, with the OS error in the message
+_DISK_FULL_TEXT = re.compile(r"No space left on device|StorageFull|Disk quota exceeded|QuotaExceeded", re.IGNORECASE)
+
+
+def is_disk_full_error(error: BaseException) -> bool:
+    """True for an OSError with ENOSPC / EDQUOT, and for a library error whose message says so (safetensors)."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno in _DISK_FULL_ERRNOS
+    return not isinstance(error, UserError) and bool(_DISK_FULL_TEXT.search(str(error)))
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Free space for an unprivileged writer in ``folder`` (or its nearest existing parent), None if unknown."""
+    import shutil
+
+    for candidate in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 / 10 else f"{num_bytes / 1024:.0f} KiB"
+
+
+@contextlib.contextmanager
+def disk_full_guard(folder: str | os.PathLike[str], needed_bytes: int | None, what: str) -> Iterator[None]:
+    """Turn a full disk while writing ``what`` into ``folder`` into a :class:`DiskFullError` (one line, naming
+    the folder, the space needed and what is free); any other error passes through unchanged.
+
+    ``needed_bytes`` is the caller's estimate (a tensor file: the tensors' byte size); atomic writes leave the
+    previous file in place, so the message can say no earlier save was lost.
+    """
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - only a full disk is translated; everything else re-raises
+        if not is_disk_full_error(error):
+            raise
+        place = Path(folder)
+        free = free_bytes(place)
+        need = f"needs about {_mib(needed_bytes)}" if needed_bytes else "needs more space"
+        have = f", {_mib(free)} free" if free is not None else ""
+        raise DiskFullError(f"{place}: disk full while saving {what} ({need}{have}); any earlier save is intact; "
+                            "free some space there or choose another output_dir") from None
 
 
 def is_oom_error(error: BaseException) -> bool:

@@ -7,3 +7,19 @@ class UserError(Exception):
     """Bad input the user can fix (a file, a flag, a config key). Printed as one line, exit code 2."""
 
     exit_code = 2
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message as the one line a user sees.
+
+    A UserError raised in a DataLoader worker reaches the main process re-raised by torch with the worker's
+    traceback folded into its message ("Caught UserError in DataLoader worker process 0. Original Traceback
+    ..."); the user's line is the last one, after the class name.
+    """
+    text = str(error)
+    if "\nOriginal Traceback" in text:
+        last = text.rstrip().splitlines()[-1]
+        prefix = f"{type(error).__module__}.{type(error).__qualname__}: "
+        text = last[len(prefix):] if last.startswith(prefix) else last
+    lines = [line for line in text.splitlines() if line.strip()]
+    return " ".join(line.strip() for line in lines) if lines else type(error).__name__

@@ -12,23 +12,43 @@ from __future__ import annotations
 
 import sys
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.errors import UserError, one_line
 
 
 def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
-    """Read the configuration, train, and turn bad input into one line on stderr (exit code 2)."""
-    from sd_scripts_compat.config.training_config import load_training_config
-    from sd_scripts_compat.quiet import silence_harmless_library_messages
-    from sd_scripts_compat.training.recipe import train
+    """Read the configuration, train, and turn bad input into one line on stderr (exit code 2).
 
-    silence_harmless_library_messages()
+    A full disk anywhere (a save, a cache, an event) is one line too, with its own exit code
+    (``contract.DISK_FULL_EXIT_CODE``), so the watchdog neither retries it nor calls it a crash. SIGINT and
+    SIGTERM are handled from the first line on (``training.stopping``): before the training loop they stop
+    at once with one line (nothing to save), in it at the next step boundary with the state saved.
+    """
+    from sd_scripts_compat.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
+    from sd_scripts_compat.training.stopping import StopSignals
+
     program = "sdxl_train_network" if sdxl else "train_network"
-    try:
-        config = load_training_config(sys.argv[1:] if argv is None else argv, sdxl=sdxl)
-        return train(config, sdxl=sdxl)
-    except UserError as error:
-        print(f"{program}: error: {error}", file=sys.stderr)
-        return error.exit_code
+    with StopSignals.installed() as stops:
+        try:
+            from sd_scripts_compat.config.training_config import load_training_config
+            from sd_scripts_compat.quiet import silence_harmless_library_messages
+            from sd_scripts_compat.training.recipe import train
+
+            silence_harmless_library_messages()
+            config = load_training_config(sys.argv[1:] if argv is None else argv, sdxl=sdxl)
+            return train(config, sdxl=sdxl)
+        except UserError as error:
+            print(f"{program}: error: {one_line(error)}", file=sys.stderr)
+            return error.exit_code
+        except KeyboardInterrupt:  # a stop signal while reading the configuration or importing
+            print(f"{program}: {stops.name} before training started; nothing to save", file=sys.stderr)
+            return stops.exit_code
+        except Exception as error:
+            if not is_disk_full_error(error):
+                raise
+            where = getattr(error, "filename", None)
+            print(f"{program}: error: disk full{f' writing {where}' if where else ''} ({one_line(error)}); "
+                  "free some space or choose another output_dir", file=sys.stderr)
+            return DISK_FULL_EXIT_CODE
 
 
 if __name__ == "__main__":

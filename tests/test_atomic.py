@@ -40,6 +40,27 @@ def test_files_and_folders_get_the_umask_permissions(tmp_path, umask, mask, file
     assert (tmp_path / "a.toml").read_text() == "x = 1\n"
 
 
+@pytest.mark.parametrize(("mask", "file_mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_safetensors_files_get_the_umask_permissions_too(tmp_path, umask, mask, file_mode):
+    """safetensors' save_file replaces the file it is given with a 0600 one: atomic_path sets the mode again,
+    and a training state's tensor file (written by a real Checkpointer path) follows the umask."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sd_scripts_compat.training.train_state import TrainCounters, save_train_state
+
+    umask(mask)
+    with atomic_path(tmp_path / "cache.safetensors") as tmp:
+        save_file({"a": torch.zeros(3)}, str(tmp))
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([weight])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    folder = save_train_state(tmp_path / "lora-state", lora_state={"w": weight.detach()}, optimizer=optimizer,
+                              lr_scheduler=scheduler, counters=TrainCounters(), settings={})
+    for path in (tmp_path / "cache.safetensors", folder / "tensors.safetensors", folder / "train_state.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == file_mode, path
+
+
 def test_a_failed_write_leaves_the_old_file_and_folder_and_no_temp(tmp_path):
     write_text_atomic(tmp_path / "c.toml", "old = 1\n")
     with atomic_folder(tmp_path / "s-state") as folder:

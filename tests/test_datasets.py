@@ -179,3 +179,56 @@ def test_dataloader_with_workers_matches_direct_collate(tmp_path):
         assert torch.equal(batch["images"], direct["images"]) and batch["captions"] == direct["captions"]
     sampler.set_epoch(2)
     assert len(list(loader)) == len(dataset.batches_for_epoch(2))
+
+
+def test_engine_loader_scales_16_bit_greyscale_to_8_bits(tmp_path):
+    """Pillow's convert("RGB") clips a 16-bit grey PNG (I;16) to white; the loader scales it (x / 257)."""
+    import numpy as np
+
+    from sd_scripts_compat.dataset.train_dataset import load_image_rgb
+
+    gradient = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    Image.fromarray(gradient).save(tmp_path / "grey16.png")
+    with Image.open(tmp_path / "grey16.png") as opened:
+        assert opened.mode.startswith("I")  # really stored as 16 bits
+    rgb = np.asarray(load_image_rgb(tmp_path / "grey16.png"))
+    assert rgb.shape == (64, 64, 3) and rgb.dtype == np.uint8
+    assert np.array_equal(rgb[..., 0], np.round(gradient / 257).astype(np.uint8))
+    assert abs(rgb.mean() - 127.5) < 1  # not the 99.6 % white picture convert("RGB") makes
+
+
+def test_an_image_broken_after_the_scan_is_one_line_from_a_dataloader_worker(tmp_path):
+    """torch re-raises a worker's UserError with the worker's traceback in its message; one_line recovers the
+    user's line (what train_network and autotune print)."""
+    from sd_scripts_compat.errors import one_line
+
+    make_images(tmp_path / "1_x", 2)
+    dataset = build_dataset(spec_for(SubsetSpec(str(tmp_path / "1_x")), batch_size=1), seed=0)
+    (tmp_path / "1_x" / "img01.png").write_bytes(b"not a picture any more")
+    loader = make_dataloader(dataset, BucketBatchSampler(dataset), num_workers=1)
+    with pytest.raises(UserError) as raised:
+        list(loader)
+    assert "Original Traceback" in str(raised.value)  # what torch hands the main process
+    line = one_line(raised.value)
+    assert line.startswith(str(tmp_path / "1_x" / "img01.png")) and "cannot decode image" in line
+    assert "\n" not in line and "Traceback" not in line
+
+
+def test_bomb_and_truncated_jpeg_are_one_line_errors_naming_the_file(tmp_path):
+    import io
+
+    import numpy as np
+
+    from sd_scripts_compat.dataset.train_dataset import load_image_rgb, read_image_size
+
+    Image.new("1", (20000, 20000)).save(tmp_path / "huge.png")  # 400 MP in ~50 KB
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (96, 96, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    (tmp_path / "cut.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    for reader in (read_image_size, load_image_rgb):
+        with pytest.raises(UserError, match="decompression-bomb limit") as bomb:
+            reader(tmp_path / "huge.png")
+        assert str(tmp_path / "huge.png") in str(bomb.value) and "\n" not in str(bomb.value)
+        with pytest.raises(UserError, match="truncated") as cut:
+            reader(tmp_path / "cut.jpg")
+        assert str(tmp_path / "cut.jpg") in str(cut.value)

@@ -156,8 +156,9 @@ def test_failed_replace_leaves_no_temp_and_keeps_old_file(tmp_path, trained_stat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", fail_replace)
-    with pytest.raises(UserError, match="No space left"):
+    with pytest.raises(UserError, match="disk full while saving the LoRA keep.safetensors") as raised:
         save_lora_file(path, trained_state, {})
+    assert raised.value.exit_code == 28 and str(tmp_path) in str(raised.value)  # DiskFullError, naming the folder
     assert [p.name for p in tmp_path.iterdir()] == ["keep.safetensors"]
     assert path.read_bytes() == b"old"
 

@@ -288,6 +288,24 @@ def test_bad_goal_priority_preferences_are_user_errors():
         gpu_from_vram(0)
 
 
+def test_pinned_resolution_follows_the_familys_own_bucket_rules():
+    """--resolution is checked against the family's step and floor (resolution.step_and_floor), not a fixed
+    256 px: the planner's own choice for a tiny family is accepted when pinned."""
+    from autotune.planning.resolution import step_and_floor
+    from sd_scripts_compat.models.families import get_family
+
+    tiny = get_family("tiny-sd15")
+    step, floor = step_and_floor(tiny)
+    chosen = plan_for("tiny-sd15").settings.resolution[0]
+    assert plan_for("tiny-sd15", preferences=Preferences(resolution=chosen)).fits
+    assert plan_for("tiny-sd15", preferences=Preferences(resolution=floor)).settings.resolution[0] == floor
+    for bad in (floor - step, floor + step // 2, 8 * tiny.resolution):
+        with pytest.raises(UserError, match=f"--resolution {bad}: tiny-sd15 trains at multiples of {step} px"):
+            plan_for("tiny-sd15", preferences=Preferences(resolution=bad))
+    with pytest.raises(UserError, match="--epochs 0"):
+        plan_for("tiny-sd15", preferences=Preferences(epochs=0))
+
+
 def test_steps_and_learning_rate_follow_the_documented_rule(tmp_path):
     root = make_dataset(tmp_path / "ds", {"10_a": 12, "3_b": 4})
     dataset = scan_dataset(root)

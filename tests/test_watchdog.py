@@ -114,6 +114,34 @@ def test_fake_engine_user_error_stops_with_its_message(tmp_path):
     assert "lerning_rate" in result.message and result.retries == []
 
 
+def test_fake_engine_disk_full_is_final_and_never_retried_as_an_oom(tmp_path):
+    result = supervise(make_job(tmp_path, "disk_full_at=3", batch=2, budget=1000.0, max_retries=5))
+    assert not result.ok and result.outcome == "disk_full"
+    assert result.retries == [] and len(result.attempts) == 1  # a smaller batch needs no less disk
+    assert "disk full while saving" in result.message and "needs about 1.2 MiB" in result.message
+    log = (tmp_path / "out" / DECISIONS_JSONL).read_text()
+    assert '"event": "disk_full"' in log
+
+
+def test_sigterm_to_the_supervisor_is_forwarded_to_the_child_and_ends_as_interrupted(tmp_path):
+    """A real SIGTERM to this process while the child runs: the watchdog's handler sends it to the child's
+    process group and waits; the attempt is "interrupted" (not a crash, not retried), and our own previous
+    SIGTERM handler is back afterwards."""
+    import signal
+    import threading
+
+    def send_sigterm_soon(_pid: int) -> None:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    before = signal.getsignal(signal.SIGTERM)
+    job = make_job(tmp_path, "step_s=0.2", batch=1, budget=1000.0, on_child_start=send_sigterm_soon)
+    result = supervise(job)
+    assert result.outcome == "interrupted" and result.retries == [] and len(result.attempts) == 1
+    assert result.attempts[0].stop_signal == signal.SIGTERM and result.attempts[0].returncode == -signal.SIGTERM
+    assert "SIGTERM" in result.message
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_fake_engine_nothing_fits_says_what_is_needed(tmp_path):
     result = supervise(make_job(tmp_path, "oom_batch_gt=0", budget=50.0))
     assert result.outcome == "exhausted"

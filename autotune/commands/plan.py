@@ -42,6 +42,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
+def refuse_pickle(model: str, command: str) -> None:
+    """``plan`` and ``run`` read models only as .safetensors or diffusers folders (they have no --allow_pickle):
+    a pickle checkpoint is a one-line UserError saying what to do instead."""
+    from pathlib import Path
+
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.models.single_file import PICKLE_SUFFIXES
+
+    if Path(model).suffix.lower() in PICKLE_SUFFIXES:
+        raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; autotune {command} reads "
+                        "only .safetensors files and diffusers folders: convert it to .safetensors, or train it "
+                        "with `autotune train CONFIG --allow_pickle`")
+
+
 def _physical_cores() -> int:
     import psutil
 
@@ -164,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     from autotune.planning.toml_writer import write_plan_files
     from sd_scripts_compat.errors import UserError
 
+    refuse_pickle(args.model, "plan")
     request = build_request(args)
     plan = plan_training(request)
     if not plan.fits:

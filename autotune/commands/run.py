@@ -46,6 +46,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "beside it, else this Python)")
 
 
+MIN_MEMORY_LIMIT_MIB = 2048  # Python, torch and the engine's imports alone map about 1 GiB of address space
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The watchdog's own options: a one-line UserError naming the option, before anything is read or written."""
+    if args.max_retries < 0:
+        raise UserError(f"--max-retries {args.max_retries}: must be 0 or more (0: never retry)")
+    if not args.stall_timeout > 0:
+        raise UserError(f"--stall-timeout {args.stall_timeout:g}: must be a positive number of seconds, "
+                        "e.g. 600 (the default)")
+    if not args.save_state_every > 0:
+        raise UserError(f"--save-state-every {args.save_state_every:g}: must be a positive number of seconds, "
+                        "e.g. 60 (the default)")
+    if args.memory_limit is not None and not args.memory_limit >= MIN_MEMORY_LIMIT_MIB:
+        raise UserError(f"--memory-limit {args.memory_limit:g}: too small to start the trainer (MiB of address "
+                        f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
+
+
+def dataset_folder(path: str) -> Path:
+    """``path`` made absolute; a symlink loop or a path the OS cannot resolve is a one-line UserError."""
+    try:
+        return Path(path).expanduser().resolve(strict=False)
+    except (OSError, RuntimeError) as error:  # RuntimeError: Python < 3.13 reports a symlink loop so
+        raise UserError(f"dataset folder {path}: cannot resolve the path ({error}); give a real folder") from None
+
+
 # ---------------------------------------------------------------- dataset check
 
 
@@ -80,17 +106,31 @@ def describe_scan(scan: Any) -> str:
 
 
 def _prepare_output(out: Path, resume: bool) -> None:
-    from autotune.recovery.watchdog import RUN_STATE
+    from autotune.recovery.watchdog import RUN_STATE, read_json
     from sd_scripts_compat.contract import newest_state
 
     if resume:
         if not (out / RUN_STATE).is_file():
             raise UserError(f"{out}: no interrupted autotune run here ({RUN_STATE} missing); "
                             "run without --resume, or pass the --out of the run to continue")
+        if not isinstance(read_json(out / RUN_STATE), dict):
+            raise UserError(f"{out / RUN_STATE}: unreadable (not the JSON autotune run writes); the run cannot be "
+                            "continued: start a new one with another --out")
+        if not (out / "config.toml").is_file():
+            raise UserError(f"{out}: the interrupted run's config.toml is missing; the run cannot be continued: "
+                            "start a new one with another --out")
         return
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file, not a folder; choose another --out")
     if (out / RUN_STATE).is_file() or newest_state(out) is not None:
         raise UserError(f"{out}: holds an earlier run; continue it with --resume, or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--out {out}: cannot create the folder ({error.strerror or error}); "
+                        "choose another --out") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: the folder is not writable; choose another --out")
 
 
 def address_space_limit(limit_mib: float) -> Any:
@@ -110,12 +150,11 @@ def address_space_limit(limit_mib: float) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
+    from autotune.commands.plan import refuse_pickle
 
-    from autotune.hardware.probe import probe_system
-    from autotune.recovery.watchdog import RUN_STATE, Job, read_json, supervise
-
-    dataset_dir = Path(args.dataset).resolve()
+    check_options(args)
+    refuse_pickle(args.model, "run")
+    dataset_dir = dataset_folder(args.dataset)
     if getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
         from autotune.recovery.sd_scripts import early_check
 
@@ -127,8 +166,26 @@ def run(args: argparse.Namespace) -> int:
 
         print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
                                                resolution=args.resolution)))
-    out = Path(args.out or Path("output") / dataset_dir.name).resolve()
+    out = dataset_folder(args.out) if args.out else (Path("output") / dataset_dir.name).resolve()
+    before = _entries(out)
     _prepare_output(out, args.resume)
+    try:
+        return _supervised(args, out, dataset_dir, scan)
+    except UserError:
+        if not args.resume:
+            _remove_failed_start(out, before)
+        raise
+
+
+def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any) -> int:
+    """Plan or copy the configs into ``out``, then train under the watchdog; the exit code, or a UserError."""
+    import json
+    import signal
+
+    from autotune.hardware.probe import probe_system
+    from autotune.recovery.watchdog import RUN_STATE, Job, read_json, supervise
+    from sd_scripts_compat.contract import DiskFullError
+
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")
     probe = probe_system(out, use_torch=False)
     cuda = probe.accelerator == "cuda"
@@ -178,12 +235,42 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if result.outcome == "user_error":
         raise UserError(result.message.split(": error: ", 1)[-1])
+    if result.outcome == "disk_full":
+        raise DiskFullError(result.message.split(": error: ", 1)[-1])
     if result.outcome == "interrupted":
+        last = result.attempts[-1] if result.attempts else None
         print(f"interrupted; continue with: autotune run {args.dataset} --model {args.model} --out {out} --resume",
               file=sys.stderr)
-        return 130
+        terminated = last is not None and (last.stop_signal == signal.SIGTERM or last.returncode == 143)
+        return 143 if terminated else 130
     print(f"autotune run: {result.message}", file=sys.stderr)
     return 1
+
+
+def _entries(folder: Path) -> set[str] | None:
+    """The names in ``folder`` now (None: it does not exist yet)."""
+    try:
+        return {entry.name for entry in folder.iterdir()}
+    except OSError:
+        return None
+
+
+def _remove_failed_start(out: Path, before: set[str] | None) -> None:
+    """A run that failed before training saved anything leaves nothing behind (its error said everything),
+    so the same ``--out`` is free for the next try: what this call wrote goes, what was there stays."""
+    import shutil
+
+    from sd_scripts_compat.contract import newest_state
+
+    if not out.is_dir() or newest_state(out) is not None or newest_state(out / "output") is not None:
+        return
+    if before is None:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for entry in out.iterdir():
+        if entry.name not in before:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() \
+                else entry.unlink(missing_ok=True)
 
 
 def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path | None, float | None]:

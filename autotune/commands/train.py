@@ -43,6 +43,23 @@ def own_options(kohya_args: list[str]) -> tuple[dict[str, str], list[str]]:
     return ours, rest
 
 
+def is_sdxl(model: str, config: Path, kohya_args: list[str]) -> bool:
+    """Whether the model is SDXL (which engine entry point trains it). A pickle checkpoint's family cannot be
+    read from a header: without ``--allow_pickle`` it is the engine's one-line refusal now, with it the file's
+    keys are read (the engine loads it again; pickles are the slow path)."""
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES, detect_layout, read_checkpoint
+    from sd_scripts_compat.models.detect import detect_family
+
+    if Path(model).suffix.lower() not in PICKLE_SUFFIXES or not Path(model).is_file():
+        return detect_family(model).is_sdxl
+    if "--allow_pickle" not in kohya_args and flat_values(read_toml(config)).get("allow_pickle") is not True:
+        raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; convert it to "
+                        ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
+    return detect_layout(read_checkpoint(model, allow_pickle=True, header_only=True)) == "sdxl"
+
+
 def run(args: argparse.Namespace) -> int:
     from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.models.detect import detect_family
@@ -52,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
     model = model_of_config(config, kohya_args)
     if model is None:
         raise UserError(f"{config}: no pretrained_model_name_or_path; add it to the config or the command line")
-    family = detect_family(model)
     if ours.get("engine"):
         from autotune.recovery.sd_scripts import early_check, train_with_sd_scripts
 
+        family = detect_family(model)
         early_check(ours["engine"], ours.get("python"), model)
         return train_with_sd_scripts(ours["engine"], ours.get("python"), family=family, config=config,
                                      kohya_args=kohya_args)
     from sd_scripts_compat.train_network import main
 
-    return main(["--config_file", str(config), *kohya_args], sdxl=family.is_sdxl)
+    return main(["--config_file", str(config), *kohya_args], sdxl=is_sdxl(model, config, kohya_args))

@@ -51,7 +51,7 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
 
     scan = scan_dataset_folder(dataset_dir)
     spec = resolve_family(model, family)
-    side = resolution or (spec.resolution if spec else DEFAULT_RESOLUTION)
+    side = resolution if resolution is not None else (spec.resolution if spec else DEFAULT_RESOLUTION)
     if side <= 0:
         raise UserError(f"--resolution {side}: must be a positive number of pixels (e.g. 512)")
     batch = 1 if batch is None else batch

@@ -95,6 +95,7 @@ from autotune.planning.request import (
     gpu_from_spec,
     gpu_from_vram,
     validate_request,
+    validate_resolution,
 )
 from autotune.planning.resolution import (
     MIN_RESOLUTION_FRACTION,
@@ -191,6 +192,7 @@ def plan_training(request: PlanRequest) -> Plan:
     """Plan a LoRA training run; see the module docstring for every rule. Deterministic."""
     validate_request(request)
     family = detect_family(request.model, request.family)
+    validate_resolution(request.preferences.resolution, family)
     dataset = request.dataset or (scan_dataset(request.dataset_dir) if request.dataset_dir else nominal_dataset())
     goal = GOAL_PROFILES[request.goal]
     prefs, gpus = request.preferences, request.gpus

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
-from autotune.planning.resolution import MIN_BUCKET_RESO, RESOLUTION_STEP
+from autotune.planning.resolution import step_and_floor
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.hardware.gpu_catalog import GpuSpec
+    from sd_scripts_compat.models.families import FamilySpec
 
 GIB = 1024**3
 # Cards without a name (--vram only) plan with these rates: a mid Ampere card, bf16 capable.
@@ -122,8 +123,19 @@ def validate_request(request: PlanRequest) -> None:
         raise UserError(f"--optimizer {prefs.optimizer}: the planner chooses among {', '.join(OPTIMIZERS)}")
     if prefs.rank is not None and prefs.rank < 1:
         raise UserError(f"--rank {prefs.rank}: must be a positive integer, e.g. 16")
-    if prefs.resolution is not None and (prefs.resolution < MIN_BUCKET_RESO or prefs.resolution % RESOLUTION_STEP):
-        raise UserError(f"--resolution {prefs.resolution}: must be a multiple of {RESOLUTION_STEP}, "
-                        f"at least {MIN_BUCKET_RESO}")
+    if prefs.epochs is not None and prefs.epochs < 1:
+        raise UserError(f"--epochs {prefs.epochs}: must be 1 or more")
     if prefs.attention not in ATTENTIONS:
         raise UserError(f"--attention {prefs.attention}: choose sdpa or xformers")
+
+
+def validate_resolution(resolution: int | None, family: FamilySpec) -> None:
+    """A pinned ``--resolution`` must follow the family's own bucket rules (``resolution.step_and_floor``):
+    a multiple of its step, at least its smallest bucket, at most four times its native size."""
+    if resolution is None:
+        return
+    step, floor = step_and_floor(family)
+    ceiling = 4 * family.resolution
+    if resolution < floor or resolution % step or resolution > ceiling:
+        raise UserError(f"--resolution {resolution}: {family.name} trains at multiples of {step} px from {floor} "
+                        f"to {ceiling} px (native {family.resolution}); e.g. --resolution {family.resolution}")

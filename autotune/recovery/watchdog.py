@@ -14,8 +14,10 @@ retry log (``ss_autotune_retries`` in the final LoRA; config.final.toml holds th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,16 +43,17 @@ from sd_scripts_compat.atomic import write_json_atomic
 from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, set_dataset_values, write_toml
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.contract import (
+    DISK_FULL_EXIT_CODE,
     DIVERGED,
     DIVERGED_EXIT_CODE,
     DONE,
     EVENTS_DIR_FLAG,
-    INTERRUPTED_EXIT_CODE,
     OOM,
     OOM_EXIT_CODE,
     PROGRESS,
     RETRY_LOG_FLAG,
     SAVE_STATE_EVERY_FLAG,
+    STOPPED_EXIT_CODES,
     USER_ERROR_EXIT_CODE,
     clear_events,
     event_path,
@@ -72,7 +75,7 @@ RUN_STATE = "autotune_run.json"  # the supervisor's own state: current settings 
 class AttemptResult:
     """How one child process ended."""
 
-    outcome: str  # done | oom | diverged | os_kill | stall | user_error | interrupted | crash
+    outcome: str  # done | oom | diverged | os_kill | stall | user_error | disk_full | interrupted | crash
     returncode: int | None
     message: str
     oom_event: dict[str, Any] | None = None
@@ -80,6 +83,7 @@ class AttemptResult:
     diverged_event: dict[str, Any] | None = None
     last_progress: dict[str, Any] | None = None
     seconds: float = 0.0
+    stop_signal: int | None = None  # SIGINT / SIGTERM that we received and forwarded (outcome "interrupted")
     peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
     peak_vm_mib: float | None = None  # peak address space: the figure RLIMIT_AS caps
 
@@ -103,6 +107,12 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+# The engine's own one-line reports ("train_network: error: ...", "train_network: SIGINT: stopped at step ..."):
+# logged, but not shown, because the supervisor reports the attempt's outcome itself (``autotune run: error:
+# ...``, or how to continue with ``autotune run --resume``) and the user should read it once.
+_ENGINE_ERROR_LINE = re.compile(r"^(sdxl_)?train_network: ")
 
 
 def _segments(stream: Any) -> Iterator[bytes]:
@@ -132,8 +142,9 @@ def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threa
     for raw in _segments(stream):
         line = raw.decode("utf-8", errors="replace")
         redraw = line.endswith("\r")  # a progress-bar redraw: shown live, logged as a line, kept out of the tail
+        held_back = tail is not None and bool(_ENGINE_ERROR_LINE.match(line))
         with lock:
-            for index, sink in enumerate(sinks):
+            for index, sink in enumerate(sinks[:1] if held_back else sinks):
                 sink.write(line[:-1] + "\n" if redraw and index == 0 else line)
                 sink.flush()
         if tail is not None and line.strip() and not redraw:
@@ -165,6 +176,29 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int]) -> Any:
+    """While the child runs, SIGINT (Ctrl-C) and SIGTERM (``kill``, ``docker stop``, a scheduler) sent to us go
+    to the child: the engine stops at the next step boundary, saves its state, ends its DataLoader workers and
+    exits; we wait for it. Sent to the engine's process only: a worker killed by SIGTERM would fail the step in
+    flight. Installed even when the signal was inherited as ignored (a background job), so ``kill -INT`` works."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(number: int, _frame: Any) -> None:
+        received.append(number)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(number)
+
+    previous = {number: signal.signal(number, forward) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def run_attempt(
     argv: list[str],
     *,
@@ -176,13 +210,15 @@ def run_attempt(
     preexec_fn: Callable[[], None] | None = None,
     poll_s: float = 0.25,
     kill_grace_s: float = 10.0,
+    stop_grace_s: float = 120.0,
     on_start: Callable[[int], None] | None = None,
     on_line: Callable[[str], None] | None = None,
 ) -> AttemptResult:
     """Run one child to its end, streaming its output to the screen and ``log_path``.
 
     The child gets its own process group so a stall kill also reaches any workers it started, and
-    Ctrl-C reaches it only through us (forwarded as SIGINT, so it saves state and exits 130).
+    Ctrl-C (SIGINT) or SIGTERM reaches it only through us (forwarded as it came, so it saves state and exits
+    130 / 143; after ``stop_grace_s`` without an exit its group is killed).
     A stall is no change in ``progress.json`` for ``stall_timeout_s`` (counted from launch until
     the first progress file). ``on_line`` sees every line of both streams (an engine adapter turns
     another trainer's output into progress events with it: ``autotune.recovery.sd_scripts``).
@@ -210,12 +246,19 @@ def run_attempt(
         last_change, last_mtime = time.monotonic(), None
         killed_for: str | None = None
         peak_rss = peak_vm = None
-        try:
+        stops: list[int] = []  # the stop signals we received (and forwarded)
+        stop_deadline: float | None = None
+        with _forwarding_stop_signals(proc, stops):
             while proc.poll() is None:
                 time.sleep(poll_s)
                 rss, vm = proc_memory_mib(proc.pid)
                 peak_rss = max(filter(None, (peak_rss, rss)), default=None)
                 peak_vm = max(filter(None, (peak_vm, vm)), default=None)
+                if stops:  # the engine is saving its state: no stall detection now, only a last deadline
+                    stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
+                    if time.monotonic() > stop_deadline:
+                        _signal_group(proc, signal.SIGKILL)
+                    continue
                 try:
                     mtime = progress_path.stat().st_mtime_ns
                 except FileNotFoundError:
@@ -229,14 +272,9 @@ def run_attempt(
                         proc.wait(kill_grace_s)
                     except subprocess.TimeoutExpired:
                         _signal_group(proc, signal.SIGKILL)
-        except KeyboardInterrupt:
+            proc.wait()
+        if stops and killed_for is None:
             killed_for = "interrupted"
-            _signal_group(proc, signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-        proc.wait()
         for pump in pumps:
             pump.join(5)
     seconds = time.monotonic() - started
@@ -249,8 +287,10 @@ def run_attempt(
         step = progress.get("step") if progress else None
         return AttemptResult("stall", message=f"no progress for {stall_timeout_s:g} s (last step {step}); killed",
                              **common)
-    if killed_for == "interrupted" or rc == INTERRUPTED_EXIT_CODE:
-        return AttemptResult("interrupted", message="interrupted; state saved by the engine", **common)
+    if killed_for == "interrupted" or rc in STOPPED_EXIT_CODES:
+        how = signal.Signals(stops[0]).name if stops else f"exit code {rc}"
+        return AttemptResult("interrupted", message=f"interrupted ({how}); state saved by the engine",
+                             stop_signal=stops[0] if stops else None, **common)
     if rc == 0:
         return AttemptResult("done", message="finished", done_event=read_event(events_dir, DONE), **common)
     if rc == OOM_EXIT_CODE:
@@ -266,6 +306,8 @@ def run_attempt(
                              **common)
     if rc == USER_ERROR_EXIT_CODE:
         return AttemptResult("user_error", message=tail_line or "the engine rejected its input", **common)
+    if rc == DISK_FULL_EXIT_CODE:  # final: a smaller batch needs no less disk
+        return AttemptResult("disk_full", message=tail_line or "disk full", **common)
     oom_line = next((line for line in reversed(err_tail) if looks_like_oom(line)), None)
     if oom_line is not None:  # an OOM outside the engine's training-step handler (loading, caching)
         return AttemptResult("oom", message=oom_line, **common)
@@ -405,14 +447,15 @@ class DecisionLog:
         self.text = output_dir / DECISIONS_LOG
         self.echo = echo
 
-    def write(self, event: str, text: str, **data: Any) -> None:
+    def write(self, event: str, text: str, *, show: bool = True, **data: Any) -> None:
+        """Record a decision; ``show=False`` keeps it off the screen (a final error the caller reports)."""
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event, "text": text, **data}
         with open(self.jsonl, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, default=str) + "\n")
         with open(self.text, "a", encoding="utf-8") as handle:
             handle.write(f"{record['time']} {event}: {text}\n")
-        if self.echo:
-            print(f"[autotune] {text}", file=sys.stderr, flush=True)
+        if self.echo and show:  # on stdout with the progress: stderr holds only errors
+            print(f"[autotune] {text}", flush=True)
 
 
 def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[Path, Path | None]:
@@ -448,8 +491,8 @@ def supervise(job: Job) -> RunResult:
     """Run ``job`` to the end: retry on OOM / divergence / OS kill / stall with stepped-down settings, from
     the newest state.
 
-    Stops on done, a user error (exit 2), an interrupt (130), a crash, when a ladder is exhausted,
-    or after ``max_retries`` retries.
+    Stops on done, a user error (exit 2), a full disk (28), an interrupt (130 / 143), a crash, when a ladder
+    is exhausted, or after ``max_retries`` retries.
     """
     job.output_dir.mkdir(parents=True, exist_ok=True)
     log = DecisionLog(job.output_dir, job.echo)
@@ -504,8 +547,10 @@ def supervise(job: Job) -> RunResult:
             clean_partial_files(job.output_dir)
             clean_partial_files(job.states_dir)
             return RunResult(True, "done", "finished", output, settings, retries, attempts)
-        if result.outcome in ("user_error", "interrupted", "crash"):
-            log.write(result.outcome, result.message, returncode=result.returncode)
+        if result.outcome in ("user_error", "disk_full", "interrupted", "crash"):
+            # a final error is shown once, by the caller (`autotune run: error: ...`), not here as well
+            log.write(result.outcome, result.message, returncode=result.returncode,
+                      show=result.outcome == "interrupted")
             return RunResult(False, result.outcome, result.message, None, settings, retries, attempts)
         # oom, diverged, os_kill, stall: recoverable
         failed_step = _failed_step(result)

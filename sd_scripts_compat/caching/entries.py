@@ -6,6 +6,8 @@ which imports nothing from ``dataset/``, so neither side has to import the other
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -39,14 +41,31 @@ class TextEntry:
     pooled: torch.Tensor | None = None  # SDXL text_embeds
 
 
-def latent_cache_path(record: CachedImage) -> Path:
-    """Beside the image; the bucket is in the name so several resolutions can coexist."""
+def latent_cache_path(record: CachedImage, cache_dir: Path | None = None) -> Path:
+    """Beside the image (or under ``cache_dir``, see :func:`cache_folder`); the bucket is in the name so
+    several resolutions can coexist."""
     width, height = record.bucket
-    return record.path.with_name(f"{record.path.name}.{width}x{height}{LATENT_CACHE_SUFFIX}")
+    return cache_folder(record.path.parent, cache_dir, "latents") / \
+        f"{record.path.name}.{width}x{height}{LATENT_CACHE_SUFFIX}"
 
 
-def text_cache_path(record: CachedImage) -> Path:
-    return record.path.with_name(record.path.name + TEXT_CACHE_SUFFIX)
+def text_cache_path(record: CachedImage, cache_dir: Path | None = None) -> Path:
+    return cache_folder(record.path.parent, cache_dir, "text") / (record.path.name + TEXT_CACHE_SUFFIX)
+
+
+def cache_folder(image_dir: Path, cache_dir: Path | None, kind: str) -> Path:
+    """Where cache files of the images in ``image_dir`` live: beside them (sd-scripts' place), or, given a
+    ``cache_dir``, in ``cache_dir/<kind>/<hash of the image folder>`` (one folder per image folder, so two
+    folders with the same file names do not share files). The file names and format are the same in both."""
+    if cache_dir is None:
+        return image_dir
+    key = hashlib.sha256(os.fsencode(image_dir.resolve())).hexdigest()[:16]
+    return cache_dir / kind / key
+
+
+def folder_writable(folder: Path) -> bool:
+    """Whether we may create files in ``folder`` (a read-only mount or an immutable folder says no, even to root)."""
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def read_latent_file(path: Path) -> LatentEntry:

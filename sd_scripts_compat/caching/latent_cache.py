@@ -3,14 +3,17 @@
 A disk cache file is ``<image name>.<W>x<H>.latents.safetensors`` (named and read in ``caching.entries``)
 and records what it was made from (image byte size + mtime + sha256, bucket, resize and crop, VAE
 fingerprint, scaling factor, whether flipped latents are included), so it is reused across runs and
-rebuilt when any of those change. sd-scripts only checks the latent shape; it silently reuses latents
-of an edited image or of another VAE. Latents are sampled from the VAE posterior (as kohya does), with
-a noise seed per image so memory and disk caches hold identical values, and are stored already
-multiplied by the VAE's ``scaling_factor``.
+rebuilt when any of those change. When an image folder is not writable (a read-only mount, a shared
+dataset), the files go under ``cache_dir`` instead (the run passes ``<output_dir>/.cache``; see
+``caching.entries.cache_folder``), unless a valid cache already lies beside the image. sd-scripts only
+checks the latent shape; it silently reuses latents of an edited image or of another VAE. Latents are
+sampled from the VAE posterior (as kohya does), with a noise seed per image so memory and disk caches
+hold identical values, and are stored already multiplied by the VAE's ``scaling_factor``.
 """
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import json
@@ -19,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
-from sd_scripts_compat.caching.entries import LatentEntry, latent_cache_path
+from sd_scripts_compat.caching.entries import LatentEntry, folder_writable, latent_cache_path
+from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.dataset.buckets import resize_and_crop
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset, image_to_tensor, load_image_rgb, mix_seed
 from sd_scripts_compat.errors import UserError
@@ -51,6 +55,9 @@ def module_fingerprint(module: Any) -> str:
 
     config = getattr(module, "config", {})
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    # diffusers' bookkeeping keys are no part of the model, and "_use_default_values" is a list made from a set:
+    # its order changes from process to process, which made every run miss the cache it wrote the run before
+    config = {k: v for k, v in config.items() if not str(k).startswith("_")}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
     with torch.no_grad():
         for name, tensor in module.state_dict().items():
@@ -139,14 +146,15 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 
 def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype: Any = None, vae_batch_size: int = 1,
                   to_disk: bool = False, scaling_factor: float | None = None, vae_key: str | None = None,
-                  is_main_process: bool = True) -> CacheStats:
+                  is_main_process: bool = True, cache_dir: Path | None = None) -> CacheStats:
     """Encode every image of ``dataset`` once (kohya's ``cache_latents`` / ``cache_latents_to_disk``).
 
     Moves the VAE to ``device``/``dtype``; call :func:`offload` afterwards. Images are grouped by
     bucket into batches of ``vae_batch_size``. With ``flip_aug`` the mirrored image is encoded too
     (as sd-scripts does). ``random_crop`` cannot be cached (the crop would be frozen): a UserError,
     as in sd-scripts. With ``to_disk`` and ``is_main_process=False`` nothing is encoded; the files
-    written by the main process are only registered (the caller waits for it first).
+    written by the main process are only registered (the caller waits for it first). ``cache_dir``: where
+    the files of images in a folder we cannot write to go (None: such a folder is a one-line UserError).
     """
     import torch
 
@@ -162,12 +170,16 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype
     for record in dataset.records:
         flip = dataset.subset_of(record).flip_aug
         if to_disk:
+            expected = _expected_metadata(dataset, record, key, factor, flip)
             path = latent_cache_path(record)
+            if cache_dir is not None and not folder_writable(path.parent) \
+                    and not _disk_cache_valid(path, record, expected):
+                path = latent_cache_path(record, cache_dir)  # the same check on every process: they agree
             dataset.latent_files[record.index] = path
             dataset.latents.pop(record.index, None)
             if not is_main_process:
                 continue
-            if _disk_cache_valid(path, record, _expected_metadata(dataset, record, key, factor, flip)):
+            if _disk_cache_valid(path, record, expected):
                 reused += 1
                 continue
         pending.append(record)
@@ -203,15 +215,14 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype
                 mirrored_latents = flipped[i].clone() if flips[i] and flipped is not None else None
                 entry = LatentEntry(latents[i].clone(), mirrored_latents)
                 if to_disk:
-                    _save_entry(dataset, record, entry, key, factor, flips[i])
+                    _save_entry(dataset, record, entry, key, factor, flips[i], dataset.latent_files[record.index])
                 else:
                     dataset.latents[record.index] = entry
     return CacheStats(encoded=len(pending), reused=reused)
 
 
 def _save_entry(dataset: TrainDataset, record: ImageRecord, entry: LatentEntry, vae_key: str, factor: float,
-                flip: bool) -> None:
-    path = latent_cache_path(record)
+                flip: bool, path: Path) -> None:
     stat = record.path.stat()
     metadata = _expected_metadata(dataset, record, vae_key, factor, flip)
     metadata.update(image_bytes=str(stat.st_size), image_mtime_ns=str(stat.st_mtime_ns),
@@ -220,7 +231,12 @@ def _save_entry(dataset: TrainDataset, record: ImageRecord, entry: LatentEntry, 
     if entry.latents_flipped is not None:
         tensors["latents_flipped"] = entry.latents_flipped
     try:
-        _write_atomic(path, tensors, metadata)
-    except PermissionError:
-        raise UserError(f"{path.parent}: cannot write the latent cache there (permission denied); "
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with disk_full_guard(path.parent, sum(t.numel() * t.element_size() for t in tensors.values()),
+                             f"the latent cache of {record.path.name}"):
+            _write_atomic(path, tensors, metadata)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise UserError(f"{path.parent}: cannot write the latent cache there ({error.strerror}); "
                         "use cache_latents instead of cache_latents_to_disk") from None

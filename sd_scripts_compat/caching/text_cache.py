@@ -2,18 +2,21 @@
 
 A disk file ``<image name>.te.safetensors`` (named and read in ``caching.entries``) records the caption,
 the encoders' fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and is rebuilt when any differ.
+An image folder we cannot write to gets its files under ``cache_dir`` instead, as latent caches do.
 Encoding itself is ``models.text_encoding``; this module only decides what to encode and where it goes.
 """
 
 from __future__ import annotations
 
+import errno
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
-from sd_scripts_compat.caching.entries import TextEntry, text_cache_path
+from sd_scripts_compat.caching.entries import TextEntry, folder_writable, text_cache_path
 from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
+from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset
 from sd_scripts_compat.errors import UserError
@@ -50,21 +53,27 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
     if entry.pooled is not None:
         tensors["pooled"] = entry.pooled.contiguous()
     try:
-        with atomic_path(path) as tmp:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with disk_full_guard(path.parent, sum(t.numel() * t.element_size() for t in tensors.values()),
+                             f"the text-encoder cache {path.name}"), atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
-    except PermissionError:
-        raise UserError(f"{path.parent}: cannot write the text-encoder cache there (permission denied); "
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise UserError(f"{path.parent}: cannot write the text-encoder cache there ({error.strerror}); "
                         "use cache_text_encoder_outputs without _to_disk") from None
 
 
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
                                batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
-                               clip_skip: int | None = None, is_main_process: bool = True) -> CacheStats:
+                               clip_skip: int | None = None, is_main_process: bool = True,
+                               cache_dir: Path | None = None) -> CacheStats:
     """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
     the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
     shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
     are encoded once. Disk files ``<image name>.te.safetensors`` record the caption, the encoders'
-    fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ."""
+    fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ; those of
+    images in a folder we cannot write to go under ``cache_dir`` (when given)."""
     import torch
 
     for subset in dataset.subsets:
@@ -80,12 +89,15 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     reused = 0
     for record in dataset.records:
         if to_disk:
+            expected = _text_metadata(captions[record.index], te_key, length, clip_skip, dtype)
             path = text_cache_path(record)
+            if cache_dir is not None and not folder_writable(path.parent) and not _text_cache_valid(path, expected):
+                path = text_cache_path(record, cache_dir)
             dataset.text_files[record.index] = path
             dataset.text_outputs.pop(record.index, None)
             if not is_main_process:
                 continue
-            if _text_cache_valid(path, _text_metadata(captions[record.index], te_key, length, clip_skip, dtype)):
+            if _text_cache_valid(path, expected):
                 reused += 1
                 continue
         pending.append(record)
@@ -107,7 +119,7 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     for record in pending:
         entry = encoded[captions[record.index]]
         if to_disk:
-            _save_text(text_cache_path(record), entry,
+            _save_text(dataset.text_files[record.index], entry,
                        _text_metadata(captions[record.index], te_key, length, clip_skip, dtype))
         else:
             dataset.text_outputs[record.index] = entry

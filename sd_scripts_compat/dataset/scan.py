@@ -113,7 +113,10 @@ def scan_dataset_folder(path: str | os.PathLike[str],
     folder is a one-line UserError; a folder without usable images is not (``subsets`` is empty and
     ``warnings`` say why), so a caller can report everything at once.
     """
-    root = Path(path).expanduser().resolve()
+    try:
+        root = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as error:  # a symlink loop (RuntimeError before Python 3.13)
+        raise UserError(f"dataset folder {path}: cannot resolve the path ({error}); give a real folder") from None
     if not root.is_dir():
         raise UserError(f"dataset folder {path} not found; give a folder of images or of N_name subfolders "
                         "(e.g. 10_mychar/)")

@@ -80,29 +80,86 @@ def _scan_dir(image_dir: Path) -> list[Path]:
 
 
 def read_image_size(path: Path) -> Size:
-    """(width, height) from the header, after ``verify()`` so a broken file fails now, not mid-run."""
+    """(width, height) from the header, after ``verify()`` so a broken file fails now, not mid-run.
+
+    ``verify()`` does not decode JPEG data, so a JPEG without its end marker is decoded once here: a truncated
+    file is a one-line error now instead of a crash while caching latents or in a DataLoader worker. A file over
+    Pillow's decompression-bomb limit is one too; between its warning and its error limits Pillow's warning is
+    silenced (sd-scripts loads such files; the doctor reports them).
+    """
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        with Image.open(path) as image:
-            size = image.size
-            image.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise UserError(f"{path}: cannot read image ({exc.__class__.__name__}); replace or delete the file") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(path) as image:
+                size, fmt = image.size, image.format
+                image.verify()
+            if fmt == "JPEG" and not _jpeg_has_end_marker(path):
+                with Image.open(path) as image:
+                    image.load()
+        except Image.DecompressionBombError:
+            raise UserError(_bomb_message(path)) from None
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            what = "the file is truncated" if "truncated" in str(exc).lower() else exc.__class__.__name__
+            raise UserError(f"{path}: cannot read image ({what}); replace or delete the file") from None
     if size[0] <= 0 or size[1] <= 0:
         raise UserError(f"{path}: image has size {size}; replace or delete the file")
     return size
 
 
+def _jpeg_has_end_marker(path: Path) -> bool:
+    """A whole JPEG ends with EOI (FF D9), perhaps followed by a little padding; a cut-off one does not."""
+    with path.open("rb") as handle:
+        handle.seek(0, 2)
+        handle.seek(max(0, handle.tell() - 4096))
+        return b"\xff\xd9" in handle.read()
+
+
+def _bomb_message(path: Path) -> str:
+    from PIL import Image
+
+    limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    return (f"{path}: the image has more than {limit / 1e6:.0f} MP (Pillow's decompression-bomb limit), so it is "
+            "not decoded; downscale it (a long side of 2048 px is plenty for any bucket) or delete it")
+
+
+# 16-bit (and 32-bit) greyscale: Pillow's convert("RGB") clips them to 255 instead of scaling, which turns a
+# 16-bit picture nearly white; they are scaled to 8 bits first (a 16-bit PNG opens as I;16 or, older Pillow, I).
+HIGH_BIT_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def to_rgb(image: Any) -> Any:
+    """An opened PIL image as RGB: alpha dropped (as sd-scripts does without ``alpha_mask``), 16-bit and float
+    greyscale scaled to 8 bits (0..65535 and 0..1 respectively) rather than clipped."""
+    import numpy as np
+    from PIL import Image
+
+    if image.mode in HIGH_BIT_GREY_MODES:
+        values = np.asarray(image, dtype=np.float64) / 257.0
+    elif image.mode == "F":
+        values = np.asarray(image, dtype=np.float64)
+        values = values * 255.0 if values.size and values.max() <= 1.0 else values
+    else:
+        return image.convert("RGB")
+    grey = np.clip(np.round(values), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")
+
+
 def load_image_rgb(path: Path) -> Any:
-    """The image as an RGB PIL image (alpha dropped, as sd-scripts does without ``alpha_mask``)."""
+    """The image as an RGB PIL image (see :func:`to_rgb`); an undecodable file is a one-line UserError."""
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise UserError(f"{path}: cannot decode image ({exc.__class__.__name__}); replace or delete the file") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            with Image.open(path) as image:
+                return to_rgb(image)
+        except Image.DecompressionBombError:
+            raise UserError(_bomb_message(path)) from None
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+            what = "the file is truncated" if "truncated" in str(exc).lower() else exc.__class__.__name__
+            raise UserError(f"{path}: cannot decode image ({what}); replace or delete the file") from None
 
 
 def image_to_tensor(image: Any) -> torch.Tensor:
@@ -413,9 +470,13 @@ def _header_size(path: Path) -> Size:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
-            return image.size
-    except (UnidentifiedImageError, OSError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                return image.size
+    except Image.DecompressionBombError:
+        raise UserError(_bomb_message(path)) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise UserError(f"{path}: cannot read image ({exc.__class__.__name__}); replace or delete the file") from None
 
 
@@ -467,4 +528,14 @@ def make_dataloader(dataset: TrainDataset, sampler: BucketBatchSampler, *, num_w
     generator = torch.Generator().manual_seed(dataset.seed)
     return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=num_workers,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
-                      generator=generator)
+                      generator=generator, worker_init_fn=ignore_sigint if num_workers > 0 else None)
+
+
+def ignore_sigint(_worker_id: int) -> None:
+    """In a DataLoader worker: Ctrl-C reaches the terminal's whole process group, and a worker would exit at it
+    while the main process finishes its step (which then fails for want of the batch in flight). The main process
+    stops at a step boundary and shuts its workers down itself. SIGTERM keeps its default: that is how torch and
+    multiprocessing end workers that do not stop, and a worker ignoring it would hang the exit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import write_bytes_atomic
+from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     if not folder.is_dir():
         raise UserError(f"{path}: folder {folder} does not exist; create it or choose another output_dir")
     try:
-        write_bytes_atomic(path, data)
+        with disk_full_guard(folder, len(data), f"the LoRA {path.name}"):  # a full disk: its own one line, exit 28
+            write_bytes_atomic(path, data)
     except OSError as error:
         raise UserError(f"{path}: cannot write ({error.strerror or error}); check the folder's permissions "
                         "and free space") from None

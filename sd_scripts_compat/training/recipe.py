@@ -28,7 +28,6 @@ from sd_scripts_compat.contract import (
     DIVERGED,
     DIVERGED_EXIT_CODE,
     DONE,
-    INTERRUPTED_EXIT_CODE,
     OOM,
     OOM_EXIT_CODE,
     PROGRESS,
@@ -51,6 +50,7 @@ from sd_scripts_compat.training.faults import NanInjector, OomInjector
 from sd_scripts_compat.training.objectives import NoiseSettings
 from sd_scripts_compat.training.precision import DynamicLossScale
 from sd_scripts_compat.training.stability import Diverged, StabilityGuard
+from sd_scripts_compat.training.stopping import StopSignals
 from sd_scripts_compat.training.validation import ValidationRun
 
 PROGRESS_EVERY_SECONDS = 2.0  # the loop's one host sync: progress bar, progress.json, instability checks
@@ -204,7 +204,8 @@ def _cache_latents(config: Any, process: Process, model: Model, data: Data) -> b
         return False
     for dataset in data.all:
         cache_latents(dataset, vae, device=process.device, dtype=vae_dtype, vae_batch_size=config.vae_batch_size,
-                      to_disk=bool(config.cache_latents_to_disk), is_main_process=process.is_main)
+                      to_disk=bool(config.cache_latents_to_disk), is_main_process=process.is_main,
+                      cache_dir=cache_dir(process))
     process.accelerator.wait_for_everyone()  # other processes read the files the main process wrote
     offload(vae)
     return True
@@ -229,7 +230,7 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool
         cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
                                    to_disk=bool(config.cache_text_encoder_outputs_to_disk),
                                    max_token_length=config.max_token_length, clip_skip=config.clip_skip,
-                                   is_main_process=process.is_main)
+                                   is_main_process=process.is_main, cache_dir=cache_dir(process))
     process.accelerator.wait_for_everyone()
     for encoder in model.bundle.text_encoders:
         offload(encoder)
@@ -463,6 +464,7 @@ class Recipe:
     checkpointer: Checkpointer
     validation: ValidationRun | None
     guard: StabilityGuard | None = None
+    stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
 
 
 @dataclass
@@ -480,7 +482,18 @@ class LoopState:
 
 
 def train(config: Any, *, sdxl: bool) -> int:
-    """One training run; returns the process exit code (0, OOM, DIVERGED or INTERRUPTED_EXIT_CODE)."""
+    """One training run; returns the process exit code (0, OOM_EXIT_CODE, DIVERGED_EXIT_CODE, or INTERRUPTED_EXIT_CODE /
+    TERMINATED_EXIT_CODE after SIGINT / SIGTERM, see ``training.stopping``)."""
+    with StopSignals.installed() as stops:
+        try:
+            return _train(config, sdxl=sdxl, stops=stops)
+        except KeyboardInterrupt:  # a signal while loading or caching: nothing trained yet, nothing to save
+            name = "sdxl_train_network" if sdxl else "train_network"
+            print(f"{name}: {stops.name} before training started; nothing to save", file=sys.stderr)
+            return stops.exit_code
+
+
+def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
     process = setup_process(config)
     model = load_model(config, process, sdxl=sdxl)
     data = build_data(config, process, model)
@@ -500,7 +513,8 @@ def train(config: Any, *, sdxl: bool) -> int:
         noise_scheduler=objective.noise_scheduler, dtype=process.weight_dtype, accelerator=process.accelerator,
         noise_settings=objective.noise, alphas_cumprod=objective.alphas_cumprod)
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
-                    validation, guard)
+                    validation, guard, stops)
+    stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
     loop = run_loop(recipe, counters)
     try:
         if loop.diverged is not None:
@@ -528,8 +542,9 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
     from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
 
     config, process = r.config, r.process
+    # on stdout: stderr is for messages (the watchdog reports the engine's last stderr line)
     progress = tqdm(total=r.optimization.max_train_steps, initial=counters.global_step, desc="steps",
-                    disable=not process.is_main, dynamic_ncols=True, smoothing=0.1)
+                    disable=not process.is_main, dynamic_ncols=True, smoothing=0.1, file=sys.stdout)
     now = time.time()
     loop = LoopState(last_report=now, last_state_save=now, session_started=now)
     if counters.global_step == 0:  # before the first step: the validation baseline, then sample_at_first
@@ -551,6 +566,7 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
         loop.diverged = diverged.report
     except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else re-raises
         if not is_oom_error(error):
+            progress.close()  # the error's line then starts a line of its own
             raise
         loop.oom = {"message": str(error).splitlines()[0][:500], "type": type(error).__name__}
     # Outside the except block: the exception's frames (and the activations they hold) are gone now.
@@ -573,7 +589,16 @@ def run_epoch(r: Recipe, loop: LoopState, counters: Any, sampler: Any, loader: A
         after_step(r, loop, counters, progress)
         if counters.global_step >= optimization.max_train_steps:
             return
+        if batch_index < optimization.batches_per_epoch:
+            _stop_if_asked(r)
     end_epoch(r, counters)
+    _stop_if_asked(r)  # a stop asked for at an epoch's last step comes after its end (count, saves, samples)
+
+
+def _stop_if_asked(r: Recipe) -> None:
+    """SIGINT / SIGTERM came: stop here, at a step boundary (``run_loop`` catches it and the state is saved)."""
+    if r.stops is not None and r.stops.agreed(r.process.world):
+        raise KeyboardInterrupt
 
 
 def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any], batch_index: int) -> None:
@@ -742,11 +767,14 @@ def finish_diverged(r: Recipe, report: dict[str, Any], counters: Any) -> int:
 
 
 def finish_interrupted(r: Recipe, counters: Any) -> int:
+    """Save the state of the last whole step; exit 130 (SIGINT) or 143 (SIGTERM)."""
+    stops = r.stops or StopSignals()
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
-        print(f"\ninterrupted at step {counters.global_step}; state saved to {folder} "
+        program = "sdxl_train_network" if r.model.family.is_sdxl else "train_network"
+        print(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
               f"(continue with --resume {folder})", file=sys.stderr)
-    return INTERRUPTED_EXIT_CODE
+    return stops.exit_code
 
 
 def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
@@ -788,6 +816,11 @@ def text_encoder_lr(config: Any) -> float | None:
         raise UserError(f"text_encoder_lr = {list(lrs)}: one learning rate per text encoder is not supported; "
                         "give a single value")
     return lrs[0]
+
+
+def cache_dir(process: Process) -> Path:
+    """Where disk caches of images in a folder we may not write to go (a read-only dataset): the run's output."""
+    return process.paths.output_dir / ".cache"
 
 
 def _captions_fixed(datasets: list[Any]) -> bool:

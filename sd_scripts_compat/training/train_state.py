@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.atomic import atomic_folder, write_text_atomic
-from sd_scripts_compat.contract import STATE_FILE
+from sd_scripts_compat.atomic import atomic_folder, atomic_path, write_text_atomic
+from sd_scripts_compat.contract import STATE_FILE, disk_full_guard
 
 TENSOR_FILE = "tensors.safetensors"
 
@@ -28,6 +28,13 @@ class TrainCounters:
     step_in_epoch: int = 0  # batches of `epoch` already consumed (micro-batches)
     seconds_trained: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def epochs_begun(self) -> int:
+        """sd-scripts' epoch number: the 1-based epoch in progress, or the one just finished at an epoch's end
+        (its ``current_epoch`` in train_state.json, and the final LoRA's ``ss_epoch``: 20 after 20 whole epochs,
+        where ``epoch`` is still 19 when the last step ended the run before the epoch-end bookkeeping)."""
+        return self.epoch + (1 if self.step_in_epoch > 0 else 0)
 
 
 def _encode(value: Any, tensors: dict[str, Any], path: str) -> Any:
@@ -103,12 +110,16 @@ def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: Any
         "lr_scheduler": _encode(lr_scheduler.state_dict(), tensors, "lr_scheduler"),
         "rng": _encode(rng_state(), tensors, "rng"),
         # kohya's train_state.json keys, so sd-scripts users recognise the folder
-        "current_epoch": counters.epoch,
+        "current_epoch": counters.epochs_begun,
         "current_step": counters.global_step,
     }
-    with atomic_folder(folder) as tmp:
-        save_file(tensors, str(tmp / TENSOR_FILE))
-        write_text_atomic(tmp / STATE_FILE, json.dumps(document, indent=1))
+    text = json.dumps(document, indent=1)
+    needed = sum(t.numel() * t.element_size() for t in tensors.values()) + len(text)
+    # a full disk: one line naming the folder and the space needed; the previous state folder stays whole
+    with disk_full_guard(folder.parent, needed, f"the training state {folder.name}"), atomic_folder(folder) as tmp:
+        with atomic_path(tmp / TENSOR_FILE) as tensor_file:  # atomic_path: the umask's permissions, not 0600
+            save_file(tensors, str(tensor_file))
+        write_text_atomic(tmp / STATE_FILE, text)
     return folder
 
 

@@ -1,0 +1,468 @@
+"""The hostile-input corpus: bad input a new user gives, each through a real subprocess, as the user runs it.
+
+One row per case: a builder that makes the bad input in the test's own folder and returns the command line,
+the exit code, and a substring the stderr line must contain. Every case must end with a non-zero exit,
+exactly one non-empty line on stderr (progress may go to stdout), no traceback and no library warning
+anywhere, and no new file under the test's folder (no partial output: output folders, caches, configs).
+Most cases fail before any model loads; the few that need one use builtin:tiny-sd15 at 64 px.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import toml
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+# one thread: on a shared 2-core machine more threads spin against each other (a step gets 50x slower)
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+TINY = "builtin:tiny-sd15"
+USER_ERROR = 2
+
+Builder = Callable[[Path], list[str]]
+# what a library's warning looks like: Python's warnings ("x.py:12: FutureWarning: ..."), logging's WARNING
+LIBRARY_WARNING = re.compile(r"\w+Warning: |warnings\.warn\(|^WARNING|\[W[0-9 ]", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    build: Builder  # makes the bad input under the folder it is given; returns the argv after `python -m`
+    needle: str  # in the one stderr line
+    code: int = USER_ERROR
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+def dataset(root: Path, images: int = 2, size: int = 64, folder: str = "2_toy") -> Path:
+    sub = root / "data" / folder
+    sub.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(images):
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(sub / f"img{i}.png")
+        (sub / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
+    return root / "data"
+
+
+def config(root: Path, name: str = "config.toml", **overrides: object) -> Path:
+    values: dict[str, object] = {
+        "pretrained_model_name_or_path": TINY,
+        "train_data_dir": None if "train_data_dir" in overrides else str(dataset(root)),
+        "output_dir": str(root / "out"), "output_name": "lora", "resolution": "64,64", "caption_extension": ".txt",
+        "train_batch_size": 1, "max_train_steps": 2, "network_dim": 4, "network_alpha": 4, "learning_rate": 1e-3,
+        "max_data_loader_n_workers": 0,
+    }
+    values.update(overrides)
+    values = {k: v for k, v in values.items() if v is not None}
+    path = root / name
+    path.write_text(toml.dumps(values), encoding="utf-8")
+    return path
+
+
+def engine(root: Path, *extra: str, **overrides: object) -> list[str]:
+    return ["sd_scripts_compat.train_network", "--config_file", str(config(root, **overrides)), *extra]
+
+
+def train(root: Path, *extra: str, **overrides: object) -> list[str]:
+    return ["autotune", "train", str(config(root, **overrides)), *extra]
+
+
+def plan(root: Path, *extra: str, model: str = TINY) -> list[str]:
+    return ["autotune", "plan", str(dataset(root)), "--model", model, *extra]
+
+
+def run(root: Path, *extra: str, model: str = TINY) -> list[str]:
+    return ["autotune", "run", str(dataset(root)), "--model", model, "--out", str(root / "run"), *extra]
+
+
+def text_file(path: Path, text: str = "this is not a tensor file\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def safetensors_file(path: Path, tensors: dict[str, np.ndarray], truncate: bool = False) -> Path:
+    from safetensors.numpy import save
+
+    data = save(tensors)
+    path.write_bytes(data[: len(data) // 2] if truncate else data)
+    return path
+
+
+def lora_like(path: Path, truncate: bool = False) -> Path:
+    """A small kohya-format LoRA (keys and shapes only matter to the readers that reject it)."""
+    down, up = np.zeros((4, 320), np.float32), np.zeros((320, 4), np.float32)
+    return safetensors_file(path, {"lora_unet_x.lora_down.weight": down, "lora_unet_x.lora_up.weight": up,
+                                   "lora_unet_x.alpha": np.array(4.0, np.float32)}, truncate)
+
+
+def utf16(path: Path) -> Path:
+    path.write_bytes(f'pretrained_model_name_or_path = "{TINY}"\n'.encode("utf-16"))
+    return path
+
+
+def binary(path: Path) -> Path:
+    path.write_bytes(bytes(range(256)) * 8)
+    return path
+
+
+def symlink_loop(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "loop_a").symlink_to(root / "loop_b")
+    (root / "loop_b").symlink_to(root / "loop_a")
+    return root / "loop_a"
+
+
+def png_claiming(path: Path, width: int, height: int) -> Path:
+    """A 100-byte PNG whose header claims width x height (IHDR rewritten, CRC fixed)."""
+    buffer = io.BytesIO()
+    Image.new("1", (8, 8)).save(buffer, format="PNG")
+    data = bytearray(buffer.getvalue())
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    path.write_bytes(bytes(data))
+    return path
+
+
+def with_image(root: Path, make: Callable[[Path], object]) -> Path:
+    """A dataset whose second image is made by ``make`` (a hostile file among good ones)."""
+    data = dataset(root)
+    make(data / "2_toy" / "img1.png")
+    return data
+
+
+def truncated_jpeg(root: Path) -> Path:
+    data = dataset(root)
+    (data / "2_toy" / "img1.png").unlink()
+    rng = np.random.default_rng(1)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (96, 96, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+    (data / "2_toy" / "img1.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    return data
+
+
+def state_folder(root: Path, *, broken: bool) -> Path:
+    folder = root / "old" / "lora-state"
+    folder.mkdir(parents=True)
+    (folder / "train_state.json").write_text('{"format": "lora-autotune-state/1", "counters": {' if broken else "{}")
+    if broken:
+        lora_like(folder / "tensors.safetensors", truncate=True)
+    return folder
+
+
+def run_with_saved_state(root: Path, text: str) -> list[str]:
+    """An --out whose autotune_run.json (the supervisor's own state) is ``text``, next to a good config.toml."""
+    out = root / "run"
+    out.mkdir(parents=True)
+    (out / "autotune_run.json").write_text(text, encoding="utf-8")
+    config(out, output_dir=str(out / "output"))
+    return ["autotune", "run", str(dataset(root)), "--model", TINY, "--out", str(out), "--resume"]
+
+
+def a_file(path: Path) -> Path:
+    return text_file(path, "a regular file\n")
+
+
+# ---------------------------------------------------------------- the corpus
+
+CLI = [
+    Case("plan-epochs-negative", lambda t: plan(t, "--epochs", "-1"), "--epochs -1"),
+    Case("plan-epochs-zero", lambda t: plan(t, "--epochs", "0"), "--epochs 0"),
+    Case("plan-rank-zero", lambda t: plan(t, "--rank", "0"), "--rank 0"),
+    Case("plan-resolution-off-step", lambda t: plan(t, "--resolution", "70"), "--resolution 70"),
+    Case("plan-resolution-below-floor", lambda t: plan(t, "--resolution", "8"), "--resolution 8"),
+    Case("plan-resolution-huge", lambda t: plan(t, "--resolution", "65536"), "--resolution 65536"),
+    Case("plan-resolution-sd15-500", lambda t: plan(t, "--resolution", "500", model="builtin:sd15"),
+         "--resolution 500"),
+    Case("plan-vram-zero", lambda t: plan(t, "--vram", "0"), "--vram 0"),
+    Case("plan-vram-negative", lambda t: plan(t, "--vram", "-8"), "--vram -8"),
+    Case("plan-gpu-unknown", lambda t: plan(t, "--gpu", "Voodoo 9000"), "Voodoo 9000"),
+    Case("plan-cpu-cores-zero", lambda t: plan(t, "--cpu-cores", "0"), "--cpu-cores 0"),
+    Case("plan-out-under-a-file", lambda t: plan(t, "--out", str(a_file(t / "f") / "plan")), "f"),
+    Case("plan-family-unknown", lambda t: plan(t, "--family", "sd9"), "sd9"),
+    Case("plan-model-builtin-unknown", lambda t: plan(t, model="builtin:nope"), "builtin:nope"),
+    Case("plan-goal-unknown", lambda t: plan(t, "--goal", "portrait"), "portrait"),
+    Case("run-stall-timeout-zero", lambda t: run(t, "--stall-timeout", "0"), "--stall-timeout 0"),
+    Case("run-stall-timeout-negative", lambda t: run(t, "--stall-timeout", "-5"), "--stall-timeout -5"),
+    Case("run-max-retries-negative", lambda t: run(t, "--max-retries", "-1"), "--max-retries -1"),
+    Case("run-memory-limit-tiny", lambda t: run(t, "--memory-limit", "1"), "--memory-limit 1"),
+    Case("run-save-state-every-zero", lambda t: run(t, "--save-state-every", "0"), "--save-state-every 0"),
+    Case("run-epochs-zero", lambda t: run(t, "--epochs", "0"), "--epochs 0"),
+    Case("run-resolution-off-step", lambda t: run(t, "--resolution", "70"), "--resolution 70"),
+    Case("run-out-under-a-file", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                            str(a_file(t / "f") / "run")], "--out"),
+    Case("run-out-is-a-file", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                         str(a_file(t / "f"))], "--out"),
+    Case("run-resume-nothing-there", lambda t: run(t, "--resume"), "no interrupted autotune run"),
+    Case("run-resume-saved-state-garbage", lambda t: run_with_saved_state(t, "{not json"), "autotune_run.json"),
+    Case("run-resume-saved-state-other-version", lambda t: run_with_saved_state(t, '{"settings": {"x": 1}}'),
+         "another version"),
+    Case("inspect-missing", lambda t: ["autotune", "inspect", str(t / "nope.safetensors")], "nope.safetensors"),
+    Case("doctor-missing", lambda t: ["autotune", "doctor", str(t / "nope")], "not found"),
+    Case("doctor-batch-zero", lambda t: ["autotune", "doctor", str(dataset(t)), "--batch", "0"], "--batch"),
+    Case("doctor-caption-extension-without-dot", lambda t: ["autotune", "doctor", str(dataset(t)),
+                                                            "--caption-extension", "txt"], ".txt"),
+    Case("doctor-resolution-zero", lambda t: ["autotune", "doctor", str(dataset(t)), "--resolution", "0"],
+         "--resolution"),
+    Case("probe-gpu-unknown", lambda t: ["autotune", "probe", "--gpu", "Voodoo 9000"], "Voodoo 9000"),
+    Case("probe-option-unknown", lambda t: ["autotune", "probe", "--gpus", "RTX 3060"], "--gpus"),
+    Case("command-unknown", lambda t: ["autotune", "trian"], "trian"),
+    Case("plan-no-arguments", lambda t: ["autotune", "plan"], "required"),
+    Case("plan-vram-not-a-number", lambda t: plan(t, "--vram", "lots"), "--vram"),
+    Case("run-max-retries-not-a-number", lambda t: run(t, "--max-retries", "many"), "--max-retries"),
+    Case("engine-steps-not-a-number", lambda t: engine(t, "--max_train_steps", "ten"), "max_train_steps"),
+    Case("train-flag-without-value", lambda t: train(t, "--pretrained_model_name_or_path"),
+         "pretrained_model_name_or_path"),
+    Case("engine-max-train-steps-zero", lambda t: engine(t, max_train_steps=0), "max_train_steps"),
+]
+
+CONFIG = [
+    Case("train-config-missing", lambda t: ["autotune", "train", str(t / "nope.toml")], "nope.toml"),
+    Case("train-config-utf16", lambda t: ["autotune", "train", str(utf16(t / "c.toml"))], "UTF-16"),
+    Case("train-config-binary", lambda t: ["autotune", "train", str(binary(t / "c.toml"))], "c.toml"),
+    Case("train-config-empty", lambda t: ["autotune", "train", str(text_file(t / "c.toml", ""))],
+         "pretrained_model_name_or_path"),
+    Case("train-config-malformed", lambda t: ["autotune", "train", str(text_file(t / "c.toml", 'a = "open\n'))],
+         "malformed TOML"),
+    Case("train-config-a-folder", lambda t: ["autotune", "train", str(dataset(t))], "data"),
+    Case("train-key-typo", lambda t: train(t, learning_rat=1e-4), "learning_rate"),
+    Case("train-wrong-type-steps", lambda t: train(t, max_train_steps="ten"), "max_train_steps"),
+    Case("train-wrong-type-lr", lambda t: train(t, learning_rate="fast"), "learning_rate"),
+    Case("train-resolution-garbage", lambda t: train(t, resolution="big"), "resolution"),
+    Case("train-network-dim-negative", lambda t: train(t, network_dim=-4), "network_dim"),
+    Case("train-batch-size-zero", lambda t: train(t, train_batch_size=0), "train_batch_size"),
+    Case("train-output-name-escapes", lambda t: train(t, output_name="../../escaped"), "output_name"),
+    Case("train-optimizer-unknown", lambda t: train(t, optimizer_type="SuperAdam"), "SuperAdam"),
+    Case("engine-config-utf16", lambda t: ["sd_scripts_compat.train_network", "--config_file",
+                                           str(utf16(t / "c.toml"))], "UTF-16"),
+    Case("engine-config-binary", lambda t: ["sd_scripts_compat.train_network", "--config_file",
+                                            str(binary(t / "c.toml"))], "c.toml"),
+    Case("engine-flag-unknown", lambda t: engine(t, "--learning_rat", "1e-4"), "learning_rat"),
+    Case("engine-dataset-config-malformed", lambda t: engine(
+        t, "--dataset_config", str(text_file(t / "d.toml", "[[datasets]\n")), train_data_dir=None), "d.toml"),
+    Case("engine-dataset-config-utf16", lambda t: engine(t, "--dataset_config", str(utf16(t / "d.toml")),
+                                                         train_data_dir=None), "UTF-16"),
+    Case("engine-dataset-config-missing", lambda t: engine(t, "--dataset_config", str(t / "nope.toml"),
+                                                           train_data_dir=None), "nope.toml"),
+    Case("engine-dataset-config-no-datasets", lambda t: engine(
+        t, "--dataset_config", str(text_file(t / "d.toml", "[general]\nshuffle_caption = true\n")),
+        train_data_dir=None), "datasets"),
+    Case("engine-dataset-config-subset-missing-dir", lambda t: engine(t, "--dataset_config", str(text_file(
+        t / "d.toml", f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{t / "nope"}"\n')), train_data_dir=None),
+        "nope"),
+    Case("run-config-missing", lambda t: run(t, "--config", str(t / "nope.toml")), "nope.toml"),
+    Case("run-config-utf16", lambda t: run(t, "--config", str(utf16(t / "c.toml"))), "UTF-16"),
+    Case("run-config-binary", lambda t: run(t, "--config", str(binary(t / "c.toml"))), "c.toml"),
+    Case("run-config-malformed", lambda t: run(t, "--config", str(text_file(t / "c.toml", "x = \n"))),
+         "malformed TOML"),
+    Case("run-config-key-typo", lambda t: run(t, "--config", str(config(t, learning_rat=1e-4))), "learning_rate"),
+    Case("run-dataset-config-missing", lambda t: run(t, "--config", str(config(t)), "--dataset-config",
+                                                     str(t / "nope.toml")), "nope.toml"),
+]
+
+DATASETS = [
+    Case("plan-dataset-missing", lambda t: ["autotune", "plan", str(t / "nope"), "--model", TINY], "nope"),
+    Case("plan-dataset-symlink-loop", lambda t: ["autotune", "plan", str(symlink_loop(t)), "--model", TINY],
+         "loop_a"),
+    Case("run-dataset-missing", lambda t: ["autotune", "run", str(t / "nope"), "--model", TINY, "--out",
+                                           str(t / "run")], "nope"),
+    Case("run-dataset-symlink-loop", lambda t: ["autotune", "run", str(symlink_loop(t)), "--model", TINY,
+                                                "--out", str(t / "run")], "loop_a"),
+    Case("run-dataset-is-a-file", lambda t: ["autotune", "run", str(a_file(t / "f")), "--model", TINY, "--out",
+                                             str(t / "run")], "f"),
+    Case("run-dataset-empty", lambda t: ["autotune", "run", str((t / "empty").mkdir() or t / "empty"),
+                                         "--model", TINY, "--out", str(t / "run")], "holds no images"),
+    Case("run-dataset-only-zero-repeats", lambda t: ["autotune", "run", str(dataset(t, folder="0_toy")),
+                                                     "--model", TINY, "--out", str(t / "run")], "0 repeats"),
+    Case("run-dataset-bomb", lambda t: ["autotune", "run", str(with_image(t, lambda p: png_claiming(p, 30000, 30000))),
+                                        "--model", TINY, "--out", str(t / "run")], "img1.png"),
+    Case("engine-dataset-missing", lambda t: engine(t, train_data_dir=str(t / "nope")), "nope"),
+    Case("engine-dataset-empty", lambda t: engine(t, train_data_dir=str((t / "e").mkdir() or t / "e")), "e"),
+    Case("engine-dataset-is-a-file", lambda t: engine(t, train_data_dir=str(a_file(t / "f"))), "f"),
+    Case("engine-dataset-symlink-loop", lambda t: engine(t, train_data_dir=str(symlink_loop(t))), "loop_a"),
+    Case("engine-image-bomb-20000px", lambda t: engine(t, train_data_dir=str(with_image(
+        t, lambda p: Image.new("1", (20000, 20000)).save(p)))), "decompression-bomb"),
+    Case("engine-image-claims-30000px", lambda t: engine(t, train_data_dir=str(with_image(
+        t, lambda p: png_claiming(p, 30000, 30000)))), "decompression-bomb"),
+    Case("engine-image-truncated-jpeg", lambda t: engine(t, train_data_dir=str(truncated_jpeg(t))), "truncated"),
+    Case("engine-image-random-bytes", lambda t: engine(t, train_data_dir=str(with_image(
+        t, lambda p: p.write_bytes(np.random.default_rng(3).bytes(2000))))), "img1.png"),
+    Case("engine-image-empty-file", lambda t: engine(t, train_data_dir=str(with_image(
+        t, lambda p: p.write_bytes(b"")))), "img1.png"),
+    Case("engine-image-truncated-jpeg-cached", lambda t: engine(
+        t, train_data_dir=str(truncated_jpeg(t)), cache_latents=True, cache_latents_to_disk=True), "truncated"),
+]
+
+MODELS = [
+    Case("train-model-missing", lambda t: train(t, pretrained_model_name_or_path=str(t / "nope.safetensors")),
+         "nope.safetensors"),
+    Case("train-model-text-as-safetensors", lambda t: train(
+        t, pretrained_model_name_or_path=str(text_file(t / "m.safetensors"))), "m.safetensors"),
+    Case("train-model-truncated-safetensors", lambda t: train(t, pretrained_model_name_or_path=str(
+        safetensors_file(t / "m.safetensors", {"w": np.zeros((64, 64), np.float32)}, truncate=True))),
+        "m.safetensors"),
+    Case("train-model-is-a-lora", lambda t: train(t, pretrained_model_name_or_path=str(lora_like(
+        t / "m.safetensors"))), "m.safetensors"),
+    Case("train-model-ckpt-without-allow-pickle", lambda t: train(
+        t, pretrained_model_name_or_path=str(a_file(t / "m.ckpt")), v2=None), "--allow_pickle"),
+    Case("train-model-folder-without-index", lambda t: train(
+        t, pretrained_model_name_or_path=str((t / "m").mkdir() or t / "m")), "model_index.json"),
+    Case("engine-model-ckpt-without-allow-pickle", lambda t: engine(
+        t, pretrained_model_name_or_path=str(a_file(t / "m.ckpt"))), "--allow_pickle"),
+    Case("engine-model-text-as-safetensors", lambda t: engine(
+        t, pretrained_model_name_or_path=str(text_file(t / "m.safetensors"))), "m.safetensors"),
+    Case("engine-model-unknown-suffix", lambda t: engine(
+        t, pretrained_model_name_or_path=str(a_file(t / "m.bin"))), "m.bin"),
+    Case("plan-model-ckpt", lambda t: plan(t, "--family", "sd15", model=str(a_file(t / "m.ckpt"))), "autotune plan"),
+    Case("run-model-ckpt", lambda t: run(t, "--family", "sd15", model=str(a_file(t / "m.ckpt"))), "autotune run"),
+    Case("run-model-ckpt-no-family", lambda t: run(t, model=str(a_file(t / "m.ckpt"))), "convert it"),
+    Case("plan-model-missing", lambda t: plan(t, model=str(t / "nope.safetensors")), "nope.safetensors"),
+    Case("plan-model-text-as-safetensors", lambda t: plan(t, model=str(text_file(t / "m.safetensors"))),
+         "m.safetensors"),
+    Case("run-model-is-a-lora", lambda t: run(t, model=str(lora_like(t / "m.safetensors"))), "m.safetensors"),
+]
+
+LORAS = [
+    Case("inspect-text-as-safetensors", lambda t: ["autotune", "inspect", str(text_file(t / "l.safetensors"))],
+         "l.safetensors"),
+    Case("inspect-truncated", lambda t: ["autotune", "inspect", str(lora_like(t / "l.safetensors", True))],
+         "l.safetensors"),
+    Case("inspect-base-model", lambda t: ["autotune", "inspect", str(safetensors_file(
+        t / "l.safetensors", {"model.diffusion_model.input_blocks.0.0.weight": np.zeros((4, 4), np.float32)}))],
+        "base model"),
+    Case("inspect-no-tensors", lambda t: ["autotune", "inspect", str(safetensors_file(t / "l.safetensors", {}))],
+         "no tensors"),
+    Case("inspect-peft-keys", lambda t: ["autotune", "inspect", str(safetensors_file(
+        t / "l.safetensors", {"unet.down.lora_A.weight": np.zeros((4, 4), np.float32)}))], "lora_A"),
+    Case("inspect-pickle", lambda t: ["autotune", "inspect", str(a_file(t / "l.pt"))], "l.pt"),
+    Case("inspect-a-folder", lambda t: ["autotune", "inspect", str(dataset(t))], "data"),
+    Case("train-network-weights-missing", lambda t: train(t, network_weights=str(t / "nope.safetensors")),
+         "nope.safetensors"),
+    Case("train-network-weights-text", lambda t: train(t, network_weights=str(text_file(t / "w.safetensors"))),
+         "w.safetensors"),
+    Case("train-network-weights-truncated", lambda t: train(t, network_weights=str(
+        lora_like(t / "w.safetensors", truncate=True))), "w.safetensors"),
+    Case("train-network-weights-base-model", lambda t: train(t, network_weights=str(safetensors_file(
+        t / "w.safetensors", {"model.diffusion_model.x.weight": np.zeros((4, 4), np.float32)}))), "w.safetensors"),
+]
+
+INTERRUPTIONS = [
+    Case("train-resume-missing", lambda t: train(t, "--resume", str(t / "nope-state")), "nope-state"),
+    Case("train-resume-not-a-state", lambda t: train(t, "--resume", str(state_folder(t, broken=False))),
+         "not a lora-autotune state"),
+    Case("train-resume-broken-state", lambda t: train(t, "--resume", str(state_folder(t, broken=True))),
+         "lora-state"),
+    Case("engine-resume-a-file", lambda t: engine(t, "--resume", str(a_file(t / "f"))), "f"),
+]
+
+CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS
+
+
+def files_under(root: Path) -> set[str]:
+    """Every file (not folder) under ``root``, symlinks not followed."""
+    found = set()
+    for folder, _dirs, files in os.walk(root):
+        found.update(os.path.relpath(os.path.join(folder, f), root) for f in files)
+    return found
+
+
+def check_one_line(done: subprocess.CompletedProcess, code: int, needle: str) -> str:
+    """Non-zero exit (the expected one), one non-empty stderr line with the needle, no traceback, no warning."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == code, f"exit {done.returncode}\nstderr:\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
+    assert len(lines) == 1, f"{len(lines)} stderr lines:\n{done.stderr[-3000:]}"
+    line = lines[0]
+    assert line.startswith(("autotune", "train_network: ", "sdxl_train_network: ")), line
+    assert needle in line, line
+    assert not LIBRARY_WARNING.search(done.stderr + done.stdout), (done.stdout + done.stderr)[-2000:]
+    return line
+
+
+def test_the_corpus_is_large_and_its_ids_unique():
+    ids = [case.id for case in CORPUS]
+    assert len(ids) == len(set(ids)) and len(ids) >= 60, len(ids)
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=lambda case: case.id)
+def test_hostile_input_is_one_line_no_traceback_no_output(case: Case, tmp_path: Path):
+    argv = case.build(tmp_path)
+    before = files_under(tmp_path)
+    done = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=300, check=False)
+    check_one_line(done, case.code, case.needle)
+    assert files_under(tmp_path) == before, sorted(files_under(tmp_path) - before)
+
+
+def _wait_until_torch_is_loaded(pid: int, timeout: float = 120.0) -> None:
+    """The engine is past Python's start and inside its own main (torch mapped), so our handlers are in."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
+                return
+        except OSError:
+            return
+        time.sleep(0.05)
+
+
+def test_an_engine_error_in_autotune_run_is_shown_once_and_the_same_out_can_be_used_again(tmp_path: Path):
+    """The doctor skipped, the engine itself refuses a truncated JPEG in the child: its one line reaches the user
+    once, as `autotune run: error: ...`, after no library noise; nothing is left in --out, so the same command
+    gives the same answer again (not "holds an earlier run")."""
+    data, out = truncated_jpeg(tmp_path), tmp_path / "run"
+    command = [sys.executable, "-m", "autotune", "run", str(data), "--model", TINY, "--out", str(out), "--epochs",
+               "1", "--skip-doctor"]
+    before = files_under(tmp_path)
+    lines = []
+    for _ in range(2):
+        done = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+        lines.append(check_one_line(done, USER_ERROR, "img1.jpg: cannot read image (the file is truncated)"))
+        assert lines[-1].startswith("autotune run: error: ") and "train_network" not in lines[-1]
+        assert done.stdout.count("img1.jpg") == 0  # not also among the decisions on stdout
+        assert files_under(tmp_path) == before and not out.exists()
+    assert lines[0] == lines[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to know the engine has started")
+@pytest.mark.parametrize("phase", ["starting", "caching"])
+@pytest.mark.parametrize(("number", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_before_training_is_one_line_and_leaves_nothing(number: int, code: int, phase: str,
+                                                                     tmp_path: Path):
+    """Ctrl-C / `docker stop` before the first step: nothing trained, nothing to save, one line, no output.
+    "starting": as soon as torch is loaded (reading the config); "caching": inside the first latent-cache write
+    (held open by the atomic-write test hook), so the half-written cache must vanish too."""
+    argv = engine(tmp_path, max_train_steps=1000, cache_latents=True, cache_latents_to_disk=True)
+    images = tmp_path / "data" / "2_toy"
+    before = files_under(tmp_path)
+    env = {**ENV, "SD_COMPAT_TEST_SAVE_PAUSE": "*.latents.safetensors:120"}
+    child = subprocess.Popen([sys.executable, "-m", *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    if phase == "starting":
+        _wait_until_torch_is_loaded(child.pid)
+    else:
+        deadline = time.time() + 300
+        while not [p for p in images.iterdir() if p.name.startswith(".")] and child.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.05)
+    child.send_signal(number)
+    stdout, stderr = child.communicate(timeout=300)
+    line = check_one_line(subprocess.CompletedProcess(argv, child.returncode, stdout, stderr), code,
+                          "before training started; nothing to save")
+    assert signal.Signals(number).name in line
+    assert files_under(tmp_path) == before  # no cache, no temp file, no state, no LoRA
