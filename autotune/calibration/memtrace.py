@@ -333,7 +333,6 @@ def trace_training_step(
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.families import get_family
 
     if optimizer not in OPTIMIZERS:
@@ -342,26 +341,8 @@ def trace_training_step(
         mixed_precision = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "fp16"}[weight_dtype]
     started = time.perf_counter()
     spec = get_family(family)
-    store_dtype = torch_dtype(weight_dtype)
-    module_dtype = torch.float16 if weight_dtype == "fp8" else store_dtype
-    bundle = build_modules(spec, device="meta" if fake else "cpu", dtype=module_dtype, seed=None if fake else 0)
-    if weight_dtype == "fp8":  # the engine's fp8_base: UNet Linear/Conv weights in 1 byte, upcast per call
-        from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
-
-        store_frozen_weights_in_fp8(bundle.unet, torch.bfloat16 if mixed_precision == "bf16" else torch.float16)
-    builder = lora_builder or build_lora
-    network = builder(bundle, rank, float(network_alpha if network_alpha is not None else rank),
-                      train_text_encoder)
-    network.to(torch.float32)  # kohya trains LoRA weights in fp32 under mixed precision
-    lora_params = [p for p in network.parameters() if p.requires_grad]
-    if gradient_checkpointing:
-        bundle.unet.enable_gradient_checkpointing()
-        bundle.unet.train()
-        if train_text_encoder:
-            for te in bundle.text_encoders:
-                te.gradient_checkpointing_enable()
-                te.train()
-
+    bundle, network, module_dtype = _build_for_trace(spec, rank, weight_dtype, mixed_precision, train_text_encoder,
+                                                     gradient_checkpointing, network_alpha, lora_builder, fake)
     text_encoders_resident = train_text_encoder or not cache_text_encoder_outputs
     resident: list[Any] = [bundle.unet, network]
     if text_encoders_resident:
@@ -381,8 +362,6 @@ def trace_training_step(
 
     counter = LiveBytesCounter()
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
-    latent_size = resolution // latent_downsample(spec)
-    latent_channels = spec.vae.get("latent_channels", 4)
     with fake_mode:
         opt, simulated = make_optimizer(optimizer, lora_params)
         # steady state: the optimizer state exists before the traced step (step 2 onward)
@@ -396,33 +375,10 @@ def trace_training_step(
         counter.reset_peak()
 
         with counter.mode(), _attention_context(attention):
-            counter.phase = "inputs"
-            if cache_latents:
-                latents = torch.empty(batch_size, latent_channels, latent_size, latent_size, dtype=torch.float32)
-            else:
-                images = torch.empty(batch_size, 3, resolution, resolution, dtype=module_dtype)
-                counter.phase = "vae_encode"
-                with torch.no_grad():
-                    latents = bundle.vae.encode(images).latent_dist.sample().float() * 0.18215
-                del images
-            counter.phase = "text_encode"
-            cond, pooled = _text_conditioning(bundle, batch_size, train_text_encoder, cache_text_encoder_outputs,
-                                              module_dtype, autocast_dtype)
-            counter.phase = "forward"
-            noise = torch.randn_like(latents)
-            timesteps = torch.randint(0, 1000, (batch_size,))
-            scale = torch.rand(batch_size, 1, 1, 1)
-            noisy = latents * scale + noise * (1 - scale)
-            added = None
-            if spec.is_sdxl:
-                added = {"text_embeds": pooled, "time_ids": torch.empty(batch_size, 6, dtype=cond.dtype)}
-            with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-                pred = bundle.unet(noisy, timesteps, cond, added_cond_kwargs=added).sample
-            loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
-            del pred, noisy, noise, latents, cond, pooled, added
-            counter.phase = "backward"
-            loss.backward()
-            del loss
+            _forward_backward(bundle, spec, counter, batch_size=batch_size, resolution=resolution,
+                              module_dtype=module_dtype, autocast_dtype=autocast_dtype, cache_latents=cache_latents,
+                              train_text_encoder=train_text_encoder,
+                              cache_text_encoder_outputs=cache_text_encoder_outputs)
             grads = [p.grad for p in lora_params if p.grad is not None]
             lora_grad_bytes = _storage_bytes(grads)
             del grads
@@ -442,6 +398,72 @@ def trace_training_step(
         peak_phase=counter.peak_phase, phase_peaks=dict(counter.phase_peaks), optimizer_state_simulated=simulated,
         seconds=round(time.perf_counter() - started, 2),
     )
+
+
+def _build_for_trace(spec: Any, rank: int, weight_dtype: str, mixed_precision: str, train_text_encoder: bool,
+                     gradient_checkpointing: bool, network_alpha: float | None,
+                     lora_builder: Callable[[Any, int, float, bool], Any] | None, fake: bool) -> tuple[Any, Any, Any]:
+    """The family's modules (meta device when ``fake``) in the traced dtype, with the LoRA applied."""
+    import torch
+
+    from sd_scripts_compat.models.build import build_modules
+
+    store_dtype = torch_dtype(weight_dtype)
+    module_dtype = torch.float16 if weight_dtype == "fp8" else store_dtype
+    bundle = build_modules(spec, device="meta" if fake else "cpu", dtype=module_dtype, seed=None if fake else 0)
+    if weight_dtype == "fp8":  # the engine's fp8_base: UNet Linear/Conv weights in 1 byte, upcast per call
+        from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+
+        store_frozen_weights_in_fp8(bundle.unet, torch.bfloat16 if mixed_precision == "bf16" else torch.float16)
+    builder = lora_builder or build_lora
+    network = builder(bundle, rank, float(network_alpha if network_alpha is not None else rank),
+                      train_text_encoder)
+    network.to(torch.float32)  # kohya trains LoRA weights in fp32 under mixed precision
+    if gradient_checkpointing:
+        bundle.unet.enable_gradient_checkpointing()
+        bundle.unet.train()
+        if train_text_encoder:
+            for te in bundle.text_encoders:
+                te.gradient_checkpointing_enable()
+                te.train()
+    return bundle, network, module_dtype
+
+
+def _forward_backward(bundle: Any, spec: Any, counter: LiveBytesCounter, *, batch_size: int, resolution: int,
+                      module_dtype: Any, autocast_dtype: Any, cache_latents: bool, train_text_encoder: bool,
+                      cache_text_encoder_outputs: bool) -> None:
+    """One micro-step's inputs, forward and backward, each phase named on ``counter``."""
+    import torch
+
+    latent_size = resolution // latent_downsample(spec)
+    latent_channels = spec.vae.get("latent_channels", 4)
+    counter.phase = "inputs"
+    if cache_latents:
+        latents = torch.empty(batch_size, latent_channels, latent_size, latent_size, dtype=torch.float32)
+    else:
+        images = torch.empty(batch_size, 3, resolution, resolution, dtype=module_dtype)
+        counter.phase = "vae_encode"
+        with torch.no_grad():
+            latents = bundle.vae.encode(images).latent_dist.sample().float() * 0.18215
+        del images
+    counter.phase = "text_encode"
+    cond, pooled = _text_conditioning(bundle, batch_size, train_text_encoder, cache_text_encoder_outputs,
+                                      module_dtype, autocast_dtype)
+    counter.phase = "forward"
+    noise = torch.randn_like(latents)
+    timesteps = torch.randint(0, 1000, (batch_size,))
+    scale = torch.rand(batch_size, 1, 1, 1)
+    noisy = latents * scale + noise * (1 - scale)
+    added = None
+    if spec.is_sdxl:
+        added = {"text_embeds": pooled, "time_ids": torch.empty(batch_size, 6, dtype=cond.dtype)}
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        pred = bundle.unet(noisy, timesteps, cond, added_cond_kwargs=added).sample
+    loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+    del pred, noisy, noise, latents, cond, pooled, added
+    counter.phase = "backward"
+    loss.backward()
+    del loss
 
 
 def _text_conditioning(bundle: Any, batch_size: int, train_text_encoder: bool, cached: bool, dtype: Any,
