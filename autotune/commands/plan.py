@@ -48,7 +48,7 @@ def refuse_pickle(model: str, command: str) -> None:
     from pathlib import Path
 
     from sd_scripts_compat.errors import UserError
-    from sd_scripts_compat.models.single_file import PICKLE_SUFFIXES
+    from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES
 
     if Path(model).suffix.lower() in PICKLE_SUFFIXES:
         raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; autotune {command} reads "
