@@ -161,6 +161,11 @@ def run(args: argparse.Namespace) -> int:
         early_check(args.engine, args.python, args.model)
     scan = check_dataset(dataset_dir)
     check_folder_convention(args, scan)
+    if args.resolution is not None and not args.config:  # the plan's own rule, said before the doctor's checks
+        from autotune.planning.request import validate_resolution
+        from sd_scripts_compat.models.detect import detect_family
+
+        validate_resolution(args.resolution, detect_family(args.model, args.family))
     if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
         from autotune.doctor import check_before_training
 
