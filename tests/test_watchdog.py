@@ -130,6 +130,9 @@ def test_sigterm_to_the_supervisor_is_forwarded_to_the_child_and_ends_as_interru
     import signal
     import threading
 
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be installed in the main thread; the SIGTERM would end this process")
+
     def send_sigterm_soon(_pid: int) -> None:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
