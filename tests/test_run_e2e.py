@@ -259,7 +259,7 @@ def test_dataset_toml_batch_survives_an_oom_step_down(tmp_path):
         "network_module": "networks.lora", "network_dim": 4, "network_alpha": 2, "learning_rate": 1e-3,
         "optimizer_type": "AdamW", "mixed_precision": "no", "seed": 7, "max_train_steps": 3,
         "max_data_loader_n_workers": 0, "lr_scheduler": "constant", "output_name": "echo"}))
-    dataset.write_text(toml.dumps({"general": {"resolution": 32, "caption_extension": ".caption"},
+    dataset.write_text(toml.dumps({"general": {"resolution": 64, "caption_extension": ".caption"},
                                    "datasets": [{"batch_size": 4,
                                                  "subsets": [{"image_dir": str(data / "1_toy")}]}]}))
     out = tmp_path / "run"

@@ -273,7 +273,8 @@ def test_cli_run_plans_then_supervises_the_fake_from_a_lora_scripts_folder(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(the stable sd-scripts of a lora-scripts (SD-Trainer) folder)" in done.stdout
     assert f"python: {sys.executable}" in done.stdout and "sd-scripts version 0.9.1" in done.stdout
-    assert f"attempt 0: {sys.executable} {lora / 'scripts' / 'stable' / 'train_network.py'}" in done.stderr
+    shown = done.stdout + done.stderr  # decision lines go to stdout
+    assert f"attempt 0: {sys.executable} {lora / 'scripts' / 'stable' / 'train_network.py'}" in shown
     retry = json.loads((out / "autotune_retries.json").read_text())[0]
     assert retry["failure"] == "oom" and retry["step"] == 5 and retry["resume_step"] == 4
     w, meta = read_fake_lora(out / "output" / "data-tiny-sd15.safetensors")
