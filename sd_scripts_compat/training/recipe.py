@@ -7,7 +7,7 @@
 The order of the steps is the order of their effects on the RNG and the device, so it is fixed.
 
 The hot path does no per-step host syncs (the step losses and gradient norms stay on the device and
-are read only when the progress bar refreshes, about every 2 s, and before a save: see
+are read at the first step, when the progress bar refreshes (about every 2 s) and before a save: see
 ``training.stability``, which also stops an unstable run), feeds cached latents when asked, and copies batches with
 pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.contract.write_event``.
 """
@@ -672,12 +672,13 @@ def optimizer_step(r: Recipe, counters: Any) -> None:
 
 
 def after_step(r: Recipe, loop: LoopState, counters: Any, progress: Any) -> None:
-    """What follows an optimizer step: progress (every ~2 s), validation, saves and samples when due."""
+    """What follows an optimizer step: progress (the first step, then every ~2 s), validation, saves and samples when due."""
     config, step = r.config, counters.global_step
     now = time.time()
     loop.step_ended_at.append(now)
     progress.update(1)
-    if now - loop.last_report >= PROGRESS_EVERY_SECONDS or step == r.optimization.max_train_steps:
+    first_step = len(loop.step_ended_at) == 1  # reported at once: the watchdog and the user see training has begun
+    if first_step or now - loop.last_report >= PROGRESS_EVERY_SECONDS or step == r.optimization.max_train_steps:
         _report_progress(r, loop, counters, progress, now)
     if r.validation is not None and r.validation.due(step, epoch_end=False):
         r.validation.run(step)
