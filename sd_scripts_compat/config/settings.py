@@ -56,6 +56,7 @@ class TrainSettings:
     max_grad_norm: float = 1.0  # 0: no clipping
     full_fp16: bool = False
     full_bf16: bool = False
+    blocks_to_swap: int = 0  # FLUX: transformer blocks kept in host memory and copied in around their use
 
     @property
     def effective_batch(self) -> int:
@@ -103,6 +104,8 @@ class TrainSettings:
             values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
         if self.xformers:
             values["xformers"] = True
+        if self.blocks_to_swap:
+            values["blocks_to_swap"] = self.blocks_to_swap
         values.update({"learning_rate": self.learning_rate, "lr_scheduler": self.lr_scheduler,
                        "lr_warmup_steps": self.lr_warmup_steps, "max_grad_norm": self.max_grad_norm,
                        "full_fp16": self.full_fp16, "full_bf16": self.full_bf16})
@@ -142,7 +145,7 @@ class TrainSettings:
             raise ValueError(f"settings block lacks {', '.join(missing)}")
         data = {name: values[name] for name in names}
         data["resolution"] = parse_resolution(data["resolution"])
-        for name in ("train_batch_size", "gradient_accumulation_steps", "network_dim"):
+        for name in ("train_batch_size", "gradient_accumulation_steps", "network_dim", "blocks_to_swap"):
             data[name] = int(data[name])
         if data["max_bucket_reso"] is not None:
             data["max_bucket_reso"] = int(data["max_bucket_reso"])
@@ -167,6 +170,8 @@ class TrainSettings:
             parts.append(f"max bucket {self.max_bucket_reso}")
         if self.fp8_base:
             parts.append("fp8 base")
+        if self.blocks_to_swap:
+            parts.append(f"{self.blocks_to_swap} blocks swapped")
         parts.append(f"lr {self.learning_rate:g}")
         if self.lr_warmup_steps:
             parts.append(f"warm-up {self.lr_warmup_steps:g}")
