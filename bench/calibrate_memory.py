@@ -356,9 +356,9 @@ def refit_families(selected: list[str]) -> int:
     """
     import torch
 
+    from autotune.calibration.flops import fit_flops
     from autotune.calibration.memtrace import architecture_facts
     from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
-    from autotune.estimate.speed_model import fit_flops
 
     unknown = [f for f in selected if f not in NATIVE]
     if unknown or not selected:
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     shipped_flops = load_calibration().get("flops", {}) if CALIBRATION_PATH.is_file() else {}
     missing = [f for f in NATIVE if f not in shipped_flops]
     if args.flops_only or (missing and not args.trace_only and not args.check):
-        from autotune.estimate.speed_model import fit_flops
+        from autotune.calibration.flops import fit_flops
 
         started = time.perf_counter()
         # the tiny families: three resolutions, so the fit has a constant (see fit_flops)

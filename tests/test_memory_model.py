@@ -129,7 +129,8 @@ def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None
     assert peaks == sorted(peaks) and len(set(peaks)) == 5
     with pytest.raises(UserError, match="resolution must be >= 64 px"):
         predict_memory(tiny.with_(resolution=32))
-    from autotune.estimate.speed_model import count_flops, step_flops
+    from autotune.calibration.flops import count_flops
+    from autotune.estimate.speed_model import step_flops
 
     counted = count_flops(family, 192, gradient_checkpointing=True)  # 192 px: between the counted 128/256/512
     shipped = step_flops(tiny.with_(resolution=192, gradient_checkpointing=True))

@@ -269,6 +269,20 @@ def test_cpu_plan_is_fp32():
     plan = plan_for("sd15", [], cpu_memory_bytes=16 * GIB)
     assert plan.fits and plan.settings.mixed_precision == "no"
     assert "--mixed_precision" not in plan.launch_command
+    reason = {c.key: c.reason for c in plan.choices}["mixed_precision"]
+    assert "no native bf16" in reason
+
+
+def test_cpu_with_native_bf16_plans_bf16_autocast():
+    """A CPU with avx512_bf16 / AMX trains in bf16 autocast (LoRA fp32), predicted faster than its fp32 plan."""
+    fp32 = plan_for("sd15", [], cpu_memory_bytes=16 * GIB)
+    plan = plan_for("sd15", [], cpu_memory_bytes=16 * GIB, cpu_bf16=True)
+    assert plan.fits and plan.settings.mixed_precision == "bf16"
+    assert "--mixed_precision" in plan.launch_command and "bf16" in plan.launch_command
+    reason = {c.key: c.reason for c in plan.choices}["mixed_precision"]
+    assert "natively" in reason and "LoRA weights stay fp32" in reason
+    assert plan.prediction.samples_per_s > fp32.prediction.samples_per_s
+    assert plan.prediction.speed_source == "model"  # no measurements given
 
 
 def test_nothing_fits_says_what_the_smallest_configuration_needs():
@@ -391,7 +405,8 @@ def test_gpu_validate_dry_run_trains_at_planned_settings(tmp_path):
 @pytest.mark.parametrize("family", ["tiny-sd15", "tiny-sdxl"])
 def test_tiny_family_plan_cli_subprocess(family, tmp_path):
     """The README quickstart's plan: `autotune plan DATASET --model builtin:tiny-* --json` as a user runs it,
-    on the tiny family's own calibration. Without a GPU it is an fp32 CPU plan at the tiny native size."""
+    on the tiny family's own calibration. Without a GPU it is a CPU plan at the tiny native size, in bf16 where
+    this CPU computes bf16 natively (the probe's flags), else fp32."""
     import os
     import subprocess
     import sys
@@ -407,5 +422,7 @@ def test_tiny_family_plan_cli_subprocess(family, tmp_path):
     assert plan["fits"] and plan["family"] == family
     assert plan["prediction"]["peak_bytes"] <= plan["prediction"]["usable_bytes"]
     if plan["device"] == "CPU":
-        assert plan["settings"]["mixed_precision"] == "no"
+        from autotune.hardware.probe import probe_cpu
+
+        assert plan["settings"]["mixed_precision"] == ("bf16" if probe_cpu().bf16_native else "no")
         assert plan["settings"]["resolution"] == [256, 256]  # the tiny native size: 32x32 latents

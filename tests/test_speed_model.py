@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from autotune.calibration.flops import count_flops
 from autotune.estimate.memory_model import MemoryInputs
-from autotune.estimate.speed_model import count_flops, efficiency, predict_speed, step_flops
+from autotune.estimate.speed_model import efficiency, predict_speed, step_flops
 
 SD15 = MemoryInputs(family="sd15", resolution=512, batch_size=1, rank=16, gradient_checkpointing=False)
 SDXL = MemoryInputs(family="sdxl", resolution=1024, batch_size=1, rank=16, gradient_checkpointing=False)

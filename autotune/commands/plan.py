@@ -15,10 +15,11 @@ import sys
 from typing import Any
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True) -> None:
     from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
 
-    parser.add_argument("dataset", metavar="DATASET", help="folder of N_name image subfolders (N = repeats)")
+    parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
+                        help="folder of N_name image subfolders (N = repeats)")
     parser.add_argument("--model", required=True, metavar="PATH|builtin:ID",
                         help="base model: a .safetensors file, a diffusers folder, or builtin:sd15 / builtin:sdxl ...")
     parser.add_argument("--family", default=None, help="model family when it cannot be detected (e.g. sd2-v)")
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
                         help="config layout: kohya (flat) or lora-scripts (sectioned)")
     parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+    parser.add_argument("--no-learn", action="store_true",
+                        help="plan from the models alone, ignoring this machine's measured runs and benches")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -66,7 +69,7 @@ def build_request(args: argparse.Namespace) -> Any:
     """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest."""
     from autotune.planning.request import PlanRequest, Preferences
 
-    gpus, cores, ram, probe_line = _targets(args)
+    gpus, cores, ram, probe_line, probe = _targets(args)
     if args.cpu_cores is not None:
         if args.cpu_cores < 1:
             from sd_scripts_compat.errors import UserError
@@ -75,12 +78,27 @@ def build_request(args: argparse.Namespace) -> Any:
         cores = args.cpu_cores
     prefs = Preferences(optimizer=args.optimizer, rank=args.rank, resolution=args.resolution, epochs=args.epochs,
                         allow_fp8=not args.no_fp8)
+    cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
+    device, records = _measured(args, gpus, probe)
     return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
-                       cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line)
+                       cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line, cpu_bf16=cpu_bf16,
+                       measurements=records, measured_device=device)
 
 
-def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
+def _measured(args: argparse.Namespace, gpus: list[Any], probe: Any) -> tuple[str | None, tuple[Any, ...]]:
+    """The device key and this machine's measurements (none with --no-learn, for a --vram-only card, or for a
+    named card this machine has not measured)."""
+    if getattr(args, "no_learn", False) or (probe is None and not args.gpu):
+        return None, ()
+    from autotune.measure.store import device_key, load_measurements
+
+    device = device_key(probe) if probe is not None else gpus[0].spec.name if gpus and gpus[0].spec else None
+    return device, tuple(load_measurements()) if device else ()
+
+
+def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str, Any]:
+    """Cards, physical cores, available RAM, the probe's line and the probe (None: a named or --vram card)."""
     from autotune.hardware.gpu_catalog import lookup_gpu
     from autotune.planning.request import gpu_from_spec, gpu_from_vram
     from sd_scripts_compat.errors import UserError
@@ -103,14 +121,15 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]
         else:
             gpus = [gpu_from_vram(size) for size in vrams]
         line = "not probed: planned for " + ", ".join(g.name for g in gpus)
-        return gpus, cores, None, line
+        return gpus, cores, None, line, None
     return _probed_targets(args)
 
 
-def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str]:
+def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str, Any]:
     from autotune.hardware.probe import probe_system
 
-    return targets_from_probe(probe_system(output_dir=args.out or ".", use_torch=False))
+    probe = probe_system(output_dir=args.out or ".", use_torch=False)
+    return (*targets_from_probe(probe), probe)
 
 
 def targets_from_probe(probe: Any) -> tuple[list[Any], int, int | None, str]:
@@ -167,6 +186,9 @@ def render(plan: Any) -> None:
                   f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] ({p.micro_steps_per_s:.3g} micro-steps/s per "
                   f"device), {p.samples_per_s:.3g} "
                   f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]")
+    console.print(f"speed: [bold]{p.speed_source}[/bold] ({p.speed_basis}); memory: {p.memory_source}")
+    for line in plan.learned:
+        console.print(f"learned: {line}")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
     console.print("run: " + " ".join(plan.launch_command))
     for warning in plan.warnings:

@@ -22,8 +22,17 @@ published LoRA throughput (``shared/reference/vram_datapoints.md``): row 1, SD1.
 2080 Ti at ~3.3 it/s (1.8 TFLOP/step, 5.9 TFLOP/s of 53.8: 11 %) and row 18, SDXL bs8 with GC on
 a 4090 at ~3 s/it (159 TFLOP/step, 53 TFLOP/s of 165: 32 %); row 17 (SDXL 1024 bs1 on a 3090 Ti,
 1.12 s/it) is predicted at 0.7-0.95 s/it, i.e. the curve is somewhat optimistic at bs1.
-On the CPU (no GPU given) the rate is ~75 GFLOP/s per physical core in fp32 (this machine's 2
-cores: ~150 GFLOP/s, from the stack notes' full-size step timings), bf16 ~3.6x slower.
+On the CPU (no GPU given) a micro-step costs a fixed overhead plus its FLOPs at the CPU's rate:
+``seconds = CPU_MICRO_STEP_OVERHEAD_S + FLOPs / (cores x CPU_GFLOPS_PER_CORE)``. The overhead (per-op
+dispatch, the data loader, the optimizer: what a tiny model's step is made of) and the rate (what a
+full-size step is made of) are fitted by ``autotune.calibration.cpu_speed.fit_cpu_speed`` to engine
+runs on this project's 2-core machine (``bench/learned_plan.py --calibrate-cpu`` prints the fit): the
+quickstart's tiny-sd15 run measured ~0.1-0.25 s per micro-step where the FLOPs alone give 0.02 s, so the
+old FLOPs-only figure (~50 micro-steps/s) was ~5.5x optimistic. bf16 autocast on a CPU with native bf16
+(avx512_bf16 / AMX: ``cpu_bf16=True``) runs the FLOP part ``CPU_NATIVE_BF16_GAIN`` x faster (an SD1.5
+UNet forward + backward at 256 px on this machine: 1.26-1.31 s vs 1.86-2.46 s in fp32); without native
+bf16 it is emulated, ~3.6x slower. The overhead part is not sped up. A measured figure of the same
+settings on the same machine (``autotune.measure``) beats all of this: the planner uses it when it has one.
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ from typing import Any
 
 EFFICIENCY_MAX = 0.33
 EFFICIENCY_HALF_TFLOP = 3.5
-CPU_GFLOPS_PER_CORE = 75.0
+CPU_GFLOPS_PER_CORE = 50.0
+CPU_MICRO_STEP_OVERHEAD_S = 0.08
+CPU_NATIVE_BF16_GAIN = 1.6
 CPU_BF16_SLOWDOWN = 3.6
 
 
@@ -127,14 +138,22 @@ def compute_precision(inputs: Any) -> str:
     return {"fp8": "fp16"}.get(inputs.weight_dtype, inputs.weight_dtype)
 
 
+def cpu_precision_factor(precision: str, native_bf16: bool) -> float:
+    """The CPU's FLOP rate under ``precision`` relative to fp32 (fp16 autocast stays fp32 on CPU)."""
+    if precision != "bf16":
+        return 1.0
+    return CPU_NATIVE_BF16_GAIN if native_bf16 else 1.0 / CPU_BF16_SLOWDOWN
+
+
 def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accumulation_steps: int = 1,
-                  peak_tflops: float | None = None, cpu_cores: int | None = None,
+                  peak_tflops: float | None = None, cpu_cores: int | None = None, cpu_bf16: bool = False,
                   calibration: dict[str, Any] | None = None) -> SpeedEstimate:
     """Seconds per optimizer step and for ``steps`` steps.
 
     The rate is ``peak_tflops`` when given (a plain number), else the ``gpu``'s catalogue rate
     (anything with ``fp16_tensor_tflops`` / ``bf16_tensor_tflops`` / ``fp32_tflops``, e.g.
-    ``autotune.hardware.gpu_catalog.GpuSpec``), else the CPU's (``cpu_cores`` physical cores).
+    ``autotune.hardware.gpu_catalog.GpuSpec``), else the CPU's (``cpu_cores`` physical cores; ``cpu_bf16``:
+    the CPU computes bf16 natively).
     """
     flops = step_flops(inputs, calibration)
     precision = compute_precision(inputs)
@@ -145,8 +164,9 @@ def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accu
         device = getattr(gpu, "name", None) or f"{rate:g} TFLOP/s"
     else:
         cores = max(1, int(cpu_cores or 1))
-        rate = cores * CPU_GFLOPS_PER_CORE / 1000 / (CPU_BF16_SLOWDOWN if precision == "bf16" else 1.0)
-        eff = 1.0  # the CPU figure is already an achieved rate
+        rate = cores * CPU_GFLOPS_PER_CORE / 1000 * cpu_precision_factor(precision, cpu_bf16)
+        seconds = CPU_MICRO_STEP_OVERHEAD_S + (tflop / rate if rate > 0 else math.inf)
+        eff = tflop / seconds / rate if seconds > 0 else 0.0  # the overhead's share lowers the achieved rate
         device = f"cpu x{cores}"
     achieved = rate * eff
     micro = tflop / achieved if achieved > 0 else math.inf
@@ -154,108 +174,3 @@ def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accu
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
                          steps=steps, flops_per_micro_step=flops.total, efficiency=eff, peak_tflops=rate,
                          achieved_tflops=achieved, device=device)
-
-
-# ----------------------------------------------------------------------------------------- counting
-
-
-def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, rank: int = 16) -> dict[str, float]:
-    """Count one batch-1 UNet forward and backward (LoRA-trained, frozen base) on the meta device."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
-    from sd_scripts_compat.network.lora import create_network
-
-    spec = get_family(family)
-    bundle = build_modules(spec, device="meta", seed=None)
-    network = create_network(bundle, network_dim=rank, network_alpha=rank, train_text_encoder=False)
-    network.apply_to()
-    unet = bundle.unet
-    if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-        unet.train()
-    latent = resolution // spec.latent_downsample
-    with torch.device("meta"):
-        x = torch.empty(1, unet.config.in_channels, latent, latent)
-        cond = torch.empty(1, 77, unet.config.cross_attention_dim)
-        added = None
-        if spec.is_sdxl:
-            pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
-            added = {"text_embeds": torch.empty(1, pooled),
-                     "time_ids": torch.empty(1, 6)}
-        with FlopCounterMode(display=False) as forward:
-            out = unet(x, torch.tensor([1]), cond, added_cond_kwargs=added).sample
-        with FlopCounterMode(display=False) as backward:
-            out.float().pow(2).mean().backward()
-    return {"forward": float(forward.get_total_flops()), "backward": float(backward.get_total_flops())}
-
-
-def count_encoder_flops(family: str, resolution: int) -> dict[str, float]:
-    """Text encoders' forward and backward (trained) and the VAE encoder's forward, batch 1, on meta."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
-    from sd_scripts_compat.network.lora import create_network
-
-    spec = get_family(family)
-    bundle = build_modules(spec, device="meta", seed=None)
-    network = create_network(bundle, network_dim=16, network_alpha=16, train_unet=False, train_text_encoder=True)
-    network.apply_to()
-    te_forward = te_backward = 0.0
-    with torch.device("meta"):
-        for te, te_spec in zip(bundle.text_encoders, spec.text_encoders, strict=True):
-            ids = torch.zeros(1, te_spec.tokenizer["model_max_length"], dtype=torch.long)
-            with FlopCounterMode(display=False) as fwd:
-                out = te(ids, output_hidden_states=True)
-            with FlopCounterMode(display=False) as bwd:
-                out.hidden_states[-2].float().pow(2).mean().backward()
-            te_forward += fwd.get_total_flops()
-            te_backward += bwd.get_total_flops()
-        image = torch.empty(1, 3, resolution, resolution)
-        with FlopCounterMode(display=False) as vae, torch.no_grad():
-            bundle.vae.encode(image)
-    return {"text_encoder_forward": float(te_forward), "text_encoder_backward": float(te_backward),
-            "vae_encode": float(vae.get_total_flops())}
-
-
-def fit_flops(family: str, resolutions: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """Per-sample FLOP fits in latent pixels for one family: ``f1*P + f2*P^2`` through two resolutions
-    (half and full native size; the P-independent part -- time embedding, the cross-attention keys and
-    values of the 77 tokens -- is negligible at full size). Given three or more resolutions a constant
-    ``f0`` is fitted too: in the tiny families that part is a sizeable share of a step."""
-    import numpy as np
-
-    from sd_scripts_compat.models.families import get_family
-
-    spec = get_family(family)
-    native = spec.resolution
-    down = spec.latent_downsample
-    resolutions = resolutions or (native // 2, native)
-    pixels = np.array([(r // down) ** 2 for r in resolutions], dtype=float)
-    columns = [pixels, pixels**2] if len(resolutions) < 3 else [np.ones_like(pixels), pixels, pixels**2]
-    design = np.stack(columns, axis=1)
-    series: dict[str, list[float]] = {"unet_forward": [], "unet_backward": [], "unet_backward_gc": []}
-    for res in resolutions:
-        plain = count_flops(family, res, gradient_checkpointing=False)
-        gc = count_flops(family, res, gradient_checkpointing=True)
-        series["unet_forward"].append(plain["forward"])
-        series["unet_backward"].append(plain["backward"])
-        series["unet_backward_gc"].append(gc["backward"])
-    pad = [0.0] if len(resolutions) < 3 else []
-    fits = {name: [*pad, *(float(c) for c in np.linalg.lstsq(design, np.array(v), rcond=None)[0])]
-            for name, v in series.items()}
-    encoders = count_encoder_flops(family, native)
-    # the VAE encoder is convolutional but for one mid-block attention: linear in pixels is close
-    fits["vae_encode"] = [0.0, encoders["vae_encode"] / (native // down) ** 2, 0.0]
-    return {
-        **fits,
-        "latent_downsample": down,
-        "text_encoder_forward": encoders["text_encoder_forward"],
-        "text_encoder_backward_ratio": encoders["text_encoder_backward"] / encoders["text_encoder_forward"],
-        "counted_at": list(resolutions),
-        "counted": {name: values for name, values in series.items()},
-    }

@@ -7,8 +7,13 @@ settings and keeps the best, so ``autotune plan`` answers in well under a second
 Decision rules (each chosen value carries its rule as a reason string):
 
 - **Precision.** ``mixed_precision = "bf16"`` where the card has compute capability >= 8.0 (AMD: where the
-  catalogue says bf16), else ``"fp16"``; on a machine without a GPU ``"no"`` (fp32). Frozen base weights are
-  held in that dtype (kohya casts them), the LoRA stays fp32.
+  catalogue says bf16), else ``"fp16"``; on a machine without a GPU ``"bf16"`` where the CPU computes bf16
+  natively (avx512_bf16 / AMX: the probe's ``cpu.bf16_native``), else ``"no"`` (fp32; emulated bf16 is slower).
+  Frozen base weights are held in that dtype (kohya casts them), the LoRA stays fp32.
+- **Measurements** (``autotune.measure``): where this device has measured a candidate (``autotune bench``,
+  ``autotune run``), its measured micro-steps/s replaces the speed model's (or the nearest measured point,
+  scaled by the model's ratio), and a setting that ran out of memory here is not proposed; the prediction
+  says which it used (``speed_source``: measured / measured-scaled / model).
 - **Caching.** Latents are always cached (to disk, so reruns and OOM retries reuse them): the VAE leaves the
   GPU and each step skips the encoder. Text-encoder outputs are cached only for SDXL when the text encoders are
   not trained (sd-scripts allows it only then, and only for SDXL).
@@ -130,6 +135,9 @@ class Prediction:
     seconds_per_step: float  # one optimizer step (all accumulation micro-steps)
     total_seconds: float
     optimizer_steps: int
+    speed_source: str = "model"  # "measured" (this device ran these settings), "measured-scaled" or "model"
+    speed_basis: str = "speed model"  # which measurement, when
+    memory_source: str = "model"  # "measured": a GPU run of these exact settings
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,7 @@ class Plan:
     warnings: tuple[str, ...]
     probe_summary: str
     output_dir: str | None
+    learned: tuple[str, ...] = ()  # what the measurements taught: settings not proposed (OOM here), and why
 
     def kohya_values(self) -> dict[str, Any]:
         return {c.key: c.value for c in self.choices if c.kohya}
@@ -170,10 +179,13 @@ class Plan:
         return json.loads(json.dumps(out, default=str))
 
 
-def _precision(gpus: Sequence[GpuTarget]) -> tuple[str, str]:
+def _precision(gpus: Sequence[GpuTarget], cpu_bf16: bool = False) -> tuple[str, str]:
     """mixed_precision and its reason: the weakest device decides (all ranks of a DDP run share one setting)."""
+    if not gpus and cpu_bf16:
+        return "bf16", ("no GPU; this CPU computes bf16 natively (avx512_bf16 / AMX): bf16 autocast, ~1.6x the "
+                        "fp32 rate on full-size models; the LoRA weights stay fp32")
     if not gpus:
-        return "no", "no GPU: CPU training runs in fp32 (CPU autocast gains nothing here)"
+        return "no", "no GPU; this CPU has no native bf16 (emulated bf16 is ~3.6x slower): fp32"
     if all(g.bf16_capable for g in gpus):
         return "bf16", "compute capability >= 8.0: bf16 has fp32's range, no loss scaling"
     return "fp16", "compute capability < 8.0: no fast bf16, fp16 with loss scaling"
@@ -197,7 +209,7 @@ def plan_training(request: PlanRequest) -> Plan:
     goal = GOAL_PROFILES[request.goal]
     prefs, gpus = request.preferences, request.gpus
     devices = max(1, len(gpus))
-    precision, precision_reason = _precision(gpus)
+    precision, precision_reason = _precision(gpus, request.cpu_bf16)
     usable = min(g.usable_bytes for g in gpus) if gpus else int(request.cpu_memory_bytes or 16 * GIB)
     effective = max(devices, max(1, min(goal.effective_batch, dataset.num_images)))
     preferred_opt = prefs.optimizer or PRIORITY_OPTIMIZER[request.priority]
@@ -206,13 +218,16 @@ def plan_training(request: PlanRequest) -> Plan:
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
                         attention=prefs.attention)
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(g.fp8_base_capable for g in gpus)
+    predictor = Predictor(family, gpus, request.cpu_physical_cores, request.cpu_bf16,
+                          _learned(request, family.name, devices), usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, pinned_resolution=prefs.resolution, effective=effective,
-                   devices=devices, usable=usable, predictor=Predictor(family, gpus, request.cpu_physical_cores))
+                   devices=devices, usable=usable, predictor=predictor)
+    learned = tuple(f"not proposed: {s.describe()}: {why}" for s, why in predictor.excluded.items())
     device = _device_label(gpus)
     common = dict(version=__version__, model=request.model, family=family.name, goal=request.goal,
                   priority=request.priority, device=device, num_processes=devices, dataset=dataset,
                   fallbacks=found.fallbacks, warnings=tuple(dataset.warnings), probe_summary=request.probe_summary,
-                  output_dir=request.output_dir)
+                  output_dir=request.output_dir, learned=learned)
     if found.chosen is None:
         return Plan(fits=False, message=_nothing_fits(found.smallest, gpus, device), settings=None, choices=(),
                     dataset_config={}, prediction=None, launch_command=(), **common)
@@ -228,7 +243,7 @@ def plan_training(request: PlanRequest) -> Plan:
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,
         it_per_s=1.0 / seconds_per_step, micro_steps_per_s=chosen.it_per_s, samples_per_s=chosen.samples_per_s,
         seconds_per_step=seconds_per_step, total_seconds=length.steps * seconds_per_step,
-        optimizer_steps=length.steps,
+        optimizer_steps=length.steps, **_sources(predictor.predict(s)),
     )
     context = PlanContext(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
@@ -242,6 +257,21 @@ def plan_training(request: PlanRequest) -> Plan:
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,
                 launch_command=launch_command(family, devices, precision, request.output_dir), **common)
+
+
+def _learned(request: PlanRequest, family: str, devices: int) -> Any:
+    """This device's measurements for ``family`` (None: none given, or a multi-GPU plan, which no single-device
+    measurement describes)."""
+    if not request.measurements or request.measured_device is None or devices > 1:
+        return None
+    from autotune.measure.learned import LearnedFigures
+
+    return LearnedFigures(request.measurements, request.measured_device, family) or None
+
+
+def _sources(estimate: Any) -> dict[str, str]:
+    return {"speed_source": estimate.speed_source, "speed_basis": estimate.speed_basis,
+            "memory_source": estimate.memory_source}
 
 
 # TrainSettings fields the plan's choices write (the search itself never varies them)

@@ -8,7 +8,7 @@ naming the option, before anything is planned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
@@ -90,6 +90,9 @@ class PlanRequest:
     dataset: DatasetSummary | None = None  # given instead of scanning ``dataset_dir`` (templates)
     output_dir: str | None = None  # where config.toml goes; trained LoRAs go to <output_dir>/output
     probe_summary: str = ""  # one line describing the probe, for the config header
+    cpu_bf16: bool = False  # the CPU computes bf16 natively (avx512_bf16 / AMX): CPU plans train in bf16
+    measurements: tuple[Any, ...] = ()  # autotune.measure.store.Measurement records of this machine
+    measured_device: str | None = None  # the device key the measurements are looked up by (None: not used)
 
 
 def gpu_from_spec(spec: GpuSpec, vram_gb: float | None = None, held_bytes: int = 0,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autotune.planning.goals import GoalProfile, network_alpha
 from autotune.planning.request import GpuTarget
@@ -47,16 +48,38 @@ class Estimate:
     peak: int  # what max_memory_reserved / nvidia-smi would show
     components: tuple[tuple[str, int], ...]
     it_per_s: float  # micro-steps per second of the slowest device
+    speed_source: str = "model"  # "measured" | "measured-scaled" | "model" (autotune.measure.learned)
+    speed_basis: str = "speed model"
+    memory_source: str = "model"  # "measured": a GPU run of these exact settings
+    oom: str | None = None  # ran out of memory here before: not proposed
 
 
 class Predictor:
-    """Adapts the memory and speed models to ``TrainSettings``; caches by settings (the ladder revisits points)."""
+    """Adapts the memory and speed models to ``TrainSettings``; caches by settings (the ladder revisits points).
 
-    def __init__(self, family: FamilySpec, gpus: tuple[GpuTarget, ...], cpu_cores: int) -> None:
+    With ``learned`` (this device's measurements) a measured figure replaces the model's, and a setting that
+    ran out of memory here is made not to fit (``excluded`` keeps why, for the plan to show)."""
+
+    def __init__(self, family: FamilySpec, gpus: tuple[GpuTarget, ...], cpu_cores: int, cpu_bf16: bool = False,
+                 learned: Any = None, usable: int = 0) -> None:
         self.family = family
         self.gpus = gpus
         self.cpu_cores = cpu_cores
+        self.cpu_bf16 = cpu_bf16
+        self.learned = learned
+        self.usable = usable
+        self.excluded: dict[TrainSettings, str] = {}
         self._cache: dict[TrainSettings, Estimate] = {}
+
+    def model_rate(self, s: TrainSettings) -> float:
+        """The speed model's micro-steps/s of the slowest device."""
+        from autotune.estimate.memory_model import inputs_for_settings
+        from autotune.estimate.speed_model import predict_speed
+
+        inputs = inputs_for_settings(self.family.name, s)
+        return min(float(predict_speed(inputs, gpu.spec if gpu is not None else None, steps=1,
+                                       cpu_cores=self.cpu_cores, cpu_bf16=self.cpu_bf16).it_per_s)
+                   for gpu in self.gpus or (None,))
 
     def predict(self, s: TrainSettings) -> Estimate:
         """Memory on one device and micro-steps/s of the slowest device."""
@@ -64,7 +87,6 @@ class Predictor:
         if hit is not None:
             return hit
         from autotune.estimate.memory_model import inputs_for_settings, predict_memory
-        from autotune.estimate.speed_model import predict_speed
 
         inputs = inputs_for_settings(self.family.name, s)
         estimate = predict_memory(inputs)
@@ -74,14 +96,30 @@ class Predictor:
             # DDP keeps a second copy of the trainable gradients as all-reduce buckets.
             extra = components.get("lora_grads", 0)
             components["ddp_buckets"] = extra
-        rates = []
-        for gpu in self.gpus or (None,):
-            speed = predict_speed(inputs, gpu.spec if gpu is not None else None, steps=1, cpu_cores=self.cpu_cores)
-            rates.append(float(speed.it_per_s))
         result = Estimate(required=int(estimate.total_bytes) + extra, peak=int(estimate.peak_bytes) + extra,
-                          components=tuple((str(k), int(v)) for k, v in components.items()), it_per_s=min(rates))
+                          components=tuple((str(k), int(v)) for k, v in components.items()),
+                          it_per_s=self.model_rate(s))
+        if self.learned:
+            result = self._with_measurements(s, result)
         self._cache[s] = result
         return result
+
+    def _with_measurements(self, s: TrainSettings, e: Estimate) -> Estimate:
+        """The measured speed (and GPU peak) of ``s`` where the store has them; a recorded OOM makes it not fit."""
+        event = s.to_event()
+        oom = self.learned.oom_reason(event, self.usable / 2**20)
+        if oom is not None:
+            self.excluded[s] = oom
+            return replace(e, required=max(e.required, self.usable + 1), oom=oom)
+        got = self.learned.speed(event, lambda values: self.model_rate(TrainSettings.from_event(values)))
+        if got.micro_steps_per_s is None:
+            return e
+        e = replace(e, it_per_s=float(got.micro_steps_per_s), speed_source=got.speed_source,
+                    speed_basis=got.speed_basis)
+        if got.peak_mib:
+            peak = int(got.peak_mib * 2**20)
+            e = replace(e, required=e.required - e.peak + peak, peak=peak, memory_source="measured")
+        return e
 
 
 @dataclass(frozen=True)

@@ -798,6 +798,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
             write_event(process.paths.events_dir, DONE, {
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
                 "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory,
+                "memory": memory_figures(),  # CUDA max allocated / reserved, peak RSS (autotune bench, plans)
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "

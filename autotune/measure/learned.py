@@ -1,0 +1,108 @@
+"""What the planner learns from the store: a measured speed for a candidate, and the settings that ran out
+of memory on this device.
+
+- **Exact**: a finished run with the candidate's key (device, family, :data:`~autotune.measure.store.KEY_FIELDS`)
+  gives its micro-steps/s as measured (source ``"measured"``); on a GPU also its peak reserved memory.
+- **Scaled**: otherwise the nearest finished run of the same device and family (fewest differing fields, then
+  the closest batch, resolution and rank) is scaled by the speed model's ratio between the two settings
+  (source ``"measured-scaled"``): the model's error on this machine mostly cancels in the ratio.
+- **Model** otherwise (source ``"model"``).
+- **OOM**: a candidate at least as heavy as one that ran out of memory here (same categorical settings; batch,
+  resolution and rank no smaller; checkpointing not added; no smaller memory to fit in) is not proposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.measure.store import Measurement, settings_key
+
+# fields compared by equality when judging "at least as heavy" (the rest are ordered: batch, size, rank, gc)
+_CATEGORICAL = ("optimizer_type", "network_train_unet_only", "mixed_precision", "fp8_base", "cache_latents",
+                "cache_text_encoder_outputs", "xformers", "blocks_to_swap")
+
+
+@dataclass(frozen=True)
+class Learned:
+    """A candidate's measured figures (any may be None) and where they came from."""
+
+    micro_steps_per_s: float | None
+    speed_source: str  # "measured" | "measured-scaled" | "model"
+    speed_basis: str  # one line: which record, when
+    peak_mib: float | None = None  # measured peak reserved on a GPU (exact key only)
+    oom: str | None = None  # why the candidate is not proposed
+
+
+def _area(key: dict[str, Any]) -> int:
+    width, height = key["resolution"] or (0, 0)
+    return int(width) * int(height)
+
+
+def heavier_or_equal(candidate: dict[str, Any], oomed: dict[str, Any]) -> bool:
+    """Whether ``candidate`` needs at least the memory of ``oomed`` (both settings keys)."""
+    if any(candidate[name] != oomed[name] for name in _CATEGORICAL):
+        return False
+    if candidate["gradient_checkpointing"] and not oomed["gradient_checkpointing"]:
+        return False  # checkpointing added: less memory, worth trying
+    return (candidate["train_batch_size"] >= oomed["train_batch_size"] and _area(candidate) >= _area(oomed)
+            and candidate["network_dim"] >= oomed["network_dim"])
+
+
+def _distance(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, float]:
+    differing = sum(1 for name in a if a[name] != b[name])
+    spread = sum(abs(math.log2(max(1, a[n]) / max(1, b[n]))) for n in ("train_batch_size", "network_dim"))
+    spread += abs(math.log2(max(1, _area(a)) / max(1, _area(b)))) / 2
+    return differing, spread
+
+
+def _when(m: Measurement) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(m.measured_at)) if m.measured_at else "earlier"
+
+
+class LearnedFigures:
+    """The store's records for one device and family, asked about one candidate at a time."""
+
+    def __init__(self, records: Sequence[Measurement], device: str, family: str) -> None:
+        mine = [r for r in records if r.device == device and r.family == family]
+        self.device = device
+        self.done = [r for r in mine if r.outcome == "done" and r.micro_steps_per_s]
+        self.ooms = [r for r in mine if r.outcome == "oom"]
+
+    def __bool__(self) -> bool:
+        return bool(self.done or self.ooms)
+
+    def oom_reason(self, settings: dict[str, Any], usable_mib: float) -> str | None:
+        key = settings_key(settings)
+        for record in self.ooms:
+            if record.budget_mib is not None and usable_mib > record.budget_mib * 1.02:
+                continue  # it ran out of a smaller budget than this plan has
+            if heavier_or_equal(key, record.key):
+                k = record.key
+                return (f"ran out of memory on {self.device} ({record.source}, {_when(record)}) at micro-batch "
+                        f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}, "
+                        f"checkpointing {'on' if k['gradient_checkpointing'] else 'off'}")
+        return None
+
+    def speed(self, settings: dict[str, Any], model_rate: Callable[[dict[str, Any]], float]) -> Learned:
+        """The measured (or scaled) micro-steps/s of ``settings``; ``model_rate`` predicts a settings block."""
+        key = settings_key(settings)
+        exact = next((r for r in reversed(self.done) if r.key == key), None)
+        if exact is not None:
+            reserved = exact.memory.get("cuda_max_reserved_mib") if not self.device.startswith("cpu:") else None
+            return Learned(exact.micro_steps_per_s, "measured",
+                           f"{exact.source} on {self.device}, {_when(exact)}: {exact.seconds_per_step:.4g} s per "
+                           f"step over {exact.steps} steps", peak_mib=reserved)
+        if not self.done:
+            return Learned(None, "model", "speed model")
+        nearest = min(self.done, key=lambda r: _distance(key, r.key))
+        ratio = model_rate(settings) / model_rate(nearest.settings)
+        k = nearest.key
+        return Learned(nearest.micro_steps_per_s * ratio, "measured-scaled",
+                       f"{nearest.source} on {self.device}, {_when(nearest)} (micro-batch {k['train_batch_size']}, "
+                       f"{k['resolution'][0]} px, rank {k['network_dim']}, {k['mixed_precision']}) x the speed "
+                       f"model's ratio {ratio:.3g}")

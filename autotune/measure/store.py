@@ -1,0 +1,182 @@
+"""Measurements of this machine's runs and benches, kept per device so that plans learn from them.
+
+One small JSON file (``measurements.json``) in the user cache folder (``platformdirs``; the
+``AUTOTUNE_CACHE_DIR`` environment variable overrides it, for tests and for a shared cache). Each
+record is one engine run that finished (its steady-state seconds per optimizer step and peak memory)
+or ran out of memory, keyed by the device (a GPU's name, or ``cpu:<model name>``), the model family and
+the settings that decide speed and memory (:data:`KEY_FIELDS`). A newer record of the same key
+replaces the older one. Written atomically; a store that cannot be read is ignored with one warning
+(a plan then uses the models alone), never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+STORE_NAME = "measurements.json"
+CACHE_ENV = "AUTOTUNE_CACHE_DIR"
+MAX_RECORDS = 1000  # oldest dropped first; a record is ~1 KB
+# TrainSettings fields that change a micro-step's time or peak memory (learning rates and clipping do not)
+KEY_FIELDS = ("train_batch_size", "gradient_accumulation_steps", "resolution", "gradient_checkpointing",
+              "optimizer_type", "network_dim", "network_train_unet_only", "mixed_precision", "fp8_base",
+              "cache_latents", "cache_text_encoder_outputs", "xformers", "blocks_to_swap")
+
+
+def cache_dir() -> Path:
+    """Where the store lives: ``$AUTOTUNE_CACHE_DIR``, else the platform's user cache folder."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    try:
+        from platformdirs import user_cache_dir
+    except ImportError:  # an environment installed before platformdirs became a dependency: XDG's default
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lora-autotune"
+    return Path(user_cache_dir("lora-autotune", appauthor=False))
+
+
+def store_path() -> Path:
+    return cache_dir() / STORE_NAME
+
+
+def settings_key(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The key fields of a ``TrainSettings.to_event()`` block, JSON-normalised (resolution as a list)."""
+    key = {name: settings.get(name) for name in KEY_FIELDS}
+    if key["resolution"] is not None:
+        key["resolution"] = [int(v) for v in key["resolution"]]
+    return key
+
+
+def device_key(probe: Any) -> str:
+    """The device a probe's run trains on: the first CUDA GPU's catalogue name (so ``--gpu NAME`` plans find its
+    measurements), else its own name, else ``cpu:<model name>``."""
+    gpu = next((g for g in getattr(probe, "gpus", ()) if getattr(g, "backend", "cuda") == "cuda"), None)
+    if getattr(probe, "accelerator", "cpu") == "cuda" and gpu is not None:
+        return str(getattr(gpu, "catalog_name", None) or gpu.name)
+    return f"cpu:{probe.cpu.model or probe.cpu.arch or 'unknown'}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured run. ``outcome``: "done" (speed and memory measured) or "oom"."""
+
+    device: str
+    family: str
+    settings: dict[str, Any]  # TrainSettings.to_event() of the run (the key is read from it)
+    outcome: str
+    source: str  # "bench" | "run"
+    seconds_per_step: float | None = None  # steady state, one optimizer step (all accumulation micro-steps)
+    peak_memory_mib: float | None = None  # CUDA max reserved, or peak RSS on CPU
+    memory: dict[str, float] = field(default_factory=dict)  # cuda_max_allocated_mib, cuda_max_reserved_mib, ...
+    budget_mib: float | None = None  # oom: the memory it had to fit in (None: the whole device)
+    steps: int = 0  # how many timed steps the figure is the mean of
+    measured_at: float = 0.0  # unix time
+
+    @property
+    def key(self) -> dict[str, Any]:
+        return settings_key(self.settings)
+
+    @property
+    def micro_steps_per_s(self) -> float | None:
+        if not self.seconds_per_step:
+            return None
+        return max(1, int(self.settings.get("gradient_accumulation_steps") or 1)) / self.seconds_per_step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "family": self.family, "settings": self.settings, "outcome": self.outcome,
+                "source": self.source, "seconds_per_step": self.seconds_per_step,
+                "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "budget_mib": self.budget_mib,
+                "steps": self.steps, "measured_at": self.measured_at}
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> Measurement:
+        return cls(device=str(value["device"]), family=str(value["family"]), settings=dict(value["settings"]),
+                   outcome=str(value["outcome"]), source=str(value.get("source", "run")),
+                   seconds_per_step=_number(value.get("seconds_per_step")),
+                   peak_memory_mib=_number(value.get("peak_memory_mib")), memory=dict(value.get("memory") or {}),
+                   budget_mib=_number(value.get("budget_mib")), steps=int(value.get("steps") or 0),
+                   measured_at=float(value.get("measured_at") or 0.0))
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def load_measurements(path: Path | None = None, warn: Any = None) -> list[Measurement]:
+    """Every record in the store; [] when it is missing, and [] with one warning when it is unreadable."""
+    path = path or store_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        _warn(warn, f"{path}: cannot read the measurements ({error.strerror or error}); planning from the models")
+        return []
+    try:
+        document = json.loads(text)
+        if document.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {document.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        return [Measurement.from_json(record) for record in document["records"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        _warn(warn, f"{path}: unreadable measurements ({str(error)[:120]}); ignored, planning from the models "
+                    "(delete the file to start afresh)")
+        return []
+
+
+def _warn(warn: Any, message: str) -> None:
+    (warn or (lambda text: print(f"warning: {text}", file=sys.stderr)))(message)
+
+
+def record_measurements(new: Iterable[Measurement], path: Path | None = None) -> Path:
+    """Add ``new`` to the store (replacing records of the same device, family, key and outcome); atomic."""
+    from sd_scripts_compat.atomic import write_json_atomic
+
+    path = path or store_path()
+    records = load_measurements(path)
+    for item in new:
+        item = item if item.measured_at else _stamped(item)
+        records = [r for r in records if not (r.device == item.device and r.family == item.family
+                                              and r.key == item.key and r.outcome == item.outcome)]
+        if item.outcome == "done":  # a run that now fits clears an older OOM of the same settings
+            records = [r for r in records if not (r.outcome == "oom" and r.device == item.device
+                                                  and r.family == item.family and r.key == item.key)]
+        records.append(item)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"schema_version": SCHEMA_VERSION,
+                             "records": [r.to_json() for r in records[-MAX_RECORDS:]]})
+    return path
+
+
+def _stamped(item: Measurement) -> Measurement:
+    from dataclasses import replace
+
+    return replace(item, measured_at=time.time())
+
+
+def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source: str) -> Measurement | None:
+    """A record from the engine's done.json (None without a steady-state timing: too few steps)."""
+    settings = done.get("settings")
+    if not isinstance(settings, dict) or not _number(done.get("seconds_per_step")):
+        return None
+    memory = done.get("memory") if isinstance(done.get("memory"), dict) else {}
+    return Measurement(device=device, family=family, settings=settings, outcome="done", source=source,
+                       seconds_per_step=float(done["seconds_per_step"]),
+                       peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
+                       steps=len(done.get("step_seconds") or []))
+
+
+def from_oom_event(oom: Mapping[str, Any], *, device: str, family: str, source: str,
+                   budget_mib: float | None) -> Measurement | None:
+    settings = oom.get("settings")
+    if not isinstance(settings, dict):
+        return None
+    memory = oom.get("memory") if isinstance(oom.get("memory"), dict) else {}
+    return Measurement(device=device, family=family, settings=settings, outcome="oom", source=source,
+                       memory=dict(memory), budget_mib=budget_mib)
