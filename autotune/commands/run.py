@@ -229,6 +229,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         stability=_stability_limits(probe, cuda),
     )
     result = supervise(job)
+    if engine is None:
+        remember_attempts(result.attempts, probe, family.name, limits.budget_mib)
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
                           "output_file": result.output_file, "final_settings": result.final_settings.to_event(),
@@ -250,6 +252,29 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         return 143 if terminated else 130
     print(f"autotune run: {result.message}", file=sys.stderr)
     return 1
+
+
+def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: float | None) -> None:
+    """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
+    plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run."""
+    from autotune.measure.store import device_key, from_done_event, from_oom_event, record_measurements
+
+    device = device_key(probe)
+    records = []
+    for attempt in attempts:
+        if attempt.done_event:
+            records.append(from_done_event(attempt.done_event, device=device, family=family, source="run"))
+        elif attempt.oom_event:
+            records.append(from_oom_event(attempt.oom_event, device=device, family=family, source="run",
+                                          budget_mib=budget_mib))
+    records = [r for r in records if r is not None]
+    if not records:
+        return
+    try:
+        record_measurements(records)
+    except OSError as error:
+        print(f"warning: could not store this run's measurements ({error}); plans will not learn from it",
+              file=sys.stderr)
 
 
 def _entries(folder: Path) -> set[str] | None:
@@ -415,6 +440,7 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, float | None
     render(plan)
     config, dataset = write_plan_files(plan, out, args.format)
     args.planned_it_per_s = plan.prediction.it_per_s if plan.prediction else None  # sd-scripts' first save interval
+    # a GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM
     usable = plan.prediction.usable_bytes / 2**20 if plan.prediction and plan.settings and \
-        plan.settings.mixed_precision != "no" else None
+        plan.device != "CPU" else None
     return config, dataset, usable

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from autotune.measure.learned import short_settings
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.errors import UserError
 
+__all__ = ["BenchJob", "BenchPoint", "parse_sweeps", "run_bench", "short_settings", "sweep_points"]
 MAX_POINTS = 16
 # keys the bench removes from a config: a short run saves nothing on the way and logs nowhere
 _NOT_IN_A_BENCH = ("max_train_epochs", "save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs",
@@ -64,17 +66,6 @@ class BenchPoint:
                 "images_per_s": self.images_per_s, "timed_steps": self.timed_steps,
                 "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "phases": self.phases,
                 "fastest": self.fastest}
-
-
-def short_settings(s: TrainSettings) -> str:
-    """One compact line: micro-batch x accumulation, size, rank, optimizer, precision, checkpointing."""
-    parts = [f"{s.train_batch_size}x{s.gradient_accumulation_steps}", f"{s.resolution[0]} px", f"rank {s.network_dim}",
-             s.optimizer_type, {"no": "fp32"}.get(s.mixed_precision, s.mixed_precision)]
-    if s.gradient_checkpointing:
-        parts.append("checkpointing")
-    if s.fp8_base:
-        parts.append("fp8 base")
-    return ", ".join(parts)
 
 
 def _on_off(text: str, option: str) -> bool:

@@ -19,10 +19,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.measure.store import Measurement, settings_key
+from sd_scripts_compat.config.settings import TrainSettings
 
 # fields compared by equality when judging "at least as heavy" (the rest are ordered: batch, size, rank, gc)
 _CATEGORICAL = ("optimizer_type", "network_train_unet_only", "mixed_precision", "fp8_base", "cache_latents",
                 "cache_text_encoder_outputs", "xformers", "blocks_to_swap")
+
+
+def short_settings(s: TrainSettings) -> str:
+    """One compact line: micro-batch x accumulation, size, rank, optimizer, precision, checkpointing."""
+    parts = [f"{s.train_batch_size}x{s.gradient_accumulation_steps}", f"{s.resolution[0]} px", f"rank {s.network_dim}",
+             s.optimizer_type, {"no": "fp32"}.get(s.mixed_precision, s.mixed_precision)]
+    if s.gradient_checkpointing:
+        parts.append("checkpointing")
+    if s.fp8_base:
+        parts.append("fp8 base")
+    return ", ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,7 @@ def plan_training(request: PlanRequest) -> Plan:
                           _learned(request, family.name, devices), usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, pinned_resolution=prefs.resolution, effective=effective,
                    devices=devices, usable=usable, predictor=predictor)
-    learned = tuple(f"not proposed: {s.describe()}: {why}" for s, why in predictor.excluded.items())
+    learned = _learned_lines(predictor.excluded)
     device = _device_label(gpus)
     common = dict(version=__version__, model=request.model, family=family.name, goal=request.goal,
                   priority=request.priority, device=device, num_processes=devices, dataset=dataset,
@@ -267,6 +267,12 @@ def _learned(request: PlanRequest, family: str, devices: int) -> Any:
     from autotune.measure.learned import LearnedFigures
 
     return LearnedFigures(request.measurements, request.measured_device, family) or None
+
+
+def _learned_lines(excluded: dict[TrainSettings, str]) -> tuple[str, ...]:
+    from autotune.measure.learned import short_settings
+
+    return tuple(f"not proposed: {short_settings(s)}: {why}" for s, why in excluded.items())
 
 
 def _sources(estimate: Any) -> dict[str, str]:
