@@ -17,6 +17,9 @@ Prints a table; ``--json FILE`` also writes the figures.
     python bench/engine.py --quick         # tiny models only
     python bench/engine.py --models tiny-sd15,tiny-sdxl --resolutions 256,512 --repeats 2 --steps 8
 
+``--cpu-bf16`` times our engine alone on the CPU in fp32 and under bf16 autocast (``mixed_precision = "bf16"``),
+same model and settings, alternating; on a CPU with native bf16 (avx512_bf16 / AMX) the planner chooses bf16.
+
 ``--detection`` times our engine alone on tiny-sd15 with cached latents, with the instability checks
 (the default) and without them (``SD_COMPAT_NO_DIVERGENCE_CHECK=1``, read by the engine for this bench
 only), alternating which side runs first; the paired ratio is with / without of each repeat's medians.
@@ -47,7 +50,7 @@ DEFAULT_RESOLUTIONS = {"tiny-sd15": (256, 512), "tiny-sdxl": (256, 512), "sd15":
 
 
 def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path,
-            env_extra: dict | None = None) -> dict:
+            env_extra: dict | None = None, mixed_precision: str = "no") -> dict:
     sdxl = "sdxl" in model
     config = workdir / "config.toml"
     config.write_text("\n".join([
@@ -63,7 +66,7 @@ def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path,
         "network_train_unet_only = true",
         "learning_rate = 1e-4",
         'optimizer_type = "AdamW"',
-        'mixed_precision = "no"',
+        f'mixed_precision = "{mixed_precision}"',
         "max_data_loader_n_workers = 0",
         f"cache_latents = {'true' if cache else 'false'}",
         "seed = 1",
@@ -181,6 +184,29 @@ def print_detection(row: dict) -> None:
           f"{row['paired_ratio']:>6.3f} {min(row['paired_ratios']):>7.3f}..{max(row['paired_ratios']):<7.3f}")
 
 
+def cpu_bf16_rows(cases: list[tuple[str, int]], steps: int, repeats: int) -> list[dict]:
+    """Our engine on the CPU in fp32 and under bf16 autocast (``mixed_precision = "bf16"``: frozen weights bf16,
+    LoRA fp32), same model and settings, alternating which runs first; ratio = bf16 / fp32 step time."""
+    rows = []
+    for model, resolution in cases:
+        runs: dict[str, list[dict]] = {"no": [], "bf16": []}
+        for repeat in range(repeats):
+            for precision in (("no", "bf16") if repeat % 2 == 0 else ("bf16", "no")):
+                with tempfile.TemporaryDirectory() as tmp:
+                    runs[precision].append(our_run(model, resolution, True, steps, Path(tmp),
+                                                   mixed_precision=precision))
+        fp32, bf16 = summarize(runs["no"]), summarize(runs["bf16"])
+        paired = [statistics.median(b["step_seconds"]) / statistics.median(f["step_seconds"])
+                  for f, b in zip(runs["no"], runs["bf16"], strict=True)]
+        rows.append({"model": model, "resolution": resolution, "fp32": fp32, "bf16": bf16,
+                     "ratio_of_medians": bf16["median_s"] / fp32["median_s"], "paired_ratios": paired,
+                     "paired_ratio": statistics.median(paired), "runs": runs})
+        print(f"| {model} | {resolution} | {fp32['median_s']:.4f} | {bf16['median_s']:.4f} | "
+              f"{bf16['median_s'] / fp32['median_s']:.2f} | {statistics.median(paired):.2f} | "
+              f"{fp32['peak_rss_mib']:.0f} | {bf16['peak_rss_mib']:.0f} |", flush=True)
+    return rows
+
+
 def bench_cases(models: str, resolutions: str | None, quick: bool) -> list[tuple[str, int]]:
     """(model, px) pairs in the order given; ``resolutions`` applies to every model, else its defaults."""
     names = [m.strip() for m in models.split(",") if m.strip()]
@@ -205,6 +231,9 @@ def main() -> int:
     parser.add_argument("--detection", action="store_true",
                         help="only our engine, with and without the instability checks (tiny-sd15, cached latents)")
     parser.add_argument("--resolution", type=int, default=256, help="with --detection: the training resolution")
+    parser.add_argument("--cpu-bf16", action="store_true",
+                        help="only our engine on the CPU, fp32 against bf16 autocast (default models tiny-sd15,sd15 "
+                             "at 256 px; --steps / --repeats apply)")
     parser.add_argument("--baseline", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline:
@@ -216,6 +245,16 @@ def main() -> int:
         print_detection(row)
         if args.json:
             Path(args.json).write_text(json.dumps(row, indent=1))
+        return 0
+    if args.cpu_bf16:
+        models = args.models if args.models != ",".join(DEFAULT_RESOLUTIONS) else "tiny-sd15,sd15"
+        print(f"median seconds per step, batch 1, rank 4, UNet only, cached latents; {args.repeats} alternating runs "
+              f"per side of {args.steps} timed steps\n")
+        print("| model | px | fp32 s/step | bf16 s/step | bf16 / fp32 | paired | fp32 RSS MiB | bf16 RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|")
+        rows = cpu_bf16_rows(bench_cases(models, args.resolutions or "256", args.quick), args.steps, args.repeats)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
     cases = bench_cases(args.models, args.resolutions, args.quick)
     rows = []

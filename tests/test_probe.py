@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import psutil
 import pytest
@@ -157,3 +158,24 @@ def test_probe_imports_nothing_heavy_without_a_gpu(tmp_path):
     result = json.loads(done.stdout)
     if not result["gpu"] and not str(result["build"]).startswith("rocm") and sys.platform != "darwin":
         assert result["mods"] == []
+
+
+def test_cpu_bf16_flags_from_cpuinfo_text():
+    """x86 ``flags`` (avx512_bf16, amx_bf16) and Arm ``Features`` (bf16) both count as native bf16."""
+    from autotune.hardware.probe import _cpu_flags
+
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    amx = "flags\t\t: avx512f amx_bf16 amx_tile\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
+    old = "flags\t\t: fpu sse2 avx2 fma\n"
+    assert "avx512_bf16" in _cpu_flags(x86) and "amx_bf16" in _cpu_flags(amx) and "bf16" in _cpu_flags(arm)
+    assert not {"avx512_bf16", "amx_bf16", "bf16"} & _cpu_flags(old)
+    assert _cpu_flags("model name : something\n") is None
+
+
+def test_probe_reports_this_cpus_bf16(live):
+    cpu = live.cpu
+    if sys.platform.startswith("linux"):
+        flags = Path("/proc/cpuinfo").read_text().split()
+        assert cpu.avx512_bf16 == ("avx512_bf16" in flags) and cpu.amx_bf16 == ("amx_bf16" in flags)
+        assert cpu.bf16_native == (cpu.avx512_bf16 or cpu.amx_bf16 or "bf16" in flags)

@@ -72,3 +72,35 @@ def test_gpu_catalogue_rate_by_precision() -> None:
     assert fp16.peak_tflops == gpu.fp16_tensor_tflops
     assert fp32.peak_tflops == gpu.fp32_tflops
     assert fp32.seconds_per_step > fp16.seconds_per_step
+
+
+def test_cpu_micro_step_is_overhead_plus_flops_and_native_bf16_is_faster():
+    """The CPU model: a tiny step is mostly fixed overhead (the quickstart measured ~0.1-0.25 s per micro-step, not
+    the 0.02 s of its FLOPs); a full-size step mostly FLOPs. Native bf16 speeds up the FLOP part only; emulated
+    bf16 slows it."""
+    from autotune.estimate.speed_model import CPU_MICRO_STEP_OVERHEAD_S
+
+    tiny = MemoryInputs(family="tiny-sd15", resolution=256, batch_size=1, rank=32, gradient_checkpointing=False)
+    fp32 = predict_speed(tiny, cpu_cores=2)
+    assert CPU_MICRO_STEP_OVERHEAD_S < fp32.seconds_per_step < 2 * CPU_MICRO_STEP_OVERHEAD_S
+    assert 4 < fp32.it_per_s < 15  # the old FLOPs-only figure was ~50
+    four = predict_speed(tiny.with_(batch_size=4), cpu_cores=2)
+    assert 4 / four.seconds_per_step > 1 / fp32.seconds_per_step  # the overhead is shared by the batch
+    full = SD15.with_(resolution=256, rank=4)
+    native = predict_speed(full.with_(mixed_precision="bf16"), cpu_cores=2, cpu_bf16=True)
+    plain = predict_speed(full.with_(mixed_precision="no"), cpu_cores=2)
+    emulated = predict_speed(full.with_(mixed_precision="bf16"), cpu_cores=2, cpu_bf16=False)
+    assert native.seconds_per_step < plain.seconds_per_step < emulated.seconds_per_step
+    assert plain.seconds_per_step / native.seconds_per_step == pytest.approx(1.6, rel=0.1)
+
+
+def test_fit_cpu_speed_recovers_overhead_and_rate():
+    from autotune.calibration.cpu_speed import CpuPoint, fit_cpu_speed
+
+    overhead, gflops = 0.08, 50.0
+    points = [CpuPoint(flops, overhead + flops / (2 * gflops * 1e9), 2) for flops in (3e9, 3e10, 3.7e11)]
+    fit = fit_cpu_speed(points)
+    assert fit.overhead_s == pytest.approx(overhead, rel=1e-6)
+    assert fit.gflops_per_core == pytest.approx(gflops, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_cpu_speed(points[:1])

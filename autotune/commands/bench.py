@@ -5,7 +5,8 @@
     autotune bench --model M --config config.toml --steps 10 --json
     autotune bench --model M --sweep precision=no,bf16 --sweep resolution=256,512
 
-Each point trains 2 warm-up steps and then `--steps` timed ones in its own engine process and reports it/s,
+Each point trains 2 warm-up steps and then `--steps` timed ones in its own engine process and reports it/s (from
+the median timed step),
 images/s, peak memory (CUDA max allocated / reserved; on a CPU the peak resident memory) and, where the engine
 writes one, the per-phase time breakdown; the fastest point that fits is marked. Sweep keys: batch (the
 effective batch is kept: accumulation follows), resolution, rank, checkpointing (off,on), precision (no,fp16,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.measure.learned import short_settings
+from autotune.measure.store import steady_seconds_per_step
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.errors import UserError
 
@@ -201,7 +202,8 @@ def run_point(job: BenchJob, index: int, label: str, settings: TrainSettings) ->
         memory["peak_rss_mib"] = result.peak_rss_mib
     step_seconds = list(done.get("step_seconds") or [])
     return BenchPoint(label=label, settings=settings, outcome=result.outcome, message=result.message,
-                      seconds_per_step=done.get("seconds_per_step"), timed_steps=len(step_seconds),
+                      seconds_per_step=steady_seconds_per_step(done) if done else None,
+                      timed_steps=len(step_seconds),
                       peak_memory_mib=done.get("peak_memory"), memory=memory, phases=done.get("phases"),
                       done_event=result.done_event, oom_event=result.oom_event)
 

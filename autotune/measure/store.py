@@ -161,15 +161,26 @@ def _stamped(item: Measurement) -> Measurement:
 
 
 def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source: str) -> Measurement | None:
-    """A record from the engine's done.json (None without a steady-state timing: too few steps)."""
+    """A record from the engine's done.json (None without a steady-state timing: too few steps); its time is
+    the median step (:func:`steady_seconds_per_step`)."""
     settings = done.get("settings")
-    if not isinstance(settings, dict) or not _number(done.get("seconds_per_step")):
+    seconds = steady_seconds_per_step(done)
+    if not isinstance(settings, dict) or seconds is None:
         return None
     memory = done.get("memory") if isinstance(done.get("memory"), dict) else {}
     return Measurement(device=device, family=family, settings=settings, outcome="done", source=source,
-                       seconds_per_step=float(done["seconds_per_step"]),
+                       seconds_per_step=seconds,
                        peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
                        steps=len(done.get("step_seconds") or []))
+
+
+def steady_seconds_per_step(done: Mapping[str, Any]) -> float | None:
+    """The median of done.json's timed steps (its mean without them): a load spike on a shared machine moves
+    a short run's mean by tens of percent, its median hardly."""
+    import statistics
+
+    steps = [float(v) for v in done.get("step_seconds") or [] if _number(v)]
+    return statistics.median(steps) if steps else _number(done.get("seconds_per_step"))
 
 
 def from_oom_event(oom: Mapping[str, Any], *, device: str, family: str, source: str,

@@ -77,6 +77,7 @@ class Target:
     cpu_cores: int
     usable_bytes: int
     views_per_epoch: int
+    cpu_bf16: bool = False  # the CPU computes bf16 natively (the plan's request)
 
     @classmethod
     def of(cls, request: PlanRequest, plan: Plan) -> Target:
@@ -84,7 +85,7 @@ class Target:
         assert plan.prediction is not None and plan.dataset is not None, "a fitting plan"
         return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
-                   views_per_epoch=plan.dataset.views_per_epoch)
+                   views_per_epoch=plan.dataset.views_per_epoch, cpu_bf16=request.cpu_bf16)
 
     @property
     def devices(self) -> int:
@@ -184,7 +185,8 @@ def predict_fit(target: Target, settings: TrainSettings, epochs: int) -> Fit:
         extra = components.get("lora_grads", 0)
         components["ddp_buckets"] = extra
     rates = [predict_speed(inputs, gpu.spec if gpu is not None else None, steps=1,
-                           cpu_cores=target.cpu_cores).it_per_s for gpu in target.gpus or (None,)]
+                           cpu_cores=target.cpu_cores, cpu_bf16=target.cpu_bf16).it_per_s
+             for gpu in target.gpus or (None,)]
     micro = float(min(rates))
     batch, accumulation = settings.train_batch_size, settings.gradient_accumulation_steps
     scale = target.devices * (DDP_EFFICIENCY if target.devices > 1 else 1.0)
