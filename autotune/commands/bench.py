@@ -210,8 +210,10 @@ def render(results: list[Any], cuda: bool) -> None:
 
     table = Table(show_lines=False)
     memory_column = "peak MiB alloc/reserved" if cuda else "peak MiB (RSS)"
-    for column in ("point", "batch x accum, settings", "it/s", "images/s", "s/step", memory_column, "outcome"):
-        table.add_column(column, no_wrap=column != "batch x accum, settings")
+    table.add_column("point", overflow="fold")
+    table.add_column("batch x accum, settings", min_width=24)
+    for column in ("it/s", "images/s", "s/step", memory_column, "outcome"):
+        table.add_column(column, no_wrap=True)
     for p in results:
         memory = (f"{p.memory.get('cuda_max_allocated_mib', 0):.0f} / {p.memory.get('cuda_max_reserved_mib', 0):.0f}"
                   if cuda and p.memory else f"{p.peak_memory_mib or p.memory.get('peak_rss_mib') or 0:.0f}")

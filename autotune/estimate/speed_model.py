@@ -25,10 +25,15 @@ a 4090 at ~3 s/it (159 TFLOP/step, 53 TFLOP/s of 165: 32 %); row 17 (SDXL 1024 b
 On the CPU (no GPU given) a micro-step costs a fixed overhead plus its FLOPs at the CPU's rate:
 ``seconds = CPU_MICRO_STEP_OVERHEAD_S + FLOPs / (cores x CPU_GFLOPS_PER_CORE)``. The overhead (per-op
 dispatch, the data loader, the optimizer: what a tiny model's step is made of) and the rate (what a
-full-size step is made of) are fitted by ``autotune.calibration.cpu_speed.fit_cpu_speed`` to engine
-runs on this project's 2-core machine (``bench/learned_plan.py --calibrate-cpu`` prints the fit): the
-quickstart's tiny-sd15 run measured ~0.1-0.25 s per micro-step where the FLOPs alone give 0.02 s, so the
-old FLOPs-only figure (~50 micro-steps/s) was ~5.5x optimistic. bf16 autocast on a CPU with native bf16
+full-size step is made of) come from ``autotune.calibration.cpu_speed.fit_cpu_speed`` over engine benches on
+this project's 2-core machine (``bench/learned_plan.py --calibrate-cpu --full``, one thread, fp32, micro-batch
+1: tiny-sd15 256 px 0.196 s per micro-step for 2.96 GFLOP, tiny-sdxl 256 / 512 px 0.058 / 0.158 s for 1.8 / 9.3
+GFLOP, sd15 256 px 5.57 s for 397 GFLOP: a fit of 0.075 s + 72 GFLOP/s per core). Two threads on a loaded
+machine scale worse than that (the README's 2-thread sd15 figure is ~44 GFLOP/s per core), hence 50 per core.
+tiny-sd15 at 512 px is left out: its 64x64 self-attention with 32 channels is memory-bound (9 GFLOP/s). The old
+FLOPs-only figure put the quickstart at ~50 micro-steps/s where its runs measure ~2-10. A tiny model's small
+convolutions still run below the fitted rate, so its prediction stays optimistic (up to ~2x at 256 px): its
+measured figure (``autotune bench``) is what the planner should use, and does. bf16 autocast on a CPU with native bf16
 (avx512_bf16 / AMX: ``cpu_bf16=True``) runs the FLOP part ``CPU_NATIVE_BF16_GAIN`` x faster (an SD1.5
 UNet forward + backward at 256 px on this machine: 1.26-1.31 s vs 1.86-2.46 s in fp32); without native
 bf16 it is emulated, ~3.6x slower. The overhead part is not sped up. A measured figure of the same
