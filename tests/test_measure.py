@@ -120,6 +120,7 @@ def test_heavier_or_equal():
     (["--sweep", "batch=0"], "not a positive whole number"),
     (["--sweep", "precision=fp8"], "precision 'fp8'"),
     (["--steps", "0"], "--steps 0"),
+    (["--warmup", "1"], "--warmup 1: at least 2"),
     (["--config", "/nonexistent/config.toml"], "--config /nonexistent/config.toml: no such file"),
 ])
 def test_bench_bad_options_are_one_line(argv, needle):
@@ -146,7 +147,7 @@ def test_bench_then_plan_uses_the_measured_figure_then_a_run_is_stored_too(tmp_p
     assert bench.returncode == 0, bench.stderr[-2000:]
     report = json.loads(bench.stdout)
     (point,) = report["points"]
-    assert point["outcome"] == "done" and point["fastest"] and point["timed_steps"] == 3
+    assert point["outcome"] == "done" and point["fastest"] and point["timed_steps"] == 3 == len(point["step_seconds"])
     assert point["it_per_s"] > 0 and point["images_per_s"] > 0 and point["memory"]["peak_rss_mib"] > 100
     (stored,) = load_measurements()
     assert stored.source == "bench" and stored.device == report["device"] and stored.device.startswith("cpu:")
@@ -173,7 +174,7 @@ def test_bench_sweep_marks_the_fastest_that_fits_and_its_injected_oom_teaches_th
     """Four real runs: micro-batch 1 and 4 x fp32 and bf16 autocast (this CPU's engine path for bf16), with an
     injected OOM above one 256 px image per micro-batch; the OOM is stored and the next plan avoids it."""
     env = {"SD_COMPAT_INJECT_OOM": f"pixels_gt={256 * 256}"}
-    bench = _autotune("bench", "--model", "builtin:tiny-sd15", "--steps", "2", "--sweep", "batch=1,4",
+    bench = _autotune("bench", "--model", "builtin:tiny-sd15", "--steps", "2", "--warmup", "2", "--sweep", "batch=1,4",
                       "--sweep", "precision=no,bf16", "--json", "--keep", str(tmp_path / "b"), env=env)
     assert bench.returncode == 0, bench.stderr[-2000:]
     points = {p["label"]: p for p in json.loads(bench.stdout)["points"]}

@@ -5,12 +5,12 @@
     autotune bench --model M --config config.toml --steps 10 --json
     autotune bench --model M --sweep precision=no,bf16 --sweep resolution=256,512
 
-Each point trains 2 warm-up steps and then `--steps` timed ones in its own engine process and reports it/s (from
-the median timed step),
-images/s, peak memory (CUDA max allocated / reserved; on a CPU the peak resident memory) and, where the engine
-writes one, the per-phase time breakdown; the fastest point that fits is marked. Sweep keys: batch (the
-effective batch is kept: accumulation follows), resolution, rank, checkpointing (off,on), precision (no,fp16,
-bf16), optimizer. The figures are stored for this device (see `autotune plan`: plans use them) unless
+Each point trains `--warmup` untimed steps (default 6), then `--steps` timed ones, in its own engine
+process, and reports it/s (from the median timed step), images/s, peak memory (CUDA max allocated /
+reserved; on a CPU the peak resident memory) and, where the engine writes one, the per-phase time
+breakdown; the fastest point that fits is marked. Sweep keys: batch (the effective batch is kept:
+accumulation follows), resolution, rank, checkpointing (off,on), precision (no,fp16,bf16), optimizer.
+The figures are stored for this device (see `autotune plan`: plans use them) unless
 `--no-store`. Without DATASET a small synthetic dataset is used.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from sd_scripts_compat.errors import UserError
 
-WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves the first two steps out of its timing
+ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves the first two steps out of its timing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="bench this kohya config.toml instead of a plan's settings")
     parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per point (default 6)")
+    parser.add_argument("--warmup", type=int, default=6,
+                        help="untimed steps first (default 6; at least 2): each new bucket shape's first step "
+                             "builds kernels and runs slow")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                         help="measure each value (repeat for a grid): batch, resolution, rank, checkpointing, "
                              "precision, optimizer")
@@ -51,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_options(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: must be 1 or more timed steps")
+    if args.warmup < ENGINE_WARMUP_STEPS:
+        raise UserError(f"--warmup {args.warmup}: at least {ENGINE_WARMUP_STEPS} (the engine's own untimed steps)")
     if args.config and not Path(args.config).is_file():
         raise UserError(f"--config {args.config}: no such file")
     if args.dataset_config and not args.config:
@@ -165,7 +170,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> int:
     config, dataset, base, family = base_files(args, workdir)
     points = sweep_points(base, parse_sweeps(args.sweep))
     job = BenchJob(config=config, dataset_config=dataset, base=base, engine_module=family.engine_module,
-                   workdir=workdir, steps=args.steps, warmup=WARMUP_STEPS, env=engine_env(), cuda=cuda,
+                   workdir=workdir, steps=args.steps, warmup=args.warmup, env=engine_env(), cuda=cuda,
                    stall_timeout_s=args.stall_timeout,
                    preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None)
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
@@ -175,7 +180,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> int:
     stored = None if args.no_store else _store(results, device, family.name, args.memory_limit)
     if args.json:
         print(json.dumps({"device": device, "family": family.name, "model": args.model, "steps": args.steps,
-                          "warmup_steps": WARMUP_STEPS, "points": [p.to_json() for p in results],
+                          "warmup_steps": args.warmup, "points": [p.to_json() for p in results],
                           "stored_in": str(stored) if stored else None}, indent=2, sort_keys=True, default=str))
     else:
         render(results, cuda)
@@ -190,7 +195,8 @@ def _store(results: list[Any], device: str, family: str, budget_mib: float | Non
     records = []
     for point in results:
         if point.done_event:
-            record = from_done_event(point.done_event, device=device, family=family, source="bench")
+            record = from_done_event({**point.done_event, "step_seconds": point.step_seconds}, device=device,
+                                     family=family, source="bench")
         elif point.outcome == "oom":
             record = from_oom_event(point.oom_event or {"settings": point.settings.to_event()}, device=device,
                                     family=family, source="bench", budget_mib=budget_mib)

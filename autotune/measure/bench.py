@@ -3,7 +3,8 @@
 Each point is the base config (a plan's, or the user's ``--config``) with the point's settings written
 in by the watchdog's own override (``override_config``: the same keys a step-down writes), run for
 ``warmup + steps`` optimizer steps with nothing saved but the final LoRA. The engine's done.json gives
-the steady-state seconds per step (its first steps left out) and the peak memory (CUDA max allocated and
+each step's time (the bench keeps the last ``steps``: the first steps of each new bucket shape build kernels
+and run slow; the point's figure is their median) and the peak memory (CUDA max allocated and
 reserved, or the peak RSS on a CPU), and its ``phases`` block where the engine writes one; an exit 87 is
 an OOM. The fastest point that finished (most images/s) is marked.
 """
@@ -26,6 +27,7 @@ from sd_scripts_compat.errors import UserError
 
 __all__ = ["BenchJob", "BenchPoint", "parse_sweeps", "run_bench", "short_settings", "sweep_points"]
 MAX_POINTS = 16
+ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json's step_seconds leave these out
 # keys the bench removes from a config: a short run saves nothing on the way and logs nowhere
 _NOT_IN_A_BENCH = ("max_train_epochs", "save_every_n_epochs", "save_every_n_steps", "save_last_n_epochs",
                    "save_last_n_steps", "save_state", "save_state_on_train_end", "sample_every_n_steps",
@@ -43,7 +45,7 @@ class BenchPoint:
     outcome: str
     message: str = ""
     seconds_per_step: float | None = None
-    timed_steps: int = 0
+    step_seconds: tuple[float, ...] = ()  # the timed steps (after the bench's warm-up)
     peak_memory_mib: float | None = None
     memory: dict[str, float] = field(default_factory=dict)
     phases: dict[str, Any] | None = None
@@ -64,7 +66,8 @@ class BenchPoint:
     def to_json(self) -> dict[str, Any]:
         return {"label": self.label, "settings": self.settings.to_event(), "outcome": self.outcome,
                 "message": self.message, "seconds_per_step": self.seconds_per_step, "it_per_s": self.it_per_s,
-                "images_per_s": self.images_per_s, "timed_steps": self.timed_steps,
+                "images_per_s": self.images_per_s, "timed_steps": len(self.step_seconds),
+                "step_seconds": list(self.step_seconds),
                 "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "phases": self.phases,
                 "fastest": self.fastest}
 
@@ -200,10 +203,11 @@ def run_point(job: BenchJob, index: int, label: str, settings: TrainSettings) ->
     memory = dict(done.get("memory") or (result.oom_event or {}).get("memory") or {})
     if not memory.get("peak_rss_mib") and result.peak_rss_mib:
         memory["peak_rss_mib"] = result.peak_rss_mib
-    step_seconds = list(done.get("step_seconds") or [])
+    # done.json leaves out the engine's first 2 steps; the rest of the bench's warm-up goes here
+    timed = tuple(float(v) for v in (done.get("step_seconds") or [])[max(0, job.warmup - ENGINE_WARMUP_STEPS):])
     return BenchPoint(label=label, settings=settings, outcome=result.outcome, message=result.message,
-                      seconds_per_step=steady_seconds_per_step(done) if done else None,
-                      timed_steps=len(step_seconds),
+                      seconds_per_step=steady_seconds_per_step({"step_seconds": timed}) if timed else None,
+                      step_seconds=timed,
                       peak_memory_mib=done.get("peak_memory"), memory=memory, phases=done.get("phases"),
                       done_event=result.done_event, oom_event=result.oom_event)
 
