@@ -63,13 +63,17 @@ def test_plan_table_and_lora_scripts_format(tmp_path):
 
 
 def test_plan_without_gpu_flags_probes_this_machine(tmp_path):
-    """This machine has no GPU: the probe says so and the plan is an fp32 CPU plan."""
+    """This machine has no GPU: the probe says so and the plan is a CPU plan, bf16 autocast where the probe
+    found native bf16 (avx512_bf16 / AMX), else fp32."""
     done = autotune("plan", str(make_dataset(tmp_path / "d")), "--model", "builtin:sd15", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     if plan["device"] == "CPU":
-        assert plan["settings"]["mixed_precision"] == "no"
+        from autotune.hardware.probe import probe_cpu
+
+        assert plan["settings"]["mixed_precision"] == ("bf16" if probe_cpu().bf16_native else "no")
         assert "no GPU" in plan["probe_summary"]
+        assert plan["prediction"]["speed_source"] == "model"  # this test's own, empty measurement store
     assert plan["written"] == []
 
 
