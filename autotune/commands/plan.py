@@ -5,6 +5,9 @@ to plan for; `--gpu NAME --vram GB` plans for that card with less memory. Prints
 the predicted peak VRAM, it/s and total time; `--out DIR` writes config.toml + dataset.toml that sd-scripts'
 train_network.py / sdxl_train_network.py accept unchanged (`--format lora-scripts` for lora-scripts' sectioned
 layout). Answers in about a second: nothing is traced or built, the memory and speed models are analytic.
+Where this machine has measured a setting (`autotune bench`, `autotune run`), the prediction uses the measurement
+and says so ("measured", "measured-scaled" or "model"); a setting that ran out of memory here is not proposed.
+`--no-learn` plans from the models alone.
 """
 
 from __future__ import annotations
