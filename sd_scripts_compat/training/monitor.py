@@ -9,7 +9,8 @@ through a callable and does its own I/O (NVML and psutil calls release the GIL f
 Off when ``--autotune_monitor_seconds 0`` or without an events folder.
 
 Format (``schema`` :data:`MONITOR_SCHEMA`): a ``{"kind": "header", ...}`` line per engine process (``pid``,
-``interval_s``, ``started``, ``gpus``: name and total memory per sampled GPU, ``ram_total_bytes``), then
+``interval_s``, ``started``, ``gpus``: name and total memory per sampled GPU, ``ram_total_bytes``,
+``max_steps``: the run's last step), then
 ``{"kind": "sample", "t": unix time, "step": n, "gpus": [{"index", "util_percent", "mem_util_percent",
 "mem_used_bytes", "mem_total_bytes", "sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz", "power_w",
 "power_limit_w", "temp_c", "throttle": [reason names]}], "proc": {"cpu_percent", "rss_bytes"}, "sys":
@@ -119,8 +120,8 @@ class Monitor:
     """The sampler thread: a header line, a sample at once, then one every ``interval_s``, a last one at stop."""
 
     def __init__(self, path: Path, interval_s: float, step: Callable[[], int], *, gpus: NvmlSource | None,
-                 host: PsutilSource | None) -> None:
-        self.path, self.interval_s, self.step = path, interval_s, step
+                 host: PsutilSource | None, max_steps: int | None = None) -> None:
+        self.path, self.interval_s, self.step, self.max_steps = path, interval_s, step, max_steps
         self.gpus, self.host = gpus, host
         self._stop = threading.Event()
         self._file = AppendOnlyFile(path)
@@ -131,7 +132,7 @@ class Monitor:
         self._file.write_line(json.dumps({
             "schema": MONITOR_SCHEMA, "kind": "header", "pid": os.getpid(), "interval_s": self.interval_s,
             "started": time.time(), "gpus": self.gpus.describe() if self.gpus else [],
-            "ram_total_bytes": ram_total}))
+            "ram_total_bytes": ram_total, "max_steps": self.max_steps}))
         self._thread.start()
 
     def stop(self) -> None:
@@ -158,14 +159,15 @@ class Monitor:
 
 @contextlib.contextmanager
 def start_monitor(events_dir: str | os.PathLike[str] | None, interval_s: float | None, step: Callable[[], int],
-                  *, enabled: bool = True) -> Iterator[Monitor | None]:
+                  *, enabled: bool = True, max_steps: int | None = None) -> Iterator[Monitor | None]:
     """The sampler for the ``with`` block, or None (off: no events folder, interval 0, not the main process)."""
     interval = DEFAULT_INTERVAL_S if interval_s is None else interval_s
     if not events_dir or not enabled or interval <= 0:
         yield None
         return
     Path(events_dir).mkdir(parents=True, exist_ok=True)
-    monitor = Monitor(Path(events_dir) / MONITOR_FILE, interval, step, gpus=NvmlSource.open(), host=_psutil_source())
+    monitor = Monitor(Path(events_dir) / MONITOR_FILE, interval, step, gpus=NvmlSource.open(), host=_psutil_source(),
+                      max_steps=max_steps)
     monitor.start()
     try:
         yield monitor

@@ -523,7 +523,7 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
                     validation, guard, stops, phases)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
     with start_monitor(process.paths.events_dir, config.autotune_monitor_seconds, lambda: counters.global_step,
-                       enabled=process.is_main) as monitor:
+                       enabled=process.is_main, max_steps=optimization.max_train_steps) as monitor:
         loop = run_loop(dataclasses.replace(recipe, monitor=monitor), counters)
     try:
         if loop.diverged is not None:
@@ -816,7 +816,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
             r.checkpointer.save_lora(output_file, counters, final=True)
             if config.save_state or config.save_state_on_train_end:
                 r.checkpointer.save_state(process.paths.state_dir(), counters)
-    phases = r.phases.summary()
+    phases = {**r.phases.summary(), "loader_workers": config.max_data_loader_n_workers or 0, "world": process.world}
     process.accelerator.log(tensorboard_scalars(phases), step=counters.global_step)
     peak_memory = max(loop.peak_memory_mib, peak_memory_mib(process.device))
     seconds = time.time() - process.started
@@ -830,7 +830,8 @@ def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
                 "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory,
                 "validation_loss": r.validation.history if r.validation is not None else [],
-                "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases})
+                "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
+                "family": r.model.family.name})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
               f"LoRA written to {output_file}")
     process.accelerator.end_training()
