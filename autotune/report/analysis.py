@@ -163,7 +163,7 @@ def headroom(run: RunFiles, report: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def larger_batch(done: dict[str, Any], peak_bytes: float, total_bytes: float) -> tuple[int, float, float] | None:
-    """(micro-batch, predicted bytes, predicted samples/s speed-up) of the largest batch up to 4x that fits."""
+    """(micro-batch, predicted bytes, predicted samples/s speed-up) of the largest batch (up to 16x, 64) that fits."""
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
     from sd_scripts_compat.config.settings import TrainSettings
@@ -175,7 +175,7 @@ def larger_batch(done: dict[str, Any], peak_bytes: float, total_bytes: float) ->
         scale = peak_bytes / predict_memory(base).peak_bytes  # this run's measured / predicted
         now = predict_speed(base, peak_tflops=100.0)  # any rate: only the ratio is used
         best = None
-        for batch in range(base.batch_size + 1, 4 * base.batch_size + 1):
+        for batch in range(base.batch_size + 1, min(16 * base.batch_size, 64) + 1):
             bigger = base.with_(batch_size=batch)
             predicted = predict_memory(bigger).total_bytes * scale
             if predicted > total_bytes:
