@@ -66,7 +66,7 @@ def test_a_starved_loader_is_data_bound_and_the_same_run_with_cached_latents_is_
     slow = build_report(load_run(starved))
     assert slow["bottleneck"]["kind"] == "data_bound", slow["bottleneck"]
     assert slow["phases"]["of_steps"]["data"] > 0.4
-    assert "waiting for data" in slow["bottleneck"]["message"]
+    assert "of its step time for data (0 loader workers)" in slow["bottleneck"]["message"]
     assert "max_data_loader_n_workers = " in slow["bottleneck"]["fix"] and "cache_latents" in slow["bottleneck"]["fix"]
     fast = build_report(load_run(cached))
     assert fast["bottleneck"]["kind"] != "data_bound", fast["bottleneck"]
@@ -116,7 +116,7 @@ def _tags(page: str) -> list[str]:
 
 
 def _cuda_run(tmp_path: Path, used_gib: float, rate_at=lambda t: 2.0, used_at=None, family: str = "sd15",
-              batch: int = 1) -> RunFiles:
+              batch: int = 1, data: float = 1.0) -> RunFiles:
     """A finished run as a CUDA machine would leave it: done.json figures and a stand-in NVML trace."""
     settings = {"blocks_to_swap": 0, "cache_latents": True, "cache_text_encoder_outputs": False, "fp8_base": False,
                 "full_bf16": False, "full_fp16": False, "gradient_accumulation_steps": 1,
@@ -127,8 +127,8 @@ def _cuda_run(tmp_path: Path, used_gib: float, rate_at=lambda t: 2.0, used_at=No
                 "train_batch_size": batch, "unet_lr": None, "xformers": False}
     seconds = dict.fromkeys(("setup", "caching", "data", "to_device", "vae_encode", "forward", "backward",
                              "optimizer", "validation", "save", "sample", "other"), 0.0)
-    seconds.update(setup=10.0, data=1.0, forward=30.0, backward=55.0, optimizer=4.0)
-    phases = {"schema": 1, "wall_seconds": sum(seconds.values()), "step_seconds": 90.0, "seconds": seconds,
+    seconds.update(setup=10.0, data=data, forward=30.0, backward=55.0, optimizer=4.0)
+    phases = {"schema": 1, "wall_seconds": sum(seconds.values()), "step_seconds": 89.0 + data, "seconds": seconds,
               "sampled_steps": 10, "steps": 100, "method": "cuda_synchronize", "loader_workers": 2}
     done = {"steps": 100, "seconds_per_step": 0.9, "peak_memory": used_gib * 1024, "settings": settings,
             "resolved": {"text_encoder_outputs_cached": True}, "family": family, "phases": phases,
@@ -183,3 +183,9 @@ def test_autotune_run_saves_its_plan_and_prints_the_report_at_its_end(tmp_path):
     report = build_report(load_run(out))
     assert report["speed"]["predicted_it_per_s"] == pytest.approx(plan["prediction"]["it_per_s"])
     assert report["phases"]["covered_fraction"] >= 0.95
+
+
+def test_a_gpu_waiting_for_its_loader_is_data_bound_with_the_workers_to_set_fake_nvml(tmp_path):
+    neck = build_report(_cuda_run(tmp_path, used_gib=4.0, data=55.0))["bottleneck"]
+    assert neck["kind"] == "data_bound" and neck["message"].startswith("GPU idle 38% waiting for data (2 loader")
+    assert neck["fix"] == "set max_data_loader_n_workers = 4"  # latents are cached: more workers is the fix

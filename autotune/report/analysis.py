@@ -141,8 +141,11 @@ def _data_bound(fraction: float, idle: str, workers: int, settings: dict[str, An
     fix = f"set max_data_loader_n_workers = {suggest}"
     if not settings.get("cache_latents"):
         fix += " or cache_latents = true (images are decoded and encoded once, before training)"
-    return {"kind": "data_bound", "message": f"{idle} idle {100 * fraction:.0f}% waiting for data "
-            f"({workers} loader worker{'s' if workers != 1 else ''})", "fix": fix}
+    share = f"{100 * fraction:.0f}%"
+    what = f"GPU idle {share} waiting for data" if idle == "GPU" else f"the trainer waited {share} of its step " \
+        "time for data"
+    return {"kind": "data_bound", "message": f"{what} ({workers} loader worker{'s' if workers != 1 else ''})",
+            "fix": fix}
 
 
 def headroom(run: RunFiles, report: dict[str, Any]) -> dict[str, Any] | None:
