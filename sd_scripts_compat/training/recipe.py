@@ -14,7 +14,6 @@ pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.contra
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import math
@@ -469,7 +468,6 @@ class Recipe:
     guard: StabilityGuard | None = None
     stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
     phases: PhaseTimer = field(default_factory=lambda: PhaseTimer("cpu"))  # where the time goes (done.json)
-    monitor: Any = None  # training.monitor.Monitor: the background sampler (reads the step counter)
 
 
 @dataclass
@@ -522,9 +520,10 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
                     validation, guard, stops, phases)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
+    # the background sampler of monitor.jsonl reads the step counter by itself: the loop never calls it
     with start_monitor(process.paths.events_dir, config.autotune_monitor_seconds, lambda: counters.global_step,
-                       enabled=process.is_main, max_steps=optimization.max_train_steps) as monitor:
-        loop = run_loop(dataclasses.replace(recipe, monitor=monitor), counters)
+                       enabled=process.is_main, max_steps=optimization.max_train_steps):
+        loop = run_loop(recipe, counters)
     try:
         if loop.diverged is not None:
             raise Diverged(loop.diverged)
@@ -743,8 +742,8 @@ def _report_progress(r: Recipe, loop: LoopState, counters: Any, progress: Any, n
     lr_scheduler = r.optimization.lr_scheduler
     progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
     r.process.accelerator.log({"loss/current": mean_loss, "lr/unet": lr_scheduler.get_last_lr()[-1],
-                               "speed/it_per_s": rate, "memory/peak_mib": loop.peak_memory_mib},
-                              step=counters.global_step)
+                               "speed/it_per_s": rate, "memory/peak_mib": loop.peak_memory_mib,
+                               **tensorboard_scalars(r.phases.summary())}, step=counters.global_step)
     events_dir = r.process.paths.events_dir
     if events_dir and r.process.is_main:
         write_event(events_dir, PROGRESS, {
