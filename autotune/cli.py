@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("wizard", "autotune.commands.wizard", "interactive setup: questions, a plan that fits, configs or a training"),
     ("run", "autotune.commands.run", "train a LoRA under the OOM watchdog: plan, run, step down and resume"),
     ("train", "autotune.commands.train", "train with a kohya config.toml (sd-scripts' train_network flags)"),
+    ("report", "autotune.commands.report", "where a run's time and memory went, and its bottleneck with the fix"),
 ]
 
 
