@@ -141,3 +141,25 @@ def test_loading_a_real_size_file_peaks_where_predicted() -> None:
                                       model_file_bytes=SD15_FILE.stat().st_size, on_gpu=False))
     assert predicted.loading_bytes > predicted.training_bytes
     assert 0.97 * measured <= predicted.peak_bytes <= 1.08 * measured, (measured, predicted.peak_bytes)
+
+
+def test_plan_cli_shows_host_ram_beside_vram_and_in_json(tmp_path: Path) -> None:
+    """`autotune plan --ram 16 --workers 8` for a (sparse) SDXL file: the RAM line, the warning, the JSON keys."""
+    model = tmp_path / "sdxl.safetensors"
+    sparse_sdxl_file(model)
+    common = [sys.executable, "-m", "autotune", "plan", str(DATASET), "--model", str(model), "--gpu", "RTX 4090",
+              "--workers", "8"]
+    text = subprocess.run([*common, "--ram", "16"], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert text.returncode == 0, text.stderr[-2000:]
+    flat = " ".join(text.stdout.split())
+    assert "predicted peak VRAM" in flat and "predicted peak host RAM" in flat and "of 14.00 GiB usable" in flat
+    assert "host RAM is the limit" in flat
+    out = subprocess.run([*common, "--ram", "64", "--json"], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout)
+    assert plan["prediction"]["ram_peak_gib"] > 19 and plan["prediction"]["ram_usable_bytes"] == 62 * GIB
+    assert plan["prediction"]["ram_components"]["checkpoint_file"] == model.stat().st_size
+    assert not any(w.startswith("host RAM") for w in plan["warnings"])
+    bad = subprocess.run([*common, "--ram", "0"], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--ram 0" in bad.stderr
