@@ -10,6 +10,10 @@ adding a family -- as tiny-sd15 / tiny-sdxl were -- never re-traces the full-siz
 re-traces and refits only the named families (after a change to their geometry) and copies every other
 row of the shipped JSON unchanged; it needs no saved traces.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --families sd15,sdxl --reuse
+refits SD1.5 and SDXL (and SD2, which borrows SD1.5's terms) from the rows of
+``autotune/data/memory_fit_configs.json``, tracing only those missing from the saved traces (~50 traces,
+~10 min on this CPU from scratch), and prints the fit and check tables.
 
 Traces (``autotune.calibration.memtrace``) are the ground truth; the analytic model (``autotune.estimate.memory_model``)
 is what the planner uses. "fit" rows are the traces the coefficients come from, "held-out" rows are
