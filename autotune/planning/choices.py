@@ -56,6 +56,7 @@ class PlanContext:
     preferred_opt: str
     usable: int
     peak: int
+    workers: int | None = None  # data loader workers after the host-RAM check (None: the default rule)
 
     @property
     def side(self) -> int:
@@ -101,9 +102,13 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
         out.append(Choice("cache_text_encoder_outputs", True,
                           "text encoders run once and leave VRAM (SDXL UNet-only training); captions cannot be "
                           "shuffled"))
-    workers = min(2, req.cpu_physical_cores // 2)
-    out.append(Choice("max_data_loader_n_workers", workers, f"{req.cpu_physical_cores} physical cores; cached "
-                      "latents make a batch cheap to load, so 0-2 workers"))
+    default = req.preferences.workers if req.preferences.workers is not None else min(2, req.cpu_physical_cores // 2)
+    workers = default if c.workers is None else c.workers
+    reason = (f"lowered from {default}: host RAM (each worker is a process with its own pages and batches)"
+              if workers < default else "your --workers" if req.preferences.workers is not None
+              else f"{req.cpu_physical_cores} physical cores; cached latents make a batch cheap to load, "
+              "so 0-2 workers")
+    out.append(Choice("max_data_loader_n_workers", workers, reason))
     if workers > 0:
         out.append(Choice("persistent_data_loader_workers", True, "workers survive between epochs (no restart stall)"))
     return out

@@ -85,6 +85,7 @@ from autotune.planning.goals import (
     target_views,
     training_length,
 )
+from autotune.planning.host_ram import plan_host_ram
 from autotune.planning.outputs import dataset_config, launch_command
 from autotune.planning.request import (
     GENERIC_GPU_NAME,
@@ -130,6 +131,9 @@ class Prediction:
     seconds_per_step: float  # one optimizer step (all accumulation micro-steps)
     total_seconds: float
     optimizer_steps: int
+    ram_peak_bytes: int = 0  # predicted peak host RAM (autotune.estimate.ram_model)
+    ram_usable_bytes: int | None = None  # host RAM the run may use; None: not known, not checked
+    ram_components: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,8 @@ class Plan:
             out["prediction"]["components"] = dict(self.prediction.components)
             out["prediction"]["peak_gib"] = round(self.prediction.peak_bytes / GIB, 3)
             out["prediction"]["usable_gib"] = round(self.prediction.usable_bytes / GIB, 3)
+            out["prediction"]["ram_components"] = dict(self.prediction.ram_components)
+            out["prediction"]["ram_peak_gib"] = round(self.prediction.ram_peak_bytes / GIB, 3)
         out["launch_command"] = list(self.launch_command)
         return json.loads(json.dumps(out, default=str))
 
@@ -224,16 +230,20 @@ def plan_training(request: PlanRequest) -> Plan:
     length = training_length(goal, request.priority, dataset.num_images, dataset.views_per_epoch, effective_real,
                              prefs.epochs, short_cpu_run)
     seconds_per_step = s.gradient_accumulation_steps / chosen.it_per_s
+    ram = plan_host_ram(request, family, s, dataset.num_images, chosen.peak)
+    common.update(fallbacks=found.fallbacks + ram.fallbacks, warnings=common["warnings"] + ram.warnings)
     prediction = Prediction(
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,
         it_per_s=1.0 / seconds_per_step, micro_steps_per_s=chosen.it_per_s, samples_per_s=chosen.samples_per_s,
         seconds_per_step=seconds_per_step, total_seconds=length.steps * seconds_per_step,
-        optimizer_steps=length.steps,
+        optimizer_steps=length.steps, ram_peak_bytes=ram.estimate.peak_bytes, ram_usable_bytes=ram.usable_bytes,
+        ram_components=tuple(ram.estimate.components.items()),
     )
     context = PlanContext(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
                           target_views=length.target_views, precision_reason=precision_reason,
-                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak)
+                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
+                          workers=ram.workers)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "

@@ -74,6 +74,7 @@ class Preferences:
     epochs: int | None = None
     seed: int = 42
     output_name: str | None = None
+    workers: int | None = None  # max_data_loader_n_workers (host RAM may step it down)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class PlanRequest:
     dataset: DatasetSummary | None = None  # given instead of scanning ``dataset_dir`` (templates)
     output_dir: str | None = None  # where config.toml goes; trained LoRAs go to <output_dir>/output
     probe_summary: str = ""  # one line describing the probe, for the config header
+    host_ram_bytes: int | None = None  # RAM the run may use (probe: available; --ram: total - reserve); None: unchecked
 
 
 def gpu_from_spec(spec: GpuSpec, vram_gb: float | None = None, held_bytes: int = 0,
@@ -123,6 +125,8 @@ def validate_request(request: PlanRequest) -> None:
         raise UserError(f"--optimizer {prefs.optimizer}: the planner chooses among {', '.join(OPTIMIZERS)}")
     if prefs.rank is not None and prefs.rank < 1:
         raise UserError(f"--rank {prefs.rank}: must be a positive integer, e.g. 16")
+    if prefs.workers is not None and prefs.workers < 0:
+        raise UserError(f"--workers {prefs.workers}: must be 0 or more")
     if prefs.epochs is not None and prefs.epochs < 1:
         raise UserError(f"--epochs {prefs.epochs}: must be 1 or more")
     if prefs.attention not in ATTENTIONS:
