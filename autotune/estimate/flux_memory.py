@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.estimate.memory_model import (
     DEFAULT_ALLOCATOR_OVERHEAD,
@@ -47,6 +47,9 @@ from autotune.estimate.memory_model import (
     optimizer_state_bytes,
 )
 from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.settings import TrainSettings
 
 FLUX_CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "flux_calibration.json"
 
@@ -87,6 +90,25 @@ class FluxMemoryInputs:
         return replace(self, **changes)
 
 
+def flux_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bool = False,
+                             **overrides: Any) -> FluxMemoryInputs:
+    """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping)."""
+    width, height = settings.resolution
+    return FluxMemoryInputs(
+        family=family, resolution=width, height=height if height != width else None,
+        batch_size=settings.train_batch_size, rank=settings.network_dim,
+        gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
+        fp8_base=settings.fp8_base, blocks_to_swap=settings.blocks_to_swap,
+        cache_text_encoder_outputs=settings.cache_text_encoder_outputs, cache_latents=settings.cache_latents,
+        t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
+        **overrides)
+
+
+def family_max_blocks_to_swap(family: str) -> int:
+    """How many blocks a family can swap (0: it cannot): from the FLUX calibration's architecture."""
+    return max_swap(load_flux_calibration()["architecture"]) if is_flux_family(family) else 0
+
+
 @dataclass(frozen=True)
 class FluxMemoryEstimate(MemoryEstimate):
     """Training-phase components (summing to the training total) plus the caching phase and host RAM."""
@@ -101,6 +123,11 @@ class FluxMemoryEstimate(MemoryEstimate):
     @property
     def training_peak_bytes(self) -> int:
         return super().peak_bytes
+
+    @property
+    def training_total_bytes(self) -> int:
+        """Training phase only, with the safety margin (the OOM ladder's figure: caching is over by then)."""
+        return self.training_peak_bytes + self.components["safety_margin"]
 
     @property
     def peak_bytes(self) -> int:
