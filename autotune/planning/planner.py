@@ -86,6 +86,7 @@ from autotune.planning.goals import (
     training_length,
 )
 from autotune.planning.outputs import dataset_config, launch_command
+from autotune.planning.profiles import plan_profile
 from autotune.planning.request import (
     GENERIC_GPU_NAME,
     GIB,
@@ -130,6 +131,7 @@ class Prediction:
     seconds_per_step: float  # one optimizer step (all accumulation micro-steps)
     total_seconds: float
     optimizer_steps: int
+    host_ram_bytes: int = 0  # host memory while training (FLUX block swap, parked encoders); 0: not modelled
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,7 @@ class Plan:
             out["prediction"]["components"] = dict(self.prediction.components)
             out["prediction"]["peak_gib"] = round(self.prediction.peak_bytes / GIB, 3)
             out["prediction"]["usable_gib"] = round(self.prediction.usable_bytes / GIB, 3)
+            out["prediction"]["host_ram_gib"] = round(self.prediction.host_ram_bytes / GIB, 3)
         out["launch_command"] = list(self.launch_command)
         return json.loads(json.dumps(out, default=str))
 
@@ -177,6 +180,20 @@ def _precision(gpus: Sequence[GpuTarget]) -> tuple[str, str]:
     if all(g.bf16_capable for g in gpus):
         return "bf16", "compute capability >= 8.0: bf16 has fp32's range, no loss scaling"
     return "fp16", "compute capability < 8.0: no fast bf16, fp16 with loss scaling"
+
+
+def _fp8_capable(gpu: GpuTarget, min_cc: tuple[int, int] | None) -> bool:
+    """fp8_base on this card: the engine's rule (8.9+), or the family profile's lower floor (FLUX: 8.0)."""
+    cc = gpu.cc_tuple
+    return gpu.fp8_base_capable or (min_cc is not None and cc is not None and cc >= min_cc)
+
+
+def caching_needs_fp8_t5(family: str, usable: int) -> bool:
+    """True when caching the text-encoder outputs with a 16-bit T5-XXL would not fit ``usable`` bytes."""
+    from autotune.estimate.flux_memory import FluxMemoryInputs, predict_flux_memory
+
+    estimate = predict_flux_memory(FluxMemoryInputs(resolution=512, family=family, blocks_to_swap=0))
+    return estimate.caching_peak + estimate.components["safety_margin"] > usable
 
 
 def _device_label(gpus: Sequence[GpuTarget]) -> str:
@@ -201,13 +218,18 @@ def plan_training(request: PlanRequest) -> Plan:
     usable = min(g.usable_bytes for g in gpus) if gpus else int(request.cpu_memory_bytes or 16 * GIB)
     effective = max(devices, max(1, min(goal.effective_batch, dataset.num_images)))
     preferred_opt = prefs.optimizer or PRIORITY_OPTIMIZER[request.priority]
-    train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else not family.is_sdxl
+    profile = plan_profile(family.name)
+    train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else (
+        profile.train_text_encoder if profile.train_text_encoder is not None else not family.is_sdxl)
+    t5_fp8 = "t5xxl_fp8" in profile.model_files and caching_needs_fp8_t5(family.name, usable)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
                         attention=prefs.attention)
-    fp8_ok = bool(gpus) and prefs.allow_fp8 and all(g.fp8_base_capable for g in gpus)
+    fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
+                                                     for g in gpus)
     found = search(start, family, goal, fp8_ok=fp8_ok, pinned_resolution=prefs.resolution, effective=effective,
-                   devices=devices, usable=usable, predictor=Predictor(family, gpus, request.cpu_physical_cores))
+                   devices=devices, usable=usable,
+                   predictor=Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8))
     device = _device_label(gpus)
     common = dict(version=__version__, model=request.model, family=family.name, goal=request.goal,
                   priority=request.priority, device=device, num_processes=devices, dataset=dataset,
@@ -228,15 +250,17 @@ def plan_training(request: PlanRequest) -> Plan:
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,
         it_per_s=1.0 / seconds_per_step, micro_steps_per_s=chosen.it_per_s, samples_per_s=chosen.samples_per_s,
         seconds_per_step=seconds_per_step, total_seconds=length.steps * seconds_per_step,
-        optimizer_steps=length.steps,
+        optimizer_steps=length.steps, host_ram_bytes=chosen.host_ram,
     )
     context = PlanContext(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
                           target_views=length.target_views, precision_reason=precision_reason,
-                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak)
+                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
+                          t5_fp8=t5_fp8, host_ram=chosen.host_ram)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "
+               + (f"{s.blocks_to_swap} blocks swapped, " if s.blocks_to_swap else "") +
                f"predicted peak {chosen.peak / GIB:.2f} of {usable / GIB:.2f} GiB usable")
     choices = plan_choices(context)
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
