@@ -81,12 +81,11 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
     profile = plan_profile(fam.name)
-    for key, (path, reason) in profile.model_files.items():
-        if key == "t5xxl_fp8" or (key == "t5xxl" and c.t5_fp8):
-            if c.t5_fp8:
-                out.append(Choice("t5xxl", path, reason))
-            continue
-        out.append(Choice(key, path, reason))
+    files = dict(profile.model_files)
+    fp8_t5 = files.pop("t5xxl_fp8", None)
+    if c.t5_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
+        files["t5xxl"] = fp8_t5
+    out += [Choice(key, path, reason) for key, (path, reason) in files.items()]
     here = req.output_dir is not None
     out.append(Choice("dataset_config", str(Path(req.output_dir).expanduser().resolve() / "dataset.toml")
                       if here else "dataset.toml",

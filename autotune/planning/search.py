@@ -201,6 +201,16 @@ class SearchResult:
     fallbacks: tuple[str, ...]  # what the ladder gave up, in order
 
 
+def _add_fallback(fallbacks: list[str], label: str) -> None:
+    """Append a ladder step; consecutive swap counts collapse into one "blocks_to_swap 1-15" entry."""
+    prefix = "blocks_to_swap "
+    if label.startswith(prefix) and fallbacks and fallbacks[-1].startswith(prefix):
+        first = fallbacks[-1][len(prefix):].split("-")[0]
+        fallbacks[-1] = f"{prefix}{first}-{label[len(prefix):]}"
+    else:
+        fallbacks.append(label)
+
+
 def search(start: TrainSettings, family: FamilySpec, goal: GoalProfile, *, fp8_ok: bool,
            pinned_resolution: int | None, effective: int, devices: int, usable: int,
            predictor: Predictor) -> SearchResult:
@@ -210,7 +220,7 @@ def search(start: TrainSettings, family: FamilySpec, goal: GoalProfile, *, fp8_o
     for label, point in [("", start), *ladder(start, family, goal, fp8_ok, pinned_resolution)]:
         best, smallest = best_at(point, effective, devices, usable, predictor)
         if label:
-            fallbacks.append(label)
+            _add_fallback(fallbacks, label)
         if best is not None:
             return SearchResult(chosen=best, smallest=smallest, fallbacks=tuple(fallbacks))
     assert smallest is not None
