@@ -62,13 +62,15 @@ class FusedLoRA:
     computed once per input. Hand-written because peft has no LoRA spanning several Linears.
     """
 
-    def __init__(self, members: list[Any], rank: int, alpha: float) -> None:
+    def __init__(self, members: list[Any], rank: int, alpha: float, device: Any = "meta") -> None:
         import torch
 
         fan_in = members[0].in_features
         self.outs = [m.out_features for m in members]
-        self.down = torch.nn.Linear(fan_in, rank, bias=False, device="meta")
-        self.up = torch.nn.Linear(rank, sum(self.outs), bias=False, device="meta")
+        self.down = torch.nn.Linear(fan_in, rank, bias=False, device=device)
+        self.up = torch.nn.Linear(rank, sum(self.outs), bias=False, device=device)
+        if device != "meta":
+            torch.nn.init.zeros_(self.up.weight)  # kohya's init: a fresh LoRA changes nothing
         self.scale = alpha / rank
         self._cache: tuple[Any, list[Any], set[int]] | None = None
         for index, member in enumerate(members):
@@ -112,14 +114,15 @@ def _resolve(module: Any, dotted: str) -> Any:
     return module
 
 
-def apply_flux_lora(model: Any, rank: int, alpha: float) -> list[FusedLoRA]:
-    """kohya's 304 FLUX LoRA modules (lora_unet_double_blocks_N_* / single_blocks_N_*) on ``model``."""
+def apply_flux_lora(model: Any, rank: int, alpha: float, device: Any = "meta") -> list[FusedLoRA]:
+    """kohya's 304 FLUX LoRA modules (lora_unet_double_blocks_N_* / single_blocks_N_*) on ``model``
+    (``device``: where the LoRA weights live; meta for traces, the GPU for bench/gpu_validate_flux.py)."""
     loras = []
     for blocks, targets in ((model.transformer_blocks, DOUBLE_TARGETS), (model.single_transformer_blocks,
                                                                          SINGLE_TARGETS)):
         for block in blocks:
             for members in targets.values():
-                loras.append(FusedLoRA([_resolve(block, m) for m in members], rank, alpha))
+                loras.append(FusedLoRA([_resolve(block, m) for m in members], rank, alpha, device))
     return loras
 
 

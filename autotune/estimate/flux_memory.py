@@ -9,8 +9,9 @@ Training-phase tensor peak = resident transformer weights + LoRA params + grads 
 
 - Weights: bf16 (2 bytes) or, under ``fp8_base``, 1 byte for every Linear weight (float8_e4m3fn). Swapped
   blocks (sd-scripts' split: n // 2 double and (n - n // 2) * 2 single, the last of each list; at most 35)
-  keep only their ``.weight`` tensors on the host; the block swapped in reuses the GPU storage of the one
-  swapped out, so no swap buffer exists on the GPU.
+  keep only their ``.weight`` tensors on the host; in sd-scripts the block swapped in reuses the GPU storage
+  of the one swapped out (no buffer: what the traces measure), our engine copies into fresh buffers with one
+  prefetched, so ``swap_buffers`` adds two of the largest swapped blocks on top of the traced tensor peak.
 - LoRA: kohya's 304 modules (exact shapes from the architecture), fp32, and each optimizer's state layout
   (shared with the SD model: ``memory_model.optimizer_state_bytes``).
 - Activations: ``c0 + c1*rank + batch*tokens*(a + b*rank)`` per checkpointing setting, tokens = packed image
@@ -122,7 +123,7 @@ class FluxMemoryEstimate(MemoryEstimate):
 
     @property
     def training_peak_bytes(self) -> int:
-        return super().peak_bytes
+        return super().peak_bytes + self.components.get("swap_buffers", 0)
 
     @property
     def training_total_bytes(self) -> int:
@@ -190,6 +191,16 @@ def transformer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> t
     return full - host, host
 
 
+def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> int:
+    """Device copies in flight beside the resident blocks: our engine's swapper (``training/block_swap.py``)
+    copies a swapped block into a fresh buffer and prefetches the next, so up to two of the largest swapped
+    blocks; sd-scripts copies into the storage of the block it evicts and needs none (the traces model that)."""
+    d, s = split_swap(blocks_to_swap, arch)
+    sizes = ([_block_bytes(arch["double_block"], fp8)[1]] if d else []) + \
+        ([_block_bytes(arch["single_block"], fp8)[1]] if s else [])
+    return 2 * max(sizes) if sizes else 0
+
+
 def lora_sizes(arch: dict[str, Any], rank: int) -> list[tuple[int, int]]:
     """(elements, count) of every LoRA tensor (down [r, in], up [out, r])."""
     out = []
@@ -241,6 +252,7 @@ def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | 
         "activations": _activations(cal, inputs),
     }
     tensor_peak = sum(components.values())
+    components["swap_buffers"] = swap_buffer_bytes(arch, inputs.fp8_base, inputs.blocks_to_swap)
     context = int(inputs.cuda_context_gib * GIB)
     components["cuda_context"] = context
     components["allocator_overhead"] = int(inputs.allocator_overhead * tensor_peak)
