@@ -59,6 +59,11 @@ def test_swapped_weights_leave_the_gpu_and_land_in_host_ram() -> None:
     assert none.components["weights_transformer"] - some.components["weights_transformer"] == host
     assert some.swapped_bytes == host and some.host_ram_bytes - none.host_ram_bytes == host
     assert some.components["activations"] == none.components["activations"]
+    # our engine's swapper: a swapped block in flight plus one prefetched (sd-scripts reuses storage: 0)
+    assert none.components["swap_buffers"] == 0
+    double = arch["double_block"]
+    assert some.components["swap_buffers"] == 2 * (2 * double["swap_elements"] - double["fp8_elements"])
+    assert some.training_peak_bytes > some.tensor_peak_bytes + some.components["swap_buffers"]
 
 
 def test_fp8_t5_is_what_lets_a_small_card_cache_text_encoder_outputs() -> None:

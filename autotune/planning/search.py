@@ -54,6 +54,23 @@ class Estimate:
     host_ram: int = 0  # host memory the run holds while training (FLUX: swapped blocks, parked encoders)
 
 
+def estimate_for_settings(family: str, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False) -> tuple[Any, Any]:
+    """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
+    (``flux_memory`` / ``flux_speed``) for the families its calibration lists, else the UNet model."""
+    from autotune.estimate.flux_memory import flux_inputs_for_settings, is_flux_family, predict_flux_memory
+
+    if is_flux_family(family):
+        from autotune.estimate.flux_speed import predict_flux_speed
+
+        flux = flux_inputs_for_settings(family, s, t5_fp8=t5_fp8)
+        return predict_flux_memory(flux), lambda spec: predict_flux_speed(flux, spec, cpu_cores=cpu_cores)
+    from autotune.estimate.memory_model import inputs_for_settings, predict_memory
+    from autotune.estimate.speed_model import predict_speed
+
+    inputs = inputs_for_settings(family, s)
+    return predict_memory(inputs), lambda spec: predict_speed(inputs, spec, steps=1, cpu_cores=cpu_cores)
+
+
 class Predictor:
     """Adapts the memory and speed models to ``TrainSettings``; caches by settings (the ladder revisits points)."""
 
@@ -65,19 +82,7 @@ class Predictor:
         self._cache: dict[TrainSettings, Estimate] = {}
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
-        """(memory estimate, speed function of a GPU spec) from the family's memory model."""
-        from autotune.estimate.flux_memory import flux_inputs_for_settings, is_flux_family, predict_flux_memory
-
-        if is_flux_family(self.family.name):
-            from autotune.estimate.flux_speed import predict_flux_speed
-
-            flux = flux_inputs_for_settings(self.family.name, s, t5_fp8=self.t5_fp8)
-            return predict_flux_memory(flux), lambda spec: predict_flux_speed(flux, spec, cpu_cores=self.cpu_cores)
-        from autotune.estimate.memory_model import inputs_for_settings, predict_memory
-        from autotune.estimate.speed_model import predict_speed
-
-        inputs = inputs_for_settings(self.family.name, s)
-        return predict_memory(inputs), lambda spec: predict_speed(inputs, spec, steps=1, cpu_cores=self.cpu_cores)
+        return estimate_for_settings(self.family.name, s, self.cpu_cores, t5_fp8=self.t5_fp8)
 
     def predict(self, s: TrainSettings) -> Estimate:
         """Memory on one device and micro-steps/s of the slowest device."""
