@@ -125,3 +125,14 @@ def test_tiny_trace_drops_exactly_the_swapped_weights() -> None:
     assert results[0].peak_bytes - results[4].peak_bytes == host
     assert results[0].activations_peak_bytes == results[4].activations_peak_bytes
     assert flux_memtrace.T5_TOKENS == 512  # the keyword did not change the module's constant
+
+
+def test_fake_trace_matches_a_real_cpu_step_on_a_tiny_flux() -> None:
+    """The tracer's fake-tensor figure against the same step on real CPU tensors (random weights)."""
+    from autotune.calibration.flux_memtrace import trace_flux_step
+
+    kwargs = dict(resolution=128, rank=4, blocks_to_swap=2, fp8_base=False, optimizer="AdamW", config=TINY,
+                  text_tokens=8)
+    fake, real = trace_flux_step(**kwargs), trace_flux_step(**kwargs, fake=False)
+    assert real.weights_bytes == fake.weights_bytes and real.lora_params == fake.lora_params
+    assert abs(real.peak_bytes - fake.peak_bytes) <= 0.02 * fake.peak_bytes

@@ -186,28 +186,40 @@ def swapped_weights(model: Any, blocks_to_swap: int) -> list[Any]:
 
 def trace_flux_step(*, resolution: int, batch_size: int = 1, rank: int = 16, gradient_checkpointing: bool = True,
                     optimizer: str = "AdamW8bit", fp8_base: bool = False, blocks_to_swap: int = 0,
-                    config: dict[str, Any] | None = None, text_tokens: int = T5_TOKENS) -> FluxTraceResult:
+                    config: dict[str, Any] | None = None, text_tokens: int = T5_TOKENS,
+                    fake: bool = True) -> FluxTraceResult:
     """One FLUX LoRA step (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
-    ``config``: another transformer config (tests use a tiny one); ``text_tokens``: T5 sequence length."""
+    ``config``: another transformer config (tests use a tiny one); ``text_tokens``: T5 sequence length;
+    ``fake=False``: the same step on real CPU tensors with random weights (tiny configs: how the tests check
+    the fake figure against a real run)."""
+    import contextlib
+
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
     model = build_flux(config)
+    if not fake:
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
     if fp8_base:
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
         store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
-    loras = apply_flux_lora(model, rank, float(rank))
+    loras = apply_flux_lora(model, rank, float(rank), device="meta" if fake else "cpu")
     lora_modules = [m for lora in loras for m in lora.modules()]
     for m in lora_modules:
         m.to(torch.float32)
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
         model.train()
-    fake_mode = FakeTensorMode()
-    fakeify([model, *lora_modules], fake_mode)
+    fake_mode: Any = FakeTensorMode() if fake else contextlib.nullcontext()
+    if fake:
+        fakeify([model, *lora_modules], fake_mode)
     host = swapped_weights(model, blocks_to_swap)
     host_ids = {t.untyped_storage()._cdata for t in host}
     lora_params = [p for m in lora_modules for p in m.parameters()]
