@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from autotune.estimate.flux_memory import (
@@ -136,3 +138,26 @@ def test_fake_trace_matches_a_real_cpu_step_on_a_tiny_flux() -> None:
     fake, real = trace_flux_step(**kwargs), trace_flux_step(**kwargs, fake=False)
     assert real.weights_bytes == fake.weights_bytes and real.lora_params == fake.lora_params
     assert abs(real.peak_bytes - fake.peak_bytes) <= 0.02 * fake.peak_bytes
+
+
+def test_lora_shapes_are_kohyas_flux_keys() -> None:
+    """The modelled LoRA modules are exactly sd-scripts' lora_flux ones (reference key list, rank 16)."""
+    import json
+    from collections import Counter
+    from pathlib import Path
+
+    from autotune.estimate.flux_memory import lora_sizes
+
+    keys = Path("/work/shared/reference/kohya/keys_flux_dev.json")
+    if not keys.is_file():
+        pytest.skip("reference key list not here")
+    table = json.loads(keys.read_text(encoding="utf-8"))
+    kohya = Counter()
+    for key, (shape, _dtype) in table.items():
+        if key.startswith("lora_unet_") and key.endswith(".lora_down.weight"):
+            up = table[key.replace("lora_down", "lora_up")][0]
+            kohya[f"{shape[1]}x{up[0]}"] += 1
+    arch = load_flux_calibration()["architecture"]
+    assert dict(kohya) == arch["lora_modules"]
+    unet_params = sum(math.prod(s) for k, (s, _) in table.items() if k.startswith("lora_unet_") and "alpha" not in k)
+    assert sum(n * c for n, c in lora_sizes(arch, 16)) == unet_params
