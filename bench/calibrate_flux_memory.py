@@ -7,6 +7,7 @@ Activation coefficients per checkpointing setting come from four traces each (51
 batch 1, AdamW8bit, bf16 weights): ``act = c0 + c1*rank + batch*tokens*(a + b*rank)`` with tokens = packed image
 tokens + the 512 T5 tokens, solved exactly; ``fp8_extra`` from one fp8 trace each. The VALIDATION traces
 (other resolutions, batches, optimizers, fp8 and swap counts) are not used by the fit: the table compares them.
+The text-encoder caching transient (CLIP-L + T5-XXL forwards, no grad) is traced too.
 Each trace takes ~20-60 s on this CPU; the traces file keeps them so a rerun only traces what is new.
 """
 
@@ -135,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     architecture = flux_architecture_facts()
     import torch
 
+    from autotune.calibration.flux_memtrace import trace_text_encoder_caching
+
+    caching = trace_text_encoder_caching()
     calibration = {
         "generated_by": "bench/calibrate_flux_memory.py", "torch": torch.__version__,
+        "caching_transient_bytes": caching["transient_bytes"],
         "families": ["flux-dev", "flux-schnell"], "architecture": architecture, **fit(traces, architecture),
         "traces": [{"config": cfg, "peak_bytes": traces[_key(cfg)]["peak_bytes"],
                     "activations_peak_bytes": traces[_key(cfg)]["activations_peak_bytes"],
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     old = json.loads(FLUX_CALIBRATION_PATH.read_text()) if FLUX_CALIBRATION_PATH.is_file() else {}
     calibration = {**old, **calibration}  # keeps hand-kept sections (speed, host RAM) of the shipped file
+    calibration["assumed"].pop("caching_transient_bytes", None)  # traced now
     FLUX_CALIBRATION_PATH.write_text(json.dumps(calibration, indent=1, sort_keys=True) + "\n")
     print("\n".join(table(traces, calibration)))
     return 0

@@ -368,3 +368,33 @@ def flux_architecture_facts(config: dict[str, Any] | None = None) -> dict[str, A
             "single": macs(single, ("attn.", "proj_mlp", "proj_out")),
         },
     }
+
+
+def trace_text_encoder_caching(tokens: int = T5_TOKENS) -> dict[str, int]:
+    """Peak live bytes of caching one caption: CLIP-L and T5-XXL forwards under no_grad on fake tensors.
+
+    Returns the weights and the transient above them (hidden states, T5's fp32 attention scores), the figure
+    the FLUX model adds to the encoders' weights for the caching phase."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    with torch.device("meta"):
+        clip = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                            num_attention_heads=12, max_position_embeddings=77, vocab_size=49408,
+                                            projection_dim=768)).to(torch.bfloat16)
+        t5 = T5EncoderModel(T5Config(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24,
+                                     vocab_size=32128, feed_forward_proj="gated-gelu",
+                                     relative_attention_num_buckets=32)).to(torch.bfloat16)
+    fake_mode = FakeTensorMode()
+    fakeify([clip, t5], fake_mode)
+    weights = [*clip.parameters(), *clip.buffers(), *t5.parameters(), *t5.buffers()]
+    counter = LiveBytesCounter()
+    with fake_mode:
+        counter.register(weights)
+        counter.reset_peak()
+        with counter.mode(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            clip(torch.zeros(1, 77, dtype=torch.long))
+            t5(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+    weight_bytes = _storage_bytes(weights)
+    return {"weights_bytes": weight_bytes, "transient_bytes": counter.peak - weight_bytes}
