@@ -148,7 +148,7 @@ def test_lora_shapes_are_kohyas_flux_keys() -> None:
 
     from autotune.estimate.flux_memory import lora_sizes
 
-    keys = Path("/work/shared/reference/kohya/keys_flux_dev.json")
+    keys = Path(__file__).resolve().parent / "data" / "kohya" / "keys_flux_dev.json"
     if not keys.is_file():
         pytest.skip("reference key list not here")
     table = json.loads(keys.read_text(encoding="utf-8"))
