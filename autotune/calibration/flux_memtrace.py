@@ -187,19 +187,20 @@ def swapped_weights(model: Any, blocks_to_swap: int) -> list[Any]:
 def trace_flux_step(*, resolution: int, batch_size: int = 1, rank: int = 16, gradient_checkpointing: bool = True,
                     optimizer: str = "AdamW8bit", fp8_base: bool = False, blocks_to_swap: int = 0,
                     config: dict[str, Any] | None = None, text_tokens: int = T5_TOKENS,
-                    fake: bool = True) -> FluxTraceResult:
+                    fake: bool = True, family: str | None = None) -> FluxTraceResult:
     """One FLUX LoRA step (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
     ``config``: another transformer config (tests use a tiny one); ``text_tokens``: T5 sequence length;
     ``fake=False``: the same step on real CPU tensors with random weights (tiny configs: how the tests check
-    the fake figure against a real run)."""
+    the fake figure against a real run); ``family``: trace the engine's own model and LoRA network
+    (``sd_scripts_compat.network.lora``, fused FLUX modules) of that family instead (fake only)."""
     import contextlib
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
-    model = build_flux(config)
+    model = build_flux(config) if family is None else _engine_bundle(family).unet
     if not fake:
         model = model.to_empty(device="cpu")
         with torch.no_grad():
@@ -210,8 +211,11 @@ def trace_flux_step(*, resolution: int, batch_size: int = 1, rank: int = 16, gra
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
         store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
-    loras = apply_flux_lora(model, rank, float(rank), device="meta" if fake else "cpu")
-    lora_modules = [m for lora in loras for m in lora.modules()]
+    if family is not None:
+        lora_modules = [_engine_network(family, rank, model)]
+    else:
+        loras = apply_flux_lora(model, rank, float(rank), device="meta" if fake else "cpu")
+        lora_modules = [m for lora in loras for m in lora.modules()]
     for m in lora_modules:
         m.to(torch.float32)
     if gradient_checkpointing:
@@ -250,6 +254,37 @@ def trace_flux_step(*, resolution: int, batch_size: int = 1, rank: int = 16, gra
         lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2))
+
+
+def _engine_bundle(family: str) -> Any:
+    """The engine's modules of ``family`` on the meta device, the denoiser in bf16 and frozen (cached per call)."""
+    import torch
+
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+
+    bundle = build_modules(get_family(family), device="meta", seed=None)
+    bundle.unet.requires_grad_(False)
+    bundle.unet.to(torch.bfloat16)
+    _BUNDLES[id(bundle.unet)] = bundle
+    return bundle
+
+
+_BUNDLES: dict[int, Any] = {}
+
+
+def _engine_network(family: str, rank: int, model: Any) -> Any:
+    """The engine's kohya LoRA network (fused FLUX modules) on ``model``, fp32, applied."""
+    import torch
+
+    from sd_scripts_compat.network.lora import create_network
+
+    bundle = _BUNDLES.pop(id(model))
+    network = create_network(bundle, network_dim=rank, network_alpha=float(rank), train_unet=True,
+                             train_text_encoder=False)
+    network.apply_to()
+    network.to(torch.float32)
+    return network
 
 
 def image_tokens(resolution: int, height: int | None = None) -> int:
