@@ -4,6 +4,7 @@ sd-scripts' flux_train_network.py accepts (keys and types from its argument list
 from __future__ import annotations
 
 import csv
+import math
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -133,3 +134,32 @@ def test_gpu_validate_dry_run_prints_the_flux_cases_it_would_measure(tmp_path: P
     assert [c["tier_gb"] for c in cases] == [8, 24] and all(c["dry_run"] for c in cases)
     assert cases[0]["blocks_to_swap"] > cases[1]["blocks_to_swap"] == 0
     assert "blocks_to_swap" in done.stdout and (tmp_path / "flux-dev_8gb.json").is_file()
+
+
+def _sparse_flux_file(path: Path) -> Path:
+    """A FLUX.1-dev transformer file in BFL names with its real header (shapes) and zero-filled, sparse data:
+    what detection reads is the header, and a sparse file costs no disk."""
+    import json
+    import struct
+
+    shapes = {"img_in.weight": [3072, 64], "txt_in.weight": [3072, 4096], "guidance_in.in_layer.weight": [3072, 256]}
+    shapes.update({f"double_blocks.{i}.img_attn.norm.key_norm.scale": [128] for i in range(19)})
+    shapes.update({f"single_blocks.{i}.norm.key_norm.scale": [128] for i in range(38)})
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text)
+        fh.truncate(8 + len(text) + offset)
+    return path
+
+
+def test_a_flux_file_path_plans_as_flux_dev(tmp_path: Path) -> None:
+    model = _sparse_flux_file(tmp_path / "flux1-dev.safetensors")
+    plan = plan_training(PlanRequest(dataset_dir=None, model=str(model), gpus=(gpu_from_spec(lookup_gpu("RTX 4070")),),
+                                     cpu_physical_cores=8))
+    assert plan.fits and plan.family == "flux-dev" and plan.settings.blocks_to_swap > 0
+    assert plan.kohya_values()["pretrained_model_name_or_path"] == str(model)
