@@ -168,6 +168,8 @@ def render(plan: Any) -> None:
                   f"device), {p.samples_per_s:.3g} "
                   f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
+    if p.host_ram_bytes:
+        console.print(f"host RAM while training: {p.host_ram_bytes / GIB:.1f} GiB (swapped blocks, parked encoders)")
     console.print("run: " + " ".join(plan.launch_command))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
