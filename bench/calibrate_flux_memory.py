@@ -9,6 +9,8 @@ tokens + the 512 T5 tokens, solved exactly; ``fp8_extra`` from one fp8 trace eac
 (other resolutions, batches, optimizers, fp8 and swap counts) are not used by the fit: the table compares them.
 The text-encoder caching transient (CLIP-L + T5-XXL forwards, no grad) is traced too.
 Each trace takes ~20-60 s on this CPU; the traces file keeps them so a rerun only traces what is new.
+tiny-flux (the engine's test twin) gets its own ``variants`` entry from traces of its own model (seconds).
+FLUX.1-schnell shares dev's transformer and coefficients (its 256 T5 tokens make dev's 512 a slight over-estimate).
 """
 
 from __future__ import annotations
@@ -72,20 +74,38 @@ def collect(traces_path: Path, configs: list[dict]) -> dict[str, dict]:
     return stored
 
 
+TINY = "tiny-flux"
+TINY_FIT = [dict(resolution=r, batch_size=1, rank=k, gradient_checkpointing=gc, optimizer="AdamW8bit",
+                 fp8_base=False, blocks_to_swap=0) for gc in (True, False) for r in (128, 256) for k in (4, 16)]
+TINY_FIT += [dict(resolution=256, batch_size=1, rank=4, gradient_checkpointing=gc, optimizer="AdamW8bit",
+                  fp8_base=True, blocks_to_swap=0) for gc in (True, False)]
+
+
+def tiny_variant() -> dict:
+    """tiny-flux's own entry (the engine's tiny test twin: demos, CPU tests): its architecture and coefficients,
+    traced on the engine's own model and LoRA network (a second or two in all)."""
+    from autotune.calibration.flux_memtrace import flux_architecture_facts, trace_flux_step
+
+    architecture = flux_architecture_facts(family=TINY)
+    traces = {_key(cfg): trace_flux_step(**cfg, family=TINY, text_tokens=architecture["text_tokens"]).to_dict()
+              for cfg in TINY_FIT}
+    return {"architecture": architecture, **fit(traces, architecture, TINY_FIT)}
+
+
 def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
     import numpy as np
 
     return [float(x) for x in np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)[0]]
 
 
-def fit(traces: dict[str, dict], architecture: dict) -> dict:
+def fit(traces: dict[str, dict], architecture: dict, configs: list[dict] | None = None) -> dict:
     """Activation coefficients per checkpointing setting (see the module doc)."""
     text = architecture["text_tokens"]
     out: dict = {"activations": {}, "fp8_extra": {}}
     for gc in (True, False):
         name = "gc" if gc else "no_gc"
         rows, rhs = [], []
-        for cfg in FIT:
+        for cfg in configs or FIT:
             if cfg["gradient_checkpointing"] != gc or cfg["fp8_base"]:
                 continue
             t = traces[_key(cfg)]
@@ -94,7 +114,7 @@ def fit(traces: dict[str, dict], architecture: dict) -> dict:
             rhs.append(t["activations_peak_bytes"])
         c0, c1, a, b = _solve(rows, rhs)
         out["activations"][name] = {"c0": c0, "c1": c1, "a": a, "b": b}
-        fp8 = next(c for c in FIT if c["gradient_checkpointing"] == gc and c["fp8_base"])
+        fp8 = next(c for c in configs or FIT if c["gradient_checkpointing"] == gc and c["fp8_base"])
         plain = dict(fp8, fp8_base=False)
         out["fp8_extra"][name] = (traces[_key(fp8)]["activations_peak_bytes"]
                                   - traces[_key(plain)]["activations_peak_bytes"])
@@ -142,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     calibration = {
         "generated_by": "bench/calibrate_flux_memory.py", "torch": torch.__version__,
         "caching_transient_bytes": caching["transient_bytes"],
-        "families": ["flux-dev", "flux-schnell"], "architecture": architecture, **fit(traces, architecture),
+        "families": ["flux-dev", "flux-schnell", TINY], "architecture": architecture, **fit(traces, architecture),
+        "variants": {TINY: tiny_variant()},
         "traces": [{"config": cfg, "peak_bytes": traces[_key(cfg)]["peak_bytes"],
                     "activations_peak_bytes": traces[_key(cfg)]["activations_peak_bytes"],
                     "seconds": traces[_key(cfg)]["seconds"], "used_for_fit": cfg in FIT}

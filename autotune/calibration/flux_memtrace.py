@@ -358,7 +358,7 @@ def _ae_elements() -> int:
     return sum(p.numel() for p in ae.parameters())
 
 
-def flux_architecture_facts(config: dict[str, Any] | None = None) -> dict[str, Any]:
+def flux_architecture_facts(config: dict[str, Any] | None = None, family: str | None = None) -> dict[str, Any]:
     """Exact counts the FLUX memory and speed model needs, read off the meta-device architecture.
 
     Per-block sizes (double / single), the rest of the transformer, kohya's LoRA module shapes (in x out
@@ -369,7 +369,17 @@ def flux_architecture_facts(config: dict[str, Any] | None = None) -> dict[str, A
 
     import torch
 
-    model = build_flux(config)
+    if family is not None:  # the family's own modules (its transformer, CLIP-L, T5 and AE configs)
+        from sd_scripts_compat.models.families import get_family
+
+        bundle = _engine_bundle(family)
+        _BUNDLES.pop(id(bundle.unet), None)
+        model, config = bundle.unet, {k: v for k, v in get_family(family).unet.items() if not k.startswith("_")}
+        clip, t5 = (sum(p.numel() for p in te.parameters()) for te in bundle.text_encoders)
+        encoders, ae = {"clip_l": clip, "t5xxl": t5}, sum(p.numel() for p in bundle.vae.parameters())
+        tokens = int(get_family(family).t5xxl_max_token_length or T5_TOKENS)
+    else:
+        model, encoders, ae, tokens = build_flux(config), _text_encoder_elements(), _ae_elements(), T5_TOKENS
     double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
     in_blocks = sum(p.numel() for b in [*model.transformer_blocks, *model.single_transformer_blocks]
                     for p in b.parameters())
@@ -394,8 +404,8 @@ def flux_architecture_facts(config: dict[str, Any] | None = None) -> dict[str, A
         "double_block": _block_sizes(double), "single_block": _block_sizes(single),
         "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks, "fp8_elements": rest_linear},
         "lora_modules": dict(sorted(lora.items())),
-        "text_encoders": _text_encoder_elements(), "ae_elements": _ae_elements(),
-        "hidden": cfg.num_attention_heads * cfg.attention_head_dim, "text_tokens": T5_TOKENS,
+        "text_encoders": encoders, "ae_elements": ae,
+        "hidden": cfg.num_attention_heads * cfg.attention_head_dim, "text_tokens": tokens,
         "latent_downsample": LATENT_DOWNSAMPLE,
         "macs_per_token": {
             "double_img": macs(double, ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out", "ff.")),

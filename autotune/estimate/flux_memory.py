@@ -63,6 +63,14 @@ def load_flux_calibration(path: str = str(FLUX_CALIBRATION_PATH)) -> dict[str, A
     return json.loads(file.read_text(encoding="utf-8"))
 
 
+def flux_family_calibration(family: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The calibration of one FLUX family: the file's top level (FLUX.1's 12 B transformer, shared by dev and
+    schnell) with the family's own ``variants`` entry (architecture, activation coefficients) over it."""
+    cal = calibration or load_flux_calibration()
+    variant = cal.get("variants", {}).get(family)
+    return {**cal, **variant} if variant else cal
+
+
 def is_flux_family(family: str) -> bool:
     """True for the families this model covers (listed in the calibration file, not in code)."""
     return family in load_flux_calibration()["families"]
@@ -107,7 +115,7 @@ def flux_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bo
 
 def family_max_blocks_to_swap(family: str) -> int:
     """How many blocks a family can swap (0: it cannot): from the FLUX calibration's architecture."""
-    return max_swap(load_flux_calibration()["architecture"]) if is_flux_family(family) else 0
+    return max_swap(flux_family_calibration(family)["architecture"]) if is_flux_family(family) else 0
 
 
 @dataclass(frozen=True)
@@ -233,7 +241,7 @@ def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | 
     if inputs.batch_size < 1 or inputs.rank < 1:
         raise UserError(f"FLUX memory model input {inputs}: batch_size and rank must be >= 1")
     inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
-    cal = calibration or load_flux_calibration()
+    cal = flux_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
     resident, host = transformer_bytes(arch, inputs.fp8_base, inputs.blocks_to_swap)
     sizes = lora_sizes(arch, inputs.rank)

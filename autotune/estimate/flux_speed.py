@@ -23,8 +23,8 @@ from typing import Any
 
 from autotune.estimate.flux_memory import (
     FluxMemoryInputs,
+    flux_family_calibration,
     image_tokens,
-    load_flux_calibration,
     split_swap,
     transformer_bytes,
 )
@@ -39,7 +39,7 @@ from autotune.estimate.speed_model import (
 
 def flux_step_flops(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None = None) -> dict[str, float]:
     """FLOPs of one micro-step (whole batch): forward, backward (incl. the checkpointing recompute)."""
-    cal = calibration or load_flux_calibration()
+    cal = flux_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
     img = image_tokens(inputs.resolution, inputs.height, arch["latent_downsample"])
     txt = arch["text_tokens"]
@@ -57,7 +57,7 @@ def flux_step_flops(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None
 
 def swap_seconds(inputs: FluxMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that the swapped weights spend on the host link (0 without swap)."""
-    cal = calibration or load_flux_calibration()
+    cal = flux_family_calibration(inputs.family, calibration)
     if not inputs.blocks_to_swap:
         return 0.0
     split_swap(inputs.blocks_to_swap, cal["architecture"])
@@ -70,7 +70,7 @@ def predict_flux_speed(inputs: FluxMemoryInputs, gpu: Any = None, *, steps: int 
                        gradient_accumulation_steps: int = 1, cpu_cores: int | None = None,
                        calibration: dict[str, Any] | None = None) -> SpeedEstimate:
     """Seconds per optimizer step: max(compute, swap transfer) per micro-step, times the accumulation."""
-    cal = calibration or load_flux_calibration()
+    cal = flux_family_calibration(inputs.family, calibration)
     flops = flux_step_flops(inputs, cal)["total"]
     if gpu is not None:
         rate = card_rate_tflops(gpu, "bf16" if getattr(gpu, "bf16", True) else "fp16")

@@ -211,8 +211,8 @@ def _training(c: PlanContext) -> list[Choice]:
 def swap_reason(c: PlanContext) -> str:
     """Why this many blocks: the fewest that fit, where they live, and what the copies cost per step."""
     from autotune.estimate.flux_memory import (
+        flux_family_calibration,
         flux_inputs_for_settings,
-        load_flux_calibration,
         predict_flux_memory,
         split_swap,
     )
@@ -220,7 +220,7 @@ def swap_reason(c: PlanContext) -> str:
 
     inputs = flux_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.t5_fp8)
     estimate = predict_flux_memory(inputs)
-    double, single = split_swap(c.settings.blocks_to_swap, load_flux_calibration()["architecture"])
+    double, single = split_swap(c.settings.blocks_to_swap, flux_family_calibration(c.family.name)["architecture"])
     gpus = c.request.gpus
     cost = ""
     if gpus:
