@@ -163,3 +163,9 @@ def test_a_flux_file_path_plans_as_flux_dev(tmp_path: Path) -> None:
                                      cpu_physical_cores=8))
     assert plan.fits and plan.family == "flux-dev" and plan.settings.blocks_to_swap > 0
     assert plan.kohya_values()["pretrained_model_name_or_path"] == str(model)
+
+
+def test_tiny_flux_plans_on_the_cpu_with_its_own_calibration() -> None:
+    plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:tiny-flux", cpu_physical_cores=2))
+    assert plan.fits and plan.family == "tiny-flux" and plan.settings.blocks_to_swap == 0
+    assert plan.kohya_values()["network_module"] == "networks.lora_flux"

@@ -21,6 +21,7 @@ def _limits(budget_mib: float, family: str = "flux-dev") -> LadderLimits:
 def test_the_family_data_says_who_can_swap() -> None:
     assert family_max_blocks_to_swap("flux-dev") == 35
     assert family_max_blocks_to_swap("sdxl") == 0
+    assert family_max_blocks_to_swap("tiny-flux") == 0  # 2 + 2 blocks: sd-scripts keeps two of each resident
 
 
 def test_swap_comes_before_resolution_and_rank_and_takes_the_fewest_blocks() -> None:
