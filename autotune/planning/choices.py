@@ -81,7 +81,8 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
     profile = plan_profile(fam.name)
-    files = dict(profile.model_files)
+    # separate model files (FLUX: CLIP-L, T5-XXL, AE); a builtin:<id> model brings its own
+    files = {} if req.model.startswith("builtin:") else dict(profile.model_files)
     fp8_t5 = files.pop("t5xxl_fp8", None)
     if c.t5_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
         files["t5xxl"] = fp8_t5
