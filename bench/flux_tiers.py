@@ -33,7 +33,7 @@ def rows(rank: int | None, gpu_name: str) -> list[str]:
     out = ["| GB | sd-scripts publishes | planned swap | micro-batch | rank | T5 file | predicted peak GiB "
            "| s / micro-step | swap link s / compute s |", "|---|---|---|---|---|---|---|---|---|"]
     for tier in sorted(PUBLISHED):
-        plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:flux-dev", family="flux-dev",
+        plan = plan_training(PlanRequest(dataset_dir=None, model="./models/flux-dev.safetensors", family="flux-dev",
                                          gpus=(gpu_from_spec(spec, vram_gb=tier),), dataset=nominal_dataset(),
                                          cpu_physical_cores=8, preferences=Preferences(rank=rank)))
         if not plan.fits:
