@@ -388,6 +388,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
     The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
     address-space cap or the available RAM.
     """
+    from autotune.estimate.flux_memory import family_max_blocks_to_swap
     from autotune.planning.resolution import step_and_floor
     from autotune.recovery.ladder import LadderLimits
 
@@ -408,6 +409,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
     return LadderLimits(
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
         te_cache_allowed=te_cache_allowed, min_resolution=min_resolution_px, resolution_step=resolution_step,
+        max_blocks_to_swap=family_max_blocks_to_swap(family.name),
     )
 
 

@@ -36,27 +36,34 @@ def default_workers(request: PlanRequest) -> int:
 
 
 def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSettings, num_images: int,
-                  tensor_peak_bytes: int) -> HostRamPlan:
-    """The workers the machine's RAM allows and the predicted peak; ``tensor_peak_bytes`` counts for CPU plans."""
+                  tensor_peak_bytes: int, *, modelled: tuple[int, int] | None = None) -> HostRamPlan:
+    """The workers the machine's RAM allows and the predicted peak; ``tensor_peak_bytes`` counts for CPU plans.
+    ``modelled`` is (loading, training) host RAM from a family's own memory model (FLUX: swapped blocks and
+    parked encoders), used instead of the UNet families' RAM model."""
     usable = request.host_ram_bytes
     on_gpu = bool(request.gpus)
     workers = default_workers(request)
 
     def estimate(n: int) -> RamEstimate:
-        return predict_ram(RamInputs(
+        inputs = RamInputs(
             family=family.name, resolution=settings.resolution[0], batch_size=settings.train_batch_size,
             num_images=num_images, num_workers=n, weight_dtype=settings.weight_dtype,
             cache_latents=settings.cache_latents, cache_latents_to_disk=True,
             cache_text_encoder_outputs=settings.cache_text_encoder_outputs,
             model_file_bytes=model_file_bytes(request.model), on_gpu=on_gpu,
-            training_tensor_bytes=0 if on_gpu else tensor_peak_bytes))
+            training_tensor_bytes=0 if on_gpu else tensor_peak_bytes)
+        if modelled is not None:
+            loading, training = modelled
+            return RamEstimate(inputs=inputs, components={"process": 0, "loading": loading, "training": training},
+                               loading_bytes=loading, training_bytes=training)
+        return predict_ram(inputs)
 
     current = estimate(workers)
     fallbacks: list[str] = []
     def training_peak(e: RamEstimate) -> int:  # fewer workers lower the training phase only, never the loading
         return e.components["process"] + e.training_bytes
 
-    if usable is not None and training_peak(current) > usable and workers > 0:
+    if usable is not None and training_peak(current) > usable and workers > 0 and modelled is None:
         start = workers
         while workers > 0 and training_peak(estimate(workers)) > usable:
             workers //= 2
