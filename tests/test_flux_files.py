@@ -51,6 +51,9 @@ def test_four_files_round_trip(tmp_path, tiny):
     _assert_equal(tiny, loaded)
     # no T5 tokenizer beside the file: the tiny family's shipped one
     assert loaded.tokenizers[1] is not None and loaded.extra["t5_tokenizer"] is None
+    # shapes only (memory traces): the transformer file alone, nothing read but its header
+    meta = load_base_model(files["pretrained_model_name_or_path"], device="meta")
+    assert meta.family.name == "tiny-flux" and next(meta.unet.parameters()).device.type == "meta"
 
 
 def test_fp8_t5_and_comfy_prefix(tmp_path, tiny):

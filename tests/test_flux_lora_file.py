@@ -77,6 +77,16 @@ def test_metadata_as_sd_scripts_writes_for_flux(flux_lora):
     assert schnell["modelspec.architecture"] == "flux-1-schnell/lora"
 
 
+def test_file_loads_back_into_a_network_shaped_by_it(flux_lora):
+    from sd_scripts_compat.network.lora import create_network_from_weights
+
+    bundle, network, path = flux_lora
+    again = create_network_from_weights(bundle, str(path))
+    ours, theirs = network.kohya_state_dict(), again.kohya_state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert sum(isinstance(lora, FusedLoRAModule) for lora in again.loras()) == 6
+
+
 def test_full_size_flux_lora_is_described_as_flux_dev():
     """The reference key list (shapes only: expanded zero tensors, nothing allocated) is FLUX.1; the
     metadata tells dev from schnell."""
