@@ -116,9 +116,9 @@ def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = 
         bundle = build_modules(spec, device="meta", dtype=dtype, seed=None)
         bundle.source = text
     elif text.startswith("builtin:"):
-        from sd_scripts_compat.models.loading import load_base_model
+        from sd_scripts_compat.models.build import build_modules
 
-        bundle = load_base_model(text, family=family, device=device, dtype=dtype)
+        bundle = build_modules(spec, device=device, dtype=dtype, seed=0, builtin=True)
     elif folder.is_dir():
         bundle = _from_folder(folder, spec, given={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype=dtype)
     else:
