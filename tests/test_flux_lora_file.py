@@ -72,6 +72,7 @@ def test_metadata_as_sd_scripts_writes_for_flux(flux_lora):
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
     assert "modelspec.prediction_type" not in metadata  # sd-scripts writes none for FLUX
     assert metadata["ss_model_type"] == "flux" and metadata["ss_guidance_scale"] == "3.5"
+    assert metadata["ss_network_module"] == "networks.lora_flux"  # kohya's FLUX LoRA module
     assert describe_lora(state_dict, metadata)["family"] == "tiny-flux"
     schnell = build_metadata(get_family("flux-schnell"), _facts())
     assert schnell["modelspec.architecture"] == "flux-1-schnell/lora"
