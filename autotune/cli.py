@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("run", "autotune.commands.run", "train a LoRA under the OOM watchdog: plan, run, step down and resume"),
     ("train", "autotune.commands.train", "train with a kohya config.toml (sd-scripts' train_network flags)"),
     ("bench", "autotune.commands.bench", "measure it/s, images/s and peak memory with short real runs (a sweep)"),
+    ("report", "autotune.commands.report", "where a run's time and memory went, and its bottleneck with the fix"),
 ]
 
 

@@ -10,6 +10,10 @@ adding a family -- as tiny-sd15 / tiny-sdxl were -- never re-traces the full-siz
 re-traces and refits only the named families (after a change to their geometry) and copies every other
 row of the shipped JSON unchanged; it needs no saved traces.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --check    # fresh traces vs the shipped JSON
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/calibrate_memory.py --families sd15,sdxl --reuse
+refits SD1.5 and SDXL (and SD2, which borrows SD1.5's terms) from the rows of
+``autotune/data/memory_fit_configs.json``, tracing only those missing from the saved traces (~50 traces,
+~10 min on this CPU from scratch), and prints the fit and check tables.
 
 Traces (``autotune.calibration.memtrace``) are the ground truth; the analytic model (``autotune.estimate.memory_model``)
 is what the planner uses. "fit" rows are the traces the coefficients come from, "held-out" rows are
@@ -29,13 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TRACES = ROOT / "bench" / "results" / "memory_traces.jsonl"  # raw traces (ignored by git), for --reuse
+FIT_CONFIGS = ROOT / "autotune" / "data" / "memory_fit_configs.json"  # full-size fit and check rows
 NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024, "tiny-sd15": 256, "tiny-sdxl": 256}
 TINY = ("tiny-sd15", "tiny-sdxl")
 # Resolutions whose core traces (BASE settings) enter the activation fit. The full-size families are
 # fitted at their native size only (each SDXL trace costs minutes); the tiny ones trace in seconds, so
 # two resolutions pin the per-latent-pixel slope independently of the constant (16x16 and 32x32 latents:
 # their VAEs downsample 8x, like the full-size ones).
-FIT_RESOLUTIONS = {"tiny-sd15": (128, 256), "tiny-sdxl": (128, 256)}
+FIT_RESOLUTIONS = {"sd15": (256, 512), "sdxl": (512, 1024), "tiny-sd15": (128, 256), "tiny-sdxl": (128, 256)}
 TINY_FLOP_RESOLUTIONS = (128, 256, 512)  # three: the FLOP fit gets a constant (see fit_flops)
 TINY_RANKS = (8, 32)
 BASE = {"optimizer": "AdamW", "weight_dtype": "fp16", "train_text_encoder": False, "cache_latents": True,
@@ -48,19 +53,27 @@ def config(family: str, resolution: int | None = None, batch_size: int = 1, rank
             "gradient_checkpointing": gc, **BASE, **overrides}
 
 
-def fit_grid() -> list[dict[str, object]]:
-    """The traces the coefficients come from, SDXL first (slowest).
+def full_size_grid(kind: str) -> list[dict[str, object]]:
+    """The full-size configurations of ``kind`` ("fit" or "check") from ``autotune/data/memory_fit_configs.json``.
 
-    SD1.5: the full batch x rank x GC grid plus auxiliary traces (trained text encoder, uncached
-    latents, fp8). SDXL: two corners per GC setting (bs1/rank16, bs4/rank64); its rank sensitivity
-    is SD1.5's (see fit()). Sized for a 2-core machine: each SDXL trace is ~40 s alone, minutes
-    when the CPU is shared.
+    Kept in a data file so the fit is reproducible and the test of the bound reads the same check rows. SDXL
+    and SD1.5 are each traced at two resolutions with batch 1-8 and rank 8-128 per GC setting, so the
+    per-sample and per-rank terms are their own (not borrowed), plus trained-text-encoder rows (and for
+    SD1.5 fp8 and uncached latents). Each SDXL trace is ~20 s alone on this CPU.
     """
-    grid = [config("sdxl", batch_size=bs, rank=r, gc=gc) for gc in (False, True) for bs, r in ((1, 16), (4, 64))]
-    grid += [config("sd15", batch_size=bs, rank=r, gc=gc) for gc in (False, True) for bs in (1, 4) for r in (16, 64)]
-    grid += [config("sd15", gc=gc, train_text_encoder=True, cache_text_encoder_outputs=False) for gc in (False, True)]
-    grid += [config("sd15", gc=True, weight_dtype="fp8"), config("sd15", gc=True, cache_latents=False)]
-    return grid + tiny_fit_grid()
+    data = json.loads(FIT_CONFIGS.read_text(encoding="utf-8"))["families"]
+    out = []
+    for family, kinds in data.items():
+        for row in kinds[kind]:
+            row = dict(row)
+            gc = bool(row.pop("gc"))
+            out.append(config(family, gc=gc, **row))
+    return out
+
+
+def fit_grid() -> list[dict[str, object]]:
+    """The traces the coefficients come from, SDXL first (slowest)."""
+    return full_size_grid("fit") + tiny_fit_grid()
 
 
 def tiny_fit_grid() -> list[dict[str, object]]:
@@ -77,10 +90,8 @@ def tiny_fit_grid() -> list[dict[str, object]]:
 
 
 def held_out_grid() -> list[dict[str, object]]:
-    return [
-        config("sd15", 768, batch_size=2, rank=32, gc=True, optimizer="AdamW8bit"),
-        config("sd15", 256, batch_size=1, rank=8, gc=False, optimizer="Prodigy"),
-    ] + tiny_held_out_grid()
+    """Configurations no fit uses: other resolutions (768 px), batches, ranks, bf16, 8-bit / Prodigy state."""
+    return full_size_grid("check") + tiny_held_out_grid()
 
 
 def tiny_held_out_grid() -> list[dict[str, object]]:
@@ -163,7 +174,8 @@ def fit(known: dict[str, dict[str, object]], architectures: dict[str, dict[str, 
 
     from autotune.estimate.memory_model import predict_memory
 
-    rows = [(json.loads(k), v) for k, v in known.items() if json.loads(k)["family"] in architectures]
+    fit_keys = {key(c) for c in fit_grid()}  # check rows never enter the fit, whatever their settings
+    rows = [(json.loads(k), v) for k, v in known.items() if json.loads(k)["family"] in architectures and k in fit_keys]
     families: dict[str, dict[str, object]] = {}
     if base is not None:
         families.update(copy.deepcopy({f: e for f, e in base["families"].items() if f not in architectures}))
@@ -231,7 +243,6 @@ def _fit_activations(rows: list[tuple[dict[str, object], dict[str, object]]], fa
     """Activation coefficients per family and GC setting, in ``order`` (SD1.5 first: others borrow from it)."""
     import numpy as np
 
-    names = ("c0", "c1", "a", "b")
     for family in order:
         entry = families[family]
         entry.update(activations={}, fp8_extra={}, text_encoder_train_per_sample={}, borrowed=[])
@@ -245,13 +256,14 @@ def _fit_activations(rows: list[tuple[dict[str, object], dict[str, object]]], fa
                 entry.setdefault("activations_fp32", {})[gc_name] = _fit_full(fp32, arch)
             core = [(c, r) for c, r in rows
                     if c["family"] == family and _is_core(c) and c["gradient_checkpointing"] == gc]
-            y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
             if _full_grid(core):
-                coef = list(_fit_full(core, arch).values())
+                coef = _fit_full(core, arch)
             elif len(core) >= 2:
                 # rank terms from SD1.5 scaled by LoRA size (c1: per-rank parameter count; b: module
                 # count), then c0 and a fitted: act - c1*r - bs*P*b*r = c0 + bs*P*a
+                y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
                 ref = families["sd15"]["activations"][gc_name]
+                ref = ref["phases"]["forward"] if "phases" in ref else ref
                 ref_arch = families["sd15"]["architecture"]
                 c1 = ref["c1"] * _per_rank(arch) / _per_rank(ref_arch)
                 b = ref["b"] * _modules(arch) / _modules(ref_arch)
@@ -259,12 +271,12 @@ def _fit_activations(rows: list[tuple[dict[str, object], dict[str, object]]], fa
                 rest = y - np.array([c1 * c["rank"] + b * c["batch_size"] * _latent_pixels(c, arch) * c["rank"]
                                      for c, _ in core])
                 c0, a = np.linalg.lstsq(x, rest, rcond=None)[0]
-                coef = [c0, c1, a, b]
+                coef = {"c0": float(c0), "c1": float(c1), "a": float(a), "b": float(b)}
                 entry["borrowed"].append(f"activations.{gc_name} rank terms (sd15 x LoRA size)")
             else:  # no traces (SD2): SD1.5's coefficients per latent pixel (near-identical UNet)
-                coef = [families["sd15"]["activations"][gc_name][n] for n in names]
+                coef = dict(families["sd15"]["activations"][gc_name])
                 entry["borrowed"].append(f"activations.{gc_name} (sd15)")
-            entry["activations"][gc_name] = dict(zip(names, (float(v) for v in coef), strict=True))
+            entry["activations"][gc_name] = coef
 
 
 def _borrow_untraced(families: dict[str, dict[str, object]], fitted: list[str]) -> None:
@@ -299,14 +311,48 @@ def _full_grid(core: list[tuple[dict[str, object], dict[str, object]]]) -> bool:
     return len(core) >= 4 and len({c["rank"] for c, _ in core}) >= 2 and len({c["batch_size"] for c, _ in core}) >= 2
 
 
-def _fit_full(core: list[tuple[dict[str, object], dict[str, object]]], arch: dict[str, object]) -> dict[str, float]:
-    """Least squares of act = c0 + c1*r + bs*P*(a + b*r) over the traces (P: latent pixels)."""
+PHASES = ("forward", "backward")  # the tracer's phase peaks fitted one by one (the optimizer's is exact)
+
+
+def _design(core: list[tuple[dict[str, object], dict[str, object]]], arch: dict[str, object],
+            per_sample: bool) -> list[list[float]]:
+    """Columns 1, r, bs*P, bs*P*r (P: latent pixels) and, with ``per_sample``, bs (a per-image term)."""
+    rows = []
+    for c, _ in core:
+        bs, pixels, rank = c["batch_size"], _latent_pixels(c, arch), c["rank"]
+        rows.append([1.0, rank, bs * pixels, bs * pixels * rank] + ([float(bs)] if per_sample else []))
+    return rows
+
+
+def _fit_full(core: list[tuple[dict[str, object], dict[str, object]]], arch: dict[str, object]) -> dict[str, object]:
+    """Activation coefficients from the traces: per phase where they span two resolutions, else one plane.
+
+    Per phase (traces at two resolutions or more, six at least): each phase's peak over the persistent bytes
+    without gradients (weights, LoRA, optimizer state) is fitted as c0 + c1*r + bs*(d + P*(a + b*r)); the
+    forward's is a plane to the byte, the checkpointed backward's is not (gradients appear block by block while
+    one block is recomputed), so each plane's c0 is raised by its largest residual over the fit rows: the
+    upper envelope, recorded as ``envelope_bytes``. The model takes the highest phase and the optimizer's
+    transient (see memory_model). Else (legacy tables): one plane c0 + c1*r + bs*P*(a + b*r) of the whole peak.
+    """
     import numpy as np
 
-    x = np.array([[1.0, c["rank"], c["batch_size"] * _latent_pixels(c, arch),
-                   c["batch_size"] * _latent_pixels(c, arch) * c["rank"]] for c, _ in core])
-    y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
-    return dict(zip(("c0", "c1", "a", "b"), (float(v) for v in np.linalg.lstsq(x, y, rcond=None)[0]), strict=True))
+    if len({c["resolution"] for c, _ in core}) < 2 or len(core) < 6:
+        x = np.array(_design(core, arch, per_sample=False))
+        y = np.array([r["activations_peak_bytes"] for _, r in core], dtype=float)
+        solved = np.linalg.lstsq(x, y, rcond=None)[0]
+        return dict(zip(("c0", "c1", "a", "b"), (float(v) for v in solved), strict=True))
+    x = np.array(_design(core, arch, per_sample=True))
+    phases: dict[str, dict[str, float]] = {}
+    for phase in PHASES:
+        y = np.array([r["phase_peaks"][phase] - r["weights_bytes"] - r["lora_param_bytes"]
+                      - r["optimizer_state_bytes"] for _, r in core], dtype=float)
+        solved = np.linalg.lstsq(x, y, rcond=None)[0]
+        coef = dict(zip(("c0", "c1", "a", "b", "d"), (float(v) for v in solved), strict=True))
+        shift = max(0.0, float(np.max(y - x @ solved)))
+        coef["c0"] += shift
+        coef["envelope_bytes"] = shift
+        phases[phase] = coef
+    return {"phases": phases}
 
 
 def _per_rank(arch: dict[str, object]) -> int:
@@ -347,7 +393,7 @@ def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibra
     return worst
 
 
-def refit_families(selected: list[str]) -> int:
+def refit_families(selected: list[str], reuse: bool = False) -> int:
     """Fresh traces, FLOP counts and fits for ``selected`` only, merged into the shipped JSON.
 
     Every other family's entry and FLOP fit, the shared factors and the other families' trace rows are
@@ -367,11 +413,16 @@ def refit_families(selected: list[str]) -> int:
     if torch.__version__ != shipped["torch"]:
         print(f"note: shipped calibration is from torch {shipped['torch']}, these traces from {torch.__version__}")
     started = time.perf_counter()
-    known: dict[str, dict[str, object]] = {}
-    run_traces([c for c in fit_grid() + held_out_grid() if c["family"] in selected], known, fresh=True)
+    wanted = {key(c) for c in fit_grid() + held_out_grid() if c["family"] in selected}
+    known = {k: v for k, v in load_traces().items() if k in wanted} if reuse else {}
+    run_traces([c for c in fit_grid() + held_out_grid() if c["family"] in selected], known, fresh=not reuse)
     print(f"tracing took {time.perf_counter() - started:.0f} s")
-    calibration = fit(known, {f: architecture_facts(f) for f in selected}, base=shipped)
-    flops = {**shipped["flops"], **{f: fit_flops(f, TINY_FLOP_RESOLUTIONS if f in TINY else None) for f in selected}}
+    # SD2 borrows SD1.5's activation terms: refitting SD1.5 re-derives them
+    dependents = [f for f in ("sd2", "sd2-v") if "sd15" in selected and f not in selected]
+    calibration = fit(known, {f: architecture_facts(f) for f in [*selected, *dependents]}, base=shipped)
+    # FLOPs depend on the geometry only: recounted for the tiny families (seconds) or where missing
+    flops = {**shipped["flops"], **{f: fit_flops(f, TINY_FLOP_RESOLUTIONS if f in TINY else None) for f in selected
+                                    if f in TINY or f not in shipped["flops"]}}
     fit_keys = {key(c) for c in fit_grid()}
     rows = [(json.loads(k), v) for k, v in known.items()]
     traces = [t for t in shipped["traces"] if t["config"]["family"] not in selected]
@@ -401,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.families is not None:
-        return refit_families([f.strip() for f in args.families.split(",") if f.strip()])
+        return refit_families([f.strip() for f in args.families.split(",") if f.strip()], reuse=args.reuse)
     known = {} if not args.reuse else load_traces()
     if args.reuse:
         known = load_traces()

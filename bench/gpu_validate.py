@@ -18,6 +18,10 @@ predicted, and any OOM. One JSON per case plus
 ``--dry-run`` runs the same code on the CPU with the tiny twins (tiny-sd15, tiny-sdxl) at 64 px, two
 steps per case: it proves the script end to end on a machine without a GPU (memory is not measured).
 
+FLUX.1-dev (in ``--families`` by default; ``--flux-tiers``, default 8,10,12,16,24 GB;
+``bench/gpu_validate_flux.py``): the full-size transformer at the planned swap counts on emulated cards; under
+``--dry-run`` it only prints the plan of what it would measure.
+
     python bench/gpu_validate.py "$OUT"            # on a CUDA machine
     python bench/gpu_validate.py --dry-run /tmp/gv  # anywhere
 """
@@ -46,12 +50,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default=None, help="result folder (default: $OUT or bench/results/...)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 steps: test the script itself")
-    parser.add_argument("--families", default="sd15,sdxl", help="comma-separated built-in families")
+    parser.add_argument("--families", default="sd15,sdxl,flux-dev", help="comma-separated built-in families")
     parser.add_argument("--tiers", default="8,12,16,24", help="emulated card sizes in GB")
     parser.add_argument("--steps", type=int, default=None, help="timed micro-steps per case (default 8; dry-run 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed micro-steps first (default 3; dry-run 1)")
     parser.add_argument("--budget", type=float, default=420.0, help="stop starting new cases after this many s")
     parser.add_argument("--goal", default="character")
+    parser.add_argument("--flux-tiers", default="8,10,12,16,24",
+                        help="emulated card sizes for FLUX.1-dev (bench/gpu_validate_flux.py)")
     return parser.parse_args(argv)
 
 
@@ -264,8 +270,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{'pred GiB':>8} {'meas GiB':>8} {'ratio':>6} {'pred it/s':>9} {'meas it/s':>9} {'ratio':>6} oom")
     print(head)
     for r in rows:
-        if r.get("skipped"):
-            print(f"{r['family']:6} {r['tier_gb']:>4g} {r['skipped']}")
+        if r.get("skipped") or r.get("dry_run") and r["family"].startswith("flux"):
+            print(f"{r['family']:6} {r['tier_gb']:>4g} {r.get('skipped') or r['would_measure']}")
             continue
         s = r["settings"]
         meas = r.get("measured_peak_reserved_bytes")
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     spec = device_spec(torch, dry)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
+    flux = "flux-dev" in families
+    families = [f for f in families if f != "flux-dev"]
     tiers = [float(t) for t in args.tiers.split(",") if t.strip()]
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -322,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             write_json(out / f"{name}.json", row)
             print(f"{name}: {row['seconds']} s, oom={row['oom']}", flush=True)
+    flux_tiers = [float(t) for t in args.flux_tiers.split(",") if t.strip()]
+    if flux and flux_tiers:  # the planned swap counts; a dry run only plans (12 B parameters cannot step on a CPU)
+        from bench.gpu_validate_flux import flux_rows
+
+        rows += flux_rows(torch, spec, flux_tiers, args.goal, steps, warmup, dry, write_json, out)
     summary = {"environment": env, "seconds": round(time.perf_counter() - began, 1), "cases": rows}
     write_json(out / "summary.json", summary)
     print_table(rows)

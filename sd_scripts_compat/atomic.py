@@ -105,3 +105,24 @@ def write_json_atomic(path: str | os.PathLike[str], payload: Any) -> None:
     """JSON (sorted keys; values json cannot take are written with ``str``), creating the folder."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(payload, indent=1, sort_keys=True, default=str))
+
+
+class AppendOnlyFile:
+    """A log of whole lines (monitor.jsonl): each line is one ``os.write`` on an ``O_APPEND`` descriptor, so
+    lines from several writers never interleave and a kill leaves at most one torn last line (readers skip it).
+
+    Rewriting a growing log atomically on every line would cost O(n^2); appending whole lines is the safe form.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def write_line(self, line: str) -> None:
+        if self._fd is not None:
+            os.write(self._fd, (line.rstrip("\n") + "\n").encode("utf-8"))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -19,7 +19,13 @@ Events (each written atomically, so a reader never sees half a file):
   null), ``settings`` and ``resolved``. The engine exits with :data:`DIVERGED_EXIT_CODE`; it saved nothing
   after the bad step, so the newest state holds finite weights.
 - ``done.json``: ``output_file, steps, seconds, seconds_per_step, step_seconds, peak_memory,
-  validation_loss, settings, resolved``.
+  validation_loss, settings, resolved, phases`` (where the time went: seconds per phase, setup, caching,
+  data, to_device, vae_encode, forward, backward, optimizer, validation, save, sample and other, summing to
+  ``phases.wall_seconds``; see ``training.phase_timer``).
+- ``monitor.jsonl`` (not an event: a log of whole JSON lines, appended every ``--autotune_monitor_seconds``,
+  default 2, 0 = off): the step with GPU utilisation, memory, clocks, power and throttle reasons (NVML) and the
+  process CPU % / RSS, system RAM available and swap (psutil); see ``training.monitor``. It is kept across the
+  attempts of a run (a header line starts each engine process).
 Every event carries ``schema`` (:data:`SCHEMA_VERSION`) and ``event`` (its kind).
 
 Exit codes: :data:`DONE_EXIT_CODE` 0; :data:`USER_ERROR_EXIT_CODE` 2 (bad input, one line on stderr, final);
@@ -67,6 +73,8 @@ EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED)
 EVENTS_DIR_FLAG = "--autotune_events_dir"
 SAVE_STATE_EVERY_FLAG = "--save_state_every_seconds"
 RETRY_LOG_FLAG = "--autotune_retry_log"
+MONITOR_FLAG = "--autotune_monitor_seconds"
+MONITOR_FILE = "monitor.jsonl"  # in the events folder, beside the events
 
 STATE_FILE = "train_state.json"  # inside each state folder (ours and kohya's)
 

@@ -5,7 +5,7 @@ The same flags as sd-scripts' ``train_network.py`` (and ``sdxl_train_network.py`
 ``sd_scripts_compat.training.recipe.train``.
 
 Extension flags (ours, command line only): ``--autotune_events_dir``, ``--save_state_every_seconds``,
-``--autotune_retry_log``; see ``sd_scripts_compat.contract`` for the watchdog contract.
+``--autotune_retry_log``, ``--autotune_monitor_seconds``; see ``sd_scripts_compat.contract`` for the watchdog contract.
 """
 
 from __future__ import annotations

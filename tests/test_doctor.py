@@ -304,3 +304,13 @@ def test_run_refuses_a_dataset_with_errors(tmp_path, capsys):
 def test_check_before_training_raises_user_error(planted):
     with pytest.raises(UserError, match="autotune doctor"):
         check_before_training(planted[0], model="no/such/model.ckpt")  # an undetectable model: full-size rules
+
+
+def test_a_small_bucket_names_its_real_cause():
+    """320 x 256 is not small, nor extreme: at 256 px its same-area bucket in 64 px steps is 256 x 192, so the
+    warning names the aspect ratio and offers the two real fixes; a 288 x 224 image is small (no upscale)."""
+    report = diagnose(EXAMPLES, model="builtin:tiny-sd15")
+    by_file = {Path(p.file).name: p for p in report.problems if p.code == "small"}
+    elongated, small = by_file["triangle_00.png"], by_file["square_03.jpg"]
+    assert "aspect ratio 1.25" in elongated.message and "min_bucket_reso = 192" in elongated.fix
+    assert "bucket_no_upscale keeps small images small" in small.message and "256 px" in small.fix

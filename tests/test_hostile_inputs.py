@@ -369,7 +369,23 @@ INTERRUPTIONS = [
     Case("engine-resume-a-file", lambda t: engine(t, "--resume", str(a_file(t / "f"))), "f"),
 ]
 
-CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS
+def finished_run(root: Path) -> Path:
+    """An events folder with a minimal done.json (what another engine might leave)."""
+    text_file(root / "done.json", '{"schema": 1, "event": "done", "steps": 1}')
+    return root
+
+
+REPORTS = [
+    Case("report-missing", lambda t: ["autotune", "report", str(t / "nope")], "nope"),
+    Case("report-a-file", lambda t: ["autotune", "report", str(a_file(t / "f"))], "no such folder"),
+    Case("report-empty-folder", lambda t: ["autotune", "report", str(t)], "no run to report"),
+    Case("report-garbage-events", lambda t: ["autotune", "report", str(text_file(t / "done.json", "{{{").parent)],
+         "no run to report"),
+    Case("report-html-under-a-file", lambda t: ["autotune", "report", str(finished_run(t / "ev")), "--html",
+                                                str(a_file(t / "g") / "r.html")], "--html"),
+]
+
+CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS
 
 
 def files_under(root: Path) -> set[str]:

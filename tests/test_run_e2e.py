@@ -315,7 +315,8 @@ def test_injected_nan_at_a_random_step_is_rolled_back_and_finishes_with_finite_w
     steps = 12
     nan_step = random.Random(16).randint(3, steps - 3)
     print(f"NaN injected at step {nan_step}")
-    job = make_job(tmp_path, "nan", micro=1, accum=1, steps=steps, save_state_every_s=0.5,
+    # a state after every step: at 64 px the steps before the NaN can all fit inside any clock interval
+    job = make_job(tmp_path, "nan", micro=1, accum=1, steps=steps, save_state_every_s=0.001,
                    env_extra={"SD_COMPAT_INJECT_NAN": f"step={nan_step}"})
     result = supervise(job)
     assert result.ok, result.message

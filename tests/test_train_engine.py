@@ -119,7 +119,16 @@ def test_tiny_sdxl_lora_scripts_sections_and_dataset_config_train_sample_and_log
     assert all(k.startswith("lora_unet_") for k in state)
     assert metadata["ss_base_model_version"] == "sdxl_base_v1-0"
     assert (tmp_path / "out" / "sample" / "xl_step00000030_00.png").stat().st_size > 0
-    assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    logs = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+    assert logs
+    # where the time went: validation and samples timed as their own phases, no VAE work with cached latents
+    phases = done["phases"]["seconds"]
+    assert phases["validation"] > 0 and phases["sample"] > 0 and phases["vae_encode"] == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logs[0].parent))
+    accumulator.Reload()
+    assert {"phases/data", "phases/backward", "phases/other"} <= set(accumulator.Tags()["scalars"])
 
 
 @pytest.mark.slow

@@ -113,7 +113,7 @@ def test_no_override_predicts_what_the_planner_predicted(model, gpu):
 def test_batch_override_that_does_not_fit_is_flagged_with_what_would():
     request = request_for("builtin:sd15", "RTX 3060")
     base = plan_training(request)
-    result = evaluate(request, base, Overrides(train_batch_size=8))
+    result = evaluate(request, base, Overrides(train_batch_size=16))
     assert not result.fits and result.fit.required_bytes > result.fit.usable_bytes
     labels = [s.label for s in result.suggestions]
     assert labels and labels[0] == "gradient checkpointing on"
@@ -148,7 +148,7 @@ def test_rank_the_planner_cannot_keep_suggests_the_planners_fit():
     result = evaluate(request, base, Overrides(network_dim=512))
     assert not result.fits and result.settings.network_dim == 512
     first = result.suggestions[0]
-    assert first.label.startswith("the planner's fit") and first.overrides.network_dim == 256
+    assert first.label.startswith("the planner's fit") and first.overrides.network_dim == 128
     assert evaluate(request, base, first.overrides).fits
 
 
@@ -247,15 +247,15 @@ def test_pipe_override_that_no_longer_fits_is_flagged_then_fixed(tmp_path):
     keys = (CLEAR + str(EXAMPLES) + ENTER + ENTER + ENTER + ENTER + CLEAR + str(out) + ENTER + ENTER
             + DOWN + ENTER  # plan: change a value
             + ENTER  # which: micro-batch
-            + CLEAR + "8" + ENTER  # 8 does not fit a 12 GB card at 512 px without checkpointing
+            + CLEAR + "16" + ENTER  # 16 does not fit a 12 GB card at 512 px without checkpointing
             + ENTER  # next: the first suggestion (its default)
             + ENTER)  # accept
     code, shown = drive(["--gpu", "RTX 3060", "--model", "builtin:sd15"], keys)
     assert code == 0
     assert "✗ does not fit" in shown and "would fit: gradient checkpointing on" in shown
     config = toml.loads((out / "config.toml").read_text())
-    assert config["train_batch_size"] == 8 and config["gradient_checkpointing"] is True
-    assert toml.loads((out / "dataset.toml").read_text())["datasets"][0]["batch_size"] == 8
+    assert config["train_batch_size"] == 16 and config["gradient_checkpointing"] is True
+    assert toml.loads((out / "dataset.toml").read_text())["datasets"][0]["batch_size"] == 16
     assert "configs are for another machine" in shown and "Start training now" not in shown
 
 

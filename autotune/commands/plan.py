@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--resolution", type=int, default=None, help="pin the training resolution (px)")
     parser.add_argument("--epochs", type=int, default=None, help="pin the number of epochs")
     parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
+    parser.add_argument("--workers", type=int, default=None, help="pin max_data_loader_n_workers (host RAM may "
+                        "still lower it)")
+    parser.add_argument("--ram", type=float, default=None, metavar="GB",
+                        help="plan for a machine with this much RAM in total (default: the probe's available RAM; "
+                        "with --gpu/--vram and no --ram, host RAM is predicted but not checked)")
     parser.add_argument("--cpu-cores", type=int, default=None,
                         help="physical CPU cores of the training machine (default: this machine's)")
     parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
@@ -80,13 +85,27 @@ def build_request(args: argparse.Namespace) -> Any:
             raise UserError(f"--cpu-cores {args.cpu_cores}: must be 1 or more")
         cores = args.cpu_cores
     prefs = Preferences(optimizer=args.optimizer, rank=args.rank, resolution=args.resolution, epochs=args.epochs,
-                        allow_fp8=not args.no_fp8)
+                        allow_fp8=not args.no_fp8, workers=args.workers)
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
     return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
-                       cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line, cpu_bf16=cpu_bf16,
-                       measurements=records, measured_device=device)
+                       cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
+                       host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,
+                       measured_device=device)
+
+
+def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:
+    """RAM the run may use: --ram GB (a total) less the OS reserve, else the probe's available RAM."""
+    from autotune.planning.host_ram import OS_RESERVE_BYTES
+    from autotune.planning.request import GIB
+    from sd_scripts_compat.errors import UserError
+
+    if args.ram is None:
+        return available
+    if args.ram <= 0:
+        raise UserError(f"--ram {args.ram}: must be a positive number of GB, e.g. --ram 32")
+    return max(0, int(args.ram * GIB) - OS_RESERVE_BYTES)
 
 
 def _measured(args: argparse.Namespace, gpus: list[Any], probe: Any) -> tuple[str | None, tuple[Any, ...]]:
@@ -193,6 +212,10 @@ def render(plan: Any) -> None:
     for line in plan.learned:
         console.print(f"learned: {line}")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
+    if p.ram_peak_bytes:
+        of = f" of {p.ram_usable_bytes / GIB:.2f} GiB usable" if p.ram_usable_bytes is not None else " (not checked)"
+        console.print(f"predicted peak host RAM [bold]{p.ram_peak_bytes / GIB:.2f} GiB[/bold]{of}: "
+                      + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.ram_components if v) + " GiB")
     console.print("run: " + " ".join(plan.launch_command))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")

@@ -188,8 +188,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     import signal
 
     from autotune.hardware.probe import probe_system
-    from autotune.recovery.watchdog import RUN_STATE, Job, read_json, supervise
-    from sd_scripts_compat.contract import DiskFullError
+    from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE, Job, read_json, supervise
+    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError
 
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")
     probe = probe_system(out, use_torch=False)
@@ -228,7 +228,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         engine=engine, python=engine.install.python if engine else sys.executable,
         stability=_stability_limits(probe, cuda),
     )
-    result = supervise(job)
+    with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
+        result = supervise(job)
     if engine is None:
         remember_attempts(result.attempts, probe, family.name, limits.budget_mib)
     if args.json:
@@ -239,6 +240,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         retries = len(result.retries)
         print(f"\nLoRA: {result.output_file}\nsettings that worked: {out / 'config.final.toml'}"
               f"{f' ({retries} retries, see {out / DECISIONS_LOG})' if retries else ''}")
+        if not args.json:
+            _print_report(out)
         return 0
     if result.outcome == "user_error":
         raise UserError(result.message.split(": error: ", 1)[-1])
@@ -275,6 +278,39 @@ def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: 
     except OSError as error:
         print(f"warning: could not store this run's measurements ({error}); plans will not learn from it",
               file=sys.stderr)
+def _watching_for_slowdowns(monitor_file: Path) -> Any:
+    """A thread that reads the engine's monitor file while it trains and prints a warning line when the run
+    spills into shared memory, swaps or throttles (``autotune.report.detector``)."""
+    import contextlib
+    import threading
+
+    from autotune.report.detector import watch
+
+    @contextlib.contextmanager
+    def watching() -> Any:
+        stop = threading.Event()
+        thread = threading.Thread(target=watch, args=(monitor_file, lambda line: print(line, flush=True), stop),
+                                  name="autotune-slow-run-detector", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(5)
+
+    return watching()
+
+
+def _print_report(out: Path) -> None:
+    """The run's report (``autotune report``) after a finished run, and its HTML page in ``out``."""
+    from autotune.commands.report import REPORT_HTML, report_for
+
+    try:
+        text, _ = report_for(out, html_path=out / REPORT_HTML)
+    except UserError as error:  # nothing to report (another engine wrote no events): the run itself succeeded
+        print(f"no report: {error}")
+        return
+    print(f"\n{text.rstrip()}\nreport page: {out / REPORT_HTML} (again with: autotune report {out})")
 
 
 def _entries(folder: Path) -> set[str] | None:
@@ -375,6 +411,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
     The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
     address-space cap or the available RAM.
     """
+    from autotune.estimate.flux_memory import family_max_blocks_to_swap
     from autotune.planning.resolution import step_and_floor
     from autotune.recovery.ladder import LadderLimits
 
@@ -395,6 +432,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
     return LadderLimits(
         budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
         te_cache_allowed=te_cache_allowed, min_resolution=min_resolution_px, resolution_step=resolution_step,
+        max_blocks_to_swap=family_max_blocks_to_swap(family.name),
     )
 
 
@@ -432,6 +470,8 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, float | None
     from autotune.commands.plan import build_request, render
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
+    from autotune.report.load import PLAN_FILE
+    from sd_scripts_compat.atomic import write_json_atomic
 
     args.out = str(out)
     plan = plan_training(build_request(args))
@@ -439,6 +479,7 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, float | None
         raise UserError(f"{args.model}: {plan.message}")
     render(plan)
     config, dataset = write_plan_files(plan, out, args.format)
+    write_json_atomic(out / PLAN_FILE, plan.to_dict())  # the report compares the run with its prediction
     args.planned_it_per_s = plan.prediction.it_per_s if plan.prediction else None  # sd-scripts' first save interval
     # a GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM
     usable = plan.prediction.usable_bytes / 2**20 if plan.prediction and plan.settings and \

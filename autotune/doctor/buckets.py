@@ -71,15 +71,18 @@ def _too_small(item: BucketItem, config: BucketConfig) -> Problem:
 
 def _small(item: BucketItem, bucket: Size, config: BucketConfig) -> list[Problem]:
     """A bucket side below min_bucket_reso: bucket_no_upscale keeps a small image small (the engine does not
-    apply min_bucket_reso then, as sd-scripts does not), and an extreme aspect ratio squeezes one side."""
+    apply min_bucket_reso then, as sd-scripts does not), and an elongated image's bucket (same area, coarse steps)
+    can have a side below it even at a modest aspect ratio."""
     if min(bucket) >= config.min_bucket_reso:
         return []
     w, h = item.size
     small = min(item.size) < config.min_bucket_reso
-    why = "bucket_no_upscale keeps small images small" if small else "extreme aspect ratio"
+    aspect = max(w, h) / min(w, h)
+    why = ("bucket_no_upscale keeps small images small" if small else
+           f"at resolution {config.resolution[0]} its aspect ratio {aspect:.2f} needs a side that short")
     better = f" (better {config.resolution[0]} px)" if config.resolution[0] > config.min_bucket_reso else ""
     fix = (f"use an image at least {config.min_bucket_reso} px{better} on its short side"
-           if small else "crop it to a less extreme aspect ratio")
+           if small else f"crop it closer to square, or set min_bucket_reso = {min(bucket)}")
     return [Problem(WARNING, "small", item.rel, f"{w} x {h} trains at bucket {bucket[0]} x {bucket[1]}, below the "
                     f"smallest bucket side of {config.min_bucket_reso} px ({why})", fix)]
 

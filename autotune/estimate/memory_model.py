@@ -19,8 +19,13 @@ safety margin:
 - Safety margin: 0.5 GiB by default, kept free for fragmentation spikes and the display / other
   processes' growth.
 
-Activations per calibrated family and gradient-checkpointing setting:
-``c0 + c1*rank + batch*latent_pixels*(a + b*rank)`` (fp16/bf16 autocast, SDPA/flash), plus:
+Activations per calibrated family and gradient-checkpointing setting (fp16/bf16 autocast, SDPA/flash):
+SDXL and SD1.5 (traced at two resolutions, batch 1-8, rank 8-128) have one plane per phase of the step,
+``c0 + c1*rank + batch*(d + latent_pixels*(a + b*rank))`` for the forward's and the backward's peak over the
+persistent bytes without gradients (``d``: per image), each raised onto the upper envelope of its fit traces;
+activations = the higher phase - the gradients, and at least the optimizer's transient (foreach AdamW: one
+parameter-sized temporary; a checkpointed step at high rank peaks there). Families traced at one
+resolution keep one plane ``c0 + c1*rank + batch*latent_pixels*(a + b*rank)``. Plus:
 trained text encoders (bytes per sample), VAE encoding when latents are not cached (a transient
 before the UNet forward, bytes per image pixel), fp8 base weights (upcast copies saved for
 backward), fp32 (no autocast: a family's own fp32 coefficients where traced -- the tiny families,
@@ -271,6 +276,11 @@ def latent_downsample(architecture: dict[str, Any]) -> int:
     return int(architecture.get("latent_downsample", 8))
 
 
+def _plane(coef: dict[str, float], bs: int, pixels: int, rank: int) -> float:
+    """c0 + c1*r + bs*(d + P*(a + b*r)); ``d`` (per image, whatever its size) is absent in legacy tables."""
+    return coef["c0"] + coef["c1"] * rank + bs * (coef.get("d", 0.0) + pixels * (coef["a"] + coef["b"] * rank))
+
+
 def _activations(cal: dict[str, Any], shared: dict[str, Any], inputs: MemoryInputs, lora_grad_bytes: int,
                  notes: list[str]) -> int:
     gc = "gc" if inputs.gradient_checkpointing else "no_gc"
@@ -282,9 +292,16 @@ def _activations(cal: dict[str, Any], shared: dict[str, Any], inputs: MemoryInpu
     fp32 = not autocast_enabled(inputs)  # no autocast: activations kept in fp32
     own_fp32 = fp32 and "activations_fp32" in cal  # traced in fp32 (tiny families), else the shared factor
     coef = cal["activations_fp32" if own_fp32 else "activations"][gc]
-    act = coef["c0"] + coef["c1"] * rank + bs * pixels * (coef["a"] + coef["b"] * rank)
+    if "phases" in coef:  # per phase, over the persistent bytes without gradients: the highest phase wins
+        act = max(_plane(c, bs, pixels, rank) for c in coef["phases"].values()) - lora_grad_bytes
+    else:
+        act = _plane(coef, bs, pixels, rank)
     if fp32 and not own_fp32:
         act *= shared["fp32_activation_factor"][gc]
+    if inputs.optimizer == "AdamW" and "phases" in coef:  # (a legacy plane fitted the whole peak, this included)
+        # torch's foreach AdamW (the CUDA default) holds one parameter-sized temporary beside the gradients:
+        # the peak of a checkpointed step at high rank (traced: 1024 px rank 128 peaks in the optimizer)
+        act = max(act, lora_grad_bytes)
     if inputs.weight_dtype == "fp8":
         act += cal["fp8_extra"][gc]
     if inputs.attention == "math":

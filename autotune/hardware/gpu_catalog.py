@@ -29,7 +29,7 @@ _SERIES_PREFIXES = ("rtx", "gtx", "rx")
 _VRAM_TOKEN = re.compile(r"(?<![a-z0-9.])(\d+(?:\.\d+)?)\s*gb\b")
 _REQUIRED = ("name", "aliases", "vendor", "architecture", "vram_gb", "bf16", "fp8", "fp32_tflops",
              "memory_bandwidth_gbs", "source")
-_OPTIONAL = ("compute_capability", "gfx_arch", "fp16_tensor_tflops", "bf16_tensor_tflops")
+_OPTIONAL = ("compute_capability", "gfx_arch", "fp16_tensor_tflops", "bf16_tensor_tflops", "pcie_gbps")
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class GpuSpec:
     fp32_tflops: float
     memory_bandwidth_gbs: float
     source: str
+    pcie_gbps: float | None = None  # host link, per direction (block swap moves weights over it)
 
     @property
     def cc_tuple(self) -> tuple[int, int] | None:
@@ -118,6 +119,7 @@ def _spec_from_entry(entry: dict, path: Path, number: int) -> GpuSpec:
         fp32_tflops=float(entry["fp32_tflops"]),
         memory_bandwidth_gbs=float(entry["memory_bandwidth_gbs"]),
         source=str(entry["source"]),
+        pcie_gbps=number_or_none("pcie_gbps"),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GoalProfile, learning_rate
+from autotune.planning.profiles import plan_profile
 from autotune.planning.request import GIB, PlanRequest
 from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
 from sd_scripts_compat.config.settings import TrainSettings
@@ -56,6 +57,9 @@ class PlanContext:
     preferred_opt: str
     usable: int
     peak: int
+    workers: int | None = None  # data loader workers after the host-RAM check (None: the default rule)
+    t5_fp8: bool = False  # FLUX: plan an fp8 T5-XXL file (caching would not fit with the 16-bit one)
+    host_ram: int = 0
 
     @property
     def side(self) -> int:
@@ -77,6 +81,13 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
         out.append(Choice("v2", True, "SD 2.x: OpenCLIP text encoder and 1024-wide cross-attention"))
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
+    profile = plan_profile(fam.name)
+    # separate model files (FLUX: CLIP-L, T5-XXL, AE); a builtin:<id> model brings its own
+    files = {} if req.model.startswith("builtin:") else dict(profile.model_files)
+    fp8_t5 = files.pop("t5xxl_fp8", None)
+    if c.t5_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
+        files["t5xxl"] = fp8_t5
+    out += [Choice(key, path, reason) for key, (path, reason) in files.items()]
     here = req.output_dir is not None
     out.append(Choice("dataset_config", str(Path(req.output_dir).expanduser().resolve() / "dataset.toml")
                       if here else "dataset.toml",
@@ -99,11 +110,16 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     ]
     if s.cache_text_encoder_outputs:
         out.append(Choice("cache_text_encoder_outputs", True,
-                          "text encoders run once and leave VRAM (SDXL UNet-only training); captions cannot be "
-                          "shuffled"))
-    workers = min(2, req.cpu_physical_cores // 2)
-    out.append(Choice("max_data_loader_n_workers", workers, f"{req.cpu_physical_cores} physical cores; cached "
-                      "latents make a batch cheap to load, so 0-2 workers"))
+                          (profile.cache_text_encoder_outputs_reason
+                           or "text encoders run once and leave VRAM (SDXL UNet-only training)")
+                          + "; captions cannot be shuffled"))
+    default = req.preferences.workers if req.preferences.workers is not None else min(2, req.cpu_physical_cores // 2)
+    workers = default if c.workers is None else c.workers
+    reason = (f"lowered from {default}: host RAM (each worker is a process with its own pages and batches)"
+              if workers < default else "your --workers" if req.preferences.workers is not None
+              else f"{req.cpu_physical_cores} physical cores; cached latents make a batch cheap to load, "
+              "so 0-2 workers")
+    out.append(Choice("max_data_loader_n_workers", workers, reason))
     if workers > 0:
         out.append(Choice("persistent_data_loader_workers", True, "workers survive between epochs (no restart stall)"))
     return out
@@ -111,12 +127,13 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
 
 def _network(c: PlanContext) -> list[Choice]:
     s, req, goal = c.settings, c.request, c.goal
+    profile = plan_profile(c.family.name)
     pinned = req.preferences.rank
     rank_reason = ("your --rank" if pinned and s.network_dim == pinned
                    else f"goal {req.goal}: rank {goal.rank}" if s.network_dim == goal.rank
                    else f"lowered from {pinned or goal.rank} to fit memory (fewer LoRA parameters)")
     out = [
-        Choice("network_module", "networks.lora", "kohya's LoRA (LierLa: linear layers of attention and MLPs)"),
+        Choice("network_module", profile.network_module, profile.network_module_reason),
         Choice("network_dim", s.network_dim, rank_reason),
         Choice("network_alpha", s.network_alpha,
                "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
@@ -124,6 +141,8 @@ def _network(c: PlanContext) -> list[Choice]:
     if s.network_train_unet_only:
         te_reason = ("UNet only: fit memory" if any(f.startswith("UNet only") for f in c.fallbacks)
                      else "your choice" if req.preferences.train_text_encoder is False
+                     else "text-encoder outputs are cached: the transformer trains alone"
+                     if profile.cache_text_encoder_outputs
                      else "SDXL: training its two text encoders costs much memory for little gain")
         out.append(Choice("network_train_unet_only", True, te_reason))
     return out
@@ -171,9 +190,13 @@ def _training(c: PlanContext) -> list[Choice]:
                if s.gradient_checkpointing else "off: everything fits without recomputing activations (faster)"),
         Choice("mixed_precision", s.mixed_precision, c.precision_reason),
     ]
+    profile = plan_profile(fam.name)
     if s.fp8_base:
-        out.append(Choice("fp8_base", True, "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; "
-                                            "slight quality cost)"))
+        out.append(Choice("fp8_base", True, "nothing fit with 16-bit weights: " + (profile.fp8_reason or (
+            "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
+    if s.blocks_to_swap:
+        out.append(Choice("blocks_to_swap", s.blocks_to_swap, swap_reason(c)))
+    out += [Choice(key, value, reason) for key, value, reason in profile.fixed]
     if s.xformers:
         out.append(Choice("xformers", True, "your --attention xformers: memory-efficient attention kernel"))
     else:
@@ -189,6 +212,30 @@ def _training(c: PlanContext) -> list[Choice]:
     out += [Choice("max_train_epochs", c.epochs, epochs_reason),
             Choice("seed", req.preferences.seed, "fixed seed: reruns are reproducible")]
     return out
+
+
+def swap_reason(c: PlanContext) -> str:
+    """Why this many blocks: the fewest that fit, where they live, and what the copies cost per step."""
+    from autotune.estimate.flux_memory import (
+        flux_family_calibration,
+        flux_inputs_for_settings,
+        predict_flux_memory,
+        split_swap,
+    )
+    from autotune.estimate.flux_speed import flux_step_flops, swap_seconds
+
+    inputs = flux_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.t5_fp8)
+    estimate = predict_flux_memory(inputs)
+    double, single = split_swap(c.settings.blocks_to_swap, flux_family_calibration(c.family.name)["architecture"])
+    gpus = c.request.gpus
+    cost = ""
+    if gpus:
+        link = swap_seconds(inputs, gpus[0].spec)
+        cost = (f"; copying them costs ~{link:.2f} s of host-link time per micro-step against "
+                f"{flux_step_flops(inputs)['total'] / 1e12:.0f} TFLOP of compute it overlaps")
+    return (f"the fewest swapped blocks that fit ({double} double + {single} single): "
+            f"{estimate.swapped_bytes / GIB:.1f} GiB of their weights wait in host RAM "
+            f"(~{estimate.host_ram_bytes / GIB:.0f} GiB RAM in all while training){cost}")
 
 
 def output_paths(request: PlanRequest) -> tuple[str, str]:

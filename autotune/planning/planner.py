@@ -90,7 +90,9 @@ from autotune.planning.goals import (
     target_views,
     training_length,
 )
+from autotune.planning.host_ram import plan_host_ram
 from autotune.planning.outputs import dataset_config, launch_command
+from autotune.planning.profiles import plan_profile
 from autotune.planning.request import (
     GENERIC_GPU_NAME,
     GIB,
@@ -138,6 +140,9 @@ class Prediction:
     speed_source: str = "model"  # "measured" (this device ran these settings), "measured-scaled" or "model"
     speed_basis: str = "speed model"  # which measurement, when
     memory_source: str = "model"  # "measured": a GPU run of these exact settings
+    ram_peak_bytes: int = 0  # predicted peak host RAM (autotune.estimate.ram_model)
+    ram_usable_bytes: int | None = None  # host RAM the run may use; None: not known, not checked
+    ram_components: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,8 @@ class Plan:
             out["prediction"]["components"] = dict(self.prediction.components)
             out["prediction"]["peak_gib"] = round(self.prediction.peak_bytes / GIB, 3)
             out["prediction"]["usable_gib"] = round(self.prediction.usable_bytes / GIB, 3)
+            out["prediction"]["ram_components"] = dict(self.prediction.ram_components)
+            out["prediction"]["ram_peak_gib"] = round(self.prediction.ram_peak_bytes / GIB, 3)
         out["launch_command"] = list(self.launch_command)
         return json.loads(json.dumps(out, default=str))
 
@@ -189,6 +196,20 @@ def _precision(gpus: Sequence[GpuTarget], cpu_bf16: bool = False) -> tuple[str, 
     if all(g.bf16_capable for g in gpus):
         return "bf16", "compute capability >= 8.0: bf16 has fp32's range, no loss scaling"
     return "fp16", "compute capability < 8.0: no fast bf16, fp16 with loss scaling"
+
+
+def _fp8_capable(gpu: GpuTarget, min_cc: tuple[int, int] | None) -> bool:
+    """fp8_base on this card: the engine's rule (8.9+), or the family profile's lower floor (FLUX: 8.0)."""
+    cc = gpu.cc_tuple
+    return gpu.fp8_base_capable or (min_cc is not None and cc is not None and cc >= min_cc)
+
+
+def caching_needs_fp8_t5(family: str, usable: int) -> bool:
+    """True when caching the text-encoder outputs with a 16-bit T5-XXL would not fit ``usable`` bytes."""
+    from autotune.estimate.flux_memory import FluxMemoryInputs, predict_flux_memory
+
+    estimate = predict_flux_memory(FluxMemoryInputs(resolution=512, family=family, blocks_to_swap=0))
+    return estimate.caching_peak + estimate.components["safety_margin"] > usable
 
 
 def _device_label(gpus: Sequence[GpuTarget]) -> str:
@@ -213,13 +234,17 @@ def plan_training(request: PlanRequest) -> Plan:
     usable = min(g.usable_bytes for g in gpus) if gpus else int(request.cpu_memory_bytes or 16 * GIB)
     effective = max(devices, max(1, min(goal.effective_batch, dataset.num_images)))
     preferred_opt = prefs.optimizer or PRIORITY_OPTIMIZER[request.priority]
-    train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else not family.is_sdxl
+    profile = plan_profile(family.name)
+    train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else (
+        profile.train_text_encoder if profile.train_text_encoder is not None else not family.is_sdxl)
+    t5_fp8 = "t5xxl_fp8" in profile.model_files and caching_needs_fp8_t5(family.name, usable)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
                         attention=prefs.attention)
-    fp8_ok = bool(gpus) and prefs.allow_fp8 and all(g.fp8_base_capable for g in gpus)
-    predictor = Predictor(family, gpus, request.cpu_physical_cores, request.cpu_bf16,
-                          _learned(request, family.name, devices), usable)
+    fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
+                                                     for g in gpus)
+    predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, cpu_bf16=request.cpu_bf16,
+                          learned=_learned(request, family.name, devices), usable=usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, pinned_resolution=prefs.resolution, effective=effective,
                    devices=devices, usable=usable, predictor=predictor)
     learned = _learned_lines(predictor.excluded)
@@ -239,19 +264,25 @@ def plan_training(request: PlanRequest) -> Plan:
     length = training_length(goal, request.priority, dataset.num_images, dataset.views_per_epoch, effective_real,
                              prefs.epochs, short_cpu_run)
     seconds_per_step = s.gradient_accumulation_steps / chosen.it_per_s
+    modelled = (chosen.host_ram_loading, chosen.host_ram) if chosen.host_ram else None  # FLUX's own model
+    ram = plan_host_ram(request, family, s, dataset.num_images, chosen.peak, modelled=modelled)
+    common.update(fallbacks=found.fallbacks + ram.fallbacks, warnings=common["warnings"] + ram.warnings)
     prediction = Prediction(
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,
         it_per_s=1.0 / seconds_per_step, micro_steps_per_s=chosen.it_per_s, samples_per_s=chosen.samples_per_s,
         seconds_per_step=seconds_per_step, total_seconds=length.steps * seconds_per_step,
-        optimizer_steps=length.steps, **_sources(predictor.predict(s)),
+        optimizer_steps=length.steps, ram_peak_bytes=ram.estimate.peak_bytes, ram_usable_bytes=ram.usable_bytes,
+        ram_components=tuple(ram.estimate.components.items()), **_sources(predictor.predict(s)),
     )
     context = PlanContext(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
                           target_views=length.target_views, precision_reason=precision_reason,
-                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak)
+                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
+                          workers=ram.workers, t5_fp8=t5_fp8, host_ram=chosen.host_ram)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "
+               + (f"{s.blocks_to_swap} blocks swapped, " if s.blocks_to_swap else "") +
                f"predicted peak {chosen.peak / GIB:.2f} of {usable / GIB:.2f} GiB usable")
     choices = plan_choices(context)
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,

@@ -74,6 +74,7 @@ class Preferences:
     epochs: int | None = None
     seed: int = 42
     output_name: str | None = None
+    workers: int | None = None  # max_data_loader_n_workers (host RAM may step it down)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class PlanRequest:
     cpu_bf16: bool = False  # the CPU computes bf16 natively (avx512_bf16 / AMX): CPU plans train in bf16
     measurements: tuple[Any, ...] = ()  # autotune.measure.store.Measurement records of this machine
     measured_device: str | None = None  # the device key the measurements are looked up by (None: not used)
+    host_ram_bytes: int | None = None  # RAM the run may use (probe: available; --ram: total - reserve); None: unchecked
 
 
 def gpu_from_spec(spec: GpuSpec, vram_gb: float | None = None, held_bytes: int = 0,
@@ -126,6 +128,8 @@ def validate_request(request: PlanRequest) -> None:
         raise UserError(f"--optimizer {prefs.optimizer}: the planner chooses among {', '.join(OPTIMIZERS)}")
     if prefs.rank is not None and prefs.rank < 1:
         raise UserError(f"--rank {prefs.rank}: must be a positive integer, e.g. 16")
+    if prefs.workers is not None and prefs.workers < 0:
+        raise UserError(f"--workers {prefs.workers}: must be 0 or more")
     if prefs.epochs is not None and prefs.epochs < 1:
         raise UserError(f"--epochs {prefs.epochs}: must be 1 or more")
     if prefs.attention not in ATTENTIONS:

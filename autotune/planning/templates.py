@@ -22,10 +22,13 @@ from autotune.planning.toml_writer import render_config, render_dataset
 from sd_scripts_compat.atomic import write_text_atomic
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
-FAMILIES = ("sd15", "sd2", "sdxl")
 TIERS_GB = (6, 8, 12, 16, 24, 48)
+# family -> the VRAM tiers it gets (FLUX: the tiers sd-scripts publishes figures for)
+FAMILY_TIERS: dict[str, tuple[int, ...]] = {"sd15": TIERS_GB, "sd2": TIERS_GB, "sdxl": TIERS_GB,
+                                            "flux-dev": (8, 10, 12, 16, 24)}
+FAMILIES = tuple(FAMILY_TIERS)
 TEMPLATE_CPU_CORES = 8  # a typical desktop; only max_data_loader_n_workers depends on it
-MODEL_PLACEHOLDER = "./models/{family}.safetensors"
+MODEL_PLACEHOLDER = "./models/{family}.safetensors"  # FLUX: ./models/flux-dev.safetensors (the transformer)
 
 
 def template_plan(family: str, tier_gb: int) -> Plan:
@@ -42,7 +45,7 @@ def template_files() -> dict[str, str]:
     files: dict[str, str] = {}
     rows = []
     for family in FAMILIES:
-        for tier in TIERS_GB:
+        for tier in FAMILY_TIERS[family]:
             folder = f"{family}/{tier}gb"
             plan = template_plan(family, tier)
             if not plan.fits:
@@ -55,7 +58,9 @@ def template_files() -> dict[str, str]:
             rows.append(f"| {family} | {tier} | {s.resolution[0]} | {s.train_batch_size} x "
                         f"{s.gradient_accumulation_steps} | {'on' if s.gradient_checkpointing else 'off'} | "
                         f"{s.network_dim} | {s.optimizer_type}"
-                        f"{' + fp8 base' if s.fp8_base else ''} | {p.peak_bytes / GIB:.2f} |")
+                        f"{' + fp8 base' if s.fp8_base else ''}"
+                        f"{f' + blocks_to_swap {s.blocks_to_swap}' if s.blocks_to_swap else ''} | "
+                        f"{p.peak_bytes / GIB:.2f} |")
     files["README.md"] = "\n".join([
         "# Templates (generated: `python -m autotune.planning.templates`; do not edit by hand)",
         "",
@@ -63,6 +68,9 @@ def template_files() -> dict[str, str]:
         "balanced, 20 images x 10 repeats. Copy a folder, set `pretrained_model_name_or_path` in config.toml and",
         "`image_dir` in dataset.toml, then run `accelerate launch train_network.py --config_file config.toml`",
         "(`sdxl_train_network.py` for SDXL) from that folder. `autotune plan` does the same for your own GPU and data.",
+        "FLUX.1 (`flux_train_network.py`) also needs `clip_l`, `t5xxl` and `ae` pointed at your files; where",
+        "config.toml names `t5xxl_fp8_e4m3fn.safetensors`, use an fp8 T5-XXL file (the 16-bit one does not fit",
+        "while the text-encoder outputs are cached).",
         "",
         "| family | GB | resolution | micro-batch x accumulation | checkpointing | rank | optimizer "
         "| predicted peak GiB |",
@@ -78,7 +86,7 @@ def write_templates(root: Path) -> list[Path]:
     files = template_files()
     written = []
     for family in FAMILIES:
-        for tier in TIERS_GB:
+        for tier in FAMILY_TIERS[family]:
             for name in ("config.toml", "dataset.toml", "DOES_NOT_FIT.txt"):
                 old = root / family / f"{tier}gb" / name
                 if f"{family}/{tier}gb/{name}" not in files and old.is_file():

@@ -32,7 +32,8 @@ FORMATS = ("kohya", "lora-scripts")
 # Section of each key in lora-scripts' layout (config/lora.toml of Akegarasu/lora-scripts); the kohya
 # format shows the same groups as comment headings. Keys not listed go to [others], as there.
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("model_arguments", ("pretrained_model_name_or_path", "v2", "v_parameterization", "vae", "no_half_vae")),
+    ("model_arguments", ("pretrained_model_name_or_path", "v2", "v_parameterization", "vae", "no_half_vae",
+                         "clip_l", "t5xxl", "ae")),
     ("dataset_arguments", ("dataset_config", "train_data_dir", "reg_data_dir", "resolution", "enable_bucket",
                            "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale",
                            "cache_latents", "cache_latents_to_disk", "cache_text_encoder_outputs",
@@ -46,7 +47,8 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training_arguments", ("train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
                             "mixed_precision", "fp8_base", "full_fp16", "full_bf16", "sdpa", "xformers",
                             "max_train_epochs", "max_train_steps", "seed", "clip_skip", "noise_offset",
-                            "min_snr_gamma")),
+                            "min_snr_gamma", "blocks_to_swap", "timestep_sampling", "model_prediction_type",
+                            "guidance_scale", "discrete_flow_shift")),
     ("saving_arguments", ("output_dir", "output_name", "save_model_as", "save_precision", "save_every_n_epochs",
                           "save_state")),
     ("logging_arguments", ("logging_dir", "log_with", "log_prefix")),
@@ -97,6 +99,9 @@ def header_lines(plan: Plan, what: str) -> list[str]:
             f"{p.micro_steps_per_s:.3g} micro-steps/s per device, {p.samples_per_s:.3g} samples/s",
             f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}",
         ]
+        if p.ram_peak_bytes:
+            lines.append(f"predicted peak host RAM: {p.ram_peak_bytes / GIB:.1f} GiB ("
+                         + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.ram_components if v) + " GiB)")
     if plan.fallbacks:
         lines.append("given up to fit, in order: " + ", ".join(plan.fallbacks))
     if plan.launch_command:

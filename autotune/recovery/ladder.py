@@ -10,10 +10,12 @@ Preference order (cheapest loss of quality/speed first):
   2. gradient checkpointing on
   3. 8-bit optimizer (AdamW -> AdamW8bit, Lion -> Lion8bit)
   4. text-encoder output caching (SDXL; implies training the UNet only)
-  5. lower max bucket resolution (down to the training resolution)
-  6. lower resolution (in bucket steps, down to a floor)
-  7. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
-  8. fp8 base weights, where the card supports it
+  5. more swapped blocks (families that swap, FLUX: one more block at a time up to the family's maximum;
+     slower only once the host link is the bottleneck, and quality is untouched)
+  6. lower max bucket resolution (down to the training resolution)
+  7. lower resolution (in bucket steps, down to a floor)
+  8. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
+  9. fp8 base weights, where the card supports it
 The ladder is walked cumulatively: a rung's mildest option that is predicted to fit wins; if none
 fits, the rung's strongest option is kept and the next rung is tried on top of it.
 """
@@ -41,6 +43,7 @@ class LadderLimits:
     min_resolution: int = 256
     resolution_step: int = 64
     min_rank: int = 4
+    max_blocks_to_swap: int = 0  # the family's block-swap limit (FLUX.1: 35); 0: the family cannot swap
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,10 @@ def _rungs(settings: TrainSettings, limits: LadderLimits) -> list[tuple[str, lis
     te = limits.is_sdxl and limits.te_cache_allowed and not settings.cache_text_encoder_outputs
     rungs.append(("text-encoder caching", [replace(settings, cache_text_encoder_outputs=True)] if te else [],
                   "caching text-encoder outputs moves the text encoders off the device (UNet-only training)"))
+    swaps = [replace(settings, blocks_to_swap=n) for n in range(settings.blocks_to_swap + 1,
+                                                                 limits.max_blocks_to_swap + 1)]
+    rungs.append(("block swap", swaps, "swapped blocks wait in host memory and are copied in around their use "
+                                       "(slower only once the host link is the bottleneck)"))
     long_side = max(settings.resolution)
     buckets = []
     if settings.max_bucket_reso is not None:
@@ -221,10 +228,14 @@ def memory_predictor(family: str, *, text_encoder_outputs_cached: bool = False,
     that would hide the differences between rungs; the measured/predicted rescaling in
     :func:`next_settings` is what ties the figures to this machine.
     """
+    from autotune.estimate.flux_memory import flux_inputs_for_settings, is_flux_family, predict_flux_memory
     from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
 
-    family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
     overrides = {} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}
+    if is_flux_family(family):  # training phase: an OOM in training comes after the text-encoder caching
+        return lambda s: predict_flux_memory(flux_inputs_for_settings(family, s, **overrides)).training_total_bytes \
+            / 2**20
+    family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
         inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached,

@@ -78,6 +78,7 @@ class Target:
     usable_bytes: int
     views_per_epoch: int
     cpu_bf16: bool = False  # the CPU computes bf16 natively (the plan's request)
+    t5_fp8: bool = False  # FLUX: the plan names an fp8 T5-XXL file
 
     @classmethod
     def of(cls, request: PlanRequest, plan: Plan) -> Target:
@@ -85,7 +86,8 @@ class Target:
         assert plan.prediction is not None and plan.dataset is not None, "a fitting plan"
         return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
-                   views_per_epoch=plan.dataset.views_per_epoch, cpu_bf16=request.cpu_bf16)
+                   views_per_epoch=plan.dataset.views_per_epoch,
+                   t5_fp8="fp8" in str(plan.kohya_values().get("t5xxl", "")), cpu_bf16=request.cpu_bf16)
 
     @property
     def devices(self) -> int:
@@ -169,24 +171,22 @@ def settings_from_values(values: dict[str, Any]) -> TrainSettings:
         cache_text_encoder_outputs=bool(values.get("cache_text_encoder_outputs", False)),
         max_bucket_reso=values.get("max_bucket_reso") if values.get("enable_bucket") else None,
         xformers=bool(values.get("xformers", False)),
+        blocks_to_swap=int(values.get("blocks_to_swap", 0) or 0),
     )
 
 
 def predict_fit(target: Target, settings: TrainSettings, epochs: int) -> Fit:
     """Memory on one device and the slowest device's speed, as the planner predicts them."""
-    from autotune.estimate.memory_model import inputs_for_settings, predict_memory
-    from autotune.estimate.speed_model import predict_speed
+    from autotune.planning.search import estimate_for_settings
 
-    inputs = inputs_for_settings(target.family, settings)
-    estimate = predict_memory(inputs)
+    estimate, speed_of = estimate_for_settings(target.family, settings, target.cpu_cores, t5_fp8=target.t5_fp8,
+                                               cpu_bf16=target.cpu_bf16)
     components = dict(estimate.components)
     extra = 0
     if target.devices > 1:  # DDP keeps a second copy of the LoRA gradients as all-reduce buckets
         extra = components.get("lora_grads", 0)
         components["ddp_buckets"] = extra
-    rates = [predict_speed(inputs, gpu.spec if gpu is not None else None, steps=1,
-                           cpu_cores=target.cpu_cores, cpu_bf16=target.cpu_bf16).it_per_s
-             for gpu in target.gpus or (None,)]
+    rates = [speed_of(gpu.spec if gpu is not None else None).it_per_s for gpu in target.gpus or (None,)]
     micro = float(min(rates))
     batch, accumulation = settings.train_batch_size, settings.gradient_accumulation_steps
     scale = target.devices * (DDP_EFFICIENCY if target.devices > 1 else 1.0)

@@ -288,6 +288,7 @@ class TrainingConfig:
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
     save_state_every_seconds: float | None = None
+    autotune_monitor_seconds: float | None = None
     # not kohya options: where the values came from
     sdxl: bool = False
     raw: dict[str, Any] = field(default_factory=dict)
@@ -309,6 +310,8 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
     "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
     "save_state_every_seconds": (float, "also save state when this many seconds passed since the last save"),
+    "autotune_monitor_seconds": (float, "seconds between monitor.jsonl samples in the events folder (GPU, CPU, "
+                                        "RAM; default 2, 0 = off)"),
 }
 
 

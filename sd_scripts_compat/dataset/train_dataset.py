@@ -3,12 +3,16 @@
 The epoch order is a pure function of (seed, epoch), and every random choice inside a batch
 (caption shuffling/dropout, flips, random crops) is seeded from (seed, epoch, step, position), so a
 resumed run rebuilds the exact batch of any step, whatever the number of DataLoader workers.
+
+Test hook: ``SD_COMPAT_TEST_DECODE_DELAY=SECONDS`` makes every image decode wait that long (a starved loader
+for the bottleneck report's tests, as large PNGs on a slow disk would be). Read at each decode; unset in use.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -31,6 +35,8 @@ from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+
+DECODE_DELAY_ENV = "SD_COMPAT_TEST_DECODE_DELAY"
 
 
 def mix_seed(*parts: object) -> int:
@@ -150,6 +156,11 @@ def load_image_rgb(path: Path) -> Any:
     """The image as an RGB PIL image (see :func:`to_rgb`); an undecodable file is a one-line UserError."""
     from PIL import Image, UnidentifiedImageError
 
+    delay = os.environ.get(DECODE_DELAY_ENV)
+    if delay:
+        import time
+
+        time.sleep(float(delay))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         try:

@@ -47,7 +47,9 @@ from sd_scripts_compat.training.devices import (
     unwrap_optimizer,
 )
 from sd_scripts_compat.training.faults import NanInjector, OomInjector
+from sd_scripts_compat.training.monitor import start_monitor
 from sd_scripts_compat.training.objectives import NoiseSettings
+from sd_scripts_compat.training.phase_timer import PhaseTimer, tensorboard_scalars
 from sd_scripts_compat.training.precision import DynamicLossScale
 from sd_scripts_compat.training.stability import Diverged, StabilityGuard
 from sd_scripts_compat.training.stopping import StopSignals
@@ -465,6 +467,7 @@ class Recipe:
     validation: ValidationRun | None
     guard: StabilityGuard | None = None
     stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
+    phases: PhaseTimer = field(default_factory=lambda: PhaseTimer("cpu"))  # where the time goes (done.json)
 
 
 @dataclass
@@ -495,9 +498,11 @@ def train(config: Any, *, sdxl: bool) -> int:
 
 def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
     process = setup_process(config)
+    phases = PhaseTimer(process.device.type, elapsed_before=time.time() - process.started)
     model = load_model(config, process, sdxl=sdxl)
     data = build_data(config, process, model)
-    inputs = cache_inputs(config, process, model, data)
+    with phases.event("caching"):
+        inputs = cache_inputs(config, process, model, data)
     network = build_network(config, process, model)
     optimization = build_optimization(config, process, network, data)
     objective = build_objective(config, process, model)
@@ -513,9 +518,12 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
         noise_scheduler=objective.noise_scheduler, dtype=process.weight_dtype, accelerator=process.accelerator,
         noise_settings=objective.noise, alphas_cumprod=objective.alphas_cumprod)
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
-                    validation, guard, stops)
+                    validation, guard, stops, phases)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
-    loop = run_loop(recipe, counters)
+    # the background sampler of monitor.jsonl reads the step counter by itself: the loop never calls it
+    with start_monitor(process.paths.events_dir, config.autotune_monitor_seconds, lambda: counters.global_step,
+                       enabled=process.is_main, max_steps=optimization.max_train_steps):
+        loop = run_loop(recipe, counters)
     try:
         if loop.diverged is not None:
             raise Diverged(loop.diverged)
@@ -547,9 +555,11 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
                     disable=not process.is_main, dynamic_ncols=True, smoothing=0.1, file=sys.stdout)
     now = time.time()
     loop = LoopState(last_report=now, last_state_save=now, session_started=now)
+    r.phases.start_loop()
     if counters.global_step == 0:  # before the first step: the validation baseline, then sample_at_first
         if r.validation is not None:
-            r.validation.run(0)
+            with r.phases.event("validation"):
+                r.validation.run(0)
         if config.sample_at_first:
             _sample(r, "e000000")  # sd-scripts names the samples before the first step epoch 0
     sampler = BucketBatchSampler(r.data.train, epoch=counters.epoch, start_step=counters.step_in_epoch,
@@ -570,6 +580,7 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
             raise
         loop.oom = {"message": str(error).splitlines()[0][:500], "type": type(error).__name__}
     # Outside the except block: the exception's frames (and the activations they hold) are gone now.
+    r.phases.end_loop()
     progress.close()
     return loop
 
@@ -579,7 +590,7 @@ def run_epoch(r: Recipe, loop: LoopState, counters: Any, sampler: Any, loader: A
     optimization = r.optimization
     sampler.set_epoch(counters.epoch, start_step=counters.step_in_epoch)
     batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
-    for batch in loader:
+    for batch in r.phases.batches(loader):  # the wait for each batch is the phase "data"
         micro_step(r, loop, counters, batch, batch_index)
         batch_index += 1
         if batch_index % optimization.accumulation != 0 and batch_index < optimization.batches_per_epoch:
@@ -587,6 +598,7 @@ def run_epoch(r: Recipe, loop: LoopState, counters: Any, sampler: Any, loader: A
         optimizer_step(r, counters)
         counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
         after_step(r, loop, counters, progress)
+        r.phases.step_done()
         if counters.global_step >= optimization.max_train_steps:
             return
         if batch_index < optimization.batches_per_epoch:
@@ -613,11 +625,12 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
         step_generator,
     )
 
-    process, objective, unet = r.process, r.objective, r.model.bundle.unet
-    batch = to_device(batch, process.device)
+    process, objective, unet, phase = r.process, r.objective, r.model.bundle.unet, r.phases.phase
+    with phase("to_device"):
+        batch = to_device(batch, process.device)
     latents = batch.get("latents")
     if latents is None:
-        with torch.no_grad():
+        with torch.no_grad(), phase("vae_encode"):
             seeds = [(process.seed * 1_000_003 + counters.global_step * 4099 + batch_index * 131 + i) % 2**63
                      for i in range(batch["images"].shape[0])]
             vae = r.model.bundle.vae
@@ -628,27 +641,34 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
                                latents.shape[3] * r.model.vae_scale)
     generator = step_generator(process.seed, counters.global_step, batch_index * process.world + process.rank,
                                process.device)
-    with process.accelerator.autocast():
-        encoder_hidden, added_cond = r.inputs.conditioner.condition(batch, train=r.model.train_text_encoder)
-        step_noise, timesteps = sample_noise_and_timesteps(latents, objective.noise, generator)
-        noisy = objective.noise_scheduler.add_noise(latents, step_noise, timesteps)
-        prediction = unet(noisy, timesteps, encoder_hidden, added_cond_kwargs=added_cond).sample
-    target = diffusion_target(objective.noise_scheduler, latents, step_noise, timesteps,
-                              objective.noise.v_parameterization)
-    loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], objective.alphas_cumprod,
-                           objective.noise).mean()
-    if process.nan_injector is not None:
-        loss = process.nan_injector.poison(counters.global_step, loss)
-    scaled = loss / r.optimization.accumulation
-    if r.optimization.loss_scale is not None:
-        (scaled * r.optimization.loss_scale.scale).backward()
-    else:
-        process.accelerator.backward(scaled)
+    with phase("forward"):
+        with process.accelerator.autocast():
+            encoder_hidden, added_cond = r.inputs.conditioner.condition(batch, train=r.model.train_text_encoder)
+            step_noise, timesteps = sample_noise_and_timesteps(latents, objective.noise, generator)
+            noisy = objective.noise_scheduler.add_noise(latents, step_noise, timesteps)
+            prediction = unet(noisy, timesteps, encoder_hidden, added_cond_kwargs=added_cond).sample
+        target = diffusion_target(objective.noise_scheduler, latents, step_noise, timesteps,
+                                  objective.noise.v_parameterization)
+        loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], objective.alphas_cumprod,
+                               objective.noise).mean()
+        if process.nan_injector is not None:
+            loss = process.nan_injector.poison(counters.global_step, loss)
+    with phase("backward"):
+        scaled = loss / r.optimization.accumulation
+        if r.optimization.loss_scale is not None:
+            (scaled * r.optimization.loss_scale.scale).backward()
+        else:
+            process.accelerator.backward(scaled)
     r.guard.add_loss(loss)
 
 
 def optimizer_step(r: Recipe, counters: Any) -> None:
     """Average (several processes), unscale (full_fp16), clip, step, schedule, zero: one optimizer step."""
+    with r.phases.phase("optimizer"):
+        _optimizer_step(r, counters)
+
+
+def _optimizer_step(r: Recipe, counters: Any) -> None:
     import torch
 
     optimization, trainable, config = r.optimization, r.network.trainable, r.config
@@ -672,7 +692,8 @@ def optimizer_step(r: Recipe, counters: Any) -> None:
 
 
 def after_step(r: Recipe, loop: LoopState, counters: Any, progress: Any) -> None:
-    """What follows an optimizer step: progress (the first step, then every ~2 s), validation, saves and samples when due."""
+    """What follows an optimizer step: progress (the first step, then every ~2 s), validation, saves and samples
+    when due."""
     config, step = r.config, counters.global_step
     now = time.time()
     loop.step_ended_at.append(now)
@@ -681,12 +702,15 @@ def after_step(r: Recipe, loop: LoopState, counters: Any, progress: Any) -> None
     if first_step or now - loop.last_report >= PROGRESS_EVERY_SECONDS or step == r.optimization.max_train_steps:
         _report_progress(r, loop, counters, progress, now)
     if r.validation is not None and r.validation.due(step, epoch_end=False):
-        r.validation.run(step)
+        with r.phases.event("validation"):
+            r.validation.run(step)
     if config.save_every_n_steps and step % config.save_every_n_steps == 0:
-        r.checkpointer.save_intermediate(counters, suffix=f"-step{step:08d}", step=step)
+        with r.phases.event("save"):
+            r.checkpointer.save_intermediate(counters, suffix=f"-step{step:08d}", step=step)
     if (config.save_state_every_seconds and r.process.is_main
             and now - loop.last_state_save >= config.save_state_every_seconds):
-        r.checkpointer.save_state(r.process.paths.state_dir(), counters)
+        with r.phases.event("save"):
+            r.checkpointer.save_state(r.process.paths.state_dir(), counters)
         loop.last_state_save = now
     if config.sample_every_n_steps and step % config.sample_every_n_steps == 0:
         _sample(r, f"step{step:08d}")
@@ -699,10 +723,12 @@ def end_epoch(r: Recipe, counters: Any) -> None:
     counters.step_in_epoch = 0
     epoch = counters.epoch
     if r.validation is not None and r.validation.due(counters.global_step, epoch_end=True, epoch=epoch):
-        r.validation.run(counters.global_step)
+        with r.phases.event("validation"):
+            r.validation.run(counters.global_step)
     if config.save_every_n_epochs and epoch % config.save_every_n_epochs == 0 \
             and counters.global_step < r.optimization.max_train_steps:
-        r.checkpointer.save_intermediate(counters, suffix=f"-{epoch:06d}", step=None)
+        with r.phases.event("save"):
+            r.checkpointer.save_intermediate(counters, suffix=f"-{epoch:06d}", step=None)
     if config.sample_every_n_epochs and epoch % config.sample_every_n_epochs == 0:
         _sample(r, f"e{epoch:06d}")
 
@@ -716,8 +742,8 @@ def _report_progress(r: Recipe, loop: LoopState, counters: Any, progress: Any, n
     lr_scheduler = r.optimization.lr_scheduler
     progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
     r.process.accelerator.log({"loss/current": mean_loss, "lr/unet": lr_scheduler.get_last_lr()[-1],
-                               "speed/it_per_s": rate, "memory/peak_mib": loop.peak_memory_mib},
-                              step=counters.global_step)
+                               "speed/it_per_s": rate, "memory/peak_mib": loop.peak_memory_mib,
+                               **tensorboard_scalars(r.phases.summary())}, step=counters.global_step)
     events_dir = r.process.paths.events_dir
     if events_dir and r.process.is_main:
         write_event(events_dir, PROGRESS, {
@@ -730,9 +756,10 @@ def _sample(r: Recipe, name: str) -> None:
     from sd_scripts_compat.training.sampling import sample_during_training
 
     paths = r.process.paths
-    sample_during_training(r.model.bundle, r.config, r.process.accelerator, r.process.weight_dtype,
-                           r.data.spec.resolution, out_dir=paths.output_dir / "sample",
-                           name=f"{paths.output_name}_{name}")
+    with r.phases.event("sample"):
+        sample_during_training(r.model.bundle, r.config, r.process.accelerator, r.process.weight_dtype,
+                               r.data.spec.resolution, out_dir=paths.output_dir / "sample",
+                               name=f"{paths.output_name}_{name}")
 
 
 # ---- 10. The ending: OOM, Ctrl-C, or the final LoRA and summary -----------------------------------------
@@ -783,10 +810,13 @@ def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
     config, process = r.config, r.process
     process.accelerator.wait_for_everyone()
     output_file = process.paths.lora_file()
-    if process.is_main:
-        r.checkpointer.save_lora(output_file, counters, final=True)
-        if config.save_state or config.save_state_on_train_end:
-            r.checkpointer.save_state(process.paths.state_dir(), counters)
+    with r.phases.event("save"):
+        if process.is_main:
+            r.checkpointer.save_lora(output_file, counters, final=True)
+            if config.save_state or config.save_state_on_train_end:
+                r.checkpointer.save_state(process.paths.state_dir(), counters)
+    phases = {**r.phases.summary(), "loader_workers": config.max_data_loader_n_workers or 0, "world": process.world}
+    process.accelerator.log(tensorboard_scalars(phases), step=counters.global_step)
     peak_memory = max(loop.peak_memory_mib, peak_memory_mib(process.device))
     seconds = time.time() - process.started
     # steady state: after the first steps (allocator, caches); one duration per optimizer step
@@ -800,7 +830,8 @@ def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
                 "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory,
                 "memory": memory_figures(),  # CUDA max allocated / reserved, peak RSS (autotune bench, plans)
                 "validation_loss": r.validation.history if r.validation is not None else [],
-                "settings": r.report.settings, "resolved": r.report.resolved})
+                "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
+                "family": r.model.family.name})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
               f"LoRA written to {output_file}")
     process.accelerator.end_training()

@@ -1,0 +1,287 @@
+"""Analytic peak-VRAM, host-RAM and speed model of a FLUX.1 LoRA step (the transformer-with-block-swap family).
+
+Its own module because FLUX's structure differs from a UNet's: 19 double + 38 single transformer blocks, of
+which ``blocks_to_swap`` live on the host, and text encoders (CLIP-L + T5-XXL) that run once while caching.
+Fast (no torch); calibrated by ``bench/calibrate_flux_memory.py`` from fake-tensor traces of the full-size
+transformer (``autotune.calibration.flux_memtrace``), shipped in ``autotune/data/flux_calibration.json``.
+
+Training-phase tensor peak = resident transformer weights + LoRA params + grads + optimizer state + activations:
+
+- Weights: bf16 (2 bytes) or, under ``fp8_base``, 1 byte for every Linear weight (float8_e4m3fn). Swapped
+  blocks (sd-scripts' split: n // 2 double and (n - n // 2) * 2 single, the last of each list; at most 35)
+  keep only their ``.weight`` tensors on the host; in sd-scripts the block swapped in reuses the GPU storage
+  of the one swapped out (no buffer: what the traces measure), our engine copies into fresh buffers with one
+  prefetched, so ``swap_buffers`` adds two of the largest swapped blocks on top of the traced tensor peak.
+- LoRA: kohya's 304 modules (exact shapes from the architecture), fp32, and each optimizer's state layout
+  (shared with the SD model: ``memory_model.optimizer_state_bytes``).
+- Activations: ``c0 + c1*rank + batch*tokens*(a + b*rank)`` per checkpointing setting, tokens = packed image
+  tokens (side / 16)^2 + 512 T5 tokens; attention is flash / memory-efficient (O(tokens)). ``fp8_extra``: the
+  traced difference under fp8_base.
+- Text encoders resident (outputs not cached): CLIP-L bf16 + T5-XXL bf16 or fp8; the AE when latents are not
+  cached (its encode transient uses the SD VAE encoder's traced bytes per pixel: the same encoder blocks).
+
+Caching phase (outputs cached): sd-scripts moves the transformer and AE to the host and runs CLIP-L + T5-XXL
+on the GPU, so that phase needs the encoders' weights plus a small transient (``caching_transient_bytes``): an
+8-10 GB card cannot cache with a bf16 T5-XXL (9.5 GB), hence sd-scripts' fp8 T5 advice. The planner must fit
+both phases: ``peak_bytes`` / ``total_bytes`` are the larger of the two.
+
+Host RAM (training): the swapped weights (pageable: sd-scripts' ``.to("cpu", non_blocking=True)`` does not
+pin) + the encoders and AE parked on the host + the process baseline; while loading, the whole transformer
+passes through RAM at its file dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.estimate.memory_model import (
+    DEFAULT_ALLOCATOR_OVERHEAD,
+    DEFAULT_CUDA_CONTEXT_GIB,
+    DEFAULT_SAFETY_MARGIN_GIB,
+    GIB,
+    MemoryEstimate,
+    canonical_optimizer,
+    optimizer_state_bytes,
+)
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.settings import TrainSettings
+
+FLUX_CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "flux_calibration.json"
+
+
+@cache
+def load_flux_calibration(path: str = str(FLUX_CALIBRATION_PATH)) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"{file}: FLUX memory calibration missing; regenerate it with bench/calibrate_flux_memory.py")
+    return json.loads(file.read_text(encoding="utf-8"))
+
+
+def flux_family_calibration(family: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The calibration of one FLUX family: the file's top level (FLUX.1's 12 B transformer, shared by dev and
+    schnell) with the family's own ``variants`` entry (architecture, activation coefficients) over it."""
+    cal = calibration or load_flux_calibration()
+    variant = cal.get("variants", {}).get(family)
+    return {**cal, **variant} if variant else cal
+
+
+def is_flux_family(family: str) -> bool:
+    """True for the families this model covers (listed in the calibration file, not in code)."""
+    return family in load_flux_calibration()["families"]
+
+
+@dataclass(frozen=True)
+class FluxMemoryInputs:
+    resolution: int
+    batch_size: int = 1
+    rank: int = 16
+    gradient_checkpointing: bool = True
+    optimizer: str = "AdamW8bit"
+    fp8_base: bool = True
+    blocks_to_swap: int = 0
+    cache_text_encoder_outputs: bool = True
+    cache_latents: bool = True
+    t5_fp8: bool = False  # the T5-XXL file is float8 (t5xxl_fp8_e4m3fn): half the caching-phase weights
+    lora_dtype: str = "fp32"
+    height: int | None = None
+    family: str = "flux-dev"
+    cuda_context_gib: float = DEFAULT_CUDA_CONTEXT_GIB
+    allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
+    safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
+
+    def with_(self, **changes: Any) -> FluxMemoryInputs:
+        return replace(self, **changes)
+
+
+def flux_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bool = False,
+                             **overrides: Any) -> FluxMemoryInputs:
+    """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping)."""
+    width, height = settings.resolution
+    return FluxMemoryInputs(
+        family=family, resolution=width, height=height if height != width else None,
+        batch_size=settings.train_batch_size, rank=settings.network_dim,
+        gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
+        fp8_base=settings.fp8_base, blocks_to_swap=settings.blocks_to_swap,
+        cache_text_encoder_outputs=settings.cache_text_encoder_outputs, cache_latents=settings.cache_latents,
+        t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
+        **overrides)
+
+
+def family_max_blocks_to_swap(family: str) -> int:
+    """How many blocks a family can swap (0: it cannot): from the FLUX calibration's architecture."""
+    return max_swap(flux_family_calibration(family)["architecture"]) if is_flux_family(family) else 0
+
+
+@dataclass(frozen=True)
+class FluxMemoryEstimate(MemoryEstimate):
+    """Training-phase components (summing to the training total) plus the caching phase and host RAM."""
+
+    TENSOR_PARTS = ("weights_transformer", "weights_text_encoders", "weights_vae", "lora_params", "lora_grads",
+                    "optimizer_state", "activations")
+    caching_peak: int = 0  # text-encoder caching phase: tensors + context + allocator slack
+    host_ram_bytes: int = 0  # while training
+    host_ram_loading_bytes: int = 0  # while loading (the transformer passes through RAM)
+    swapped_bytes: int = 0  # weight bytes of the swapped blocks (moved twice each way per step)
+
+    @property
+    def training_peak_bytes(self) -> int:
+        return super().peak_bytes + self.components.get("swap_buffers", 0)
+
+    @property
+    def training_total_bytes(self) -> int:
+        """Training phase only, with the safety margin (the OOM ladder's figure: caching is over by then)."""
+        return self.training_peak_bytes + self.components["safety_margin"]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.training_peak_bytes, self.caching_peak)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.components["safety_margin"]
+
+
+def swap_split(blocks_to_swap: int, double: int = 19, single: int = 38) -> tuple[int, int]:
+    """(double, single) blocks swapped for kohya's ``blocks_to_swap`` (``Flux.enable_block_swap``: n // 2
+    double, the rest counted twice as single blocks; at most double - 2 and single - 2); UserError past it."""
+    d = blocks_to_swap // 2
+    s = (blocks_to_swap - d) * 2
+    if blocks_to_swap < 0 or d > double - 2 or s > single - 2:
+        top = max_blocks_to_swap(double, single)
+        raise UserError(f"blocks_to_swap {blocks_to_swap}: sd-scripts swaps at most {top} blocks "
+                        f"({double - 2} double, {single - 2} single); pick 0-{top}")
+    return d, s
+
+
+def max_blocks_to_swap(double: int = 19, single: int = 38) -> int:
+    """The largest blocks_to_swap sd-scripts accepts (35 for FLUX.1's 19 + 38 blocks)."""
+    n = 0
+    while (n + 1) // 2 <= double - 2 and ((n + 1) - (n + 1) // 2) * 2 <= single - 2:
+        n += 1
+    return n
+
+
+def split_swap(blocks_to_swap: int, arch: dict[str, Any]) -> tuple[int, int]:
+    return swap_split(blocks_to_swap, arch["num_double_blocks"], arch["num_single_blocks"])
+
+
+def max_swap(arch: dict[str, Any]) -> int:
+    return max_blocks_to_swap(arch["num_double_blocks"], arch["num_single_blocks"])
+
+
+def image_tokens(resolution: int, height: int | None = None, downsample: int = 8) -> int:
+    """Packed latent tokens: the AE's 8x, then 2x2 patches."""
+    return (resolution // (2 * downsample)) * ((height or resolution) // (2 * downsample))
+
+
+def _block_bytes(block: dict[str, int], fp8: bool) -> tuple[int, int]:
+    """(all bytes, swapped .weight bytes) of one block: fp8 Linear weights take 1 byte, the rest 2."""
+    total = 2 * block["elements"] - (block["fp8_elements"] if fp8 else 0)
+    swapped = 2 * block["swap_elements"] - (block["fp8_elements"] if fp8 else 0)
+    return total, swapped
+
+
+def transformer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> tuple[int, int]:
+    """(resident GPU bytes, host bytes) of the transformer's weights at a swap count."""
+    d, s = split_swap(blocks_to_swap, arch)
+    dbl, dbl_swap = _block_bytes(arch["double_block"], fp8)
+    sgl, sgl_swap = _block_bytes(arch["single_block"], fp8)
+    rest = arch["rest"]
+    full = (arch["num_double_blocks"] * dbl + arch["num_single_blocks"] * sgl + 2 * rest["elements"]
+            - (rest["fp8_elements"] if fp8 else 0))
+    host = d * dbl_swap + s * sgl_swap
+    return full - host, host
+
+
+def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> int:
+    """Device copies in flight beside the resident blocks: our engine's swapper (``training/block_swap.py``)
+    copies a swapped block into a fresh buffer and prefetches the next, so up to two of the largest swapped
+    blocks; sd-scripts copies into the storage of the block it evicts and needs none (the traces model that)."""
+    d, s = split_swap(blocks_to_swap, arch)
+    sizes = ([_block_bytes(arch["double_block"], fp8)[1]] if d else []) + \
+        ([_block_bytes(arch["single_block"], fp8)[1]] if s else [])
+    return 2 * max(sizes) if sizes else 0
+
+
+def lora_sizes(arch: dict[str, Any], rank: int) -> list[tuple[int, int]]:
+    """(elements, count) of every LoRA tensor (down [r, in], up [out, r])."""
+    out = []
+    for shape, count in arch["lora_modules"].items():
+        fan_in, fan_out = (int(x) for x in shape.split("x"))
+        out += [(rank * fan_in, count), (rank * fan_out, count)]
+    return out
+
+
+def encoder_bytes(arch: dict[str, Any], t5_fp8: bool) -> int:
+    te = arch["text_encoders"]
+    return 2 * te["clip_l"] + (1 if t5_fp8 else 2) * te["t5xxl"]
+
+
+def _activations(cal: dict[str, Any], i: FluxMemoryInputs) -> int:
+    gc = "gc" if i.gradient_checkpointing else "no_gc"
+    arch = cal["architecture"]
+    coef = cal["activations"][gc]
+    tokens = image_tokens(i.resolution, i.height, arch["latent_downsample"]) + arch["text_tokens"]
+    act = coef["c0"] + coef["c1"] * i.rank + i.batch_size * tokens * (coef["a"] + coef["b"] * i.rank)
+    if i.fp8_base:
+        act += cal["fp8_extra"][gc]
+    if not i.cache_latents:
+        act = max(act, cal["ae_encode_per_image_pixel"] * i.batch_size * i.resolution * (i.height or i.resolution))
+    return int(round(act))
+
+
+def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None = None) -> FluxMemoryEstimate:
+    """Predict both phases' peak VRAM and the host RAM of one FLUX LoRA step (see the module doc)."""
+    if inputs.batch_size < 1 or inputs.rank < 1:
+        raise UserError(f"FLUX memory model input {inputs}: batch_size and rank must be >= 1")
+    inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
+    cal = flux_family_calibration(inputs.family, calibration)
+    arch = cal["architecture"]
+    resident, host = transformer_bytes(arch, inputs.fp8_base, inputs.blocks_to_swap)
+    sizes = lora_sizes(arch, inputs.rank)
+    n_params = sum(numel * count for numel, count in sizes)
+    n_modules = sum(arch["lora_modules"].values())
+    param_bytes = 4 if inputs.lora_dtype == "fp32" else 2
+    encoders = encoder_bytes(arch, inputs.t5_fp8)
+    ae = 2 * arch["ae_elements"]
+    components = {
+        "weights_transformer": resident + 4 * n_modules,
+        "weights_text_encoders": 0 if inputs.cache_text_encoder_outputs else encoders,
+        "weights_vae": 0 if inputs.cache_latents else ae,
+        "lora_params": param_bytes * n_params,
+        "lora_grads": param_bytes * n_params,
+        "optimizer_state": optimizer_state_bytes(inputs.optimizer, sizes, inputs.rank, param_bytes),
+        "activations": _activations(cal, inputs),
+    }
+    tensor_peak = sum(components.values())
+    components["swap_buffers"] = swap_buffer_bytes(arch, inputs.fp8_base, inputs.blocks_to_swap)
+    context = int(inputs.cuda_context_gib * GIB)
+    components["cuda_context"] = context
+    components["allocator_overhead"] = int(inputs.allocator_overhead * tensor_peak)
+    components["safety_margin"] = int(inputs.safety_margin_gib * GIB)
+    notes = [f"blocks_to_swap {inputs.blocks_to_swap}: {host / GIB:.2f} GiB of block weights on the host"] \
+        if inputs.blocks_to_swap else []
+    caching = 0
+    if inputs.cache_text_encoder_outputs:
+        cache_tensors = encoders + cal["caching_transient_bytes"]
+        caching = int(cache_tensors * (1 + inputs.allocator_overhead)) + context
+        if caching > tensor_peak * (1 + inputs.allocator_overhead) + context:
+            notes.append(f"peak is the text-encoder caching ({'fp8' if inputs.t5_fp8 else 'bf16'} T5-XXL on the GPU)")
+    host_base = int(cal["host_ram_baseline_gib"] * GIB)
+    parked = ae + (encoders if inputs.cache_text_encoder_outputs else 0)
+    loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
+    return FluxMemoryEstimate(
+        inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
+        host_ram_bytes=host + parked + host_base, host_ram_loading_bytes=loading + encoders + ae + host_base,
+        swapped_bytes=host)
+
+
+def _all_elements(arch: dict[str, Any]) -> int:
+    return (arch["num_double_blocks"] * arch["double_block"]["elements"]
+            + arch["num_single_blocks"] * arch["single_block"]["elements"] + arch["rest"]["elements"])

@@ -1,0 +1,89 @@
+"""Predicted FLUX.1 LoRA speed: FLOPs per step from the architecture, and what block swap costs on the host link.
+
+FLOPs are counted analytically from ``flux_calibration.json``'s architecture (exact Linear sizes, no tracing):
+per sample, every double block's image-stream Linears run over the image tokens and its text-stream Linears over
+the 512 T5 tokens, every single block's Linears over both; joint attention costs 4 * tokens^2 * hidden per block
+(QK^T and PV). The modulation Linears run once per sample (negligible). Backward of frozen weights needs only
+input gradients (1x the Linear FLOPs) plus flash attention's backward (``attention_backward_factor`` x its
+forward); gradient checkpointing adds one more forward (every block is checkpointed).
+
+Block swap moves each swapped block's weights down and back up once in the forward and once again in the
+backward (sd-scripts' ``ModelOffloader``: a block leaves right after use and the next needed one comes in, the
+two copies one after the other on a side stream), so 4 x the swapped bytes cross the link per micro-step, at
+``link_efficiency`` of the card's ``pcie_gbps`` (pageable memory). The copies overlap the compute of other blocks,
+so a micro-step takes max(compute, transfer): swapping is free until the link becomes the bottleneck, which is
+what the planner weighs when it picks the fewest swapped blocks that fit. The compute runs at ``efficiency`` of
+the card's bf16 rate times ``w / (w + 3.5)`` (w: TFLOP per micro-step), the UNet speed model's per-step overhead
+term (launches, optimizer, loader), so a larger micro-batch is slightly faster per sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.estimate.flux_memory import (
+    FluxMemoryInputs,
+    flux_family_calibration,
+    image_tokens,
+    split_swap,
+    transformer_bytes,
+)
+from autotune.estimate.speed_model import (
+    CPU_BF16_SLOWDOWN,
+    CPU_GFLOPS_PER_CORE,
+    EFFICIENCY_HALF_TFLOP,
+    SpeedEstimate,
+    card_rate_tflops,
+)
+
+
+def flux_step_flops(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None = None) -> dict[str, float]:
+    """FLOPs of one micro-step (whole batch): forward, backward (incl. the checkpointing recompute)."""
+    cal = flux_family_calibration(inputs.family, calibration)
+    arch = cal["architecture"]
+    img = image_tokens(inputs.resolution, inputs.height, arch["latent_downsample"])
+    txt = arch["text_tokens"]
+    macs = arch["macs_per_token"]
+    linear = 2.0 * (arch["num_double_blocks"] * (img * macs["double_img"] + txt * macs["double_txt"])
+                    + arch["num_single_blocks"] * (img + txt) * macs["single"])
+    blocks = arch["num_double_blocks"] + arch["num_single_blocks"]
+    attention = 4.0 * blocks * (img + txt) ** 2 * arch["hidden"]
+    forward = inputs.batch_size * (linear + attention)
+    backward = inputs.batch_size * (linear + cal["speed"]["attention_backward_factor"] * attention)
+    if inputs.gradient_checkpointing:
+        backward += forward
+    return {"forward": forward, "backward": backward, "total": forward + backward}
+
+
+def swap_seconds(inputs: FluxMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+    """Seconds per micro-step that the swapped weights spend on the host link (0 without swap)."""
+    cal = flux_family_calibration(inputs.family, calibration)
+    if not inputs.blocks_to_swap:
+        return 0.0
+    split_swap(inputs.blocks_to_swap, cal["architecture"])
+    _, host = transformer_bytes(cal["architecture"], inputs.fp8_base, inputs.blocks_to_swap)
+    link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
+    return 4.0 * host / (link * 1e9 * cal["speed"]["link_efficiency"])
+
+
+def predict_flux_speed(inputs: FluxMemoryInputs, gpu: Any = None, *, steps: int = 1,
+                       gradient_accumulation_steps: int = 1, cpu_cores: int | None = None,
+                       calibration: dict[str, Any] | None = None) -> SpeedEstimate:
+    """Seconds per optimizer step: max(compute, swap transfer) per micro-step, times the accumulation."""
+    cal = flux_family_calibration(inputs.family, calibration)
+    flops = flux_step_flops(inputs, cal)["total"]
+    if gpu is not None:
+        rate = card_rate_tflops(gpu, "bf16" if getattr(gpu, "bf16", True) else "fp16")
+        tflop = flops / 1e12  # the UNet model's launch/optimizer overhead term: small steps run below the cap
+        eff = cal["speed"]["efficiency"] * tflop / (tflop + EFFICIENCY_HALF_TFLOP)
+        device = gpu.name
+    else:
+        rate = max(1, int(cpu_cores or 1)) * CPU_GFLOPS_PER_CORE / 1000 / CPU_BF16_SLOWDOWN
+        eff = 1.0
+        device = f"cpu x{cpu_cores or 1}"
+    compute = flops / (rate * eff * 1e12)
+    micro = max(compute, swap_seconds(inputs, gpu, cal) if gpu is not None else 0.0)
+    per_step = micro * max(1, gradient_accumulation_steps)
+    return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
+                         steps=steps, flops_per_micro_step=flops, efficiency=eff, peak_tflops=rate,
+                         achieved_tflops=flops / micro / 1e12, device=device)

@@ -1,0 +1,80 @@
+"""Host RAM in the plan: predict the peak beside VRAM, step the data loader down when it would not fit, warn
+when even that is not enough (``autotune.estimate.ram_model`` says what each part is).
+
+The planner caches latents to disk already (``cache_latents_to_disk``), so the one thing left to give up for
+host RAM is data loader workers (each a process with its own private pages and prefetched batches), halved
+down to 0. Model loading is usually the peak (the file plus fp32 modules): no setting of the plan lowers it,
+so then the plan says so and how much the machine lacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.estimate.ram_model import GIB, RamEstimate, RamInputs, model_file_bytes, predict_ram
+from autotune.planning.request import PlanRequest
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.models.families import FamilySpec
+
+OS_RESERVE_BYTES = 2 * GIB  # --ram GB is the machine's total: the OS, a desktop and the page cache keep this much
+
+
+@dataclass(frozen=True)
+class HostRamPlan:
+    workers: int  # max_data_loader_n_workers after any step-down
+    estimate: RamEstimate
+    usable_bytes: int | None  # RAM the run may use (None: unknown, nothing checked)
+    fallbacks: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+def default_workers(request: PlanRequest) -> int:
+    """Pinned ``--workers``, else min(2, physical cores // 2): cached latents make a batch cheap to load."""
+    if request.preferences.workers is not None:
+        return request.preferences.workers
+    return min(2, request.cpu_physical_cores // 2)
+
+
+def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSettings, num_images: int,
+                  tensor_peak_bytes: int, *, modelled: tuple[int, int] | None = None) -> HostRamPlan:
+    """The workers the machine's RAM allows and the predicted peak; ``tensor_peak_bytes`` counts for CPU plans.
+    ``modelled`` is (loading, training) host RAM from a family's own memory model (FLUX: swapped blocks and
+    parked encoders), used instead of the UNet families' RAM model."""
+    usable = request.host_ram_bytes
+    on_gpu = bool(request.gpus)
+    workers = default_workers(request)
+
+    def estimate(n: int) -> RamEstimate:
+        inputs = RamInputs(
+            family=family.name, resolution=settings.resolution[0], batch_size=settings.train_batch_size,
+            num_images=num_images, num_workers=n, weight_dtype=settings.weight_dtype,
+            cache_latents=settings.cache_latents, cache_latents_to_disk=True,
+            cache_text_encoder_outputs=settings.cache_text_encoder_outputs,
+            model_file_bytes=model_file_bytes(request.model), on_gpu=on_gpu,
+            training_tensor_bytes=0 if on_gpu else tensor_peak_bytes)
+        if modelled is not None:
+            loading, training = modelled
+            return RamEstimate(inputs=inputs, components={"process": 0, "loading": loading, "training": training},
+                               loading_bytes=loading, training_bytes=training)
+        return predict_ram(inputs)
+
+    current = estimate(workers)
+    fallbacks: list[str] = []
+    def training_peak(e: RamEstimate) -> int:  # fewer workers lower the training phase only, never the loading
+        return e.components["process"] + e.training_bytes
+
+    if usable is not None and training_peak(current) > usable and workers > 0 and modelled is None:
+        start = workers
+        while workers > 0 and training_peak(estimate(workers)) > usable:
+            workers //= 2
+        current = estimate(workers)
+        fallbacks.append(f"host RAM: data loader workers {start} -> {workers}")
+    warnings: list[str] = []
+    if usable is not None and current.peak_bytes > usable:
+        phase = ("model loading (the checkpoint file read whole, then copied into fp32 modules)"
+                 if current.loading_bytes >= current.training_bytes else "training")
+        warnings.append(f"host RAM is the limit: predicted peak {current.peak_gib:.1f} GiB during {phase}, "
+                        f"{usable / GIB:.1f} GiB usable; close other programs, add swap, or use a machine with "
+                        f"at least {-(-(current.peak_bytes + OS_RESERVE_BYTES) // GIB)} GB RAM")
+    return HostRamPlan(workers=workers, estimate=current, usable_bytes=usable, fallbacks=tuple(fallbacks),
+                       warnings=tuple(warnings))

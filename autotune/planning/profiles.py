@@ -1,0 +1,59 @@
+"""Per-family planning facts (``autotune/data/plan_profiles.json``): the search space and kohya keys as data.
+
+The planner asks a family's profile, never its name: which LoRA module kohya trains it with, whether its text
+encoders are cached and never trained, in which order the fallback ladder gives things up (``ladder``: named
+steps, see ``search.ladder``), which separate model files its script needs (FLUX: CLIP-L, T5-XXL, AE) and which
+fixed keys go into config.toml. Block swap comes from the memory model's data (``family_max_blocks_to_swap``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+PROFILES_PATH = Path(__file__).resolve().parents[1] / "data" / "plan_profiles.json"
+
+
+@dataclass(frozen=True)
+class PlanProfile:
+    network_module: str
+    network_module_reason: str
+    ladder: tuple[str, ...]
+    train_text_encoder: bool | None  # None: the planner's usual rule (SD 1/2 yes, SDXL no)
+    cache_text_encoder_outputs: bool | None  # None: the usual rule (SDXL UNet-only)
+    cache_text_encoder_outputs_reason: str
+    model_files: dict[str, tuple[str, str]]  # kohya key -> (placeholder path, reason)
+    fixed: tuple[tuple[str, Any, str], ...]  # (kohya key, value, reason)
+    max_blocks_to_swap: int
+    fp8_min_compute_capability: tuple[int, int] | None = None  # None: the engine's rule (8.9+)
+    fp8_reason: str | None = None
+
+
+@cache
+def _profiles(path: str = str(PROFILES_PATH)) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def plan_profile(family: str) -> PlanProfile:
+    """The profile of ``family`` (a family listed under a profile's ``families``), else ``default``."""
+    from autotune.estimate.flux_memory import family_max_blocks_to_swap
+
+    data = _profiles()
+    entry = next((p for k, p in data.items() if k != "_doc" and family in p.get("families", ())), data["default"])
+    return PlanProfile(
+        network_module=entry["network_module"],
+        network_module_reason=entry.get("network_module_reason",
+                                        "kohya's LoRA (LierLa: linear layers of attention and MLPs)"),
+        ladder=tuple(entry["ladder"]), train_text_encoder=entry.get("train_text_encoder"),
+        cache_text_encoder_outputs=entry.get("cache_text_encoder_outputs"),
+        cache_text_encoder_outputs_reason=entry.get("cache_text_encoder_outputs_reason", ""),
+        model_files={k: (v[0], v[1]) for k, v in entry.get("model_files", {}).items()},
+        fixed=tuple((k, v, r) for k, v, r in entry.get("fixed", ())),
+        max_blocks_to_swap=family_max_blocks_to_swap(family),
+        fp8_min_compute_capability=(tuple(int(x) for x in entry["fp8_min_compute_capability"].split("."))
+                                    if "fp8_min_compute_capability" in entry else None),  # type: ignore[arg-type]
+        fp8_reason=entry.get("fp8_reason"),
+    )

@@ -1,0 +1,71 @@
+"""A finished (or stopped) run's files, read for the report: the engine's events, its monitor trace, the plan.
+
+An ``autotune run`` output folder holds ``autotune_events/`` (done.json with its ``phases`` block, progress.json,
+monitor.jsonl) and ``autotune_plan.json`` (the plan ``autotune run`` trained with). An engine's own events
+folder (``--autotune_events_dir``) is read the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotune.recovery.watchdog import EVENTS_DIR
+from sd_scripts_compat.errors import UserError
+
+PLAN_FILE = "autotune_plan.json"  # written by `autotune run` next to config.toml
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What one run left behind; the monitor figures are those of its last engine process (attempt)."""
+
+    folder: Path
+    events_dir: Path
+    done: dict[str, Any] | None
+    progress: dict[str, Any] | None
+    plan: dict[str, Any] | None
+    header: dict[str, Any] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    attempts: int = 0
+
+    @property
+    def phases(self) -> dict[str, Any] | None:
+        phases = (self.done or {}).get("phases")
+        return phases if isinstance(phases, dict) and isinstance(phases.get("seconds"), dict) else None
+
+    @property
+    def max_steps(self) -> int | None:
+        return self.header.get("max_steps") or (self.progress or {}).get("max_train_steps")
+
+
+def load_run(folder: str | Path) -> RunFiles:
+    """The run in ``folder`` (an ``autotune run --out`` or an events folder); a one-line UserError when there
+    is none."""
+    from autotune.report.detector import attempts
+    from sd_scripts_compat.contract import DONE, MONITOR_FILE, PROGRESS, read_event
+    from sd_scripts_compat.training.monitor import read_monitor
+
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise UserError(f"{folder}: no such folder; give the --out folder of an autotune run "
+                        "(or an engine's --autotune_events_dir)")
+    events = root / EVENTS_DIR if (root / EVENTS_DIR).is_dir() else root
+    done, progress = read_event(events, DONE), read_event(events, PROGRESS)
+    runs = attempts(read_monitor(events / MONITOR_FILE))
+    if done is None and progress is None and not runs:
+        raise UserError(f"{folder}: no run to report here (no done.json, progress.json or {MONITOR_FILE} in "
+                        f"{events}); give the --out folder of an autotune run")
+    header, samples = runs[-1] if runs else ({}, [])
+    return RunFiles(folder=root, events_dir=events, done=done, progress=progress, plan=_read_plan(root),
+                    header=header, samples=samples, attempts=len(runs))
+
+
+def _read_plan(root: Path) -> dict[str, Any] | None:
+    try:
+        plan = json.loads((root / PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return plan if isinstance(plan, dict) else None

@@ -1,0 +1,88 @@
+"""Measured peak host RAM (RSS) of real runs on this machine beside the host-RAM model's prediction.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/ram_calibrate.py [--file /root/sdrun/sd15-random.safetensors]
+
+Each measurement is a child process whose peak RSS comes from ``getrusage(RUSAGE_CHILDREN)`` of a wrapper:
+the engine training builtin:tiny-sd15 (the process figure, ``PROCESS_BYTES``) and,
+when the file exists, loading a real-size single file the way the engine does (the loading peak). The
+constants in ``autotune/estimate/ram_model.py`` come from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+PEAK_RSS = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+
+
+def peak_rss(argv: list[str]) -> int:
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, *argv], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                         timeout=900, check=True).stdout
+    return int(next(x for x in out.splitlines() if x.startswith("PEAK_KIB")).split()[1]) * 1024
+
+
+def tiny_tensor_peak() -> int:
+    """The VRAM model's tensor peak of the tiny run (held in RAM on a CPU)."""
+    from autotune.estimate.memory_model import MemoryInputs, predict_memory
+
+    return predict_memory(MemoryInputs(family="tiny-sd15", resolution=64, batch_size=2, rank=4,
+                                       gradient_checkpointing=False, optimizer="AdamW", weight_dtype="fp32",
+                                       train_text_encoder=True, cache_text_encoder_outputs=False)).tensor_peak_bytes
+
+
+def tiny_run(workers: int) -> tuple[int, int]:
+    import toml
+
+    from autotune.estimate.ram_model import RamInputs, predict_ram
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = {"pretrained_model_name_or_path": "builtin:tiny-sd15",
+                  "train_data_dir": str(ROOT / "examples" / "dataset"),
+                  "output_dir": f"{tmp}/out", "output_name": "lora", "resolution": "64,64", "caption_extension": ".txt",
+                  "train_batch_size": 2, "max_train_steps": 20, "network_dim": 4, "network_alpha": 4,
+                  "learning_rate": 1e-3, "seed": 3, "max_data_loader_n_workers": workers}
+        Path(tmp, "c.toml").write_text(toml.dumps(config), encoding="utf-8")
+        measured = peak_rss([sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file", f"{tmp}/c.toml"])
+    predicted = predict_ram(RamInputs(family="tiny-sd15", resolution=64, batch_size=2, num_images=4,
+                                      num_workers=workers, weight_dtype="fp32", on_gpu=False,
+                                      training_tensor_bytes=tiny_tensor_peak())).peak_bytes
+    return measured, predicted
+
+
+def file_load(path: Path) -> tuple[int, int]:
+    from autotune.estimate.ram_model import RamInputs, predict_ram
+
+    code = "from sd_scripts_compat.models.loading import load_base_model; import sys; load_base_model(sys.argv[1])"
+    measured = peak_rss([sys.executable, "-c", code, str(path)])
+    predicted = predict_ram(RamInputs(family="sd15", resolution=512, batch_size=1, num_images=1, num_workers=0,
+                                      model_file_bytes=path.stat().st_size, on_gpu=False)).peak_bytes
+    return measured, predicted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=Path, default=Path("/root/sdrun/sd15-random.safetensors"))
+    args = parser.parse_args(argv)
+    # 0 workers: getrusage reports the largest single process, and workers are processes of their own
+    rows = [("tiny-sd15 engine run, 0 workers", *tiny_run(0))]
+    if args.file.is_file():
+        rows.append((f"load {args.file.name} ({args.file.stat().st_size / 2**30:.2f} GiB)", *file_load(args.file)))
+    print("| run | measured peak RSS MiB | predicted MiB | error |")
+    print("|---|---|---|---|")
+    for name, measured, predicted in rows:
+        error = (predicted / measured - 1) * 100
+        print(f"| {name} | {measured / 2**20:.0f} | {predicted / 2**20:.0f} | {error:+.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
