@@ -78,7 +78,7 @@ def test_cpu_micro_step_is_overhead_plus_flops_and_native_bf16_is_faster():
     """The CPU model: a tiny step is mostly fixed overhead (the quickstart measured ~0.1-0.25 s per micro-step, not
     the 0.02 s of its FLOPs); a full-size step mostly FLOPs. Native bf16 speeds up the FLOP part only; emulated
     bf16 slows it."""
-    from autotune.estimate.speed_model import CPU_MICRO_STEP_OVERHEAD_S
+    from autotune.estimate.speed_model import CPU_MICRO_STEP_OVERHEAD_S, CPU_NATIVE_BF16_GAIN
 
     tiny = MemoryInputs(family="tiny-sd15", resolution=256, batch_size=1, rank=32, gradient_checkpointing=False)
     fp32 = predict_speed(tiny, cpu_cores=2)
@@ -91,7 +91,7 @@ def test_cpu_micro_step_is_overhead_plus_flops_and_native_bf16_is_faster():
     plain = predict_speed(full.with_(mixed_precision="no"), cpu_cores=2)
     emulated = predict_speed(full.with_(mixed_precision="bf16"), cpu_cores=2, cpu_bf16=False)
     assert native.seconds_per_step < plain.seconds_per_step < emulated.seconds_per_step
-    assert plain.seconds_per_step / native.seconds_per_step == pytest.approx(1.6, rel=0.1)
+    assert plain.seconds_per_step / native.seconds_per_step == pytest.approx(CPU_NATIVE_BF16_GAIN, rel=0.1)
 
 
 def test_fit_cpu_speed_recovers_overhead_and_rate():

@@ -34,8 +34,9 @@ tiny-sd15 at 512 px is left out: its 64x64 self-attention with 32 channels is me
 FLOPs-only figure put the quickstart at ~50 micro-steps/s where its runs measure ~2-10. A tiny model's small
 convolutions still run below the fitted rate, so its prediction stays optimistic (up to ~2x at 256 px): its
 measured figure (``autotune bench``) is what the planner should use, and does. bf16 autocast on a CPU with native bf16
-(avx512_bf16 / AMX: ``cpu_bf16=True``) runs the FLOP part ``CPU_NATIVE_BF16_GAIN`` x faster (an SD1.5
-UNet forward + backward at 256 px on this machine: 1.26-1.31 s vs 1.86-2.46 s in fp32); without native
+(avx512_bf16 / AMX: ``cpu_bf16=True``) runs the FLOP part ``CPU_NATIVE_BF16_GAIN`` x faster (this machine:
+an SD1.5 UNet forward + backward at 256 px 1.26-1.31 s vs 1.86-2.46 s in fp32; ``bench/engine.py --cpu-bf16``:
+sd15 256 px engine steps 2.27 vs 4.66 s, tiny-sd15 0.142 vs 0.196 s); without native
 bf16 it is emulated, ~3.6x slower. The overhead part is not sped up. A measured figure of the same
 settings on the same machine (``autotune.measure``) beats all of this: the planner uses it when it has one.
 """
@@ -50,7 +51,7 @@ EFFICIENCY_MAX = 0.33
 EFFICIENCY_HALF_TFLOP = 3.5
 CPU_GFLOPS_PER_CORE = 50.0
 CPU_MICRO_STEP_OVERHEAD_S = 0.08
-CPU_NATIVE_BF16_GAIN = 1.6
+CPU_NATIVE_BF16_GAIN = 1.8
 CPU_BF16_SLOWDOWN = 3.6
 
 
