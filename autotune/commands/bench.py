@@ -224,12 +224,13 @@ def render(results: list[Any], cuda: bool) -> None:
         memory = (f"{p.memory.get('cuda_max_allocated_mib', 0):.0f} / {p.memory.get('cuda_max_reserved_mib', 0):.0f}"
                   if cuda and p.memory else f"{p.peak_memory_mib or p.memory.get('peak_rss_mib') or 0:.0f}")
         outcome = "fastest" if p.fastest else p.outcome if p.outcome != "done" else "ok"
-        table.add_row(p.label, short_settings(p.settings),
+        table.add_row(("* " if p.fastest else "") + p.label, short_settings(p.settings),
                       f"{p.it_per_s:.3g}" if p.it_per_s else "-", f"{p.images_per_s:.3g}" if p.images_per_s else "-",
                       f"{p.seconds_per_step:.4g}" if p.seconds_per_step else "-", memory if p.outcome != "oom" else "-",
                       outcome)
     console = Console()
     console.print(table)
+    console.print("* the fastest that fits (most images/s)")
     for p in results:
         line = phase_line(p.phases)
         if line:
