@@ -134,7 +134,7 @@ def test_importing_the_entry_point_and_every_engine_module_loads_no_autotune_mod
 CONFIG_NAMES = ("config", "cfg")  # what the engine calls a TrainingConfig
 # Keys whose only correct handling is a check in the config reader: the engine does one thing (trains
 # networks.lora, writes safetensors) and any other value is an error there; config_file is the file itself.
-CHECKED_BY_THE_READER = {"network_module", "save_model_as", "config_file"}
+CHECKED_BY_THE_READER = {"network_module", "save_model_as", "config_file", "model_type", "split_mode"}
 
 
 def config_reads(source: str) -> set[str]:
