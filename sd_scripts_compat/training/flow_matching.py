@@ -215,3 +215,41 @@ def flux_prediction(transformer: Any, noisy: torch.Tensor, timesteps: torch.Tens
                       timestep=timesteps.to(noisy.dtype) / NUM_TRAIN_TIMESTEPS, img_ids=img_ids, txt_ids=txt_ids,
                       guidance=guidance, joint_attention_kwargs=attention, return_dict=False)[0]
     return unpack_latents(out, packed_h, packed_w)
+
+
+class FlowMatchingObjective:
+    """FLUX.1's objective with the interface of ``objectives.NoisePredictionObjective``: :meth:`forward`
+    (under autocast), :meth:`loss` (outside), :meth:`fixed_forward` (validation at timestep t: sigma t/1000)."""
+
+    def __init__(self, settings: FlowMatchSettings, device: Any) -> None:
+        self.settings = settings
+        self.schedule = shifted_schedule(settings.discrete_flow_shift)
+
+    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any,
+                generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        import torch
+
+        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        timesteps, sigmas = sample_sigmas(self.settings, latents.shape[0], tuple(latents.shape[-2:]), generator,
+                                          latents.device, self.schedule)
+        return self._predict(denoiser, latents, hidden, added, noise, timesteps, sigmas)
+
+    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, timestep: int,
+                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        import torch
+
+        sigmas = torch.full((latents.shape[0],), timestep / NUM_TRAIN_TIMESTEPS, device=latents.device)
+        return self._predict(denoiser, latents, hidden, added, noise, sigmas * NUM_TRAIN_TIMESTEPS, sigmas)
+
+    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, noise: torch.Tensor,
+                 timesteps: torch.Tensor, sigmas: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        noisy = noisy_latents(latents, noise, sigmas)
+        added = added or {}
+        prediction = flux_prediction(denoiser, noisy, timesteps, hidden, added["pooled"], added.get("t5_attn_mask"),
+                                     self.settings.guidance_scale)
+        return prediction, (latents, noise, noisy, sigmas)
+
+    def loss(self, prediction: torch.Tensor, state: tuple[Any, ...], loss_weights: torch.Tensor) -> torch.Tensor:
+        latents, noise, noisy, sigmas = state
+        prediction, weighting = apply_prediction_type(self.settings, prediction, noisy, sigmas)
+        return flow_loss(prediction, flow_target(latents, noise), weighting, loss_weights)

@@ -332,22 +332,22 @@ def build_optimization(config: Any, process: Process, network: Network, data: Da
                         warmup_steps=warmup_steps)
 
 
-@dataclass(frozen=True)
-class Objective:
-    noise_scheduler: Any
-    alphas_cumprod: Any  # on the device, for min_snr_gamma
-    noise: NoiseSettings
-
-
-def build_objective(config: Any, process: Process, model: Model) -> Objective:
+def build_objective(config: Any, process: Process, model: Model) -> Any:
+    """The family's training objective (its data's ``objective``): DDPM noise prediction (SD) or
+    flow matching (FLUX.1); both give the loop ``forward`` / ``loss`` / ``fixed_forward``."""
     from diffusers import DDPMScheduler
 
+    from sd_scripts_compat.training.objectives import NoisePredictionObjective
+
+    if getattr(model.family, "objective", "noise_prediction") == "flow_matching":
+        from sd_scripts_compat.training.flow_matching import FlowMatchingObjective, FlowMatchSettings
+
+        return FlowMatchingObjective(FlowMatchSettings.from_config(config), process.device)
     noise_scheduler = DDPMScheduler.from_config(model.bundle.scheduler_config)
     noise = NoiseSettings(noise_offset=config.noise_offset, min_timestep=config.min_timestep or 0,
                           max_timestep=config.max_timestep or 1000, v_parameterization=model.v_parameterization,
                           min_snr_gamma=config.min_snr_gamma)
-    return Objective(noise_scheduler=noise_scheduler, alphas_cumprod=noise_scheduler.alphas_cumprod.to(process.device),
-                     noise=noise)
+    return NoisePredictionObjective(noise_scheduler, noise_scheduler.alphas_cumprod.to(process.device), noise)
 
 
 # ---- 7. Resume -------------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ class Recipe:
     inputs: Inputs
     network: Network
     optimization: Optimization
-    objective: Objective
+    objective: Any  # objectives.NoisePredictionObjective or flow_matching.FlowMatchingObjective
     report: Report
     checkpointer: Checkpointer
     validation: ValidationRun | None
@@ -510,8 +510,7 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
             "max_train_steps": optimization.max_train_steps, "train_batch_size": data.spec.batch_size})
     validation = None if data.validation is None else ValidationRun(
         data.validation, config, process.seed, unet=model.bundle.unet, conditioner=inputs.conditioner,
-        noise_scheduler=objective.noise_scheduler, dtype=process.weight_dtype, accelerator=process.accelerator,
-        noise_settings=objective.noise, alphas_cumprod=objective.alphas_cumprod)
+        dtype=process.weight_dtype, accelerator=process.accelerator, objective=objective)
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
                     validation, guard, stops)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
@@ -605,13 +604,8 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
     """Forward and backward of one micro-batch; its loss is added to the running loss on the device."""
     import torch
 
-    from sd_scripts_compat.caching.latent_cache import encode_images
-    from sd_scripts_compat.training.objectives import (
-        diffusion_target,
-        per_sample_loss,
-        sample_noise_and_timesteps,
-        step_generator,
-    )
+    from sd_scripts_compat.caching.latent_cache import encode_images, latent_factors
+    from sd_scripts_compat.training.objectives import step_generator
 
     process, objective, unet = r.process, r.objective, r.model.bundle.unet
     batch = to_device(batch, process.device)
@@ -621,7 +615,7 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
             seeds = [(process.seed * 1_000_003 + counters.global_step * 4099 + batch_index * 131 + i) % 2**63
                      for i in range(batch["images"].shape[0])]
             vae = r.model.bundle.vae
-            latents = encode_images(vae, batch["images"], noise_seeds=seeds, scaling_factor=vae.config.scaling_factor)
+            latents = encode_images(vae, batch["images"], noise_seeds=seeds, **latent_factors(vae))
     latents = latents.to(process.weight_dtype)
     if process.injector is not None:
         process.injector.check(counters.global_step, latents.shape[0], latents.shape[2] * r.model.vae_scale,
@@ -630,13 +624,8 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
                                process.device)
     with process.accelerator.autocast():
         encoder_hidden, added_cond = r.inputs.conditioner.condition(batch, train=r.model.train_text_encoder)
-        step_noise, timesteps = sample_noise_and_timesteps(latents, objective.noise, generator)
-        noisy = objective.noise_scheduler.add_noise(latents, step_noise, timesteps)
-        prediction = unet(noisy, timesteps, encoder_hidden, added_cond_kwargs=added_cond).sample
-    target = diffusion_target(objective.noise_scheduler, latents, step_noise, timesteps,
-                              objective.noise.v_parameterization)
-    loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], objective.alphas_cumprod,
-                           objective.noise).mean()
+        prediction, state = objective.forward(unet, latents, encoder_hidden, added_cond, generator)
+    loss = objective.loss(prediction, state, batch["loss_weights"]).mean()
     if process.nan_injector is not None:
         loss = process.nan_injector.poison(counters.global_step, loss)
     scaled = loss / r.optimization.accumulation
