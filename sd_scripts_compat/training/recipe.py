@@ -130,12 +130,12 @@ def load_model(config: Any, process: Process, *, sdxl: bool) -> Model:
                              family=_stated_family(config, sdxl))
     family = bundle.family
     vae_scale = family.latent_downsample
-    if family.is_sdxl != sdxl:
+    if family.kohya_script.removesuffix(".py") != _script(config, sdxl):
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
                         f"train it with {family.engine_module}")
     if config.xformers:
         _enable_xformers(bundle.unet)
-    elif config.sdpa is not False:
+    elif config.sdpa is not False and family.unet["_class_name"].startswith("UNet"):  # FLUX's processor is SDPA
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         bundle.unet.set_attn_processor(AttnProcessor2_0())
@@ -488,7 +488,7 @@ def train(config: Any, *, sdxl: bool) -> int:
         try:
             return _train(config, sdxl=sdxl, stops=stops)
         except KeyboardInterrupt:  # a signal while loading or caching: nothing trained yet, nothing to save
-            name = "sdxl_train_network" if sdxl else "train_network"
+            name = _script(config, sdxl)
             print(f"{name}: {stops.name} before training started; nothing to save", file=sys.stderr)
             return stops.exit_code
 
@@ -761,7 +761,7 @@ def finish_interrupted(r: Recipe, counters: Any) -> int:
     stops = r.stops or StopSignals()
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
-        program = "sdxl_train_network" if r.model.family.is_sdxl else "train_network"
+        program = r.model.family.kohya_script.removesuffix(".py")
         print(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
               f"(continue with --resume {folder})", file=sys.stderr)
     return stops.exit_code
@@ -820,12 +820,19 @@ def _captions_fixed(datasets: list[Any]) -> bool:
     return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
 
 
+def _script(config: Any, sdxl: bool) -> str:
+    """The entry point this run was started as (``kohya_args.SCRIPTS``)."""
+    if getattr(config, "script", None) == "flux_train_network":
+        return "flux_train_network"
+    return "sdxl_train_network" if sdxl else "train_network"
+
+
 def _stated_family(config: Any, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
     from sd_scripts_compat.models.detect import family_for_kohya_flags
 
-    if sdxl:
-        return None  # detected from the file; load_model checks it is SDXL
+    if sdxl or _script(config, sdxl) == "flux_train_network":
+        return None  # detected from the file; load_model checks it is SDXL / FLUX
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 

@@ -23,7 +23,7 @@ SAMPLERS = {
     "dpmsolver": "DPMSolverMultistepScheduler", "dpmsolver++": "DPMSolverMultistepScheduler",
     "dpmsingle": "DPMSolverSinglestepScheduler",
 }
-_OPTION = re.compile(r"\s--(n|w|h|s|l|d)\s+")
+_OPTION = re.compile(r"\s--(n|w|h|s|l|d|g)\s+")
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,14 @@ class SamplePrompt:
     steps: int = 30
     guidance_scale: float = 7.5
     seed: int | None = None
+    guidance: float | None = None  # FLUX.1's guidance embedding (sd-scripts' --g); None: the config's
 
 
 def parse_prompt_line(line: str, default: SamplePrompt) -> SamplePrompt:
     parts = _OPTION.split(" " + line.strip())
     sample = replace(default, prompt=parts[0].strip())
     fields = {"n": ("negative_prompt", str), "w": ("width", int), "h": ("height", int), "s": ("steps", int),
-              "l": ("guidance_scale", float), "d": ("seed", int)}
+              "l": ("guidance_scale", float), "d": ("seed", int), "g": ("guidance", float)}
     for flag, value in zip(parts[1::2], parts[2::2]):
         name, cast = fields[flag]
         try:
