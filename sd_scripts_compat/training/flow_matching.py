@@ -253,3 +253,10 @@ class FlowMatchingObjective:
         latents, noise, noisy, sigmas = state
         prediction, weighting = apply_prediction_type(self.settings, prediction, noisy, sigmas)
         return flow_loss(prediction, flow_target(latents, noise), weighting, loss_weights)
+
+
+def flux_metadata(config: Any) -> dict[str, str]:
+    """The ``ss_`` keys sd-scripts adds to a FLUX.1 LoRA's metadata (every value a string, as kohya writes)."""
+    names = ("model_type", "apply_t5_attn_mask", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
+             "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")
+    return {f"ss_{name}": str(getattr(config, name)) for name in names}

@@ -185,10 +185,12 @@ class Inputs:
 
 
 def cache_inputs(config: Any, process: Process, model: Model, data: Data) -> Inputs:
-    cached_latents = _cache_latents(config, process, model, data)
-    cached_text = _cache_text(config, process, model, data)
     conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
-                              dtype=process.weight_dtype)
+                              dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
+                              t5_max_length=config.t5xxl_max_token_length
+                              or getattr(model.family, "t5xxl_max_token_length", None))
+    cached_latents = _cache_latents(config, process, model, data)
+    cached_text = _cache_text(config, process, model, data, conditioner)
     return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
 
 
@@ -211,7 +213,7 @@ def _cache_latents(config: Any, process: Process, model: Model, data: Data) -> b
     return True
 
 
-def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool:
+def _cache_text(config: Any, process: Process, model: Model, data: Data, conditioner: Conditioner) -> bool:
     from sd_scripts_compat.caching.latent_cache import offload
     from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 
@@ -226,11 +228,13 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool
                                   "their outputs are cached in memory")
     if not cached:
         return False
+    own = conditioner.flow_matching  # FLUX.1 encodes CLIP-L + T5 (length t5xxl_max_token_length)
     for dataset in data.all:
         cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
                                    to_disk=bool(config.cache_text_encoder_outputs_to_disk),
-                                   max_token_length=config.max_token_length, clip_skip=config.clip_skip,
-                                   is_main_process=process.is_main, cache_dir=cache_dir(process))
+                                   max_token_length=conditioner.t5_max_length if own else config.max_token_length,
+                                   clip_skip=config.clip_skip, is_main_process=process.is_main,
+                                   cache_dir=cache_dir(process), encode=conditioner.encode if own else None)
     process.accelerator.wait_for_everyone()
     for encoder in model.bundle.text_encoders:
         offload(encoder)
@@ -243,6 +247,7 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool
 class Network:
     network: Any  # network.lora.LoRANetwork, hooked into the UNet (and text encoders)
     trainable: list[Any] = field(default_factory=list)
+    block_swap: Any = None  # training.block_swap.BlockSwap when blocks_to_swap (FLUX.1)
 
 
 def build_network(config: Any, process: Process, model: Model) -> Network:
@@ -254,9 +259,13 @@ def build_network(config: Any, process: Process, model: Model) -> Network:
     use_fp8 = bool(config.fp8_base or config.fp8_base_unet)
     if use_fp8 and not fp8_supported(process.device):
         raise UserError("fp8_base needs a GPU with compute capability 8.9 or newer (Ada, Hopper); remove fp8_base")
-    place(unet, process.device, process.weight_dtype)
-    if use_fp8:
-        store_frozen_weights_in_fp8(unet, process.weight_dtype)
+    block_swap = None
+    if config.blocks_to_swap:
+        block_swap = _swap_blocks(config, process, model, use_fp8)
+    else:
+        place(unet, process.device, process.weight_dtype)
+        if use_fp8:
+            store_frozen_weights_in_fp8(unet, process.weight_dtype)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if model.train_text_encoder:
@@ -270,7 +279,25 @@ def build_network(config: Any, process: Process, model: Model) -> Network:
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)
     network.train()
-    return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad])
+    return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad],
+                   block_swap=block_swap)
+
+
+def _swap_blocks(config: Any, process: Process, model: Model, use_fp8: bool) -> Any:
+    """blocks_to_swap: cast (and fp8) on the host, then move all but the swapped blocks to the device."""
+    from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
+    from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+
+    unet = model.bundle.unet
+    if not hasattr(unet, "single_transformer_blocks"):
+        raise UserError(f"blocks_to_swap = {config.blocks_to_swap}: only FLUX.1 transformers swap blocks; "
+                        "remove blocks_to_swap")
+    place(unet, "cpu", process.weight_dtype)
+    if use_fp8:
+        store_frozen_weights_in_fp8(unet, process.weight_dtype)
+    swap = enable_flux_block_swap(unet, config.blocks_to_swap, process.device)
+    place_except_swapped(unet, swap, process.device, process.weight_dtype)
+    return swap
 
 
 def _create_network(config: Any, model: Model) -> Any:
@@ -438,7 +465,7 @@ def build_checkpointer(config: Any, process: Process, model: Model, data: Data, 
         sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
         tag_frequency=data.train.tag_frequencies, dataset_dirs=data.train.dataset_dirs(),
         training_comment=config.training_comment,
-        extra={"ss_autotune_retries": json.dumps(retries)} if retries else {},
+        extra={**({"ss_autotune_retries": json.dumps(retries)} if retries else {}), **_family_metadata(config, model)},
     )
     return Checkpointer(paths=process.paths, policy=SavePolicy.from_config(config), network=network.network,
                         optimizer=unwrap_optimizer(optimization.optimizer), lr_scheduler=optimization.lr_scheduler,
@@ -721,7 +748,7 @@ def _sample(r: Recipe, name: str) -> None:
     paths = r.process.paths
     sample_during_training(r.model.bundle, r.config, r.process.accelerator, r.process.weight_dtype,
                            r.data.spec.resolution, out_dir=paths.output_dir / "sample",
-                           name=f"{paths.output_name}_{name}")
+                           name=f"{paths.output_name}_{name}", conditioner=r.inputs.conditioner)
 
 
 # ---- 10. The ending: OOM, Ctrl-C, or the final LoRA and summary -----------------------------------------
@@ -730,6 +757,8 @@ def finish_oom(r: Recipe, loop: LoopState, counters: Any) -> int:
     """Free what the failed step held, save the state (when a step was done) and write oom.json."""
     process = r.process
     r.optimization.optimizer.zero_grad(set_to_none=True)
+    if r.network.block_swap is not None:
+        r.network.block_swap.release_all()  # a step that failed half-way leaves blocks on the device
     gc.collect()
     free_device_memory(process.device)
     state_dir = None
@@ -818,6 +847,15 @@ def _captions_fixed(datasets: list[Any]) -> bool:
     from sd_scripts_compat.dataset.captions import caption_is_deterministic
 
     return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
+
+
+def _family_metadata(config: Any, model: Model) -> dict[str, str]:
+    """Metadata the family's objective adds (FLUX.1: sd-scripts' flow-matching ss_ keys)."""
+    if getattr(model.family, "objective", "") != "flow_matching":
+        return {}
+    from sd_scripts_compat.training.flow_matching import flux_metadata
+
+    return flux_metadata(config)
 
 
 def _script(config: Any, sdxl: bool) -> str:
