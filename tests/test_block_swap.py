@@ -62,10 +62,11 @@ def train(blocks_to_swap: int, checkpointing: bool, steps: int = 3, fp8: bool = 
 def test_swap_counts_follow_sd_scripts_and_limit_the_blocks():
     assert swap_counts(35, 19, 38) == (17, 36)  # FLUX.1's most
     assert swap_counts(18, 19, 38) == (9, 18)
-    with pytest.raises(UserError, match="at most 35"):
-        swap_counts(36, 19, 38)
-    with pytest.raises(UserError, match="at most 4"):
-        swap_counts(5, 4, 6)  # the tiny test model
+    assert swap_counts(1, 2, 2) == (0, 2)  # builtin:tiny-flux
+    with pytest.raises(UserError, match="at most 38"):
+        swap_counts(39, 19, 38)  # (the config reader already refuses more than sd-scripts' 35)
+    with pytest.raises(UserError, match="at most 6"):
+        swap_counts(7, 4, 6)  # the tiny test model
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -14,7 +14,9 @@ On CPU the same path runs with plain copies into a separate staging buffer, so t
 Hand-written because accelerate's and diffusers' offloading hooks move whole modules synchronously and
 do not bring blocks back for backward; sd-scripts' version is tied to its own model classes. FLUX.1 counts
 ``blocks_to_swap`` in double-block units, as sd-scripts: n // 2 double blocks and 2 * (n - n // 2) single
-blocks, the last of each list, at most all but two of each (35 for FLUX.1).
+blocks, the last of each list. sd-scripts keeps two of each list resident (its swap rotates blocks through
+them), hence its limit of 35 for FLUX.1, which the config reader applies; this swapper needs no resident
+block, so here the limit is only the model's block count (tiny test models swap too).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from sd_scripts_compat.errors import UserError
 def swap_counts(blocks_to_swap: int, num_double: int, num_single: int) -> tuple[int, int]:
     """(double, single) blocks swapped for kohya's ``blocks_to_swap``; too many is a one-line error."""
     double, single = blocks_to_swap // 2, (blocks_to_swap - blocks_to_swap // 2) * 2
-    if double > num_double - 2 or single > num_single - 2:
+    if double > num_double or single > num_single:
         most = max(n for n in range(0, 2 * (num_double + num_single))
-                   if n // 2 <= num_double - 2 and (n - n // 2) * 2 <= num_single - 2)
+                   if n // 2 <= num_double and (n - n // 2) * 2 <= num_single)
         raise UserError(f"blocks_to_swap = {blocks_to_swap}: this model ({num_double} double, {num_single} single "
                         f"blocks) swaps at most {most}; lower blocks_to_swap")
     return double, single

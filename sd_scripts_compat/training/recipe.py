@@ -167,10 +167,23 @@ def build_data(config: Any, process: Process, model: Model) -> Data:
         raise UserError(f"dataset_config: {len(group.datasets)} [[datasets]] given; this engine trains on exactly "
                         "one (put several folders as [[datasets.subsets]] of one dataset)")
     spec = group.datasets[0]
+    _check_size_steps(spec, getattr(model.family, "bucket_step", model.vae_scale), model.vae_scale)
     train = build_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight)
     validation = build_validation_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight) \
         if spec.validation_split > 0 else None
     return Data(spec=spec, train=train, validation=validation)
+
+
+def _check_size_steps(spec: Any, step: int, vae_scale: int) -> None:
+    """Families that pack latents into tokens (FLUX.1: 2x2) need sizes in steps of VAE scale x patch (16 px)."""
+    if step <= vae_scale:
+        return
+    width, height = spec.resolution
+    if width % step or height % step:
+        raise UserError(f"resolution {width},{height}: this model trains on sizes in {step} px steps; "
+                        f"use {width // step * step},{height // step * step}")
+    if spec.enable_bucket and spec.bucket_reso_steps % step:
+        raise UserError(f"bucket_reso_steps = {spec.bucket_reso_steps}: this model needs a multiple of {step}")
 
 
 # ---- 4. Caching: latents, then text-encoder outputs; encoders no longer needed leave the device ----
