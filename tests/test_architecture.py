@@ -180,7 +180,8 @@ def test_every_implemented_option_is_read_by_the_engine():
         read |= config_reads(path.read_text(encoding="utf-8"))
     reader = (ENGINE / "config" / "training_config.py").read_text(encoding="utf-8")
     in_normalize = literals_in_function(reader, "_normalize")
-    in_reader = in_normalize | literals_in_function(reader, "load_training_config")
+    in_reader = in_normalize | literals_in_function(reader, "load_training_config") | \
+        literals_in_function(reader, "_normalize_flux")
     read |= ALIASES & in_normalize  # deprecated spellings are mapped to their keys there
     read |= CHECKED_BY_THE_READER & in_reader
     unread = sorted(IMPLEMENTED - read)
