@@ -37,8 +37,9 @@ def header_file(path: Path, te_keys: tuple[str, ...], conv_in: tuple[int, ...] |
 def diffusers_folder(root: Path, name: str, *, unet: dict | None = None, prediction: str | None = None) -> Path:
     """A folder with only the configs a diffusers pipeline has (no weights: detection never reads them)."""
     family = get_family(name)
-    (root / "unet").mkdir(parents=True)
-    (root / "unet" / "config.json").write_text(json.dumps(unet if unet is not None else family.unet),
+    part = "transformer" if family.is_transformer else "unet"  # FLUX pipelines keep a transformer/
+    (root / part).mkdir(parents=True)
+    (root / part / "config.json").write_text(json.dumps(unet if unet is not None else family.unet),
                                                encoding="utf-8")
     (root / "scheduler").mkdir()
     scheduler = {**family.scheduler, **({"prediction_type": prediction} if prediction else {})}
@@ -151,11 +152,13 @@ def test_family_facts_are_consistent():
     """The facts code reads instead of branching on names agree with the rest of each family file."""
     for name in family_names():
         f = get_family(name)
-        assert f.kohya_script == ("sdxl_train_network.py" if f.is_sdxl else "train_network.py"), name
+        script = "flux_train_network.py" if f.flow_matching else (
+            "sdxl_train_network.py" if f.is_sdxl else "train_network.py")
+        assert f.kohya_script == script, name
         assert f.engine_module == "sd_scripts_compat." + f.kohya_script[:-3]
         assert f.v2 == f.ss_base_model_version.startswith("sd_v2"), name
-        layout = "sdxl" if f.is_sdxl else "sd2" if f.v2 else "sd1"
+        layout = "flux" if f.is_transformer else "sdxl" if f.is_sdxl else "sd2" if f.v2 else "sd1"
         assert f.single_file_layout == layout, name
         assert f.latent_downsample == 2 ** (len(f.vae["block_out_channels"]) - 1)
-        if not f.tiny:
+        if not f.tiny and not f.is_transformer:
             assert f.latent_downsample == 8 and f.resolution // f.latent_downsample == f.unet["sample_size"]

@@ -19,14 +19,19 @@ if TYPE_CHECKING:
 @dataclass
 class ModelBundle:
     family: FamilySpec
-    unet: UNet2DConditionModel
+    unet: UNet2DConditionModel  # the denoiser: a UNet, or FLUX's FluxTransformer2DModel (see ``denoiser``)
     vae: AutoencoderKL
-    text_encoders: list[Any]  # transformers CLIPTextModel / CLIPTextModelWithProjection
-    tokenizers: list[Any]  # transformers CLIPTokenizer, one per text encoder
+    text_encoders: list[Any]  # transformers CLIPTextModel / CLIPTextModelWithProjection / T5EncoderModel
+    tokenizers: list[Any]  # one per text encoder (CLIPTokenizer, T5TokenizerFast; None: not found yet)
     scheduler_config: dict[str, Any]
     prediction_type: str
     source: str = ""  # what it was loaded from: "builtin:tiny-sd15", a path, ...
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def denoiser(self) -> Any:
+        """The family's denoiser whatever its kind (the field keeps the name ``unet`` for old callers)."""
+        return self.unet
 
 
 def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endoftext|>", max_length: int = 77) -> Any:
@@ -44,26 +49,52 @@ def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endofte
 
 
 def build_text_encoder(config: dict[str, Any]) -> Any:
+    """A transformers text encoder named by ``_class_name`` (CLIPTextModel, T5EncoderModel, ...) from its config."""
     import transformers
 
     cls = getattr(transformers, config["_class_name"])
-    return cls(transformers.CLIPTextConfig(**model_config(config)))
+    return cls(cls.config_class(**model_config(config)))
+
+
+def build_denoiser(config: dict[str, Any]) -> Any:
+    """The diffusers denoiser named by ``_class_name`` (UNet2DConditionModel, FluxTransformer2DModel)."""
+    import diffusers
+
+    return getattr(diffusers, config["_class_name"])(**model_config(config))
+
+
+def family_tokenizers(family: FamilySpec, t5_tokenizer: str | None = None) -> list[Any]:
+    """One tokenizer per text encoder: CLIP from the shipped vocabulary; T5 from ``t5_tokenizer`` (a local
+    folder or file), or the tiny one shipped for tiny families; None when there is none yet (the caller
+    that encodes text reports where to put it)."""
+    from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR, load_t5_tokenizer
+
+    out: list[Any] = []
+    for te in family.text_encoders:
+        max_length = te.tokenizer["model_max_length"]
+        if te.tokenizer_kind == "clip":
+            out.append(load_tokenizer(pad_token=te.tokenizer["pad_token"], max_length=max_length))
+        elif t5_tokenizer is not None:
+            out.append(load_t5_tokenizer(t5_tokenizer, max_length))
+        else:
+            out.append(load_t5_tokenizer(TINY_T5_TOKENIZER_DIR, max_length) if family.tiny else None)
+    return out
 
 
 def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                   seed: int | None = 0) -> ModelBundle:
-    """Build a family's UNet, VAE and text encoders from its configs with random weights.
+    """Build a family's denoiser, VAE and text encoders from its configs with random weights.
 
-    ``device="meta"`` builds only shapes (a full SDXL in well under a second), for FLOP counting
-    and memory tracing without allocating gigabytes.
+    ``device="meta"`` builds only shapes (a full SDXL in well under a second, FLUX.1 in a few), for FLOP
+    counting and memory tracing without allocating gigabytes.
     """
     import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers import AutoencoderKL
 
     if seed is not None and str(device) != "meta":
         torch.manual_seed(seed)
     with torch.device(device):
-        unet = UNet2DConditionModel(**model_config(family.unet))
+        unet = build_denoiser(family.unet)
         vae = AutoencoderKL(**model_config(family.vae))
         text_encoders = [build_text_encoder(te.config) for te in family.text_encoders]
     modules = [unet, vae, *text_encoders]
@@ -72,8 +103,7 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
         module.eval()
         if dtype is not None:
             module.to(dtype)
-    tokenizers = [load_tokenizer(pad_token=te.tokenizer["pad_token"], max_length=te.tokenizer["model_max_length"])
-                  for te in family.text_encoders]
+    tokenizers = family_tokenizers(family)
     return ModelBundle(family=family, unet=unet, vae=vae, text_encoders=text_encoders, tokenizers=tokenizers,
                        scheduler_config=dict(family.scheduler), prediction_type=family.prediction_type,
                        source=f"builtin:{family.name}")

@@ -94,11 +94,16 @@ def _read_pickle(path: Path) -> Checkpoint:
 
 
 def detect_layout(checkpoint: Checkpoint) -> str:
-    """"sd1", "sd2" or "sdxl" from the key structure; a UserError for LoRAs and other non-models."""
+    """"sd1", "sd2", "sdxl" or "flux" (a BFL-layout FLUX transformer) from the key structure; a UserError for
+    LoRAs and other non-models."""
+    from sd_scripts_compat.models.flux_layout import is_bfl_transformer
+
     keys = checkpoint.shapes.keys()
     if any(k.startswith(("lora_unet_", "lora_te")) or ".lora_down." in k or ".lora_A." in k for k in keys):
         raise UserError(f"{checkpoint.path} is a LoRA file, not a base model; pass it as network_weights and give "
                         "a Stable Diffusion checkpoint as the base model")
+    if is_bfl_transformer(keys):
+        return "flux"
     if not any(k.startswith(UNET_PREFIX) for k in keys):
         raise UserError(f"{checkpoint.path} holds no Stable Diffusion UNet (no '{UNET_PREFIX}*' keys); expected "
                         "an original-layout SD1/SD2/SDXL checkpoint")

@@ -33,6 +33,10 @@ V_PRED_KEY = "v_pred"  # an empty tensor some tools (sd-scripts, ComfyUI) use to
 V_PREDICTION_NAMES = ("v", "v_prediction", "v-prediction")  # modelspec.prediction_type values meaning v
 # UNet config keys that tell the families apart (a real diffusers config has both; others may differ in form)
 UNET_DISTINGUISHING_KEYS = ("cross_attention_dim", "block_out_channels")
+# the same for a transformer denoiser (FLUX): widths, depths, and dev's guidance embedder
+TRANSFORMER_DISTINGUISHING_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+                                   "joint_attention_dim", "guidance_embeds")
+DENOISER_FOLDERS = ("unet", "transformer")  # where a diffusers pipeline keeps its denoiser's config
 ENGINE_STATED_BY = "the family option"  # how the engine's loaders name a stated family in their errors
 
 
@@ -96,12 +100,24 @@ def _read_config(path: Path) -> dict[str, Any]:
     return data
 
 
+def denoiser_config_file(folder: Path) -> Path | None:
+    """``unet/config.json`` or ``transformer/config.json`` of a pipeline folder, or a lone transformer
+    folder's own ``config.json`` (a FLUX transformer saved by itself); None when there is none."""
+    for part in DENOISER_FOLDERS:
+        if (folder / part / "config.json").is_file():
+            return folder / part / "config.json"
+    own = folder / "config.json"
+    if own.is_file() and str(_read_config(own).get("_class_name", "")).endswith("Transformer2DModel"):
+        return own
+    return None
+
+
 def _family_of_folder(folder: Path, stated: str | None, stated_by: str) -> FamilySpec:
-    """A diffusers folder: ``unet/config.json`` and the scheduler's prediction type."""
-    unet_file = folder / "unet" / "config.json"
-    if not unet_file.is_file():
-        raise UserError(f"{folder}: no unet/config.json; expected a diffusers folder with model_index.json "
-                        "or a .safetensors file")
+    """A diffusers folder: the denoiser's config and the scheduler's prediction type."""
+    unet_file = denoiser_config_file(folder)
+    if unet_file is None:
+        raise UserError(f"{folder}: no unet/config.json or transformer/config.json; expected a diffusers folder "
+                        "with model_index.json or a .safetensors file")
     unet = _read_config(unet_file)
     scheduler_file = folder / "scheduler" / "scheduler_config.json"
     prediction = _read_config(scheduler_file).get("prediction_type") if scheduler_file.is_file() else None
@@ -109,9 +125,10 @@ def _family_of_folder(folder: Path, stated: str | None, stated_by: str) -> Famil
     if not matched:
         if stated is not None:
             return get_family(stated)
-        facts = ", ".join(f"{key} {unet.get(key)}" for key in UNET_DISTINGUISHING_KEYS)
+        keys = TRANSFORMER_DISTINGUISHING_KEYS if "num_single_layers" in unet else UNET_DISTINGUISHING_KEYS
+        facts = ", ".join(f"{key} {unet.get(key)}" for key in keys)
         raise UserError(f"{unet_file}: {facts} match no known family ({', '.join(family_names())}); expected an "
-                        f"SD1.x, SD2.x or SDXL model, or name its family with {stated_by}")
+                        f"SD1.x, SD2.x, SDXL or FLUX.1 model, or name its family with {stated_by}")
     return choose_family(matched, prediction, stated, subject=str(folder), stated_by=stated_by)
 
 
@@ -120,12 +137,14 @@ def _family_of_single_file(path: Path, stated: str | None, stated_by: str) -> Fa
     from sd_scripts_compat.models.checkpoint import detect_layout, read_checkpoint
 
     checkpoint = read_checkpoint(path, header_only=True)
-    matched = checkpoint_candidates(checkpoint.shapes, detect_layout(checkpoint), all_families())
+    layout = detect_layout(checkpoint)
+    matched = checkpoint_candidates(checkpoint.shapes, layout, all_families())
     if not matched:
         if stated is not None:
             return get_family(stated)
-        raise UserError(f"{path}: its first UNet convolution matches no known family ({', '.join(family_names())}); "
-                        f"expected an SD1.x, SD2.x or SDXL checkpoint, or name its family with {stated_by}")
+        what = "transformer shape (widths, block counts)" if layout == "flux" else "first UNet convolution"
+        raise UserError(f"{path}: its {what} matches no known family ({', '.join(family_names())}); "
+                        f"expected an SD1.x, SD2.x, SDXL or FLUX.1 checkpoint, or name its family with {stated_by}")
     prediction = file_prediction(checkpoint.shapes, checkpoint.metadata)
     return choose_family(matched, prediction, stated, subject=str(path), noun="checkpoint", stated_by=stated_by)
 
@@ -138,26 +157,51 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def unet_config_candidates(config: Mapping[str, Any], pool: Iterable[FamilySpec]) -> list[FamilySpec]:
-    """Families whose UNet config agrees with ``config`` on every distinguishing key ``config`` has (none
-    when it has none of them: nothing to tell the families apart by)."""
-    keys = [key for key in UNET_DISTINGUISHING_KEYS if key in config]
-    return [f for f in pool if keys and all(_same(config[key], f.unet.get(key)) for key in keys)]
+    """Families whose denoiser config agrees with ``config`` on every distinguishing key ``config`` has (none
+    when it has none of them: nothing to tell the families apart by). A config's ``_class_name``, when it
+    has one, must be the family's denoiser class."""
+    out = []
+    for family in pool:
+        wanted = TRANSFORMER_DISTINGUISHING_KEYS if family.is_transformer else UNET_DISTINGUISHING_KEYS
+        keys = [key for key in wanted if key in config]
+        named = config.get("_class_name")
+        if named is not None and named != family.denoiser_class:
+            continue
+        if keys and all(_same(config[key], family.unet.get(key, False if key == "guidance_embeds" else None))
+                        for key in keys):
+            out.append(family)
+    return out
 
 
 def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
                           pool: Iterable[FamilySpec]) -> list[FamilySpec]:
-    """Families of single-file ``layout`` whose first UNet conv has the shape in ``shapes`` (when present)."""
+    """Families of single-file ``layout`` whose first UNet conv has the shape in ``shapes`` (when present);
+    for a FLUX transformer file: its input layer, block counts and whether it has a guidance embedder."""
     from sd_scripts_compat.models.checkpoint import UNET_PREFIX
 
     shape = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
     out = []
     for family in pool:
         unet = family.unet
+        if family.is_transformer:
+            if family.single_file_layout == layout and _transformer_header_fits(shapes, unet):
+                out.append(family)
+            continue
         kernel = unet.get("conv_in_kernel", 3)
         expected = (unet["block_out_channels"][0], unet.get("in_channels", 4), kernel, kernel)
         if family.single_file_layout == layout and (shape is None or tuple(shape) == expected):
             out.append(family)
     return out
+
+
+def _transformer_header_fits(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> bool:
+    from sd_scripts_compat.models.flux_layout import bfl_shapes_hint
+
+    hint = bfl_shapes_hint(shapes)
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    return (hint["inner"], hint["in_channels"], hint["num_layers"], hint["num_single_layers"], hint["guidance"],
+            hint["context"]) == (inner, config["in_channels"], config["num_layers"], config["num_single_layers"],
+                                 bool(config.get("guidance_embeds")), config["joint_attention_dim"])
 
 
 def file_prediction(shapes: Mapping[str, Any], metadata: Mapping[str, str]) -> str | None:

@@ -11,15 +11,20 @@ Targets (facts of sd-scripts, checked against ``shared/reference/kohya/keys_*.js
   with ``conv_dim`` also the modules inside ``ResnetBlock2D``, ``Downsample2D``, ``Upsample2D``:
   3x3 convs get conv_dim/conv_alpha, their Linear (time_emb_proj) and 1x1 conv (conv_shortcut) get
   network_dim/network_alpha.
-- Text encoders: the Linear layers inside ``CLIPAttention`` / ``CLIPMLP``.
-Keys: ``lora_unet_<name>`` (SD1/2: diffusers names; SDXL: SGM names), ``lora_te_`` / ``lora_te1_`` /
-``lora_te2_`` + transformers-4 CLIP names (``text_model.encoder.layers.0...``), dots -> ``_``.
+- FLUX (``networks.lora_flux``): every Linear of the double / single stream blocks under BFL's names
+  (``lora_unet_double_blocks_0_img_attn_qkv``); a Linear BFL fuses is one fused module.
+- Text encoders: the Linear layers inside ``CLIPAttention`` / ``CLIPMLP`` (T5: ``T5Attention`` /
+  ``T5DenseGatedActDense``, only with ``network_args = ["train_t5xxl=True"]``, as in sd-scripts).
+Keys: ``lora_unet_<name>`` (SD1/2: diffusers names; SDXL: SGM names; FLUX: BFL names), ``lora_te_`` /
+``lora_te1_`` / ``lora_te2_`` / ``lora_te3_`` (FLUX's T5) + transformers-4 CLIP names
+(``text_model.encoder.layers.0...``) or T5 names (``encoder.block.0.layer.0.SelfAttention.q``), dots -> ``_``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +39,19 @@ UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
 # transformers 5 has one CLIPAttention class (SDPA is an attention backend, not a subclass); older
 # releases had CLIPSdpaAttention / CLIPFlashAttention2 subclasses, kept so their models still match.
-TEXT_ENCODER_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP")
+TEXT_ENCODER_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP",
+                        "T5Attention", "T5DenseGatedActDense", "T5DenseActDense")
+
+
+def _bool_arg(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(value)
+
+
+_bool_arg.__name__ = "bool"
 
 # network_args keys we understand -> converter; the value names match create_network's keywords.
 _NETWORK_ARG_TYPES: dict[str, Any] = {
@@ -43,6 +60,7 @@ _NETWORK_ARG_TYPES: dict[str, Any] = {
     "dropout": float,
     "rank_dropout": float,
     "module_dropout": float,
+    "train_t5xxl": _bool_arg,  # FLUX: also train a LoRA on T5-XXL (lora_te3_)
 }
 # sd-scripts networks.lora args this engine does not implement (a clear error beats silently ignoring them).
 _UNSUPPORTED_KOHYA_ARGS = {
@@ -179,6 +197,126 @@ class LoRAModule(nn.Module):
         return base_out + (delta if delta.dtype == base_out.dtype else delta.to(base_out.dtype))
 
 
+# ------------------------------------------------------------------------------ fused targets (FLUX)
+# One LoRA module over several Linears that another layout fuses into one (FLUX: BFL's img_attn.qkv is
+# diffusers' to_q/to_k/to_v; linear1 adds proj_mlp). kohya trains the fused Linear: one lora_down [dim, in]
+# and one lora_up [sum(outs), dim]. The same two matrices drive the separate diffusers Linears: part i adds
+# up[rows_i] @ down(x), exactly the fused layer's output cut into its parts, so the file's keys and shapes
+# are kohya's. The parts see the same input tensor; down(x) (with its dropouts) is computed once for all.
+
+
+@dataclass(frozen=True)
+class FusedTargets:
+    """Linears that one LoRA module covers, in the fused layer's output order (looks like one Linear to
+    code that only reads ``in_features`` / ``out_features`` / ``weight``, such as the memory tracer)."""
+
+    parts: tuple[nn.Linear, ...]
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.parts[0].weight
+
+
+class FusedLoRAModule(LoRAModule):
+    """A LoRA module whose ``lora_up`` rows are split across ``targets.parts`` (see the module docstring)."""
+
+    def __init__(self, lora_name: str, targets: FusedTargets, dim: int, alpha: float | int | None,
+                 **kwargs: Any) -> None:
+        stand_in = nn.Linear(targets.in_features, targets.out_features, bias=False, device="meta")
+        super().__init__(lora_name, stand_in, dim, alpha, **kwargs)
+        device = targets.weight.device
+        if device.type != "meta":  # the stand-in put the parameters on meta; rebuild them where the model is
+            self.lora_down = nn.Linear(targets.in_features, self.lora_dim, bias=False, device=device)
+            self.lora_up = nn.Linear(self.lora_dim, targets.out_features, bias=False, device=device)
+            nn.init.kaiming_uniform_(self.lora_down.weight, a=5 ** 0.5)
+            nn.init.zeros_(self.lora_up.weight)
+            self.alpha = torch.tensor(self.scale * self.lora_dim, dtype=torch.float32, device=device)
+        self.targets = targets
+        self._base = (targets.parts[0],)
+        self._part_saved: list[tuple[Any, bool]] = []
+        self._shared: tuple[torch.Tensor, torch.Tensor | None, set[int]] | None = None  # (x, down(x), parts left)
+        self._shared_scale = self.scale
+        offsets = [0]
+        for part in targets.parts:
+            offsets.append(offsets[-1] + part.out_features)
+        self.offsets = tuple(offsets)
+
+    def apply_to(self) -> None:
+        if self.applied:
+            return
+        self._part_saved = []
+        for index, part in enumerate(self.targets.parts):
+            self._part_saved.append((part.forward, "forward" in part.__dict__))
+            part.forward = self._part_forward(index)
+        self.applied = True
+
+    def remove(self) -> None:
+        if not self.applied:
+            return
+        for part, (saved, had_instance_forward) in zip(self.targets.parts, self._part_saved):
+            if had_instance_forward:
+                part.forward = saved
+            else:
+                del part.forward
+        self._part_saved = []
+        self._shared = None
+        self.applied = False
+
+    def _down(self, x: torch.Tensor, index: int) -> tuple[torch.Tensor | None, float]:
+        """``down(x)`` with kohya's dropouts, shared by the parts that see the same ``x`` (None: module dropout
+        skipped the whole fused module this time)."""
+        shared = self._shared
+        if shared is not None and shared[0] is x and index in shared[2]:
+            shared[2].discard(index)
+            lx, scale = shared[1], self._shared_scale
+        else:
+            weight_dtype = self.lora_down.weight.dtype
+            h = x if x.dtype == weight_dtype or torch.is_autocast_enabled(x.device.type) else x.to(weight_dtype)
+            lx: torch.Tensor | None = self.lora_down(h)
+            scale = self.scale
+            if self.training and self.module_dropout and torch.rand(()) < self.module_dropout:
+                lx = None
+            elif self.training and self.dropout:
+                lx = nn.functional.dropout(lx, p=self.dropout)
+            if lx is not None and self.training and self.rank_dropout:
+                mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
+                lx = lx * (mask.unsqueeze(1) if lx.dim() == 3 else mask).to(lx.dtype)
+                scale = scale / (1.0 - self.rank_dropout)
+            self._shared = (x, lx, set(range(len(self.targets.parts))) - {index})
+            self._shared_scale = scale
+        if self._shared is not None and not self._shared[2]:
+            self._shared = None  # every part has had it: do not keep activations alive
+        return lx, scale
+
+    def _part_forward(self, index: int) -> Any:
+        saved = self._part_saved[index][0]
+        start, stop = self.offsets[index], self.offsets[index + 1]
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            base_out = saved(x, *args, **kwargs)
+            if self.multiplier == 0:
+                return base_out
+            lx, scale = self._down(x, index)
+            if lx is None:
+                return base_out
+            delta = nn.functional.linear(lx, self.lora_up.weight[start:stop]) * (self.multiplier * scale)
+            return base_out + (delta if delta.dtype == base_out.dtype else delta.to(base_out.dtype))
+
+        return forward
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The fused layer's output, parts stacked on the last axis (what kohya's fused Linear returns)."""
+        return torch.cat([part(x) for part in self.targets.parts], dim=-1)
+
+
 def _clip_name(name: str) -> str:
     """transformers-4 CLIP module name: transformers 5's CLIPTextModel dropped the ``text_model.`` level
     (CLIPTextModelWithProjection still has it), while kohya's keys always carry it."""
@@ -193,23 +331,33 @@ def _is_1x1(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv2d) and tuple(module.kernel_size) == (1, 1)
 
 
-def iter_target_modules(bundle: ModelBundle, *, conv: bool, unet: bool = True,
-                        text_encoder: bool = True) -> Iterator[tuple[str, str, nn.Module, bool]]:
+def iter_target_modules(bundle: ModelBundle, *, conv: bool, unet: bool = True, text_encoder: bool = True,
+                        enable: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, str, Any, bool]]:
     """Yield ``(lora_name, part, base_module, uses_conv_dim)`` for every module kohya would wrap.
 
-    ``part`` is "unet" or the text encoder's lora prefix; ``uses_conv_dim`` marks 3x3 convs.
+    ``part`` is "unet" or the text encoder's lora prefix; ``uses_conv_dim`` marks 3x3 convs. ``enable``
+    names the network_args that add text encoders trained only on request (``train_t5xxl``). For FLUX's
+    fused Linears ``base_module`` is a ``FusedTargets``.
     """
     family = bundle.family
     if text_encoder:
         for spec, encoder in zip(family.text_encoders, bundle.text_encoders, strict=True):
+            if not spec.lora_by_default and spec.lora_enable_arg not in enable:
+                continue
+            rename = _clip_name if spec.class_name.startswith("CLIP") else str
             for name, module in encoder.named_modules():
                 if type(module).__name__ not in TEXT_ENCODER_TARGETS:
                     continue
                 for child_name, child in module.named_modules():
                     if isinstance(child, nn.Linear):
                         full = f"{name}.{child_name}" if child_name else name
-                        yield _lora_key(spec.lora_prefix, _clip_name(full)), spec.lora_prefix, child, False
-    if unet:
+                        yield _lora_key(spec.lora_prefix, rename(full)), spec.lora_prefix, child, False
+    if unet and family.unet_lora_names == "bfl":
+        from sd_scripts_compat.models.flux_layout import lora_targets
+
+        for bfl_name, parts in lora_targets(bundle.unet):
+            yield _lora_key("lora_unet", bfl_name), "unet", parts[0] if len(parts) == 1 else FusedTargets(parts), False
+    elif unet:
         targets = UNET_TARGETS + (UNET_CONV_TARGETS if conv else ())
         unet_config = dict(bundle.unet.config)
         sgm = family.unet_lora_names == "sgm"
@@ -327,19 +475,23 @@ class LoRANetwork(nn.Module):
                     own[key].copy_(value.to(own[key].dtype))
 
 
-def _new_module(lora_name: str, base: nn.Module, dim: int, alpha: float | None, **kwargs: Any) -> LoRAModule:
+def _new_module(lora_name: str, base: Any, dim: int, alpha: float | None, **kwargs: Any) -> LoRAModule:
     # Parameters are created on the base module's device (meta stays meta: shapes only).
+    if isinstance(base, FusedTargets):
+        return FusedLoRAModule(lora_name, base, dim, alpha, **kwargs)
     return LoRAModule(lora_name, base, dim, alpha, **kwargs)
 
 
 def create_network(bundle: ModelBundle, *, network_dim: int = 4, network_alpha: float = 1.0,
                    conv_dim: int | None = None, conv_alpha: float | None = None, dropout: float | None = None,
                    rank_dropout: float | None = None, module_dropout: float | None = None,
-                   train_unet: bool = True, train_text_encoder: bool = True, multiplier: float = 1.0) -> LoRANetwork:
+                   train_unet: bool = True, train_text_encoder: bool = True, multiplier: float = 1.0,
+                   train_t5xxl: bool = False) -> LoRANetwork:
     """A fresh kohya LoRA network for ``bundle`` (not yet applied: call ``apply_to()``).
 
     ``conv_dim`` adds LoCon modules on the ResnetBlock2D / Downsample2D / Upsample2D convs; as in
     sd-scripts its alpha defaults to 1.0. Parts not trained get no modules (and no keys in the file).
+    ``train_t5xxl`` (FLUX, from network_args) adds the T5-XXL modules (``lora_te3_``).
     """
     if network_dim is None or network_dim < 1:
         raise UserError(f"network_dim must be a positive integer, got {network_dim!r}")
@@ -350,8 +502,9 @@ def create_network(bundle: ModelBundle, *, network_dim: int = 4, network_alpha: 
     options = {"multiplier": multiplier, "dropout": dropout, "rank_dropout": rank_dropout,
                "module_dropout": module_dropout}
     modules = []
+    enable = {"train_t5xxl"} if train_t5xxl else set()
     for lora_name, part, base, uses_conv_dim in iter_target_modules(
-            bundle, conv=conv_dim is not None, unet=train_unet, text_encoder=train_text_encoder):
+            bundle, conv=conv_dim is not None, unet=train_unet, text_encoder=train_text_encoder, enable=enable):
         dim, alpha = (conv_dim, conv_alpha) if uses_conv_dim else (network_dim, network_alpha)
         modules.append((part, _new_module(lora_name, base, dim, alpha, **options)))
     return LoRANetwork(bundle, modules)
@@ -374,8 +527,9 @@ def create_network_from_weights(bundle: ModelBundle, weights: dict[str, torch.Te
     check_lora_family(weights, bundle.family, source)
     modules = []
     used: set[str] = set()
+    every_arg = {te.lora_enable_arg for te in bundle.family.text_encoders if te.lora_enable_arg}
     for lora_name, part, base, _ in iter_target_modules(bundle, conv=True, unet=train_unet,
-                                                       text_encoder=train_text_encoder):
+                                                       text_encoder=train_text_encoder, enable=every_arg):
         down = weights.get(f"{lora_name}.lora_down.weight")
         if down is None:
             continue
@@ -415,6 +569,6 @@ def check_lora_family(sd: dict[str, torch.Tensor], family: Any, source: str) -> 
                         f"{layout['cross_attention_dim']}), but the model {family.name} has {cross}")
     for te in family.text_encoders:
         width = layout["te_widths"].get(te.lora_prefix)
-        if width is not None and width != te.config["hidden_size"]:
+        if width is not None and width != te.width:
             raise UserError(f"{source}: this LoRA was made for {label} ({te.lora_prefix} width {width}), "
-                            f"but the model {family.name} has {te.config['hidden_size']}")
+                            f"but the model {family.name} has {te.width}")

@@ -34,7 +34,7 @@ IMPL_DIFFUSERS = "diffusers"
 NETWORK_MODULE = "networks.lora"
 _LEGACY_OFFSET = 0x100000  # 1 MiB
 _LEGACY_LENGTH = 0x10000  # 64 KiB
-_TE_PREFIXES = ("lora_te1", "lora_te2", "lora_te")
+_TE_PREFIXES = ("lora_te1", "lora_te2", "lora_te3", "lora_te")
 _DTYPE_NAMES = {"float": "float32", "fp32": "float32", "float32": "float32", "fp16": "float16",
                 "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -165,6 +165,7 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
     te_prefixes: Counter[str] = Counter()
     unet_names = None
     cross = None
+    width = None  # a FLUX transformer's hidden width
     te_widths: dict[str, int] = {}
     for key, value in state_dict.items():
         if not key.endswith(".lora_down.weight"):
@@ -177,17 +178,23 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
                 unet_names = "sgm"
             elif body.startswith(("down_blocks_", "mid_block_", "up_blocks_")):
                 unet_names = unet_names or "diffusers"
+            elif body.startswith(("double_blocks_", "single_blocks_")):
+                unet_names = "bfl"  # FLUX (Black Forest Labs' names, as kohya trains it)
             if name.endswith("_attn2_to_k") and cross is None:
                 cross = int(value.shape[1])
+            if name.endswith("_img_attn_proj") and width is None:
+                width = int(value.shape[1])
         elif part != "other":
             te_prefixes[part] += 1
-            if name.endswith("_self_attn_q_proj") and part not in te_widths:
+            if name.endswith(("_self_attn_q_proj", "_SelfAttention_q")) and part not in te_widths:
                 te_widths[part] = int(value.shape[1])
     layout = {"te_prefixes": dict(te_prefixes), "unet_names": unet_names, "cross_attention_dim": cross,
-              "te_widths": te_widths}
+              "te_widths": te_widths, "denoiser_width": width}
     matches = match_families(layout)
     if matches:
         label = " / ".join(matches)
+    elif unet_names == "bfl":
+        label = "a FLUX.1-layout model"
     elif unet_names == "sgm" or "lora_te1" in te_prefixes or "lora_te2" in te_prefixes:
         label = "an SDXL-layout model"
     else:
@@ -206,7 +213,7 @@ def match_families(layout: dict[str, Any]) -> list[str]:
     found = []
     for name in family_names():
         family = get_family(name)
-        prefixes = {te.lora_prefix: te.config["hidden_size"] for te in family.text_encoders}
+        prefixes = {te.lora_prefix: te.width for te in family.text_encoders}
         if not layout["te_prefixes"] and not layout["unet_names"]:
             continue
         if set(layout["te_prefixes"]) - set(prefixes):
@@ -217,6 +224,10 @@ def match_families(layout: dict[str, Any]) -> list[str]:
                 "cross_attention_dim"):
             continue
         if any(prefixes.get(p) != w for p, w in layout["te_widths"].items()):
+            continue
+        heads, head_dim = family.unet.get("num_attention_heads"), family.unet.get("attention_head_dim")
+        if layout.get("denoiser_width") is not None and family.is_transformer and (
+                layout["denoiser_width"] != heads * head_dim):
             continue
         found.append(name)
     return found
@@ -444,12 +455,14 @@ def build_metadata(family: FamilySpec, facts: TrainingFacts) -> dict[str, str]:
     spec: dict[str, Any] = {
         "modelspec.sai_model_spec": SAI_MODEL_SPEC_VERSION,
         "modelspec.architecture": f"{family.modelspec_architecture}/lora",
-        "modelspec.implementation": IMPL_STABILITY_AI if family.is_sdxl else IMPL_DIFFUSERS,
+        "modelspec.implementation": family.modelspec_implementation or (
+            IMPL_STABILITY_AI if family.is_sdxl else IMPL_DIFFUSERS),
         "modelspec.title": facts.title or facts.output_name,
         "modelspec.resolution": f"{width}x{height}",
         "modelspec.date": datetime.datetime.fromtimestamp(stamp).isoformat(),
-        "modelspec.prediction_type": "v" if family.v_parameterization else "epsilon",
     }
+    if not family.flow_matching:  # sd-scripts writes no prediction type for FLUX
+        spec["modelspec.prediction_type"] = "v" if family.v_parameterization else "epsilon"
     for key in ("author", "description", "license", "tags"):
         value = getattr(facts, key)
         if value is not None:
