@@ -69,14 +69,15 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
                                batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
                                clip_skip: int | None = None, is_main_process: bool = True,
-                               cache_dir: Path | None = None, encode: Any = None) -> CacheStats:
+                               cache_dir: Path | None = None, encode: Any = None, variant: str = "") -> CacheStats:
     """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
     the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
     shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
     are encoded once. Disk files ``<image name>.te.safetensors`` record the caption, the encoders'
     fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ; those of
     images in a folder we cannot write to go under ``cache_dir`` (when given). ``encode(captions)`` replaces
-    ``encode_prompts`` where the run encodes its own way (FLUX.1: ``max_token_length`` is then T5's length)."""
+    ``encode_prompts`` where the run encodes its own way (FLUX.1: ``max_token_length`` is then T5's length);
+    ``variant`` names what else changes the outputs (FLUX.1: the T5 mask), so a file made without it is rebuilt."""
     import torch
 
     for subset in dataset.subsets:
@@ -85,7 +86,7 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
             raise UserError(f"{key_name} (subset {subset.image_dir}) makes captions change every step, so text "
                             "encoder outputs cannot be cached; turn off one of them")
     length = check_max_token_length(max_token_length) if encode is None else max_token_length
-    te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders)
+    te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders) + variant
     captions = {r.index: process_caption(r.caption, dataset.subset_of(r), random.Random(0)) for r in dataset.records}
 
     pending: list[ImageRecord] = []

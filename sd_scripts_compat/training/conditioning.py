@@ -24,7 +24,8 @@ class Conditioner:
 
         from sd_scripts_compat.models.text_encoding import encode_prompts
 
-        extra = {"t5_max_length": self.t5_max_length} if self.flow_matching else {}
+        extra = {"t5xxl_max_token_length": self.t5_max_length, "apply_t5_attn_mask": self.apply_t5_attn_mask} \
+            if self.flow_matching else {}
         with torch.set_grad_enabled(train):
             return encode_prompts(self.bundle, captions, max_token_length=self.max_token_length,
                                   clip_skip=self.clip_skip, dtype=self.dtype, **extra)

@@ -126,8 +126,9 @@ class Model:
 def load_model(config: Any, process: Process, *, sdxl: bool) -> Model:
     from sd_scripts_compat.models.loading import load_base_model
 
+    parts = {"clip_l": config.clip_l, "t5xxl": config.t5xxl, "ae": config.ae}  # FLUX.1's separate files
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
-                             family=_stated_family(config, sdxl))
+                             family=_stated_family(config, sdxl), **{k: v for k, v in parts.items() if v})
     family = bundle.family
     vae_scale = family.latent_downsample
     if family.kohya_script.removesuffix(".py") != _script(config, sdxl):
@@ -247,7 +248,8 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data, conditi
                                    to_disk=bool(config.cache_text_encoder_outputs_to_disk),
                                    max_token_length=conditioner.t5_max_length if own else config.max_token_length,
                                    clip_skip=config.clip_skip, is_main_process=process.is_main,
-                                   cache_dir=cache_dir(process), encode=conditioner.encode if own else None)
+                                   cache_dir=cache_dir(process), encode=conditioner.encode if own else None,
+                                   variant=f"+t5_mask={conditioner.apply_t5_attn_mask}" if own else "")
     process.accelerator.wait_for_everyone()
     for encoder in model.bundle.text_encoders:
         offload(encoder)
