@@ -141,3 +141,20 @@ def test_t5_lora_only_on_request_and_bad_value():
     assert sum(k.startswith("lora_te3_") and k.endswith(".alpha") for k in keys) == 2 * 7
     with pytest.raises(UserError, match="train_t5xxl='maybe' is not a valid bool"):
         parse_network_args(["train_t5xxl=maybe"])
+
+
+def test_fused_lora_gradients_equal_with_gradient_checkpointing():
+    """The shared down projection survives diffusers' gradient checkpointing (the block is run twice)."""
+    grads = []
+    for checkpointing in (False, True):
+        bundle = load_base_model("builtin:tiny-flux")
+        network = create_network(bundle, network_dim=4, network_alpha=4, train_text_encoder=False)
+        _randomize(network)
+        network.apply_to()
+        bundle.denoiser.train()
+        if checkpointing:
+            bundle.denoiser.enable_gradient_checkpointing()
+        bundle.denoiser(**_flux_inputs(bundle)).sample.square().mean().backward()
+        grads.append([lora.lora_down.weight.grad.clone() for lora in network.loras()])
+        network.remove()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads, strict=True))

@@ -31,15 +31,24 @@ DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
 
 
 def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, allow_pickle: bool = False,
-                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> ModelBundle:
+                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    clip_l: str | None = None, t5xxl: str | None = None, ae: str | None = None,
+                    t5xxl_tokenizer: str | None = None) -> ModelBundle:
     """Load (or build) a base model from ``spec``; see the module docstring for the accepted forms.
 
     ``family`` is the user's statement of what the model is (e.g. ``sd2-v`` for an SD2 768-v file
     without a v-prediction marker); a model that contradicts it is a UserError naming both.
+    ``clip_l`` / ``t5xxl`` / ``ae`` / ``t5xxl_tokenizer`` are kohya's FLUX part options
+    (``models.flux_files``); a FLUX transformer file or folder goes there by itself.
     """
     if family is not None:
         known_family(family, ENGINE_STATED_BY)
     text = os.fspath(spec)
+    if any((clip_l, t5xxl, ae, t5xxl_tokenizer)) or _is_flux_source(text):
+        from sd_scripts_compat.models.flux_files import load_flux_model
+
+        return load_flux_model(text, clip_l=clip_l, t5xxl=t5xxl, ae=ae, t5xxl_tokenizer=t5xxl_tokenizer,
+                               family=family, device=device, dtype=dtype)
     if text.startswith(BUILTIN_PREFIX):
         return _load_builtin(text, family=family, device=device, dtype=dtype)
     path = Path(text).expanduser()
@@ -48,6 +57,24 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
     from sd_scripts_compat.models.single_file import load_single_file
 
     return load_single_file(path, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype)
+
+
+def _is_flux_source(text: str) -> bool:
+    """A FLUX transformer file or folder (by its header or config; builtin ids load as they are)."""
+    from sd_scripts_compat.models.detect import denoiser_config_file
+
+    path = Path(text).expanduser()
+    if text.startswith(BUILTIN_PREFIX) or not path.exists():
+        return False
+    if path.is_dir():
+        config = denoiser_config_file(path)
+        return config is not None and config.parent.name != "unet"
+    if path.suffix.lower() != ".safetensors":
+        return False
+    from sd_scripts_compat.models.checkpoint import read_checkpoint
+    from sd_scripts_compat.models.flux_layout import is_bfl_transformer
+
+    return is_bfl_transformer(read_checkpoint(path, header_only=True).shapes)
 
 
 def _load_builtin(model: str, *, family: str | None, device: str | torch.device,

@@ -8,6 +8,11 @@
 - ``max_token_length`` 150/225: the prompt is tokenized to max_token_length + 2, cut into 75-token
   chunks each wrapped as ``<BOS> chunk <EOS|PAD>`` (77 tokens), encoded chunk by chunk, and the
   outputs are joined back as ``BOS state + 75 states per chunk + last state`` (77/152/227 tokens).
+- FLUX (a text encoder with ``hidden_state == "pooled"`` plus a T5 one, as sd-scripts' strategy_flux):
+  CLIP-L's ``pooler_output`` (77 tokens, no long prompts) is the pooled vector; T5-XXL's last hidden
+  state over ``t5xxl_max_token_length`` tokens (padded, truncated; family default dev 512 / schnell 256)
+  conditions the transformer; ``apply_t5_attn_mask`` passes T5's attention mask to T5 (and returns it
+  for the transformer's attention); ``txt_ids`` are zeros.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ CHUNK = 75  # content tokens per 77-token window
 
 @dataclass
 class TextConditioning:
-    encoder_hidden_states: torch.Tensor  # (B, tokens, features)
-    pooled: torch.Tensor | None = None  # (B, projection_dim), SDXL only
+    encoder_hidden_states: torch.Tensor  # (B, tokens, features); FLUX: T5-XXL's last hidden state
+    pooled: torch.Tensor | None = None  # (B, projection_dim): SDXL's projected CLIP-G, FLUX's CLIP-L pooler_output
+    attention_mask: torch.Tensor | None = None  # FLUX: (B, tokens) T5 mask, 1 = caption token (kohya t5_attn_mask)
+    txt_ids: torch.Tensor | None = None  # FLUX: (tokens, 3) zeros, as FluxTransformer2DModel takes them
 
 
 def check_max_token_length(max_token_length: int | None) -> int:
@@ -139,10 +146,65 @@ def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_sk
 
 
 def encode_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length: int | None = None,
-                   clip_skip: int | None = None, dtype: Any = None) -> TextConditioning:
-    """Tokenize and encode captions with every text encoder of the bundle (on their current devices)."""
+                   clip_skip: int | None = None, dtype: Any = None, t5xxl_max_token_length: int | None = None,
+                   apply_t5_attn_mask: bool = False) -> TextConditioning:
+    """Tokenize and encode captions with every text encoder of the bundle (on their current devices).
+
+    ``t5xxl_max_token_length`` / ``apply_t5_attn_mask`` are kohya's FLUX options (ignored by SD families)."""
+    if any(te.tokenizer_kind == "t5" for te in bundle.family.text_encoders):
+        ids = tokenize_flux(bundle, captions, t5xxl_max_token_length)
+        return encode_flux_tokens(bundle, ids, apply_t5_attn_mask=apply_t5_attn_mask, dtype=dtype)
     ids = [tokenize(tokenizer, captions, max_token_length) for tokenizer in bundle.tokenizers]
     return encode_tokens(bundle, ids, clip_skip=clip_skip, dtype=dtype)
+
+
+def check_t5xxl_max_token_length(value: int | None, family_default: int | None) -> int:
+    """None means the family's default (dev 512, schnell 256); otherwise a positive token count."""
+    if value is None:
+        return int(family_default or 512)
+    if not isinstance(value, int) or value < 1:
+        raise UserError(f"t5xxl_max_token_length = {value!r} must be a positive integer (kohya: 512 for dev, "
+                        "256 for schnell)")
+    return value
+
+
+def tokenize_flux(bundle: ModelBundle, captions: list[str],
+                  t5xxl_max_token_length: int | None = None) -> dict[str, torch.Tensor]:
+    """FLUX's ids as sd-scripts' FluxTokenizeStrategy makes them: ``clip`` (B, 1, 77), ``t5`` (B, L) and
+    ``t5_mask`` (B, L); a missing T5 tokenizer is a one-line UserError saying where to put one."""
+    from sd_scripts_compat.models.t5_tokenizer import missing_tokenizer_message
+
+    out: dict[str, torch.Tensor] = {}
+    for spec, tokenizer in zip(bundle.family.text_encoders, bundle.tokenizers, strict=True):
+        if spec.tokenizer_kind != "t5":
+            out["clip"] = tokenize(tokenizer, captions, None)
+            continue
+        if tokenizer is None:
+            raise UserError(missing_tokenizer_message(bundle.extra.get("t5xxl")))
+        length = check_t5xxl_max_token_length(t5xxl_max_token_length, bundle.family.t5xxl_max_token_length)
+        tokens = tokenizer(captions, max_length=length, padding="max_length", truncation=True, return_tensors="pt")
+        out["t5"], out["t5_mask"] = tokens.input_ids, tokens.attention_mask
+    return out
+
+
+def encode_flux_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, apply_t5_attn_mask: bool = False,
+                       dtype: Any = None) -> TextConditioning:
+    """Encode :func:`tokenize_flux` ids: CLIP-L pooled output + T5 last hidden state (keeps autograd)."""
+    import torch
+
+    pooled = states = None
+    for spec, encoder in zip(bundle.family.text_encoders, bundle.text_encoders, strict=True):
+        device = next(encoder.parameters()).device
+        if spec.tokenizer_kind == "t5":
+            mask = ids["t5_mask"].to(device) if apply_t5_attn_mask else None
+            states = encoder(ids["t5"].to(device), attention_mask=mask, return_dict=True).last_hidden_state
+        else:
+            pooled = encoder(ids["clip"].reshape(-1, ids["clip"].shape[-1]).to(device), return_dict=True).pooler_output
+    assert states is not None and pooled is not None  # a FLUX family has both encoders
+    if dtype is not None:
+        states, pooled = states.to(dtype), pooled.to(dtype)
+    txt_ids = torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype)
+    return TextConditioning(states, pooled, attention_mask=ids["t5_mask"].to(states.device), txt_ids=txt_ids)
 
 
 def sdxl_time_ids(original_sizes_hw: torch.Tensor, crop_top_lefts: torch.Tensor, target_sizes_hw: torch.Tensor,

@@ -1,0 +1,269 @@
+"""FLUX.1 as sd-scripts takes it: four files, or a diffusers folder, loaded offline into one ModelBundle.
+
+  pretrained_model_name_or_path  the transformer: a BFL single file (flux1-dev.safetensors: double_blocks.N...,
+                                 with or without ComfyUI's ``model.diffusion_model.`` prefix), a diffusers
+                                 pipeline folder (transformer/, and its text_encoder*/, vae/, tokenizer_2/
+                                 when the options below are not given), a lone transformer folder, or builtin:ID
+  clip_l                         CLIP-L text encoder single file (transformers names, ``text_model.`` optional)
+  t5xxl                          T5-XXL encoder single file (bf16 / fp16 / fp32 or fp8 e4m3fn, cast on load)
+  ae                             the 16-channel AE (BFL ae.safetensors: the original VAE names, no prefix)
+  t5xxl_tokenizer                the T5 tokenizer folder or file (see ``models.t5_tokenizer``)
+
+Conversions: the transformer through ``flux_layout`` (why hand-written is said there), the AE through
+diffusers' ``convert_ldm_vae_checkpoint`` with our AE config. ``save_flux_files`` writes the same four
+layouts (tests and demos use real files).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import FamilySpec, model_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from sd_scripts_compat.models.build import ModelBundle
+
+PART_OPTIONS = ("clip_l", "t5xxl", "ae")
+# keys that tell each part's file apart (a file given for the wrong option is named as what it is)
+_PART_MARKERS = {"clip_l": ("embeddings.token_embedding.weight",), "t5xxl": ("encoder.block.0.layer.0.",),
+                 "ae": ("decoder.conv_out.weight",), "transformer": ("double_blocks.",)}
+_WHAT = {"clip_l": "a CLIP-L text encoder (clip_l)", "t5xxl": "a T5-XXL encoder (t5xxl)",
+         "ae": "a FLUX/SD autoencoder (ae)", "transformer": "a FLUX transformer (pretrained_model_name_or_path)",
+         "sd": "a Stable Diffusion checkpoint"}
+_EXPECTED = {"clip_l": "clip_l.safetensors (CLIP-L text encoder)", "t5xxl": "t5xxl_fp16.safetensors or "
+             "t5xxl_fp8_e4m3fn.safetensors", "ae": "ae.safetensors (FLUX.1's 16-channel autoencoder)"}
+
+
+def _kind_of(keys: Any) -> str | None:
+    keys = list(keys)
+    if any(k.startswith(("model.diffusion_model.input_blocks", "first_stage_model.", "cond_stage_model.",
+                         "conditioner.")) for k in keys):
+        return "sd"
+    for kind, markers in _PART_MARKERS.items():
+        if any(marker in k for k in keys for marker in markers):
+            return kind
+    return None
+
+
+def _read(path: str | os.PathLike[str], option: str, header_only: bool) -> dict[str, Any]:
+    """A part's tensors (or, for the meta device, its shapes), with a one-line error for a wrong file."""
+    from sd_scripts_compat.models.checkpoint import read_checkpoint
+
+    checkpoint = read_checkpoint(path, header_only=header_only)
+    kind = _kind_of(checkpoint.shapes)
+    if kind != option:
+        found = _WHAT.get(kind or "", "no FLUX part we know")
+        raise UserError(f"{checkpoint.path} holds {found}, not what {option} needs; give {_EXPECTED[option]} "
+                        f"as {option}")
+    return checkpoint.shapes if header_only else checkpoint.tensors
+
+
+def _empty(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+
+    from sd_scripts_compat.models.build import build_denoiser, build_text_encoder
+
+    with init_empty_weights(include_buffers=False):
+        return (build_denoiser(family.unet), AutoencoderKL(**model_config(family.vae)),
+                [build_text_encoder(te.config) for te in family.text_encoders])
+
+
+def _fill(module: Any, state: Mapping[str, torch.Tensor], part: str, path: Path, dtype: torch.dtype | None) -> None:
+    """Every parameter from the file, shapes checked (one line naming the file otherwise)."""
+    from sd_scripts_compat.models.single_file import _strict_load
+
+    _strict_load(module, state, part, path, dtype)
+
+
+def clip_l_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """clip_l.safetensors -> our CLIPTextModel's names (transformers 5: no ``text_model.`` level); the unused
+    projection and logit scale are dropped."""
+    return {k.removeprefix("text_model."): v for k, v in tensors.items()
+            if not k.startswith(("text_projection", "logit_scale"))}
+
+
+def t5_state(tensors: Mapping[str, torch.Tensor], module: Any) -> dict[str, torch.Tensor]:
+    """t5xxl.safetensors -> T5EncoderModel names; the tied embedding is stored once as either name."""
+    state = dict(tensors)
+    for a, b in (("shared.weight", "encoder.embed_tokens.weight"), ("encoder.embed_tokens.weight", "shared.weight")):
+        if a not in state and b in state:
+            state[a] = state[b]
+    return {k: v for k, v in state.items() if k in module.state_dict()}
+
+
+def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = None, t5xxl: str | None = None,
+                    ae: str | None = None, t5xxl_tokenizer: str | None = None, family: str | None = None,
+                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> ModelBundle:
+    """The FLUX bundle from kohya's four options (see the module docstring); every failure one line."""
+    from sd_scripts_compat.models.detect import ENGINE_STATED_BY, detect_family
+
+    spec = detect_family(pretrained, family, stated_by=ENGINE_STATED_BY)
+    if not spec.is_transformer:
+        raise UserError(f"{pretrained} is a {spec.name} model, not FLUX.1; clip_l / t5xxl / ae belong to FLUX "
+                        "(flux_train_network.py)")
+    text = os.fspath(pretrained)
+    folder = Path(text).expanduser()
+    if str(device) == "meta" and not text.startswith("builtin:"):  # shapes only (traces): no file is read
+        from sd_scripts_compat.models.build import build_modules
+
+        bundle = build_modules(spec, device="meta", dtype=dtype, seed=None)
+        bundle.source = text
+    elif text.startswith("builtin:"):
+        from sd_scripts_compat.models.loading import load_base_model
+
+        bundle = load_base_model(text, family=family, device=device, dtype=dtype)
+    elif folder.is_dir():
+        bundle = _from_folder(folder, spec, given={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype=dtype)
+    else:
+        bundle = _from_transformer_file(folder, spec, clip_l=clip_l, t5xxl=t5xxl, ae=ae, dtype=dtype)
+    if str(device) != "meta":
+        _replace_parts(bundle, {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype)
+    _attach_tokenizers(bundle, t5xxl_tokenizer, t5xxl, folder if folder.is_dir() else None)
+    for module in (bundle.unet, bundle.vae, *bundle.text_encoders):
+        module.requires_grad_(False)
+        module.eval()
+        if str(device) != "meta":
+            module.to(device)
+    return bundle
+
+
+def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, t5xxl: str | None,
+                           ae: str | None, dtype: Any) -> ModelBundle:
+    from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.models.checkpoint import read_checkpoint
+    from sd_scripts_compat.models.flux_layout import to_diffusers
+
+    missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae)) if not value]
+    if missing:
+        raise UserError(f"{path} is a FLUX transformer file without text encoders or AE; also give "
+                        f"{', '.join(missing)} (clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors)")
+    transformer, vae, text_encoders = _empty(spec)
+    checkpoint = read_checkpoint(path)
+    _fill(transformer, to_diffusers(checkpoint.tensors, transformer.config), "transformer", path, dtype)
+    return ModelBundle(family=spec, unet=transformer, vae=vae, text_encoders=text_encoders, tokenizers=[],
+                       scheduler_config=dict(spec.scheduler), prediction_type=spec.prediction_type, source=str(path),
+                       extra={"format": "bfl_single_file", "t5xxl": t5xxl})
+
+
+def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | None], dtype: Any) -> ModelBundle:
+    """A diffusers FLUX pipeline folder (or a lone transformer folder plus the part files)."""
+    import torch
+    import transformers
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+    from sd_scripts_compat.models.build import ModelBundle
+
+    target = dtype or torch.float32
+    pipeline = (folder / "transformer" / "config.json").is_file()
+    parts = {"clip_l": "text_encoder", "t5xxl": "text_encoder_2", "ae": "vae"}
+    absent = [option for option, sub in parts.items() if not given.get(option) and not (folder / sub).is_dir()]
+    if absent:
+        raise UserError(f"{folder} has no {', '.join(parts[o] + '/' for o in absent)}; give {', '.join(absent)} "
+                        "as files or use a complete diffusers FLUX.1 folder")
+    _, vae, text_encoders = _empty(spec)
+    try:
+        transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer" if pipeline else folder,
+                                                             local_files_only=True, torch_dtype=target)
+        if not given.get("ae"):
+            vae = AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True, torch_dtype=target)
+        for index, (option, te) in enumerate(zip(("clip_l", "t5xxl"), spec.text_encoders, strict=True)):
+            if not given.get(option):
+                cls = getattr(transformers, te.class_name)
+                text_encoders[index] = cls.from_pretrained(folder / parts[option], local_files_only=True,
+                                                           dtype=target)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{folder}: could not load the diffusers FLUX model ({reason[:200]}); expected a complete, "
+                        "uncorrupted diffusers folder") from None
+    scheduler_file = folder / "scheduler" / "scheduler_config.json"
+    scheduler = dict(spec.scheduler)
+    if scheduler_file.is_file():
+        import json
+
+        scheduler = json.loads(scheduler_file.read_text(encoding="utf-8"))
+    return ModelBundle(family=spec, unet=transformer, vae=vae, text_encoders=text_encoders, tokenizers=[],
+                       scheduler_config=scheduler, prediction_type=spec.prediction_type, source=str(folder),
+                       extra={"format": "diffusers", "t5xxl": given.get("t5xxl")})
+
+
+def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: Any) -> None:
+    """Load each part file that was given into the bundle (replacing a folder's or a built-in's part)."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    spec = bundle.family
+    _, vae, text_encoders = _empty(spec)
+    for option, path in given.items():
+        if not path:
+            continue
+        tensors = _read(path, option, header_only=False)
+        if option == "ae":
+            _fill(vae, convert_ldm_vae_checkpoint(tensors, model_config(spec.vae)), "ae", Path(path), dtype)
+            bundle.vae = vae
+        elif option == "clip_l":
+            _fill(text_encoders[0], clip_l_state(tensors), "clip_l", Path(path), dtype)
+            bundle.text_encoders[0] = text_encoders[0]
+        else:
+            _fill(text_encoders[1], t5_state(tensors, text_encoders[1]), "t5xxl", Path(path), dtype)
+            bundle.text_encoders[1] = text_encoders[1]
+
+
+def _attach_tokenizers(bundle: ModelBundle, option: str | None, t5xxl: str | None, folder: Path | None) -> None:
+    from sd_scripts_compat.models.build import family_tokenizers
+    from sd_scripts_compat.models.t5_tokenizer import find_t5_tokenizer
+
+    found = find_t5_tokenizer(option, t5xxl, folder)
+    bundle.tokenizers = family_tokenizers(bundle.family, None if found is None else str(found))
+    bundle.extra["t5xxl"] = t5xxl
+    bundle.extra["t5_tokenizer"] = None if found is None else str(found)
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
+                    dtype: torch.dtype | None = None) -> dict[str, Path]:
+    """Write the bundle as sd-scripts' four FLUX files (flux1.safetensors in BFL layout, clip_l, t5xxl, ae),
+    atomically; returns option -> path. ``dtype`` casts floating tensors (e.g. bf16)."""
+    from sd_scripts_compat.models.flux_layout import to_bfl
+    from sd_scripts_compat.models.single_file import _vae_name_to_original
+
+    vae_config = dict(bundle.vae.config)
+    ae = {}
+    for name, tensor in bundle.vae.state_dict().items():
+        original = _vae_name_to_original(name, vae_config)
+        ae[original] = tensor[:, :, None, None] if ".mid.attn_1." in original and tensor.ndim == 2 and (
+            original.endswith(".weight")) else tensor
+    clip = {f"text_model.{k}" if not k.startswith("text_model.") else k: v
+            for k, v in bundle.text_encoders[0].state_dict().items() if not k.endswith("position_ids")}
+    t5 = {k: v for k, v in bundle.text_encoders[1].state_dict().items() if k != "encoder.embed_tokens.weight"}
+    parts = {"pretrained_model_name_or_path": ("flux1.safetensors", to_bfl(bundle.unet.state_dict(),
+                                                                           bundle.unet.config)),
+             "clip_l": ("clip_l.safetensors", clip), "t5xxl": ("t5xxl.safetensors", t5), "ae": ("ae.safetensors", ae)}
+    out = {}
+    for option, (name, tensors) in parts.items():
+        out[option] = _write(Path(folder) / name, tensors, dtype)
+    return out
+
+
+def _write(path: Path, tensors: Mapping[str, torch.Tensor], dtype: Any) -> Path:
+    from safetensors.torch import save_file
+
+    from sd_scripts_compat.atomic import atomic_path
+
+    ready = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu")
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        ready[key] = tensor.contiguous().clone()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(ready, str(tmp), metadata={"format": "pt"})
+    return path

@@ -1,0 +1,141 @@
+"""FLUX.1 files as sd-scripts takes them: the BFL transformer file, clip_l, t5xxl (bf16 / fp8) and ae written in
+their real layouts from the tiny model, read back with equal weights; a diffusers folder; detection from the
+header; wrong files as one line. The BFL <-> diffusers table is checked against diffusers' own converter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.build import build_modules
+from sd_scripts_compat.models.detect import detect_family
+from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.models.flux_files import save_flux_files
+from sd_scripts_compat.models.flux_layout import to_bfl, to_diffusers
+from sd_scripts_compat.models.loading import load_base_model
+from sd_scripts_compat.models.single_file import save_single_file
+
+
+def _parts(bundle):
+    return {"transformer": bundle.unet, "ae": bundle.vae, "clip_l": bundle.text_encoders[0],
+            "t5xxl": bundle.text_encoders[1]}
+
+
+def _assert_equal(source, loaded, cast=None):
+    for part, module in _parts(source).items():
+        theirs = _parts(loaded)[part].state_dict()
+        for key, value in module.state_dict().items():
+            want = value if cast is None or part != "t5xxl" else value.to(cast).to(value.dtype)
+            assert torch.equal(theirs[key], want), (part, key)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_base_model("builtin:tiny-flux")
+
+
+def test_four_files_round_trip(tmp_path, tiny):
+    files = save_flux_files(tiny, tmp_path)
+    with safe_open(str(files["pretrained_model_name_or_path"]), "pt") as handle:
+        keys = set(handle.keys())
+    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight", "guidance_in.in_layer.weight",
+            "final_layer.adaLN_modulation.1.weight", "double_blocks.0.txt_attn.norm.key_norm.scale"} <= keys
+    with safe_open(str(files["ae"]), "pt") as handle:
+        assert "decoder.up.0.block.0.conv1.weight" in set(handle.keys())
+    assert detect_family(str(files["pretrained_model_name_or_path"])).name == "tiny-flux"
+    loaded = load_base_model(files["pretrained_model_name_or_path"], clip_l=str(files["clip_l"]),
+                             t5xxl=str(files["t5xxl"]), ae=str(files["ae"]))
+    assert loaded.family.name == "tiny-flux" and loaded.extra["format"] == "bfl_single_file"
+    _assert_equal(tiny, loaded)
+    # no T5 tokenizer beside the file: the tiny family's shipped one
+    assert loaded.tokenizers[1] is not None and loaded.extra["t5_tokenizer"] is None
+    # shapes only (memory traces): the transformer file alone, nothing read but its header
+    meta = load_base_model(files["pretrained_model_name_or_path"], device="meta")
+    assert meta.family.name == "tiny-flux" and next(meta.unet.parameters()).device.type == "meta"
+
+
+def test_fp8_t5_and_comfy_prefix(tmp_path, tiny):
+    from safetensors.torch import load_file, save_file
+
+    files = save_flux_files(tiny, tmp_path)
+    t5 = {k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
+          for k, v in load_file(str(files["t5xxl"])).items()}
+    save_file(t5, str(tmp_path / "t5xxl_fp8_e4m3fn.safetensors"))
+    bfl = load_file(str(files["pretrained_model_name_or_path"]))
+    transformer = {f"model.diffusion_model.{k}": v for k, v in bfl.items()}  # ComfyUI's prefix
+    save_file(transformer, str(tmp_path / "comfy.safetensors"))
+    loaded = load_base_model(tmp_path / "comfy.safetensors", clip_l=str(files["clip_l"]), ae=str(files["ae"]),
+                             t5xxl=str(tmp_path / "t5xxl_fp8_e4m3fn.safetensors"), dtype=torch.bfloat16)
+    assert loaded.text_encoders[1].encoder.block[0].layer[0].SelfAttention.q.weight.dtype == torch.bfloat16
+    cast = tiny.text_encoders[1].encoder.block[0].layer[0].SelfAttention.q.weight.to(torch.float8_e4m3fn)
+    assert torch.equal(loaded.text_encoders[1].encoder.block[0].layer[0].SelfAttention.q.weight.float(), cast.float())
+
+
+def test_diffusers_folder_and_tokenizer_beside(tmp_path, tiny):
+    from sd_scripts_compat.models.t5_tokenizer import train_unigram_t5_tokenizer
+
+    root = tmp_path / "FLUX.1-tiny"
+    tiny.unet.save_pretrained(root / "transformer")
+    tiny.vae.save_pretrained(root / "vae")
+    tiny.text_encoders[0].save_pretrained(root / "text_encoder")
+    tiny.text_encoders[1].save_pretrained(root / "text_encoder_2")
+    own = train_unigram_t5_tokenizer(["a red fox jumps", "the quick brown dog"], vocab_size=60, max_length=512)
+    own.save_pretrained(str(root / "tokenizer_2"))
+    assert detect_family(str(root)).name == "tiny-flux"
+    loaded = load_base_model(root)
+    assert loaded.extra["format"] == "diffusers" and loaded.extra["t5_tokenizer"] == str(root / "tokenizer_2")
+    assert loaded.tokenizers[1]("a red fox").input_ids == own("a red fox").input_ids
+    _assert_equal(tiny, loaded)
+    # a lone transformer folder plus the part files
+    files = save_flux_files(tiny, tmp_path / "files")
+    alone = load_base_model(root / "transformer", clip_l=str(files["clip_l"]), t5xxl=str(files["t5xxl"]),
+                            ae=str(files["ae"]))
+    _assert_equal(tiny, alone)
+
+
+def test_wrong_and_missing_files_are_one_line(tmp_path, tiny):
+    files = save_flux_files(tiny, tmp_path)
+    sd = save_single_file(build_modules(get_family("tiny-sd15")), tmp_path / "sd15.safetensors")
+    transformer, clip_l, t5xxl, ae = (str(files[k]) for k in ("pretrained_model_name_or_path", "clip_l", "t5xxl",
+                                                               "ae"))
+    with pytest.raises(UserError, match=r"sd15.safetensors holds a Stable Diffusion checkpoint, not what ae needs; "
+                                        r"give ae.safetensors .* as ae") as info:
+        load_base_model(transformer, clip_l=clip_l, t5xxl=t5xxl, ae=str(sd))
+    assert "\n" not in str(info.value)
+    with pytest.raises(UserError, match=r"holds a T5-XXL encoder \(t5xxl\), not what clip_l needs"):
+        load_base_model(transformer, clip_l=t5xxl, t5xxl=t5xxl, ae=ae)
+    with pytest.raises(UserError, match=r"is a FLUX transformer file without text encoders or AE; also give t5xxl, ae"):
+        load_base_model(transformer, clip_l=clip_l)
+    with pytest.raises(UserError, match="is a tiny-sd15 model, not FLUX.1"):
+        load_base_model(sd, ae=ae)
+
+
+def test_header_detection_tells_dev_from_schnell_on_meta():
+    """Full-size BFL headers (meta tensors: no bytes) are told apart by the guidance embedder."""
+    for name in ("flux-dev", "flux-schnell"):
+        bundle = build_modules(get_family(name), device="meta", seed=None)
+        shapes = {k: tuple(v.shape) for k, v in to_bfl(bundle.unet.state_dict(), bundle.unet.config).items()}
+        from sd_scripts_compat.models.detect import all_families, checkpoint_candidates
+
+        assert [f.name for f in checkpoint_candidates(shapes, "flux", all_families())] == [name]
+
+
+def test_layout_table_agrees_with_diffusers_converter_at_full_size():
+    """Our BFL -> diffusers split equals diffusers' convert_flux_transformer_checkpoint_to_diffusers on FLUX.1-dev's
+    real row counts (each tensor one column wide: the converters only move rows)."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    bundle = build_modules(get_family("flux-dev"), device="meta", seed=None)
+    config = bundle.unet.config
+    meta_bfl = to_bfl(bundle.unet.state_dict(), config)
+    gen = torch.Generator().manual_seed(0)
+    thin = {k: torch.randn((v.shape[0],) + ((1,) if v.dim() > 1 else ()), generator=gen) for k, v in meta_bfl.items()}
+    ours = to_diffusers(thin, config)
+    theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(thin))
+    assert set(ours) == set(theirs) == set(bundle.unet.state_dict())
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert all(ours[k].shape[0] == v.shape[0] for k, v in bundle.unet.state_dict().items())
+    back = to_bfl(ours, config)
+    assert all(torch.equal(back[k], thin[k]) for k in thin)
