@@ -90,7 +90,7 @@ def test_resume_half_way_and_block_swap_are_bit_identical_to_a_straight_run(tmp_
 @pytest.mark.slow
 def test_injected_oom_writes_oom_json_with_exit_87(tmp_path):
     events = tmp_path / "events"
-    values = base_config(tmp_path, blocks_to_swap=1)
+    values = base_config(tmp_path, blocks_to_swap=1, fp8_base=True)  # fp8 weights stored, computed in fp32
     env = {**ENV, "SD_COMPAT_INJECT_OOM": "step=2"}
     config = tmp_path / "config.toml"
     config.write_text(toml.dumps(values), encoding="utf-8")
@@ -100,6 +100,7 @@ def test_injected_oom_writes_oom_json_with_exit_87(tmp_path):
     assert result.returncode == 87, result.stderr[-2000:]
     oom = json.loads((events / "oom.json").read_text())
     assert oom["step"] == 2 and oom["settings"]["blocks_to_swap"] == 1 and oom["state_dir"]
+    assert oom["settings"]["fp8_base"] is True
     assert oom["resolved"]["weight_dtype"] == "float32"
 
 
@@ -110,3 +111,14 @@ def test_bad_flux_input_is_one_line(tmp_path):
     result = run_flux(tmp_path, base_config(tmp_path, pretrained_model_name_or_path="builtin:tiny-sd15"),
                       check=False)
     assert result.returncode == 2 and "train_network" in result.stderr
+
+
+def test_text_cache_file_keeps_the_t5_mask(tmp_path):
+    from sd_scripts_compat.caching.entries import TextEntry, read_text_file
+    from sd_scripts_compat.caching.text_cache import _save_text
+
+    entry = TextEntry(torch.randn(16, 32), torch.randn(32), torch.tensor([1] * 5 + [0] * 11))
+    path = tmp_path / "a.png.te.safetensors"
+    _save_text(path, entry, {"format": "test"})
+    back = read_text_file(path)
+    assert torch.equal(back.attention_mask, entry.attention_mask) and torch.equal(back.pooled, entry.pooled)
