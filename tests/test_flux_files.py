@@ -110,6 +110,17 @@ def test_wrong_and_missing_files_are_one_line(tmp_path, tiny):
         load_base_model(transformer, clip_l=clip_l)
     with pytest.raises(UserError, match="is a tiny-sd15 model, not FLUX.1"):
         load_base_model(sd, ae=ae)
+    sd_vae = tmp_path / "sd_vae.safetensors"  # an SD VAE file in the original layout: 4 latent channels
+    from safetensors.torch import load_file, save_file
+
+    save_file({k.removeprefix("first_stage_model."): v for k, v in load_file(str(sd)).items()
+               if k.startswith("first_stage_model.")}, str(sd_vae))
+    with pytest.raises(UserError, match="sd_vae.safetensors is a 4-channel VAE, not FLUX.1's 16-channel AE"):
+        load_base_model(transformer, clip_l=clip_l, t5xxl=t5xxl, ae=str(sd_vae))
+    # a diffusers-named AE file (vae/diffusion_pytorch_model.safetensors) is taken as it is
+    save_file({k: v.contiguous() for k, v in tiny.vae.state_dict().items()}, str(tmp_path / "ae_diffusers.safetensors"))
+    loaded = load_base_model(transformer, clip_l=clip_l, t5xxl=t5xxl, ae=str(tmp_path / "ae_diffusers.safetensors"))
+    assert all(torch.equal(loaded.vae.state_dict()[k], v) for k, v in tiny.vae.state_dict().items())
 
 
 def test_header_detection_tells_dev_from_schnell_on_meta():

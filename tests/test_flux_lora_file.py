@@ -72,6 +72,7 @@ def test_metadata_as_sd_scripts_writes_for_flux(flux_lora):
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
     assert "modelspec.prediction_type" not in metadata  # sd-scripts writes none for FLUX
     assert metadata["ss_model_type"] == "flux" and metadata["ss_guidance_scale"] == "3.5"
+    assert metadata["ss_network_module"] == "networks.lora_flux"  # kohya's FLUX LoRA module
     assert describe_lora(state_dict, metadata)["family"] == "tiny-flux"
     schnell = build_metadata(get_family("flux-schnell"), _facts())
     assert schnell["modelspec.architecture"] == "flux-1-schnell/lora"
@@ -181,3 +182,16 @@ def test_diffusers_flux_pipeline_loads_our_lora(tmp_path, variant):
     print(f"{variant}: max |ours - diffusers| transformer {out_error:.2e}, CLIP-L pooled {pooled_error:.2e}")
     assert out_error <= ATOL and pooled_error <= ATOL
     pipe.unload_lora_weights()
+
+
+def test_lora_of_another_family_is_refused_in_one_line(flux_lora):
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.network.lora import create_network_from_weights
+
+    bundle, _network, path = flux_lora
+    sd15 = build_modules(get_family("tiny-sd15"))
+    with pytest.raises(UserError, match="this LoRA was made for tiny-flux, but the model is tiny-sd15"):
+        create_network_from_weights(sd15, str(path))
+    sd_lora = create_network(sd15, network_dim=2).kohya_state_dict()
+    with pytest.raises(UserError, match="but the model is tiny-flux"):
+        create_network_from_weights(bundle, sd_lora)

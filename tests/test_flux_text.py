@@ -61,6 +61,16 @@ def test_t5_tokenizer_is_found_locally_or_named_in_one_line(tmp_path, tiny):
     own.save_pretrained(str(named))
     assert find_t5_tokenizer(str(named), t5_file) == named
     assert load_t5_tokenizer(named / "tokenizer.json", 77)("a zebra").input_ids == own("a zebra").input_ids
+    junk = tmp_path / "spiece.model"
+    junk.write_bytes(b"not a sentencepiece model")
+    with pytest.raises(UserError, match="spiece.model: a T5 tokenizer is read from its tokenizer.json") as info:
+        load_t5_tokenizer(junk, 512)
+    assert "\n" not in str(info.value)
+    (tmp_path / "models" / "tokenizer.json").write_text("{}")  # a bare tokenizer.json beside it may be CLIP's
+    with pytest.raises(UserError, match="tokenizer.json: not a readable T5 tokenizer"):
+        load_t5_tokenizer(tmp_path / "models" / "tokenizer.json", 512)
+    (t5_file.parent / "tokenizer_2" / "tokenizer.json").rename(tmp_path / "moved.json")
+    assert find_t5_tokenizer(None, t5_file) is None
     with pytest.raises(UserError, match="t5xxl_tokenizer = .*nowhere: no tokenizer.json or spiece.model there"):
         find_t5_tokenizer(str(tmp_path / "nowhere"), t5_file)
     no_tokenizer = load_base_model("builtin:tiny-flux")

@@ -182,9 +182,9 @@ def base_model(asker: Asker, args: argparse.Namespace) -> ModelChoice:
             raise UserError("--yes: the base model has no default; pass --model PATH or --model builtin:ID")
         if args.model is None:
             options = [Option("a file or diffusers folder on this disk", "path")]
-            # meta-only ids cannot train; SD demos first, FLUX after them
             demo_first = sorted((name for name in BUILTIN_IDS if not get_family(name).builtin_meta_only),
                                 key=lambda name: (not get_family(name).tiny, get_family(name).is_transformer, name))
+            # meta-only ids cannot train; the SD demos (the quickstart's tiny-sd15) before the FLUX ones
             options += [Option(f"builtin:{name}  {get_family(name).description}", f"builtin:{name}")
                         for name in demo_first]
             kind = asker.choose("Base model", options, default="path",

@@ -82,14 +82,23 @@ def family_tokenizers(family: FamilySpec, t5_tokenizer: str | None = None) -> li
 
 
 def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                  seed: int | None = 0) -> ModelBundle:
+                  seed: int | None = 0, builtin: bool = False) -> ModelBundle:
     """Build a family's denoiser, VAE and text encoders from its configs with random weights.
 
     ``device="meta"`` builds only shapes (a full SDXL in well under a second, FLUX.1 in a few), for FLOP
-    counting and memory tracing without allocating gigabytes.
+    counting and memory tracing without allocating gigabytes. ``builtin``: the user asked for
+    ``builtin:<name>``; a family too large for random weights (``builtin_meta_only``) is then a UserError
+    off the meta device.
     """
     import torch
     from diffusers import AutoencoderKL
+
+    from sd_scripts_compat.errors import UserError
+
+    if builtin and family.builtin_meta_only and str(device) != "meta":
+        raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
+                        "to train, give the real model file as pretrained_model_name_or_path (or use "
+                        "builtin:tiny-flux to try)")
 
     if seed is not None and str(device) != "meta":
         torch.manual_seed(seed)

@@ -69,6 +69,7 @@ class FamilySpec:
     t5xxl_max_token_length: int | None = None  # kohya's default for FLUX: dev 512, schnell 256
     flux_model_type: str | None = None  # kohya's --model_type value ("flux") for FLUX-family files
     builtin_meta_only: bool = False  # builtin:<name> only on the meta device (too large for random weights)
+    network_module: str = "networks.lora"  # kohya's --network_module for this family (FLUX: networks.lora_flux)
 
     @property
     def denoiser_class(self) -> str:

@@ -116,9 +116,9 @@ def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = 
         bundle = build_modules(spec, device="meta", dtype=dtype, seed=None)
         bundle.source = text
     elif text.startswith("builtin:"):
-        from sd_scripts_compat.models.loading import load_base_model
+        from sd_scripts_compat.models.build import build_modules
 
-        bundle = load_base_model(text, family=family, device=device, dtype=dtype)
+        bundle = build_modules(spec, device=device, dtype=dtype, seed=0, builtin=True)
     elif folder.is_dir():
         bundle = _from_folder(folder, spec, given={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype=dtype)
     else:
@@ -204,7 +204,10 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
             continue
         tensors = _read(path, option, header_only=False)
         if option == "ae":
-            _fill(vae, convert_ldm_vae_checkpoint(tensors, model_config(spec.vae)), "ae", Path(path), dtype)
+            _check_latent_channels(tensors, spec, Path(path))
+            diffusers_names = any(k.startswith("decoder.up_blocks.") for k in tensors)  # a diffusers vae/ file
+            state = tensors if diffusers_names else convert_ldm_vae_checkpoint(tensors, model_config(spec.vae))
+            _fill(vae, state, "ae", Path(path), dtype)
             bundle.vae = vae
         elif option == "clip_l":
             _fill(text_encoders[0], clip_l_state(tensors), "clip_l", Path(path), dtype)
@@ -212,6 +215,15 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
         else:
             _fill(text_encoders[1], t5_state(tensors, text_encoders[1]), "t5xxl", Path(path), dtype)
             bundle.text_encoders[1] = text_encoders[1]
+
+
+def _check_latent_channels(tensors: Mapping[str, torch.Tensor], spec: FamilySpec, path: Path) -> None:
+    """An SD VAE (4 latent channels) given as FLUX's 16-channel AE is named as such."""
+    conv_out = tensors.get("encoder.conv_out.weight")
+    wanted = 2 * int(spec.vae["latent_channels"])  # mean and log-variance
+    if conv_out is not None and conv_out.shape[0] != wanted:
+        raise UserError(f"{path} is a {conv_out.shape[0] // 2}-channel VAE, not FLUX.1's "
+                        f"{wanted // 2}-channel AE; give ae.safetensors from the FLUX.1 release as ae")
 
 
 def _attach_tokenizers(bundle: ModelBundle, option: str | None, t5xxl: str | None, folder: Path | None) -> None:

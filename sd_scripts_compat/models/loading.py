@@ -81,11 +81,8 @@ def _load_builtin(model: str, *, family: str | None, device: str | torch.device,
                   dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.build import build_modules
 
-    spec = detect_family(model, family, stated_by=ENGINE_STATED_BY)
-    if spec.builtin_meta_only and str(device) != "meta":
-        raise UserError(f"{model} is a full-size model with random weights, for shape-only probes; to train, give "
-                        f"the real model file as pretrained_model_name_or_path (or use builtin:tiny-flux to try)")
-    return build_modules(spec, device=device, dtype=dtype, seed=0)
+    return build_modules(detect_family(model, family, stated_by=ENGINE_STATED_BY), device=device, dtype=dtype,
+                         seed=0, builtin=True)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

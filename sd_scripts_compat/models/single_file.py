@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 # The original text-encoder layouts (a family's ``single_file_layout`` names one of them).
 LAYOUT_NAMES = {"sd1": "SD 1.x (CLIP-L text encoder)", "sd2": "SD 2.x (OpenCLIP-H text encoder)",
-                "sdxl": "SDXL (CLIP-L + OpenCLIP-bigG text encoders)"}
+                "sdxl": "SDXL (CLIP-L + OpenCLIP-bigG text encoders)", "flux": "a FLUX.1 transformer (BFL layout)"}
 
 
 # ----------------------------------------------------------------------------------------- writing

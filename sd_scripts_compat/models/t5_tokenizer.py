@@ -1,8 +1,9 @@
 """The T5 tokenizer FLUX needs, read only from local files (sd-scripts downloads google/t5-v1_1-xxl's; we never do).
 
 Where it comes from, first hit wins: the ``t5xxl_tokenizer`` option (a folder with tokenizer.json or
-spiece.model, or one of those files), a ``tokenizer_2/`` or ``t5_tokenizer/`` folder (or a tokenizer.json)
-beside the ``t5xxl`` file, a diffusers FLUX folder's ``tokenizer_2/``. A tiny family ships its own small
+spiece.model, or one of those files), a ``tokenizer_2/``, ``t5_tokenizer/`` or ``t5xxl_tokenizer/`` folder
+beside the ``t5xxl`` file, a diffusers FLUX folder's ``tokenizer_2/`` (a bare tokenizer.json or a
+``tokenizer/`` folder beside it is not taken: in FLUX folders those are CLIP's). A tiny family ships its own small
 SentencePiece-style (Unigram) tokenizer in ``data/tiny_t5_tokenizer`` so tests and demos run offline.
 ``train_unigram_t5_tokenizer`` made that file (and builds tokenizers in test fixtures).
 """
@@ -17,7 +18,7 @@ from typing import Any
 from sd_scripts_compat.errors import UserError
 
 TINY_T5_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny_t5_tokenizer"
-BESIDE_NAMES = ("tokenizer_2", "t5_tokenizer", "t5xxl_tokenizer", "tokenizer")  # folders looked for beside t5xxl
+BESIDE_NAMES = ("tokenizer_2", "t5_tokenizer", "t5xxl_tokenizer")  # folders looked for beside the t5xxl file
 TOKENIZER_FILES = ("tokenizer.json", "spiece.model")
 T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
@@ -39,8 +40,6 @@ def find_t5_tokenizer(option: str | os.PathLike[str] | None, t5xxl: str | os.Pat
     if t5xxl:
         beside = Path(t5xxl).expanduser().parent
         places += [beside / name for name in BESIDE_NAMES]
-        if (beside / "tokenizer.json").is_file():
-            return beside / "tokenizer.json"
     if model_folder:
         places.append(Path(model_folder) / "tokenizer_2")
     return next((place for place in places if place.is_dir() and _holds_tokenizer(place)), None)
@@ -53,18 +52,23 @@ def missing_tokenizer_message(t5xxl: str | os.PathLike[str] | None) -> str:
 
 
 def load_t5_tokenizer(source: str | os.PathLike[str], max_length: int) -> Any:
-    """A ``T5TokenizerFast`` from a folder, a tokenizer.json or a spiece.model, local files only."""
+    """A ``T5TokenizerFast`` from a folder holding tokenizer.json, or a tokenizer.json, local files only.
+
+    A spiece.model alone is refused: transformers 5 without sentencepiece silently builds a wrong
+    tokenizer from it (measured: a junk spiece.model "loads" with 104 tokens).
+    """
     from transformers import T5TokenizerFast
 
     path = Path(source)
+    if (path.is_dir() and not (path / "tokenizer.json").is_file()) or (path.is_file() and path.suffix != ".json"):
+        raise UserError(f"{path}: a T5 tokenizer is read from its tokenizer.json (a spiece.model alone cannot be "
+                        "read safely here); give FLUX.1-dev's tokenizer_2/ folder or its tokenizer.json")
     try:
         if path.is_dir():
             return T5TokenizerFast.from_pretrained(str(path), local_files_only=True, model_max_length=max_length)
-        if path.suffix == ".json":
-            return T5TokenizerFast(tokenizer_file=str(path), model_max_length=max_length, extra_ids=0,
-                                   eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
-        return T5TokenizerFast(vocab_file=str(path), model_max_length=max_length)
-    except (OSError, ValueError, TypeError, ImportError) as exc:
+        return T5TokenizerFast(tokenizer_file=str(path), model_max_length=max_length, extra_ids=0,
+                               eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+    except Exception as exc:  # the tokenizers library raises plain Exception for a malformed tokenizer.json
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"{path}: not a readable T5 tokenizer ({reason[:160]}); give FLUX.1-dev's tokenizer_2/ "
                         "folder or its tokenizer.json") from None

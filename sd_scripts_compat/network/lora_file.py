@@ -416,7 +416,7 @@ def build_metadata(family: FamilySpec, facts: TrainingFacts) -> dict[str, str]:
         "ss_max_train_steps": facts.max_train_steps,
         "ss_lr_warmup_steps": facts.lr_warmup_steps,
         "ss_lr_scheduler": facts.lr_scheduler,
-        "ss_network_module": NETWORK_MODULE,
+        "ss_network_module": family.network_module or NETWORK_MODULE,
         "ss_network_dim": facts.network_dim,
         "ss_network_alpha": facts.network_alpha,
         "ss_network_dropout": facts.network_dropout,
