@@ -98,7 +98,7 @@ def test_lora_scripts_sectioned_flux_config_is_accepted(tmp_path):
         "t5xxl": "/models/t5xxl_fp16.safetensors",
         "timestep_sampling": "sigmoid", "sigmoid_scale": 1.0, "model_prediction_type": "raw",
         "discrete_flow_shift": 1.0, "guidance_scale": 1.0, "loss_type": "l2", "resolution": "768,768",
-        "network_module": "networks.lora", "network_dim": 16, "network_alpha": 8, "network_train_unet_only": True,
+        "network_module": "networks.lora_flux", "network_dim": 16, "network_alpha": 8, "network_train_unet_only": True,
         "cache_text_encoder_outputs": True, "cache_text_encoder_outputs_to_disk": True, "fp8_base": True,
         "mixed_precision": "bf16", "sdpa": True, "gradient_checkpointing": True, "optimizer_type": "AdamW8bit",
         "learning_rate": 1e-4, "lr_scheduler": "cosine_with_restarts", "lr_scheduler_num_cycles": 1,
@@ -111,6 +111,9 @@ def test_lora_scripts_sectioned_flux_config_is_accepted(tmp_path):
     path.write_text(toml.dumps(sections), encoding="utf-8")
     cfg = load_training_config(["--config_file", str(path)], script=FLUX)
     assert cfg.ae == "/models/ae.safetensors" and cfg.timestep_sampling == "sigmoid" and cfg.fp8_base
+    assert cfg.network_module == "networks.lora_flux" and load(tmp_path, {}).network_module == "networks.lora_flux"
+    assert "networks.lora_flux" in error_of(tmp_path, {"network_module": "networks.lora"})
+    assert "networks.lora" in error_of(tmp_path, {"network_module": "networks.lora_flux"}, script="train_network")
     assert any("model_train_type" in w for w in cfg.warnings)
 
 

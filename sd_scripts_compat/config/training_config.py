@@ -131,6 +131,10 @@ KOHYA_ONLY_OPTIMIZERS = ("SGDNesterov", "SGDNesterov8bit", "DAdaptation", "DAdap
                          "RAdamScheduleFree", "SGDScheduleFree")
 KOHYA_ONLY_SCHEDULERS = ("inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
 SUPPORTED_NETWORK_MODULES = ("networks.lora",)
+# kohya's network module per entry point (its FLUX script trains networks.lora_flux), the first one the default
+NETWORK_MODULES: dict[str, tuple[str, ...]] = {"train_network": SUPPORTED_NETWORK_MODULES,
+                                               "sdxl_train_network": SUPPORTED_NETWORK_MODULES,
+                                               "flux_train_network": ("networks.lora_flux",)}
 SUPPORTED_LOG_WITH = (None, "tensorboard")
 
 # Lower bounds that sd-scripts assumes without checking (0 batch size, clip_skip 0 = embeddings, ...).
@@ -535,11 +539,12 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
         raise UserError(f"{where('lr_scheduler')}: 'constant' does not take lr_warmup_steps "
                         f"({out['lr_warmup_steps']!r}); use 'constant_with_warmup' or set lr_warmup_steps = 0")
 
+    modules = NETWORK_MODULES[script]
     if out["network_module"] is None:
-        out["network_module"] = "networks.lora"
-    if out["network_module"] not in SUPPORTED_NETWORK_MODULES:
-        raise UserError(f"{where('network_module')}: {out['network_module']!r} is not supported; this engine "
-                        f"trains {', '.join(SUPPORTED_NETWORK_MODULES)}")
+        out["network_module"] = modules[0]
+    if out["network_module"] not in modules:
+        raise UserError(f"{where('network_module')}: {out['network_module']!r} is not supported by {script}; "
+                        f"this engine trains {', '.join(modules)} there")
     if out["network_dim"] is None:
         out["network_dim"] = 4
     out["network_alpha"] = float(out["network_alpha"])
