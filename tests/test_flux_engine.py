@@ -122,3 +122,14 @@ def test_text_cache_file_keeps_the_t5_mask(tmp_path):
     _save_text(path, entry, {"format": "test"})
     back = read_text_file(path)
     assert torch.equal(back.attention_mask, entry.attention_mask) and torch.equal(back.pooled, entry.pooled)
+
+
+def test_autotune_train_routes_a_flux_config_to_the_flux_engine(tmp_path):
+    """``autotune train config.toml`` picks the entry point from the model's family (kohya_script)."""
+    config = tmp_path / "config.toml"
+    config.write_text(toml.dumps(base_config(tmp_path, max_train_steps=2, train_batch_size=1)), encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "autotune", "train", str(config)], capture_output=True, text=True,
+                            cwd=ROOT, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, metadata = read_lora_file(tmp_path / "out" / "flux.safetensors")
+    assert metadata["ss_base_model_version"] == "flux1" and metadata["ss_steps"] == "2"
