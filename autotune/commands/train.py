@@ -1,7 +1,8 @@
 """Train with a kohya config: ``autotune train config.toml [--dataset_config d.toml] [kohya flags]``.
 
 The same as ``python -m sd_scripts_compat.train_network`` (or ``sdxl_train_network`` /
-``flux_train_network``), picking the entry point from the model's family, so a config that works with sd-scripts runs here unchanged.
+``flux_train_network``), picking the entry point from the model's family, so a config that works with
+sd-scripts runs here unchanged.
 ``--engine sd-scripts=PATH [--python PY]`` (anywhere after CONFIG) runs the user's own sd-scripts
 instead, after checking that it imports and knows every option of the config.
 """
