@@ -133,3 +133,27 @@ def test_autotune_train_routes_a_flux_config_to_the_flux_engine(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     _, metadata = read_lora_file(tmp_path / "out" / "flux.safetensors")
     assert metadata["ss_base_model_version"] == "flux1" and metadata["ss_steps"] == "2"
+
+
+@pytest.mark.slow
+def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path):
+    """``autotune run`` on a FLUX model: the planner's FLUX config is read with the FLUX script's rules and
+    trained by flux_train_network under the watchdog, ending in a kohya FLUX LoRA and the run's report."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path / "data" / "2_toy"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "autotune", "run", str(folder.parent), "--model", "builtin:tiny-flux",
+                             "--out", str(out), "--epochs", "1"], capture_output=True, text=True,
+                            cwd=tmp_path, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "flux_train_network" in result.stdout and "bottleneck:" in result.stdout
+    lora = next(p for p in (out / "output").glob("*.safetensors") if "-0" not in p.name)
+    _, metadata = read_lora_file(lora)
+    assert metadata["ss_base_model_version"] == "flux1" and metadata["modelspec.architecture"] == "flux-1-dev/lora"
