@@ -149,9 +149,9 @@ def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path):
         Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
         (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "autotune", "run", str(folder.parent), "--model", "builtin:tiny-flux",
-                             "--out", str(out), "--epochs", "1"], capture_output=True, text=True,
-                            cwd=tmp_path, env=ENV, timeout=600)
+    command = [sys.executable, "-m", "autotune", "run", str(folder.parent), "--model", "builtin:tiny-flux",
+               "--out", str(out), "--epochs", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flux_train_network" in result.stdout and "bottleneck:" in result.stdout
     lora = next(p for p in (out / "output").glob("*.safetensors") if "-0" not in p.name)
