@@ -1,7 +1,8 @@
 """kohya-compatible LoRA training: ``python -m sd_scripts_compat.train_network --config_file config.toml``.
 
-The same flags as sd-scripts' ``train_network.py`` (and ``sdxl_train_network.py``, which calls
-``main(sdxl=True)``). This module is only the entry point: the run itself reads top to bottom in
+The same flags as sd-scripts' ``train_network.py`` (and ``sdxl_train_network.py`` / ``flux_train_network.py``,
+which call ``main(sdxl=True)`` / ``main(script="flux_train_network")``). This module is only the entry
+point: the run itself reads top to bottom in
 ``sd_scripts_compat.training.recipe.train``.
 
 Extension flags (ours, command line only): ``--autotune_events_dir``, ``--save_state_every_seconds``,
@@ -15,7 +16,7 @@ import sys
 from sd_scripts_compat.errors import UserError, one_line
 
 
-def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
+def main(argv: list[str] | None = None, *, sdxl: bool = False, script: str | None = None) -> int:
     """Read the configuration, train, and turn bad input into one line on stderr (exit code 2).
 
     A full disk anywhere (a save, a cache, an event) is one line too, with its own exit code
@@ -23,10 +24,11 @@ def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
     SIGTERM are handled from the first line on (``training.stopping``): before the training loop they stop
     at once with one line (nothing to save), in it at the next step boundary with the state saved.
     """
+    from sd_scripts_compat.config.kohya_args import script_name
     from sd_scripts_compat.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
     from sd_scripts_compat.training.stopping import StopSignals
 
-    program = "sdxl_train_network" if sdxl else "train_network"
+    program = script_name(sdxl=sdxl, script=script)
     with StopSignals.installed() as stops:
         try:
             from sd_scripts_compat.config.training_config import load_training_config
@@ -34,8 +36,8 @@ def main(argv: list[str] | None = None, *, sdxl: bool = False) -> int:
             from sd_scripts_compat.training.recipe import train
 
             silence_harmless_library_messages()
-            config = load_training_config(sys.argv[1:] if argv is None else argv, sdxl=sdxl)
-            return train(config, sdxl=sdxl)
+            config = load_training_config(sys.argv[1:] if argv is None else argv, script=program)
+            return train(config, sdxl=config.sdxl)
         except UserError as error:
             print(f"{program}: error: {one_line(error)}", file=sys.stderr)
             return error.exit_code

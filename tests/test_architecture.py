@@ -134,7 +134,7 @@ def test_importing_the_entry_point_and_every_engine_module_loads_no_autotune_mod
 CONFIG_NAMES = ("config", "cfg")  # what the engine calls a TrainingConfig
 # Keys whose only correct handling is a check in the config reader: the engine does one thing (trains
 # networks.lora, writes safetensors) and any other value is an error there; config_file is the file itself.
-CHECKED_BY_THE_READER = {"network_module", "save_model_as", "config_file"}
+CHECKED_BY_THE_READER = {"network_module", "save_model_as", "config_file", "model_type", "split_mode"}
 
 
 def config_reads(source: str) -> set[str]:
@@ -180,7 +180,8 @@ def test_every_implemented_option_is_read_by_the_engine():
         read |= config_reads(path.read_text(encoding="utf-8"))
     reader = (ENGINE / "config" / "training_config.py").read_text(encoding="utf-8")
     in_normalize = literals_in_function(reader, "_normalize")
-    in_reader = in_normalize | literals_in_function(reader, "load_training_config")
+    in_reader = in_normalize | literals_in_function(reader, "load_training_config") | \
+        literals_in_function(reader, "_normalize_flux")
     read |= ALIASES & in_normalize  # deprecated spellings are mapped to their keys there
     read |= CHECKED_BY_THE_READER & in_reader
     unread = sorted(IMPLEMENTED - read)

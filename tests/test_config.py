@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sd_scripts_compat.config.kohya_args import ARGS_TSV, build_argparser, load_arg_specs
+from sd_scripts_compat.config.kohya_args import ARGS_TSV, arg_specs, build_argparser, load_arg_specs
 from sd_scripts_compat.config.training_config import (
     ALIASES,
     IMPLEMENTED,
@@ -54,7 +54,7 @@ def test_shipped_table_is_the_reference_list():
 
 def test_table_defaults_and_choices_are_python_values():
     specs = load_arg_specs()
-    assert len(specs) == 196
+    assert len(specs) == 215  # sd-scripts' 196 options of train_network / sdxl_train_network + FLUX.1's 19
     assert specs["learning_rate"].default == 2e-06 and specs["learning_rate"].kind == "float"
     assert specs["caption_extension"].default == ".caption"
     assert specs["max_train_steps"].default == 1600
@@ -65,6 +65,7 @@ def test_table_defaults_and_choices_are_python_values():
     assert specs["network_args"].is_list and specs["text_encoder_lr"].kind == "float[nargs=*]"
     assert {name for name, spec in specs.items() if spec.sdxl_only} == {
         "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "disable_mmap_load_safetensors"}
+    assert len(arg_specs(sdxl=True)) == 196 and len(arg_specs(script="flux_train_network")) == 215
 
 
 def test_argparser_has_kohya_names_kinds_and_defaults():
@@ -256,7 +257,8 @@ def test_sdxl_only_keys_are_errors_for_the_sd1_entry_point(tmp_path):
     assert cfg.cache_text_encoder_outputs and cfg.sdxl
     # at its default value an SDXL-only key changes nothing on SD1: a warning, not an error
     cfg = load(write(tmp_path, "cache_text_encoder_outputs = false\n"))
-    assert cfg.cache_text_encoder_outputs is False and "SDXL-only option ignored" in cfg.warnings[0]
+    assert cfg.cache_text_encoder_outputs is False and "only for SDXL / FLUX.1" in cfg.warnings[0]
+    assert "ignored by train_network" in cfg.warnings[0]
 
 
 def test_sd_scripts_consistency_rules(tmp_path):

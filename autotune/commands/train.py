@@ -1,7 +1,8 @@
 """Train with a kohya config: ``autotune train config.toml [--dataset_config d.toml] [kohya flags]``.
 
-The same as ``python -m sd_scripts_compat.train_network`` (or ``sdxl_train_network``), picking the
-entry point from the model's family, so a config that works with sd-scripts runs here unchanged.
+The same as ``python -m sd_scripts_compat.train_network`` (or ``sdxl_train_network`` /
+``flux_train_network``), picking the entry point from the model's family, so a config that works with
+sd-scripts runs here unchanged.
 ``--engine sd-scripts=PATH [--python PY]`` (anywhere after CONFIG) runs the user's own sd-scripts
 instead, after checking that it imports and knows every option of the config.
 """
@@ -43,21 +44,23 @@ def own_options(kohya_args: list[str]) -> tuple[dict[str, str], list[str]]:
     return ours, rest
 
 
-def is_sdxl(model: str, config: Path, kohya_args: list[str]) -> bool:
-    """Whether the model is SDXL (which engine entry point trains it). A pickle checkpoint's family cannot be
-    read from a header: without ``--allow_pickle`` it is the engine's one-line refusal now, with it the file's
-    keys are read (the engine loads it again; pickles are the slow path)."""
+def engine_script(model: str, config: Path, kohya_args: list[str]) -> str:
+    """The engine entry point that trains the model (its family's ``kohya_script``: train_network,
+    sdxl_train_network or flux_train_network). A pickle checkpoint's family cannot be read from a header:
+    without ``--allow_pickle`` it is the engine's one-line refusal now, with it the file's keys are read (the
+    engine loads it again; pickles are the slow path)."""
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES, detect_layout, read_checkpoint
     from sd_scripts_compat.models.detect import detect_family
 
     if Path(model).suffix.lower() not in PICKLE_SUFFIXES or not Path(model).is_file():
-        return detect_family(model).is_sdxl
+        return detect_family(model).kohya_script.removesuffix(".py")
     if "--allow_pickle" not in kohya_args and flat_values(read_toml(config)).get("allow_pickle") is not True:
         raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; convert it to "
                         ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
-    return detect_layout(read_checkpoint(model, allow_pickle=True, header_only=True)) == "sdxl"
+    layout = detect_layout(read_checkpoint(model, allow_pickle=True, header_only=True))
+    return "sdxl_train_network" if layout == "sdxl" else "train_network"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,4 +81,4 @@ def run(args: argparse.Namespace) -> int:
                                      kohya_args=kohya_args)
     from sd_scripts_compat.train_network import main
 
-    return main(["--config_file", str(config), *kohya_args], sdxl=is_sdxl(model, config, kohya_args))
+    return main(["--config_file", str(config), *kohya_args], script=engine_script(model, config, kohya_args))

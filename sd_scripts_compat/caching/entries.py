@@ -38,7 +38,8 @@ class LatentEntry:
 @dataclass
 class TextEntry:
     encoder_hidden_states: torch.Tensor  # (tokens, features)
-    pooled: torch.Tensor | None = None  # SDXL text_embeds
+    pooled: torch.Tensor | None = None  # SDXL text_embeds; FLUX.1's pooled CLIP-L output
+    attention_mask: torch.Tensor | None = None  # FLUX.1's T5 mask (tokens,)
 
 
 def latent_cache_path(record: CachedImage, cache_dir: Path | None = None) -> Path:
@@ -79,4 +80,4 @@ def read_text_file(path: Path) -> TextEntry:
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
-    return TextEntry(tensors["encoder_hidden_states"], tensors.get("pooled"))
+    return TextEntry(tensors["encoder_hidden_states"], tensors.get("pooled"), tensors.get("attention_mask"))

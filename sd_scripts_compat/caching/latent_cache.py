@@ -81,8 +81,15 @@ def offload(module: Any, device: str = "cpu") -> None:
         torch.cuda.empty_cache()
 
 
+def latent_factors(vae: Any) -> dict[str, float]:
+    """The VAE's latent transform as :func:`encode_images` keywords: ``(z - shift_factor) * scaling_factor``
+    (FLUX's 16-channel AE has a shift; the SD VAEs have none)."""
+    return {"scaling_factor": float(vae.config.scaling_factor),
+            "shift_factor": float(getattr(vae.config, "shift_factor", None) or 0.0)}
+
+
 def encode_images(vae: Any, images: torch.Tensor, *, scaling_factor: float,
-                  noise_seeds: list[int] | None = None) -> torch.Tensor:
+                  noise_seeds: list[int] | None = None, shift_factor: float = 0.0) -> torch.Tensor:
     """Images (B,3,H,W in [-1,1]) -> scaled latents (float32, on the VAE's device).
 
     The posterior sample is ``mean + std * noise``; with ``noise_seeds`` each image's noise comes
@@ -99,13 +106,15 @@ def encode_images(vae: Any, images: torch.Tensor, *, scaling_factor: float,
     else:
         noise = torch.stack([torch.randn(mean.shape[1:], generator=torch.Generator().manual_seed(s))
                              for s in noise_seeds]).to(mean.device)
-    return (mean + std * noise) * scaling_factor
+    sample = mean + std * noise
+    return (sample - shift_factor) * scaling_factor if shift_factor else sample * scaling_factor
 
 
 def _expected_metadata(dataset: TrainDataset, record: ImageRecord, vae_key: str, scaling_factor: float,
-                       flip: bool) -> dict[str, str]:
+                       flip: bool, shift_factor: float = 0.0) -> dict[str, str]:
     geometry = record.center_geometry()
-    return {
+    shift = {"shift_factor": repr(float(shift_factor))} if shift_factor else {}  # FLUX's AE only
+    return {**shift,
         "format": CACHE_FORMAT,
         "bucket": f"{geometry.bucket[0]}x{geometry.bucket[1]}",
         "resized_size": f"{geometry.resized_size[0]}x{geometry.resized_size[1]}",
@@ -163,6 +172,7 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype
             raise UserError(f"random_crop (subset {subset.image_dir}) cannot be used with cache_latents; "
                             "turn one of them off")
     factor = float(scaling_factor if scaling_factor is not None else vae.config.scaling_factor)
+    shift = latent_factors(vae)["shift_factor"]
     key = vae_key if vae_key is not None else vae_fingerprint(vae)
 
     pending: list[ImageRecord] = []
@@ -170,7 +180,7 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype
     for record in dataset.records:
         flip = dataset.subset_of(record).flip_aug
         if to_disk:
-            expected = _expected_metadata(dataset, record, key, factor, flip)
+            expected = _expected_metadata(dataset, record, key, factor, flip, shift)
             path = latent_cache_path(record)
             if cache_dir is not None and not folder_writable(path.parent) \
                     and not _disk_cache_valid(path, record, expected):
@@ -204,27 +214,28 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype
             images = [resize_and_crop(load_image_rgb(r.path), g) for r, g in zip(batch, geometries)]
             seeds = [mix_seed("latent", str(r.path), r.bucket) for r in batch]
             latents = encode_images(vae, torch.stack([image_to_tensor(i) for i in images]),
-                                    scaling_factor=factor, noise_seeds=seeds).cpu()
+                                    scaling_factor=factor, shift_factor=shift, noise_seeds=seeds).cpu()
             flips = [dataset.subset_of(r).flip_aug for r in batch]
             flipped = None
             if any(flips):
                 mirrored = torch.stack([image_to_tensor(ImageOps.mirror(i)) for i in images])
-                flipped = encode_images(vae, mirrored, scaling_factor=factor,
+                flipped = encode_images(vae, mirrored, scaling_factor=factor, shift_factor=shift,
                                         noise_seeds=[mix_seed("latent-flip", s) for s in seeds]).cpu()
             for i, record in enumerate(batch):
                 mirrored_latents = flipped[i].clone() if flips[i] and flipped is not None else None
                 entry = LatentEntry(latents[i].clone(), mirrored_latents)
                 if to_disk:
-                    _save_entry(dataset, record, entry, key, factor, flips[i], dataset.latent_files[record.index])
+                    _save_entry(dataset, record, entry, key, factor, flips[i], dataset.latent_files[record.index],
+                                shift)
                 else:
                     dataset.latents[record.index] = entry
     return CacheStats(encoded=len(pending), reused=reused)
 
 
 def _save_entry(dataset: TrainDataset, record: ImageRecord, entry: LatentEntry, vae_key: str, factor: float,
-                flip: bool, path: Path) -> None:
+                flip: bool, path: Path, shift: float = 0.0) -> None:
     stat = record.path.stat()
-    metadata = _expected_metadata(dataset, record, vae_key, factor, flip)
+    metadata = _expected_metadata(dataset, record, vae_key, factor, flip, shift)
     metadata.update(image_bytes=str(stat.st_size), image_mtime_ns=str(stat.st_mtime_ns),
                     image_sha256=file_sha256(record.path))
     tensors = {"latents": entry.latents}

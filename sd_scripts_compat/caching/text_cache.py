@@ -52,6 +52,8 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
     tensors = {"encoder_hidden_states": entry.encoder_hidden_states.contiguous()}
     if entry.pooled is not None:
         tensors["pooled"] = entry.pooled.contiguous()
+    if entry.attention_mask is not None:
+        tensors["attention_mask"] = entry.attention_mask.contiguous()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with disk_full_guard(path.parent, sum(t.numel() * t.element_size() for t in tensors.values()),
@@ -67,13 +69,15 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
                                batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
                                clip_skip: int | None = None, is_main_process: bool = True,
-                               cache_dir: Path | None = None) -> CacheStats:
+                               cache_dir: Path | None = None, encode: Any = None, variant: str = "") -> CacheStats:
     """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
     the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
     shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
     are encoded once. Disk files ``<image name>.te.safetensors`` record the caption, the encoders'
     fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ; those of
-    images in a folder we cannot write to go under ``cache_dir`` (when given)."""
+    images in a folder we cannot write to go under ``cache_dir`` (when given). ``encode(captions)`` replaces
+    ``encode_prompts`` where the run encodes its own way (FLUX.1: ``max_token_length`` is then T5's length);
+    ``variant`` names what else changes the outputs (FLUX.1: the T5 mask), so a file made without it is rebuilt."""
     import torch
 
     for subset in dataset.subsets:
@@ -81,8 +85,8 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
         if key_name is not None:
             raise UserError(f"{key_name} (subset {subset.image_dir}) makes captions change every step, so text "
                             "encoder outputs cannot be cached; turn off one of them")
-    length = check_max_token_length(max_token_length)
-    te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders)
+    length = check_max_token_length(max_token_length) if encode is None else max_token_length
+    te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders) + variant
     captions = {r.index: process_caption(r.caption, dataset.subset_of(r), random.Random(0)) for r in dataset.records}
 
     pending: list[ImageRecord] = []
@@ -112,10 +116,13 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     with torch.no_grad():
         for start in range(0, len(unique), max(1, batch_size)):
             chunk = unique[start: start + max(1, batch_size)]
-            out = encode_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
+            out = encode(chunk) if encode is not None else \
+                encode_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
             for i, caption in enumerate(chunk):
                 pooled = out.pooled[i].cpu().clone() if out.pooled is not None else None
-                encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled)
+                mask = getattr(out, "attention_mask", None)
+                mask = mask[i].cpu().clone() if mask is not None else None
+                encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled, mask)
     for record in pending:
         entry = encoded[captions[record.index]]
         if to_disk:

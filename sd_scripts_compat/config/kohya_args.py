@@ -1,9 +1,11 @@
-"""sd-scripts' command-line options as data: names, kinds, defaults and choices.
+"""sd-scripts' command-line options as data: names, kinds, defaults and choices, per training script.
 
 ``data/kohya_train_network_args.tsv`` lists every option that sd-scripts' ``train_network.py`` and
-``sdxl_train_network.py`` accept (a copy of the reference list). Everything that needs kohya's
+``sdxl_train_network.py`` accept, ``data/kohya_flux_train_network_args.tsv`` every option of
+``flux_train_network.py`` (copies of the reference lists, in one notation). Everything that needs kohya's
 argument names -- the argparse parser of our entry points, the TOML reader, config generators --
-reads this table instead of repeating it, so the names cannot drift apart.
+reads these tables instead of repeating them, so the names cannot drift apart. Which table (and
+which of its script-only rows) an entry point accepts is :data:`SCRIPTS`, data too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,36 @@ from typing import Any
 
 from sd_scripts_compat.errors import UserError
 
-ARGS_TSV = Path(__file__).resolve().parents[1] / "data" / "kohya_train_network_args.tsv"
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+ARGS_TSV = DATA_DIR / "kohya_train_network_args.tsv"
+FLUX_ARGS_TSV = DATA_DIR / "kohya_flux_train_network_args.tsv"
+
+
+@dataclass(frozen=True)
+class TrainingScript:
+    """One sd-scripts entry point: its option table and whether it takes the table's script-only rows."""
+
+    name: str  # "train_network", "sdxl_train_network", "flux_train_network"
+    table: Path
+    takes_only_rows: bool  # the last column ("sdxl_only" / "flux_only") marks rows only this script takes
+    models: str  # what it trains, for messages
+
+
+SCRIPTS: dict[str, TrainingScript] = {script.name: script for script in (
+    TrainingScript("train_network", ARGS_TSV, False, "SD 1.x/2.x"),
+    TrainingScript("sdxl_train_network", ARGS_TSV, True, "SDXL"),
+    TrainingScript("flux_train_network", FLUX_ARGS_TSV, True, "FLUX.1"),
+)}
+
+
+def script_name(*, sdxl: bool = False, script: str | None = None) -> str:
+    """The entry point meant: ``script`` when given, else SD 1.x/2.x or SDXL by the older ``sdxl`` flag."""
+    if script is None:
+        return "sdxl_train_network" if sdxl else "train_network"
+    if script not in SCRIPTS:
+        raise ValueError(f"unknown training script {script!r}; known: {', '.join(SCRIPTS)}")
+    return script
+
 
 # The kinds used in the table, and what argparse does with each.
 KINDS = ("store_true", "int", "float", "str", "Path", "int_or_float", "str[nargs=*]", "float[nargs=*]")
@@ -32,7 +63,12 @@ class ArgSpec:
     kind: str
     default: Any
     choices: tuple[Any, ...] | None
-    sdxl_only: bool
+    scripts: tuple[str, ...]  # the entry points that accept it (SCRIPTS' names)
+
+    @property
+    def sdxl_only(self) -> bool:
+        """Accepted by SDXL's script but not SD 1.x/2.x's (cache_text_encoder_outputs, ...)."""
+        return "sdxl_train_network" in self.scripts and "train_network" not in self.scripts
 
     @property
     def is_list(self) -> bool:
@@ -70,30 +106,51 @@ def _scalar_from_text(kind: str, text: str) -> Any:
     if kind == "int_or_float":
         value = ast.literal_eval(text)
         return value
-    raise ValueError(f"unknown kind {kind!r} in {ARGS_TSV.name}")
+    raise ValueError(f"unknown kind {kind!r} in an option table")
 
 
-def _row_to_spec(row: dict[str, str]) -> ArgSpec:
+def _row_to_spec(row: dict[str, str], table: Path, only: bool) -> tuple[str, Any, tuple[Any, ...] | None, bool]:
     kind = row["kind"]
     if kind not in KINDS:
-        raise ValueError(f"{ARGS_TSV.name}: option {row['name']!r} has unknown kind {kind!r}")
+        raise ValueError(f"{table.name}: option {row['name']!r} has unknown kind {kind!r}")
     default = _scalar_from_text(kind, row["default"])
     choices_text = row["choices"].strip()
     choices = tuple(_scalar_from_text(kind, c) for c in choices_text.split("|")) if choices_text else None
-    return ArgSpec(name=row["name"], kind=kind, default=default, choices=choices, sdxl_only=row["sdxl_only"] == "yes")
+    return kind, default, choices, only
+
+
+@lru_cache(maxsize=4)
+def _read_table(table: Path) -> dict[str, tuple[Any, ...]]:
+    """One table: name -> (kind, default, choices, script-only), in its order."""
+    with table.open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle, delimiter="\t")
+        only_column = (reader.fieldnames or [])[-1]
+        return {row["name"]: _row_to_spec(row, table, row[only_column] == "yes") for row in reader}
 
 
 @lru_cache(maxsize=1)
 def load_arg_specs() -> dict[str, ArgSpec]:
-    """All sd-scripts options by name, in the table's order (cached: the table never changes at run time)."""
-    with ARGS_TSV.open(encoding="utf-8", newline="") as handle:
-        rows = list(csv.DictReader(handle, delimiter="\t"))
-    return {row["name"]: _row_to_spec(row) for row in rows}
+    """Every option any of our entry points accepts, by name (cached: the tables never change at run time)."""
+    accepted: dict[str, list[str]] = {}
+    facts: dict[str, tuple[Any, ...]] = {}
+    for script in SCRIPTS.values():
+        for name, row in _read_table(script.table).items():
+            if script.takes_only_rows or not row[3]:
+                accepted.setdefault(name, []).append(script.name)
+                facts.setdefault(name, row)
+    return {name: ArgSpec(name=name, kind=kind, default=default, choices=choices, scripts=tuple(accepted[name]))
+            for name, (kind, default, choices, _) in facts.items()}
 
 
-def arg_specs(*, sdxl: bool) -> dict[str, ArgSpec]:
-    """The options one entry point accepts: SDXL-only ones only for ``sdxl_train_network``."""
-    return {name: spec for name, spec in load_arg_specs().items() if sdxl or not spec.sdxl_only}
+def arg_specs(*, sdxl: bool = False, script: str | None = None) -> dict[str, ArgSpec]:
+    """The options one entry point accepts (``script``, or SD 1.x/2.x / SDXL by ``sdxl``)."""
+    name = script_name(sdxl=sdxl, script=script)
+    return {option: spec for option, spec in load_arg_specs().items() if name in spec.scripts}
+
+
+def scripts_text(spec: ArgSpec) -> str:
+    """``"SDXL / FLUX.1 (sdxl_train_network, flux_train_network)"``: who takes an option, for messages."""
+    return (" / ".join(SCRIPTS[s].models for s in spec.scripts) + f" ({', '.join(spec.scripts)})")
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -103,21 +160,24 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         raise UserError(f"command line: {message}")
 
 
-def build_argparser(sdxl: bool, *, suppress_defaults: bool = False) -> argparse.ArgumentParser:
+def build_argparser(sdxl: bool = False, *, script: str | None = None, every_script: bool = False,
+                    suppress_defaults: bool = False) -> argparse.ArgumentParser:
     """argparse parser with kohya's option names, kinds, defaults and choices.
 
     ``suppress_defaults=True`` leaves options that were not typed out of the namespace, which is how
     the config reader tells "given on the command line" (overrides the TOML) from "default" (does not).
-    Abbreviations are off: ``--learning`` must not silently mean ``--learning_rate``.
+    Abbreviations are off: ``--learning`` must not silently mean ``--learning_rate``. ``every_script``
+    takes the options of all entry points (the config reader then names the one an option belongs to).
     """
+    name = script_name(sdxl=sdxl, script=script)
     parser = _OneLineErrorParser(
-        prog="sdxl_train_network" if sdxl else "train_network",
+        prog=name,
         description="LoRA training with sd-scripts' options (kohya-compatible).",
         allow_abbrev=False,
     )
     type_of = {"int": int, "float": float, "str": str, "Path": Path, "int_or_float": int_or_float,
                "str[nargs=*]": str, "float[nargs=*]": float}
-    for spec in arg_specs(sdxl=sdxl).values():
+    for spec in (load_arg_specs() if every_script else arg_specs(script=name)).values():
         default = argparse.SUPPRESS if suppress_defaults else spec.default
         if spec.kind == "store_true":
             parser.add_argument(f"--{spec.name}", action="store_true", default=default)

@@ -207,6 +207,7 @@ def resolved_settings(config: TrainingConfig, dataset: DatasetSpec) -> TrainSett
         max_grad_norm=float(config.max_grad_norm or 0.0),
         full_fp16=bool(config.full_fp16),
         full_bf16=bool(config.full_bf16),
+        blocks_to_swap=int(config.blocks_to_swap or 0),
     )
 
 
@@ -227,12 +228,14 @@ class ResolvedRun:
     settings: TrainSettings
 
 
-def settings_from_files(config_path: str | Path, dataset_config_path: str | Path | None, *, sdxl: bool,
+def settings_from_files(config_path: str | Path, dataset_config_path: str | Path | None, *, sdxl: bool = False,
+                        script: str | None = None,
                         default_resolution: tuple[int, int] | None = None) -> ResolvedRun:
     """Read config.toml (+ dataset.toml) with the engine's own reader, exactly as a training run will.
 
     The reader's warnings are not shown here (the engine shows them when it starts); its errors are
-    the engine's one-line errors, raised now rather than after a model has loaded.
+    the engine's one-line errors, raised now rather than after a model has loaded. ``script`` names the
+    entry point (``"flux_train_network"``); without it ``sdxl`` chooses SD 1.x/2.x or SDXL.
     """
     from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
 
@@ -245,7 +248,7 @@ def settings_from_files(config_path: str | Path, dataset_config_path: str | Path
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        config = load_training_config(argv, sdxl=sdxl)
+        config = load_training_config(argv, sdxl=sdxl, script=script)
         group = dataset_group_from_config(config, default_resolution=default_resolution)
     finally:
         for logger, level in zip(loggers, levels):

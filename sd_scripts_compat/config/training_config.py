@@ -22,7 +22,7 @@ from typing import Any
 
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec
-from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs
+from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs, script_name, scripts_text
 from sd_scripts_compat.config.kohya_toml import flatten, read_toml
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.training.optim import OPTIMIZERS, SCHEDULERS
@@ -118,6 +118,10 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "min_timestep", "max_timestep",
     # deprecated kohya spellings, mapped as sd-scripts maps them
     "caption_extention", "use_8bit_adam", "use_lion_optimizer",
+    # FLUX.1 (flux_train_network): model files, text encoding, the flow-matching objective, block swap
+    "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
+    "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift", "weighting_scheme",
+    "logit_mean", "logit_std", "mode_scale", "blocks_to_swap", "model_type", "split_mode",
 })
 ALIASES = frozenset({"caption_extention", "use_8bit_adam", "use_lion_optimizer"})
 
@@ -127,6 +131,10 @@ KOHYA_ONLY_OPTIMIZERS = ("SGDNesterov", "SGDNesterov8bit", "DAdaptation", "DAdap
                          "RAdamScheduleFree", "SGDScheduleFree")
 KOHYA_ONLY_SCHEDULERS = ("inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
 SUPPORTED_NETWORK_MODULES = ("networks.lora",)
+# kohya's network module per entry point (its FLUX script trains networks.lora_flux), the first one the default
+NETWORK_MODULES: dict[str, tuple[str, ...]] = {"train_network": SUPPORTED_NETWORK_MODULES,
+                                               "sdxl_train_network": SUPPORTED_NETWORK_MODULES,
+                                               "flux_train_network": ("networks.lora_flux",)}
 SUPPORTED_LOG_WITH = (None, "tensorboard")
 
 # Lower bounds that sd-scripts assumes without checking (0 batch size, clip_skip 0 = embeddings, ...).
@@ -137,7 +145,8 @@ MIN_VALUES: dict[str, float] = {
     "save_every_n_epochs": 1, "save_every_n_steps": 1, "save_last_n_epochs": 1, "save_last_n_steps": 1,
     "save_last_n_epochs_state": 1, "save_last_n_steps_state": 1, "sample_every_n_steps": 1,
     "sample_every_n_epochs": 1, "validate_every_n_steps": 1, "validate_every_n_epochs": 1,
-    "max_validation_steps": 1, "clip_skip": 1, "caption_dropout_every_n_epochs": 0, "token_warmup_min": 0,
+    "max_validation_steps": 1, "clip_skip": 1, "blocks_to_swap": 0, "t5xxl_max_token_length": 1,
+    "caption_dropout_every_n_epochs": 0, "token_warmup_min": 0,
     "token_warmup_step": 0, "learning_rate": 0, "unet_lr": 0, "max_grad_norm": 0, "prior_loss_weight": 0,
     "network_alpha": 0, "noise_offset": 0, "min_snr_gamma": 0, "caption_dropout_rate": 0,
     "caption_tag_dropout_rate": 0, "validation_split": 0, "lr_scheduler_power": 0,
@@ -283,14 +292,34 @@ class TrainingConfig:
     training_comment: str | None = None
     min_timestep: int | None = None
     max_timestep: int | None = None
+    # FLUX.1 (flux_train_network only; the other scripts keep these defaults)
+    clip_l: str | None = None
+    t5xxl: str | None = None
+    ae: str | None = None
+    t5xxl_max_token_length: int | None = None  # None: the model's (dev 512, schnell 256)
+    apply_t5_attn_mask: bool = False
+    guidance_scale: float = 3.5
+    timestep_sampling: str = "sigma"
+    sigmoid_scale: float = 1.0
+    model_prediction_type: str = "sigma_scaled"
+    discrete_flow_shift: float = 3.0
+    weighting_scheme: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    blocks_to_swap: int = 0  # kohya's None is 0 here
+    model_type: str = "flux"
+    split_mode: bool = False  # deprecated in sd-scripts: blocks_to_swap = 18
     # engine extensions (not kohya options; command line only, never written to kohya configs)
     allow_pickle: bool = False
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
     save_state_every_seconds: float | None = None
     autotune_monitor_seconds: float | None = None
+    t5xxl_tokenizer: str | None = None  # FLUX: a local T5 tokenizer (sd-scripts downloads one from the hub)
     # not kohya options: where the values came from
     sdxl: bool = False
+    script: str = "train_network"  # the entry point that read it (kohya_args.SCRIPTS)
     raw: dict[str, Any] = field(default_factory=dict)
     given: frozenset[str] = frozenset()
     warnings: tuple[str, ...] = ()
@@ -302,7 +331,7 @@ class TrainingConfig:
         return self.lr_warmup_steps
 
 
-META_FIELDS = frozenset({"sdxl", "raw", "given", "warnings"})
+META_FIELDS = frozenset({"sdxl", "script", "raw", "given", "warnings"})
 
 # Our own command-line flags: what the watchdog and users need beyond kohya's list.
 EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
@@ -312,6 +341,8 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "save_state_every_seconds": (float, "also save state when this many seconds passed since the last save"),
     "autotune_monitor_seconds": (float, "seconds between monitor.jsonl samples in the events folder (GPU, CPU, "
                                         "RAM; default 2, 0 = off)"),
+    "t5xxl_tokenizer": (str, "FLUX.1: a local T5 tokenizer folder or tokenizer.json (default: one beside the t5xxl "
+                             "file); nothing is downloaded"),
 }
 
 
@@ -448,7 +479,7 @@ def _resolve_name(value: str, supported: dict[str, str], kohya_only: tuple[str, 
     raise UserError(f"{where}: unknown {name} {value!r}; {hint}supported: {listing}")
 
 
-def _normalize(values: dict[str, Any], origins: _Origins, sdxl: bool, warnings: list[str]) -> dict[str, Any]:
+def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings: list[str]) -> dict[str, Any]:
     """Turn argparse-form values into TrainingConfig field values, checking what kohya checks (and more)."""
     out = {name: values[name] for name in IMPLEMENTED - ALIASES}
     where = origins.where
@@ -514,11 +545,12 @@ def _normalize(values: dict[str, Any], origins: _Origins, sdxl: bool, warnings: 
         raise UserError(f"{where('lr_scheduler')}: 'constant' does not take lr_warmup_steps "
                         f"({out['lr_warmup_steps']!r}); use 'constant_with_warmup' or set lr_warmup_steps = 0")
 
+    modules = NETWORK_MODULES[script]
     if out["network_module"] is None:
-        out["network_module"] = "networks.lora"
-    if out["network_module"] not in SUPPORTED_NETWORK_MODULES:
-        raise UserError(f"{where('network_module')}: {out['network_module']!r} is not supported; this engine "
-                        f"trains {', '.join(SUPPORTED_NETWORK_MODULES)}")
+        out["network_module"] = modules[0]
+    if out["network_module"] not in modules:
+        raise UserError(f"{where('network_module')}: {out['network_module']!r} is not supported by {script}; "
+                        f"this engine trains {', '.join(modules)} there")
     if out["network_dim"] is None:
         out["network_dim"] = 4
     out["network_alpha"] = float(out["network_alpha"])
@@ -535,7 +567,7 @@ def _normalize(values: dict[str, Any], origins: _Origins, sdxl: bool, warnings: 
         raise UserError(f"{where('full_fp16')}: needs mixed_precision = \"fp16\"")
     if out["full_bf16"] and out["mixed_precision"] != "bf16":
         raise UserError(f"{where('full_bf16')}: needs mixed_precision = \"bf16\"")
-    if sdxl and out["v2"]:
+    if script == "sdxl_train_network" and out["v2"]:
         raise UserError(f"{where('v2')}: v2 cannot be enabled for SDXL (sdxl_train_network)")
     if out["v_parameterization"] and not out["v2"]:
         warnings.append("v_parameterization is set without v2: only SD 2.x-v models are trained with it")
@@ -546,6 +578,9 @@ def _normalize(values: dict[str, Any], origins: _Origins, sdxl: bool, warnings: 
     if out["cache_text_encoder_outputs"] and not out["network_train_unet_only"]:
         raise UserError(f"{where('cache_text_encoder_outputs')}: cached text encoder outputs leave nothing to "
                         "train in the text encoders; also set network_train_unet_only = true")
+    out["blocks_to_swap"] = out["blocks_to_swap"] or 0  # kohya's None
+    if script == "flux_train_network":
+        _normalize_flux(out, where, warnings)
     if out["dataset_config"] is not None:
         for name in ("train_data_dir", "reg_data_dir"):
             if out[name]:
@@ -553,13 +588,42 @@ def _normalize(values: dict[str, Any], origins: _Origins, sdxl: bool, warnings: 
     return out
 
 
-def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
+FLUX_MAX_BLOCKS_TO_SWAP = 35  # sd-scripts' limit for FLUX.1 (17 of 19 double + 36 of 38 single blocks)
+
+
+def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+    """flux_train_network's own rules, as sd-scripts applies them (and chroma, which we do not train)."""
+    if out["model_type"] != "flux":
+        raise UserError(f"{where('model_type')}: {out['model_type']!r} models are not trained by this engine; "
+                        "remove model_type (FLUX.1 dev / schnell are)")
+    if out["fp8_base_unet"]:
+        out["fp8_base"] = True  # sd-scripts: fp8_base_unet implies fp8_base for FLUX.1
+    if out["split_mode"]:
+        if out["blocks_to_swap"]:
+            warnings.append(f"{where('split_mode')}: deprecated and ignored because blocks_to_swap is set")
+        else:
+            out["blocks_to_swap"] = 18
+            warnings.append(f"{where('split_mode')}: deprecated; blocks_to_swap = 18 is used instead")
+    if out["blocks_to_swap"] > FLUX_MAX_BLOCKS_TO_SWAP:
+        raise UserError(f"{where('blocks_to_swap')}: FLUX.1 swaps at most {FLUX_MAX_BLOCKS_TO_SWAP} blocks, "
+                        f"got {out['blocks_to_swap']}")
+    for name in ("sigmoid_scale", "discrete_flow_shift", "logit_std"):
+        if out[name] <= 0:
+            raise UserError(f"{where(name)}: must be above 0, got {out[name]!r}")
+    if out["max_token_length"] is not None:
+        warnings.append(f"{where('max_token_length')}: not used by FLUX.1 (t5xxl_max_token_length is)")
+
+
+def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | None = None) -> TrainingConfig:
     """Parse kohya-style arguments (``--config_file`` TOML + flags) into a checked TrainingConfig.
 
-    ``sdxl`` selects the entry point: SDXL-only options are an error for ``train_network``.
+    ``script`` (or ``sdxl`` for SDXL) selects the entry point (``kohya_args.SCRIPTS``): an option of
+    another entry point only (SDXL's, FLUX.1's) is an error naming the scripts that take it.
     """
+    script = script_name(sdxl=sdxl, script=script)
+    sdxl = script == "sdxl_train_network"
     specs = load_arg_specs()
-    parser = build_argparser(True, suppress_defaults=True)
+    parser = build_argparser(script=script, every_script=True, suppress_defaults=True)
     _add_extension_flags(parser)
     namespace, extras = parser.parse_known_args(argv)
     if extras:
@@ -570,8 +634,8 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
     cli = vars(namespace)
     extensions = {name: cli.pop(name) for name in list(cli) if name in EXTENSION_FLAGS}
     for name in cli:
-        if specs[name].sdxl_only and not sdxl:
-            raise UserError(f"command line: --{name} is only for SDXL; use sdxl_train_network")
+        if script not in specs[name].scripts:
+            raise UserError(f"command line: --{name} is only for {scripts_text(specs[name])}")
 
     warnings: list[str] = []
     origins = _Origins()
@@ -596,11 +660,11 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
                 raise UserError(f"{source}: unknown key {key!r}{section}{hint}")
             spec = specs[key]
             where = f"{source}: {key}{section}"
-            if spec.sdxl_only and not sdxl:
+            if script not in spec.scripts:
                 if not _is_inactive(spec, value):
-                    raise UserError(f"{where}: {key} is only for SDXL; remove it or use sdxl_train_network")
+                    raise UserError(f"{where}: {key} is only for {scripts_text(spec)}; remove it or use that script")
                 # at its default it changes nothing: configs shared between SD1 and SDXL runs stay usable
-                warnings.append(f"{where}: SDXL-only option ignored by train_network")
+                warnings.append(f"{where}: option only for {scripts_text(spec)} ignored by {script}")
                 continue
             if key == "config_file":
                 warnings.append(f"{where}: ignored inside a config file (only --config_file on the command line)")
@@ -623,10 +687,10 @@ def load_training_config(argv: list[str], *, sdxl: bool) -> TrainingConfig:
         if not _is_inactive(specs[name], raw[name]):
             warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
 
-    normalized = _normalize(values, origins, sdxl, warnings)
+    normalized = _normalize(values, origins, script, warnings)
     for message in warnings:
         log.warning("%s", message)
-    return TrainingConfig(**normalized, **extensions, sdxl=sdxl, raw=raw, given=frozenset(raw),
+    return TrainingConfig(**normalized, **extensions, sdxl=sdxl, script=script, raw=raw, given=frozenset(raw),
                           warnings=tuple(warnings))
 
 

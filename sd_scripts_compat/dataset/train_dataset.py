@@ -355,6 +355,8 @@ class TrainDataset:
             batch["encoder_hidden_states"] = torch.stack([t.encoder_hidden_states for t in text])
             if text[0].pooled is not None:
                 batch["pooled"] = torch.stack([t.pooled for t in text])
+            if text[0].attention_mask is not None:
+                batch["t5_attn_mask"] = torch.stack([t.attention_mask for t in text])
         return batch
 
     def _cached_latents(self, record: ImageRecord, flipped: bool) -> torch.Tensor:

@@ -7,7 +7,7 @@ step N is the same whether the run went straight through or was resumed at step 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -68,3 +68,36 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, timesteps: t
         clipped = snr.clamp(max=settings.min_snr_gamma)
         loss = loss * (clipped / (snr + 1.0) if settings.v_parameterization else clipped / snr)
     return loss
+
+
+class NoisePredictionObjective:
+    """SD 1.x/2.x/SDXL: DDPM noise (epsilon or v) prediction. The loop calls :meth:`forward` under
+    autocast and :meth:`loss` outside it; validation calls :meth:`fixed_forward` at a fixed timestep.
+    (The family's ``objective`` picks this or ``flow_matching.FlowMatchingObjective``; same interface.)"""
+
+    def __init__(self, noise_scheduler: Any, alphas_cumprod: Any, noise: NoiseSettings) -> None:
+        self.noise_scheduler, self.alphas_cumprod, self.noise = noise_scheduler, alphas_cumprod, noise
+
+    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any,
+                generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        step_noise, timesteps = sample_noise_and_timesteps(latents, self.noise, generator)
+        return self._predict(denoiser, latents, hidden, added, step_noise, timesteps)
+
+    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, timestep: int,
+                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        import torch
+
+        steps = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=torch.long)
+        return self._predict(denoiser, latents, hidden, added, noise, steps)
+
+    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, noise: torch.Tensor,
+                 timesteps: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = denoiser(noisy, timesteps, hidden, added_cond_kwargs=added).sample
+        return prediction, (latents, noise, timesteps)
+
+    def loss(self, prediction: torch.Tensor, state: tuple[Any, ...], loss_weights: torch.Tensor) -> torch.Tensor:
+        """Per-sample loss (fp32)."""
+        latents, noise, timesteps = state
+        target = diffusion_target(self.noise_scheduler, latents, noise, timesteps, self.noise.v_parameterization)
+        return per_sample_loss(prediction, target, timesteps, loss_weights, self.alphas_cumprod, self.noise)

@@ -128,16 +128,18 @@ class Model:
 def load_model(config: Any, process: Process, *, sdxl: bool) -> Model:
     from sd_scripts_compat.models.loading import load_base_model
 
+    parts = {"clip_l": config.clip_l, "t5xxl": config.t5xxl, "ae": config.ae,  # FLUX.1's separate files
+             "t5xxl_tokenizer": config.t5xxl_tokenizer}
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
-                             family=_stated_family(config, sdxl))
+                             family=_stated_family(config, sdxl), **{k: v for k, v in parts.items() if v})
     family = bundle.family
     vae_scale = family.latent_downsample
-    if family.is_sdxl != sdxl:
+    if family.kohya_script.removesuffix(".py") != _script(config, sdxl):
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
                         f"train it with {family.engine_module}")
     if config.xformers:
         _enable_xformers(bundle.unet)
-    elif config.sdpa is not False:
+    elif config.sdpa is not False and family.unet["_class_name"].startswith("UNet"):  # FLUX's processor is SDPA
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         bundle.unet.set_attn_processor(AttnProcessor2_0())
@@ -169,10 +171,23 @@ def build_data(config: Any, process: Process, model: Model) -> Data:
         raise UserError(f"dataset_config: {len(group.datasets)} [[datasets]] given; this engine trains on exactly "
                         "one (put several folders as [[datasets.subsets]] of one dataset)")
     spec = group.datasets[0]
+    _check_size_steps(spec, getattr(model.family, "bucket_step", model.vae_scale), model.vae_scale)
     train = build_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight)
     validation = build_validation_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight) \
         if spec.validation_split > 0 else None
     return Data(spec=spec, train=train, validation=validation)
+
+
+def _check_size_steps(spec: Any, step: int, vae_scale: int) -> None:
+    """Families that pack latents into tokens (FLUX.1: 2x2) need sizes in steps of VAE scale x patch (16 px)."""
+    if step <= vae_scale:
+        return
+    width, height = spec.resolution
+    if width % step or height % step:
+        raise UserError(f"resolution {width},{height}: this model trains on sizes in {step} px steps; "
+                        f"use {width // step * step},{height // step * step}")
+    if spec.enable_bucket and spec.bucket_reso_steps % step:
+        raise UserError(f"bucket_reso_steps = {spec.bucket_reso_steps}: this model needs a multiple of {step}")
 
 
 # ---- 4. Caching: latents, then text-encoder outputs; encoders no longer needed leave the device ----
@@ -187,10 +202,12 @@ class Inputs:
 
 
 def cache_inputs(config: Any, process: Process, model: Model, data: Data) -> Inputs:
-    cached_latents = _cache_latents(config, process, model, data)
-    cached_text = _cache_text(config, process, model, data)
     conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
-                              dtype=process.weight_dtype)
+                              dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
+                              t5_max_length=config.t5xxl_max_token_length
+                              or getattr(model.family, "t5xxl_max_token_length", None))
+    cached_latents = _cache_latents(config, process, model, data)
+    cached_text = _cache_text(config, process, model, data, conditioner)
     return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
 
 
@@ -213,7 +230,7 @@ def _cache_latents(config: Any, process: Process, model: Model, data: Data) -> b
     return True
 
 
-def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool:
+def _cache_text(config: Any, process: Process, model: Model, data: Data, conditioner: Conditioner) -> bool:
     from sd_scripts_compat.caching.latent_cache import offload
     from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 
@@ -228,11 +245,14 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool
                                   "their outputs are cached in memory")
     if not cached:
         return False
+    own = conditioner.flow_matching  # FLUX.1 encodes CLIP-L + T5 (length t5xxl_max_token_length)
     for dataset in data.all:
         cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
                                    to_disk=bool(config.cache_text_encoder_outputs_to_disk),
-                                   max_token_length=config.max_token_length, clip_skip=config.clip_skip,
-                                   is_main_process=process.is_main, cache_dir=cache_dir(process))
+                                   max_token_length=conditioner.t5_max_length if own else config.max_token_length,
+                                   clip_skip=config.clip_skip, is_main_process=process.is_main,
+                                   cache_dir=cache_dir(process), encode=conditioner.encode if own else None,
+                                   variant=f"+t5_mask={conditioner.apply_t5_attn_mask}" if own else "")
     process.accelerator.wait_for_everyone()
     for encoder in model.bundle.text_encoders:
         offload(encoder)
@@ -245,6 +265,7 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data) -> bool
 class Network:
     network: Any  # network.lora.LoRANetwork, hooked into the UNet (and text encoders)
     trainable: list[Any] = field(default_factory=list)
+    block_swap: Any = None  # training.block_swap.BlockSwap when blocks_to_swap (FLUX.1)
 
 
 def build_network(config: Any, process: Process, model: Model) -> Network:
@@ -256,9 +277,13 @@ def build_network(config: Any, process: Process, model: Model) -> Network:
     use_fp8 = bool(config.fp8_base or config.fp8_base_unet)
     if use_fp8 and not fp8_supported(process.device):
         raise UserError("fp8_base needs a GPU with compute capability 8.9 or newer (Ada, Hopper); remove fp8_base")
-    place(unet, process.device, process.weight_dtype)
-    if use_fp8:
-        store_frozen_weights_in_fp8(unet, process.weight_dtype)
+    block_swap = None
+    if config.blocks_to_swap:
+        block_swap = _swap_blocks(config, process, model, use_fp8)
+    else:
+        place(unet, process.device, process.weight_dtype)
+        if use_fp8:
+            store_frozen_weights_in_fp8(unet, process.weight_dtype)
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if model.train_text_encoder:
@@ -272,7 +297,25 @@ def build_network(config: Any, process: Process, model: Model) -> Network:
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)
     network.train()
-    return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad])
+    return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad],
+                   block_swap=block_swap)
+
+
+def _swap_blocks(config: Any, process: Process, model: Model, use_fp8: bool) -> Any:
+    """blocks_to_swap: cast (and fp8) on the host, then move all but the swapped blocks to the device."""
+    from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
+    from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+
+    unet = model.bundle.unet
+    if not hasattr(unet, "single_transformer_blocks"):
+        raise UserError(f"blocks_to_swap = {config.blocks_to_swap}: only FLUX.1 transformers swap blocks; "
+                        "remove blocks_to_swap")
+    place(unet, "cpu", process.weight_dtype)
+    if use_fp8:
+        store_frozen_weights_in_fp8(unet, process.weight_dtype)
+    swap = enable_flux_block_swap(unet, config.blocks_to_swap, process.device)
+    place_except_swapped(unet, swap, process.device, process.weight_dtype)
+    return swap
 
 
 def _create_network(config: Any, model: Model) -> Any:
@@ -334,22 +377,22 @@ def build_optimization(config: Any, process: Process, network: Network, data: Da
                         warmup_steps=warmup_steps)
 
 
-@dataclass(frozen=True)
-class Objective:
-    noise_scheduler: Any
-    alphas_cumprod: Any  # on the device, for min_snr_gamma
-    noise: NoiseSettings
-
-
-def build_objective(config: Any, process: Process, model: Model) -> Objective:
+def build_objective(config: Any, process: Process, model: Model) -> Any:
+    """The family's training objective (its data's ``objective``): DDPM noise prediction (SD) or
+    flow matching (FLUX.1); both give the loop ``forward`` / ``loss`` / ``fixed_forward``."""
     from diffusers import DDPMScheduler
 
+    from sd_scripts_compat.training.objectives import NoisePredictionObjective
+
+    if getattr(model.family, "objective", "noise_prediction") == "flow_matching":
+        from sd_scripts_compat.training.flow_matching import FlowMatchingObjective, FlowMatchSettings
+
+        return FlowMatchingObjective(FlowMatchSettings.from_config(config), process.device)
     noise_scheduler = DDPMScheduler.from_config(model.bundle.scheduler_config)
     noise = NoiseSettings(noise_offset=config.noise_offset, min_timestep=config.min_timestep or 0,
                           max_timestep=config.max_timestep or 1000, v_parameterization=model.v_parameterization,
                           min_snr_gamma=config.min_snr_gamma)
-    return Objective(noise_scheduler=noise_scheduler, alphas_cumprod=noise_scheduler.alphas_cumprod.to(process.device),
-                     noise=noise)
+    return NoisePredictionObjective(noise_scheduler, noise_scheduler.alphas_cumprod.to(process.device), noise)
 
 
 # ---- 7. Resume -------------------------------------------------------------------------------------
@@ -440,7 +483,7 @@ def build_checkpointer(config: Any, process: Process, model: Model, data: Data, 
         sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
         tag_frequency=data.train.tag_frequencies, dataset_dirs=data.train.dataset_dirs(),
         training_comment=config.training_comment,
-        extra={"ss_autotune_retries": json.dumps(retries)} if retries else {},
+        extra={**({"ss_autotune_retries": json.dumps(retries)} if retries else {}), **_family_metadata(config, model)},
     )
     return Checkpointer(paths=process.paths, policy=SavePolicy.from_config(config), network=network.network,
                         optimizer=unwrap_optimizer(optimization.optimizer), lr_scheduler=optimization.lr_scheduler,
@@ -461,7 +504,7 @@ class Recipe:
     inputs: Inputs
     network: Network
     optimization: Optimization
-    objective: Objective
+    objective: Any  # objectives.NoisePredictionObjective or flow_matching.FlowMatchingObjective
     report: Report
     checkpointer: Checkpointer
     validation: ValidationRun | None
@@ -491,7 +534,7 @@ def train(config: Any, *, sdxl: bool) -> int:
         try:
             return _train(config, sdxl=sdxl, stops=stops)
         except KeyboardInterrupt:  # a signal while loading or caching: nothing trained yet, nothing to save
-            name = "sdxl_train_network" if sdxl else "train_network"
+            name = _script(config, sdxl)
             print(f"{name}: {stops.name} before training started; nothing to save", file=sys.stderr)
             return stops.exit_code
 
@@ -515,8 +558,7 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
             "max_train_steps": optimization.max_train_steps, "train_batch_size": data.spec.batch_size})
     validation = None if data.validation is None else ValidationRun(
         data.validation, config, process.seed, unet=model.bundle.unet, conditioner=inputs.conditioner,
-        noise_scheduler=objective.noise_scheduler, dtype=process.weight_dtype, accelerator=process.accelerator,
-        noise_settings=objective.noise, alphas_cumprod=objective.alphas_cumprod)
+        dtype=process.weight_dtype, accelerator=process.accelerator, objective=objective)
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
                     validation, guard, stops, phases)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
@@ -617,13 +659,8 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
     """Forward and backward of one micro-batch; its loss is added to the running loss on the device."""
     import torch
 
-    from sd_scripts_compat.caching.latent_cache import encode_images
-    from sd_scripts_compat.training.objectives import (
-        diffusion_target,
-        per_sample_loss,
-        sample_noise_and_timesteps,
-        step_generator,
-    )
+    from sd_scripts_compat.caching.latent_cache import encode_images, latent_factors
+    from sd_scripts_compat.training.objectives import step_generator
 
     process, objective, unet, phase = r.process, r.objective, r.model.bundle.unet, r.phases.phase
     with phase("to_device"):
@@ -634,7 +671,7 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
             seeds = [(process.seed * 1_000_003 + counters.global_step * 4099 + batch_index * 131 + i) % 2**63
                      for i in range(batch["images"].shape[0])]
             vae = r.model.bundle.vae
-            latents = encode_images(vae, batch["images"], noise_seeds=seeds, scaling_factor=vae.config.scaling_factor)
+            latents = encode_images(vae, batch["images"], noise_seeds=seeds, **latent_factors(vae))
     latents = latents.to(process.weight_dtype)
     if process.injector is not None:
         process.injector.check(counters.global_step, latents.shape[0], latents.shape[2] * r.model.vae_scale,
@@ -644,13 +681,8 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
     with phase("forward"):
         with process.accelerator.autocast():
             encoder_hidden, added_cond = r.inputs.conditioner.condition(batch, train=r.model.train_text_encoder)
-            step_noise, timesteps = sample_noise_and_timesteps(latents, objective.noise, generator)
-            noisy = objective.noise_scheduler.add_noise(latents, step_noise, timesteps)
-            prediction = unet(noisy, timesteps, encoder_hidden, added_cond_kwargs=added_cond).sample
-        target = diffusion_target(objective.noise_scheduler, latents, step_noise, timesteps,
-                                  objective.noise.v_parameterization)
-        loss = per_sample_loss(prediction, target, timesteps, batch["loss_weights"], objective.alphas_cumprod,
-                               objective.noise).mean()
+            prediction, state = objective.forward(unet, latents, encoder_hidden, added_cond, generator)
+        loss = objective.loss(prediction, state, batch["loss_weights"]).mean()
         if process.nan_injector is not None:
             loss = process.nan_injector.poison(counters.global_step, loss)
     with phase("backward"):
@@ -759,7 +791,7 @@ def _sample(r: Recipe, name: str) -> None:
     with r.phases.event("sample"):
         sample_during_training(r.model.bundle, r.config, r.process.accelerator, r.process.weight_dtype,
                                r.data.spec.resolution, out_dir=paths.output_dir / "sample",
-                               name=f"{paths.output_name}_{name}")
+                               name=f"{paths.output_name}_{name}", conditioner=r.inputs.conditioner)
 
 
 # ---- 10. The ending: OOM, Ctrl-C, or the final LoRA and summary -----------------------------------------
@@ -768,6 +800,8 @@ def finish_oom(r: Recipe, loop: LoopState, counters: Any) -> int:
     """Free what the failed step held, save the state (when a step was done) and write oom.json."""
     process = r.process
     r.optimization.optimizer.zero_grad(set_to_none=True)
+    if r.network.block_swap is not None:
+        r.network.block_swap.release_all()  # a step that failed half-way leaves blocks on the device
     gc.collect()
     free_device_memory(process.device)
     state_dir = None
@@ -799,7 +833,7 @@ def finish_interrupted(r: Recipe, counters: Any) -> int:
     stops = r.stops or StopSignals()
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
-        program = "sdxl_train_network" if r.model.family.is_sdxl else "train_network"
+        program = r.model.family.kohya_script.removesuffix(".py")
         print(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
               f"(continue with --resume {folder})", file=sys.stderr)
     return stops.exit_code
@@ -863,12 +897,28 @@ def _captions_fixed(datasets: list[Any]) -> bool:
     return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
 
 
+def _family_metadata(config: Any, model: Model) -> dict[str, str]:
+    """Metadata the family's objective adds (FLUX.1: sd-scripts' flow-matching ss_ keys)."""
+    if getattr(model.family, "objective", "") != "flow_matching":
+        return {}
+    from sd_scripts_compat.training.flow_matching import flux_metadata
+
+    return flux_metadata(config)
+
+
+def _script(config: Any, sdxl: bool) -> str:
+    """The entry point this run was started as (``kohya_args.SCRIPTS``)."""
+    if getattr(config, "script", None) == "flux_train_network":
+        return "flux_train_network"
+    return "sdxl_train_network" if sdxl else "train_network"
+
+
 def _stated_family(config: Any, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
     from sd_scripts_compat.models.detect import family_for_kohya_flags
 
-    if sdxl:
-        return None  # detected from the file; load_model checks it is SDXL
+    if sdxl or _script(config, sdxl) == "flux_train_network":
+        return None  # detected from the file; load_model checks it is SDXL / FLUX
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 

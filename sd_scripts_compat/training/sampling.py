@@ -23,7 +23,7 @@ SAMPLERS = {
     "dpmsolver": "DPMSolverMultistepScheduler", "dpmsolver++": "DPMSolverMultistepScheduler",
     "dpmsingle": "DPMSolverSinglestepScheduler",
 }
-_OPTION = re.compile(r"\s--(n|w|h|s|l|d)\s+")
+_OPTION = re.compile(r"\s--(n|w|h|s|l|d|g)\s+")
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,14 @@ class SamplePrompt:
     steps: int = 30
     guidance_scale: float = 7.5
     seed: int | None = None
+    guidance: float | None = None  # FLUX.1's guidance embedding (sd-scripts' --g); None: the config's
 
 
 def parse_prompt_line(line: str, default: SamplePrompt) -> SamplePrompt:
     parts = _OPTION.split(" " + line.strip())
     sample = replace(default, prompt=parts[0].strip())
     fields = {"n": ("negative_prompt", str), "w": ("width", int), "h": ("height", int), "s": ("steps", int),
-              "l": ("guidance_scale", float), "d": ("seed", int)}
+              "l": ("guidance_scale", float), "d": ("seed", int), "g": ("guidance", float)}
     for flag, value in zip(parts[1::2], parts[2::2]):
         name, cast = fields[flag]
         try:
@@ -104,7 +105,7 @@ def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, ou
 
 
 def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: Any, resolution: tuple[int, int], *,
-                           out_dir: Path, name: str) -> None:
+                           out_dir: Path, name: str, conditioner: Any = None) -> None:
     """Render ``sample_prompts`` on the main process with the LoRA as trained so far.
 
     Encoders that caching moved off the device come back for the render and leave again; the
@@ -120,8 +121,14 @@ def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: An
     for encoder in bundle.text_encoders:
         encoder.to(accelerator.device)
     try:
-        render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir, name=name,
-                       device=accelerator.device, dtype=dtype, clip_skip=config.clip_skip)
+        if conditioner is not None and conditioner.flow_matching:  # FLUX.1
+            from sd_scripts_compat.training.flux_sampling import render_flux_samples
+
+            render_flux_samples(bundle, prompts, conditioner.flux_texts, guidance_scale=config.guidance_scale,
+                                out_dir=out_dir, name=name, device=accelerator.device, dtype=dtype)
+        else:
+            render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir, name=name,
+                           device=accelerator.device, dtype=dtype, clip_skip=config.clip_skip)
     finally:
         bundle.vae.to(vae_device)
         for encoder, device, was_training in zip(bundle.text_encoders, text_devices, training[1:]):

@@ -21,8 +21,10 @@ class ValidationRun:
     the history of ``(step, loss)`` measured so far."""
 
     def __init__(self, dataset: Any, config: Any, seed: int, *, unet: Any, conditioner: Conditioner,
-                 noise_scheduler: Any, dtype: Any, accelerator: Any, noise_settings: NoiseSettings,
-                 alphas_cumprod: Any) -> None:
+                 noise_scheduler: Any = None, dtype: Any, accelerator: Any, noise_settings: NoiseSettings | None = None,
+                 alphas_cumprod: Any = None, objective: Any = None) -> None:
+        from sd_scripts_compat.training.objectives import NoisePredictionObjective
+
         self.dataset = dataset
         self.every_steps = config.validate_every_n_steps
         self.every_epochs = config.validate_every_n_epochs
@@ -30,7 +32,8 @@ class ValidationRun:
         self.seed = config.validation_seed if config.validation_seed is not None else seed
         self.unet, self.conditioner, self.noise_scheduler = unet, conditioner, noise_scheduler
         self.dtype, self.accelerator = dtype, accelerator
-        self.noise_settings, self.alphas_cumprod = noise_settings, alphas_cumprod
+        self.objective = objective or NoisePredictionObjective(noise_scheduler, alphas_cumprod,
+                                                               noise_settings or NoiseSettings())
         self.history: list[tuple[int, float]] = []
 
     def due(self, step: int, *, epoch_end: bool, epoch: int = 0) -> bool:
@@ -41,26 +44,25 @@ class ValidationRun:
         return bool(self.every_steps and step % self.every_steps == 0)
 
     def run(self, step: int) -> float:
-        loss = validation_loss(self.dataset, self.unet, self.conditioner, self.noise_scheduler, self.dtype,
-                               self.accelerator.device, self.seed, self.noise_settings, self.alphas_cumprod,
-                               max_batches=self.max_batches)
+        loss = validation_loss(self.dataset, self.unet, self.conditioner, self.objective, self.dtype,
+                               self.accelerator.device, self.seed, max_batches=self.max_batches)
         self.history.append((step, loss))
         self.accelerator.log({"loss/validation": loss}, step=step)
         self.accelerator.print(f"\nvalidation loss at step {step}: {loss:.5f}")
         return loss
 
 
-def validation_loss(dataset: Any, unet: Any, conditioner: Conditioner, noise_scheduler: Any, dtype: Any, device: Any,
-                    seed: int, noise_settings: NoiseSettings, alphas_cumprod: Any,
-                    timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS, max_batches: int | None = None) -> float:
+def validation_loss(dataset: Any, unet: Any, conditioner: Conditioner, objective: Any, dtype: Any, device: Any,
+                    seed: int, timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS,
+                    max_batches: int | None = None) -> float:
     """Mean loss over the held-out batches (the first ``max_batches`` when given) at each of
-    ``timesteps``, with noise drawn from ``seed``."""
+    ``timesteps`` (of 1000; FLUX: sigma t/1000), with noise drawn from ``seed``; ``objective`` is the run's
+    (``objectives.NoisePredictionObjective`` or ``flow_matching.FlowMatchingObjective``)."""
     import torch
 
-    from sd_scripts_compat.caching.latent_cache import encode_images
+    from sd_scripts_compat.caching.latent_cache import encode_images, latent_factors
     from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
     from sd_scripts_compat.training.devices import to_device
-    from sd_scripts_compat.training.objectives import diffusion_target, per_sample_loss
 
     was_training = unet.training
     unet.eval()
@@ -75,18 +77,14 @@ def validation_loss(dataset: Any, unet: Any, conditioner: Conditioner, noise_sch
             else:
                 vae = conditioner.bundle.vae
                 seeds = [seed + 7919 * index + i for i in range(batch["images"].shape[0])]
-                latents = encode_images(vae, batch["images"], scaling_factor=vae.config.scaling_factor,
-                                        noise_seeds=seeds).to(dtype)
+                latents = encode_images(vae, batch["images"], noise_seeds=seeds, **latent_factors(vae)).to(dtype)
             hidden, added = conditioner.condition(batch, train=False)
             for t in timesteps:
                 noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
-                steps = torch.full((latents.shape[0],), t, device=device, dtype=torch.long)
-                noisy = noise_scheduler.add_noise(latents, noise, steps)
                 with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    prediction = unet(noisy, steps, hidden, added_cond_kwargs=added).sample
-                target = diffusion_target(noise_scheduler, latents, noise, steps, noise_settings.v_parameterization)
+                    prediction, state = objective.fixed_forward(unet, latents, hidden, added, t, noise)
                 ones = torch.ones(latents.shape[0], device=device)
-                total += per_sample_loss(prediction, target, steps, ones, alphas_cumprod, noise_settings).sum()
+                total += objective.loss(prediction, state, ones).sum()
                 count += latents.shape[0]
     unet.train(was_training)
     return (total / max(count, 1)).item()

@@ -1,0 +1,84 @@
+"""FLUX.1 sample images during training: flow-matching Euler steps with the guidance embedding.
+
+As FLUX's own sampler (and diffusers' FluxPipeline, which needs tokenizers and encoders as a pipeline
+expects them, so it is not used here): sigmas from 1 to 1/steps, shifted for the image's token count
+(mu from 256 tokens 0.5 to 4096 tokens 1.15) by diffusers' ``FlowMatchEulerDiscreteScheduler``; each step
+``x += (sigma_next - sigma) * v``. The prompt's ``--g`` (or the config's ``guidance_scale``) feeds the
+guidance embedding of dev; schnell has none. No classifier-free guidance (sd-scripts' ``--l`` default 1.0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: int) -> Any:
+    """The scheduler, set to ``steps`` shifted sigmas for an image of ``image_tokens`` packed tokens."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from sd_scripts_compat.training.flow_matching import flux_mu
+
+    config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    sigmas = np.linspace(1.0, 1.0 / steps, steps)
+    if scheduler.config.use_dynamic_shifting:
+        scheduler.set_timesteps(sigmas=sigmas, mu=flux_mu(image_tokens))
+    else:
+        scheduler.set_timesteps(sigmas=sigmas)
+    return scheduler
+
+
+def render_flux_sample(bundle: Any, encode: Any, prompt: str, *, width: int, height: int, steps: int,
+                       guidance: float, seed: int, device: Any, dtype: Any) -> Any:
+    """One image (a PIL image). ``encode(captions) -> (t5_hidden, pooled, t5_mask or None)``."""
+    import torch
+
+    from sd_scripts_compat.training.flow_matching import flux_prediction
+
+    vae, transformer = bundle.vae, bundle.unet
+    scale = bundle.family.latent_downsample
+    channels = vae.config.latent_channels
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    latents = torch.randn((1, channels, height // scale, width // scale), generator=generator).to(device, dtype)
+    t5_hidden, pooled, mask = encode([prompt])
+    scheduler = flux_schedule(bundle.scheduler_config, steps, (height // scale // 2) * (width // scale // 2))
+    for t in scheduler.timesteps:
+        timestep = t.expand(latents.shape[0]).to(device)
+        velocity = flux_prediction(transformer, latents, timestep, t5_hidden.to(device, dtype),
+                                   pooled.to(device, dtype), mask, guidance)
+        latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    parameter = next(vae.parameters())
+    decoded = vae.decode((latents / vae.config.scaling_factor + shift).to(parameter.device, parameter.dtype)).sample
+    pixels = ((decoded[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    from PIL import Image
+
+    return Image.fromarray(pixels)
+
+
+def render_flux_samples(bundle: Any, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
+                        name: str, device: Any, dtype: Any) -> list[Path]:
+    """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
+    import torch
+
+    from sd_scripts_compat.atomic import atomic_path
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    step = bundle.family.latent_downsample * 2  # whole 2x2 tokens
+    for index, sample in enumerate(prompts):
+        width, height = max(step, sample.width // step * step), max(step, sample.height // step * step)
+        guidance = sample.guidance if getattr(sample, "guidance", None) is not None else guidance_scale
+        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=dtype,
+                                             enabled=dtype != torch.float32):
+            image = render_flux_sample(bundle, encode, sample.prompt, width=width, height=height,
+                                       steps=sample.steps, guidance=guidance,
+                                       seed=sample.seed if sample.seed is not None else index,
+                                       device=device, dtype=dtype)
+        target = out_dir / f"{name}_{index:02d}.png"
+        with atomic_path(target, suffix=".png") as tmp:
+            image.save(tmp)
+        written.append(target)
+    return written
