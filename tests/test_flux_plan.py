@@ -81,14 +81,19 @@ def test_written_flux_config_holds_only_flux_train_network_options(tmp_path: Pat
     config_path, dataset_path = write_plan_files(plan, tmp_path)
     table = _arg_table()
     values = toml.load(config_path)
-    kinds = {"flag": bool, "int": int, "float": float, "str": str, "Path": str, "list[str]": list,
-             "list[float]": list, "int_or_float": (int, float)}
+    # the reference table's notation and the shipped table's (argparse's words for the same kinds)
+    kinds = {"flag": bool, "store_true": bool, "int": int, "float": float, "str": str, "Path": str,
+             "list[str]": list, "str[nargs=*]": list, "list[float]": list, "float[nargs=*]": list,
+             "int_or_float": (int, float)}
     for key, value in values.items():
         assert key in table, f"{key} is not a flux_train_network.py option"
         kind, choices = table[key]
-        assert isinstance(value, kinds[kind]) and (kind == "flag" or not isinstance(value, bool)), (key, value)
+        flag = kinds[kind] is bool
+        assert isinstance(value, kinds[kind]) and (flag or not isinstance(value, bool)), (key, value)
         if choices and choices.startswith("["):
             assert repr(value) in choices, (key, value)
+        elif choices:
+            assert str(value) in choices.split("|"), (key, value)
     data = toml.load(dataset_path)
     assert data["datasets"][0]["bucket_reso_steps"] % 32 == 0  # flux_train_network verifies multiples of 32
 
