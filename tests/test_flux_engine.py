@@ -17,7 +17,7 @@ from sd_scripts_compat.network.lora_file import read_lora_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}  # threads: conftest (one per xdist worker)
 
 
 def base_config(tmp_path: Path, **overrides) -> dict:

@@ -20,7 +20,7 @@ from sd_scripts_compat.network.lora_file import describe_lora, read_lora_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}  # threads: conftest (one per xdist worker)
 
 
 def write_config(path: Path, values: dict) -> Path:
