@@ -26,10 +26,9 @@ from typing import Any
 
 from autotune.calibration.memtrace import (
     LiveBytesCounter,
-    _optimizer_state_tensors,
     _storage_bytes,
     fakeify,
-    make_optimizer,
+    steady_state_optimizer,
 )
 from autotune.estimate.flux_memory import swap_split
 
@@ -231,12 +230,7 @@ def trace_flux_step(*, resolution: int, batch_size: int = 1, rank: int = 16, gra
     weights_bytes, swapped_bytes = _storage_bytes(frozen), _storage_bytes(host)
     counter = _SwapAwareCounter(host_ids)
     with fake_mode:
-        opt, _ = make_optimizer(optimizer, lora_params)
-        for p in lora_params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = _optimizer_state_tensors(opt)
+        opt, _, state = steady_state_optimizer(optimizer, lora_params)
         state_bytes = _storage_bytes(state)
         counter.register([*frozen, *lora_params, *state])
         counter.reset_peak()

@@ -270,6 +270,19 @@ def make_optimizer(optimizer: str, params: list[Any]) -> tuple[Any, bool]:
     raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
 
 
+def steady_state_optimizer(optimizer: str, params: list[Any]) -> tuple[Any, bool, list[Any]]:
+    """(optimizer, simulated, its state tensors) after one step on zero gradients: the state exists before the
+    traced step, as from a run's second step on. Call inside the fake mode."""
+    import torch
+
+    opt, simulated = make_optimizer(optimizer, params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt, simulated, _optimizer_state_tensors(opt)
+
+
 def _optimizer_state_tensors(opt: Any) -> list[Any]:
     import torch
 
@@ -363,13 +376,7 @@ def trace_training_step(
     counter = LiveBytesCounter()
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
     with fake_mode:
-        opt, simulated = make_optimizer(optimizer, lora_params)
-        # steady state: the optimizer state exists before the traced step (step 2 onward)
-        for p in lora_params:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state_tensors = _optimizer_state_tensors(opt)
+        opt, simulated, state_tensors = steady_state_optimizer(optimizer, lora_params)
         optimizer_state_bytes = _storage_bytes(state_tensors)
         counter.register([*frozen, *lora_params, *state_tensors])
         counter.reset_peak()

@@ -22,6 +22,7 @@ block, so here the limit is only the model's block count (tiny test models swap 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,7 +198,7 @@ class BlockSwap:
         if not names and not positions:
             return args, kwargs
         tensors = [args[i] for i in positions] + [kwargs[k] for k in names]
-        marked = _functions()[1].apply(self, slot, *tensors)
+        marked = _call_on_backward().apply(lambda: self.after_backward_of(slot), *tensors)
         marked = marked if isinstance(marked, tuple) else (marked,)
         args = list(args)
         for i, tensor in zip(positions, marked):
@@ -212,7 +213,7 @@ class BlockSwap:
         positions = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not positions:
             return output
-        marked = _functions()[0].apply(self, slot, *[items[i] for i in positions])
+        marked = _call_on_backward().apply(lambda: self.before_backward_of(slot), *[items[i] for i in positions])
         marked = marked if isinstance(marked, tuple) else (marked,)
         for i, tensor in zip(positions, marked):
             items[i] = tensor
@@ -248,37 +249,26 @@ class _WeightRef:
     """Marks a saved tensor that is (a view of) a swapped block's weight."""
 
 
-def _functions() -> tuple[Any, Any]:
-    """The two pass-through autograd functions (built lazily: torch is imported only when training)."""
+@functools.cache
+def _call_on_backward() -> Any:
+    """An autograd identity whose backward first calls ``hook()``: it marks where a block's backward begins
+    (its outputs) and ends (its inputs). Built once, lazily, so torch is imported only when training."""
     import torch
 
-    class SwapInForBackward(torch.autograd.Function):
+    class CallOnBackward(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, swap: BlockSwap, slot: _Slot, *tensors: Any) -> Any:  # type: ignore[override]
-            ctx.swap, ctx.slot = swap, slot
+        def forward(ctx: Any, hook: Callable[[], None], *tensors: Any) -> Any:  # type: ignore[override]
+            ctx.hook = hook
             ctx.set_materialize_grads(False)
             out = tuple(t.view_as(t) for t in tensors)
             return out if len(out) > 1 else out[0]
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-            ctx.swap.before_backward_of(ctx.slot)
-            return (None, None, *grads)
+            ctx.hook()
+            return (None, *grads)
 
-    class DropAfterBackward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, swap: BlockSwap, slot: _Slot, *tensors: Any) -> Any:  # type: ignore[override]
-            ctx.swap, ctx.slot = swap, slot
-            ctx.set_materialize_grads(False)
-            out = tuple(t.view_as(t) for t in tensors)
-            return out if len(out) > 1 else out[0]
-
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-            ctx.swap.after_backward_of(ctx.slot)
-            return (None, None, *grads)
-
-    return SwapInForBackward, DropAfterBackward
+    return CallOnBackward
 
 
 def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any) -> BlockSwap | None:
