@@ -346,6 +346,22 @@ def test_yes_takes_every_default(tmp_path):
     assert settings_from_files(out / "config.toml", out / "dataset.toml", sdxl=False).settings.network_dim == 32
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_plans_follow_the_probed_cpus_bf16_as_autotune_plan_does(tmp_path, native):
+    """A saved probe (this machine's, its CPU's bf16 flag set either way): the wizard's CPU plan trains in bf16
+    where the CPU computes it natively, in fp32 elsewhere."""
+    from autotune.hardware.probe import probe_system
+
+    probe = probe_system(tmp_path, use_torch=False)
+    saved = tmp_path / "probe.json"
+    saved.write_text(dataclasses.replace(probe, cpu=dataclasses.replace(probe.cpu, bf16_native=native)).to_json())
+    out = tmp_path / "out"
+    done = wizard_cli(str(EXAMPLES), "--model", "builtin:tiny-sd15", "--probe", str(saved), "--cpu", "--yes",
+                      "--no-start", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert toml.loads((out / "config.toml").read_text())["mixed_precision"] == ("bf16" if native else "no")
+
+
 def test_yes_with_a_value_that_does_not_fit_is_one_line_and_writes_nothing(tmp_path):
     done = wizard_cli(str(EXAMPLES), "--model", "builtin:sdxl", "--gpu", "RTX 3060", "--rank", "512", "--yes",
                       "--out", str(tmp_path / "out"), cwd=tmp_path)

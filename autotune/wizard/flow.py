@@ -68,7 +68,7 @@ def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: step
     return PlanRequest(dataset_dir=str(data.folder), model=model.model, family=model.family, gpus=hardware.gpus,
                        goal=output.goal, priority=output.priority, preferences=Preferences(output_name=output.name),
                        cpu_physical_cores=hardware.cpu_cores, cpu_memory_bytes=hardware.ram_bytes,
-                       dataset=data.summary, output_dir=str(output.folder),
+                       dataset=data.summary, output_dir=str(output.folder), cpu_bf16=hardware.cpu_bf16,
                        probe_summary=hardware.summary + "; autotune wizard")
 
 

@@ -33,6 +33,7 @@ class Hardware:
     summary: str
     local: bool
     cuda_index: int | None = None
+    cpu_bf16: bool = False  # the probed CPU computes bf16 natively: a CPU plan trains in bf16 (as `autotune plan`)
 
 
 def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
@@ -49,7 +50,7 @@ def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
                         + (f"; choose 0 to {len(targets) - 1}" if targets else "; drop it"))
     if args.cpu:
         asker.say("Planning for this machine's CPU (--cpu).")
-        return Hardware((), cores, ram, line, local)
+        return Hardware((), cores, ram, line, local, cpu_bf16=bool(probe.cpu.bf16_native))
     if targets:
         index = 0
         if len(targets) > 1:
@@ -70,7 +71,7 @@ def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
                          default="cpu", flag="--cpu",
                          explanation="a named card's configs are meant to be copied to the machine that has it")
     if where == "cpu":
-        return Hardware((), cores, ram, line, local)
+        return Hardware((), cores, ram, line, local, cpu_bf16=bool(probe.cpu.bf16_native))
     return _named_card(asker, args, cores, given=None)
 
 
