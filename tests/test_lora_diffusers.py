@@ -7,11 +7,9 @@ LoCon in ad-hoc runs with other inputs; the LoRA's own effect on the outputs is 
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import pytest
 import torch
+from fixtures.diffusers_load import load_lora_complaints
 
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
@@ -50,15 +48,6 @@ def _pipeline(bundle):
     return StableDiffusionPipeline(vae=bundle.vae, text_encoder=bundle.text_encoders[0],
                                    tokenizer=bundle.tokenizers[0], unet=bundle.unet, scheduler=scheduler,
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 @pytest.mark.slow
@@ -106,19 +95,7 @@ def test_diffusers_load_lora_weights_matches_our_network(tmp_path, family, conv_
     assert (ours_unet - base_unet).abs().max() > 1e-2 and (ours_context - base_context).abs().max() > 1e-2
 
     pipe = _pipeline(bundle)
-    collect = _Collect()
-    loggers = [logging.getLogger(name) for name in ("diffusers", "peft")]
-    for logger in loggers:
-        logger.addHandler(collect)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            pipe.load_lora_weights(str(path))
-    finally:
-        for logger in loggers:
-            logger.removeHandler(collect)
-    complaints = [m for m in collect.messages + [str(w.message) for w in caught]
-                  if any(word in m.lower() for word in ("unexpected", "missing", "not used", "unused", "incompatible"))]
+    complaints = load_lora_complaints(pipe, path)
     assert complaints == []
     unet_layers = sum(isinstance(m, LoraLayer) for m in bundle.unet.modules())
     te_layers = sum(isinstance(m, LoraLayer) for te in bundle.text_encoders for m in te.modules())
