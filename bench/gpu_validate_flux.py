@@ -74,9 +74,8 @@ def _optimizer(torch: Any, name: str, params: list[Any]) -> Any:
 
 def run_flux_case(torch: Any, plan: Any, tier: float, steps: int, warmup: int) -> dict[str, Any]:
     """Train at the plan's settings on the emulated card; measured peak memory and micro-steps/s."""
-    from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
-
     from autotune.calibration.flux_memtrace import T5_TOKENS, apply_flux_lora, image_tokens
+    from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
 
     s = plan.settings
     total = torch.cuda.get_device_properties(0).total_memory

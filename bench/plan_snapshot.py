@@ -53,10 +53,10 @@ def normalise(text: str, out_dir: Path) -> str:
     return text.replace(str(out_dir.resolve()), "@OUT@")
 
 
-def snapshot(out_dir: Path, dataset: Path) -> int:
+def snapshot(out_dir: Path, dataset: Path, families: tuple[str, ...] = FAMILIES) -> int:
     """Write every case; returns the number of cases."""
     cases = 0
-    for family in FAMILIES:
+    for family in families:
         for goal in GOALS:
             for card, card_args in CARDS:
                 case = out_dir / f"{family}-{goal}-{card}"
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, nargs="?", help="folder to write the snapshot into")
     parser.add_argument("--dataset", type=Path, default=ROOT / "examples" / "dataset")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help=f"comma-separated builtin families (default {','.join(FAMILIES)}; flux-dev also plans)")
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                         help="compare two snapshots instead of taking one")
     args = parser.parse_args(argv)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     if args.out is None:
         parser.error("give OUT_DIR or --compare BEFORE AFTER")
-    cases = snapshot(args.out, args.dataset.resolve())
+    cases = snapshot(args.out, args.dataset.resolve(), tuple(args.families.split(",")))
     print(f"wrote {cases} cases under {args.out}")
     return 0
 

@@ -1,6 +1,6 @@
 """Measured peak host RAM (RSS) of real runs on this machine beside the host-RAM model's prediction.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/ram_calibrate.py [--file /root/sdrun/sd15-random.safetensors]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/ram_calibrate.py [--file SD15_FILE]   # or LORA_AUTOTUNE_SD15_FILE
 
 Each measurement is a child process whose peak RSS comes from ``getrusage(RUSAGE_CHILDREN)`` of a wrapper:
 the engine training builtin:tiny-sd15 (the process figure, ``PROCESS_BYTES``) and,
@@ -70,11 +70,13 @@ def file_load(path: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--file", type=Path, default=Path("/root/sdrun/sd15-random.safetensors"))
+    default = os.environ.get("LORA_AUTOTUNE_SD15_FILE")
+    parser.add_argument("--file", type=Path, default=Path(default) if default else None,
+                        help="a random-weight fp16 SD1.5 single file (default: $LORA_AUTOTUNE_SD15_FILE)")
     args = parser.parse_args(argv)
     # 0 workers: getrusage reports the largest single process, and workers are processes of their own
     rows = [("tiny-sd15 engine run, 0 workers", *tiny_run(0))]
-    if args.file.is_file():
+    if args.file is not None and args.file.is_file():
         rows.append((f"load {args.file.name} ({args.file.stat().st_size / 2**30:.2f} GiB)", *file_load(args.file)))
     print("| run | measured peak RSS MiB | predicted MiB | error |")
     print("|---|---|---|---|")

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "sd_scripts_compat"
@@ -186,3 +189,25 @@ def test_every_implemented_option_is_read_by_the_engine():
     read |= CHECKED_BY_THE_READER & in_reader
     unread = sorted(IMPLEMENTED - read)
     assert not unread, f"IMPLEMENTED keys no engine code reads (implement them or drop them from IMPLEMENTED): {unread}"
+
+
+# ---- no path of one development machine in the tree --------------------------------------------------
+
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:root|home/\w+|work)/")
+
+
+def test_no_tracked_file_names_a_machine_path():
+    """Local-only resources come from environment variables (tests/fixtures/local.py), the reference facts
+    from ``../shared/reference`` relative to the repository."""
+    listed = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    offenders = []
+    for name in listed.stdout.splitlines():
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".toml", ".json", ".tsv", ".txt", ""} or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if MACHINE_PATH.search(line):
+                offenders.append(f"{name}:{number}: {line.strip()[:100]}")
+    assert not offenders, "\n".join(offenders)

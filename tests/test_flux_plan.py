@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import toml
+from fixtures.local import REFERENCE, SD_SCRIPTS_SKIP
+from fixtures.local import sd_scripts as local_sd_scripts
 
 from autotune.hardware.gpu_catalog import lookup_gpu
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_spec, gpu_from_vram, plan_training
@@ -26,9 +28,8 @@ except (UserError, KeyError, FileNotFoundError):  # the family data lands with t
 
 ROOT = Path(__file__).resolve().parents[1]
 ARG_TABLES = [ROOT / "sd_scripts_compat" / "data" / "kohya_flux_train_network_args.tsv",
-              Path("/work/shared/reference/kohya/flux_train_network_args.tsv")]
-SD_SCRIPTS = Path("/root/sd-scripts")
-SD_PYTHON = Path("/root/sdvenv/bin/python")
+              REFERENCE / "kohya" / "flux_train_network_args.tsv"]
+SD_SCRIPTS, SD_PYTHON = local_sd_scripts()
 TIERS = (8, 10, 12, 16, 24)
 
 
@@ -116,7 +117,7 @@ print("ACCEPTED", args.blocks_to_swap, args.network_module, args.fp8_base)
 """
 
 
-@pytest.mark.skipif(not (SD_SCRIPTS.is_dir() and SD_PYTHON.is_file()), reason="local only: needs /root/sd-scripts")
+@pytest.mark.skipif(SD_SCRIPTS is None or SD_PYTHON is None, reason=SD_SCRIPTS_SKIP)
 def test_sd_scripts_own_parser_accepts_the_flux_config_local_only(tmp_path: Path) -> None:
     plan = flux_plan(gpu_from_spec(lookup_gpu("RTX 4070")))
     config_path, dataset_path = write_plan_files(plan, tmp_path)

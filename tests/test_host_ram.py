@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import toml
+from fixtures.local import SD15_SKIP, sd15_file
 
 from autotune.estimate.ram_model import GIB, RamInputs, predict_ram
 from autotune.hardware.gpu_catalog import lookup_gpu
@@ -23,7 +24,7 @@ from sd_scripts_compat.models.families import get_family
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
-SD15_FILE = Path("/root/sdrun/sd15-random.safetensors")  # a random-weight fp16 SD1.5 single file, local only
+SD15_FILE = sd15_file()  # a random-weight fp16 SD1.5 single file, local only
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 # Runs ``argv`` as a child and prints the child's peak RSS (KiB): getrusage of this wrapper's children only.
 PEAK_RSS = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
@@ -130,7 +131,7 @@ def test_predicted_ram_of_a_real_tiny_run_matches_its_peak_rss(tmp_path: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SD15_FILE.is_file(), reason=f"{SD15_FILE} not present (local random-weight SD1.5 file)")
+@pytest.mark.skipif(SD15_FILE is None, reason=SD15_SKIP)
 def test_loading_a_real_size_file_peaks_where_predicted() -> None:
     """Loading a 2.1 GB fp16 SD1.5 single file as the engine does: the file's tensors plus fp32 modules.
     Measured here: 6.40 GiB peak RSS, predicted 6.47 (+1 %); asserted within -3 % / +8 %."""

@@ -24,7 +24,7 @@ Most users already trust an sd-scripts install; ``autotune run --engine sd-scrip
   state with ``max_train_steps`` = target + D, so it ends at the target step; a run that still ends short
   is continued from its end state.
 
-Facts about sd-scripts used here that are not in ``/work/shared/reference`` are marked ASSUMED; they come
+Facts about sd-scripts used here that are not in the project's shared reference facts are marked ASSUMED; they come
 from reading its code before and are checked against a stand-in in the tests, not against sd-scripts itself.
 """
 
