@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import get_family, swap_split
 from sd_scripts_compat.network.lora import LoRAModule
-from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped, swap_counts
+from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
 from sd_scripts_compat.training.flow_matching import flux_prediction
 from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
@@ -60,13 +61,14 @@ def train(blocks_to_swap: int, checkpointing: bool, steps: int = 3, fp8: bool = 
 
 
 def test_swap_counts_follow_sd_scripts_and_limit_the_blocks():
-    assert swap_counts(35, 19, 38) == (17, 36)  # FLUX.1's most
-    assert swap_counts(18, 19, 38) == (9, 18)
-    assert swap_counts(1, 2, 2) == (0, 2)  # builtin:tiny-flux
-    with pytest.raises(UserError, match="at most 38"):
-        swap_counts(39, 19, 38)  # (the config reader already refuses more than sd-scripts' 35)
+    assert get_family("flux-dev").swap_split(35) == (17, 36)  # FLUX.1's most (two of each list stay resident)
+    assert get_family("flux-dev").swap_split(18) == (9, 18)
+    assert get_family("tiny-flux").swap_split(1) == (0, 2)
+    with pytest.raises(UserError, match="at most 35"):
+        get_family("flux-dev").swap_split(36)
+    assert swap_split(38, 19, 38) == (19, 38)  # without the family's resident blocks (a bare test model)
     with pytest.raises(UserError, match="at most 6"):
-        swap_counts(7, 4, 6)  # the tiny test model
+        swap_split(7, 4, 6)  # the tiny test model
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -9,14 +9,13 @@ import pytest
 from autotune.estimate.flux_memory import (
     FluxMemoryInputs,
     load_flux_calibration,
-    max_blocks_to_swap,
     predict_flux_memory,
-    swap_split,
     transformer_bytes,
 )
 from autotune.estimate.flux_speed import flux_step_flops, predict_flux_speed, swap_seconds
 from autotune.hardware.gpu_catalog import load_catalog, lookup_gpu
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import get_family
 
 GIB = 2**30
 TINY = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=6, attention_head_dim=16,
@@ -45,19 +44,20 @@ def test_model_matches_full_size_traces_the_fit_did_not_use() -> None:
 
 
 def test_swap_split_is_sd_scripts_rule() -> None:
-    # Flux.enable_block_swap: n // 2 double blocks, (n - n // 2) * 2 single blocks
-    assert [swap_split(n) for n in (0, 1, 16, 22, 28, 35)] == [(0, 0), (0, 2), (8, 16), (11, 22), (14, 28),
-                                                               (17, 36)]
-    assert max_blocks_to_swap() == 35
+    # Flux.enable_block_swap: n // 2 double blocks, (n - n // 2) * 2 single blocks (the family data's rule)
+    flux = get_family("flux-dev")
+    assert [flux.swap_split(n) for n in (0, 1, 16, 22, 28, 35)] == [(0, 0), (0, 2), (8, 16), (11, 22), (14, 28),
+                                                                    (17, 36)]
+    assert flux.max_blocks_to_swap == 35
     with pytest.raises(UserError, match="at most 35"):
-        swap_split(36)
+        flux.swap_split(36)
 
 
 def test_swapped_weights_leave_the_gpu_and_land_in_host_ram() -> None:
     arch = load_flux_calibration()["architecture"]
     none = predict_flux_memory(FluxMemoryInputs(resolution=1024, blocks_to_swap=0))
     some = predict_flux_memory(FluxMemoryInputs(resolution=1024, blocks_to_swap=16))
-    _, host = transformer_bytes(arch, True, 16)
+    _, host = transformer_bytes(arch, True, get_family("flux-dev").swap_split(16))
     assert none.components["weights_transformer"] - some.components["weights_transformer"] == host
     assert some.swapped_bytes == host and some.host_ram_bytes - none.host_ram_bytes == host
     assert some.components["activations"] == none.components["activations"]
@@ -122,7 +122,7 @@ def test_tiny_trace_drops_exactly_the_swapped_weights() -> None:
     for swap in (0, 4):
         results[swap] = trace_flux_step(resolution=128, rank=4, blocks_to_swap=swap, fp8_base=True,
                                         optimizer="AdamW", config=TINY, text_tokens=8)
-    _, host = transformer_bytes(arch, True, 4)
+    _, host = transformer_bytes(arch, True, get_family("flux-dev").swap_split(4))
     assert results[4].swapped_weight_bytes == host > 0
     assert results[0].peak_bytes - results[4].peak_bytes == host
     assert results[0].activations_peak_bytes == results[4].activations_peak_bytes

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autotune.estimate.flux_memory import family_max_blocks_to_swap
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, TrainSettings, memory_predictor, next_settings
+from sd_scripts_compat.models.families import get_family
 
 FLUX = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
                      optimizer_type="AdamW8bit", network_dim=16, network_alpha=8.0, mixed_precision="bf16",
@@ -15,13 +15,13 @@ FLUX = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resoluti
 
 def _limits(budget_mib: float, family: str = "flux-dev") -> LadderLimits:
     return LadderLimits(budget_mib=budget_mib, fp8_supported=True, min_resolution=512, resolution_step=64,
-                        max_blocks_to_swap=family_max_blocks_to_swap(family))
+                        max_blocks_to_swap=get_family(family).max_blocks_to_swap)
 
 
 def test_the_family_data_says_who_can_swap() -> None:
-    assert family_max_blocks_to_swap("flux-dev") == 35
-    assert family_max_blocks_to_swap("sdxl") == 0
-    assert family_max_blocks_to_swap("tiny-flux") == 0  # 2 + 2 blocks: sd-scripts keeps two of each resident
+    assert get_family("flux-dev").max_blocks_to_swap == 35  # sd-scripts keeps two of each block list resident
+    assert get_family("sdxl").max_blocks_to_swap == 0
+    assert get_family("tiny-flux").max_blocks_to_swap == 2  # 2 + 2 blocks, none kept resident (our swapper)
 
 
 def test_swap_comes_before_resolution_and_rank_and_takes_the_fewest_blocks() -> None:

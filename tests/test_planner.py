@@ -303,17 +303,18 @@ def test_bad_goal_priority_preferences_are_user_errors():
 
 
 def test_pinned_resolution_follows_the_familys_own_bucket_rules():
-    """--resolution is checked against the family's step and floor (resolution.step_and_floor), not a fixed
-    256 px: the planner's own choice for a tiny family is accepted when pinned."""
-    from autotune.planning.resolution import step_and_floor
+    """--resolution is checked with the engine's own rule (``FamilySpec.resolution_problem``): the planner's own
+    choice for a tiny family is accepted when pinned, and so is any size the engine trains it at."""
     from sd_scripts_compat.models.families import get_family
 
     tiny = get_family("tiny-sd15")
-    step, floor = step_and_floor(tiny)
+    step = tiny.bucket_step
     chosen = plan_for("tiny-sd15").settings.resolution[0]
     assert plan_for("tiny-sd15", preferences=Preferences(resolution=chosen)).fits
-    assert plan_for("tiny-sd15", preferences=Preferences(resolution=floor)).settings.resolution[0] == floor
-    for bad in (floor - step, floor + step // 2, 8 * tiny.resolution):
+    small = plan_for("tiny-sd15", preferences=Preferences(resolution=64))
+    assert small.fits and small.settings.resolution[0] == 64
+    assert small.kohya_values()["min_bucket_reso"] <= 64  # buckets never start above the resolution
+    for bad in (32, 64 + step // 2, 8 * tiny.resolution):
         with pytest.raises(UserError, match=f"--resolution {bad}: tiny-sd15 trains at multiples of {step} px"):
             plan_for("tiny-sd15", preferences=Preferences(resolution=bad))
     with pytest.raises(UserError, match="--epochs 0"):

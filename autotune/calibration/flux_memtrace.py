@@ -30,28 +30,15 @@ from autotune.calibration.memtrace import (
     fakeify,
     steady_state_optimizer,
 )
-from autotune.estimate.flux_memory import swap_split
+from sd_scripts_compat.models.families import get_family, model_config, swap_split
+from sd_scripts_compat.models.flux_layout import DOUBLE_BLOCK, SINGLE_BLOCK
 
-# FLUX.1-dev (black-forest-labs/FLUX.1-dev transformer/config.json), what sd-scripts' configs["dev"] holds too
-FLUX_DEV_CONFIG: dict[str, Any] = {
-    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
-    "axes_dims_rope": [16, 56, 56],
-}
-T5_TOKENS = 512  # t5xxl_max_token_length for dev
-LATENT_DOWNSAMPLE = 8  # the AE's 8x; latents are then packed 2x2 into 64-channel tokens
-# kohya module name suffix -> the diffusers Linear(s) it covers, per double block
-DOUBLE_TARGETS = {
-    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn_proj": ("attn.to_out.0",),
-    "img_mlp_0": ("ff.net.0.proj",), "img_mlp_2": ("ff.net.2",), "img_mod_lin": ("norm1.linear",),
-    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_attn_proj": ("attn.to_add_out",),
-    "txt_mlp_0": ("ff_context.net.0.proj",), "txt_mlp_2": ("ff_context.net.2",),
-    "txt_mod_lin": ("norm1_context.linear",),
-}
-SINGLE_TARGETS = {
-    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"), "linear2": ("proj_out",),
-    "modulation_lin": ("norm.linear",),
-}
+# FLUX.1-dev's transformer config and T5 length: the engine's family data (what sd-scripts' configs["dev"] holds)
+FLUX_DEV_CONFIG: dict[str, Any] = model_config(get_family("flux-dev").unet)
+T5_TOKENS = get_family("flux-dev").t5xxl_max_token_length or 512
+# kohya module name suffix -> the diffusers Linear(s) it covers: the engine's BFL <-> diffusers table
+DOUBLE_TARGETS = {bfl.replace(".", "_"): parts for bfl, parts in DOUBLE_BLOCK.items()}
+SINGLE_TARGETS = {bfl.replace(".", "_"): parts for bfl, parts in SINGLE_BLOCK.items()}
 
 
 class FusedLoRA:
@@ -282,8 +269,8 @@ def _engine_network(family: str, rank: int, model: Any) -> Any:
 
 
 def image_tokens(resolution: int, height: int | None = None) -> int:
-    """Packed latent tokens: (side / 8 / 2)^2 (the AE's 8x, then 2x2 patches)."""
-    return (resolution // (2 * LATENT_DOWNSAMPLE)) * ((height or resolution) // (2 * LATENT_DOWNSAMPLE))
+    """Packed latent tokens of FLUX.1 (the family's rule: (side / 16)^2)."""
+    return get_family("flux-dev").image_tokens(resolution, height)
 
 
 def _flux_forward_backward(model: Any, counter: LiveBytesCounter, batch_size: int, resolution: int,
@@ -292,7 +279,7 @@ def _flux_forward_backward(model: Any, counter: LiveBytesCounter, batch_size: in
     import torch
 
     tokens = image_tokens(resolution)
-    side = resolution // (2 * LATENT_DOWNSAMPLE)
+    side = resolution // get_family("flux-dev").bucket_step
     cfg = model.config
     counter.phase = "inputs"
     latents = torch.empty(batch_size, tokens, cfg.in_channels, dtype=torch.float32)
@@ -364,11 +351,9 @@ def flux_architecture_facts(config: dict[str, Any] | None = None, family: str | 
     import torch
 
     if family is not None:  # the family's own modules (its transformer, CLIP-L, T5 and AE configs)
-        from sd_scripts_compat.models.families import get_family
-
         bundle = _engine_bundle(family)
         _BUNDLES.pop(id(bundle.unet), None)
-        model, config = bundle.unet, {k: v for k, v in get_family(family).unet.items() if not k.startswith("_")}
+        model, config = bundle.unet, model_config(get_family(family).unet)
         clip, t5 = (sum(p.numel() for p in te.parameters()) for te in bundle.text_encoders)
         encoders, ae = {"clip_l": clip, "t5xxl": t5}, sum(p.numel() for p in bundle.vae.parameters())
         tokens = int(get_family(family).t5xxl_max_token_length or T5_TOKENS)
@@ -400,7 +385,7 @@ def flux_architecture_facts(config: dict[str, Any] | None = None, family: str | 
         "lora_modules": dict(sorted(lora.items())),
         "text_encoders": encoders, "ae_elements": ae,
         "hidden": cfg.num_attention_heads * cfg.attention_head_dim, "text_tokens": tokens,
-        "latent_downsample": LATENT_DOWNSAMPLE,
+        "latent_downsample": get_family(family or "flux-dev").latent_downsample,
         "macs_per_token": {
             "double_img": macs(double, ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out", "ff.")),
             "double_txt": macs(double, ("attn.add_", "attn.to_add_out", "ff_context.")),

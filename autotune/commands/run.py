@@ -411,8 +411,6 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
     The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
     address-space cap or the available RAM.
     """
-    from autotune.estimate.flux_memory import family_max_blocks_to_swap
-    from autotune.planning.resolution import step_and_floor
     from autotune.recovery.ladder import LadderLimits
 
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
@@ -426,14 +424,10 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
         budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
     else:
         budget = probe.memory.ram_available_bytes / 2**20
-    resolution_step, min_resolution_px = step_and_floor(family)
     # the rung would change nothing when the engine already caches the frozen text encoder's outputs
     te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
-    return LadderLimits(
-        budget_mib=budget, is_sdxl=family.is_sdxl, fp8_supported=bool(gpu and gpu.fp8),
-        te_cache_allowed=te_cache_allowed, min_resolution=min_resolution_px, resolution_step=resolution_step,
-        max_blocks_to_swap=family_max_blocks_to_swap(family.name),
-    )
+    return LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8),
+                                   te_cache_allowed=te_cache_allowed)
 
 
 def _stability_limits(probe: Any, cuda: bool) -> Any:

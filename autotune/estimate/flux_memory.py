@@ -8,7 +8,8 @@ transformer (``autotune.calibration.flux_memtrace``), shipped in ``autotune/data
 Training-phase tensor peak = resident transformer weights + LoRA params + grads + optimizer state + activations:
 
 - Weights: bf16 (2 bytes) or, under ``fp8_base``, 1 byte for every Linear weight (float8_e4m3fn). Swapped
-  blocks (sd-scripts' split: n // 2 double and (n - n // 2) * 2 single, the last of each list; at most 35)
+  blocks (the family's split, ``FamilySpec.swap_split``: n // 2 double and (n - n // 2) * 2 single, the last
+  of each list; at most 35 for FLUX.1)
   keep only their ``.weight`` tensors on the host; in sd-scripts the block swapped in reuses the GPU storage
   of the one swapped out (no buffer: what the traces measure), our engine copies into fresh buffers with one
   prefetched, so ``swap_buffers`` adds two of the largest swapped blocks on top of the traced tensor peak.
@@ -48,6 +49,7 @@ from autotune.estimate.memory_model import (
     optimizer_state_bytes,
 )
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import get_family
 
 if TYPE_CHECKING:
     from sd_scripts_compat.config.settings import TrainSettings
@@ -113,11 +115,6 @@ def flux_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bo
         **overrides)
 
 
-def family_max_blocks_to_swap(family: str) -> int:
-    """How many blocks a family can swap (0: it cannot): from the FLUX calibration's architecture."""
-    return max_swap(flux_family_calibration(family)["architecture"]) if is_flux_family(family) else 0
-
-
 @dataclass(frozen=True)
 class FluxMemoryEstimate(MemoryEstimate):
     """Training-phase components (summing to the training total) plus the caching phase and host RAM."""
@@ -147,39 +144,6 @@ class FluxMemoryEstimate(MemoryEstimate):
         return self.peak_bytes + self.components["safety_margin"]
 
 
-def swap_split(blocks_to_swap: int, double: int = 19, single: int = 38) -> tuple[int, int]:
-    """(double, single) blocks swapped for kohya's ``blocks_to_swap`` (``Flux.enable_block_swap``: n // 2
-    double, the rest counted twice as single blocks; at most double - 2 and single - 2); UserError past it."""
-    d = blocks_to_swap // 2
-    s = (blocks_to_swap - d) * 2
-    if blocks_to_swap < 0 or d > double - 2 or s > single - 2:
-        top = max_blocks_to_swap(double, single)
-        raise UserError(f"blocks_to_swap {blocks_to_swap}: sd-scripts swaps at most {top} blocks "
-                        f"({double - 2} double, {single - 2} single); pick 0-{top}")
-    return d, s
-
-
-def max_blocks_to_swap(double: int = 19, single: int = 38) -> int:
-    """The largest blocks_to_swap sd-scripts accepts (35 for FLUX.1's 19 + 38 blocks)."""
-    n = 0
-    while (n + 1) // 2 <= double - 2 and ((n + 1) - (n + 1) // 2) * 2 <= single - 2:
-        n += 1
-    return n
-
-
-def split_swap(blocks_to_swap: int, arch: dict[str, Any]) -> tuple[int, int]:
-    return swap_split(blocks_to_swap, arch["num_double_blocks"], arch["num_single_blocks"])
-
-
-def max_swap(arch: dict[str, Any]) -> int:
-    return max_blocks_to_swap(arch["num_double_blocks"], arch["num_single_blocks"])
-
-
-def image_tokens(resolution: int, height: int | None = None, downsample: int = 8) -> int:
-    """Packed latent tokens: the AE's 8x, then 2x2 patches."""
-    return (resolution // (2 * downsample)) * ((height or resolution) // (2 * downsample))
-
-
 def _block_bytes(block: dict[str, int], fp8: bool) -> tuple[int, int]:
     """(all bytes, swapped .weight bytes) of one block: fp8 Linear weights take 1 byte, the rest 2."""
     total = 2 * block["elements"] - (block["fp8_elements"] if fp8 else 0)
@@ -187,9 +151,10 @@ def _block_bytes(block: dict[str, int], fp8: bool) -> tuple[int, int]:
     return total, swapped
 
 
-def transformer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> tuple[int, int]:
-    """(resident GPU bytes, host bytes) of the transformer's weights at a swap count."""
-    d, s = split_swap(blocks_to_swap, arch)
+def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, int]) -> tuple[int, int]:
+    """(resident GPU bytes, host bytes) of the transformer's weights with ``split`` (double, single) blocks
+    swapped (``FamilySpec.swap_split``: the engine's rule)."""
+    d, s = split
     dbl, dbl_swap = _block_bytes(arch["double_block"], fp8)
     sgl, sgl_swap = _block_bytes(arch["single_block"], fp8)
     rest = arch["rest"]
@@ -199,11 +164,11 @@ def transformer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> t
     return full - host, host
 
 
-def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, blocks_to_swap: int) -> int:
+def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, int]) -> int:
     """Device copies in flight beside the resident blocks: our engine's swapper (``training/block_swap.py``)
     copies a swapped block into a fresh buffer and prefetches the next, so up to two of the largest swapped
     blocks; sd-scripts copies into the storage of the block it evicts and needs none (the traces model that)."""
-    d, s = split_swap(blocks_to_swap, arch)
+    d, s = split
     sizes = ([_block_bytes(arch["double_block"], fp8)[1]] if d else []) + \
         ([_block_bytes(arch["single_block"], fp8)[1]] if s else [])
     return 2 * max(sizes) if sizes else 0
@@ -227,7 +192,7 @@ def _activations(cal: dict[str, Any], i: FluxMemoryInputs) -> int:
     gc = "gc" if i.gradient_checkpointing else "no_gc"
     arch = cal["architecture"]
     coef = cal["activations"][gc]
-    tokens = image_tokens(i.resolution, i.height, arch["latent_downsample"]) + arch["text_tokens"]
+    tokens = get_family(i.family).image_tokens(i.resolution, i.height) + arch["text_tokens"]
     act = coef["c0"] + coef["c1"] * i.rank + i.batch_size * tokens * (coef["a"] + coef["b"] * i.rank)
     if i.fp8_base:
         act += cal["fp8_extra"][gc]
@@ -243,7 +208,8 @@ def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | 
     inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
     cal = flux_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
-    resident, host = transformer_bytes(arch, inputs.fp8_base, inputs.blocks_to_swap)
+    split = get_family(inputs.family).swap_split(inputs.blocks_to_swap)
+    resident, host = transformer_bytes(arch, inputs.fp8_base, split)
     sizes = lora_sizes(arch, inputs.rank)
     n_params = sum(numel * count for numel, count in sizes)
     n_modules = sum(arch["lora_modules"].values())
@@ -260,7 +226,7 @@ def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | 
         "activations": _activations(cal, inputs),
     }
     tensor_peak = sum(components.values())
-    components["swap_buffers"] = swap_buffer_bytes(arch, inputs.fp8_base, inputs.blocks_to_swap)
+    components["swap_buffers"] = swap_buffer_bytes(arch, inputs.fp8_base, split)
     context = int(inputs.cuda_context_gib * GIB)
     components["cuda_context"] = context
     components["allocator_overhead"] = int(inputs.allocator_overhead * tensor_peak)

@@ -21,13 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimate.flux_memory import (
-    FluxMemoryInputs,
-    flux_family_calibration,
-    image_tokens,
-    split_swap,
-    transformer_bytes,
-)
+from autotune.estimate.flux_memory import FluxMemoryInputs, flux_family_calibration, transformer_bytes
 from autotune.estimate.speed_model import (
     CPU_BF16_SLOWDOWN,
     CPU_GFLOPS_PER_CORE,
@@ -35,13 +29,14 @@ from autotune.estimate.speed_model import (
     SpeedEstimate,
     card_rate_tflops,
 )
+from sd_scripts_compat.models.families import get_family
 
 
 def flux_step_flops(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None = None) -> dict[str, float]:
     """FLOPs of one micro-step (whole batch): forward, backward (incl. the checkpointing recompute)."""
     cal = flux_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
-    img = image_tokens(inputs.resolution, inputs.height, arch["latent_downsample"])
+    img = get_family(inputs.family).image_tokens(inputs.resolution, inputs.height)
     txt = arch["text_tokens"]
     macs = arch["macs_per_token"]
     linear = 2.0 * (arch["num_double_blocks"] * (img * macs["double_img"] + txt * macs["double_txt"])
@@ -60,8 +55,8 @@ def swap_seconds(inputs: FluxMemoryInputs, gpu: Any, calibration: dict[str, Any]
     cal = flux_family_calibration(inputs.family, calibration)
     if not inputs.blocks_to_swap:
         return 0.0
-    split_swap(inputs.blocks_to_swap, cal["architecture"])
-    _, host = transformer_bytes(cal["architecture"], inputs.fp8_base, inputs.blocks_to_swap)
+    split = get_family(inputs.family).swap_split(inputs.blocks_to_swap)
+    _, host = transformer_bytes(cal["architecture"], inputs.fp8_base, split)
     link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
     return 4.0 * host / (link * 1e9 * cal["speed"]["link_efficiency"])
 

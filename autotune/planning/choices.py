@@ -216,17 +216,12 @@ def _training(c: PlanContext) -> list[Choice]:
 
 def swap_reason(c: PlanContext) -> str:
     """Why this many blocks: the fewest that fit, where they live, and what the copies cost per step."""
-    from autotune.estimate.flux_memory import (
-        flux_family_calibration,
-        flux_inputs_for_settings,
-        predict_flux_memory,
-        split_swap,
-    )
+    from autotune.estimate.flux_memory import flux_inputs_for_settings, predict_flux_memory
     from autotune.estimate.flux_speed import flux_step_flops, swap_seconds
 
     inputs = flux_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.t5_fp8)
     estimate = predict_flux_memory(inputs)
-    double, single = split_swap(c.settings.blocks_to_swap, flux_family_calibration(c.family.name)["architecture"])
+    double, single = c.family.swap_split(c.settings.blocks_to_swap)
     gpus = c.request.gpus
     cost = ""
     if gpus:

@@ -1,9 +1,10 @@
 """Per-family planning facts (``autotune/data/plan_profiles.json``): the search space and kohya keys as data.
 
-The planner asks a family's profile, never its name: which LoRA module kohya trains it with, whether its text
-encoders are cached and never trained, in which order the fallback ladder gives things up (``ladder``: named
-steps, see ``search.ladder``), which separate model files its script needs (FLUX: CLIP-L, T5-XXL, AE) and which
-fixed keys go into config.toml. Block swap comes from the memory model's data (``family_max_blocks_to_swap``).
+The planner asks a family's profile, never its name: whether its text encoders are cached and never trained,
+in which order the fallback ladder gives things up (``ladder``: named steps, see ``search.ladder``), which
+separate model files its script needs (FLUX: CLIP-L, T5-XXL, AE) and which fixed keys go into config.toml.
+The facts of the model itself come from the engine's family data (``sd_scripts_compat.models.families``): its
+LoRA module (``network_module``) and how many blocks it swaps (``max_blocks_to_swap``).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def _profiles(path: str = str(PROFILES_PATH)) -> dict[str, Any]:
 
 def plan_profile(family: str) -> PlanProfile:
     """The profile of ``family`` (a family listed under a profile's ``families``), else ``default``."""
-    from autotune.estimate.flux_memory import family_max_blocks_to_swap
+    from sd_scripts_compat.models.families import get_family
 
     data = _profiles()
     entry = next((p for k, p in data.items() if k != "_doc" and family in p.get("families", ())), data["default"])
     return PlanProfile(
-        network_module=entry["network_module"],
+        network_module=get_family(family).network_module,
         network_module_reason=entry.get("network_module_reason",
                                         "kohya's LoRA (LierLa: linear layers of attention and MLPs)"),
         ladder=tuple(entry["ladder"]), train_text_encoder=entry.get("train_text_encoder"),
@@ -52,7 +53,7 @@ def plan_profile(family: str) -> PlanProfile:
         cache_text_encoder_outputs_reason=entry.get("cache_text_encoder_outputs_reason", ""),
         model_files={k: (v[0], v[1]) for k, v in entry.get("model_files", {}).items()},
         fixed=tuple((k, v, r) for k, v, r in entry.get("fixed", ())),
-        max_blocks_to_swap=family_max_blocks_to_swap(family),
+        max_blocks_to_swap=get_family(family).max_blocks_to_swap,
         fp8_min_compute_capability=(tuple(int(x) for x in entry["fp8_min_compute_capability"].split("."))
                                     if "fp8_min_compute_capability" in entry else None),  # type: ignore[arg-type]
         fp8_reason=entry.get("fp8_reason"),

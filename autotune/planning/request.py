@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
-from autotune.planning.resolution import step_and_floor
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -137,12 +136,10 @@ def validate_request(request: PlanRequest) -> None:
 
 
 def validate_resolution(resolution: int | None, family: FamilySpec) -> None:
-    """A pinned ``--resolution`` must follow the family's own bucket rules (``resolution.step_and_floor``):
-    a multiple of its step, at least its smallest bucket, at most four times its native size."""
+    """A pinned ``--resolution`` must be one the engine trains this family at (``FamilySpec.resolution_problem``,
+    the rule the engine applies to a config)."""
     if resolution is None:
         return
-    step, floor = step_and_floor(family)
-    ceiling = 4 * family.resolution
-    if resolution < floor or resolution % step or resolution > ceiling:
-        raise UserError(f"--resolution {resolution}: {family.name} trains at multiples of {step} px from {floor} "
-                        f"to {ceiling} px (native {family.resolution}); e.g. --resolution {family.resolution}")
+    problem = family.resolution_problem(resolution, resolution)
+    if problem is not None:
+        raise UserError(f"--resolution {resolution}: {problem}; e.g. --resolution {family.resolution}")

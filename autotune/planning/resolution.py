@@ -31,9 +31,9 @@ def step_and_floor(family: FamilySpec) -> tuple[int, int]:
 
 def bucket_rules(family: FamilySpec, resolution: int) -> tuple[int, int]:
     """(bucket_reso_steps, min_bucket_reso) for a family at a training resolution: half the resolution,
-    in bucket steps, never below 256 px."""
+    in bucket steps, never below 256 px (nor above the resolution itself, for a small pinned one)."""
     step, floor = step_and_floor(family)
-    return step, max(floor, resolution // 2 // step * step)
+    return step, max(min(floor, resolution // step * step), resolution // 2 // step * step)
 
 
 def bucket_step_reason(step: int) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.models.families import FamilySpec
 
 EIGHT_BIT_OPTIMIZERS = {"adamw": "AdamW8bit", "lion": "Lion8bit", "pagedadamw": "PagedAdamW8bit",
                         "pagedlion": "PagedLion8bit"}
@@ -44,6 +45,16 @@ class LadderLimits:
     resolution_step: int = 64
     min_rank: int = 4
     max_blocks_to_swap: int = 0  # the family's block-swap limit (FLUX.1: 35); 0: the family cannot swap
+
+    @classmethod
+    def for_family(cls, family: FamilySpec, budget_mib: float, **machine: Any) -> LadderLimits:
+        """The limits the family's data sets (swap maximum, resolution step and floor), with the machine's
+        (budget, fp8, text-encoder caching) on top."""
+        from autotune.planning.resolution import step_and_floor
+
+        step, floor = step_and_floor(family)
+        return cls(budget_mib=budget_mib, is_sdxl=family.is_sdxl, resolution_step=step, min_resolution=floor,
+                   max_blocks_to_swap=family.max_blocks_to_swap, **machine)
 
 
 @dataclass(frozen=True)

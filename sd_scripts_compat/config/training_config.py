@@ -588,7 +588,13 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     return out
 
 
-FLUX_MAX_BLOCKS_TO_SWAP = 35  # sd-scripts' limit for FLUX.1 (17 of 19 double + 36 of 38 single blocks)
+def most_blocks_to_swap(script: str) -> int:
+    """The most blocks any family of ``script`` swaps (FLUX.1: 35): the family data's rule, checked here before
+    anything loads; the model's own family narrows it once the file is read (``FamilySpec.swap_split``)."""
+    from sd_scripts_compat.models.families import family_names, get_family
+
+    return max((get_family(name).max_blocks_to_swap for name in family_names()
+                if get_family(name).kohya_script == f"{script}.py"), default=0)
 
 
 def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
@@ -604,9 +610,9 @@ def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> Non
         else:
             out["blocks_to_swap"] = 18
             warnings.append(f"{where('split_mode')}: deprecated; blocks_to_swap = 18 is used instead")
-    if out["blocks_to_swap"] > FLUX_MAX_BLOCKS_TO_SWAP:
-        raise UserError(f"{where('blocks_to_swap')}: FLUX.1 swaps at most {FLUX_MAX_BLOCKS_TO_SWAP} blocks, "
-                        f"got {out['blocks_to_swap']}")
+    most = most_blocks_to_swap("flux_train_network")
+    if out["blocks_to_swap"] > most:
+        raise UserError(f"{where('blocks_to_swap')}: FLUX.1 swaps at most {most} blocks, got {out['blocks_to_swap']}")
     for name in ("sigmoid_scale", "discrete_flow_shift", "logit_std"):
         if out[name] <= 0:
             raise UserError(f"{where(name)}: must be above 0, got {out[name]!r}")

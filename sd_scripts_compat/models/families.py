@@ -17,6 +17,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.errors import UserError
+
 FAMILY_DIR = Path(__file__).resolve().parents[1] / "data" / "families"
 CLIP_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "clip_tokenizer"
 
@@ -70,6 +72,7 @@ class FamilySpec:
     flux_model_type: str | None = None  # kohya's --model_type value ("flux") for FLUX-family files
     builtin_meta_only: bool = False  # builtin:<name> only on the meta device (too large for random weights)
     network_module: str = "networks.lora"  # kohya's --network_module for this family (FLUX: networks.lora_flux)
+    swap_resident_blocks: int = 0  # blocks of each swappable list that stay on the device (sd-scripts FLUX: 2)
 
     @property
     def denoiser_class(self) -> str:
@@ -105,10 +108,65 @@ class FamilySpec:
         (diffusers derives it the same way). 8 for the full-size VAEs."""
         return 2 ** (len(self.vae["block_out_channels"]) - 1)
 
+    def image_tokens(self, width: int, height: int | None = None) -> int:
+        """Denoiser tokens of one image: packed latent tokens for a transformer (FLUX: (side / 16)^2), latent
+        pixels for a UNet."""
+        return (width // self.bucket_step) * ((height or width) // self.bucket_step)
+
+    # ---- blocks_to_swap: the one rule the engine, the memory model, the planner and the ladder share ----
+
+    @property
+    def swap_block_counts(self) -> tuple[int, int]:
+        """(double-stream, single-stream) transformer blocks that ``blocks_to_swap`` counts; (0, 0): none."""
+        if not self.is_transformer:
+            return 0, 0
+        return int(self.unet.get("num_layers", 0)), int(self.unet.get("num_single_layers", 0))
+
+    @property
+    def max_blocks_to_swap(self) -> int:
+        """The most blocks this family swaps (FLUX.1: 35, as sd-scripts; 0: it cannot swap)."""
+        return max_blocks_to_swap(*self.swap_block_counts, resident=self.swap_resident_blocks)
+
+    def swap_split(self, blocks_to_swap: int) -> tuple[int, int]:
+        """(double, single) blocks swapped for ``blocks_to_swap``; more than the family allows is a UserError."""
+        return swap_split(blocks_to_swap, *self.swap_block_counts, resident=self.swap_resident_blocks,
+                          model=self.name)
+
+    def resolution_problem(self, width: int, height: int) -> str | None:
+        """Why this family cannot train at ``width`` x ``height`` (None: it can): each side a multiple of the
+        bucket step (8 px for SD, 16 for FLUX), from 64 px (kohya's smallest bucket step) to four times the
+        native size. The engine checks a config with it; the planner checks a pinned ``--resolution``."""
+        step, low, high = self.bucket_step, max(64, 4 * self.bucket_step), 4 * self.resolution
+        if all(side % step == 0 and low <= side <= high for side in (width, height)):
+            return None
+        return (f"{self.name} trains at multiples of {step} px from {low} to {high} px (native {self.resolution}), "
+                f"got {width},{height}")
+
     @property
     def engine_module(self) -> str:
         """Our engine's module for ``kohya_script`` (``python -m sd_scripts_compat.sdxl_train_network``)."""
         return "sd_scripts_compat." + self.kohya_script.removesuffix(".py")
+
+
+def swap_split(blocks_to_swap: int, num_double: int, num_single: int, *, resident: int = 0,
+               model: str = "this model") -> tuple[int, int]:
+    """(double, single) blocks swapped for kohya's ``blocks_to_swap``: n // 2 double and 2 * (n - n // 2) single
+    blocks, the last of each list (``Flux.enable_block_swap``), keeping ``resident`` blocks of each list on the
+    device (sd-scripts rotates swapped blocks through two of each: FLUX.1's limit of 35). Too many is one line."""
+    double, single = blocks_to_swap // 2, (blocks_to_swap - blocks_to_swap // 2) * 2
+    if blocks_to_swap < 0 or double > num_double - resident or single > num_single - resident:
+        most = max_blocks_to_swap(num_double, num_single, resident=resident)
+        raise UserError(f"blocks_to_swap = {blocks_to_swap}: {model} ({num_double} double, {num_single} single "
+                        f"blocks) swaps at most {most}; use 0-{most}")
+    return double, single
+
+
+def max_blocks_to_swap(num_double: int, num_single: int, *, resident: int = 0) -> int:
+    """The largest ``blocks_to_swap`` that :func:`swap_split` accepts (0 for a model without blocks)."""
+    n = 0
+    while (n + 1) // 2 <= num_double - resident and ((n + 1) - (n + 1) // 2) * 2 <= num_single - resident:
+        n += 1
+    return n
 
 
 def family_names() -> list[str]:

@@ -15,8 +15,9 @@ Hand-written because accelerate's and diffusers' offloading hooks move whole mod
 do not bring blocks back for backward; sd-scripts' version is tied to its own model classes. FLUX.1 counts
 ``blocks_to_swap`` in double-block units, as sd-scripts: n // 2 double blocks and 2 * (n - n // 2) single
 blocks, the last of each list. sd-scripts keeps two of each list resident (its swap rotates blocks through
-them), hence its limit of 35 for FLUX.1, which the config reader applies; this swapper needs no resident
-block, so here the limit is only the model's block count (tiny test models swap too).
+them), hence its limit of 35 for FLUX.1. That rule is the family's data (``FamilySpec.swap_split``, read by
+the config reader, the memory model, the planner and the OOM ladder alike); this swapper needs no resident
+block, so a model without family data (a test model) may swap all of its blocks.
 """
 
 from __future__ import annotations
@@ -28,17 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sd_scripts_compat.errors import UserError
-
-
-def swap_counts(blocks_to_swap: int, num_double: int, num_single: int) -> tuple[int, int]:
-    """(double, single) blocks swapped for kohya's ``blocks_to_swap``; too many is a one-line error."""
-    double, single = blocks_to_swap // 2, (blocks_to_swap - blocks_to_swap // 2) * 2
-    if double > num_double or single > num_single:
-        most = max(n for n in range(0, 2 * (num_double + num_single))
-                   if n // 2 <= num_double and (n - n // 2) * 2 <= num_single)
-        raise UserError(f"blocks_to_swap = {blocks_to_swap}: this model ({num_double} double, {num_single} single "
-                        f"blocks) swaps at most {most}; lower blocks_to_swap")
-    return double, single
+from sd_scripts_compat.models.families import FamilySpec, swap_split
 
 
 @dataclass
@@ -271,14 +262,26 @@ def _call_on_backward() -> Any:
     return CallOnBackward
 
 
-def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any) -> BlockSwap | None:
+def check_blocks_to_swap(family: FamilySpec, blocks_to_swap: int) -> tuple[int, int]:
+    """The engine's answer to a config's ``blocks_to_swap`` for a model of ``family``: its (double, single)
+    split, or a one-line UserError (a family that cannot swap, or more blocks than its rule allows)."""
+    if blocks_to_swap and not family.max_blocks_to_swap:
+        raise UserError(f"blocks_to_swap = {blocks_to_swap}: {family.name} does not swap blocks (FLUX.1 "
+                        "transformers do); remove blocks_to_swap")
+    return family.swap_split(blocks_to_swap)
+
+
+def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any,
+                           family: FamilySpec | None = None) -> BlockSwap | None:
     """Swap the last blocks of a diffusers FLUX transformer (``transformer_blocks`` then
-    ``single_transformer_blocks``); call it with the model on the CPU and let :func:`place_except_swapped`
-    move the rest, so the swapped blocks never occupy the device at once."""
+    ``single_transformer_blocks``) as ``family``'s rule splits ``blocks_to_swap`` (without a family: the model's
+    own block counts, none kept resident); call it with the model on the CPU and let
+    :func:`place_except_swapped` move the rest, so the swapped blocks never occupy the device at once."""
     if not blocks_to_swap:
         return None
     doubles, singles = list(transformer.transformer_blocks), list(transformer.single_transformer_blocks)
-    n_double, n_single = swap_counts(blocks_to_swap, len(doubles), len(singles))
+    n_double, n_single = family.swap_split(blocks_to_swap) if family is not None else \
+        swap_split(blocks_to_swap, len(doubles), len(singles))
     blocks = doubles + singles
     swapped = list(range(len(doubles) - n_double, len(doubles))) + \
         list(range(len(blocks) - n_single, len(blocks)))

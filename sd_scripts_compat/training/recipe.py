@@ -36,6 +36,7 @@ from sd_scripts_compat.contract import (
     write_event,
 )
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.families import FamilySpec
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
 from sd_scripts_compat.training.conditioning import Conditioner
 from sd_scripts_compat.training.devices import (
@@ -171,21 +172,20 @@ def build_data(config: Any, process: Process, model: Model) -> Data:
         raise UserError(f"dataset_config: {len(group.datasets)} [[datasets]] given; this engine trains on exactly "
                         "one (put several folders as [[datasets.subsets]] of one dataset)")
     spec = group.datasets[0]
-    _check_size_steps(spec, getattr(model.family, "bucket_step", model.vae_scale), model.vae_scale)
+    _check_size_steps(spec, model.family)
     train = build_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight)
     validation = build_validation_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight) \
         if spec.validation_split > 0 else None
     return Data(spec=spec, train=train, validation=validation)
 
 
-def _check_size_steps(spec: Any, step: int, vae_scale: int) -> None:
-    """Families that pack latents into tokens (FLUX.1: 2x2) need sizes in steps of VAE scale x patch (16 px)."""
-    if step <= vae_scale:
-        return
-    width, height = spec.resolution
-    if width % step or height % step:
-        raise UserError(f"resolution {width},{height}: this model trains on sizes in {step} px steps; "
-                        f"use {width // step * step},{height // step * step}")
+def _check_size_steps(spec: Any, family: FamilySpec) -> None:
+    """The family's own size rule (``FamilySpec.resolution_problem``, which the planner applies too); buckets
+    in steps of VAE scale x patch (FLUX.1's 2x2 tokens: 16 px)."""
+    problem = family.resolution_problem(*spec.resolution)
+    if problem is not None:
+        raise UserError(f"resolution: {problem}")
+    step = family.bucket_step
     if spec.enable_bucket and spec.bucket_reso_steps % step:
         raise UserError(f"bucket_reso_steps = {spec.bucket_reso_steps}: this model needs a multiple of {step}")
 
@@ -303,17 +303,15 @@ def build_network(config: Any, process: Process, model: Model) -> Network:
 
 def _swap_blocks(config: Any, process: Process, model: Model, use_fp8: bool) -> Any:
     """blocks_to_swap: cast (and fp8) on the host, then move all but the swapped blocks to the device."""
-    from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
+    from sd_scripts_compat.training.block_swap import check_blocks_to_swap, enable_flux_block_swap, place_except_swapped
     from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
     unet = model.bundle.unet
-    if not hasattr(unet, "single_transformer_blocks"):
-        raise UserError(f"blocks_to_swap = {config.blocks_to_swap}: only FLUX.1 transformers swap blocks; "
-                        "remove blocks_to_swap")
+    check_blocks_to_swap(model.family, config.blocks_to_swap)  # one line before any copy
     place(unet, "cpu", process.weight_dtype)
     if use_fp8:
         store_frozen_weights_in_fp8(unet, process.weight_dtype)
-    swap = enable_flux_block_swap(unet, config.blocks_to_swap, process.device)
+    swap = enable_flux_block_swap(unet, config.blocks_to_swap, process.device, family=model.family)
     place_except_swapped(unet, swap, process.device, process.weight_dtype)
     return swap
 
