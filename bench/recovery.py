@@ -27,9 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autotune.recovery.engine import CompatEngine  # noqa: E402
 from autotune.recovery.ladder import LadderLimits, memory_predictor  # noqa: E402
 from autotune.recovery.watchdog import EVENTS_DIR, Job, supervise  # noqa: E402
-from sd_scripts_compat.config.settings import settings_from_files  # noqa: E402
+from sd_scripts_compat.config.settings_space import settings_from_files  # noqa: E402
 
 
 def make_dataset(root: Path) -> Path:
@@ -120,7 +121,8 @@ def scenario(tmp: Path, data: Path, name: str, *, micro: int, accum: int, steps:
                   settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                   limits=LadderLimits(budget_mib=1e6, min_resolution=64, resolution_step=64),
                   predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
-                  train_output_dir=out / "output", save_state_every_s=save_every, on_child_start=monitor.on_start)
+                  train_output_dir=out / "output", engine=CompatEngine(save_state_every_s=save_every),
+                  on_child_start=monitor.on_start)
         started = time.time()
         result = supervise(job)
         total = time.time() - started

@@ -43,7 +43,10 @@ import errno
 import json
 import os
 import re
-from collections.abc import Iterator
+import signal
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +145,88 @@ def newest_state(output_dir: Path) -> tuple[Path, int] | None:
         if best is None or key[:2] > best[:2]:
             best = key
     return (best[2], best[0]) if best else None
+
+
+class Outcome(str, Enum):
+    """How an attempt (one engine process) or a whole supervised run ended: one vocabulary for the watchdog, the
+    bench, the measurement store and the report. A ``str`` so that JSON files and logs hold the plain word."""
+
+    DONE = "done"  # finished; done.json says where the LoRA is
+    OOM = "oom"  # out of memory: step down (recovery.ladder) and resume
+    OS_KILL = "os_kill"  # SIGKILL, most likely the OS out-of-memory killer: stepped down like an OOM
+    DIVERGED = "diverged"  # non-finite or exploding loss: roll back (recovery.stability)
+    STALL = "stall"  # no progress for too long: killed, resumed with the same settings
+    CONTINUE = "continue"  # the engine stopped short of its last step (an adapter's relaunch): resume as it is
+    USER_ERROR = "user_error"  # bad input, one line: final
+    DISK_FULL = "disk_full"  # no space for a save: final (a smaller batch needs no less disk)
+    INTERRUPTED = "interrupted"  # SIGINT / SIGTERM, state saved: final
+    CRASH = "crash"  # anything else: final
+    # a supervised run only
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    EXHAUSTED = "exhausted"  # the OOM ladder has nothing left that fits
+    UNSTABLE = "unstable"  # the stability ladder has nothing left
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def final(self) -> bool:
+        """An attempt that ended this way is not retried."""
+        return self in (Outcome.DONE, Outcome.USER_ERROR, Outcome.DISK_FULL, Outcome.INTERRUPTED, Outcome.CRASH)
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self in (Outcome.OOM, Outcome.OS_KILL)
+
+    @property
+    def same_settings(self) -> bool:
+        """Retried from the newest state with the settings that ran (nothing about them was at fault)."""
+        return self in (Outcome.STALL, Outcome.CONTINUE)
+
+
+@dataclass(frozen=True)
+class ExitFacts:
+    """What an attempt runner saw of one child, without judgement: its exit, what the runner did to it, the end
+    of its stderr and the events it left (``oom``, ``diverged``, ``done``, ``progress``: the parsed files)."""
+
+    returncode: int | None
+    stalled_after_s: float | None = None  # the runner killed it after this long without progress
+    stop_signal: int | None = None  # a SIGINT / SIGTERM the runner received and forwarded
+    stderr_tail: tuple[str, ...] = ()
+    events: Mapping[str, dict[str, Any] | None] = field(default_factory=dict)
+
+
+def classify(facts: ExitFacts) -> tuple[Outcome, str]:
+    """The outcome of one attempt and its one-line message, from its facts alone (pure: no files, no clock)."""
+    rc, events = facts.returncode, facts.events
+    tail = facts.stderr_tail[-1] if facts.stderr_tail else ""
+    if facts.stalled_after_s is not None:
+        step = (events.get(PROGRESS) or {}).get("step")
+        return Outcome.STALL, f"no progress for {facts.stalled_after_s:g} s (last step {step}); killed"
+    if facts.stop_signal is not None or rc in STOPPED_EXIT_CODES:
+        how = signal.Signals(facts.stop_signal).name if facts.stop_signal else f"exit code {rc}"
+        return Outcome.INTERRUPTED, f"interrupted ({how}); state saved by the engine"
+    if rc == DONE_EXIT_CODE:
+        return Outcome.DONE, "finished"
+    if rc == OOM_EXIT_CODE:
+        return Outcome.OOM, str((events.get(OOM) or {}).get("message") or "out of memory")
+    if rc == DIVERGED_EXIT_CODE:
+        reason = (events.get(DIVERGED) or {}).get("reason") or "training diverged"
+        return Outcome.DIVERGED, f"training diverged: {reason}"
+    if rc == -signal.SIGKILL:
+        return Outcome.OS_KILL, "killed by SIGKILL (the OS out-of-memory killer, most likely)"
+    if rc == USER_ERROR_EXIT_CODE:
+        return Outcome.USER_ERROR, tail or "the engine rejected its input"
+    if rc == DISK_FULL_EXIT_CODE:
+        return Outcome.DISK_FULL, tail or "disk full"
+    oom_line = next((line for line in reversed(facts.stderr_tail) if looks_like_oom(line)), None)
+    if oom_line is not None:  # an OOM outside the engine's training-step handler (loading, caching)
+        return Outcome.OOM, oom_line
+    detail = f"signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
+    return Outcome.CRASH, f"training crashed ({detail}): {tail}"
 
 
 def looks_like_oom(line: str) -> bool:

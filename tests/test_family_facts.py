@@ -43,7 +43,7 @@ def planner_swaps(family: str) -> set[int]:
     spec = get_family(family)
     start = start_point(spec, side=spec.resolution, rank=16, optimizer="AdamW", precision="bf16", train_te=False,
                         effective=1, attention="sdpa")
-    points = ladder(start, spec, GOAL_PROFILES["character"], fp8_ok=True, pinned_resolution=None)
+    points = ladder(start, spec, GOAL_PROFILES["character"], fp8_ok=True)
     return {0} | {point.blocks_to_swap for _, point in points}
 
 
@@ -96,8 +96,8 @@ def test_every_size_the_planner_or_the_ladder_proposes_trains_in_the_engine(fami
     spec = get_family(family)
     start = start_point(spec, side=spec.resolution, rank=16, optimizer="AdamW", precision="bf16", train_te=False,
                         effective=4, attention="sdpa")
-    planned = {point.resolution for _, point in ladder(start, spec, GOAL_PROFILES["character"], fp8_ok=True,
-                                                       pinned_resolution=None)} | {start.resolution}
+    planned = {point.resolution for _, point in ladder(start, spec, GOAL_PROFILES["character"],
+                                                       fp8_ok=True)} | {start.resolution}
     limits = LadderLimits.for_family(spec, budget_mib=1.0)
     stepped = {s.resolution for name, candidates, _ in _rungs(replace(start, train_batch_size=2), limits)
                for s in candidates}

@@ -10,7 +10,7 @@ import pytest
 import toml
 
 from sd_scripts_compat.config.kohya_args import FLUX_ARGS_TSV, arg_specs, build_argparser
-from sd_scripts_compat.config.settings import settings_from_files
+from sd_scripts_compat.config.settings_space import settings_from_files
 from sd_scripts_compat.config.training_config import load_training_config
 from sd_scripts_compat.errors import UserError
 

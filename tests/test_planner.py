@@ -314,7 +314,7 @@ def test_pinned_resolution_follows_the_familys_own_bucket_rules():
     small = plan_for("tiny-sd15", preferences=Preferences(resolution=64))
     assert small.fits and small.settings.resolution[0] == 64
     assert small.kohya_values()["min_bucket_reso"] <= 64  # buckets never start above the resolution
-    for bad in (32, 64 + step // 2, 8 * tiny.resolution):
+    for bad in (16, 64 + step // 2, 8 * tiny.resolution):
         with pytest.raises(UserError, match=f"--resolution {bad}: tiny-sd15 trains at multiples of {step} px"):
             plan_for("tiny-sd15", preferences=Preferences(resolution=bad))
     with pytest.raises(UserError, match="--epochs 0"):

@@ -34,9 +34,10 @@ import toml
 from safetensors import safe_open
 
 from autotune.commands.run import address_space_limit
+from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits, memory_predictor
 from autotune.recovery.watchdog import Job, supervise
-from sd_scripts_compat.config.settings import settings_from_files
+from sd_scripts_compat.config.settings_space import settings_from_files
 
 pytestmark = pytest.mark.skipif(
     not (Path(__file__).parents[1] / "sd_scripts_compat" / "train_network.py").is_file(),
@@ -88,7 +89,8 @@ def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolu
                settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                limits=LadderLimits(budget_mib=budget, min_resolution=64, resolution_step=64),
                predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
-               train_output_dir=out / "output", save_state_every_s=kw.pop("save_state_every_s", 30.0), **kw)
+               train_output_dir=out / "output",
+               engine=CompatEngine(save_state_every_s=kw.pop("save_state_every_s", 30.0)), **kw)
 
 
 def lora_tensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:

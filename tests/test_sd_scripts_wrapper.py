@@ -95,7 +95,7 @@ def make_job(tmp: Path, rules: str, *, micro: int = 4, budget: float = 300.0, sa
                              resolution=(64, 64), network_dim=8)
     return Job(config_path=config, output_dir=out, settings=settings, limits=LadderLimits(budget_mib=budget),
                predict=lambda s: 100.0 * s.train_batch_size, env=env, echo=False, engine=engine,
-               python=engine.install.python, train_output_dir=out / "output", **kw)
+               train_output_dir=out / "output", **kw)
 
 
 def commands(job: Job) -> list[list[str]]:

@@ -20,6 +20,7 @@ import torch
 from fixtures.fake_engine import fake_memory_mib, fake_settings
 from safetensors import safe_open
 
+from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.stability import (
     RUNGS,
@@ -360,8 +361,8 @@ def fake_job(tmp_path: Path, rules: str, *, lr: float, **kw) -> Job:
     if "PYTHONPATH" in os.environ:
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     return Job(config_path=config, output_dir=out, settings=fake_settings(toml.loads(config.read_text())),
-               limits=LadderLimits(budget_mib=1e6), predict=fake_memory_mib, entry=[str(FAKE)], env=env,
-               echo=False, python=sys.executable, **kw)
+               limits=LadderLimits(budget_mib=1e6), predict=fake_memory_mib, env=env, echo=False,
+               engine=CompatEngine(entry=[str(FAKE)], save_state_every_s=kw.pop("save_state_every_s", 30.0)), **kw)
 
 
 def test_watchdog_rolls_a_diverged_run_back_and_lowers_the_rate_once(tmp_path):

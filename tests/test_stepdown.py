@@ -20,6 +20,7 @@ from autotune.recovery.ladder import (
     next_settings,
     rescale_factor,
 )
+from sd_scripts_compat.config.settings_space import config_values, dataset_values
 
 SDXL = TrainSettings(train_batch_size=4, gradient_accumulation_steps=2, resolution=(1024, 1024),
                      optimizer_type="AdamW", network_dim=32, network_alpha=16.0, mixed_precision="bf16",
@@ -138,7 +139,7 @@ def test_rank_or_optimizer_change_is_not_resume_compatible(sd15_predict):
     assert isinstance(decision, Decision)
     breaking = {"network_dim", "optimizer_type", "cache_text_encoder_outputs"} & set(decision.changes)
     assert decision.resume_compatible == (not breaking)
-    assert rank_only.config_values()["network_alpha"] == 4.0
+    assert config_values(rank_only)["network_alpha"] == 4.0
 
 
 def test_settings_event_round_trip_and_kohya_values():
@@ -152,15 +153,15 @@ def test_settings_event_round_trip_and_kohya_values():
     back = TrainSettings.from_event(json.loads(json.dumps(stable.to_event())))
     assert back == stable and back.text_encoder_lr == (5e-5, 2e-5) and hash(back) == hash(stable)
     assert replace(stable, lr_warmup_steps=40).to_event()["lr_warmup_steps"] == 40
-    values = stable.config_values()
+    values = config_values(stable)
     assert values["text_encoder_lr"] == [5e-5, 2e-5] and values["unet_lr"] == 1e-4 and values["full_fp16"] is True
     assert values["max_grad_norm"] == 0.0 and values["lr_scheduler"] == "cosine"
-    assert "unet_lr" not in s.config_values() and "text_encoder_lr" not in s.config_values()
+    assert "unet_lr" not in config_values(s) and "text_encoder_lr" not in config_values(s)
     with pytest.raises(ValueError, match="lacks network_dim"):
         TrainSettings.from_event({k: v for k, v in event.items() if k != "network_dim"})
-    values = replace(s, cache_text_encoder_outputs=True).config_values()
+    values = config_values(replace(s, cache_text_encoder_outputs=True))
     assert values["resolution"] == "768,512" and values["network_train_unet_only"] is True
-    assert s.dataset_values() == {"batch_size": 4, "resolution": [768, 512], "max_bucket_reso": 1024}
+    assert dataset_values(s) == {"batch_size": 4, "resolution": [768, 512], "max_bucket_reso": 1024}
     assert s.with_rank(4).network_alpha == 2.0 and s.with_rank(4).network_dim == 4
 
 
@@ -192,7 +193,7 @@ def _resolved_run(tmp_path, name: str, config: dict, subsets: list[dict]):
     """A run as the engine's own reader resolves it, from real config.toml + dataset.toml files."""
     import toml
 
-    from sd_scripts_compat.config.settings import settings_from_files
+    from sd_scripts_compat.config.settings_space import settings_from_files
 
     folder = tmp_path / name
     folder.mkdir()

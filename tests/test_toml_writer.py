@@ -13,7 +13,7 @@ from autotune.planning.planner import PlanRequest, Preferences, gpu_from_spec, g
 from autotune.planning.toml_writer import SECTIONS, encode_value, render_config, write_plan_files
 from sd_scripts_compat.config.dataset_config import read_dataset_config
 from sd_scripts_compat.config.kohya_args import arg_specs
-from sd_scripts_compat.config.settings import settings_from_files
+from sd_scripts_compat.config.settings_space import settings_from_files
 from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import get_family

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import toml
 from fixtures.fake_engine import fake_memory_mib, fake_settings
 from safetensors import safe_open
 
+from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.watchdog import (
     DECISIONS_JSONL,
@@ -48,8 +48,9 @@ def make_job(tmp_path: Path, rules: str, *, batch: int = 8, budget: float = 250.
     env = {"PATH": "/usr/bin:/bin", "FAKE_ENGINE": rules}
     if "PYTHONPATH" in os.environ:  # a checkout that is not the installed one: the fake imports the contract
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    engine = CompatEngine(entry=[str(FAKE)], save_state_every_s=kw.pop("save_state_every_s", 30.0))
     return Job(config_path=config, output_dir=out, settings=settings, limits=LadderLimits(budget_mib=budget),
-               predict=fake_memory_mib, entry=[str(FAKE)], env=env, echo=False, python=sys.executable, **kw)
+               predict=fake_memory_mib, env=env, echo=False, engine=engine, **kw)
 
 
 def final_weights(path: str) -> tuple[float, dict[str, str]]:

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.contract import Outcome
 from sd_scripts_compat.errors import UserError
 
 ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves the first two steps out of its timing
@@ -122,7 +123,7 @@ def base_files(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path | No
 
 def _user_config(args: argparse.Namespace, base_dir: Path) -> tuple[Path, Path | None, Any]:
     from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, write_toml
-    from sd_scripts_compat.config.settings import settings_from_files
+    from sd_scripts_compat.config.settings_space import settings_from_files
     from sd_scripts_compat.models.detect import detect_family
 
     base_dir.mkdir(parents=True, exist_ok=True)
@@ -186,7 +187,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> int:
         render(results, cuda)
         if stored:
             print(f"stored for this machine's plans: {stored}")
-    return 0 if any(p.outcome == "done" for p in results) else 1
+    return 0 if any(p.outcome == Outcome.DONE for p in results) else 1
 
 
 def _store(results: list[Any], device: str, family: str, budget_mib: float | None) -> Path | None:
@@ -197,7 +198,7 @@ def _store(results: list[Any], device: str, family: str, budget_mib: float | Non
         if point.done_event:
             record = from_done_event({**point.done_event, "step_seconds": point.step_seconds}, device=device,
                                      family=family, source="bench")
-        elif point.outcome == "oom":
+        elif point.outcome == Outcome.OOM:
             record = from_oom_event(point.oom_event or {"settings": point.settings.to_event()}, device=device,
                                     family=family, source="bench", budget_mib=budget_mib)
         else:
@@ -223,11 +224,11 @@ def render(results: list[Any], cuda: bool) -> None:
     for p in results:
         memory = (f"{p.memory.get('cuda_max_allocated_mib', 0):.0f} / {p.memory.get('cuda_max_reserved_mib', 0):.0f}"
                   if cuda and p.memory else f"{p.peak_memory_mib or p.memory.get('peak_rss_mib') or 0:.0f}")
-        outcome = "fastest" if p.fastest else p.outcome if p.outcome != "done" else "ok"
+        outcome = "fastest" if p.fastest else p.outcome if p.outcome != Outcome.DONE else "ok"
         table.add_row(("* " if p.fastest else "") + p.label, short_settings(p.settings),
                       f"{p.it_per_s:.3g}" if p.it_per_s else "-", f"{p.images_per_s:.3g}" if p.images_per_s else "-",
-                      f"{p.seconds_per_step:.4g}" if p.seconds_per_step else "-", memory if p.outcome != "oom" else "-",
-                      outcome)
+                      f"{p.seconds_per_step:.4g}" if p.seconds_per_step else "-",
+                      memory if p.outcome != Outcome.OOM else "-", outcome)
     console = Console()
     console.print(table)
     console.print("* the fastest that fits (most images/s)")
@@ -235,7 +236,7 @@ def render(results: list[Any], cuda: bool) -> None:
         line = phase_line(p.phases)
         if line:
             console.print(f"{p.label}: {line}")
-        if p.outcome not in ("done", "oom"):
+        if p.outcome not in (Outcome.DONE, Outcome.OOM):
             console.print(f"{p.label}: {p.outcome}: {p.message[:200]}")
 
 

@@ -106,7 +106,8 @@ def describe_scan(scan: Any) -> str:
 
 
 def _prepare_output(out: Path, resume: bool) -> None:
-    from autotune.recovery.watchdog import RUN_STATE, read_json
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.watchdog import RUN_STATE
     from sd_scripts_compat.contract import newest_state
 
     if resume:
@@ -188,8 +189,10 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     import signal
 
     from autotune.hardware.probe import probe_system
-    from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE, Job, read_json, supervise
-    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.engine import CompatEngine
+    from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE, Job, supervise
+    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
 
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")
     probe = probe_system(out, use_torch=False)
@@ -209,8 +212,10 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         prior = list(saved.get("retries") or [])
     limits = _limits(probe, family, resolved, args, cuda, usable_mib)
     train_output = Path(resolved.config.output_dir or out)
-    engine = None
-    if getattr(args, "engine", None):
+    ours = not getattr(args, "engine", None)
+    if ours:
+        engine: Any = CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every)
+    else:
         from autotune.recovery.sd_scripts import prepare
 
         engine = prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
@@ -219,18 +224,17 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
-        entry=["-m", family.engine_module],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
-        stall_timeout_s=args.stall_timeout, save_state_every_s=args.save_state_every, resume=args.resume,
+        stall_timeout_s=args.stall_timeout, resume=args.resume,
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
         train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib},
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
-        engine=engine, python=engine.install.python if engine else sys.executable,
+        engine=engine,
         stability=_stability_limits(probe, cuda),
     )
     with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
         result = supervise(job)
-    if engine is None:
+    if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
         remember_attempts(result.attempts, probe, family.name, limits.budget_mib)
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
@@ -243,11 +247,11 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         if not args.json:
             _print_report(out)
         return 0
-    if result.outcome == "user_error":
+    if result.outcome is Outcome.USER_ERROR:
         raise UserError(result.message.split(": error: ", 1)[-1])
-    if result.outcome == "disk_full":
+    if result.outcome is Outcome.DISK_FULL:
         raise DiskFullError(result.message.split(": error: ", 1)[-1])
-    if result.outcome == "interrupted":
+    if result.outcome is Outcome.INTERRUPTED:
         last = result.attempts[-1] if result.attempts else None
         print(f"interrupted; continue with: autotune run {args.dataset} --model {args.model} --out {out} --resume",
               file=sys.stderr)
@@ -384,7 +388,7 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path |
 def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
     """The family and the run as the engine will resolve it (its own reader, kohya's precedence)."""
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
-    from sd_scripts_compat.config.settings import settings_from_files
+    from sd_scripts_compat.config.settings_space import settings_from_files
     from sd_scripts_compat.models.detect import detect_family
 
     model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)

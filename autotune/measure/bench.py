@@ -1,7 +1,7 @@
 """Short real runs of the engine, one child process per settings point, measured and compared.
 
 Each point is the base config (a plan's, or the user's ``--config``) with the point's settings written
-in by the watchdog's own override (``override_config``: the same keys a step-down writes), run for
+in by the watchdog's own override (``settings_space.write_config``: the same keys a step-down writes), run for
 ``warmup + steps`` optimizer steps with nothing saved but the final LoRA. The engine's done.json gives
 each step's time (the bench keeps the last ``steps``: the first steps of each new bucket shape build kernels
 and run slow; the point's figure is their median) and the peak memory (CUDA max allocated and
@@ -148,10 +148,10 @@ def sweep_points(base: TrainSettings, sweeps: Sequence[tuple[str, list[str]]]) -
 def bench_config(src: Path, dst: Path, settings: TrainSettings, base: TrainSettings, *, steps: int,
                  output_dir: Path) -> None:
     """The point's config: ``src`` with its settings, ``steps`` optimizer steps, nothing saved on the way."""
-    from autotune.recovery.watchdog import override_config
     from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, write_toml
+    from sd_scripts_compat.config.settings_space import write_config
 
-    override_config(src, dst, settings, base=base)
+    write_config(src, dst, settings, base=base)
     document = _without(read_toml(dst), _NOT_IN_A_BENCH)
     forced = {"max_train_steps": steps, "output_dir": str(output_dir), "output_name": "bench"}
     write_toml(dst, set_config_values(document, forced), f"# autotune bench point, from {src}\n")
@@ -181,8 +181,9 @@ class BenchJob:
 
 def run_point(job: BenchJob, index: int, label: str, settings: TrainSettings) -> BenchPoint:
     """One engine child process for one point; its done.json / oom.json read back."""
-    from autotune.recovery.watchdog import child_env, override_dataset_config, run_attempt
-    from sd_scripts_compat.contract import EVENTS_DIR_FLAG
+    from autotune.recovery.attempt import child_env, run_attempt
+    from sd_scripts_compat.config.settings_space import write_dataset_config
+    from sd_scripts_compat.contract import EVENTS_DIR_FLAG, Outcome
 
     folder = job.workdir / f"point{index:02d}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -191,13 +192,13 @@ def run_point(job: BenchJob, index: int, label: str, settings: TrainSettings) ->
     argv = [sys.executable, "-m", job.engine_module, "--config_file", str(config)]
     if job.dataset_config is not None:
         dataset = folder / "dataset.toml"
-        override_dataset_config(job.dataset_config, dataset, settings, base=job.base)
+        write_dataset_config(job.dataset_config, dataset, settings, base=job.base)
         argv += ["--dataset_config", str(dataset)]
     argv += [EVENTS_DIR_FLAG, str(folder / "events")]
     result = run_attempt(argv, env=child_env(job.env, job.cuda), events_dir=folder / "events",
                          log_path=folder / "train.log", stall_timeout_s=job.stall_timeout_s, echo=False,
                          preexec_fn=job.preexec_fn)
-    if result.outcome == "user_error":
+    if result.outcome is Outcome.USER_ERROR:
         raise UserError(result.message.split(": error: ", 1)[-1])
     done = result.done_event or {}
     memory = dict(done.get("memory") or (result.oom_event or {}).get("memory") or {})

@@ -20,6 +20,7 @@ from typing import Any
 
 from autotune.measure.store import Measurement, settings_key
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.contract import Outcome
 
 # fields compared by equality when judging "at least as heavy" (the rest are ordered: batch, size, rank, gc)
 _CATEGORICAL = ("optimizer_type", "network_train_unet_only", "mixed_precision", "fp8_base", "cache_latents",
@@ -82,8 +83,8 @@ class LearnedFigures:
     def __init__(self, records: Sequence[Measurement], device: str, family: str) -> None:
         mine = [r for r in records if r.device == device and r.family == family]
         self.device = device
-        self.done = [r for r in mine if r.outcome == "done" and r.micro_steps_per_s]
-        self.ooms = [r for r in mine if r.outcome == "oom"]
+        self.done = [r for r in mine if r.outcome == Outcome.DONE and r.micro_steps_per_s]
+        self.ooms = [r for r in mine if r.outcome == Outcome.OOM]
 
     def __bool__(self) -> bool:
         return bool(self.done or self.ooms)

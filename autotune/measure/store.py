@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.contract import Outcome
+
 SCHEMA_VERSION = 1
 STORE_NAME = "measurements.json"
 CACHE_ENV = "AUTOTUNE_CACHE_DIR"
@@ -65,7 +67,7 @@ def device_key(probe: Any) -> str:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One measured run. ``outcome``: "done" (speed and memory measured) or "oom"."""
+    """One measured run. ``outcome``: ``Outcome.DONE`` (speed and memory measured) or ``Outcome.OOM``."""
 
     device: str
     family: str
@@ -144,8 +146,8 @@ def record_measurements(new: Iterable[Measurement], path: Path | None = None) ->
         item = item if item.measured_at else _stamped(item)
         records = [r for r in records if not (r.device == item.device and r.family == item.family
                                               and r.key == item.key and r.outcome == item.outcome)]
-        if item.outcome == "done":  # a run that now fits clears an older OOM of the same settings
-            records = [r for r in records if not (r.outcome == "oom" and r.device == item.device
+        if item.outcome == Outcome.DONE:  # a run that now fits clears an older OOM of the same settings
+            records = [r for r in records if not (r.outcome == Outcome.OOM and r.device == item.device
                                                   and r.family == item.family and r.key == item.key)]
         records.append(item)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +170,7 @@ def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source
     if not isinstance(settings, dict) or seconds is None:
         return None
     memory = done.get("memory") if isinstance(done.get("memory"), dict) else {}
-    return Measurement(device=device, family=family, settings=settings, outcome="done", source=source,
+    return Measurement(device=device, family=family, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
                        peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
                        steps=len(done.get("step_seconds") or []))
@@ -189,5 +191,5 @@ def from_oom_event(oom: Mapping[str, Any], *, device: str, family: str, source: 
     if not isinstance(settings, dict):
         return None
     memory = oom.get("memory") if isinstance(oom.get("memory"), dict) else {}
-    return Measurement(device=device, family=family, settings=settings, outcome="oom", source=source,
+    return Measurement(device=device, family=family, settings=settings, outcome=Outcome.OOM, source=source,
                        memory=dict(memory), budget_mib=budget_mib)

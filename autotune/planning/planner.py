@@ -245,7 +245,7 @@ def plan_training(request: PlanRequest) -> Plan:
                                                      for g in gpus)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, cpu_bf16=request.cpu_bf16,
                           learned=_learned(request, family.name, devices), usable=usable)
-    found = search(start, family, goal, fp8_ok=fp8_ok, pinned_resolution=prefs.resolution, effective=effective,
+    found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor)
     learned = _learned_lines(predictor.excluded)
     device = _device_label(gpus)

@@ -2,21 +2,24 @@
 
 Candidates are ``TrainSettings`` (kohya's names, the type the engine reports and the OOM ladder steps
 down from); the memory model reads them through ``inputs_for_settings``, the same mapping the ladder
-uses. At each point of the fallback ladder (mildest first) every micro-batch up to the effective batch
-and gradient checkpointing off/on are tried; the first point where something fits wins.
+uses. The fallback points are the settings space's moves (``sd_scripts_compat.config.settings_space``) in the
+planner's policy (:func:`planner_policy`: the family's order from its plan profile, any optimizer may become
+AdamW8bit, alpha = rank / 2, buckets twice the side); at each point, mildest first, every power-of-two
+micro-batch up to the effective batch and gradient checkpointing off/on are tried; the first point where
+something fits wins.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.planning.goals import GoalProfile, network_alpha
 from autotune.planning.profiles import plan_profile
 from autotune.planning.request import GpuTarget
-from autotune.planning.resolution import resolution_ladder
+from autotune.planning.resolution import resolution_ladder, step_and_floor
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.config.settings_space import RUNGS, Limits, Policy, micro_batch_splits
 from sd_scripts_compat.models.families import FamilySpec
 
 DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs make it cheap but not free
@@ -25,10 +28,6 @@ DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs 
 def at_resolution(settings: TrainSettings, side: int) -> TrainSettings:
     """Square ``side`` px, buckets up to twice that (the planner's bucket rule)."""
     return replace(settings, resolution=(side, side), max_bucket_reso=side * 2)
-
-
-def at_rank(settings: TrainSettings, rank: int) -> TrainSettings:
-    return settings.with_rank(rank, network_alpha(rank))
 
 
 def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, precision: str, train_te: bool,
@@ -159,22 +158,13 @@ class Scored:
     host_ram_loading: int = 0
 
 
-def micro_batches(effective: int) -> list[int]:
-    out, b = [], 1
-    while b <= effective:
-        out.append(b)
-        b *= 2
-    return out
-
-
 def best_at(point: TrainSettings, effective_batch: int, devices: int, usable: int,
             predictor: Predictor) -> tuple[Scored | None, Scored]:
     """The fastest fitting (micro-batch, checkpointing) at one ladder point, and the smallest candidate there."""
     best: Scored | None = None
     smallest: Scored | None = None
     for gc in (False, True):
-        for mb in micro_batches(max(1, effective_batch // devices)):
-            accum = max(1, math.ceil(effective_batch / (mb * devices)))
+        for mb, accum in reversed(micro_batch_splits(effective_batch, devices, exact=False)):
             s = replace(point, train_batch_size=mb, gradient_accumulation_steps=accum, gradient_checkpointing=gc)
             e = predictor.predict(s)
             scale = devices * (DDP_EFFICIENCY if devices > 1 else 1.0)
@@ -191,55 +181,35 @@ def best_at(point: TrainSettings, effective_batch: int, devices: int, usable: in
     return best, smallest
 
 
-def halvings(start: int, stop: int) -> list[int]:
-    out, r = [], start
-    while r // 2 >= stop:
-        r //= 2
-        out.append(r)
-    return out
+def planner_policy(family: FamilySpec, goal: GoalProfile) -> Policy:
+    """The planner's walk of the settings space: the family's order (``plan_profiles.json``'s ``ladder``), any
+    optimizer may become AdamW8bit (the plan writes its own rates), alpha = rank / 2, buckets twice the side, and
+    the goal's rank floor before the last resort (``rank_min``)."""
+    return Policy(rungs=plan_profile(family.name).ladder, exact_micro_batches=False, switch_optimizer=True,
+                  alpha=network_alpha, bucket_follows="double", rank_floor=goal.rank_floor)
 
 
-def ladder(start: TrainSettings, family: FamilySpec, goal: GoalProfile, fp8_ok: bool,
-           pinned_resolution: int | None) -> list[tuple[str, TrainSettings]]:
-    """Ladder points after the start, each with the step that produced it (see the planner's docstring), in the
-    order of the family's plan profile (``ladder``: optimizer, unet_only, fp8, swap, rank, resolution,
-    rank_min)."""
-    profile = plan_profile(family.name)
+def planner_limits(family: FamilySpec, fp8_ok: bool) -> Limits:
+    """What the planner may lower: resolutions in 64 px steps down to 5/8 of the native size (never below 256 px),
+    the family's swap maximum, fp8 where every card stores it."""
+    floor = resolution_ladder(family.resolution, None)[-1]
+    step, _ = step_and_floor(family)
+    return Limits(is_sdxl=family.is_sdxl, fp8_supported=fp8_ok, max_blocks_to_swap=family.max_blocks_to_swap,
+                  resolution_step=step, min_resolution=floor)
+
+
+def ladder(start: TrainSettings, family: FamilySpec, goal: GoalProfile,
+           fp8_ok: bool) -> list[tuple[str, TrainSettings]]:
+    """Ladder points after the start, each with the move that produced it, cumulatively (each rung's moves start
+    from the last point of the rung before)."""
+    policy, limits = planner_policy(family, goal), planner_limits(family, fp8_ok)
     points: list[tuple[str, TrainSettings]] = []
     cur = start
-    for step in profile.ladder:
-        for label, point in _ladder_step(step, cur, family, goal, fp8_ok, pinned_resolution,
-                                         profile.max_blocks_to_swap):
-            points.append((label, point))
-            cur = point
+    for name in policy.rungs:
+        for candidate in RUNGS[name].moves(cur, policy, limits):
+            points.append((candidate.label, candidate.settings))
+        cur = points[-1][1] if points else cur
     return points
-
-
-def _ladder_step(step: str, cur: TrainSettings, family: FamilySpec, goal: GoalProfile, fp8_ok: bool,
-                 pinned_resolution: int | None, max_swap: int) -> list[tuple[str, TrainSettings]]:
-    """The points one named ladder step adds on top of ``cur`` (mildest first)."""
-    out: list[tuple[str, TrainSettings]] = []
-    if step == "optimizer" and cur.optimizer_type != "AdamW8bit":
-        out.append(("optimizer AdamW8bit (8-bit state)", replace(cur, optimizer_type="AdamW8bit")))
-    elif step == "unet_only" and not cur.network_train_unet_only:
-        out.append(("UNet only" + (" with cached text-encoder outputs" if family.is_sdxl else ""),
-                    replace(cur, network_train_unet_only=True,
-                            cache_text_encoder_outputs=cur.cache_text_encoder_outputs or family.is_sdxl)))
-    elif step == "fp8" and fp8_ok and not cur.fp8_base:
-        out.append(("fp8 base weights", replace(cur, fp8_base=True)))
-    elif step == "swap":
-        for n in range(cur.blocks_to_swap + 1, max_swap + 1):  # the fewest swapped blocks that fit win
-            cur = replace(cur, blocks_to_swap=n)
-            out.append((f"blocks_to_swap {n}", cur))
-    elif step in ("rank", "rank_min"):
-        for rank in halvings(cur.network_dim, goal.rank_floor if step == "rank" else 4):
-            cur = at_rank(cur, rank)
-            out.append((f"rank {rank}", cur))
-    elif step == "resolution":
-        for side in resolution_ladder(family.resolution, pinned_resolution)[1:]:
-            cur = at_resolution(cur, side)
-            out.append((f"resolution {side}", cur))
-    return out
 
 
 @dataclass(frozen=True)
@@ -260,12 +230,12 @@ def _add_fallback(fallbacks: list[str], label: str) -> None:
 
 
 def search(start: TrainSettings, family: FamilySpec, goal: GoalProfile, *, fp8_ok: bool,
-           pinned_resolution: int | None, effective: int, devices: int, usable: int,
+           effective: int, devices: int, usable: int,
            predictor: Predictor) -> SearchResult:
     """Walk the ladder from ``start`` (cumulatively, mildest first) until something fits."""
     fallbacks: list[str] = []
     smallest: Scored | None = None
-    for label, point in [("", start), *ladder(start, family, goal, fp8_ok, pinned_resolution)]:
+    for label, point in [("", start), *ladder(start, family, goal, fp8_ok)]:
         best, smallest = best_at(point, effective, devices, usable, predictor)
         if label:
             _add_fallback(fallbacks, label)

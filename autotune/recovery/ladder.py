@@ -5,7 +5,8 @@ memory prediction comes in as a callable (``predict(settings) -> MiB``) built fr
 model by :func:`memory_predictor`; a measurement from the failed run rescales it, because the
 failure itself proves the model was optimistic for this machine.
 
-Preference order (cheapest loss of quality/speed first):
+The rungs are the settings space's (``sd_scripts_compat.config.settings_space``: the same moves the planner and
+the wizard make), walked in the OOM policy's order (cheapest loss of quality/speed first):
   1. smaller micro-batch, more gradient accumulation (micro x accum, the effective batch, unchanged)
   2. gradient checkpointing on
   3. 8-bit optimizer (AdamW -> AdamW8bit, Lion -> Lion8bit)
@@ -27,24 +28,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.config.settings_space import OOM_POLICY, Limits, rungs
 from sd_scripts_compat.models.families import FamilySpec
-
-EIGHT_BIT_OPTIMIZERS = {"adamw": "AdamW8bit", "lion": "Lion8bit", "pagedadamw": "PagedAdamW8bit",
-                        "pagedlion": "PagedLion8bit"}
 
 
 @dataclass(frozen=True)
-class LadderLimits:
-    """What the machine and the model family allow the ladder to do."""
+class LadderLimits(Limits):
+    """What the machine and the model family allow the ladder to do, and the memory it must fit in."""
 
-    budget_mib: float  # usable memory on the device (VRAM, or RAM / address-space limit on CPU)
-    is_sdxl: bool = False
-    fp8_supported: bool = False  # float8 storage (CUDA cc >= 8.9)
-    te_cache_allowed: bool = True  # False when captions are randomised per step (shuffle, dropout)
-    min_resolution: int = 256
-    resolution_step: int = 64
-    min_rank: int = 4
-    max_blocks_to_swap: int = 0  # the family's block-swap limit (FLUX.1: 35); 0: the family cannot swap
+    budget_mib: float = 0.0  # usable memory on the device (VRAM, or RAM / address-space limit on CPU)
 
     @classmethod
     def for_family(cls, family: FamilySpec, budget_mib: float, **machine: Any) -> LadderLimits:
@@ -109,64 +101,10 @@ def rescale_factor(predicted_failed_mib: float, measured_mib: float | None, budg
     return evidence / predicted_failed_mib
 
 
-def _divisor_batches(settings: TrainSettings) -> list[TrainSettings]:
-    """Smaller micro-batches whose accumulation keeps micro x accum exactly the same (largest first)."""
-    effective = settings.effective_batch
-    out = []
-    for micro in range(settings.train_batch_size - 1, 0, -1):
-        if effective % micro == 0:
-            out.append(replace(settings, train_batch_size=micro, gradient_accumulation_steps=effective // micro))
-    return out
-
-
 def _rungs(settings: TrainSettings, limits: LadderLimits) -> list[tuple[str, list[TrainSettings], str]]:
-    """Each rung: (name, candidate settings mildest first, reason template)."""
-    rungs: list[tuple[str, list[TrainSettings], str]] = []
-    rungs.append(("micro-batch", _divisor_batches(settings),
-                  "smaller micro-batch with more gradient accumulation keeps the effective batch"))
-    rungs.append(("gradient checkpointing",
-                  [] if settings.gradient_checkpointing else [replace(settings, gradient_checkpointing=True)],
-                  "gradient checkpointing recomputes activations instead of storing them (~20-30% slower)"))
-    eight = EIGHT_BIT_OPTIMIZERS.get(settings.optimizer_type.lower())
-    rungs.append(("8-bit optimizer", [replace(settings, optimizer_type=eight)] if eight else [],
-                  "an 8-bit optimizer stores its moments in a quarter of the memory"))
-    te = limits.is_sdxl and limits.te_cache_allowed and not settings.cache_text_encoder_outputs
-    rungs.append(("text-encoder caching", [replace(settings, cache_text_encoder_outputs=True)] if te else [],
-                  "caching text-encoder outputs moves the text encoders off the device (UNet-only training)"))
-    swaps = [replace(settings, blocks_to_swap=n) for n in range(settings.blocks_to_swap + 1,
-                                                                 limits.max_blocks_to_swap + 1)]
-    rungs.append(("block swap", swaps, "swapped blocks wait in host memory and are copied in around their use "
-                                       "(slower only once the host link is the bottleneck)"))
-    long_side = max(settings.resolution)
-    buckets = []
-    if settings.max_bucket_reso is not None:
-        reso = settings.max_bucket_reso - limits.resolution_step
-        while reso >= long_side:
-            buckets.append(replace(settings, max_bucket_reso=reso))
-            reso -= limits.resolution_step
-    rungs.append(("max bucket resolution", buckets,
-                  "a lower max bucket resolution caps the largest (most memory-hungry) buckets"))
-    resolutions = []
-    width, height = settings.resolution
-    step = limits.resolution_step
-    while min(width, height) - step >= limits.min_resolution:
-        width, height = width - step, height - step
-        bucket = settings.max_bucket_reso
-        if bucket is not None:
-            bucket = min(bucket, max(width, height))
-        resolutions.append(replace(settings, resolution=(width, height), max_bucket_reso=bucket))
-    rungs.append(("resolution", resolutions, "a lower training resolution shrinks every activation"))
-    ranks = []
-    dim = settings.network_dim
-    while dim // 2 >= limits.min_rank:
-        dim //= 2
-        ranks.append(settings.with_rank(dim))
-    rungs.append(("rank", ranks, "a lower rank shrinks the LoRA, its gradients and optimizer state "
-                                 "(alpha kept in proportion)"))
-    fp8 = limits.fp8_supported and not settings.fp8_base
-    rungs.append(("fp8 base", [replace(settings, fp8_base=True)] if fp8 else [],
-                  "fp8 storage halves the frozen base weights"))
-    return rungs
+    """Each rung of the OOM policy: (title, candidate settings mildest first, why) (``config.settings_space``)."""
+    return [(rung.title, [c.settings for c in candidates], rung.why)
+            for _, rung, candidates in rungs(settings, OOM_POLICY, limits)]
 
 
 def _changes(old: TrainSettings, new: TrainSettings) -> dict[str, tuple[Any, Any]]:

@@ -46,11 +46,13 @@ from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import write_json_atomic, write_text_atomic
 from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
-from sd_scripts_compat.contract import PROGRESS, STATE_FILE, state_step, write_event
+from sd_scripts_compat.contract import PROGRESS, STATE_FILE, Outcome, state_step, write_event
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
-    from autotune.recovery.watchdog import AttemptResult, DecisionLog
+    from autotune.recovery.attempt import AttemptResult
+    from autotune.recovery.engine import AttemptFiles
+    from autotune.recovery.watchdog import DecisionLog
 
 ENGINE_NAME = "sd-scripts"
 LEDGER_FILE = "autotune_sd_scripts.json"
@@ -568,7 +570,7 @@ class AttemptWatch:
 
 @dataclass
 class SdScriptsEngine:
-    """The user's sd-scripts as an engine of the watchdog (``watchdog.EngineHooks``)."""
+    """The user's sd-scripts as an engine of the watchdog (``recovery.engine.Engine``)."""
 
     install: Install
     options: ScriptOptions
@@ -610,9 +612,10 @@ class SdScriptsEngine:
         self.watch.events_dir = events_dir
         return self.watch.feed
 
-    def attempt_argv(self, attempt: int, config: Path, dataset: Path | None, state: tuple[Path, int] | None,
+    def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
                      log: DecisionLog) -> list[str]:
         """Write this attempt's config for sd-scripts and its command line; log both and what a failure loses."""
+        config, dataset = files.config, files.dataset
         offset = self.pending[2] if self.pending and state and state[0] == self.pending[0] else 0
         self.pending = None
         target = self.ledger.target_steps
@@ -667,18 +670,18 @@ class SdScriptsEngine:
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         watch = self.watch
         assert watch is not None
-        watch.scan(final=True, ok=result.outcome == "done")
+        watch.scan(final=True, ok=result.outcome is Outcome.DONE)
         if watch.it_per_s:
             self.measured_it_per_s = watch.it_per_s
         for event, text, data in watch.notes:
             log.write(event, text, **data)
-        if watch.stop_reason is not None and result.outcome == "crash":
-            return replace(result, outcome="continue", message=watch.stop_reason)
-        if result.outcome == "interrupted":  # ASSUMED: sd-scripts has no SIGINT handler (KeyboardInterrupt)
+        if watch.stop_reason is not None and result.outcome is Outcome.CRASH:
+            return replace(result, outcome=Outcome.CONTINUE, message=watch.stop_reason)
+        if result.outcome is Outcome.INTERRUPTED:  # ASSUMED: sd-scripts has no SIGINT handler (KeyboardInterrupt)
             newest = self.ledger.newest(self.states_dir)
             return replace(result, message="interrupted; sd-scripts saves no state on Ctrl-C: --resume continues "
                            f"from its last step save ({newest[0].name if newest else 'none yet'})")
-        if result.outcome != "done":
+        if result.outcome is not Outcome.DONE:
             return result
         return self._finished(result, watch, log)
 
@@ -686,9 +689,9 @@ class SdScriptsEngine:
         target, reached = self.ledger.target_steps, watch.true_step
         if target is not None and reached is not None and reached < target:
             if reached <= watch.resume_step:
-                return replace(result, outcome="crash", message=f"sd-scripts ended at step {reached} without "
+                return replace(result, outcome=Outcome.CRASH, message=f"sd-scripts ended at step {reached} without "
                                f"training (target {target}); see its log")
-            return replace(result, outcome="continue", message=f"sd-scripts stopped at step {reached} of "
+            return replace(result, outcome=Outcome.CONTINUE, message=f"sd-scripts stopped at step {reached} of "
                            f"{target}: continuing from its end state")
         if target is not None and reached is not None and reached > target:
             log.write("sd_scripts_counter", f"sd-scripts trained {reached - target} step(s) past the target "

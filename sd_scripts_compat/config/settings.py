@@ -3,25 +3,18 @@
 The planner chooses a ``TrainSettings``, the writer turns it into config.toml / dataset.toml, the
 engine reports the one it actually resolved (after kohya's precedence: subset > dataset > general >
 config > defaults), and the OOM ladder (memory) and the stability ladder (learning rate, warm-up,
-clipping, precision) step down from that report. Because every side uses this
-type and the same reader (:func:`settings_from_files` runs the engine's own config reader), a value
-cannot be lost between them: the micro-batch a dataset.toml sets is the micro-batch the ladder sees.
+clipping, precision) step down from that report. Every side uses this type, and the moves between settings,
+the mapping to kohya's files and the reader back live once, in ``config.settings_space``; a value cannot be lost
+between them: the micro-batch a dataset.toml sets is the micro-batch the ladder sees.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sd_scripts_compat.config.kohya_toml import parse_resolution
-from sd_scripts_compat.errors import UserError
-
-if TYPE_CHECKING:
-    from sd_scripts_compat.config.dataset_spec import DatasetSpec
-    from sd_scripts_compat.config.training_config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -79,48 +72,6 @@ class TrainSettings:
         if network_alpha is None and self.network_alpha is not None:
             network_alpha = self.network_alpha * network_dim / self.network_dim
         return replace(self, network_dim=network_dim, network_alpha=network_alpha)
-
-    # ---- kohya files ------------------------------------------------------------------------------
-
-    def config_values(self) -> dict[str, Any]:
-        """The settings as training-config values, in kohya's value types ("W,H" resolution)."""
-        values: dict[str, Any] = {
-            "train_batch_size": self.train_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "resolution": f"{self.resolution[0]},{self.resolution[1]}",
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "optimizer_type": self.optimizer_type,
-            "network_dim": self.network_dim,
-            "mixed_precision": self.mixed_precision,
-            "cache_latents": self.cache_latents,
-            "cache_text_encoder_outputs": self.cache_text_encoder_outputs,
-            "fp8_base": self.fp8_base,
-        }
-        if self.network_alpha is not None:
-            values["network_alpha"] = self.network_alpha
-        if self.max_bucket_reso is not None:
-            values["max_bucket_reso"] = self.max_bucket_reso
-        if self.network_train_unet_only or self.cache_text_encoder_outputs:
-            values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
-        if self.xformers:
-            values["xformers"] = True
-        if self.blocks_to_swap:
-            values["blocks_to_swap"] = self.blocks_to_swap
-        values.update({"learning_rate": self.learning_rate, "lr_scheduler": self.lr_scheduler,
-                       "lr_warmup_steps": self.lr_warmup_steps, "max_grad_norm": self.max_grad_norm,
-                       "full_fp16": self.full_fp16, "full_bf16": self.full_bf16})
-        if self.unet_lr is not None:
-            values["unet_lr"] = self.unet_lr
-        if self.text_encoder_lr is not None:
-            values["text_encoder_lr"] = list(self.text_encoder_lr)
-        return values
-
-    def dataset_values(self) -> dict[str, Any]:
-        """The dataset-level values of a dataset.toml (they win over the training config in kohya)."""
-        values: dict[str, Any] = {"batch_size": self.train_batch_size, "resolution": list(self.resolution)}
-        if self.max_bucket_reso is not None:
-            values["max_bucket_reso"] = self.max_bucket_reso
-        return values
 
     def changed_from(self, base: TrainSettings) -> dict[str, tuple[Any, Any]]:
         """Field -> (old, new) for every field that differs from ``base``."""
@@ -180,81 +131,3 @@ class TrainSettings:
         if self.full_fp16 or self.full_bf16:
             parts.append("full fp16" if self.full_fp16 else "full bf16")
         return ", ".join(parts)
-
-
-def resolved_settings(config: TrainingConfig, dataset: DatasetSpec) -> TrainSettings:
-    """The settings a run really uses, from the engine's checked config and its (one) resolved dataset."""
-    return TrainSettings(
-        train_batch_size=dataset.batch_size,
-        gradient_accumulation_steps=max(1, config.gradient_accumulation_steps),
-        resolution=tuple(dataset.resolution),
-        gradient_checkpointing=bool(config.gradient_checkpointing),
-        optimizer_type=config.optimizer_type,
-        network_dim=config.network_dim,
-        network_alpha=config.network_alpha,
-        network_train_unet_only=bool(config.network_train_unet_only),
-        mixed_precision=config.mixed_precision,
-        fp8_base=bool(config.fp8_base or config.fp8_base_unet),
-        cache_latents=bool(config.cache_latents),
-        cache_text_encoder_outputs=bool(config.cache_text_encoder_outputs),
-        max_bucket_reso=dataset.max_bucket_reso if dataset.enable_bucket else None,
-        xformers=bool(config.xformers),
-        learning_rate=float(config.learning_rate),
-        unet_lr=config.unet_lr,
-        text_encoder_lr=tuple(config.text_encoder_lr) if config.text_encoder_lr else None,
-        lr_scheduler=config.lr_scheduler,
-        lr_warmup_steps=config.lr_warmup_steps,
-        max_grad_norm=float(config.max_grad_norm or 0.0),
-        full_fp16=bool(config.full_fp16),
-        full_bf16=bool(config.full_bf16),
-        blocks_to_swap=int(config.blocks_to_swap or 0),
-    )
-
-
-def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:
-    """What the engine resolved for one dataset (the ``datasets`` list of its events)."""
-    return {"batch_size": dataset.batch_size, "resolution": list(dataset.resolution),
-            "enable_bucket": dataset.enable_bucket, "min_bucket_reso": dataset.min_bucket_reso,
-            "max_bucket_reso": dataset.max_bucket_reso, "bucket_reso_steps": dataset.bucket_reso_steps,
-            "bucket_no_upscale": dataset.bucket_no_upscale, "num_subsets": len(dataset.subsets)}
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """A run's config and dataset as the engine will resolve them, read before it starts."""
-
-    config: TrainingConfig
-    dataset: DatasetSpec
-    settings: TrainSettings
-
-
-def settings_from_files(config_path: str | Path, dataset_config_path: str | Path | None, *, sdxl: bool = False,
-                        script: str | None = None,
-                        default_resolution: tuple[int, int] | None = None) -> ResolvedRun:
-    """Read config.toml (+ dataset.toml) with the engine's own reader, exactly as a training run will.
-
-    The reader's warnings are not shown here (the engine shows them when it starts); its errors are
-    the engine's one-line errors, raised now rather than after a model has loaded. ``script`` names the
-    entry point (``"flux_train_network"``); without it ``sdxl`` chooses SD 1.x/2.x or SDXL.
-    """
-    from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
-
-    argv = ["--config_file", str(config_path)]
-    if dataset_config_path is not None:
-        argv += ["--dataset_config", str(dataset_config_path)]
-    loggers = [logging.getLogger(name) for name in ("sd_scripts_compat.config.training_config",
-                                                    "sd_scripts_compat.config.dataset_config")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        config = load_training_config(argv, sdxl=sdxl, script=script)
-        group = dataset_group_from_config(config, default_resolution=default_resolution)
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-    if len(group.datasets) != 1:
-        raise UserError(f"{dataset_config_path or config_path}: {len(group.datasets)} [[datasets]] given; the "
-                        "engine trains on exactly one (put several folders as [[datasets.subsets]] of one dataset)")
-    dataset = group.datasets[0]
-    return ResolvedRun(config=config, dataset=dataset, settings=resolved_settings(config, dataset))

@@ -134,9 +134,9 @@ class FamilySpec:
 
     def resolution_problem(self, width: int, height: int) -> str | None:
         """Why this family cannot train at ``width`` x ``height`` (None: it can): each side a multiple of the
-        bucket step (8 px for SD, 16 for FLUX), from 64 px (kohya's smallest bucket step) to four times the
-        native size. The engine checks a config with it; the planner checks a pinned ``--resolution``."""
-        step, low, high = self.bucket_step, max(64, 4 * self.bucket_step), 4 * self.resolution
+        bucket step (8 px for SD, 16 for FLUX), from four steps (4 latent pixels or 2x2 tokens a side) to four
+        times the native size. The engine checks a config with it; the planner checks a pinned ``--resolution``."""
+        step, low, high = self.bucket_step, 4 * self.bucket_step, 4 * self.resolution
         if all(side % step == 0 and low <= side <= high for side in (width, height)):
             return None
         return (f"{self.name} trains at multiples of {step} px from {low} to {high} px (native {self.resolution}), "

@@ -449,7 +449,7 @@ class Report:
 
 
 def report_run(config: Any, process: Process, data: Data, inputs: Inputs) -> Report:
-    from sd_scripts_compat.config.settings import dataset_report, resolved_settings
+    from sd_scripts_compat.config.settings_space import dataset_report, resolved_settings
 
     resolved = {"datasets": [dataset_report(data.spec)], "latents_cached": inputs.cached_latents,
                 "text_encoder_outputs_cached": inputs.cached_text,

@@ -1,0 +1,278 @@
+"""One attempt: spawn the engine as a child, pump its output, watch it, and report what happened as facts.
+
+The runner judges nothing: it returns an :class:`AttemptResult` whose ``outcome`` comes from the contract's pure
+:func:`sd_scripts_compat.contract.classify` over the :class:`~sd_scripts_compat.contract.ExitFacts` it saw
+(the exit code, a stall kill, a forwarded stop signal, the end of stderr, the event files). What to do next
+is the supervisor's (``recovery.watchdog``), and how a trainer is launched is its engine's (``recovery.engine``):
+the split accelerate's ``utils/memory.py`` keeps between "is this an OOM", "what next" and "run".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from sd_scripts_compat.contract import (
+    DIVERGED,
+    DONE,
+    OOM,
+    PROGRESS,
+    ExitFacts,
+    Outcome,
+    classify,
+    clear_events,
+    event_path,
+    read_event,
+)
+
+ALLOC_CONF = "expandable_segments:True"
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    """How one child process ended: its outcome (``classify``) and the facts behind it."""
+
+    outcome: Outcome
+    returncode: int | None
+    message: str
+    oom_event: dict[str, Any] | None = None
+    done_event: dict[str, Any] | None = None
+    diverged_event: dict[str, Any] | None = None
+    last_progress: dict[str, Any] | None = None
+    seconds: float = 0.0
+    stop_signal: int | None = None  # SIGINT / SIGTERM that we received and forwarded (outcome "interrupted")
+    peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
+    peak_vm_mib: float | None = None  # peak address space: the figure RLIMIT_AS caps
+
+    @classmethod
+    def from_facts(cls, facts: ExitFacts, *, seconds: float, peak_rss_mib: float | None,
+                   peak_vm_mib: float | None) -> AttemptResult:
+        outcome, message = classify(facts)
+        events = facts.events
+        return cls(outcome=outcome, returncode=facts.returncode, message=message,
+                   oom_event=events.get(OOM) if outcome is Outcome.OOM else None,
+                   done_event=events.get(DONE) if outcome is Outcome.DONE else None,
+                   diverged_event=events.get(DIVERGED) if outcome is Outcome.DIVERGED else None,
+                   last_progress=events.get(PROGRESS), seconds=seconds, stop_signal=facts.stop_signal,
+                   peak_rss_mib=peak_rss_mib, peak_vm_mib=peak_vm_mib)
+
+
+def child_env(base: dict[str, str], cuda: bool) -> dict[str, str]:
+    """The child's environment: on CUDA, expandable segments (less fragmentation after a step-down).
+
+    Both names are set because torch renamed the variable (PYTORCH_ALLOC_CONF) and still reads the old one.
+    """
+    env = dict(base)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cuda:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+        env["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
+    return env
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON event file, or None when absent or unreadable (events are written atomically, so rare)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+# The engine's own one-line reports ("train_network: error: ...", "train_network: SIGINT: stopped at step ..."):
+# logged, but not shown, because the supervisor reports the attempt's outcome itself (``autotune run: error:
+# ...``, or how to continue with ``autotune run --resume``) and the user should read it once.
+_ENGINE_ERROR_LINE = re.compile(r"^(sdxl_)?train_network: ")
+
+
+def _segments(stream: Any) -> Iterator[bytes]:
+    """A child's output cut after each ``\n`` and also after each ``\r``: a progress bar (tqdm, as
+    sd-scripts prints it) redraws itself with ``\r`` and writes no ``\n`` until it closes."""
+    pending = b""
+    while chunk := stream.read1(65536):
+        pending += chunk
+        while (cut := _first_break(pending)) >= 0:
+            yield pending[: cut + 1]
+            pending = pending[cut + 1:]
+    if pending:
+        yield pending
+
+
+def _first_break(data: bytes) -> int:
+    ends = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
+    if not ends:
+        return -1
+    cut = min(ends)
+    return cut + 1 if data[cut:cut + 2] == b"\r\n" else cut
+
+
+def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock,
+          on_line: Callable[[str], None] | None = None) -> None:
+    """Copy ``stream`` to ``sinks`` (the log first, then the screen) line by line."""
+    for raw in _segments(stream):
+        line = raw.decode("utf-8", errors="replace")
+        redraw = line.endswith("\r")  # a progress-bar redraw: shown live, logged as a line, kept out of the tail
+        held_back = tail is not None and bool(_ENGINE_ERROR_LINE.match(line))
+        with lock:
+            for index, sink in enumerate(sinks[:1] if held_back else sinks):
+                sink.write(line[:-1] + "\n" if redraw and index == 0 else line)
+                sink.flush()
+        if tail is not None and line.strip() and not redraw:
+            tail.append(line.rstrip("\r\n"))
+        if on_line is not None:
+            on_line(line.rstrip("\r\n"))
+    stream.close()
+
+
+def proc_memory_mib(pid: int) -> tuple[float | None, float | None]:
+    """(peak RSS, peak address space) of a live process in MiB from /proc, or (None, None) elsewhere."""
+    rss = vm = None
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    rss = int(line.split()[1]) / 1024
+                elif line.startswith("VmPeak:"):
+                    vm = int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss, vm
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextlib.contextmanager
+def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int]) -> Any:
+    """While the child runs, SIGINT (Ctrl-C) and SIGTERM (``kill``, ``docker stop``, a scheduler) sent to us go
+    to the child: the engine stops at the next step boundary, saves its state, ends its DataLoader workers and
+    exits; we wait for it. Sent to the engine's process only: a worker killed by SIGTERM would fail the step in
+    flight. Installed even when the signal was inherited as ignored (a background job), so ``kill -INT`` works."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(number: int, _frame: Any) -> None:
+        received.append(number)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(number)
+
+    previous = {number: signal.signal(number, forward) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+@dataclass
+class _Watch:
+    """What the watch loop saw of a running child."""
+
+    peak_rss: float | None = None
+    peak_vm: float | None = None
+    stalled_after_s: float | None = None
+
+
+def run_attempt(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    events_dir: Path,
+    log_path: Path,
+    stall_timeout_s: float,
+    echo: bool = True,
+    preexec_fn: Callable[[], None] | None = None,
+    poll_s: float = 0.25,
+    kill_grace_s: float = 10.0,
+    stop_grace_s: float = 120.0,
+    on_start: Callable[[int], None] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> AttemptResult:
+    """Run one child to its end, streaming its output to the screen and ``log_path``.
+
+    The child gets its own process group so a stall kill also reaches any workers it started, and
+    Ctrl-C (SIGINT) or SIGTERM reaches it only through us (forwarded as it came, so it saves state and exits
+    130 / 143; after ``stop_grace_s`` without an exit its group is killed).
+    A stall is no change in ``progress.json`` for ``stall_timeout_s`` (counted from launch until
+    the first progress file). ``on_line`` sees every line of both streams (an engine adapter turns
+    another trainer's output into progress events with it: ``autotune.recovery.sd_scripts``).
+    """
+    events_dir.mkdir(parents=True, exist_ok=True)
+    clear_events(events_dir)
+    started = time.monotonic()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    stops: list[int] = []  # the stop signals we received (and forwarded)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=preexec_fn)
+        lock = threading.Lock()
+        err_tail: deque[str] = deque(maxlen=40)
+        out_sinks: list[TextIO] = [log, sys.stdout] if echo else [log]
+        err_sinks: list[TextIO] = [log, sys.stderr] if echo else [log]
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, out_sinks, None, lock, on_line), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, err_sinks, err_tail, lock, on_line), daemon=True)]
+        for pump in pumps:
+            pump.start()
+        if on_start is not None:
+            on_start(proc.pid)
+        with _forwarding_stop_signals(proc, stops):
+            watch = _watch(proc, event_path(events_dir, PROGRESS), stops, stall_timeout_s=stall_timeout_s,
+                           poll_s=poll_s, kill_grace_s=kill_grace_s, stop_grace_s=stop_grace_s)
+        for pump in pumps:
+            pump.join(5)
+    events = {kind: read_event(events_dir, kind) for kind in (PROGRESS, OOM, DIVERGED, DONE)}
+    facts = ExitFacts(returncode=proc.returncode, stalled_after_s=watch.stalled_after_s,
+                      stop_signal=stops[0] if stops else None, stderr_tail=tuple(err_tail), events=events)
+    return AttemptResult.from_facts(facts, seconds=time.monotonic() - started, peak_rss_mib=watch.peak_rss,
+                                    peak_vm_mib=watch.peak_vm)
+
+
+def _watch(proc: subprocess.Popen[bytes], progress_path: Path, stops: list[int], *, stall_timeout_s: float,
+           poll_s: float, kill_grace_s: float, stop_grace_s: float) -> _Watch:
+    """Poll the child until it exits: sample its memory, kill it on a stall, give a forwarded stop its grace."""
+    seen = _Watch()
+    last_change, last_mtime = time.monotonic(), None
+    stop_deadline: float | None = None
+    while proc.poll() is None:
+        time.sleep(poll_s)
+        rss, vm = proc_memory_mib(proc.pid)
+        seen.peak_rss = max(filter(None, (seen.peak_rss, rss)), default=None)
+        seen.peak_vm = max(filter(None, (seen.peak_vm, vm)), default=None)
+        if stops:  # the engine is saving its state: no stall detection now, only a last deadline
+            stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
+            if time.monotonic() > stop_deadline:
+                _signal_group(proc, signal.SIGKILL)
+            continue
+        try:
+            mtime = progress_path.stat().st_mtime_ns
+        except FileNotFoundError:
+            mtime = None
+        if mtime != last_mtime:
+            last_mtime, last_change = mtime, time.monotonic()
+        elif time.monotonic() - last_change > stall_timeout_s and seen.stalled_after_s is None:
+            seen.stalled_after_s = stall_timeout_s
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(kill_grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+    proc.wait()
+    return seen

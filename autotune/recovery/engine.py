@@ -1,0 +1,100 @@
+"""The one protocol every trainer under the watchdog implements, and our own engine as its first implementation.
+
+The supervisor (``recovery.watchdog.supervise``) never asks which trainer it runs: it asks the job's
+:class:`Engine` for the command line of an attempt, the newest state to resume from, a reader of the child's
+output (a trainer that does not write our events gets them made from its output), and the last word on an
+attempt's result. Our engine (:class:`CompatEngine`) follows the contract of ``sd_scripts_compat.contract``
+itself, so its hooks are thin; the user's sd-scripts is ``recovery.sd_scripts.SdScriptsEngine``. A new trainer
+(musubi-tuner) is one more class here or beside it, and no watchdog code changes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from sd_scripts_compat.contract import (
+    EVENTS_DIR_FLAG,
+    RETRY_LOG_FLAG,
+    SAVE_STATE_EVERY_FLAG,
+    newest_state,
+)
+
+if TYPE_CHECKING:
+    from autotune.recovery.attempt import AttemptResult
+    from autotune.recovery.watchdog import DecisionLog
+
+
+@dataclass(frozen=True)
+class AttemptFiles:
+    """What the supervisor prepared for one attempt: the configs to train with and where events go."""
+
+    config: Path
+    dataset: Path | None
+    events_dir: Path
+    retry_log: Path
+
+
+class Engine(Protocol):
+    """A trainer the watchdog can supervise."""
+
+    def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
+                     log: DecisionLog) -> list[str]:
+        """The child's command line for attempt ``attempt`` (resuming from ``state``: folder and step)."""
+        ...
+
+    def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
+        """The newest state an attempt can resume from, with its step."""
+        ...
+
+    def line_handler(self, events_dir: Path) -> Callable[[str], None] | None:
+        """What reads every line the child prints (None: nothing needs to)."""
+        ...
+
+    def child_started(self, pid: int) -> None: ...
+
+    def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
+        """The engine's last word on an attempt (a wrapper may turn a crash into "continue", say)."""
+        ...
+
+
+@dataclass
+class CompatEngine:
+    """lora-autotune's own engine (``python -m sd_scripts_compat.<script>``): it writes the contract's events,
+    saves state on a clock and resumes at the exact step by itself."""
+
+    entry: list[str] = field(default_factory=lambda: ["-m", "sd_scripts_compat.train_network"])
+    python: str = sys.executable
+    extra_args: list[str] = field(default_factory=list)
+    save_state_every_s: float = 30.0
+
+    @classmethod
+    def for_module(cls, module: str, **kwargs: object) -> CompatEngine:
+        """The engine entry point of a family (``FamilySpec.engine_module``)."""
+        return cls(entry=["-m", module], **kwargs)  # type: ignore[arg-type]
+
+    def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
+                     log: DecisionLog) -> list[str]:
+        argv = [self.python, *self.entry, "--config_file", str(files.config)]
+        if files.dataset is not None:
+            argv += ["--dataset_config", str(files.dataset)]
+        argv += [*self.extra_args, EVENTS_DIR_FLAG, str(files.events_dir), SAVE_STATE_EVERY_FLAG,
+                 f"{self.save_state_every_s:g}", RETRY_LOG_FLAG, str(files.retry_log)]
+        if state is not None:
+            argv += ["--resume", str(state[0])]
+        return argv
+
+    def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
+        return newest_state(states_dir)
+
+    def line_handler(self, events_dir: Path) -> Callable[[str], None] | None:
+        return None
+
+    def child_started(self, pid: int) -> None:
+        return None
+
+    def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
+        return result

@@ -1,0 +1,393 @@
+"""The space of settings a run can take: its moves, and the one way between ``TrainSettings`` and kohya's files.
+
+Three callers walk this space. The planner searches it for the fastest fit, the OOM ladder steps down through it
+from settings that ran out of memory, the wizard offers the single change that would make a user's values fit.
+They share every move (the :data:`RUNGS` table below: micro-batch splits that keep the effective batch,
+checkpointing, an 8-bit optimizer, caching the text encoders' outputs, UNet-only training, block swap, bucket and
+training resolution, rank, fp8 weights) and differ only in the :class:`Policy` they pass: which rungs in which
+order (the planner's order is per family, from its plan profile), and how a rung may move (a resumable run keeps
+its effective batch exactly and its optimizer's family; a fresh plan may switch optimizer and sets alpha by its
+rule). How each caller walks the rungs (a grid search, a cumulative step-down, one knob at a time) stays with it.
+
+The kohya side: :func:`config_values` / :func:`dataset_values` are the one mapping of settings to config.toml and
+dataset.toml values (dataset.toml's ``batch_size`` and ``resolution`` win over the config's in kohya, so both are
+written), :func:`write_config` / :func:`write_dataset_config` put them into existing files, and
+:func:`settings_from_values` reads them back from a flat mapping of kohya keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.config.kohya_toml import (
+    parse_resolution,
+    read_toml,
+    set_config_values,
+    set_dataset_values,
+    write_toml,
+)
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.dataset_spec import DatasetSpec
+    from sd_scripts_compat.config.training_config import TrainingConfig
+
+# ---- kohya files: the one mapping and the one reader ---------------------------------------------------
+
+
+def config_values(s: TrainSettings) -> dict[str, Any]:
+    """The settings as training-config values, in kohya's value types ("W,H" resolution)."""
+    values: dict[str, Any] = {
+        "train_batch_size": s.train_batch_size,
+        "gradient_accumulation_steps": s.gradient_accumulation_steps,
+        "resolution": f"{s.resolution[0]},{s.resolution[1]}",
+        "gradient_checkpointing": s.gradient_checkpointing,
+        "optimizer_type": s.optimizer_type,
+        "network_dim": s.network_dim,
+        "mixed_precision": s.mixed_precision,
+        "cache_latents": s.cache_latents,
+        "cache_text_encoder_outputs": s.cache_text_encoder_outputs,
+        "fp8_base": s.fp8_base,
+    }
+    if s.network_alpha is not None:
+        values["network_alpha"] = s.network_alpha
+    if s.max_bucket_reso is not None:
+        values["max_bucket_reso"] = s.max_bucket_reso
+    if s.network_train_unet_only or s.cache_text_encoder_outputs:
+        values["network_train_unet_only"] = True  # kohya refuses TE caching while training the TE
+    if s.xformers:
+        values["xformers"] = True
+    if s.blocks_to_swap:
+        values["blocks_to_swap"] = s.blocks_to_swap
+    values.update({"learning_rate": s.learning_rate, "lr_scheduler": s.lr_scheduler,
+                   "lr_warmup_steps": s.lr_warmup_steps, "max_grad_norm": s.max_grad_norm,
+                   "full_fp16": s.full_fp16, "full_bf16": s.full_bf16})
+    if s.unet_lr is not None:
+        values["unet_lr"] = s.unet_lr
+    if s.text_encoder_lr is not None:
+        values["text_encoder_lr"] = list(s.text_encoder_lr)
+    return values
+
+
+def dataset_values(s: TrainSettings) -> dict[str, Any]:
+    """The dataset-level values of a dataset.toml (they win over the training config in kohya)."""
+    values: dict[str, Any] = {"batch_size": s.train_batch_size, "resolution": list(s.resolution)}
+    if s.max_bucket_reso is not None:
+        values["max_bucket_reso"] = s.max_bucket_reso
+    return values
+
+
+def _changed(values: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
+    return values if before is None else {k: v for k, v in values.items() if before.get(k) != v}
+
+
+def write_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
+                 base: TrainSettings | None = None) -> None:
+    """Write ``src`` with the settings' values set wherever kohya reads them, to ``dst``.
+
+    Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
+    does not grow keys (and the engine's "ignored option" warnings) it never had.
+    """
+    values = _changed(config_values(settings), None if base is None else config_values(base))
+    write_toml(dst, set_config_values(read_toml(src), values), header)
+
+
+def write_dataset_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
+                         base: TrainSettings | None = None) -> None:
+    """The dataset.toml of ``settings``: batch size, resolution and bucket limits that changed, on every
+    [[datasets]] block (they win over the main config in kohya)."""
+    write_toml(dst, with_dataset_values(read_toml(src, "dataset config"), settings, base), header)
+
+
+def with_dataset_values(document: dict[str, Any], settings: TrainSettings,
+                        base: TrainSettings | None = None) -> dict[str, Any]:
+    """A dataset.toml document with the values of ``settings`` that differ from ``base`` set on it."""
+    return set_dataset_values(document, _changed(dataset_values(settings),
+                                                 None if base is None else dataset_values(base)))
+
+
+def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
+    """The settings that a flat mapping of kohya keys describes (a plan's config.toml values, or the engine's
+    resolved config with its dataset's batch and resolution); absent keys take kohya's defaults."""
+    defaults = TrainSettings()
+    alpha, warmup = values.get("network_alpha"), values.get("lr_warmup_steps", defaults.lr_warmup_steps)
+    text_encoder_lr = values.get("text_encoder_lr")
+    if isinstance(text_encoder_lr, (int, float)):
+        text_encoder_lr = [text_encoder_lr]
+    bucket = values.get("max_bucket_reso")
+    return TrainSettings(
+        train_batch_size=int(values.get("train_batch_size", defaults.train_batch_size)),
+        gradient_accumulation_steps=max(1, int(values.get("gradient_accumulation_steps") or 1)),
+        resolution=parse_resolution(values.get("resolution", defaults.resolution)),
+        gradient_checkpointing=bool(values.get("gradient_checkpointing", False)),
+        optimizer_type=str(values.get("optimizer_type") or defaults.optimizer_type),
+        network_dim=int(values.get("network_dim") or defaults.network_dim),
+        network_alpha=None if alpha is None else float(alpha),
+        network_train_unet_only=bool(values.get("network_train_unet_only", False)),
+        mixed_precision=str(values.get("mixed_precision") or defaults.mixed_precision),
+        fp8_base=bool(values.get("fp8_base", False) or values.get("fp8_base_unet", False)),
+        cache_latents=bool(values.get("cache_latents", False)),
+        cache_text_encoder_outputs=bool(values.get("cache_text_encoder_outputs", False)),
+        max_bucket_reso=int(bucket) if values.get("enable_bucket") and bucket is not None else None,
+        xformers=bool(values.get("xformers", False)),
+        learning_rate=float(values.get("learning_rate", defaults.learning_rate)),
+        unet_lr=None if values.get("unet_lr") is None else float(values["unet_lr"]),
+        text_encoder_lr=tuple(float(lr) for lr in text_encoder_lr) if text_encoder_lr else None,
+        lr_scheduler=str(values.get("lr_scheduler") or defaults.lr_scheduler),
+        lr_warmup_steps=warmup if isinstance(warmup, int) else float(warmup),
+        max_grad_norm=float(values.get("max_grad_norm", defaults.max_grad_norm) or 0.0),
+        full_fp16=bool(values.get("full_fp16", False)),
+        full_bf16=bool(values.get("full_bf16", False)),
+        blocks_to_swap=int(values.get("blocks_to_swap") or 0),
+    )
+
+
+# ---- what a run resolves to -------------------------------------------------------------------------
+
+def resolved_settings(config: TrainingConfig, dataset: DatasetSpec) -> TrainSettings:
+    """The settings a run really uses, from the engine's checked config and its (one) resolved dataset: the one
+    reader (:func:`settings_from_values`) over the config's values and the dataset's batch, size and buckets."""
+    values = {name: getattr(config, name) for name in _CONFIG_KEYS}
+    values.update(train_batch_size=dataset.batch_size, resolution=tuple(dataset.resolution),
+                  enable_bucket=dataset.enable_bucket, max_bucket_reso=dataset.max_bucket_reso)
+    return settings_from_values(values)
+
+
+# the TrainingConfig fields settings_from_values reads (the dataset supplies batch, resolution and buckets)
+_CONFIG_KEYS = ("gradient_accumulation_steps", "gradient_checkpointing", "optimizer_type", "network_dim",
+                "network_alpha", "network_train_unet_only", "mixed_precision", "fp8_base", "fp8_base_unet",
+                "cache_latents", "cache_text_encoder_outputs", "xformers", "learning_rate", "unet_lr",
+                "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "max_grad_norm", "full_fp16", "full_bf16",
+                "blocks_to_swap")
+
+
+def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:
+    """What the engine resolved for one dataset (the ``datasets`` list of its events)."""
+    return {"batch_size": dataset.batch_size, "resolution": list(dataset.resolution),
+            "enable_bucket": dataset.enable_bucket, "min_bucket_reso": dataset.min_bucket_reso,
+            "max_bucket_reso": dataset.max_bucket_reso, "bucket_reso_steps": dataset.bucket_reso_steps,
+            "bucket_no_upscale": dataset.bucket_no_upscale, "num_subsets": len(dataset.subsets)}
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run's config and dataset as the engine will resolve them, read before it starts."""
+
+    config: TrainingConfig
+    dataset: DatasetSpec
+    settings: TrainSettings
+
+
+def settings_from_files(config_path: str | Path, dataset_config_path: str | Path | None, *, sdxl: bool = False,
+                        script: str | None = None,
+                        default_resolution: tuple[int, int] | None = None) -> ResolvedRun:
+    """Read config.toml (+ dataset.toml) with the engine's own reader, exactly as a training run will.
+
+    The reader's warnings are not shown here (the engine shows them when it starts); its errors are
+    the engine's one-line errors, raised now rather than after a model has loaded. ``script`` names the
+    entry point (``"flux_train_network"``); without it ``sdxl`` chooses SD 1.x/2.x or SDXL.
+    """
+    from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
+
+    argv = ["--config_file", str(config_path)]
+    if dataset_config_path is not None:
+        argv += ["--dataset_config", str(dataset_config_path)]
+    loggers = [logging.getLogger(name) for name in ("sd_scripts_compat.config.training_config",
+                                                    "sd_scripts_compat.config.dataset_config")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        config = load_training_config(argv, sdxl=sdxl, script=script)
+        group = dataset_group_from_config(config, default_resolution=default_resolution)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    if len(group.datasets) != 1:
+        raise UserError(f"{dataset_config_path or config_path}: {len(group.datasets)} [[datasets]] given; the "
+                        "engine trains on exactly one (put several folders as [[datasets.subsets]] of one dataset)")
+    dataset = group.datasets[0]
+    return ResolvedRun(config=config, dataset=dataset, settings=resolved_settings(config, dataset))
+
+
+# ---- the moves -------------------------------------------------------------------------------------------
+
+EIGHT_BIT_OPTIMIZERS = {"adamw": "AdamW8bit", "lion": "Lion8bit", "pagedadamw": "PagedAdamW8bit",
+                        "pagedlion": "PagedLion8bit"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the family and the machine allow a move to do."""
+
+    is_sdxl: bool = False
+    fp8_supported: bool = False  # float8 storage of the base weights on this device
+    te_cache_allowed: bool = True  # False when captions change between steps (shuffle, dropout)
+    max_blocks_to_swap: int = 0  # the family's (FamilySpec.max_blocks_to_swap)
+    resolution_step: int = 64
+    min_resolution: int = 256
+    min_rank: int = 4
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How a caller walks the space: its rungs in order, and how far each may move."""
+
+    rungs: tuple[str, ...]
+    exact_micro_batches: bool = True  # only micro-batches that divide the effective batch (it stays exactly)
+    switch_optimizer: bool = False  # may leave the optimizer's family for AdamW8bit (a fresh plan sets its rates)
+    alpha: Callable[[int], float] | None = None  # alpha of a new rank; None: in proportion (the scale is kept)
+    bucket_follows: str = "clamp"  # "clamp": the max bucket drops with the resolution; "double": 2x the side
+    rank_floor: int = 4  # where "rank" stops ("rank_min" goes on to Limits.min_rank)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    settings: TrainSettings
+    label: str  # what was given up, for a plan's list ("rank 8", "blocks_to_swap 12")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One kind of move: its name in messages, why it saves memory, and its candidates (mildest first)."""
+
+    title: str
+    why: str
+    moves: Callable[[TrainSettings, Policy, Limits], list[Candidate]]
+
+
+def micro_batch_splits(effective: int, devices: int = 1, *, exact: bool = True,
+                       below: int | None = None) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs per device for ``effective`` samples per optimizer step, largest first.
+
+    ``exact``: every micro-batch that divides the per-device batch, so the effective batch stays exactly (what a
+    run that resumes needs); else powers of two, accumulation rounded up (the planner's grid). ``below``: only
+    micro-batches smaller than this."""
+    per_device = max(1, effective // devices)
+    if exact:
+        micros = [m for m in range(per_device, 0, -1) if per_device % m == 0]
+    else:
+        micros = [2**i for i in range(per_device.bit_length() - 1, -1, -1)]
+    return [(m, per_device // m if exact else max(1, math.ceil(effective / (m * devices))))
+            for m in micros if below is None or m < below]
+
+
+def _micro_batch(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    splits = micro_batch_splits(s.effective_batch, exact=p.exact_micro_batches, below=s.train_batch_size)
+    return [Candidate(replace(s, train_batch_size=m, gradient_accumulation_steps=a), f"micro-batch {m}")
+            for m, a in splits]
+
+
+def _checkpointing(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    return [] if s.gradient_checkpointing else [
+        Candidate(replace(s, gradient_checkpointing=True), "gradient checkpointing")]
+
+
+def eight_bit_optimizer(optimizer: str, switch: bool) -> str | None:
+    """The 8-bit twin of ``optimizer`` (AdamW -> AdamW8bit, Lion -> Lion8bit), else AdamW8bit when ``switch``
+    allows leaving the optimizer's family (Prodigy -> AdamW8bit); None: no 8-bit move."""
+    twin = EIGHT_BIT_OPTIMIZERS.get(optimizer.lower())
+    if twin is None and switch and optimizer != "AdamW8bit":
+        twin = "AdamW8bit"
+    return twin
+
+
+def _optimizer(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    eight = eight_bit_optimizer(s.optimizer_type, p.switch_optimizer)
+    return [] if eight is None else [Candidate(replace(s, optimizer_type=eight), f"optimizer {eight} (8-bit state)")]
+
+
+def _te_cache(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    if not (lim.is_sdxl and lim.te_cache_allowed) or s.cache_text_encoder_outputs:
+        return []
+    return [Candidate(replace(s, cache_text_encoder_outputs=True), "cached text-encoder outputs")]
+
+
+def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    if s.network_train_unet_only:
+        return []
+    label = "UNet only" + (" with cached text-encoder outputs" if lim.is_sdxl else "")
+    return [Candidate(replace(s, network_train_unet_only=True,
+                              cache_text_encoder_outputs=s.cache_text_encoder_outputs or lim.is_sdxl), label)]
+
+
+def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    return [Candidate(replace(s, blocks_to_swap=n), f"blocks_to_swap {n}")
+            for n in range(s.blocks_to_swap + 1, lim.max_blocks_to_swap + 1)]  # the fewest that fit win
+
+
+def _max_bucket(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    if s.max_bucket_reso is None:
+        return []
+    sizes = range(s.max_bucket_reso - lim.resolution_step, max(s.resolution) - 1, -lim.resolution_step)
+    return [Candidate(replace(s, max_bucket_reso=size), f"max bucket {size}") for size in sizes]
+
+
+def _resolution(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    out = []
+    width, height = s.resolution
+    while min(width, height) - lim.resolution_step >= lim.min_resolution:
+        width, height = width - lim.resolution_step, height - lim.resolution_step
+        bucket = s.max_bucket_reso
+        if p.bucket_follows == "double":
+            bucket = 2 * max(width, height) if bucket is not None else None
+        elif bucket is not None:
+            bucket = min(bucket, max(width, height))
+        out.append(Candidate(replace(s, resolution=(width, height), max_bucket_reso=bucket), f"resolution {width}"))
+    return out
+
+
+def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
+    out, dim = [], s.network_dim
+    while dim // 2 >= floor:
+        dim //= 2
+        new = s.with_rank(dim) if p.alpha is None else replace(s, network_dim=dim, network_alpha=p.alpha(dim))
+        out.append(Candidate(new, f"rank {dim}"))
+    return out
+
+
+def _fp8(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    return [Candidate(replace(s, fp8_base=True), "fp8 base weights")] \
+        if lim.fp8_supported and not s.fp8_base else []
+
+
+RUNGS: dict[str, Rung] = {
+    "micro_batch": Rung("micro-batch", "smaller micro-batch with more gradient accumulation keeps the effective "
+                        "batch", _micro_batch),
+    "checkpointing": Rung("gradient checkpointing", "gradient checkpointing recomputes activations instead of "
+                          "storing them (~20-30% slower)", _checkpointing),
+    "optimizer": Rung("8-bit optimizer", "an 8-bit optimizer stores its moments in a quarter of the memory",
+                      _optimizer),
+    "te_cache": Rung("text-encoder caching", "caching text-encoder outputs moves the text encoders off the device "
+                     "(UNet-only training)", _te_cache),
+    "unet_only": Rung("UNet only", "the text encoders stop training (SDXL: their outputs are cached and they leave "
+                      "the device)", _unet_only),
+    "swap": Rung("block swap", "swapped blocks wait in host memory and are copied in around their use (slower only "
+                 "once the host link is the bottleneck)", _swap),
+    "max_bucket": Rung("max bucket resolution", "a lower max bucket resolution caps the largest (most "
+                       "memory-hungry) buckets", _max_bucket),
+    "resolution": Rung("resolution", "a lower training resolution shrinks every activation", _resolution),
+    "rank": Rung("rank", "a lower rank shrinks the LoRA, its gradients and optimizer state (alpha kept in "
+                 "proportion)", lambda s, p, lim: _ranks(s, p, p.rank_floor)),
+    "rank_min": Rung("rank", "a lower rank shrinks the LoRA, its gradients and optimizer state (alpha kept in "
+                     "proportion)", lambda s, p, lim: _ranks(s, p, lim.min_rank)),
+    "fp8": Rung("fp8 base", "fp8 storage halves the frozen base weights", _fp8),
+}
+
+
+def rungs(settings: TrainSettings, policy: Policy, limits: Limits) -> list[tuple[str, Rung, list[Candidate]]]:
+    """Each of the policy's rungs with its candidates from ``settings`` (mildest first): (name, rung, candidates).
+    Every rung starts from ``settings``; a walker that carries one rung's move into the next applies it itself."""
+    return [(name, RUNGS[name], RUNGS[name].moves(settings, policy, limits)) for name in policy.rungs]
+
+
+# The OOM ladder's order: cheapest loss of quality or speed first; all of it resumes from the saved state except
+# the optimizer, text-encoder and rank moves (their tensors change shape).
+OOM_POLICY = Policy(rungs=("micro_batch", "checkpointing", "optimizer", "te_cache", "swap", "max_bucket",
+                           "resolution", "rank_min", "fp8"))
