@@ -91,8 +91,8 @@ def test_the_cycle_finder_names_a_cycle_and_passes_a_tree():
 
 def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
-    # dataset/train_dataset.py reads cache files through caching/entries.py; latent_cache imports the dataset
-    assert "sd_scripts_compat.caching.entries" in graph["sd_scripts_compat.dataset.train_dataset"]
+    # dataset/train_dataset.py reads cache files through dataset/cache_entries.py; latent_cache imports the dataset
+    assert "sd_scripts_compat.dataset.cache_entries" in graph["sd_scripts_compat.dataset.train_dataset"]
     assert "sd_scripts_compat.dataset.train_dataset" in graph["sd_scripts_compat.caching.latent_cache"]
     # train_network.main imports the recipe inside the function
     assert "sd_scripts_compat.training.recipe" in graph["sd_scripts_compat.train_network"]
@@ -104,7 +104,7 @@ def test_engine_modules_import_each_other_without_a_cycle():
 
 
 def test_cache_entries_import_nothing_from_the_dataset():
-    imports = import_graph()["sd_scripts_compat.caching.entries"]
+    imports = import_graph()["sd_scripts_compat.dataset.cache_entries"]
     assert not {m for m in imports if m.startswith("sd_scripts_compat.dataset")}, imports
 
 
@@ -211,3 +211,73 @@ def test_no_tracked_file_names_a_machine_path():
             if MACHINE_PATH.search(line):
                 offenders.append(f"{name}:{number}: {line.strip()[:100]}")
     assert not offenders, "\n".join(offenders)
+
+
+# ---- layers: no two sibling folders import each other; the tuner's folders in a declared order --------------
+
+# Lowest first: a folder may import only folders listed before it (and the engine). ``cli.py`` sits on top and
+# reaches the commands by name only.
+TUNER_LAYERS = ("hardware", "estimate", "calibration", "measure", "planning", "doctor", "recovery", "report",
+                "launch", "wizard", "commands")
+ENGINE_LAYERS = ("data", "models", "config", "dataset", "caching", "network", "training")
+
+
+def folder_graph(package: str) -> dict[str, set[str]]:
+    """Sub-folder of ``package`` -> the sibling sub-folders its modules import (anywhere in the module)."""
+    root = ROOT / package
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    graph: dict[str, set[str]] = {name: set() for name in folders}
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            module = ".".join(parts[:-1] if is_package else parts)
+            for name in imported_names(module, path, is_package):
+                bits = name.split(".")
+                if len(bits) > 1 and bits[0] == package and bits[1] in graph and bits[1] != folder:
+                    graph[folder].add(bits[1])
+    return graph
+
+
+def layer_violations(graph: dict[str, set[str]], layers: tuple[str, ...]) -> list[str]:
+    rank = {name: index for index, name in enumerate(layers)}
+    problems = [f"{folder} is not in the declared layers" for folder in graph if folder not in rank]
+    problems += [f"{folder} imports {target} (declared above it)" for folder, targets in sorted(graph.items())
+                 for target in sorted(targets) if folder in rank and target in rank and rank[target] > rank[folder]]
+    return problems
+
+
+def two_way_pairs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph.get(b, ())})
+
+
+def test_layer_checks_catch_a_pair_and_an_upward_import():
+    graph = {"low": {"high"}, "high": {"low"}}
+    assert two_way_pairs(graph) == [("high", "low")]
+    assert layer_violations(graph, ("low", "high")) == ["low imports high (declared above it)"]
+
+
+def test_no_two_sibling_folders_import_each_other():
+    for package in ("autotune", PACKAGE):
+        assert two_way_pairs(folder_graph(package)) == [], package
+
+
+def test_the_tuner_and_the_engine_keep_their_declared_layer_order():
+    assert layer_violations(folder_graph("autotune"), TUNER_LAYERS) == []
+    assert layer_violations(folder_graph(PACKAGE), ENGINE_LAYERS) == []
+
+
+def test_the_wizard_starts_runs_through_the_function_autotune_run_uses():
+    """The wizard never calls the whole command line again (``cli.main``), nor any command module."""
+    graph = import_graph_of(ROOT / "autotune" / "wizard")
+    assert not {m for m in graph if m == "autotune.cli" or m.startswith("autotune.commands")}, graph
+    assert "autotune.launch.run" in graph
+
+
+def import_graph_of(folder: Path) -> set[str]:
+    names: set[str] = set()
+    for path in folder.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        names |= imported_names(".".join(parts[:-1] if is_package else parts), path, is_package)
+    return names

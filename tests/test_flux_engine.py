@@ -114,8 +114,8 @@ def test_bad_flux_input_is_one_line(tmp_path):
 
 
 def test_text_cache_file_keeps_the_t5_mask(tmp_path):
-    from sd_scripts_compat.caching.entries import TextEntry, read_text_file
     from sd_scripts_compat.caching.text_cache import _save_text
+    from sd_scripts_compat.dataset.cache_entries import TextEntry, read_text_file
 
     entry = TextEntry(torch.randn(16, 32), torch.randn(32), torch.tensor([1] * 5 + [0] * 11))
     path = tmp_path / "a.png.te.safetensors"

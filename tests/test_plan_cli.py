@@ -99,8 +99,8 @@ def test_fake_probe_two_gpus_held_memory_and_display(monkeypatch, tmp_path):
     """No NVIDIA driver here: a probe answer for two cards (one driving a display) stands in for NVML."""
     import argparse
 
-    from autotune.commands import plan as plan_command
     from autotune.hardware import probe as probe_module
+    from autotune.launch import plan_options as plan_command
     from autotune.planning.planner import GIB, plan_training
 
     real_probe = probe_module.probe_system

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autotune.cli import main as autotune_main
-from autotune.commands.run import check_dataset, check_folder_convention
+from autotune.launch.run import check_dataset, check_folder_convention
 from autotune.planning.planner import scan_dataset
 from sd_scripts_compat.config.dataset_config import folder_subsets
 from sd_scripts_compat.dataset.scan import (

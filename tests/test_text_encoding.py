@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.caching.entries import text_cache_path
 from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.dataset.cache_entries import text_cache_path
 from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules

@@ -30,7 +30,7 @@ ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves th
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from autotune.commands import plan as plan_command
+    from autotune.launch import plan_options as plan_command
 
     plan_command.add_arguments(parser, dataset_required=False)
     parser.add_argument("--config", help="bench this kohya config.toml instead of a plan's settings")
@@ -66,7 +66,7 @@ def check_options(args: argparse.Namespace) -> None:
                         "or none for a synthetic one")
     if not args.stall_timeout > 0:
         raise UserError(f"--stall-timeout {args.stall_timeout:g}: must be a positive number of seconds")
-    from autotune.commands.run import MIN_MEMORY_LIMIT_MIB
+    from autotune.launch.run import MIN_MEMORY_LIMIT_MIB
 
     if args.memory_limit is not None and not args.memory_limit >= MIN_MEMORY_LIMIT_MIB:
         raise UserError(f"--memory-limit {args.memory_limit:g}: at least {MIN_MEMORY_LIMIT_MIB} MiB")
@@ -90,7 +90,7 @@ def synthetic_dataset(folder: Path, side: int, count: int = 8) -> Path:
 
 
 def _largest_side(args: argparse.Namespace, native: int) -> int:
-    from autotune.measure.bench import parse_sweeps
+    from autotune.launch.bench import parse_sweeps
 
     sides = [native, args.resolution or 0]
     for key, values in parse_sweeps(args.sweep):
@@ -111,7 +111,7 @@ def base_files(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path | No
     base_dir = workdir / "base"
     if args.config:
         return (*_user_config(args, base_dir), family)
-    from autotune.commands.plan import build_request
+    from autotune.launch.plan_options import build_request
 
     args.out = str(base_dir)
     plan = plan_training(build_request(args))
@@ -144,8 +144,8 @@ def _user_config(args: argparse.Namespace, base_dir: Path) -> tuple[Path, Path |
 
 
 def run(args: argparse.Namespace) -> int:
-    from autotune.commands.plan import refuse_pickle
-    from autotune.measure.bench import parse_sweeps
+    from autotune.launch.bench import parse_sweeps
+    from autotune.launch.plan_options import refuse_pickle
 
     check_options(args)
     refuse_pickle(args.model, "bench")
@@ -159,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, workdir: Path) -> int:
-    from autotune.commands.run import address_space_limit
     from autotune.hardware.probe import probe_system
-    from autotune.measure.bench import BenchJob, engine_env, parse_sweeps, run_bench, sweep_points
+    from autotune.launch.bench import BenchJob, engine_env, parse_sweeps, run_bench, sweep_points
+    from autotune.launch.run import address_space_limit
     from autotune.measure.store import device_key
 
     probe = probe_system(workdir, use_torch=False)
@@ -213,7 +213,7 @@ def render(results: list[Any], cuda: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from autotune.measure.bench import short_settings
+    from autotune.measure.learned import short_settings
 
     table = Table(show_lines=False)
     memory_column = "peak MiB alloc/reserved" if cuda else "peak MiB (RSS)"

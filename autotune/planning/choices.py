@@ -18,6 +18,7 @@ from autotune.planning.profiles import plan_profile
 from autotune.planning.request import GIB, PlanRequest
 from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.config.settings_space import config_values
 from sd_scripts_compat.models.families import FamilySpec
 
 OPTIMIZER_REASONS = {
@@ -62,6 +63,11 @@ class PlanContext:
     host_ram: int = 0
 
     @property
+    def values(self) -> dict[str, Any]:
+        """The settings' kohya values: the one mapping (``settings_space.config_values``) every key below reads."""
+        return config_values(self.settings)
+
+    @property
     def side(self) -> int:
         """The (square) training resolution in px."""
         return self.settings.resolution[0]
@@ -99,10 +105,11 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
                   else f"lowered from {fam.resolution}: nothing fit at the native size (quality cost)")
     step, min_bucket = bucket_rules(fam, c.side)
     out += [
-        Choice("resolution", f"{c.side},{c.side}", res_reason + "; activation memory grows with its square"),
+        Choice("resolution", c.values["resolution"], res_reason + "; activation memory grows with its square"),
         Choice("enable_bucket", True, "keeps each image's aspect ratio; bucket area never exceeds resolution^2"),
         Choice("min_bucket_reso", min_bucket, "half the resolution: narrower buckets waste pixels"),
-        Choice("max_bucket_reso", s.max_bucket_reso, "twice the resolution: tall/wide images keep their shape"),
+        Choice("max_bucket_reso", c.values["max_bucket_reso"], "twice the resolution: tall/wide images keep their "
+               "shape"),
         Choice("bucket_reso_steps", step, bucket_step_reason(step)),
         Choice("bucket_no_upscale", True, "small images are not blown up past their own size"),
         Choice("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder"),
@@ -134,8 +141,8 @@ def _network(c: PlanContext) -> list[Choice]:
                    else f"lowered from {pinned or goal.rank} to fit memory (fewer LoRA parameters)")
     out = [
         Choice("network_module", profile.network_module, profile.network_module_reason),
-        Choice("network_dim", s.network_dim, rank_reason),
-        Choice("network_alpha", s.network_alpha,
+        Choice("network_dim", c.values["network_dim"], rank_reason),
+        Choice("network_alpha", c.values["network_alpha"],
                "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
     ]
     if s.network_train_unet_only:
@@ -155,7 +162,7 @@ def _optimizer(c: PlanContext) -> list[Choice]:
         opt_reason = f"switched from {c.preferred_opt} to fit memory; " + opt_reason
     elif req.preferences.optimizer:
         opt_reason = "your --optimizer; " + opt_reason
-    out = [Choice("optimizer_type", s.optimizer_type, opt_reason)]
+    out = [Choice("optimizer_type", c.values["optimizer_type"], opt_reason)]
     if s.optimizer_type == "Prodigy":
         out.append(Choice("optimizer_args", list(PRODIGY_ARGS), "Prodigy's usual LoRA settings (decoupled weight "
                                                                 "decay)"))
@@ -178,24 +185,24 @@ def _optimizer(c: PlanContext) -> list[Choice]:
 
 def _training(c: PlanContext) -> list[Choice]:
     s, fam, req, goal = c.settings, c.family, c.request, c.goal
-    mb, accum = s.train_batch_size, s.gradient_accumulation_steps
+    mb, accum = c.values["train_batch_size"], c.values["gradient_accumulation_steps"]
     out = [
         Choice("train_batch_size", mb, f"fastest fitting micro-batch: predicted peak {c.peak / GIB:.2f} GiB of "
                                        f"{c.usable / GIB:.2f} GiB usable per device"),
         Choice("gradient_accumulation_steps", accum, f"effective batch {c.effective} = {mb} x {accum}"
                + (f" x {c.devices} devices" if c.devices > 1 else "") + f" (goal {req.goal} wants "
                f"{goal.effective_batch})"),
-        Choice("gradient_checkpointing", s.gradient_checkpointing,
+        Choice("gradient_checkpointing", c.values["gradient_checkpointing"],
                "needed to fit: recomputes activations in backward (~30% slower, far less memory)"
                if s.gradient_checkpointing else "off: everything fits without recomputing activations (faster)"),
-        Choice("mixed_precision", s.mixed_precision, c.precision_reason),
+        Choice("mixed_precision", c.values["mixed_precision"], c.precision_reason),
     ]
     profile = plan_profile(fam.name)
     if s.fp8_base:
         out.append(Choice("fp8_base", True, "nothing fit with 16-bit weights: " + (profile.fp8_reason or (
             "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
     if s.blocks_to_swap:
-        out.append(Choice("blocks_to_swap", s.blocks_to_swap, swap_reason(c)))
+        out.append(Choice("blocks_to_swap", c.values["blocks_to_swap"], swap_reason(c)))
     out += [Choice(key, value, reason) for key, value, reason in profile.fixed]
     if s.xformers:
         out.append(Choice("xformers", True, "your --attention xformers: memory-efficient attention kernel"))

@@ -8,6 +8,7 @@ from typing import Any
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.resolution import bucket_rules
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.config.settings_space import dataset_values
 from sd_scripts_compat.models.families import FamilySpec
 
 
@@ -23,12 +24,13 @@ def dataset_config(settings: TrainSettings, dataset: DatasetSummary, family: Fam
     general: dict[str, Any] = {"caption_extension": dataset.caption_extension, "shuffle_caption": not cached_text,
                                "keep_tokens": 0 if cached_text else 1}
     step, min_bucket = bucket_rules(family, settings.resolution[0])
+    values = dataset_values(settings)  # the one mapping of settings to dataset.toml
     block = {
-        "resolution": list(settings.resolution),
-        "batch_size": settings.train_batch_size,
+        "resolution": values["resolution"],
+        "batch_size": values["batch_size"],
         "enable_bucket": True,
         "min_bucket_reso": min_bucket,
-        "max_bucket_reso": settings.max_bucket_reso,
+        "max_bucket_reso": values.get("max_bucket_reso"),
         "bucket_reso_steps": step,
         "bucket_no_upscale": True,
         "subsets": subsets,

@@ -25,11 +25,6 @@ from sd_scripts_compat.models.families import FamilySpec
 DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs make it cheap but not free
 
 
-def at_resolution(settings: TrainSettings, side: int) -> TrainSettings:
-    """Square ``side`` px, buckets up to twice that (the planner's bucket rule)."""
-    return replace(settings, resolution=(side, side), max_bucket_reso=side * 2)
-
-
 def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, precision: str, train_te: bool,
                 effective: int, attention: str) -> TrainSettings:
     """The preferred settings before anything is given up (latents always cached; text-encoder outputs as the

@@ -3,9 +3,10 @@ review, then the end: config.toml + dataset.toml, the commands that use them, an
 
 Nothing is written before the end. There the organised dataset (if any) and the two configs are written
 with Ctrl-C held back until they are all on disk (each file is atomic; held back, the set is too).
-Training starts in this process through the CLI's own ``autotune run`` entry (``autotune.cli.main``):
-the same argument parsing and checks as the command line printed just above it, no second interpreter
-start-up, and Ctrl-C reaches the watchdog, which saves state and prints how to resume.
+Training starts in this process through the function ``autotune run`` itself calls
+(``autotune.launch.run.start_run``), with the options of the command line printed just above it parsed by the
+same declarations: the same checks, no second interpreter start-up, and Ctrl-C reaches the watchdog, which saves
+state and prints how to resume.
 """
 
 from __future__ import annotations
@@ -160,7 +161,9 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
     if not asker.confirm("Start training now?", default=True, flag="--start", given=args.start,
                          explanation="you can also run the command above later"):
         return 0
-    from autotune.cli import main
+    from autotune.launch.run import add_arguments, start_run
 
+    parser = argparse.ArgumentParser(prog="autotune run")
+    add_arguments(parser)
     os.environ.update(visible)  # the run's trainer inherits the chosen card
-    return main(argv)
+    return start_run(parser.parse_args(argv[1:]))

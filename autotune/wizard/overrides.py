@@ -12,8 +12,9 @@ same way the planner predicts (``inputs_for_settings`` is the mapping the planne
 what follows from them (effective batch, learning rate, warm-up, steps, the dataset.toml batch, the launch
 command's precision) is set to match.
 
-Settings are read through ``plan.kohya_values()`` (kohya's keys) and held as ``TrainSettings`` (kohya's
-names), never through the planner's own settings type.
+Settings are read through ``plan.kohya_values()`` (kohya's keys) with the settings space's one reader and held
+as ``TrainSettings`` (kohya's names); the changes it suggests are the space's moves in the wizard's policy
+(``one_knob_changes``), the same moves the planner and the OOM ladder make.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from autotune.planning.goals import network_alpha
 from autotune.planning.planner import (
     DDP_EFFICIENCY,
     GIB,
@@ -35,8 +37,15 @@ from autotune.planning.planner import (
     learning_rate,
     plan_training,
 )
-from sd_scripts_compat.config.kohya_toml import parse_resolution
+from autotune.planning.resolution import MIN_BUCKET_RESO
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.config.settings_space import (
+    Limits,
+    Policy,
+    rungs,
+    settings_from_values,
+    with_dataset_values,
+)
 from sd_scripts_compat.models.families import get_family
 
 UNBOUNDED_BYTES = 1 << 50  # "memory is no object": the planner keeps every preference
@@ -151,28 +160,6 @@ class Evaluation:
 
 
 # ------------------------------------------------------------------------------------------ settings
-
-
-def settings_from_values(values: dict[str, Any]) -> TrainSettings:
-    """The memory- and speed-relevant part of a config's kohya values."""
-    alpha = values.get("network_alpha")
-    return TrainSettings(
-        train_batch_size=int(values["train_batch_size"]),
-        gradient_accumulation_steps=int(values.get("gradient_accumulation_steps", 1)),
-        resolution=parse_resolution(values["resolution"]),
-        gradient_checkpointing=bool(values.get("gradient_checkpointing", False)),
-        optimizer_type=str(values["optimizer_type"]),
-        network_dim=int(values["network_dim"]),
-        network_alpha=None if alpha is None else float(alpha),
-        network_train_unet_only=bool(values.get("network_train_unet_only", False)),
-        mixed_precision=str(values.get("mixed_precision", "no")),
-        fp8_base=bool(values.get("fp8_base", False)),
-        cache_latents=bool(values.get("cache_latents", False)),
-        cache_text_encoder_outputs=bool(values.get("cache_text_encoder_outputs", False)),
-        max_bucket_reso=values.get("max_bucket_reso") if values.get("enable_bucket") else None,
-        xformers=bool(values.get("xformers", False)),
-        blocks_to_swap=int(values.get("blocks_to_swap", 0) or 0),
-    )
 
 
 def predict_fit(target: Target, settings: TrainSettings, epochs: int) -> Fit:
@@ -325,7 +312,7 @@ def edit_plan(template: Plan, settings: TrainSettings, fit: Fit, *, device: str,
     epochs = values["max_train_epochs"]
     choices.set("max_train_epochs", epochs, f"{'your value: ' if 'max_train_epochs' in pinned else ''}{epochs} "
                 f"epoch(s) of {fit.optimizer_steps // max(1, epochs)} optimizer steps at effective batch {effective}")
-    dataset_config = _with_dataset_batch(template.dataset_config, settings.train_batch_size)
+    dataset_config = with_dataset_values(template.dataset_config, settings, base=old)
     message = (f"{template.family} on {device}: micro-batch {settings.train_batch_size} x accumulation "
                f"{settings.gradient_accumulation_steps}, predicted peak {fit.peak_bytes / GIB:.2f} of "
                f"{fit.usable_bytes / GIB:.2f} GiB usable")
@@ -372,13 +359,6 @@ def _launch_with_precision(command: tuple[str, ...], precision: str) -> tuple[st
     return tuple(words)
 
 
-def _with_dataset_batch(config: dict[str, Any], batch: int) -> dict[str, Any]:
-    """dataset.toml's batch_size wins over config.toml's train_batch_size in kohya, so both must change."""
-    datasets = [{**dataset, "batch_size": batch} if "batch_size" in dataset else dict(dataset)
-                for dataset in config.get("datasets", [])]
-    return {**config, "datasets": datasets}
-
-
 # ------------------------------------------------------------------------------------------ advice
 
 
@@ -415,38 +395,34 @@ def suggest(request: PlanRequest, base: Plan, target: Target, wanted: TrainSetti
     return tuple(out[:limit])
 
 
+WIZARD_RUNGS = ("checkpointing", "micro_batch", "optimizer", "unet_only", "rank_min", "resolution")
+
+
 def one_knob_changes(target: Target, wanted: TrainSettings) -> list[list[tuple[Overrides, TrainSettings]]]:
-    """Per knob, its candidate values mildest first (the caller keeps the first that fits)."""
-    out: list[list[tuple[Overrides, TrainSettings]]] = []
+    """Per knob, its candidate values mildest first (the caller keeps the first that fits): the settings space's
+    moves in the wizard's policy (one knob at a time from the user's values; alpha = rank / 2, buckets twice the
+    side, resolution only for full-size families), each told back as the override that makes it."""
+    policy = Policy(rungs=WIZARD_RUNGS if not target.tiny else WIZARD_RUNGS[:-1], exact_micro_batches=False,
+                    switch_optimizer=True, alpha=network_alpha, bucket_follows="double")
+    limits = Limits(is_sdxl=target.is_sdxl, resolution_step=RESOLUTION_STEP, min_resolution=MIN_BUCKET_RESO)
+    out = []
+    for _, _, candidates in rungs(wanted, policy, limits):
+        out.append([(overrides_for(wanted, c.settings), c.settings) for c in candidates])
+    return [knob for knob in out if knob]
 
-    def preference(change: Overrides) -> tuple[Overrides, TrainSettings]:
-        return change, with_preference_values(wanted, change, target.is_sdxl)
 
-    if not wanted.gradient_checkpointing:
-        out.append([(Overrides(gradient_checkpointing=True), replace(wanted, gradient_checkpointing=True))])
-    effective = wanted.train_batch_size * wanted.gradient_accumulation_steps
-    batches = []
-    batch = wanted.train_batch_size // 2
-    while batch >= 1:
-        accumulation = math.ceil(effective / batch)
-        batches.append((Overrides(train_batch_size=batch, gradient_accumulation_steps=accumulation),
-                        replace(wanted, train_batch_size=batch, gradient_accumulation_steps=accumulation)))
-        batch //= 2
-    out.append(batches)
-    if wanted.optimizer_type != "AdamW8bit":
-        out.append([preference(Overrides(optimizer_type="AdamW8bit"))])
-    if not wanted.network_train_unet_only:
-        out.append([preference(Overrides(train_text_encoder=False))])
-    ranks = []
-    rank = wanted.network_dim // 2
-    while rank >= 4:
-        ranks.append(preference(Overrides(network_dim=rank)))
-        rank //= 2
-    out.append(ranks)
-    if not target.tiny:
-        out.append([preference(Overrides(resolution=size))
-                    for size in range(wanted.resolution[0] - RESOLUTION_STEP, 255, -RESOLUTION_STEP)])
-    return out
+def overrides_for(base: TrainSettings, new: TrainSettings) -> Overrides:
+    """The user's override that turns ``base`` into ``new`` (kohya's fields; UNet-only as train_text_encoder)."""
+    change = {key: value for key, (_, value) in new.changed_from(base).items() if key in _OVERRIDABLE}
+    if "resolution" in change:
+        change["resolution"] = new.resolution[0]
+    if "network_train_unet_only" in change:
+        change["train_text_encoder"] = not change.pop("network_train_unet_only")
+    return Overrides(**change)
+
+
+_OVERRIDABLE = {"train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "optimizer_type",
+                "network_dim", "resolution", "network_train_unet_only"}
 
 
 LABELS = {"train_batch_size": "micro-batch", "gradient_accumulation_steps": "accumulation", "network_dim": "rank",

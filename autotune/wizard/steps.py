@@ -38,7 +38,7 @@ class Hardware:
 
 def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
     """The probe (GPU, VRAM free / total, bf16 / fp8, CPU, RAM), then which device to plan for."""
-    from autotune.commands.plan import targets_from_probe
+    from autotune.launch.plan_options import targets_from_probe
 
     probe, local = _probe(args)
     show_probe(asker, probe, local)

@@ -1,11 +1,11 @@
 """Latent caching: encode each image once with the VAE, in memory or in a file beside the image.
 
-A disk cache file is ``<image name>.<W>x<H>.latents.safetensors`` (named and read in ``caching.entries``)
+A disk cache file is ``<image name>.<W>x<H>.latents.safetensors`` (named and read in ``dataset.cache_entries``)
 and records what it was made from (image byte size + mtime + sha256, bucket, resize and crop, VAE
 fingerprint, scaling factor, whether flipped latents are included), so it is reused across runs and
 rebuilt when any of those change. When an image folder is not writable (a read-only mount, a shared
 dataset), the files go under ``cache_dir`` instead (the run passes ``<output_dir>/.cache``; see
-``caching.entries.cache_folder``), unless a valid cache already lies beside the image. sd-scripts only
+``dataset.cache_entries.cache_folder``), unless a valid cache already lies beside the image. sd-scripts only
 checks the latent shape; it silently reuses latents of an edited image or of another VAE. Latents are
 sampled from the VAE posterior (as kohya does), with a noise seed per image so memory and disk caches
 hold identical values, and are stored already multiplied by the VAE's ``scaling_factor``.
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
-from sd_scripts_compat.caching.entries import LatentEntry, folder_writable, latent_cache_path
 from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.dataset.buckets import resize_and_crop
+from sd_scripts_compat.dataset.cache_entries import LatentEntry, folder_writable, latent_cache_path
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset, image_to_tensor, load_image_rgb, mix_seed
 from sd_scripts_compat.errors import UserError
 

@@ -1,6 +1,6 @@
 """Text-encoder output caching (kohya's ``cache_text_encoder_outputs[_to_disk]``): encode each caption once.
 
-A disk file ``<image name>.te.safetensors`` (named and read in ``caching.entries``) records the caption,
+A disk file ``<image name>.te.safetensors`` (named and read in ``dataset.cache_entries``) records the caption,
 the encoders' fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and is rebuilt when any differ.
 An image folder we cannot write to gets its files under ``cache_dir`` instead, as latent caches do.
 Encoding itself is ``models.text_encoding``; this module only decides what to encode and where it goes.
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
-from sd_scripts_compat.caching.entries import TextEntry, folder_writable, text_cache_path
 from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
 from sd_scripts_compat.contract import disk_full_guard
+from sd_scripts_compat.dataset.cache_entries import TextEntry, folder_writable, text_cache_path
 from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset
 from sd_scripts_compat.errors import UserError

@@ -20,9 +20,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec, SubsetSpec
+from sd_scripts_compat.config.dataset_spec import (
+    MIN_REPEATS,
+    DatasetGroupSpec,
+    DatasetSpec,
+    SubsetSpec,
+    parse_repeat_folder,
+)
 from sd_scripts_compat.config.kohya_toml import read_toml
-from sd_scripts_compat.dataset.scan import MIN_REPEATS, parse_repeat_folder
 from sd_scripts_compat.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -64,3 +64,21 @@ class DatasetSpec:
 @dataclass(frozen=True)
 class DatasetGroupSpec:
     datasets: tuple[DatasetSpec, ...] = field(default_factory=tuple)
+
+
+# ---- kohya's N_name folders (the config reader builds subsets from them; dataset.scan walks them) ----
+
+
+def parse_repeat_folder(name: str) -> tuple[int, str] | None:
+    """kohya's folder rule: ``"10_sks dog"`` -> ``(10, "sks dog")``; None when the name does not start with
+    an integer. Like sd-scripts, the count is the text before the first ``_`` and the class tokens are the
+    rest, as they are (``"10"`` -> ``(10, "")``). A count below 1 is returned as it is: such a folder is
+    skipped (see ``MIN_REPEATS``)."""
+    head, _, tail = name.partition("_")
+    try:
+        return int(head), tail
+    except ValueError:
+        return None
+
+
+MIN_REPEATS = 1  # a folder with fewer repeats is skipped, as sd-scripts skips it

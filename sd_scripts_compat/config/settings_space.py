@@ -343,6 +343,12 @@ def _resolution(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     return out
 
 
+def at_square_resolution(s: TrainSettings, side: int) -> TrainSettings:
+    """Square ``side`` px with buckets up to twice that (the planner's bucket rule: tall and wide images keep
+    their shape)."""
+    return replace(s, resolution=(side, side), max_bucket_reso=2 * side)
+
+
 def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
     out, dim = [], s.network_dim
     while dim // 2 >= floor:

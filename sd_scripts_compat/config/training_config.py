@@ -24,8 +24,8 @@ from sd_scripts_compat.config.dataset_config import describe_value, folder_datas
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec
 from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs, script_name, scripts_text
 from sd_scripts_compat.config.kohya_toml import flatten, read_toml
+from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.training.optim import OPTIMIZERS, SCHEDULERS
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class TrainingConfig:
     unet_lr: float | None = None
     text_encoder_lr: tuple[float, ...] | None = None  # one value for all encoders, or one per encoder
     # optimizer and schedule
-    optimizer_type: str = "AdamW"  # canonical name from sd_scripts_compat.training.optim
+    optimizer_type: str = "AdamW"  # canonical name from sd_scripts_compat.config.optimizers
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # values through ast.literal_eval
     learning_rate: float = 2e-06
     lr_scheduler: str = "constant"

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sd_scripts_compat.config.dataset_spec import MIN_REPEATS, parse_repeat_folder
 from sd_scripts_compat.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -39,19 +40,6 @@ def list_images(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and is_image(p))
 
 
-def parse_repeat_folder(name: str) -> tuple[int, str] | None:
-    """kohya's folder rule: ``"10_sks dog"`` -> ``(10, "sks dog")``; None when the name does not start with
-    an integer. Like sd-scripts, the count is the text before the first ``_`` and the class tokens are the
-    rest, as they are (``"10"`` -> ``(10, "")``). A count below 1 is returned as it is: such a folder is
-    skipped (see ``MIN_REPEATS``)."""
-    head, _, tail = name.partition("_")
-    try:
-        return int(head), tail
-    except ValueError:
-        return None
-
-
-MIN_REPEATS = 1
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.caching.entries import LatentEntry, TextEntry, read_latent_file, read_text_file
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.buckets import (
     BucketAssignment,
@@ -29,6 +28,7 @@ from sd_scripts_compat.dataset.buckets import (
     crop_geometry,
     resize_and_crop,
 )
+from sd_scripts_compat.dataset.cache_entries import LatentEntry, TextEntry, read_latent_file, read_text_file
 from sd_scripts_compat.dataset.captions import base_caption, process_caption, tag_frequency
 from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, list_images
 from sd_scripts_compat.errors import UserError

@@ -10,27 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS, optimizer_names
 from sd_scripts_compat.errors import UserError
-
-# kohya name (lower case) -> (module, class, canonical name)
-OPTIMIZERS: dict[str, tuple[str, str, str]] = {
-    "adamw": ("torch.optim", "AdamW", "AdamW"),
-    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit", "AdamW8bit"),
-    "pagedadamw8bit": ("bitsandbytes.optim", "PagedAdamW8bit", "PagedAdamW8bit"),
-    "pagedadamw": ("bitsandbytes.optim", "PagedAdamW", "PagedAdamW"),
-    "pagedadamw32bit": ("bitsandbytes.optim", "PagedAdamW32bit", "PagedAdamW32bit"),
-    "lion": ("bitsandbytes.optim", "Lion32bit", "Lion"),
-    "lion8bit": ("bitsandbytes.optim", "Lion8bit", "Lion8bit"),
-    "pagedlion8bit": ("bitsandbytes.optim", "PagedLion8bit", "PagedLion8bit"),
-    "prodigy": ("prodigyopt", "Prodigy", "Prodigy"),
-    "adafactor": ("transformers.optimization", "Adafactor", "Adafactor"),
-}
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "piecewise_constant", "adafactor")
-
-
-def optimizer_names() -> list[str]:
-    return [canonical for _, _, canonical in OPTIMIZERS.values()]
 
 
 def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate: float,

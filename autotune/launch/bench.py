@@ -89,19 +89,18 @@ def _positive(text: str, option: str) -> int:
 
 def apply_sweep_value(base: TrainSettings, key: str, text: str, option: str) -> TrainSettings:
     """``base`` with one sweep value set; batch keeps the effective batch (accumulation follows, as the
-    planner's search does), resolution moves the bucket limit with it (the planner's rule)."""
-    from autotune.planning.goals import network_alpha
-    from autotune.planning.search import at_resolution
+    planner's search does), resolution moves the bucket limit with it (twice the side, the planner's rule), rank
+    keeps the LoRA's scale (alpha in proportion)."""
+    from sd_scripts_compat.config.settings_space import at_square_resolution
 
     if key == "batch":
         batch = _positive(text, option)
         return replace(base, train_batch_size=batch,
                        gradient_accumulation_steps=max(1, math.ceil(base.effective_batch / batch)))
     if key == "resolution":
-        return at_resolution(base, _positive(text, option))
+        return at_square_resolution(base, _positive(text, option))
     if key == "rank":
-        rank = _positive(text, option)
-        return base.with_rank(rank, network_alpha(rank))
+        return base.with_rank(_positive(text, option))
     if key == "checkpointing":
         return replace(base, gradient_checkpointing=_on_off(text, option))
     if key == "precision":

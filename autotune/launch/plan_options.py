@@ -1,0 +1,211 @@
+"""The plan options (shared by ``autotune plan``, ``run``, ``bench`` and the wizard) and what they become: a
+``PlanRequest`` for the probed machine or a named card, and the plan printed as a table."""
+
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True) -> None:
+    from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
+
+    parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
+                        help="folder of N_name image subfolders (N = repeats)")
+    parser.add_argument("--model", required=True, metavar="PATH|builtin:ID",
+                        help="base model: a .safetensors file, a diffusers folder, or builtin:sd15 / builtin:sdxl ...")
+    parser.add_argument("--family", default=None, help="model family when it cannot be detected (e.g. sd2-v)")
+    parser.add_argument("--gpu", action="append", default=None, metavar="NAME",
+                        help='plan for this catalogue card instead of probing (repeat for several GPUs)')
+    parser.add_argument("--vram", action="append", type=float, default=None, metavar="GB",
+                        help="plan for a card with this much memory (with --gpu: that card, smaller)")
+    parser.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
+    parser.add_argument("--priority", choices=PRIORITIES, default="balanced",
+                        help="speed | balanced | quality (default balanced)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="pin the optimizer")
+    parser.add_argument("--rank", type=int, default=None, help="pin the LoRA rank (network_dim)")
+    parser.add_argument("--resolution", type=int, default=None, help="pin the training resolution (px)")
+    parser.add_argument("--epochs", type=int, default=None, help="pin the number of epochs")
+    parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
+    parser.add_argument("--workers", type=int, default=None, help="pin max_data_loader_n_workers (host RAM may "
+                        "still lower it)")
+    parser.add_argument("--ram", type=float, default=None, metavar="GB",
+                        help="plan for a machine with this much RAM in total (default: the probe's available RAM; "
+                        "with --gpu/--vram and no --ram, host RAM is predicted but not checked)")
+    parser.add_argument("--cpu-cores", type=int, default=None,
+                        help="physical CPU cores of the training machine (default: this machine's)")
+    parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
+                        help="config layout: kohya (flat) or lora-scripts (sectioned)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+    parser.add_argument("--no-learn", action="store_true",
+                        help="plan from the models alone, ignoring this machine's measured runs and benches")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def refuse_pickle(model: str, command: str) -> None:
+    """``plan`` and ``run`` read models only as .safetensors or diffusers folders (they have no --allow_pickle):
+    a pickle checkpoint is a one-line UserError saying what to do instead."""
+    from pathlib import Path
+
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES
+
+    if Path(model).suffix.lower() in PICKLE_SUFFIXES:
+        raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; autotune {command} reads "
+                        "only .safetensors files and diffusers folders: convert it to .safetensors, or train it "
+                        "with `autotune train CONFIG --allow_pickle`")
+
+
+def _physical_cores() -> int:
+    import psutil
+
+    return int(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
+
+
+def build_request(args: argparse.Namespace) -> Any:
+    """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest."""
+    from autotune.planning.request import PlanRequest, Preferences
+
+    gpus, cores, ram, probe_line, probe = _targets(args)
+    if args.cpu_cores is not None:
+        if args.cpu_cores < 1:
+            from sd_scripts_compat.errors import UserError
+
+            raise UserError(f"--cpu-cores {args.cpu_cores}: must be 1 or more")
+        cores = args.cpu_cores
+    prefs = Preferences(optimizer=args.optimizer, rank=args.rank, resolution=args.resolution, epochs=args.epochs,
+                        allow_fp8=not args.no_fp8, workers=args.workers)
+    cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
+    device, records = _measured(args, gpus, probe)
+    return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),
+                       goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
+                       cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
+                       host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,
+                       measured_device=device)
+
+
+def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:
+    """RAM the run may use: --ram GB (a total) less the OS reserve, else the probe's available RAM."""
+    from autotune.planning.host_ram import OS_RESERVE_BYTES
+    from autotune.planning.request import GIB
+    from sd_scripts_compat.errors import UserError
+
+    if args.ram is None:
+        return available
+    if args.ram <= 0:
+        raise UserError(f"--ram {args.ram}: must be a positive number of GB, e.g. --ram 32")
+    return max(0, int(args.ram * GIB) - OS_RESERVE_BYTES)
+
+
+def _measured(args: argparse.Namespace, gpus: list[Any], probe: Any) -> tuple[str | None, tuple[Any, ...]]:
+    """The device key and this machine's measurements (none with --no-learn, for a --vram-only card, or for a
+    named card this machine has not measured)."""
+    if getattr(args, "no_learn", False) or (probe is None and not args.gpu):
+        return None, ()
+    from autotune.measure.store import device_key, load_measurements
+
+    device = device_key(probe) if probe is not None else gpus[0].spec.name if gpus and gpus[0].spec else None
+    return device, tuple(load_measurements()) if device else ()
+
+
+def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str, Any]:
+    """Cards, physical cores, available RAM, the probe's line and the probe (None: a named or --vram card)."""
+    from autotune.hardware.gpu_catalog import lookup_gpu
+    from autotune.planning.request import gpu_from_spec, gpu_from_vram
+    from sd_scripts_compat.errors import UserError
+
+    names, vrams = args.gpu or [], args.vram or []
+    if names or vrams:
+        cores = _physical_cores()
+        if names and vrams and len(vrams) not in (1, len(names)):
+            raise UserError(f"--vram given {len(vrams)} times for {len(names)} --gpu cards; give it once or once "
+                            "per card")
+        if names:
+            specs = [lookup_gpu(name) for name in names]
+            sizes = vrams * len(specs) if len(vrams) == 1 else (vrams or [None] * len(specs))
+            for size in sizes:
+                if size is not None and size <= 0:
+                    raise UserError(f"--vram {size}: must be a positive number of GB, e.g. --vram 12")
+            gpus = [gpu_from_spec(spec, vram_gb=size, source="catalogue" if size is None else "catalogue+--vram",
+                                  name=spec.name if size is None else f"{spec.name} limited to {size:g} GB")
+                    for spec, size in zip(specs, sizes, strict=True)]
+        else:
+            gpus = [gpu_from_vram(size) for size in vrams]
+        line = "not probed: planned for " + ", ".join(g.name for g in gpus)
+        return gpus, cores, None, line, None
+    return _probed_targets(args)
+
+
+def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str, Any]:
+    from autotune.hardware.probe import probe_system
+
+    probe = probe_system(output_dir=args.out or ".", use_torch=False)
+    return (*targets_from_probe(probe), probe)
+
+
+def targets_from_probe(probe: Any) -> tuple[list[Any], int, int | None, str]:
+    """A probe's cards as planning targets (what others hold counts as taken), the physical cores, the
+    available RAM and a one-line summary; `autotune plan` and `autotune wizard` read a probe this one way."""
+    from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
+    from autotune.planning.request import GENERIC_GPU_NAME, GpuTarget
+
+    cores = int(probe.cpu.physical_cores or probe.cpu.logical_cores or 1)
+    gpus, parts = [], []
+    for info in probe.gpus:
+        if not info.vram_total_bytes:
+            continue
+        spec = find_gpu(info.catalog_name or info.name, vram_gb=info.vram_total_bytes / 1024**3)
+        if spec is None:
+            spec = lookup_gpu(GENERIC_GPU_NAME)  # rates only; memory and capability are the probed ones
+        # Before training starts, everything in use on the card belongs to others (processes, the display).
+        held = max(info.vram_used_bytes or 0, info.other_processes_vram_bytes or 0)
+        target = GpuTarget(name=info.name, total_bytes=int(info.vram_total_bytes), held_bytes=int(held),
+                           compute_capability=info.compute_capability or spec.compute_capability,
+                           bf16=bool(info.bf16 if info.bf16 is not None else spec.bf16),
+                           fp8=bool(info.fp8 if info.fp8 is not None else spec.fp8), spec=spec, source="probe")
+        gpus.append(target)
+        parts.append(f"{target.name} {target.total_bytes / 1024**3:.1f} GiB total, {held / 1024**3:.2f} GiB held "
+                     f"by others{' (display active)' if info.display_active else ''}")
+    if gpus:
+        line = "; ".join(parts) + f"; {cores} physical CPU cores"
+    else:
+        line = f"no GPU ({probe.cuda_reason or 'none found'}); {cores} physical CPU cores"
+    return gpus, cores, int(probe.memory.ram_available_bytes), line
+
+
+def render(plan: Any) -> None:
+    """The plan as a rich table (setting, value, reason) plus the predictions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from autotune.planning.request import GIB
+    from autotune.planning.toml_writer import encode_value, human_seconds
+
+    console = Console()
+    console.print(f"[bold]autotune plan[/bold] {plan.model} (family {plan.family}) on {plan.device}; "
+                  f"goal {plan.goal}, priority {plan.priority}")
+    table = Table(show_lines=False)
+    table.add_column("setting", style="cyan", no_wrap=True)
+    table.add_column("value", style="bold")
+    table.add_column("reason")
+    for choice in plan.choices:
+        value = encode_value(choice.value) if choice.kohya else str(choice.value)
+        table.add_row(choice.key, value, choice.reason)
+    console.print(table)
+    p = plan.prediction
+    console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
+                  f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] ({p.micro_steps_per_s:.3g} micro-steps/s per "
+                  f"device), {p.samples_per_s:.3g} "
+                  f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]")
+    console.print(f"speed: [bold]{p.speed_source}[/bold] ({p.speed_basis}); memory: {p.memory_source}")
+    for line in plan.learned:
+        console.print(f"learned: {line}")
+    console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
+    if p.ram_peak_bytes:
+        of = f" of {p.ram_usable_bytes / GIB:.2f} GiB usable" if p.ram_usable_bytes is not None else " (not checked)"
+        console.print(f"predicted peak host RAM [bold]{p.ram_peak_bytes / GIB:.2f} GiB[/bold]{of}: "
+                      + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.ram_components if v) + " GiB")
+    console.print("run: " + " ".join(plan.launch_command))
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")

@@ -1,0 +1,486 @@
+"""Start a supervised training run: the one function ``autotune run``, the wizard and the web app call.
+
+``start_run(args)`` checks the dataset, probes, plans (or copies the user's config), writes the configs into the
+output folder and trains under the watchdog (``autotune.recovery``), which steps down after an OOM, rolls back
+after a diverged loss and resumes from the last saved state; at the end it prints the run's report. ``args`` are
+the options ``add_arguments`` declares (the same for every caller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotune.recovery.watchdog import DECISIONS_LOG
+from sd_scripts_compat.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from autotune.launch import plan_options as plan_command
+
+    plan_command.add_arguments(parser)  # the same plan options as `autotune plan` (--gpu/--vram/--goal/...)
+    parser.set_defaults(out=None)
+    parser.add_argument("--config", help="use this kohya config.toml instead of planning")
+    parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run in --out from its newest state")
+    parser.add_argument("--max-retries", type=int, default=5,
+                        help="retries after OOM / divergence / kill / stall (default 5)")
+    parser.add_argument("--stall-timeout", type=float, default=600.0,
+                        help="seconds without progress before the run is killed and retried (default 600)")
+    parser.add_argument("--save-state-every", type=float, default=60.0,
+                        help="seconds between cheap state saves, the most work an OS kill can lose (default 60)")
+    parser.add_argument("--skip-doctor", action="store_true",
+                        help="start even when `autotune doctor` finds errors in the dataset (not recommended)")
+    parser.add_argument("--memory-limit", type=float,
+                        help="CPU only: cap the trainer's address space at this many MiB (a real, catchable OOM)")
+    parser.add_argument("--engine", metavar="sd-scripts=PATH",
+                        help="train with your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) "
+                             "under the same watchdog, instead of autotune's engine")
+    parser.add_argument("--python", help="with --engine: the Python that runs sd-scripts (default: the venv "
+                                         "beside it, else this Python)")
+
+
+MIN_MEMORY_LIMIT_MIB = 2048  # Python, torch and the engine's imports alone map about 1 GiB of address space
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The watchdog's own options: a one-line UserError naming the option, before anything is read or written."""
+    if args.max_retries < 0:
+        raise UserError(f"--max-retries {args.max_retries}: must be 0 or more (0: never retry)")
+    if not args.stall_timeout > 0:
+        raise UserError(f"--stall-timeout {args.stall_timeout:g}: must be a positive number of seconds, "
+                        "e.g. 600 (the default)")
+    if not args.save_state_every > 0:
+        raise UserError(f"--save-state-every {args.save_state_every:g}: must be a positive number of seconds, "
+                        "e.g. 60 (the default)")
+    if args.memory_limit is not None and not args.memory_limit >= MIN_MEMORY_LIMIT_MIB:
+        raise UserError(f"--memory-limit {args.memory_limit:g}: too small to start the trainer (MiB of address "
+                        f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
+
+
+def dataset_folder(path: str) -> Path:
+    """``path`` made absolute; a symlink loop or a path the OS cannot resolve is a one-line UserError."""
+    try:
+        return Path(path).expanduser().resolve(strict=False)
+    except (OSError, RuntimeError) as error:  # RuntimeError: Python < 3.13 reports a symlink loop so
+        raise UserError(f"dataset folder {path}: cannot resolve the path ({error}); give a real folder") from None
+
+
+# ---------------------------------------------------------------- dataset check
+
+
+def check_dataset(folder: Path) -> Any:
+    """Basic checks before anything heavy, with the planner's own scan (``sd_scripts_compat.dataset.scan``):
+    the folder exists and holds images, in N_name subfolders or directly in it (one subset, 1 repeat).
+
+    Returns the ``DatasetScan``. A missing folder or one without images is a one-line UserError.
+    """
+    from sd_scripts_compat.dataset.scan import require_images, scan_dataset_folder
+
+    return require_images(scan_dataset_folder(folder))
+
+
+def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
+    """``--config`` without ``--dataset-config`` trains on the folder as sd-scripts' ``train_data_dir``,
+    which reads only N_name subfolders: images directly in the folder are a one-line UserError there."""
+    if args.config and not args.dataset_config and not args.resume and scan.top_level:
+        raise UserError(f"{scan.root}: the images lie directly in the folder, but --config without "
+                        "--dataset-config trains on it as train_data_dir, which reads only N_name subfolders; "
+                        f"move them into e.g. {scan.root / '10_mychar'}, or give --dataset-config")
+
+
+def describe_scan(scan: Any) -> str:
+    """One line: each subset with its image count (and every skipped folder, with why)."""
+    parts = [f"{'images directly in the folder' if scan.top_level else s.folder.name} ({s.num_images} images)"
+             for s in scan.subsets]
+    return ", ".join(parts) + "".join(f"; {warning}" for warning in scan.warnings)
+
+
+# ---------------------------------------------------------------- output folder
+
+
+def _prepare_output(out: Path, resume: bool) -> None:
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.watchdog import RUN_STATE
+    from sd_scripts_compat.contract import newest_state
+
+    if resume:
+        if not (out / RUN_STATE).is_file():
+            raise UserError(f"{out}: no interrupted autotune run here ({RUN_STATE} missing); "
+                            "run without --resume, or pass the --out of the run to continue")
+        if not isinstance(read_json(out / RUN_STATE), dict):
+            raise UserError(f"{out / RUN_STATE}: unreadable (not the JSON autotune run writes); the run cannot be "
+                            "continued: start a new one with another --out")
+        if not (out / "config.toml").is_file():
+            raise UserError(f"{out}: the interrupted run's config.toml is missing; the run cannot be continued: "
+                            "start a new one with another --out")
+        return
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file, not a folder; choose another --out")
+    if (out / RUN_STATE).is_file() or newest_state(out) is not None:
+        raise UserError(f"{out}: holds an earlier run; continue it with --resume, or choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--out {out}: cannot create the folder ({error.strerror or error}); "
+                        "choose another --out") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: the folder is not writable; choose another --out")
+
+
+def address_space_limit(limit_mib: float) -> Any:
+    """A ``preexec_fn`` that caps the child's address space, so an oversized allocation fails inside
+    torch (``DefaultCPUAllocator: can't allocate memory``) instead of summoning the OS OOM killer."""
+    import resource
+
+    limit = int(limit_mib * 2**20)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
+# ---------------------------------------------------------------- run
+
+
+def start_run(args: argparse.Namespace) -> int:
+    from autotune.launch.plan_options import refuse_pickle
+
+    check_options(args)
+    refuse_pickle(args.model, "run")
+    dataset_dir = dataset_folder(args.dataset)
+    if getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
+        from autotune.recovery.sd_scripts import early_check
+
+        early_check(args.engine, args.python, args.model)
+    scan = check_dataset(dataset_dir)
+    check_folder_convention(args, scan)
+    if args.resolution is not None and not args.config:  # the plan's own rule, said before the doctor's checks
+        from autotune.planning.request import validate_resolution
+        from sd_scripts_compat.models.detect import detect_family
+
+        validate_resolution(args.resolution, detect_family(args.model, args.family))
+    if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
+        from autotune.doctor import check_before_training
+
+        print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
+                                               resolution=args.resolution)))
+    out = dataset_folder(args.out) if args.out else (Path("output") / dataset_dir.name).resolve()
+    before = _entries(out)
+    _prepare_output(out, args.resume)
+    try:
+        return _supervised(args, out, dataset_dir, scan)
+    except UserError:
+        if not args.resume:
+            _remove_failed_start(out, before)
+        raise
+
+
+def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any) -> int:
+    """Plan or copy the configs into ``out``, then train under the watchdog; the exit code, or a UserError."""
+    import json
+    import signal
+
+    from autotune.hardware.probe import probe_system
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.engine import CompatEngine
+    from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE, Job, supervise
+    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
+
+    print(f"dataset {dataset_dir}: {describe_scan(scan)}")
+    probe = probe_system(out, use_torch=False)
+    cuda = probe.accelerator == "cuda"
+    if args.memory_limit and cuda:
+        raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
+
+    config_path, dataset_path, plan = _configs(args, out, scan)
+    usable_mib = _usable_mib(plan)
+    family, resolved = _resolve(config_path, dataset_path, args)
+    settings = resolved.settings
+    prior: list[dict[str, Any]] = []
+    if args.resume:
+        saved = read_json(out / RUN_STATE) or {}
+        usable_mib = saved.get("usable_mib")
+        if isinstance(saved.get("settings"), dict):
+            settings = _saved_settings(saved["settings"], out)
+        prior = list(saved.get("retries") or [])
+    limits = _limits(probe, family, resolved, args, cuda, usable_mib)
+    train_output = Path(resolved.config.output_dir or out)
+    ours = not getattr(args, "engine", None)
+    if ours:
+        engine: Any = CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every)
+    else:
+        from autotune.recovery.sd_scripts import prepare
+
+        engine = prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
+                         states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
+                         planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None)
+    job = Job(
+        config_path=config_path, output_dir=out, settings=settings, limits=limits,
+        predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
+        stall_timeout_s=args.stall_timeout, resume=args.resume,
+        preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
+        train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib},
+        budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
+        engine=engine,
+        stability=_stability_limits(probe, cuda),
+    )
+    with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
+        result = supervise(job)
+    if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
+        remember_attempts(result.attempts, probe, family.name, limits.budget_mib)
+    if args.json:
+        print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
+                          "output_file": result.output_file, "final_settings": result.final_settings.to_event(),
+                          "retries": result.retries, "output_dir": str(out)}, indent=2, default=str))
+    if result.ok:
+        retries = len(result.retries)
+        print(f"\nLoRA: {result.output_file}\nsettings that worked: {out / 'config.final.toml'}"
+              f"{f' ({retries} retries, see {out / DECISIONS_LOG})' if retries else ''}")
+        if not args.json:
+            _print_report(out)
+        return 0
+    if result.outcome is Outcome.USER_ERROR:
+        raise UserError(result.message.split(": error: ", 1)[-1])
+    if result.outcome is Outcome.DISK_FULL:
+        raise DiskFullError(result.message.split(": error: ", 1)[-1])
+    if result.outcome is Outcome.INTERRUPTED:
+        last = result.attempts[-1] if result.attempts else None
+        print(f"interrupted; continue with: autotune run {args.dataset} --model {args.model} --out {out} --resume",
+              file=sys.stderr)
+        terminated = last is not None and (last.stop_signal == signal.SIGTERM or last.returncode == 143)
+        return 143 if terminated else 130
+    print(f"autotune run: {result.message}", file=sys.stderr)
+    return 1
+
+
+def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: float | None) -> None:
+    """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
+    plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run."""
+    from autotune.measure.store import device_key, from_done_event, from_oom_event, record_measurements
+
+    device = device_key(probe)
+    records = []
+    for attempt in attempts:
+        if attempt.done_event:
+            records.append(from_done_event(attempt.done_event, device=device, family=family, source="run"))
+        elif attempt.oom_event:
+            records.append(from_oom_event(attempt.oom_event, device=device, family=family, source="run",
+                                          budget_mib=budget_mib))
+    records = [r for r in records if r is not None]
+    if not records:
+        return
+    try:
+        record_measurements(records)
+    except OSError as error:
+        print(f"warning: could not store this run's measurements ({error}); plans will not learn from it",
+              file=sys.stderr)
+def _watching_for_slowdowns(monitor_file: Path) -> Any:
+    """A thread that reads the engine's monitor file while it trains and prints a warning line when the run
+    spills into shared memory, swaps or throttles (``autotune.report.detector``)."""
+    import contextlib
+    import threading
+
+    from autotune.report.detector import watch
+
+    @contextlib.contextmanager
+    def watching() -> Any:
+        stop = threading.Event()
+        thread = threading.Thread(target=watch, args=(monitor_file, lambda line: print(line, flush=True), stop),
+                                  name="autotune-slow-run-detector", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(5)
+
+    return watching()
+
+
+def _print_report(out: Path) -> None:
+    """The run's report (``autotune report``) after a finished run, and its HTML page in ``out``."""
+    from autotune.report.run_report import REPORT_HTML, report_for
+
+    try:
+        text, _ = report_for(out, html_path=out / REPORT_HTML)
+    except UserError as error:  # nothing to report (another engine wrote no events): the run itself succeeded
+        print(f"no report: {error}")
+        return
+    print(f"\n{text.rstrip()}\nreport page: {out / REPORT_HTML} (again with: autotune report {out})")
+
+
+def _entries(folder: Path) -> set[str] | None:
+    """The names in ``folder`` now (None: it does not exist yet)."""
+    try:
+        return {entry.name for entry in folder.iterdir()}
+    except OSError:
+        return None
+
+
+def _remove_failed_start(out: Path, before: set[str] | None) -> None:
+    """A run that failed before training saved anything leaves nothing behind (its error said everything),
+    so the same ``--out`` is free for the next try: what this call wrote goes, what was there stays."""
+    import shutil
+
+    from sd_scripts_compat.contract import newest_state
+
+    if not out.is_dir() or newest_state(out) is not None or newest_state(out / "output") is not None:
+        return
+    if before is None:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for entry in out.iterdir():
+        if entry.name not in before:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() \
+                else entry.unlink(missing_ok=True)
+
+
+def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path | None, Any]:
+    """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
+    being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
+    the step-down budget, a wrapped trainer's first save interval)."""
+    config_path, dataset_path = out / "config.toml", out / "dataset.toml"
+    if args.resume:
+        return config_path, dataset_path if dataset_path.is_file() else None, None
+    if not args.config:
+        return _plan(args, out)
+    return config_path, _copy_user_configs(args, out, scan), None
+
+
+def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path | None:
+    """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
+
+    The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out/output`` and the
+    user is told so. Returns the dataset config's path in ``out`` (None: the folder convention, which
+    needs N_name subfolders: sd-scripts' ``train_data_dir`` does not read images directly in the folder).
+    """
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
+
+    dataset_dir = scan.root
+    user = Path(args.config)
+    document = read_toml(user)
+    forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
+    given_output = flat_values(document).get("output_dir")
+    if given_output:
+        print(f"LoRA files and states go to {Path(given_output).resolve()} (output_dir of {user})")
+    else:
+        forced["output_dir"] = str(out / "output")
+        print(f"{user} sets no output_dir: LoRA files and states go to {out / 'output'}")
+    dataset_path: Path | None = None
+    if args.dataset_config:
+        dataset_path = out / "dataset.toml"
+        write_toml(dataset_path, read_toml(args.dataset_config, "dataset config"),
+                   f"# from {args.dataset_config} (autotune run)\n")
+        forced["dataset_config"] = str(dataset_path)
+    else:
+        forced["train_data_dir"] = str(dataset_dir)
+    write_toml(out / "config.toml", set_config_values(document, forced), f"# from {user} (autotune run)\n")
+    return dataset_path
+
+
+def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The family and the run as the engine will resolve it (its own reader, kohya's precedence)."""
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.config.settings_space import settings_from_files
+    from sd_scripts_compat.models.detect import detect_family
+
+    model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
+    family = detect_family(model, getattr(args, "family", None))
+    resolved = settings_from_files(config_path, dataset_path, script=family.kohya_script.removesuffix(".py"),
+                                   default_resolution=(family.resolution, family.resolution))
+    return family, resolved
+
+
+def _saved_settings(values: dict[str, Any], out: Path) -> Any:
+    from sd_scripts_compat.config.settings import TrainSettings
+
+    try:
+        return TrainSettings.from_event(values)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"{out}: the saved run state is from another version ({error}); "
+                        "start a new run with another --out") from None
+
+
+def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cuda: bool,
+            usable_mib: float | None) -> Any:
+    """What the ladder may do on this machine, and the memory it must fit in (MiB).
+
+    The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
+    address-space cap or the available RAM.
+    """
+    from autotune.recovery.ladder import LadderLimits
+
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    if args.memory_limit:
+        budget = args.memory_limit
+    elif usable_mib:
+        budget = usable_mib
+    elif args.vram:
+        budget = min(args.vram) * 1024
+    elif gpu is not None and gpu.vram_total_bytes:
+        budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
+    else:
+        budget = probe.memory.ram_available_bytes / 2**20
+    # the rung would change nothing when the engine already caches the frozen text encoder's outputs
+    te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
+    return LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8),
+                                   te_cache_allowed=te_cache_allowed)
+
+
+def _stability_limits(probe: Any, cuda: bool) -> Any:
+    """The stability ladder may move fp16 to bf16 only on a card that computes in bf16."""
+    from autotune.recovery.stability import StabilityLimits
+
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    return StabilityLimits(bf16_supported=bool(gpu and gpu.bf16))
+
+
+def _captions_randomized(resolved: Any) -> bool:
+    """A caption option (shuffle, dropout, warm-up) on any subset, wherever the dataset.toml set it."""
+    from sd_scripts_compat.dataset.captions import caption_is_deterministic
+
+    return any(caption_is_deterministic(subset) is not None for subset in resolved.dataset.subsets)
+
+
+def _engine_caches_text(resolved: Any) -> bool:
+    """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
+    return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
+
+
+def _predictor(family: Any, resolved: Any, cuda: bool) -> Any:
+    from autotune.recovery.ladder import memory_predictor
+
+    return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
+
+
+def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Any]:
+    """Plan with `autotune plan`'s own request builder; write config.toml + dataset.toml into ``out``.
+    Returns both paths and the plan."""
+    from autotune.launch.plan_options import build_request, render
+    from autotune.planning.planner import plan_training
+    from autotune.planning.toml_writer import write_plan_files
+    from autotune.report.load import PLAN_FILE
+    from sd_scripts_compat.atomic import write_json_atomic
+
+    args.out = str(out)
+    plan = plan_training(build_request(args))
+    if not plan.fits:
+        raise UserError(f"{args.model}: {plan.message}")
+    render(plan)
+    config, dataset = write_plan_files(plan, out, args.format)
+    write_json_atomic(out / PLAN_FILE, plan.to_dict())  # the report compares the run with its prediction
+    return config, dataset, plan
+
+
+def _usable_mib(plan: Any) -> float | None:
+    """A GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM."""
+    if plan is None or not plan.prediction or not plan.settings or plan.device == "CPU":
+        return None
+    return plan.prediction.usable_bytes / 2**20
