@@ -364,3 +364,12 @@ def test_dataset_config_wins_over_train_data_dir(tmp_path):
     group = dataset_group_from_config(cfg)
     assert [s.image_dir for s in group.datasets[0].subsets] == ["imgs"]
     assert group.datasets[0].resolution == (640, 640)
+
+
+def test_the_reader_refuses_one_rate_per_text_encoder_and_keeps_one_for_all():
+    """A config-only rule lives in the reader: refused before any model loads (autotune run's pre-flight reads
+    the config with it), where the engine used to refuse it after loading the model."""
+    with pytest.raises(UserError, match=r"text_encoder_lr: \[0.0001, 5e-05\]: one learning rate per text encoder"):
+        load_training_config(["--text_encoder_lr", "1e-4", "5e-5"])
+    assert load_training_config(["--text_encoder_lr", "5e-5", "5e-5"]).text_encoders_lr == 5e-5
+    assert load_training_config([]).text_encoders_lr is None

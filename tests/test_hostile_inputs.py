@@ -272,7 +272,26 @@ CONFIG = [
     Case("run-config-key-typo", lambda t: run(t, "--config", str(config(t, learning_rat=1e-4))), "learning_rate"),
     Case("run-dataset-config-missing", lambda t: run(t, "--config", str(config(t)), "--dataset-config",
                                                      str(t / "nope.toml")), "nope.toml"),
+    # config-only rules live in the config reader: `autotune run`'s pre-flight refuses them before any model loads
+    Case("run-config-per-encoder-lrs", lambda t: run(t, "--config", str(config(t, text_encoder_lr=[1e-4, 5e-5]))),
+         "text_encoder_lr"),
+    Case("run-dataset-config-two-datasets", lambda t: run(t, "--config", str(config(t, train_data_dir=None)),
+                                                          "--dataset-config", str(two_datasets(t))),
+         "2 [[datasets]] given"),
+    Case("engine-tiny-flux-swaps-too-many", lambda t: [
+        "sd_scripts_compat.flux_train_network", "--config_file",
+        str(config(t, pretrained_model_name_or_path="builtin:tiny-flux", blocks_to_swap=3))], "swaps at most 2"),
+    Case("plan-flux-resolution-off-its-step", lambda t: plan(t, "--resolution", "72", model="builtin:tiny-flux"),
+         "multiples of 16"),
 ]
+
+
+def two_datasets(root: Path) -> Path:
+    folder = dataset(root)
+    path = root / "dataset.toml"
+    block = {"resolution": [64, 64], "batch_size": 1, "subsets": [{"image_dir": str(folder / "2_toy")}]}
+    path.write_text(toml.dumps({"datasets": [block, block]}), encoding="utf-8")
+    return path
 
 DATASETS = [
     Case("plan-dataset-missing", lambda t: ["autotune", "plan", str(t / "nope"), "--model", TINY], "nope"),
@@ -403,7 +422,7 @@ def check_one_line(done: subprocess.CompletedProcess, code: int, needle: str) ->
     assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
     assert len(lines) == 1, f"{len(lines)} stderr lines:\n{done.stderr[-3000:]}"
     line = lines[0]
-    assert line.startswith(("autotune", "train_network: ", "sdxl_train_network: ")), line
+    assert line.startswith(("autotune", "train_network: ", "sdxl_train_network: ", "flux_train_network: ")), line
     assert needle in line, line
     assert not LIBRARY_WARNING.search(done.stderr + done.stdout), (done.stdout + done.stderr)[-2000:]
     return line

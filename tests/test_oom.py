@@ -56,3 +56,39 @@ def test_injected_oom_by_pixels_and_bad_rules(tmp_path):
     assert OomInjector.from_env(tmp_path, {}) is None
     with pytest.raises(ValueError, match=INJECT_ENV):
         OomInjector.from_env(tmp_path, {INJECT_ENV: "sometimes"})
+
+
+def test_one_fault_plan_wraps_the_objective_and_leaves_validation_alone(tmp_path):
+    """Both injectors come from one FaultPlan (None when nothing is injected); the wrapped objective raises the
+    OOM as a training forward starts and poisons only the loss after a training forward."""
+    import torch
+
+    from sd_scripts_compat.training.faults import NAN_ENV, FaultPlan
+
+    assert FaultPlan.from_env(tmp_path, {}) is None
+
+    class Echo:
+        def forward(self, denoiser, latents, *rest):
+            return latents, ()
+
+        def fixed_forward(self, denoiser, latents, *rest):
+            return latents, ()
+
+        def loss(self, prediction, state, weights):
+            return prediction.mean(dim=(1, 2, 3))
+
+        noise = "the objective's own attribute"
+
+    plan = FaultPlan.from_env(tmp_path, {INJECT_ENV: "pixels_gt=100", NAN_ENV: "step=2"})
+    step = [2]
+    wrapped = plan.wrap(Echo(), lambda: step[0], vae_scale=8)
+    latents = torch.ones(1, 4, 1, 1)  # 1 x 8 x 8 = 64 px: under the OOM rule
+    prediction, state = wrapped.fixed_forward(None, latents)
+    assert torch.isfinite(wrapped.loss(prediction, state, None)).all()  # validation at step 2: untouched
+    prediction, state = wrapped.forward(None, latents)
+    assert torch.isnan(wrapped.loss(prediction, state, None)).all()  # the training forward's loss at step 2
+    prediction, state = wrapped.forward(None, latents)
+    assert torch.isfinite(wrapped.loss(prediction, state, None)).all()  # once only (its marker file)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        wrapped.forward(None, torch.ones(2, 4, 1, 1))  # 2 x 8 x 8 = 128 px > 100
+    assert wrapped.noise == "the objective's own attribute"

@@ -32,7 +32,6 @@ from sd_scripts_compat.config.kohya_toml import (
     write_toml,
 )
 from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     from sd_scripts_compat.config.dataset_spec import DatasetSpec
@@ -193,7 +192,7 @@ def settings_from_files(config_path: str | Path, dataset_config_path: str | Path
     the engine's one-line errors, raised now rather than after a model has loaded. ``script`` names the
     entry point (``"flux_train_network"``); without it ``sdxl`` chooses SD 1.x/2.x or SDXL.
     """
-    from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
+    from sd_scripts_compat.config.training_config import load_training_config, single_dataset
 
     argv = ["--config_file", str(config_path)]
     if dataset_config_path is not None:
@@ -205,14 +204,10 @@ def settings_from_files(config_path: str | Path, dataset_config_path: str | Path
         logger.setLevel(logging.ERROR)
     try:
         config = load_training_config(argv, sdxl=sdxl, script=script)
-        group = dataset_group_from_config(config, default_resolution=default_resolution)
+        dataset = single_dataset(config, default_resolution=default_resolution)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-    if len(group.datasets) != 1:
-        raise UserError(f"{dataset_config_path or config_path}: {len(group.datasets)} [[datasets]] given; the "
-                        "engine trains on exactly one (put several folders as [[datasets.subsets]] of one dataset)")
-    dataset = group.datasets[0]
     return ResolvedRun(config=config, dataset=dataset, settings=resolved_settings(config, dataset))
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
-from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec
+from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec
 from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs, script_name, scripts_text
 from sd_scripts_compat.config.kohya_toml import flatten, read_toml
 from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS
@@ -324,6 +324,11 @@ class TrainingConfig:
     given: frozenset[str] = frozenset()
     warnings: tuple[str, ...] = ()
 
+    @property
+    def text_encoders_lr(self) -> float | None:
+        """The text encoders' one learning rate (the reader refuses several different ones), None when unset."""
+        return self.text_encoder_lr[0] if self.text_encoder_lr else None
+
     def warmup_steps(self, total_steps: int) -> int:
         """``lr_warmup_steps`` in steps: a float below 1 is a ratio of ``total_steps``, as in sd-scripts."""
         if isinstance(self.lr_warmup_steps, float):
@@ -514,6 +519,9 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     out["text_encoder_lr"] = tuple(out["text_encoder_lr"]) if out["text_encoder_lr"] else None
     if out["text_encoder_lr"] is not None and any(lr < 0 for lr in out["text_encoder_lr"]):
         raise UserError(f"{where('text_encoder_lr')}: learning rates must be 0 or more")
+    if out["text_encoder_lr"] is not None and len(set(out["text_encoder_lr"])) > 1:
+        raise UserError(f"{where('text_encoder_lr')}: {list(out['text_encoder_lr'])}: one learning rate per text "
+                        "encoder is not supported; give a single value")
 
     for name, minimum in MIN_VALUES.items():
         value = out.get(name)
@@ -729,6 +737,16 @@ def dataset_group_from_config(cfg: TrainingConfig, *,
         raise UserError("no training images: set train_data_dir (folders named like '10_sks dog') "
                         "or dataset_config in the config file")
     return folder_dataset_group(cfg.train_data_dir, cfg.reg_data_dir, args, default_resolution=default_resolution)
+
+
+def single_dataset(cfg: TrainingConfig, *, default_resolution: tuple[int, int] | None = None) -> DatasetSpec:
+    """The one dataset this engine trains on (:func:`dataset_group_from_config`); several [[datasets]] blocks are
+    one line naming the file, refused here, before any model loads."""
+    group = dataset_group_from_config(cfg, default_resolution=default_resolution)
+    if len(group.datasets) != 1:
+        raise UserError(f"{cfg.dataset_config or 'dataset_config'}: {len(group.datasets)} [[datasets]] given; the "
+                        "engine trains on exactly one (put several folders as [[datasets.subsets]] of one dataset)")
+    return group.datasets[0]
 
 
 def implemented_fields() -> list[str]:

@@ -2,7 +2,9 @@
 
 ``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`) and ``SD_COMPAT_INJECT_NAN`` (see
 :class:`NanInjector`) hold comma-separated rules; tests and benches set them on the engine's
-environment, the watchdog never does. A *real* divergence needs no injector: a learning rate far too
+environment, the watchdog never does. The run reads both once into a :class:`FaultPlan`, which wraps the
+training objective when there is anything to inject: the training loop has no fault code of its own.
+A *real* divergence needs no injector: a learning rate far too
 high for the tiny model (``learning_rate = 2.0`` with AdamW on ``builtin:tiny-sd15``) makes its loss turn
 NaN within a few dozen steps by itself.
 """
@@ -10,6 +12,7 @@ NaN within a few dozen steps by itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,3 +106,50 @@ class NanInjector:
         if step in self.steps and _marker_fires(self.marker_dir, f"injected-nan-step{step}"):
             return loss * float("nan")
         return loss
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Every fault a run injects, read once from its environment. :meth:`from_env` gives None when there is
+    nothing to inject; otherwise the plan wraps the training objective (:meth:`wrap`), so the training loop
+    itself never checks for faults."""
+
+    oom: OomInjector | None = None
+    nan: NanInjector | None = None
+
+    @classmethod
+    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> FaultPlan | None:
+        oom, nan = OomInjector.from_env(marker_dir, environ), NanInjector.from_env(marker_dir, environ)
+        return cls(oom, nan) if oom is not None or nan is not None else None
+
+    def wrap(self, objective: Any, step: Callable[[], int], vae_scale: int) -> FaultyObjective:
+        return FaultyObjective(objective, self, step, vae_scale)
+
+
+class FaultyObjective:
+    """A training objective with the plan's faults: an OOM raised as a micro-batch's forward starts, a NaN loss
+    after that forward. Validation's ``fixed_forward`` passes untouched; everything else is the objective's."""
+
+    def __init__(self, inner: Any, plan: FaultPlan, step: Callable[[], int], vae_scale: int) -> None:
+        self.inner, self.plan, self.step, self.vae_scale = inner, plan, step, vae_scale
+        self._poison_step: int | None = None  # the step of the training forward whose loss comes next
+
+    def forward(self, denoiser: Any, latents: Any, *args: Any) -> Any:
+        step = self.step()
+        if self.plan.oom is not None:
+            self.plan.oom.check(step, latents.shape[0], latents.shape[2] * self.vae_scale,
+                                latents.shape[3] * self.vae_scale)
+        self._poison_step = step
+        return self.inner.forward(denoiser, latents, *args)
+
+    def fixed_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._poison_step = None
+        return self.inner.fixed_forward(*args, **kwargs)
+
+    def loss(self, *args: Any) -> Any:
+        loss = self.inner.loss(*args)
+        step, self._poison_step = self._poison_step, None
+        return self.plan.nan.poison(step, loss) if step is not None and self.plan.nan is not None else loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

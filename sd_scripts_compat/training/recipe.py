@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from sd_scripts_compat.contract import (
     DIVERGED,
@@ -47,7 +47,7 @@ from sd_scripts_compat.training.devices import (
     to_device,
     unwrap_optimizer,
 )
-from sd_scripts_compat.training.faults import NanInjector, OomInjector
+from sd_scripts_compat.training.faults import FaultPlan
 from sd_scripts_compat.training.monitor import start_monitor
 from sd_scripts_compat.training.objectives import NoiseSettings
 from sd_scripts_compat.training.phase_timer import PhaseTimer, tensorboard_scalars
@@ -55,6 +55,25 @@ from sd_scripts_compat.training.precision import DynamicLossScale
 from sd_scripts_compat.training.stability import Diverged, StabilityGuard
 from sd_scripts_compat.training.stopping import StopSignals
 from sd_scripts_compat.training.validation import ValidationRun
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from sd_scripts_compat.config.dataset_spec import DatasetSpec
+    from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, TrainDataset
+    from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.network.lora import LoRANetwork
+    from sd_scripts_compat.training.block_swap import BlockSwap
+    from sd_scripts_compat.training.faults import FaultyObjective
+    from sd_scripts_compat.training.flow_matching import FlowMatchingObjective
+    from sd_scripts_compat.training.objectives import NoisePredictionObjective
+    from sd_scripts_compat.training.train_state import TrainCounters
+
+    # what the loop calls ``forward`` / ``loss`` / ``fixed_forward`` on (the family's objective, maybe with faults)
+    Objective = Union[NoisePredictionObjective, FlowMatchingObjective, FaultyObjective]  # noqa: UP007
 
 PROGRESS_EVERY_SECONDS = 2.0  # the loop's one host sync: progress bar, progress.json, instability checks
 TIMING_WARMUP_STEPS = 2
@@ -66,15 +85,14 @@ TIMING_WARMUP_STEPS = 2
 class Process:
     """This process's place in the run: accelerate's state, dtypes, output paths, seed, clock."""
 
-    accelerator: Any
-    device: Any
+    accelerator: Accelerator
+    device: torch.device
     seed: int
-    weight_dtype: Any
-    save_dtype: Any
+    weight_dtype: torch.dtype
+    save_dtype: torch.dtype
     paths: RunPaths
-    injector: OomInjector | None
     started: float
-    nan_injector: NanInjector | None = None
+    faults: FaultPlan | None = None  # SD_COMPAT_INJECT_OOM / _NAN (tests): wraps the objective, if anything
 
     @property
     def world(self) -> int:
@@ -89,7 +107,7 @@ class Process:
         return self.accelerator.is_main_process
 
 
-def setup_process(config: Any) -> Process:
+def setup_process(config: TrainingConfig) -> Process:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -111,22 +129,21 @@ def setup_process(config: Any) -> Process:
         config.save_precision or "float", torch.float32)
     return Process(accelerator=accelerator, device=accelerator.device, seed=seed, weight_dtype=weight_dtype,
                    save_dtype=save_dtype, paths=paths, started=started,
-                   injector=OomInjector.from_env(paths.events_dir or paths.output_dir),
-                   nan_injector=NanInjector.from_env(paths.events_dir or paths.output_dir))
+                   faults=FaultPlan.from_env(paths.events_dir or paths.output_dir))
 
 
 # ---- 2. Base model ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Model:
-    bundle: Any  # models.build.ModelBundle
-    family: Any
+    bundle: ModelBundle
+    family: FamilySpec
     vae_scale: int  # pixels per latent pixel
     v_parameterization: bool
     train_text_encoder: bool  # whether the LoRA has text-encoder modules that learn
 
 
-def load_model(config: Any, process: Process, *, sdxl: bool) -> Model:
+def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model:
     from sd_scripts_compat.models.loading import load_base_model
 
     parts = {"clip_l": config.clip_l, "t5xxl": config.t5xxl, "ae": config.ae,  # FLUX.1's separate files
@@ -146,32 +163,27 @@ def load_model(config: Any, process: Process, *, sdxl: bool) -> Model:
         bundle.unet.set_attn_processor(AttnProcessor2_0())
     return Model(bundle=bundle, family=family, vae_scale=vae_scale,
                  v_parameterization=bool(config.v_parameterization) or family.v_parameterization,
-                 train_text_encoder=not config.network_train_unet_only and text_encoder_lr(config) != 0)
+                 train_text_encoder=not config.network_train_unet_only and config.text_encoders_lr != 0)
 
 
 # ---- 3. Datasets -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Data:
-    spec: Any  # config.dataset_spec.DatasetSpec
-    train: Any  # dataset.train_dataset.TrainDataset
-    validation: Any | None
+    spec: DatasetSpec
+    train: TrainDataset
+    validation: TrainDataset | None
 
     @property
-    def all(self) -> list[Any]:
+    def all(self) -> list[TrainDataset]:
         return [d for d in (self.train, self.validation) if d is not None]
 
 
-def build_data(config: Any, process: Process, model: Model) -> Data:
-    from sd_scripts_compat.config.training_config import dataset_group_from_config
+def build_data(config: TrainingConfig, process: Process, model: Model) -> Data:
+    from sd_scripts_compat.config.training_config import single_dataset
     from sd_scripts_compat.dataset.train_dataset import build_dataset, build_validation_dataset
 
-    resolution = (model.family.resolution, model.family.resolution)
-    group = dataset_group_from_config(config, default_resolution=resolution)
-    if len(group.datasets) != 1:
-        raise UserError(f"dataset_config: {len(group.datasets)} [[datasets]] given; this engine trains on exactly "
-                        "one (put several folders as [[datasets.subsets]] of one dataset)")
-    spec = group.datasets[0]
+    spec = single_dataset(config, default_resolution=(model.family.resolution, model.family.resolution))
     _check_size_steps(spec, model.family)
     train = build_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight)
     validation = build_validation_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight) \
@@ -179,7 +191,7 @@ def build_data(config: Any, process: Process, model: Model) -> Data:
     return Data(spec=spec, train=train, validation=validation)
 
 
-def _check_size_steps(spec: Any, family: FamilySpec) -> None:
+def _check_size_steps(spec: DatasetSpec, family: FamilySpec) -> None:
     """The family's own size rule (``FamilySpec.resolution_problem``, which the planner applies too); buckets
     in steps of VAE scale x patch (FLUX.1's 2x2 tokens: 16 px)."""
     problem = family.resolution_problem(*spec.resolution)
@@ -201,7 +213,7 @@ class Inputs:
     conditioner: Conditioner
 
 
-def cache_inputs(config: Any, process: Process, model: Model, data: Data) -> Inputs:
+def cache_inputs(config: TrainingConfig, process: Process, model: Model, data: Data) -> Inputs:
     conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
                               dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
                               t5_max_length=config.t5xxl_max_token_length
@@ -211,7 +223,7 @@ def cache_inputs(config: Any, process: Process, model: Model, data: Data) -> Inp
     return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
 
 
-def _cache_latents(config: Any, process: Process, model: Model, data: Data) -> bool:
+def _cache_latents(config: TrainingConfig, process: Process, model: Model, data: Data) -> bool:
     import torch
 
     from sd_scripts_compat.caching.latent_cache import cache_latents, offload
@@ -230,7 +242,7 @@ def _cache_latents(config: Any, process: Process, model: Model, data: Data) -> b
     return True
 
 
-def _cache_text(config: Any, process: Process, model: Model, data: Data, conditioner: Conditioner) -> bool:
+def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Data, conditioner: Conditioner) -> bool:
     from sd_scripts_compat.caching.latent_cache import offload
     from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 
@@ -263,12 +275,12 @@ def _cache_text(config: Any, process: Process, model: Model, data: Data, conditi
 
 @dataclass(frozen=True)
 class Network:
-    network: Any  # network.lora.LoRANetwork, hooked into the UNet (and text encoders)
-    trainable: list[Any] = field(default_factory=list)
-    block_swap: Any = None  # training.block_swap.BlockSwap when blocks_to_swap (FLUX.1)
+    network: LoRANetwork  # hooked into the UNet (and text encoders)
+    trainable: list[torch.nn.Parameter] = field(default_factory=list)
+    block_swap: BlockSwap | None = None  # when blocks_to_swap (FLUX.1)
 
 
-def build_network(config: Any, process: Process, model: Model) -> Network:
+def build_network(config: TrainingConfig, process: Process, model: Model) -> Network:
     import torch
 
     from sd_scripts_compat.training.precision import fp8_supported, store_frozen_weights_in_fp8
@@ -301,7 +313,7 @@ def build_network(config: Any, process: Process, model: Model) -> Network:
                    block_swap=block_swap)
 
 
-def _swap_blocks(config: Any, process: Process, model: Model, use_fp8: bool) -> Any:
+def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8: bool) -> BlockSwap | None:
     """blocks_to_swap: cast (and fp8) on the host, then move all but the swapped blocks to the device."""
     from sd_scripts_compat.training.block_swap import check_blocks_to_swap, enable_flux_block_swap, place_except_swapped
     from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
@@ -316,7 +328,7 @@ def _swap_blocks(config: Any, process: Process, model: Model, use_fp8: bool) -> 
     return swap
 
 
-def _create_network(config: Any, model: Model) -> Any:
+def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
     """A new LoRA, or one shaped (dim_from_weights) or initialised from ``network_weights``."""
     from sd_scripts_compat.network.lora import create_network, create_network_from_weights, parse_network_args
     from sd_scripts_compat.network.lora_file import read_lora_file
@@ -338,9 +350,9 @@ def _create_network(config: Any, model: Model) -> Any:
 
 @dataclass(frozen=True)
 class Optimization:
-    optimizer: Any  # accelerate-wrapped unless full_fp16 (then the loss scale is ours)
+    optimizer: torch.optim.Optimizer  # accelerate-wrapped unless full_fp16 (then the loss scale is ours)
     description: str  # ss_optimizer
-    lr_scheduler: Any
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     loss_scale: DynamicLossScale | None
     accumulation: int
     batches_per_epoch: int  # micro-batches per epoch for this process
@@ -349,10 +361,10 @@ class Optimization:
     warmup_steps: int
 
 
-def build_optimization(config: Any, process: Process, network: Network, data: Data) -> Optimization:
+def build_optimization(config: TrainingConfig, process: Process, network: Network, data: Data) -> Optimization:
     from sd_scripts_compat.training.optim import make_lr_scheduler, make_optimizer
 
-    param_groups = network.network.prepare_optimizer_params(text_encoder_lr(config), config.unet_lr,
+    param_groups = network.network.prepare_optimizer_params(config.text_encoders_lr, config.unet_lr,
                                                             config.learning_rate)
     optimizer, description = make_optimizer(config.optimizer_type or "AdamW", param_groups, config.learning_rate,
                                             config.optimizer_args)
@@ -375,7 +387,7 @@ def build_optimization(config: Any, process: Process, network: Network, data: Da
                         warmup_steps=warmup_steps)
 
 
-def build_objective(config: Any, process: Process, model: Model) -> Any:
+def build_objective(config: TrainingConfig, process: Process, model: Model) -> Objective:
     """The family's training objective (its data's ``objective``): DDPM noise prediction (SD) or
     flow matching (FLUX.1); both give the loop ``forward`` / ``loss`` / ``fixed_forward``."""
     from diffusers import DDPMScheduler
@@ -395,7 +407,8 @@ def build_objective(config: Any, process: Process, model: Model) -> Any:
 
 # ---- 7. Resume -------------------------------------------------------------------------------------
 
-def resume(config: Any, process: Process, network: Network, optimization: Optimization, data: Data) -> Any:
+def resume(config: TrainingConfig, process: Process, network: Network, optimization: Optimization,
+           data: Data) -> TrainCounters:
     """The counters to start from: zero, or those of the ``resume`` state (whose weights, optimizer,
     schedule and RNG states are loaded here)."""
     from sd_scripts_compat.training.train_state import TrainCounters, load_train_state, restore_rng_state
@@ -422,7 +435,8 @@ def resume(config: Any, process: Process, network: Network, optimization: Optimi
     return counters
 
 
-def _follow_configured_rates(optimizer: Any, lr_scheduler: Any, configured_lrs: list[float]) -> None:
+def _follow_configured_rates(optimizer: torch.optim.Optimizer, lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+                             configured_lrs: list[float]) -> None:
     """The state's learning rates give way to this run's config (a resume after the watchdog lowered them).
 
     Loading a state restores each param group's ``lr`` / ``initial_lr`` and the schedule's ``base_lrs``
@@ -448,7 +462,7 @@ class Report:
     resolved: dict[str, Any]
 
 
-def report_run(config: Any, process: Process, data: Data, inputs: Inputs) -> Report:
+def report_run(config: TrainingConfig, process: Process, data: Data, inputs: Inputs) -> Report:
     from sd_scripts_compat.config.settings_space import dataset_report, resolved_settings
 
     resolved = {"datasets": [dataset_report(data.spec)], "latents_cached": inputs.cached_latents,
@@ -457,8 +471,9 @@ def report_run(config: Any, process: Process, data: Data, inputs: Inputs) -> Rep
     return Report(settings=resolved_settings(config, data.spec).to_event(), resolved=resolved)
 
 
-def build_checkpointer(config: Any, process: Process, model: Model, data: Data, inputs: Inputs, network: Network,
-                       optimization: Optimization, report: Report, guard: Any = None) -> Checkpointer:
+def build_checkpointer(config: TrainingConfig, process: Process, model: Model, data: Data, inputs: Inputs,
+                       network: Network, optimization: Optimization, report: Report,
+                       guard: StabilityGuard | None = None) -> Checkpointer:
     from sd_scripts_compat.network.lora_file import TrainingFacts
 
     retries = _read_retry_log(config.autotune_retry_log)
@@ -468,7 +483,7 @@ def build_checkpointer(config: Any, process: Process, model: Model, data: Data, 
         learning_rate=config.learning_rate, optimizer=optimization.description, resolution=data.spec.resolution,
         training_started_at=process.started, session_id=secrets.randbits(31),  # ss_session_id, as sd-scripts
         network_args=dict(config.network_args) or None, network_dropout=config.network_dropout,
-        unet_lr=config.unet_lr, text_encoder_lr=text_encoder_lr(config), lr_scheduler=config.lr_scheduler,
+        unet_lr=config.unet_lr, text_encoder_lr=config.text_encoders_lr, lr_scheduler=config.lr_scheduler,
         lr_warmup_steps=optimization.warmup_steps, mixed_precision=process.accelerator.mixed_precision,
         num_train_images=data.train.num_train_images, num_reg_images=data.train.num_reg_images,
         num_batches_per_epoch=optimization.batches_per_epoch, num_epochs=optimization.total_epochs,
@@ -495,14 +510,14 @@ def build_checkpointer(config: Any, process: Process, model: Model, data: Data, 
 class Recipe:
     """Everything the loop reads, built once by the setup steps."""
 
-    config: Any
+    config: TrainingConfig
     process: Process
     model: Model
     data: Data
     inputs: Inputs
     network: Network
     optimization: Optimization
-    objective: Any  # objectives.NoisePredictionObjective or flow_matching.FlowMatchingObjective
+    objective: Objective
     report: Report
     checkpointer: Checkpointer
     validation: ValidationRun | None
@@ -525,7 +540,7 @@ class LoopState:
     diverged: dict[str, Any] | None = None  # the guard's report: a non-finite or diverging loss
 
 
-def train(config: Any, *, sdxl: bool) -> int:
+def train(config: TrainingConfig, *, sdxl: bool) -> int:
     """One training run; returns the process exit code (0, OOM_EXIT_CODE, DIVERGED_EXIT_CODE, or INTERRUPTED_EXIT_CODE /
     TERMINATED_EXIT_CODE after SIGINT / SIGTERM, see ``training.stopping``)."""
     with StopSignals.installed() as stops:
@@ -537,7 +552,7 @@ def train(config: Any, *, sdxl: bool) -> int:
             return stops.exit_code
 
 
-def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
+def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     process = setup_process(config)
     phases = PhaseTimer(process.device.type, elapsed_before=time.time() - process.started)
     model = load_model(config, process, sdxl=sdxl)
@@ -548,6 +563,8 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
     optimization = build_optimization(config, process, network, data)
     objective = build_objective(config, process, model)
     counters = resume(config, process, network, optimization, data)
+    if process.faults is not None:  # tests' injected OOM / NaN: the loop below never looks for them
+        objective = process.faults.wrap(objective, lambda: counters.global_step, model.vae_scale)
     report = report_run(config, process, data, inputs)
     guard = build_guard(process, network, optimization, counters)
     checkpointer = build_checkpointer(config, process, model, data, inputs, network, optimization, report, guard)
@@ -576,14 +593,15 @@ def _train(config: Any, *, sdxl: bool, stops: StopSignals) -> int:
         return finish_diverged(recipe, diverged.report, counters)
 
 
-def build_guard(process: Process, network: Network, optimization: Optimization, counters: Any) -> StabilityGuard:
+def build_guard(process: Process, network: Network, optimization: Optimization,
+                counters: TrainCounters) -> StabilityGuard:
     """The instability checks of this session; a loss scaler (ours or accelerate's) owns non-finite grads."""
     scaled = optimization.loss_scale is not None or getattr(process.accelerator, "scaler", None) is not None
     return StabilityGuard(process.device, network.trainable, unwrap_optimizer(optimization.optimizer),
                           scaled=scaled, extra=counters.extra)
 
 
-def run_loop(r: Recipe, counters: Any) -> LoopState:
+def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
     """Train to max_train_steps; an OOM, Ctrl-C or instability ends the loop and is recorded in the returned state."""
     from tqdm.auto import tqdm
 
@@ -625,7 +643,8 @@ def run_loop(r: Recipe, counters: Any) -> LoopState:
     return loop
 
 
-def run_epoch(r: Recipe, loop: LoopState, counters: Any, sampler: Any, loader: Any, progress: Any) -> None:
+def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: BucketBatchSampler,
+              loader: torch.utils.data.DataLoader, progress: tqdm) -> None:
     """The rest of the current epoch: micro-batches, an optimizer step every ``accumulation`` of them."""
     optimization = r.optimization
     sampler.set_epoch(counters.epoch, start_step=counters.step_in_epoch)
@@ -653,7 +672,7 @@ def _stop_if_asked(r: Recipe) -> None:
         raise KeyboardInterrupt
 
 
-def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any], batch_index: int) -> None:
+def micro_step(r: Recipe, loop: LoopState, counters: TrainCounters, batch: dict[str, Any], batch_index: int) -> None:
     """Forward and backward of one micro-batch; its loss is added to the running loss on the device."""
     import torch
 
@@ -671,9 +690,6 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
             vae = r.model.bundle.vae
             latents = encode_images(vae, batch["images"], noise_seeds=seeds, **latent_factors(vae))
     latents = latents.to(process.weight_dtype)
-    if process.injector is not None:
-        process.injector.check(counters.global_step, latents.shape[0], latents.shape[2] * r.model.vae_scale,
-                               latents.shape[3] * r.model.vae_scale)
     generator = step_generator(process.seed, counters.global_step, batch_index * process.world + process.rank,
                                process.device)
     with phase("forward"):
@@ -681,8 +697,6 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
             encoder_hidden, added_cond = r.inputs.conditioner.condition(batch, train=r.model.train_text_encoder)
             prediction, state = objective.forward(unet, latents, encoder_hidden, added_cond, generator)
         loss = objective.loss(prediction, state, batch["loss_weights"]).mean()
-        if process.nan_injector is not None:
-            loss = process.nan_injector.poison(counters.global_step, loss)
     with phase("backward"):
         scaled = loss / r.optimization.accumulation
         if r.optimization.loss_scale is not None:
@@ -692,13 +706,13 @@ def micro_step(r: Recipe, loop: LoopState, counters: Any, batch: dict[str, Any],
     r.guard.add_loss(loss)
 
 
-def optimizer_step(r: Recipe, counters: Any) -> None:
+def optimizer_step(r: Recipe, counters: TrainCounters) -> None:
     """Average (several processes), unscale (full_fp16), clip, step, schedule, zero: one optimizer step."""
     with r.phases.phase("optimizer"):
         _optimizer_step(r, counters)
 
 
-def _optimizer_step(r: Recipe, counters: Any) -> None:
+def _optimizer_step(r: Recipe, counters: TrainCounters) -> None:
     import torch
 
     optimization, trainable, config = r.optimization, r.network.trainable, r.config
@@ -721,7 +735,7 @@ def _optimizer_step(r: Recipe, counters: Any) -> None:
     counters.global_step += 1
 
 
-def after_step(r: Recipe, loop: LoopState, counters: Any, progress: Any) -> None:
+def after_step(r: Recipe, loop: LoopState, counters: TrainCounters, progress: tqdm) -> None:
     """What follows an optimizer step: progress (the first step, then every ~2 s), validation, saves and samples
     when due."""
     config, step = r.config, counters.global_step
@@ -746,7 +760,7 @@ def after_step(r: Recipe, loop: LoopState, counters: Any, progress: Any) -> None
         _sample(r, f"step{step:08d}")
 
 
-def end_epoch(r: Recipe, counters: Any) -> None:
+def end_epoch(r: Recipe, counters: TrainCounters) -> None:
     """The epoch ran to its end: count it, then validation, saves and samples when due."""
     config = r.config
     counters.epoch += 1
@@ -763,7 +777,7 @@ def end_epoch(r: Recipe, counters: Any) -> None:
         _sample(r, f"e{epoch:06d}")
 
 
-def _report_progress(r: Recipe, loop: LoopState, counters: Any, progress: Any, now: float) -> None:
+def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progress: tqdm, now: float) -> None:
     """The one host sync of the loop (step losses, gradient norms: judged by the guard, which raises
     :class:`Diverged`), then the bar, the tracker and progress.json."""
     mean_loss = r.guard.report_loss()
@@ -794,7 +808,7 @@ def _sample(r: Recipe, name: str) -> None:
 
 # ---- 10. The ending: OOM, Ctrl-C, or the final LoRA and summary -----------------------------------------
 
-def finish_oom(r: Recipe, loop: LoopState, counters: Any) -> int:
+def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     """Free what the failed step held, save the state (when a step was done) and write oom.json."""
     process = r.process
     r.optimization.optimizer.zero_grad(set_to_none=True)
@@ -814,7 +828,7 @@ def finish_oom(r: Recipe, loop: LoopState, counters: Any) -> int:
     return OOM_EXIT_CODE
 
 
-def finish_diverged(r: Recipe, report: dict[str, Any], counters: Any) -> int:
+def finish_diverged(r: Recipe, report: dict[str, Any], counters: TrainCounters) -> int:
     """Nothing is saved (the newest state holds the last finite weights); diverged.json says what tripped."""
     process = r.process
     if process.paths.events_dir and process.is_main:
@@ -826,7 +840,7 @@ def finish_diverged(r: Recipe, report: dict[str, Any], counters: Any) -> int:
     return DIVERGED_EXIT_CODE
 
 
-def finish_interrupted(r: Recipe, counters: Any) -> int:
+def finish_interrupted(r: Recipe, counters: TrainCounters) -> int:
     """Save the state of the last whole step; exit 130 (SIGINT) or 143 (SIGTERM)."""
     stops = r.stops or StopSignals()
     if r.process.is_main:
@@ -837,7 +851,7 @@ def finish_interrupted(r: Recipe, counters: Any) -> int:
     return stops.exit_code
 
 
-def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
+def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     """The final LoRA (and state when asked), done.json and the summary line."""
     config, process = r.config, r.process
     process.accelerator.wait_for_everyone()
@@ -872,30 +886,19 @@ def finish_done(r: Recipe, loop: LoopState, counters: Any) -> int:
 
 # ---- helpers: small, explicit, no state of their own ------------------------------------------------
 
-def text_encoder_lr(config: Any) -> float | None:
-    """kohya allows one text_encoder_lr per encoder; the network takes one for all of them."""
-    lrs = config.text_encoder_lr
-    if not lrs:
-        return None
-    if len(set(lrs)) > 1:
-        raise UserError(f"text_encoder_lr = {list(lrs)}: one learning rate per text encoder is not supported; "
-                        "give a single value")
-    return lrs[0]
-
-
 def cache_dir(process: Process) -> Path:
     """Where disk caches of images in a folder we may not write to go (a read-only dataset): the run's output."""
     return process.paths.output_dir / ".cache"
 
 
-def _captions_fixed(datasets: list[Any]) -> bool:
+def _captions_fixed(datasets: list[TrainDataset]) -> bool:
     """True when no caption option (shuffle, dropout, warm-up) changes a processed caption between steps."""
     from sd_scripts_compat.dataset.captions import caption_is_deterministic
 
     return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
 
 
-def _family_metadata(config: Any, model: Model) -> dict[str, str]:
+def _family_metadata(config: TrainingConfig, model: Model) -> dict[str, str]:
     """Metadata the family's objective adds (FLUX.1: sd-scripts' flow-matching ss_ keys)."""
     if getattr(model.family, "objective", "") != "flow_matching":
         return {}
@@ -904,14 +907,14 @@ def _family_metadata(config: Any, model: Model) -> dict[str, str]:
     return flux_metadata(config)
 
 
-def _script(config: Any, sdxl: bool) -> str:
+def _script(config: TrainingConfig, sdxl: bool) -> str:
     """The entry point this run was started as (``kohya_args.SCRIPTS``)."""
     if getattr(config, "script", None) == "flux_train_network":
         return "flux_train_network"
     return "sdxl_train_network" if sdxl else "train_network"
 
 
-def _stated_family(config: Any, sdxl: bool) -> str | None:
+def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
     from sd_scripts_compat.models.detect import family_for_kohya_flags
 
@@ -920,7 +923,7 @@ def _stated_family(config: Any, sdxl: bool) -> str | None:
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 
-def _enable_xformers(unet: Any) -> None:
+def _enable_xformers(unet: torch.nn.Module) -> None:
     try:
         import xformers  # noqa: F401
     except ImportError:
@@ -933,7 +936,7 @@ def _enable_xformers(unet: Any) -> None:
                         "remove xformers to use torch SDPA") from None
 
 
-def _read_retry_log(path: str | None) -> list[Any]:
+def _read_retry_log(path: str | None) -> list[dict[str, Any]]:
     if not path:
         return []
     try:
