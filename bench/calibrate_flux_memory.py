@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune.estimate.flux_memory import (  # noqa: E402
-    FLUX_CALIBRATION_PATH,
-    FluxMemoryInputs,
+from autotune.estimate.dit_memory import (  # noqa: E402
+    DIT_CALIBRATION_PATH,
+    DitMemoryInputs,
     image_tokens,
-    predict_flux_memory,
+    predict_dit_memory,
 )
 
 GIB = 2**30
@@ -121,8 +121,8 @@ def fit(traces: dict[str, dict], architecture: dict, configs: list[dict] | None 
     return out
 
 
-def inputs_of(cfg: dict) -> FluxMemoryInputs:
-    return FluxMemoryInputs(resolution=cfg["resolution"], batch_size=cfg["batch_size"], rank=cfg["rank"],
+def inputs_of(cfg: dict) -> DitMemoryInputs:
+    return DitMemoryInputs(resolution=cfg["resolution"], batch_size=cfg["batch_size"], rank=cfg["rank"],
                             gradient_checkpointing=cfg["gradient_checkpointing"], optimizer=cfg["optimizer"],
                             fp8_base=cfg["fp8_base"], blocks_to_swap=cfg["blocks_to_swap"])
 
@@ -133,7 +133,7 @@ def table(traces: dict[str, dict], calibration: dict | None = None) -> list[str]
              "|---|---|---|---|---|---|---|---|---|---|"]
     for cfg in VALIDATION:
         traced = traces[_key(cfg)]["peak_bytes"]
-        model = predict_flux_memory(inputs_of(cfg), calibration).tensor_peak_bytes
+        model = predict_dit_memory(inputs_of(cfg), calibration).tensor_peak_bytes
         lines.append(f"| {cfg['resolution']} | {cfg['batch_size']} | {cfg['rank']} | "
                      f"{'on' if cfg['gradient_checkpointing'] else 'off'} | {cfg['optimizer']} | "
                      f"{'on' if cfg['fp8_base'] else 'off'} | {cfg['blocks_to_swap']} | {traced / GIB:.2f} | "
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="print the table from the shipped calibration")
     args = parser.parse_args(argv)
     if args.table:
-        calibration = json.loads(FLUX_CALIBRATION_PATH.read_text())
+        calibration = json.loads(DIT_CALIBRATION_PATH.read_text())
         print("\n".join(table({_key(t["config"]): t for t in calibration["traces"]}, calibration)))
         return 0
     from autotune.calibration.flux_memtrace import flux_architecture_facts
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds": traces[_key(cfg)]["seconds"], "used_for_fit": cfg in FIT}
                    for cfg in FIT + VALIDATION],
     }
-    old = json.loads(FLUX_CALIBRATION_PATH.read_text()) if FLUX_CALIBRATION_PATH.is_file() else {}
+    old = json.loads(DIT_CALIBRATION_PATH.read_text()) if DIT_CALIBRATION_PATH.is_file() else {}
     calibration = {**old, **calibration}  # keeps hand-kept sections (speed, host RAM) of the shipped file
     calibration["assumed"].pop("caching_transient_bytes", None)  # traced now
-    FLUX_CALIBRATION_PATH.write_text(json.dumps(calibration, indent=1, sort_keys=True) + "\n")
+    DIT_CALIBRATION_PATH.write_text(json.dumps(calibration, indent=1, sort_keys=True) + "\n")
     print("\n".join(table(traces, calibration)))
     return 0
 

@@ -50,35 +50,21 @@ DEFAULT_RESOLUTIONS = {"tiny-sd15": (256, 512), "tiny-sdxl": (256, 512), "sd15":
 
 
 def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path,
-            env_extra: dict | None = None, mixed_precision: str = "no") -> dict:
-    sdxl = "sdxl" in model
-    config = workdir / "config.toml"
-    config.write_text("\n".join([
-        f'pretrained_model_name_or_path = "builtin:{model}"',
-        f'train_data_dir = "{DATASET}"',
-        f'output_dir = "{workdir / "out"}"',
-        'output_name = "bench"',
-        f'resolution = "{resolution},{resolution}"',
-        "train_batch_size = 1",
-        f"max_train_steps = {steps + WARMUP_STEPS}",
-        "network_dim = 4",
-        "network_alpha = 4",
-        "network_train_unet_only = true",
-        "learning_rate = 1e-4",
-        'optimizer_type = "AdamW"',
-        f'mixed_precision = "{mixed_precision}"',
-        "max_data_loader_n_workers = 0",
-        f"cache_latents = {'true' if cache else 'false'}",
-        "seed = 1",
-        'caption_extension = ".txt"',
-    ]) + "\n")
-    module = "sd_scripts_compat.sdxl_train_network" if sdxl else "sd_scripts_compat.train_network"
+            env_extra: dict | None = None, mixed_precision: str = "no", extra: tuple[str, ...] = ()) -> dict:
+    """One run of our engine (``autotune bench``'s config and command line: ``launch.bench``); its step times."""
+    from autotune.launch.bench import engine_argv, measured_run_config
+    from sd_scripts_compat.models.families import get_family
+
+    config = measured_run_config(workdir / "config.toml", model=f"builtin:{model}", dataset=DATASET,
+                                 output_dir=workdir / "out", resolution=resolution, steps=steps + WARMUP_STEPS,
+                                 cache_latents=cache, mixed_precision=mixed_precision)
     events = workdir / "events"
-    command = [sys.executable, "-m", module, "--config_file", str(config), "--autotune_events_dir", str(events)]
-    subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})})
+    subprocess.run(engine_argv(get_family(model).engine_module, config, events, extra=extra), check=True,
+                   capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1",
+                                                                 **(env_extra or {})})
     done = json.loads((events / "done.json").read_text())
-    return {"step_seconds": done["step_seconds"], "peak_rss_mib": done["peak_memory"]}
+    return {"step_seconds": done["step_seconds"], "peak_rss_mib": done["peak_memory"],
+            "monitor_bytes": (events / "monitor.jsonl").stat().st_size if (events / "monitor.jsonl").exists() else 0}
 
 
 def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
@@ -175,6 +161,38 @@ def detection_cost(resolution: int, steps: int, repeats: int) -> dict:
             "paired_ratios": paired, "paired_ratio": statistics.median(paired), "runs": runs}
 
 
+def monitor_cost(resolution: int, steps: int, repeats: int, interval: float) -> dict:
+    """Our step time on tiny-sd15 (cached latents) with the background monitor sampling every ``interval`` s
+    against it off (``--autotune_monitor_seconds 0``), paired per repeat, the side going first alternating."""
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    for repeat in range(repeats):
+        order = ("on", "off") if repeat % 2 == 0 else ("off", "on")
+        for side in order:
+            seconds = interval if side == "on" else 0.0
+            with tempfile.TemporaryDirectory() as tmp:
+                run = our_run("tiny-sd15", resolution, True, steps, Path(tmp),
+                              extra=("--autotune_monitor_seconds", f"{seconds:g}"))
+            if (run["monitor_bytes"] > 0) != (side == "on"):
+                raise RuntimeError(f"the monitor {'wrote nothing' if side == 'on' else 'ran although off'}")
+            runs[side].append(run)
+    paired = [statistics.median(a["step_seconds"]) / statistics.median(b["step_seconds"])
+              for a, b in zip(runs["on"], runs["off"], strict=True)]
+    return {"resolution": resolution, "interval": interval, "on": summarize(runs["on"]),
+            "off": summarize(runs["off"]), "paired_ratios": paired, "paired_ratio": statistics.median(paired),
+            "runs": runs}
+
+
+def print_monitor(row: dict) -> None:
+    print(f"monitor overhead: tiny-sd15, {row['resolution']} px, cached latents, monitor every {row['interval']:g} s, "
+          f"{len(row['paired_ratios'])} alternating repeats per side")
+    print("| repeat | on s/step | off s/step | on / off |")
+    print("|---|---|---|---|")
+    for index, (on, off) in enumerate(zip(row["runs"]["on"], row["runs"]["off"], strict=True), 1):
+        a, b = statistics.median(on["step_seconds"]), statistics.median(off["step_seconds"])
+        print(f"| {index} | {a:.4f} | {b:.4f} | {a / b:.3f} |")
+    print(f"| median | {row['on']['median_s']:.4f} | {row['off']['median_s']:.4f} | {row['paired_ratio']:.3f} |")
+
+
 def print_detection(row: dict) -> None:
     ratio = row["with"]["median_s"] / row["without"]["median_s"]
     print(f"instability checks, tiny-sd15 {row['resolution']} px, cached latents, {len(row['paired_ratios'])} "
@@ -230,7 +248,12 @@ def main() -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--detection", action="store_true",
                         help="only our engine, with and without the instability checks (tiny-sd15, cached latents)")
-    parser.add_argument("--resolution", type=int, default=256, help="with --detection: the training resolution")
+    parser.add_argument("--monitor", action="store_true",
+                        help="only our engine, with the background monitor (monitor.jsonl) on and off (tiny-sd15, "
+                             "cached latents; --interval, --resolution, --steps, --repeats apply)")
+    parser.add_argument("--interval", type=float, default=2.0, help="with --monitor: seconds between samples")
+    parser.add_argument("--resolution", type=int, default=256,
+                        help="with --detection or --monitor: the training resolution")
     parser.add_argument("--cpu-bf16", action="store_true",
                         help="only our engine on the CPU, fp32 against bf16 autocast (default models tiny-sd15,sd15 "
                              "at 256 px; --steps / --repeats apply)")
@@ -243,6 +266,12 @@ def main() -> int:
     if args.detection:
         row = detection_cost(args.resolution, args.steps, args.repeats)
         print_detection(row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=1))
+        return 0
+    if args.monitor:
+        row = monitor_cost(args.resolution, args.steps, args.repeats, args.interval)
+        print_monitor(row)
         if args.json:
             Path(args.json).write_text(json.dumps(row, indent=1))
         return 0

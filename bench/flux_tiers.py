@@ -22,8 +22,8 @@ GIB = 2**30
 
 
 def rows(rank: int | None, gpu_name: str) -> list[str]:
-    from autotune.estimate.flux_memory import flux_inputs_for_settings
-    from autotune.estimate.flux_speed import flux_step_flops, swap_seconds
+    from autotune.estimate.dit_memory import dit_inputs_for_settings
+    from autotune.estimate.dit_speed import dit_step_flops, swap_seconds
     from autotune.hardware.gpu_catalog import lookup_gpu
     from autotune.planning.dataset import nominal_dataset
     from autotune.planning.planner import PlanRequest, Preferences, plan_training
@@ -41,8 +41,8 @@ def rows(rank: int | None, gpu_name: str) -> list[str]:
             continue
         s, p = plan.settings, plan.prediction
         t5 = "fp8" if "fp8" in str(plan.kohya_values().get("t5xxl")) else "16-bit"
-        inputs = flux_inputs_for_settings("flux-dev", s, t5_fp8=t5 == "fp8")
-        tflop = flux_step_flops(inputs)["total"] / 1e12
+        inputs = dit_inputs_for_settings("flux-dev", s, t5_fp8=t5 == "fp8")
+        tflop = dit_step_flops(inputs)["total"] / 1e12
         out.append(f"| {tier} | {PUBLISHED[tier]} | {s.blocks_to_swap} | {s.train_batch_size} | {s.network_dim} | "
                    f"{t5} | {p.peak_bytes / GIB:.2f} | {1 / p.micro_steps_per_s:.2f} | "
                    f"{swap_seconds(inputs, spec):.2f} / {1 / p.micro_steps_per_s:.2f} ({tflop:.0f} TFLOP) |")

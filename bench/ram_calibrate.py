@@ -40,18 +40,15 @@ def tiny_tensor_peak() -> int:
 
 
 def tiny_run(workers: int) -> tuple[int, int]:
-    import toml
-
     from autotune.estimate.ram_model import RamInputs, predict_ram
+    from autotune.launch.bench import engine_argv, measured_run_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = {"pretrained_model_name_or_path": "builtin:tiny-sd15",
-                  "train_data_dir": str(ROOT / "examples" / "dataset"),
-                  "output_dir": f"{tmp}/out", "output_name": "lora", "resolution": "64,64", "caption_extension": ".txt",
-                  "train_batch_size": 2, "max_train_steps": 20, "network_dim": 4, "network_alpha": 4,
-                  "learning_rate": 1e-3, "seed": 3, "max_data_loader_n_workers": workers}
-        Path(tmp, "c.toml").write_text(toml.dumps(config), encoding="utf-8")
-        measured = peak_rss([sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file", f"{tmp}/c.toml"])
+        config = measured_run_config(Path(tmp, "c.toml"), model="builtin:tiny-sd15", dataset=ROOT / "examples" /
+                                     "dataset", output_dir=Path(tmp, "out"), resolution=64, steps=20,
+                                     train_batch_size=2, learning_rate=1e-3, seed=3, cache_latents=False,
+                                     network_train_unet_only=False, max_data_loader_n_workers=workers)
+        measured = peak_rss(engine_argv("sd_scripts_compat.train_network", config, Path(tmp, "events")))
     predicted = predict_ram(RamInputs(family="tiny-sd15", resolution=64, batch_size=2, num_images=4,
                                       num_workers=workers, weight_dtype="fp32", on_gpu=False,
                                       training_tensor_bytes=tiny_tensor_peak())).peak_bytes

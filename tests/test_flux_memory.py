@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from autotune.estimate.flux_memory import (
-    FluxMemoryInputs,
-    load_flux_calibration,
-    predict_flux_memory,
+from autotune.estimate.dit_memory import (
+    DitMemoryInputs,
+    load_dit_calibration,
+    predict_dit_memory,
     transformer_bytes,
 )
-from autotune.estimate.flux_speed import flux_step_flops, predict_flux_speed, swap_seconds
+from autotune.estimate.dit_speed import dit_step_flops, predict_dit_speed, swap_seconds
 from autotune.hardware.gpu_catalog import load_catalog, lookup_gpu
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import get_family
@@ -23,14 +23,14 @@ TINY = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=6, att
             axes_dims_rope=[4, 6, 6])
 
 
-def _inputs(cfg: dict) -> FluxMemoryInputs:
-    return FluxMemoryInputs(resolution=cfg["resolution"], batch_size=cfg["batch_size"], rank=cfg["rank"],
+def _inputs(cfg: dict) -> DitMemoryInputs:
+    return DitMemoryInputs(resolution=cfg["resolution"], batch_size=cfg["batch_size"], rank=cfg["rank"],
                             gradient_checkpointing=cfg["gradient_checkpointing"], optimizer=cfg["optimizer"],
                             fp8_base=cfg["fp8_base"], blocks_to_swap=cfg["blocks_to_swap"])
 
 
 def test_model_matches_full_size_traces_the_fit_did_not_use() -> None:
-    cal = load_flux_calibration()
+    cal = load_dit_calibration()
     held_out = [t for t in cal["traces"] if not t["used_for_fit"]]
     configs = [t["config"] for t in held_out]
     assert len(held_out) >= 6
@@ -39,7 +39,7 @@ def test_model_matches_full_size_traces_the_fit_did_not_use() -> None:
     assert {c["fp8_base"] for c in configs} == {True, False}
     assert len({c["blocks_to_swap"] for c in configs}) >= 4
     for trace in held_out:
-        ratio = predict_flux_memory(_inputs(trace["config"])).tensor_peak_bytes / trace["peak_bytes"]
+        ratio = predict_dit_memory(_inputs(trace["config"])).tensor_peak_bytes / trace["peak_bytes"]
         assert 0.98 <= ratio <= 1.10, (trace["config"], ratio)
 
 
@@ -54,34 +54,34 @@ def test_swap_split_is_sd_scripts_rule() -> None:
 
 
 def test_swapped_weights_leave_the_gpu_and_land_in_host_ram() -> None:
-    arch = load_flux_calibration()["architecture"]
-    none = predict_flux_memory(FluxMemoryInputs(resolution=1024, blocks_to_swap=0))
-    some = predict_flux_memory(FluxMemoryInputs(resolution=1024, blocks_to_swap=16))
+    arch = load_dit_calibration()["architecture"]
+    none = predict_dit_memory(DitMemoryInputs(resolution=1024, blocks_to_swap=0))
+    some = predict_dit_memory(DitMemoryInputs(resolution=1024, blocks_to_swap=16))
     _, host = transformer_bytes(arch, True, get_family("flux-dev").swap_split(16))
     assert none.components["weights_transformer"] - some.components["weights_transformer"] == host
     assert some.swapped_bytes == host and some.host_ram_bytes - none.host_ram_bytes == host
     assert some.components["activations"] == none.components["activations"]
     # our engine's swapper: a swapped block in flight plus one prefetched (sd-scripts reuses storage: 0)
     assert none.components["swap_buffers"] == 0
-    double = arch["double_block"]
+    double = arch["block_groups"][0]
     assert some.components["swap_buffers"] == 2 * (2 * double["swap_elements"] - double["fp8_elements"])
     assert some.training_peak_bytes > some.tensor_peak_bytes + some.components["swap_buffers"]
 
 
 def test_fp8_t5_is_what_lets_a_small_card_cache_text_encoder_outputs() -> None:
-    bf16 = predict_flux_memory(FluxMemoryInputs(resolution=512, blocks_to_swap=35))
-    fp8 = predict_flux_memory(FluxMemoryInputs(resolution=512, blocks_to_swap=35, t5_fp8=True))
+    bf16 = predict_dit_memory(DitMemoryInputs(resolution=512, blocks_to_swap=35))
+    fp8 = predict_dit_memory(DitMemoryInputs(resolution=512, blocks_to_swap=35, t5_fp8=True))
     assert bf16.caching_peak / GIB > 10 > 8 > fp8.caching_peak / GIB
     assert bf16.peak_bytes == bf16.caching_peak and any("caching" in n for n in bf16.notes)
 
 
 def test_swap_costs_nothing_until_the_link_is_the_bottleneck() -> None:
     gpu = lookup_gpu("RTX 4090")
-    base = FluxMemoryInputs(resolution=1024, gradient_checkpointing=True)
-    assert predict_flux_speed(base, gpu).it_per_s == predict_flux_speed(base.with_(blocks_to_swap=8), gpu).it_per_s
+    base = DitMemoryInputs(resolution=1024, gradient_checkpointing=True)
+    assert predict_dit_speed(base, gpu).it_per_s == predict_dit_speed(base.with_(blocks_to_swap=8), gpu).it_per_s
     small = base.with_(resolution=256, blocks_to_swap=35)
-    assert swap_seconds(small, gpu) > flux_step_flops(small)["total"] / 165e12
-    assert predict_flux_speed(small, gpu).seconds_per_step == pytest.approx(swap_seconds(small, gpu))
+    assert swap_seconds(small, gpu) > dit_step_flops(small)["total"] / 165e12
+    assert predict_dit_speed(small, gpu).seconds_per_step == pytest.approx(swap_seconds(small, gpu))
     slow = lookup_gpu("RTX 4060 Ti 16GB")  # PCIe 4.0 x8: half a 4090's link
     assert swap_seconds(small, slow) == pytest.approx(2 * swap_seconds(small, gpu))
 
@@ -99,14 +99,14 @@ def test_flops_count_matches_torch_counter_on_a_tiny_flux() -> None:
 
     arch = flux_architecture_facts(TINY)
     arch["text_tokens"] = 8
-    cal = {**load_flux_calibration(), "architecture": arch}
+    cal = {**load_dit_calibration(), "architecture": arch}
     model = build_flux(TINY, dtype=torch.float32)
     tokens = image_tokens(128)
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
         model(hidden_states=torch.empty(1, tokens, 64), encoder_hidden_states=torch.empty(1, 8, 32),
               pooled_projections=torch.empty(1, 16), timestep=torch.ones(1), img_ids=torch.zeros(tokens, 3),
               txt_ids=torch.zeros(8, 3), guidance=torch.ones(1))
-    predicted = flux_step_flops(FluxMemoryInputs(resolution=128, batch_size=1), cal)["forward"]
+    predicted = dit_step_flops(DitMemoryInputs(resolution=128, batch_size=1), cal)["forward"]
     # the counter also sees the embedders, modulation and output Linears the model leaves out as negligible
     # at full size; on this tiny model they are a few percent
     assert 0.85 <= predicted / counter.get_total_flops() <= 1.0
@@ -146,7 +146,7 @@ def test_lora_shapes_are_kohyas_flux_keys() -> None:
     from collections import Counter
     from pathlib import Path
 
-    from autotune.estimate.flux_memory import lora_sizes
+    from autotune.estimate.dit_memory import lora_sizes
 
     keys = Path(__file__).resolve().parent / "data" / "kohya" / "keys_flux_dev.json"
     if not keys.is_file():
@@ -157,7 +157,7 @@ def test_lora_shapes_are_kohyas_flux_keys() -> None:
         if key.startswith("lora_unet_") and key.endswith(".lora_down.weight"):
             up = table[key.replace("lora_down", "lora_up")][0]
             kohya[f"{shape[1]}x{up[0]}"] += 1
-    arch = load_flux_calibration()["architecture"]
+    arch = load_dit_calibration()["architecture"]
     assert dict(kohya) == arch["lora_modules"]
     unet_params = sum(math.prod(s) for k, (s, _) in table.items() if k.startswith("lora_unet_") and "alpha" not in k)
     assert sum(n * c for n, c in lora_sizes(arch, 16)) == unet_params

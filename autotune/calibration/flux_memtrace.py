@@ -377,20 +377,23 @@ def flux_architecture_facts(config: dict[str, Any] | None = None, family: str | 
                    and name.startswith(prefixes) and "norm" not in name)
 
     cfg = model.config
+    image_double = macs(double, ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out", "ff."))
+    text_double = macs(double, ("attn.add_", "attn.to_add_out", "ff_context."))
+    both_single = macs(single, ("attn.", "proj_mlp", "proj_out"))
+    groups = [  # the transformer model's block groups (estimate.dit_memory), in the engine's swap-split order
+        {"name": "double", "count": len(model.transformer_blocks), **_block_sizes(double),
+         "macs_per_image_token": image_double, "macs_per_text_token": text_double},
+        {"name": "single", "count": len(model.single_transformer_blocks), **_block_sizes(single),
+         "macs_per_image_token": both_single, "macs_per_text_token": both_single},
+    ]
     return {
         "config": dict(config or FLUX_DEV_CONFIG),
-        "num_double_blocks": len(model.transformer_blocks), "num_single_blocks": len(model.single_transformer_blocks),
-        "double_block": _block_sizes(double), "single_block": _block_sizes(single),
+        "block_groups": groups,
         "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks, "fp8_elements": rest_linear},
         "lora_modules": dict(sorted(lora.items())),
         "text_encoders": encoders, "ae_elements": ae,
         "hidden": cfg.num_attention_heads * cfg.attention_head_dim, "text_tokens": tokens,
         "latent_downsample": get_family(family or "flux-dev").latent_downsample,
-        "macs_per_token": {
-            "double_img": macs(double, ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out", "ff.")),
-            "double_txt": macs(double, ("attn.add_", "attn.to_add_out", "ff_context.")),
-            "single": macs(single, ("attn.", "proj_mlp", "proj_out")),
-        },
     }
 
 

@@ -25,7 +25,8 @@ from autotune.measure.store import steady_seconds_per_step
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.errors import UserError
 
-__all__ = ["BenchJob", "BenchPoint", "parse_sweeps", "run_bench", "short_settings", "sweep_points"]
+__all__ = ["BenchJob", "BenchPoint", "engine_argv", "measured_run_config", "parse_sweeps", "run_bench",
+           "sweep_points"]
 MAX_POINTS = 16
 ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json's step_seconds leave these out
 # keys the bench removes from a config: a short run saves nothing on the way and logs nowhere
@@ -178,22 +179,50 @@ class BenchJob:
     preexec_fn: Callable[[], None] | None = None
 
 
+def measured_run_config(path: Path, *, model: str, dataset: Path, output_dir: Path, resolution: int, steps: int,
+                        **kohya: Any) -> Path:
+    """A short measured run's config.toml (what the bench scripts train; kohya keys in ``kohya`` win): batch 1,
+    rank 4, the UNet only, AdamW at 1e-4, fixed seed, no loader workers, cached latents, nothing saved on the
+    way. Returns ``path``."""
+    from sd_scripts_compat.config.kohya_toml import write_toml
+
+    values: dict[str, Any] = {
+        "pretrained_model_name_or_path": model, "train_data_dir": str(dataset), "output_dir": str(output_dir),
+        "output_name": "bench", "resolution": f"{resolution},{resolution}", "caption_extension": ".txt",
+        "train_batch_size": 1, "max_train_steps": steps, "network_dim": 4, "network_alpha": 4,
+        "network_train_unet_only": True, "learning_rate": 1e-4, "optimizer_type": "AdamW", "seed": 1,
+        "max_data_loader_n_workers": 0, "cache_latents": True, **kohya}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_toml(path, values, "# a measured engine run (autotune.launch.bench.measured_run_config)\n")
+    return path
+
+
+def engine_argv(module: str, config: Path, events_dir: Path, *, dataset_config: Path | None = None,
+                extra: Sequence[str] = ()) -> list[str]:
+    """The command line of one measured engine run (``python -m <module>``), its events in ``events_dir``."""
+    from sd_scripts_compat.contract import EVENTS_DIR_FLAG
+
+    argv = [sys.executable, "-m", module, "--config_file", str(config)]
+    if dataset_config is not None:
+        argv += ["--dataset_config", str(dataset_config)]
+    return [*argv, EVENTS_DIR_FLAG, str(events_dir), *extra]
+
+
 def run_point(job: BenchJob, index: int, label: str, settings: TrainSettings) -> BenchPoint:
     """One engine child process for one point; its done.json / oom.json read back."""
     from autotune.recovery.attempt import child_env, run_attempt
     from sd_scripts_compat.config.settings_space import write_dataset_config
-    from sd_scripts_compat.contract import EVENTS_DIR_FLAG, Outcome
+    from sd_scripts_compat.contract import Outcome
 
     folder = job.workdir / f"point{index:02d}"
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "config.toml"
     bench_config(job.config, config, settings, job.base, steps=job.steps + job.warmup, output_dir=folder / "out")
-    argv = [sys.executable, "-m", job.engine_module, "--config_file", str(config)]
+    dataset = None
     if job.dataset_config is not None:
         dataset = folder / "dataset.toml"
         write_dataset_config(job.dataset_config, dataset, settings, base=job.base)
-        argv += ["--dataset_config", str(dataset)]
-    argv += [EVENTS_DIR_FLAG, str(folder / "events")]
+    argv = engine_argv(job.engine_module, config, folder / "events", dataset_config=dataset)
     result = run_attempt(argv, env=child_env(job.env, job.cuda), events_dir=folder / "events",
                          log_path=folder / "train.log", stall_timeout_s=job.stall_timeout_s, echo=False,
                          preexec_fn=job.preexec_fn)

@@ -223,18 +223,18 @@ def _training(c: PlanContext) -> list[Choice]:
 
 def swap_reason(c: PlanContext) -> str:
     """Why this many blocks: the fewest that fit, where they live, and what the copies cost per step."""
-    from autotune.estimate.flux_memory import flux_inputs_for_settings, predict_flux_memory
-    from autotune.estimate.flux_speed import flux_step_flops, swap_seconds
+    from autotune.estimate.dit_memory import dit_inputs_for_settings, predict_dit_memory
+    from autotune.estimate.dit_speed import dit_step_flops, swap_seconds
 
-    inputs = flux_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.t5_fp8)
-    estimate = predict_flux_memory(inputs)
+    inputs = dit_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.t5_fp8)
+    estimate = predict_dit_memory(inputs)
     double, single = c.family.swap_split(c.settings.blocks_to_swap)
     gpus = c.request.gpus
     cost = ""
     if gpus:
         link = swap_seconds(inputs, gpus[0].spec)
         cost = (f"; copying them costs ~{link:.2f} s of host-link time per micro-step against "
-                f"{flux_step_flops(inputs)['total'] / 1e12:.0f} TFLOP of compute it overlaps")
+                f"{dit_step_flops(inputs)['total'] / 1e12:.0f} TFLOP of compute it overlaps")
     return (f"the fewest swapped blocks that fit ({double} double + {single} single): "
             f"{estimate.swapped_bytes / GIB:.1f} GiB of their weights wait in host RAM "
             f"(~{estimate.host_ram_bytes / GIB:.0f} GiB RAM in all while training){cost}")

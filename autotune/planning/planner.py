@@ -206,9 +206,9 @@ def _fp8_capable(gpu: GpuTarget, min_cc: tuple[int, int] | None) -> bool:
 
 def caching_needs_fp8_t5(family: str, usable: int) -> bool:
     """True when caching the text-encoder outputs with a 16-bit T5-XXL would not fit ``usable`` bytes."""
-    from autotune.estimate.flux_memory import FluxMemoryInputs, predict_flux_memory
+    from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
 
-    estimate = predict_flux_memory(FluxMemoryInputs(resolution=512, family=family, blocks_to_swap=0))
+    estimate = predict_dit_memory(DitMemoryInputs(resolution=512, family=family, blocks_to_swap=0))
     return estimate.caching_peak + estimate.components["safety_margin"] > usable
 
 

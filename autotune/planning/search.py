@@ -56,15 +56,15 @@ class Estimate:
 def estimate_for_settings(family: str, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
                           cpu_bf16: bool = False) -> tuple[Any, Any]:
     """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
-    (``flux_memory`` / ``flux_speed``) for the families its calibration lists, else the UNet model
+    (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
     (``cpu_bf16``: the CPU computes bf16 natively)."""
-    from autotune.estimate.flux_memory import flux_inputs_for_settings, is_flux_family, predict_flux_memory
+    from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
 
-    if is_flux_family(family):
-        from autotune.estimate.flux_speed import predict_flux_speed
+    if is_dit_family(family):
+        from autotune.estimate.dit_speed import predict_dit_speed
 
-        flux = flux_inputs_for_settings(family, s, t5_fp8=t5_fp8)
-        return predict_flux_memory(flux), lambda spec: predict_flux_speed(flux, spec, cpu_cores=cpu_cores)
+        flux = dit_inputs_for_settings(family, s, t5_fp8=t5_fp8)
+        return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
 

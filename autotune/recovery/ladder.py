@@ -177,12 +177,12 @@ def memory_predictor(family: str, *, text_encoder_outputs_cached: bool = False,
     that would hide the differences between rungs; the measured/predicted rescaling in
     :func:`next_settings` is what ties the figures to this machine.
     """
-    from autotune.estimate.flux_memory import flux_inputs_for_settings, is_flux_family, predict_flux_memory
+    from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
 
     overrides = {} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}
-    if is_flux_family(family):  # training phase: an OOM in training comes after the text-encoder caching
-        return lambda s: predict_flux_memory(flux_inputs_for_settings(family, s, **overrides)).training_total_bytes \
+    if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
+        return lambda s: predict_dit_memory(dit_inputs_for_settings(family, s, **overrides)).training_total_bytes \
             / 2**20
     family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
 

@@ -1,9 +1,13 @@
-"""Analytic peak-VRAM, host-RAM and speed model of a FLUX.1 LoRA step (the transformer-with-block-swap family).
+"""Analytic peak-VRAM, host-RAM and speed model of a LoRA step of a transformer (DiT) family with block swap.
 
-Its own module because FLUX's structure differs from a UNet's: 19 double + 38 single transformer blocks, of
-which ``blocks_to_swap`` live on the host, and text encoders (CLIP-L + T5-XXL) that run once while caching.
-Fast (no torch); calibrated by ``bench/calibrate_flux_memory.py`` from fake-tensor traces of the full-size
-transformer (``autotune.calibration.flux_memtrace``), shipped in ``autotune/data/flux_calibration.json``.
+One model for every DiT family, parameterised by data: the family's calibration entry in
+``autotune/data/dit_calibration.json`` holds its architecture as block groups (each: count, weight elements,
+fp8 and swappable elements, multiply-adds per image and per text token), the rest of the transformer, its text
+encoders and AE, the text length, and the activation fit; the swap split is the engine's
+(``FamilySpec.swap_split``, one count per block group). FLUX.1 is the first instance (19 double + 38 single
+blocks, CLIP-L + T5-XXL run once while caching): a new family adds its entry and a calibration fit, not a
+module. Fast (no torch); FLUX.1's entry is fitted by ``bench/calibrate_flux_memory.py`` from fake-tensor traces
+of the full-size transformer (``autotune.calibration.flux_memtrace``).
 
 Training-phase tensor peak = resident transformer weights + LoRA params + grads + optimizer state + activations:
 
@@ -54,32 +58,33 @@ from sd_scripts_compat.models.families import get_family
 if TYPE_CHECKING:
     from sd_scripts_compat.config.settings import TrainSettings
 
-FLUX_CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "flux_calibration.json"
+DIT_CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "dit_calibration.json"
 
 
 @cache
-def load_flux_calibration(path: str = str(FLUX_CALIBRATION_PATH)) -> dict[str, Any]:
+def load_dit_calibration(path: str = str(DIT_CALIBRATION_PATH)) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"{file}: FLUX memory calibration missing; regenerate it with bench/calibrate_flux_memory.py")
+        raise UserError(f"{file}: transformer memory calibration missing; regenerate it with "
+                        "bench/calibrate_flux_memory.py")
     return json.loads(file.read_text(encoding="utf-8"))
 
 
-def flux_family_calibration(family: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+def dit_family_calibration(family: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     """The calibration of one FLUX family: the file's top level (FLUX.1's 12 B transformer, shared by dev and
     schnell) with the family's own ``variants`` entry (architecture, activation coefficients) over it."""
-    cal = calibration or load_flux_calibration()
+    cal = calibration or load_dit_calibration()
     variant = cal.get("variants", {}).get(family)
     return {**cal, **variant} if variant else cal
 
 
-def is_flux_family(family: str) -> bool:
+def is_dit_family(family: str) -> bool:
     """True for the families this model covers (listed in the calibration file, not in code)."""
-    return family in load_flux_calibration()["families"]
+    return family in load_dit_calibration()["families"]
 
 
 @dataclass(frozen=True)
-class FluxMemoryInputs:
+class DitMemoryInputs:
     resolution: int
     batch_size: int = 1
     rank: int = 16
@@ -97,15 +102,15 @@ class FluxMemoryInputs:
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
 
-    def with_(self, **changes: Any) -> FluxMemoryInputs:
+    def with_(self, **changes: Any) -> DitMemoryInputs:
         return replace(self, **changes)
 
 
-def flux_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bool = False,
-                             **overrides: Any) -> FluxMemoryInputs:
+def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bool = False,
+                             **overrides: Any) -> DitMemoryInputs:
     """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping)."""
     width, height = settings.resolution
-    return FluxMemoryInputs(
+    return DitMemoryInputs(
         family=family, resolution=width, height=height if height != width else None,
         batch_size=settings.train_batch_size, rank=settings.network_dim,
         gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
@@ -116,7 +121,7 @@ def flux_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bo
 
 
 @dataclass(frozen=True)
-class FluxMemoryEstimate(MemoryEstimate):
+class DitMemoryEstimate(MemoryEstimate):
     """Training-phase components (summing to the training total) plus the caching phase and host RAM."""
 
     TENSOR_PARTS = ("weights_transformer", "weights_text_encoders", "weights_vae", "lora_params", "lora_grads",
@@ -144,33 +149,28 @@ class FluxMemoryEstimate(MemoryEstimate):
         return self.peak_bytes + self.components["safety_margin"]
 
 
-def _block_bytes(block: dict[str, int], fp8: bool) -> tuple[int, int]:
+def _block_bytes(block: dict[str, Any], fp8: bool) -> tuple[int, int]:
     """(all bytes, swapped .weight bytes) of one block: fp8 Linear weights take 1 byte, the rest 2."""
     total = 2 * block["elements"] - (block["fp8_elements"] if fp8 else 0)
     swapped = 2 * block["swap_elements"] - (block["fp8_elements"] if fp8 else 0)
     return total, swapped
 
 
-def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, int]) -> tuple[int, int]:
-    """(resident GPU bytes, host bytes) of the transformer's weights with ``split`` (double, single) blocks
-    swapped (``FamilySpec.swap_split``: the engine's rule)."""
-    d, s = split
-    dbl, dbl_swap = _block_bytes(arch["double_block"], fp8)
-    sgl, sgl_swap = _block_bytes(arch["single_block"], fp8)
+def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> tuple[int, int]:
+    """(resident GPU bytes, host bytes) of the transformer's weights with ``split`` blocks of each group swapped
+    (``FamilySpec.swap_split``: the engine's rule, one count per block group in the family's order)."""
     rest = arch["rest"]
-    full = (arch["num_double_blocks"] * dbl + arch["num_single_blocks"] * sgl + 2 * rest["elements"]
-            - (rest["fp8_elements"] if fp8 else 0))
-    host = d * dbl_swap + s * sgl_swap
+    full = sum(group["count"] * _block_bytes(group, fp8)[0] for group in arch["block_groups"]) \
+        + 2 * rest["elements"] - (rest["fp8_elements"] if fp8 else 0)
+    host = sum(n * _block_bytes(group, fp8)[1] for n, group in zip(split, arch["block_groups"]))
     return full - host, host
 
 
-def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, int]) -> int:
+def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> int:
     """Device copies in flight beside the resident blocks: our engine's swapper (``training/block_swap.py``)
     copies a swapped block into a fresh buffer and prefetches the next, so up to two of the largest swapped
     blocks; sd-scripts copies into the storage of the block it evicts and needs none (the traces model that)."""
-    d, s = split
-    sizes = ([_block_bytes(arch["double_block"], fp8)[1]] if d else []) + \
-        ([_block_bytes(arch["single_block"], fp8)[1]] if s else [])
+    sizes = [_block_bytes(group, fp8)[1] for n, group in zip(split, arch["block_groups"]) if n]
     return 2 * max(sizes) if sizes else 0
 
 
@@ -188,7 +188,7 @@ def encoder_bytes(arch: dict[str, Any], t5_fp8: bool) -> int:
     return 2 * te["clip_l"] + (1 if t5_fp8 else 2) * te["t5xxl"]
 
 
-def _activations(cal: dict[str, Any], i: FluxMemoryInputs) -> int:
+def _activations(cal: dict[str, Any], i: DitMemoryInputs) -> int:
     gc = "gc" if i.gradient_checkpointing else "no_gc"
     arch = cal["architecture"]
     coef = cal["activations"][gc]
@@ -201,12 +201,12 @@ def _activations(cal: dict[str, Any], i: FluxMemoryInputs) -> int:
     return int(round(act))
 
 
-def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None = None) -> FluxMemoryEstimate:
+def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | None = None) -> DitMemoryEstimate:
     """Predict both phases' peak VRAM and the host RAM of one FLUX LoRA step (see the module doc)."""
     if inputs.batch_size < 1 or inputs.rank < 1:
         raise UserError(f"FLUX memory model input {inputs}: batch_size and rank must be >= 1")
     inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
-    cal = flux_family_calibration(inputs.family, calibration)
+    cal = dit_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
     split = get_family(inputs.family).swap_split(inputs.blocks_to_swap)
     resident, host = transformer_bytes(arch, inputs.fp8_base, split)
@@ -242,12 +242,11 @@ def predict_flux_memory(inputs: FluxMemoryInputs, calibration: dict[str, Any] | 
     host_base = int(cal["host_ram_baseline_gib"] * GIB)
     parked = ae + (encoders if inputs.cache_text_encoder_outputs else 0)
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
-    return FluxMemoryEstimate(
+    return DitMemoryEstimate(
         inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
         host_ram_bytes=host + parked + host_base, host_ram_loading_bytes=loading + encoders + ae + host_base,
         swapped_bytes=host)
 
 
 def _all_elements(arch: dict[str, Any]) -> int:
-    return (arch["num_double_blocks"] * arch["double_block"]["elements"]
-            + arch["num_single_blocks"] * arch["single_block"]["elements"] + arch["rest"]["elements"])
+    return sum(group["count"] * group["elements"] for group in arch["block_groups"]) + arch["rest"]["elements"]

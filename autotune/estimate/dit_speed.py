@@ -1,6 +1,6 @@
 """Predicted FLUX.1 LoRA speed: FLOPs per step from the architecture, and what block swap costs on the host link.
 
-FLOPs are counted analytically from ``flux_calibration.json``'s architecture (exact Linear sizes, no tracing):
+FLOPs are counted analytically from ``dit_calibration.json``'s architecture (exact Linear sizes, no tracing):
 per sample, every double block's image-stream Linears run over the image tokens and its text-stream Linears over
 the 512 T5 tokens, every single block's Linears over both; joint attention costs 4 * tokens^2 * hidden per block
 (QK^T and PV). The modulation Linears run once per sample (negligible). Backward of frozen weights needs only
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimate.flux_memory import FluxMemoryInputs, flux_family_calibration, transformer_bytes
+from autotune.estimate.dit_memory import DitMemoryInputs, dit_family_calibration, transformer_bytes
 from autotune.estimate.speed_model import (
     CPU_BF16_SLOWDOWN,
     CPU_GFLOPS_PER_CORE,
@@ -32,16 +32,16 @@ from autotune.estimate.speed_model import (
 from sd_scripts_compat.models.families import get_family
 
 
-def flux_step_flops(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None = None) -> dict[str, float]:
+def dit_step_flops(inputs: DitMemoryInputs, calibration: dict[str, Any] | None = None) -> dict[str, float]:
     """FLOPs of one micro-step (whole batch): forward, backward (incl. the checkpointing recompute)."""
-    cal = flux_family_calibration(inputs.family, calibration)
+    cal = dit_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
     img = get_family(inputs.family).image_tokens(inputs.resolution, inputs.height)
     txt = arch["text_tokens"]
-    macs = arch["macs_per_token"]
-    linear = 2.0 * (arch["num_double_blocks"] * (img * macs["double_img"] + txt * macs["double_txt"])
-                    + arch["num_single_blocks"] * (img + txt) * macs["single"])
-    blocks = arch["num_double_blocks"] + arch["num_single_blocks"]
+    groups = arch["block_groups"]
+    linear = 2.0 * sum(g["count"] * (img * g["macs_per_image_token"] + txt * g["macs_per_text_token"])
+                       for g in groups)
+    blocks = sum(g["count"] for g in groups)
     attention = 4.0 * blocks * (img + txt) ** 2 * arch["hidden"]
     forward = inputs.batch_size * (linear + attention)
     backward = inputs.batch_size * (linear + cal["speed"]["attention_backward_factor"] * attention)
@@ -50,9 +50,9 @@ def flux_step_flops(inputs: FluxMemoryInputs, calibration: dict[str, Any] | None
     return {"forward": forward, "backward": backward, "total": forward + backward}
 
 
-def swap_seconds(inputs: FluxMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+def swap_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that the swapped weights spend on the host link (0 without swap)."""
-    cal = flux_family_calibration(inputs.family, calibration)
+    cal = dit_family_calibration(inputs.family, calibration)
     if not inputs.blocks_to_swap:
         return 0.0
     split = get_family(inputs.family).swap_split(inputs.blocks_to_swap)
@@ -61,12 +61,12 @@ def swap_seconds(inputs: FluxMemoryInputs, gpu: Any, calibration: dict[str, Any]
     return 4.0 * host / (link * 1e9 * cal["speed"]["link_efficiency"])
 
 
-def predict_flux_speed(inputs: FluxMemoryInputs, gpu: Any = None, *, steps: int = 1,
+def predict_dit_speed(inputs: DitMemoryInputs, gpu: Any = None, *, steps: int = 1,
                        gradient_accumulation_steps: int = 1, cpu_cores: int | None = None,
                        calibration: dict[str, Any] | None = None) -> SpeedEstimate:
     """Seconds per optimizer step: max(compute, swap transfer) per micro-step, times the accumulation."""
-    cal = flux_family_calibration(inputs.family, calibration)
-    flops = flux_step_flops(inputs, cal)["total"]
+    cal = dit_family_calibration(inputs.family, calibration)
+    flops = dit_step_flops(inputs, cal)["total"]
     if gpu is not None:
         rate = card_rate_tflops(gpu, "bf16" if getattr(gpu, "bf16", True) else "fp16")
         tflop = flops / 1e12  # the UNet model's launch/optimizer overhead term: small steps run below the cap
