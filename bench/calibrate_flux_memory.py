@@ -1,4 +1,5 @@
-"""Calibrate the FLUX.1 memory model from fake-tensor traces of the full-size transformer; print traces vs model.
+"""Calibrate the transformer (DiT) memory model's FLUX.1 entry from fake-tensor traces of the full-size
+transformer (``autotune.calibration.dit_memtrace``: the engine's modules and LoRA network); print traces vs model.
 
     python bench/calibrate_flux_memory.py            # trace (cached in --traces), fit, write the calibration
     python bench/calibrate_flux_memory.py --table    # only the table, from the stored traces
@@ -26,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 from autotune.estimate.dit_memory import (  # noqa: E402
     DIT_CALIBRATION_PATH,
     DitMemoryInputs,
-    image_tokens,
     predict_dit_memory,
 )
+from sd_scripts_compat.models.families import get_family  # noqa: E402
 
 GIB = 2**30
 FIT = [dict(resolution=r, batch_size=1, rank=k, gradient_checkpointing=gc, optimizer="AdamW8bit", fp8_base=False,
@@ -61,13 +62,13 @@ def _key(cfg: dict) -> str:
 
 def collect(traces_path: Path, configs: list[dict]) -> dict[str, dict]:
     """Trace every config not already in the traces file (saved after each, so an interrupted run resumes)."""
-    from autotune.calibration.flux_memtrace import trace_flux_step
+    from autotune.calibration.dit_memtrace import trace_dit_step
 
     stored = json.loads(traces_path.read_text()) if traces_path.is_file() else {}
     for cfg in configs:
         if _key(cfg) in stored:
             continue
-        result = trace_flux_step(**cfg).to_dict()
+        result = trace_dit_step(**cfg).to_dict()
         stored[_key(cfg)] = result
         traces_path.write_text(json.dumps(stored, indent=1, sort_keys=True))
         print(f"traced {cfg}: {result['peak_bytes'] / GIB:.2f} GiB in {result['seconds']} s", flush=True)
@@ -84,10 +85,10 @@ TINY_FIT += [dict(resolution=256, batch_size=1, rank=4, gradient_checkpointing=g
 def tiny_variant() -> dict:
     """tiny-flux's own entry (the engine's tiny test twin: demos, CPU tests): its architecture and coefficients,
     traced on the engine's own model and LoRA network (a second or two in all)."""
-    from autotune.calibration.flux_memtrace import flux_architecture_facts, trace_flux_step
+    from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_dit_step
 
-    architecture = flux_architecture_facts(family=TINY)
-    traces = {_key(cfg): trace_flux_step(**cfg, family=TINY, text_tokens=architecture["text_tokens"]).to_dict()
+    architecture = dit_architecture_facts(TINY)
+    traces = {_key(cfg): trace_dit_step(TINY, **cfg, text_tokens=architecture["text_tokens"]).to_dict()
               for cfg in TINY_FIT}
     return {"architecture": architecture, **fit(traces, architecture, TINY_FIT)}
 
@@ -109,7 +110,7 @@ def fit(traces: dict[str, dict], architecture: dict, configs: list[dict] | None 
             if cfg["gradient_checkpointing"] != gc or cfg["fp8_base"]:
                 continue
             t = traces[_key(cfg)]
-            tokens = cfg["batch_size"] * (image_tokens(cfg["resolution"]) + text)
+            tokens = cfg["batch_size"] * (get_family("flux-dev").image_tokens(cfg["resolution"]) + text)
             rows.append([1.0, cfg["rank"], tokens, tokens * cfg["rank"]])
             rhs.append(t["activations_peak_bytes"])
         c0, c1, a, b = _solve(rows, rhs)
@@ -150,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         calibration = json.loads(DIT_CALIBRATION_PATH.read_text())
         print("\n".join(table({_key(t["config"]): t for t in calibration["traces"]}, calibration)))
         return 0
-    from autotune.calibration.flux_memtrace import flux_architecture_facts
+    from autotune.calibration.dit_memtrace import dit_architecture_facts
 
     traces = collect(args.traces, FIT + VALIDATION)
-    architecture = flux_architecture_facts()
+    architecture = dit_architecture_facts()
     import torch
 
-    from autotune.calibration.flux_memtrace import trace_text_encoder_caching
+    from autotune.calibration.dit_memtrace import trace_text_encoder_caching
 
     caching = trace_text_encoder_caching()
     calibration = {

@@ -4,8 +4,8 @@ For each emulated card (``torch.cuda.set_per_process_memory_fraction`` to the ti
 plans FLUX.1-dev with ``autotune.planning.planner`` (the card's own rates, the tier's memory), builds the
 full-size transformer from its config with random weights (nothing downloaded: 12 B parameters, filled on the
 host in ~1 min), stores the Linear weights in fp8 when the plan says ``fp8_base``, swaps the planned
-``blocks_to_swap`` with the engine's swapper (``sd_scripts_compat.training.block_swap``), applies a LoRA of
-kohya's shapes (``autotune.calibration.flux_memtrace.apply_flux_lora``) and runs warm-up + timed micro-steps
+``blocks_to_swap`` with the engine's swapper (``sd_scripts_compat.training.block_swap``), applies the engine's
+own kohya LoRA network (``autotune.calibration.dit_memtrace.engine_lora``) and runs warm-up + timed micro-steps
 at the planned batch, resolution, checkpointing and optimizer on random cached latents / T5 / CLIP outputs.
 Each case writes ``flux-dev_<tier>gb.json`` (measured ``max_memory_reserved`` / ``max_memory_allocated`` and
 it/s against the predictions, or the OOM). ``--dry-run`` (any machine) only plans and prints what it would
@@ -45,19 +45,16 @@ def planned_row(plan: Any, tier: float) -> dict[str, Any]:
 
 
 def _random_flux(torch: Any, fp8: bool) -> Any:
-    """The full-size transformer with random weights, on the host (meta -> empty -> N(0, 0.02))."""
-    from autotune.calibration.flux_memtrace import build_flux
+    """The engine's full-size FLUX.1 modules, the transformer with random weights on the host (N(0, 0.02))."""
+    from autotune.calibration.dit_memtrace import build_bundle
+    from sd_scripts_compat.models.families import get_family
 
-    model = build_flux(dtype=torch.bfloat16).to_empty(device="cpu")
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_floating_point():
-                tensor.normal_(0.0, 0.02)
+    bundle = build_bundle(get_family("flux-dev"), materialize=True)
     if fp8:
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
-        store_frozen_weights_in_fp8(model, torch.bfloat16)
-    return model
+        store_frozen_weights_in_fp8(bundle.unet, torch.bfloat16)
+    return bundle
 
 
 def _optimizer(torch: Any, name: str, params: list[Any]) -> Any:
@@ -74,25 +71,30 @@ def _optimizer(torch: Any, name: str, params: list[Any]) -> Any:
 
 def run_flux_case(torch: Any, plan: Any, tier: float, steps: int, warmup: int) -> dict[str, Any]:
     """Train at the plan's settings on the emulated card; measured peak memory and micro-steps/s."""
-    from autotune.calibration.flux_memtrace import T5_TOKENS, apply_flux_lora, image_tokens
+    from autotune.calibration.dit_memtrace import engine_lora
+    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
+
+    flux = get_family("flux-dev")
+    t5_tokens = flux.t5xxl_max_token_length or 512
 
     s = plan.settings
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, tier * GIB / total))
-    model = _random_flux(torch, s.fp8_base)
-    swap = enable_flux_block_swap(model, s.blocks_to_swap, "cuda")
+    bundle = _random_flux(torch, s.fp8_base)
+    model = bundle.unet
+    swap = enable_flux_block_swap(model, s.blocks_to_swap, "cuda", family=flux)
     place_except_swapped(model, swap, "cuda", torch.bfloat16)
-    loras = apply_flux_lora(model, s.network_dim, float(s.network_alpha), device="cuda")
-    params = [p for lora in loras for m in lora.modules() for p in m.parameters()]
+    network = engine_lora(bundle, s.network_dim, float(s.network_alpha)).to("cuda")
+    params = list(network.parameters())
     if s.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
     opt = _optimizer(torch, s.optimizer_type, params)
-    batch, tokens = s.train_batch_size, image_tokens(s.resolution[0])
+    batch, tokens = s.train_batch_size, flux.image_tokens(s.resolution[0])
     side = s.resolution[0] // 16
     ids = torch.zeros(side * side, 3, device="cuda")
-    txt_ids = torch.zeros(T5_TOKENS, 3, device="cuda")
+    txt_ids = torch.zeros(t5_tokens, 3, device="cuda")
     torch.cuda.reset_peak_memory_stats()
     times, oom = [], None
     try:
@@ -102,7 +104,7 @@ def run_flux_case(torch: Any, plan: Any, tier: float, steps: int, warmup: int) -
             latents = torch.randn(batch, tokens, 64, device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 pred = model(hidden_states=latents.bfloat16(), timestep=torch.rand(batch, device="cuda"),
-                             encoder_hidden_states=torch.randn(batch, T5_TOKENS, 4096, device="cuda").bfloat16(),
+                             encoder_hidden_states=torch.randn(batch, t5_tokens, 4096, device="cuda").bfloat16(),
                              pooled_projections=torch.randn(batch, 768, device="cuda").bfloat16(), img_ids=ids,
                              txt_ids=txt_ids, guidance=torch.ones(batch, device="cuda"), return_dict=False)[0]
             pred.float().pow(2).mean().backward()
@@ -118,7 +120,7 @@ def run_flux_case(torch: Any, plan: Any, tier: float, steps: int, warmup: int) -
                 "measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                 "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
                 "measured_it_per_s": (len(times) / sum(times)) if times else None}
-    del model, opt, loras, params, swap
+    del model, bundle, opt, network, params, swap
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1.0)
     return measured

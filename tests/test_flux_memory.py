@@ -95,13 +95,13 @@ def test_flops_count_matches_torch_counter_on_a_tiny_flux() -> None:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from autotune.calibration.flux_memtrace import build_flux, flux_architecture_facts, image_tokens
+    from autotune.calibration.dit_memtrace import build_bundle, dit_architecture_facts, trace_family
 
-    arch = flux_architecture_facts(TINY)
+    arch = dit_architecture_facts(config=TINY)
     arch["text_tokens"] = 8
     cal = {**load_dit_calibration(), "architecture": arch}
-    model = build_flux(TINY, dtype=torch.float32)
-    tokens = image_tokens(128)
+    model = build_bundle(trace_family(config=TINY), dtype=torch.float32).unet
+    tokens = get_family("flux-dev").image_tokens(128)
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
         model(hidden_states=torch.empty(1, tokens, 64), encoder_hidden_states=torch.empty(1, 8, 32),
               pooled_projections=torch.empty(1, 16), timestep=torch.ones(1), img_ids=torch.zeros(tokens, 3),
@@ -114,28 +114,27 @@ def test_flops_count_matches_torch_counter_on_a_tiny_flux() -> None:
 
 def test_tiny_trace_drops_exactly_the_swapped_weights() -> None:
     """A real fake-tensor trace: swapping moves only the swapped blocks' .weight storages off the GPU."""
-    from autotune.calibration import flux_memtrace
-    from autotune.calibration.flux_memtrace import flux_architecture_facts, trace_flux_step
+    from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_dit_step
 
-    arch = flux_architecture_facts(TINY)
+    arch = dit_architecture_facts(config=TINY)
     results = {}
     for swap in (0, 4):
-        results[swap] = trace_flux_step(resolution=128, rank=4, blocks_to_swap=swap, fp8_base=True,
-                                        optimizer="AdamW", config=TINY, text_tokens=8)
+        results[swap] = trace_dit_step(resolution=128, rank=4, blocks_to_swap=swap, fp8_base=True,
+                                       optimizer="AdamW", config=TINY, text_tokens=8)
     _, host = transformer_bytes(arch, True, get_family("flux-dev").swap_split(4))
     assert results[4].swapped_weight_bytes == host > 0
     assert results[0].peak_bytes - results[4].peak_bytes == host
     assert results[0].activations_peak_bytes == results[4].activations_peak_bytes
-    assert flux_memtrace.T5_TOKENS == 512  # the keyword did not change the module's constant
+    assert get_family("flux-dev").t5xxl_max_token_length == 512  # the keyword did not change the family's
 
 
 def test_fake_trace_matches_a_real_cpu_step_on_a_tiny_flux() -> None:
     """The tracer's fake-tensor figure against the same step on real CPU tensors (random weights)."""
-    from autotune.calibration.flux_memtrace import trace_flux_step
+    from autotune.calibration.dit_memtrace import trace_dit_step
 
     kwargs = dict(resolution=128, rank=4, blocks_to_swap=2, fp8_base=False, optimizer="AdamW", config=TINY,
                   text_tokens=8)
-    fake, real = trace_flux_step(**kwargs), trace_flux_step(**kwargs, fake=False)
+    fake, real = trace_dit_step(**kwargs), trace_dit_step(**kwargs, fake=False)
     assert real.weights_bytes == fake.weights_bytes and real.lora_params == fake.lora_params
     assert abs(real.peak_bytes - fake.peak_bytes) <= 0.02 * fake.peak_bytes
 
@@ -163,17 +162,15 @@ def test_lora_shapes_are_kohyas_flux_keys() -> None:
     assert sum(n * c for n, c in lora_sizes(arch, 16)) == unet_params
 
 
-def test_tracer_lora_equals_the_engines_fused_flux_network_in_memory() -> None:
-    """The tracer's FusedLoRA and the engine's kohya FLUX network (sd_scripts_compat.network.lora) on the same
-    tiny-flux model: the same LoRA parameters and weights, the same peak within 1 % (the engine keeps each part's
-    up-projection separate, a few KiB here; at full size the two peaks were measured equal to the byte)."""
-    from autotune.calibration.flux_memtrace import trace_flux_step
-    from sd_scripts_compat.models.families import get_family
+def test_the_tracer_traces_the_engines_own_lora_network_and_the_facts_count_it() -> None:
+    """The tracer applies the engine's kohya FLUX network (``network.lora``: fused qkv / linear1 as one module);
+    its traced parameters are exactly what the architecture facts (and so the memory model) count."""
+    from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_dit_step
+    from autotune.estimate.dit_memory import lora_sizes
 
-    config = {k: v for k, v in get_family("tiny-flux").unet.items() if not k.startswith("_")}
-    # tiny-flux has 2 + 2 blocks: sd-scripts' rule keeps two of each resident, so no swap here
-    kwargs = dict(resolution=128, rank=4, blocks_to_swap=0, fp8_base=True, optimizer="AdamW", text_tokens=8)
-    ours = trace_flux_step(config=config, **kwargs)
-    engine = trace_flux_step(family="tiny-flux", **kwargs)
-    assert engine.lora_params == ours.lora_params and engine.weights_bytes == ours.weights_bytes
-    assert abs(engine.peak_bytes - ours.peak_bytes) <= 0.01 * ours.peak_bytes
+    arch = dit_architecture_facts("tiny-flux")
+    traced = trace_dit_step("tiny-flux", resolution=128, rank=4, blocks_to_swap=2, fp8_base=True,
+                            optimizer="AdamW", text_tokens=8)
+    assert traced.lora_params == sum(n * c for n, c in lora_sizes(arch, 4)) > 0
+    assert traced.lora_param_bytes == 4 * traced.lora_params  # fp32, as kohya trains it
+    assert sum(arch["lora_modules"].values()) == 2 * 10 + 2 * 3  # per double block 10 modules, per single 3

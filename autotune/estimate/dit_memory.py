@@ -7,7 +7,7 @@ encoders and AE, the text length, and the activation fit; the swap split is the 
 (``FamilySpec.swap_split``, one count per block group). FLUX.1 is the first instance (19 double + 38 single
 blocks, CLIP-L + T5-XXL run once while caching): a new family adds its entry and a calibration fit, not a
 module. Fast (no torch); FLUX.1's entry is fitted by ``bench/calibrate_flux_memory.py`` from fake-tensor traces
-of the full-size transformer (``autotune.calibration.flux_memtrace``).
+of the full-size transformer (``autotune.calibration.dit_memtrace``, generic over DiT families).
 
 Training-phase tensor peak = resident transformer weights + LoRA params + grads + optimizer state + activations:
 

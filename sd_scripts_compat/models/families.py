@@ -73,6 +73,9 @@ class FamilySpec:
     builtin_meta_only: bool = False  # builtin:<name> only on the meta device (too large for random weights)
     network_module: str = "networks.lora"  # kohya's --network_module for this family (FLUX: networks.lora_flux)
     swap_resident_blocks: int = 0  # blocks of each swappable list that stay on the device (sd-scripts FLUX: 2)
+    # a transformer's block lists in blocks_to_swap's order: the module list's name, and which Linears (name
+    # prefixes inside a block) process image tokens and which text tokens (FLUX's double blocks: one stream each)
+    transformer_block_groups: tuple[dict[str, Any], ...] = ()
 
     @property
     def denoiser_class(self) -> str:
@@ -180,6 +183,7 @@ def get_family(name: str) -> FamilySpec:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(family_names())}")
     raw = json.loads(path.read_text(encoding="utf-8"))
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])
+    raw["transformer_block_groups"] = tuple(raw.get("transformer_block_groups", ()))
     return FamilySpec(**raw)
 
 

@@ -1,0 +1,314 @@
+"""Peak tensor memory of one LoRA training step of a transformer (DiT) family, on fake CPU tensors.
+
+Same method as ``autotune.calibration.memtrace`` (build on the meta device, swap parameters for empty fake
+CPU tensors, count live storages per dispatched op with its ``LiveBytesCounter``), for any family the engine
+builds, parameterised by the family's data:
+
+- The transformer is the engine's own (``models.build.build_modules`` from the family JSON; a test may give
+  another denoiser config) with the engine's own kohya LoRA network (``network.lora.create_network``: FLUX's
+  304 modules, fused ``img_attn_qkv`` / ``linear1`` as kohya's), fp32 as kohya trains it.
+- Block swap follows the family's rule (``FamilySpec.swap_split`` over its ``transformer_block_groups``): the
+  last blocks of each group; only their ``.weight`` tensors live on the host (biases and other parameters stay
+  on the GPU) and a block swapped in takes the GPU storage of the block swapped out (sd-scripts'
+  ``swap_weight_devices_cuda`` copies into it), so the counter ignores the swapped weights' storages.
+- The step feeds the denoiser what its training script feeds it with cached latents and text-encoder outputs:
+  one function per denoiser class (:data:`FORWARDS`; FLUX.1's packed tokens, T5 and CLIP outputs, ids,
+  guidance), the only part a new architecture adds besides its family data.
+
+Text encoders and the AE are not traced in the step (plans cache their outputs); their sizes come from the
+engine's modules (:func:`dit_architecture_facts`), the caching phase from :func:`trace_text_encoder_caching`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from autotune.calibration.memtrace import (
+    LiveBytesCounter,
+    _storage_bytes,
+    fakeify,
+    steady_state_optimizer,
+)
+from sd_scripts_compat.models.families import FamilySpec, get_family, model_config, swap_split
+
+DEFAULT_FAMILY = "flux-dev"
+
+
+def trace_family(family: str | FamilySpec = DEFAULT_FAMILY, config: dict[str, Any] | None = None) -> FamilySpec:
+    """The family to trace; ``config`` replaces its denoiser's config (tests trace tiny variants)."""
+    spec = get_family(family) if isinstance(family, str) else family
+    if config is None:
+        return spec
+    return replace(spec, unet={"_class_name": spec.unet["_class_name"], **config})
+
+
+def build_bundle(spec: FamilySpec, *, materialize: bool = False, dtype: Any = None) -> Any:
+    """The engine's modules of ``spec`` on the meta device, the denoiser frozen in ``dtype`` (bf16); with
+    ``materialize`` the denoiser gets real random weights on the host (N(0, 0.02)), the rest stays meta."""
+    import torch
+
+    from sd_scripts_compat.models.build import build_modules
+
+    bundle = build_modules(spec, device="meta", seed=None)
+    bundle.unet.requires_grad_(False)
+    bundle.unet.to(dtype or torch.bfloat16)
+    if materialize:
+        bundle.unet = bundle.unet.to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in [*bundle.unet.parameters(), *bundle.unet.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
+    return bundle
+
+
+def engine_lora(bundle: Any, rank: int, alpha: float | None = None) -> Any:
+    """The engine's kohya LoRA network on the bundle's denoiser (where its weights are), applied, in fp32."""
+    import torch
+
+    from sd_scripts_compat.network.lora import create_network
+
+    network = create_network(bundle, network_dim=rank, network_alpha=float(alpha if alpha is not None else rank),
+                             train_unet=True, train_text_encoder=False)
+    network.apply_to()
+    network.to(torch.float32)
+    return network
+
+
+def block_lists(model: Any, spec: FamilySpec) -> list[list[Any]]:
+    """The denoiser's block lists in the family's swap order (``transformer_block_groups``)."""
+    return [list(getattr(model, group["modules"])) for group in spec.transformer_block_groups]
+
+
+def swapped_weights(model: Any, spec: FamilySpec, blocks_to_swap: int) -> list[Any]:
+    """The ``.weight`` tensors sd-scripts keeps on the host: of the last blocks of each group the split names."""
+    import torch
+
+    lists = block_lists(model, spec)
+    split = swap_split(blocks_to_swap, *(len(blocks) for blocks in lists))
+    out = []
+    for count, blocks in zip(split, lists):
+        for block in blocks[len(blocks) - count:] if count else []:
+            out += [m.weight for m in block.modules() if isinstance(getattr(m, "weight", None), torch.Tensor)]
+    return out
+
+
+@dataclass(frozen=True)
+class DitTraceResult:
+    """Peak live tensor bytes of one transformer LoRA step and its split (as ``memtrace.TraceResult``)."""
+
+    resolution: int
+    batch_size: int
+    rank: int
+    gradient_checkpointing: bool
+    optimizer: str
+    fp8_base: bool
+    blocks_to_swap: int
+    peak_bytes: int
+    weights_bytes: int  # resident frozen weights (swapped block weights excluded)
+    swapped_weight_bytes: int  # on the host
+    lora_param_bytes: int
+    lora_grad_bytes: int
+    optimizer_state_bytes: int
+    activations_peak_bytes: int
+    lora_params: int
+    peak_phase: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _SwapAwareCounter(LiveBytesCounter):
+    """Counts nothing for storages that live on the host (the swapped blocks' weights)."""
+
+    def __init__(self, host: set[int]) -> None:
+        super().__init__()
+        self.host = host
+
+    def _track(self, tensor: Any) -> None:
+        import torch
+
+        if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided \
+                and tensor.untyped_storage()._cdata in self.host:
+            return
+        super()._track(tensor)
+
+
+def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int, batch_size: int = 1,
+                   rank: int = 16, gradient_checkpointing: bool = True, optimizer: str = "AdamW8bit",
+                   fp8_base: bool = False, blocks_to_swap: int = 0, config: dict[str, Any] | None = None,
+                   text_tokens: int | None = None, fake: bool = True) -> DitTraceResult:
+    """One LoRA step of ``family`` (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
+
+    ``config``: another denoiser config (tests use a tiny one); ``text_tokens``: the text length (default: the
+    family's T5 length); ``fake=False``: the same step on real CPU tensors with random weights (tiny configs: how
+    the tests check the fake figure against a real run)."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    spec = trace_family(family, config)
+    bundle = build_bundle(spec, materialize=not fake)
+    model = bundle.unet
+    if fp8_base:
+        from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+
+        store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
+    network = engine_lora(bundle, rank)
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+        model.train()
+    fake_mode: Any = FakeTensorMode() if fake else contextlib.nullcontext()
+    if fake:
+        fakeify([model, network], fake_mode)
+    host = swapped_weights(model, spec, blocks_to_swap)
+    host_ids = {t.untyped_storage()._cdata for t in host}
+    lora_params = list(network.parameters())
+    frozen = [t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage()._cdata not in host_ids]
+    weights_bytes, swapped_bytes = _storage_bytes(frozen), _storage_bytes(host)
+    counter = _SwapAwareCounter(host_ids)
+    with fake_mode:
+        opt, _, state = steady_state_optimizer(optimizer, lora_params)
+        state_bytes = _storage_bytes(state)
+        counter.register([*frozen, *lora_params, *state])
+        counter.reset_peak()
+        with counter.mode():
+            FORWARDS[spec.denoiser_class](model, counter, batch_size, resolution,
+                                          text_tokens or spec.t5xxl_max_token_length or 512)
+            grad_bytes = _storage_bytes([p.grad for p in lora_params if p.grad is not None])
+            counter.phase = "optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    persistent = weights_bytes + _storage_bytes(lora_params) + grad_bytes + state_bytes
+    return DitTraceResult(
+        resolution=resolution, batch_size=batch_size, rank=rank, gradient_checkpointing=gradient_checkpointing,
+        optimizer=optimizer, fp8_base=fp8_base, blocks_to_swap=blocks_to_swap, peak_bytes=counter.peak,
+        weights_bytes=weights_bytes, swapped_weight_bytes=swapped_bytes, lora_param_bytes=_storage_bytes(lora_params),
+        lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
+        activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
+        peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2))
+
+
+def _flux_forward_backward(model: Any, counter: LiveBytesCounter, batch_size: int, resolution: int,
+                           text_tokens: int) -> None:
+    """Flow-matching step on packed latents with cached T5 / CLIP outputs (what flux_train_network feeds)."""
+    import torch
+
+    flux = get_family("flux-dev")
+    tokens, side = flux.image_tokens(resolution), resolution // flux.bucket_step
+    cfg = model.config
+    counter.phase = "inputs"
+    latents = torch.empty(batch_size, tokens, cfg.in_channels, dtype=torch.float32)
+    t5 = torch.empty(batch_size, text_tokens, cfg.joint_attention_dim, dtype=torch.bfloat16)
+    pooled = torch.empty(batch_size, cfg.pooled_projection_dim, dtype=torch.bfloat16)
+    img_ids = torch.zeros(side * side, 3)
+    txt_ids = torch.zeros(text_tokens, 3)
+    counter.phase = "forward"
+    noise = torch.randn_like(latents)
+    sigma = torch.rand(batch_size, 1, 1)
+    noisy = (1 - sigma) * latents + sigma * noise
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pred = model(hidden_states=noisy.to(torch.bfloat16), encoder_hidden_states=t5, pooled_projections=pooled,
+                     timestep=sigma.flatten(), img_ids=img_ids, txt_ids=txt_ids,
+                     guidance=torch.full((batch_size,), 3.5), return_dict=False)[0]
+    loss = torch.nn.functional.mse_loss(pred.float(), (noise - latents).float())
+    del pred, noisy, noise, latents, t5, pooled
+    counter.phase = "backward"
+    loss.backward()
+    del loss
+
+
+def _block_sizes(block: Any) -> dict[str, int]:
+    """Elements of one block: all, ``.weight`` tensors (what a swap moves), Linear weights (fp8 under fp8_base)."""
+    import torch
+
+    return {
+        "elements": sum(p.numel() for p in block.parameters()),
+        "swap_elements": sum(m.weight.numel() for m in block.modules()
+                             if isinstance(getattr(m, "weight", None), torch.Tensor)),
+        "fp8_elements": sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear)),
+    }
+
+
+def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
+                           config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Exact counts the transformer memory and speed model (``estimate.dit_memory``) needs, read off the engine's
+    meta-device modules of ``family``: per block group its count, sizes and multiply-adds per image and per text
+    token, the rest of the transformer, the engine's LoRA module shapes (in x out, with counts), the text
+    encoders and the AE by size."""
+    from collections import Counter
+
+    import torch
+
+    spec = trace_family(family, config)
+    bundle = build_bundle(spec)
+    model = bundle.unet
+    lists = block_lists(model, spec)
+    in_blocks = sum(p.numel() for blocks in lists for block in blocks for p in block.parameters())
+    all_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    rest_linear = all_linear - sum(len(blocks) * _block_sizes(blocks[0])["fp8_elements"] for blocks in lists)
+    network = engine_lora(bundle, rank=1)
+    lora: Counter[str] = Counter(f"{m.lora_down.in_features}x{m.lora_up.out_features}" for m in network.unet_loras)
+
+    def macs(block: Any, prefixes: list[str]) -> int:
+        return sum(m.weight.numel() for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)
+                   and name.startswith(tuple(prefixes)) and "norm" not in name)
+
+    groups = [{"name": group["name"], "count": len(blocks), **_block_sizes(blocks[0]),
+               "macs_per_image_token": macs(blocks[0], group["image_linears"]),
+               "macs_per_text_token": macs(blocks[0], group["text_linears"])}
+              for group, blocks in zip(spec.transformer_block_groups, lists)]
+    cfg = model.config
+    return {
+        "config": model_config(spec.unet),
+        "block_groups": groups,
+        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks, "fp8_elements": rest_linear},
+        "lora_modules": dict(sorted(lora.items())),
+        "text_encoders": {te.file_option or te.lora_prefix: sum(p.numel() for p in encoder.parameters())
+                          for te, encoder in zip(spec.text_encoders, bundle.text_encoders)},
+        "ae_elements": sum(p.numel() for p in bundle.vae.parameters()),
+        "hidden": cfg.num_attention_heads * cfg.attention_head_dim,
+        "text_tokens": int(spec.t5xxl_max_token_length or 512),
+        "latent_downsample": spec.latent_downsample,
+    }
+
+
+def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY,
+                               tokens: int | None = None) -> dict[str, int]:
+    """Peak live bytes of caching one caption: the family's text encoders (FLUX.1: CLIP-L and T5-XXL) under
+    no_grad on fake tensors, built from the family's configs with transformers' defaults (what sd-scripts runs;
+    the engine's own modules choose another attention kernel and would understate sd-scripts' transient).
+
+    Returns the weights and the transient above them (hidden states, T5's fp32 attention scores), the figure
+    the transformer model adds to the encoders' weights for the caching phase."""
+    import torch
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = trace_family(family)
+    with torch.device("meta"):
+        clip, t5 = (getattr(transformers, te.class_name)(getattr(transformers, te.class_name).config_class(
+            **model_config(te.config))).to(torch.bfloat16) for te in spec.text_encoders)
+    tokens = tokens or int(spec.t5xxl_max_token_length or 512)
+    fake_mode = FakeTensorMode()
+    fakeify([clip, t5], fake_mode)
+    weights = [*clip.parameters(), *clip.buffers(), *t5.parameters(), *t5.buffers()]
+    counter = LiveBytesCounter()
+    with fake_mode:
+        counter.register(weights)
+        counter.reset_peak()
+        with counter.mode(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            clip(torch.zeros(1, 77, dtype=torch.long))
+            t5(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+    weight_bytes = _storage_bytes(weights)
+    return {"weights_bytes": weight_bytes, "transient_bytes": counter.peak - weight_bytes}
+
+# what each denoiser class is fed in a training step with cached inputs (FLUX.1: flux_train_network's call)
+FORWARDS: dict[str, Callable[[Any, LiveBytesCounter, int, int, int], None]] = {
+    "FluxTransformer2DModel": _flux_forward_backward,
+}
