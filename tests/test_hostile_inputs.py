@@ -281,6 +281,9 @@ CONFIG = [
     Case("engine-tiny-flux-swaps-too-many", lambda t: [
         "sd_scripts_compat.flux_train_network", "--config_file",
         str(config(t, pretrained_model_name_or_path="builtin:tiny-flux", blocks_to_swap=3))], "swaps at most 2"),
+    Case("run-tiny-flux-config-swaps-too-many", lambda t: run(t, "--config", str(config(
+        t, pretrained_model_name_or_path="builtin:tiny-flux", blocks_to_swap=3)), model="builtin:tiny-flux"),
+         "swaps at most 2"),
     Case("plan-flux-resolution-off-its-step", lambda t: plan(t, "--resolution", "72", model="builtin:tiny-flux"),
          "multiples of 16"),
 ]

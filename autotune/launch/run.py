@@ -386,15 +386,18 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path |
 
 
 def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
-    """The family and the run as the engine will resolve it (its own reader, kohya's precedence)."""
+    """The family and the run as the engine will resolve it (its own reader, kohya's precedence), refused now if
+    the family's own rules refuse it (a swap count over its maximum), before anything loads."""
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.config.settings_space import settings_from_files
     from sd_scripts_compat.models.detect import detect_family
+    from sd_scripts_compat.training.block_swap import check_blocks_to_swap
 
     model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
     family = detect_family(model, getattr(args, "family", None))
     resolved = settings_from_files(config_path, dataset_path, script=family.kohya_script.removesuffix(".py"),
                                    default_resolution=(family.resolution, family.resolution))
+    check_blocks_to_swap(family, resolved.settings.blocks_to_swap)
     return family, resolved
 
 

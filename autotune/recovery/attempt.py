@@ -93,7 +93,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 # The engine's own one-line reports ("train_network: error: ...", "train_network: SIGINT: stopped at step ..."):
 # logged, but not shown, because the supervisor reports the attempt's outcome itself (``autotune run: error:
 # ...``, or how to continue with ``autotune run --resume``) and the user should read it once.
-_ENGINE_ERROR_LINE = re.compile(r"^(sdxl_)?train_network: ")
+_ENGINE_ERROR_LINE = re.compile(r"^(sdxl_|flux_)?train_network: ")
 
 
 def _segments(stream: Any) -> Iterator[bytes]:
