@@ -41,14 +41,7 @@ def bucket_step_reason(step: int) -> str:
     return f"bucket sides in {step} px steps (kohya's default, 8 latent pixels)"
 
 
-def resolution_ladder(native: int, pinned: int | None) -> list[int]:
-    """The resolutions the search may try, largest first: the pinned or native size, then 64 px steps down
-    to 5/8 of the native size (never below 256 px)."""
-    top = pinned or native
-    floor = max(MIN_BUCKET_RESO, int(native * MIN_RESOLUTION_FRACTION) // RESOLUTION_STEP * RESOLUTION_STEP)
-    out = [top]
-    r = top - RESOLUTION_STEP
-    while r >= floor:
-        out.append(r)
-        r -= RESOLUTION_STEP
-    return out
+def resolution_floor(native: int) -> int:
+    """The lowest resolution the planner gives up to: 5/8 of the native size in 64 px steps, never below 256 px
+    (the search lowers in 64 px steps from the native or pinned size down to it: ``settings_space``'s rung)."""
+    return max(MIN_BUCKET_RESO, int(native * MIN_RESOLUTION_FRACTION) // RESOLUTION_STEP * RESOLUTION_STEP)

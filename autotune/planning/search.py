@@ -17,7 +17,7 @@ from typing import Any
 from autotune.planning.goals import GoalProfile, network_alpha
 from autotune.planning.profiles import plan_profile
 from autotune.planning.request import GpuTarget
-from autotune.planning.resolution import resolution_ladder, step_and_floor
+from autotune.planning.resolution import resolution_floor, step_and_floor
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.config.settings_space import RUNGS, Limits, Policy, micro_batch_splits
 from sd_scripts_compat.models.families import FamilySpec
@@ -187,10 +187,9 @@ def planner_policy(family: FamilySpec, goal: GoalProfile) -> Policy:
 def planner_limits(family: FamilySpec, fp8_ok: bool) -> Limits:
     """What the planner may lower: resolutions in 64 px steps down to 5/8 of the native size (never below 256 px),
     the family's swap maximum, fp8 where every card stores it."""
-    floor = resolution_ladder(family.resolution, None)[-1]
     step, _ = step_and_floor(family)
     return Limits(is_sdxl=family.is_sdxl, fp8_supported=fp8_ok, max_blocks_to_swap=family.max_blocks_to_swap,
-                  resolution_step=step, min_resolution=floor)
+                  resolution_step=step, min_resolution=resolution_floor(family.resolution))
 
 
 def ladder(start: TrainSettings, family: FamilySpec, goal: GoalProfile,

@@ -188,7 +188,7 @@ def with_preference_values(settings: TrainSettings, overrides: Overrides, is_sdx
     """``settings`` with the preference-mapped overrides forced in (alpha = rank / 2, as the planner sets it)."""
     out = settings
     if overrides.network_dim is not None:
-        out = replace(out, network_dim=overrides.network_dim, network_alpha=float(max(1, overrides.network_dim // 2)))
+        out = replace(out, network_dim=overrides.network_dim, network_alpha=network_alpha(overrides.network_dim))
     if overrides.resolution is not None:
         size = overrides.resolution
         out = replace(out, resolution=(size, size), max_bucket_reso=2 * size if out.max_bucket_reso else None)

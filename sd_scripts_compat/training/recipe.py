@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.contract import (
     DIVERGED,
@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from sd_scripts_compat.training.train_state import TrainCounters
 
     # what the loop calls ``forward`` / ``loss`` / ``fixed_forward`` on (the family's objective, maybe with faults)
-    Objective = Union[NoisePredictionObjective, FlowMatchingObjective, FaultyObjective]  # noqa: UP007
+    Objective = NoisePredictionObjective | FlowMatchingObjective | FaultyObjective
 
 PROGRESS_EVERY_SECONDS = 2.0  # the loop's one host sync: progress bar, progress.json, instability checks
 TIMING_WARMUP_STEPS = 2
