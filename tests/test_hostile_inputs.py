@@ -284,6 +284,8 @@ CONFIG = [
     Case("run-tiny-flux-config-swaps-too-many", lambda t: run(t, "--config", str(config(
         t, pretrained_model_name_or_path="builtin:tiny-flux", blocks_to_swap=3)), model="builtin:tiny-flux"),
          "swaps at most 2"),
+    Case("engine-resolution-off-the-familys-step", lambda t: engine(t, resolution="70,70"),
+         "tiny-sd15 trains at multiples of 8 px"),
     Case("plan-flux-resolution-off-its-step", lambda t: plan(t, "--resolution", "72", model="builtin:tiny-flux"),
          "multiples of 16"),
 ]
