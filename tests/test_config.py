@@ -98,7 +98,7 @@ def test_flat_kohya_sd15_config():
     assert cfg.pretrained_model_name_or_path == "/models/v1-5-pruned-emaonly.safetensors"
     assert cfg.resolution == (512, 512)
     assert cfg.network_dim == 16 and cfg.network_alpha == 8.0 and isinstance(cfg.network_alpha, float)
-    assert cfg.network_args == {"conv_dim": "4", "conv_alpha": "1"}
+    assert cfg.network_args.entries == {"conv_dim": "4", "conv_alpha": "1"} and cfg.network_args.conv_dim == 4
     assert cfg.optimizer_type == "AdamW8bit"
     assert cfg.optimizer_args == {"weight_decay": 0.01, "betas": (0.9, 0.999)}
     assert cfg.unet_lr == 1e-4 and cfg.text_encoder_lr == (5e-5,)
@@ -122,7 +122,7 @@ def test_lora_scripts_sectioned_config_is_accepted():
     assert cfg.reg_data_dir is None  # "" means no regularisation images, as in sd-scripts
     assert cfg.raw["reg_data_dir"] == ""
     assert cfg.resolution == (512, 512) and cfg.prior_loss_weight == 1.0
-    assert cfg.network_dim == 32 and cfg.network_alpha == 16.0 and cfg.network_args == {}
+    assert cfg.network_dim == 32 and cfg.network_alpha == 16.0 and cfg.network_args.entries == {}
     assert cfg.unet_lr == 1e-4 and cfg.text_encoder_lr == (1e-5,)
     assert cfg.optimizer_type == "AdamW8bit" and cfg.lr_scheduler == "cosine_with_restarts"
     assert cfg.lr_warmup_steps == 0 and cfg.lr_scheduler_num_cycles == 1
@@ -167,7 +167,7 @@ def test_command_line_overrides_toml_only_when_given(tmp_path):
     assert cfg.learning_rate == 5e-4  # command line wins
     assert cfg.max_train_steps == 500  # TOML kept: not given on the command line
     assert cfg.resolution == (768, 768)
-    assert cfg.network_args == {"conv_dim": "2", "conv_alpha": "1"}
+    assert cfg.network_args.entries == {"conv_dim": "2", "conv_alpha": "1"}
     assert cfg.flip_aug is True
     assert cfg.train_batch_size == 1 and cfg.mixed_precision == "no"  # kohya defaults
     assert cfg.given == {"config_file", "learning_rate", "max_train_steps", "resolution", "network_args",
@@ -270,7 +270,7 @@ def test_sd_scripts_consistency_rules(tmp_path):
     assert "does not implement" in error_of(write(tmp_path, 'optimizer_type = "DAdaptAdam"\n'))
     assert "did you mean 'AdamW8bit'" in error_of(write(tmp_path, 'optimizer_type = "AdamW8bitt"\n'))
     assert "does not implement" in error_of(write(tmp_path, 'lr_scheduler = "inverse_sqrt"\n'))
-    assert "not supported" in error_of(write(tmp_path, 'network_module = "lycoris.kohya"\n'))
+    assert "not supported" in error_of(write(tmp_path, 'network_module = "networks.dylora"\n'))
     assert "ratio in [0, 1)" in error_of(write(tmp_path, 'lr_scheduler = "linear"\nlr_warmup_steps = 2.5\n'))
     assert "not a Python literal" in error_of(write(tmp_path, 'optimizer_args = ["foo=bar"]\n'))
     assert "not key=value" in error_of(write(tmp_path, 'network_args = ["conv_dim"]\n'))

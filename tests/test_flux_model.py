@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from sd_scripts_compat.config.network_args import NetworkArgs, parse_network_args
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.loading import load_base_model
-from sd_scripts_compat.network.lora import FusedLoRAModule, create_network, parse_network_args
+from sd_scripts_compat.network.lora import FusedLoRAModule, create_network
 
 REFERENCE = Path(__file__).parent / "data" / "kohya"  # copies of shared/reference/kohya/keys_flux_*.json
 
@@ -60,8 +61,8 @@ def test_full_size_builtins_build_on_meta_and_refuse_real_weights():
 def test_flux_lora_keys_and_shapes_equal_kohya(reference, t5, te_modules):
     expected = json.loads((REFERENCE / reference).read_text())
     bundle = load_base_model("builtin:flux-dev", device="meta")
-    args = parse_network_args(["train_t5xxl=True"] if t5 else [])
-    network = create_network(bundle, network_dim=16, network_alpha=8, **args)
+    args = parse_network_args({"train_t5xxl": "True"} if t5 else {}, "networks.lora_flux")
+    network = create_network(bundle, network_dim=16, network_alpha=8, args=args)
     state_dict = network.kohya_state_dict()
     assert set(state_dict) == set(expected)
     assert {k: [list(v.shape), str(v.dtype)] for k, v in state_dict.items()} == expected
@@ -119,7 +120,8 @@ def test_fused_lora_equals_merged_kohya_weights():
 
 def test_fused_lora_trains_and_shares_one_down_projection():
     bundle = load_base_model("builtin:tiny-flux")
-    network = create_network(bundle, network_dim=4, network_alpha=4, train_text_encoder=False, rank_dropout=0.5)
+    network = create_network(bundle, network_dim=4, network_alpha=4, train_text_encoder=False,
+                             args=NetworkArgs(rank_dropout=0.5))
     network.apply_to()
     network.train()
     calls = []
@@ -137,10 +139,10 @@ def test_fused_lora_trains_and_shares_one_down_projection():
 def test_t5_lora_only_on_request_and_bad_value():
     bundle = load_base_model("builtin:tiny-flux")
     assert not any(k.startswith("lora_te3_") for k in create_network(bundle).kohya_state_dict())
-    keys = create_network(bundle, train_t5xxl=True).kohya_state_dict()
+    keys = create_network(bundle, args=NetworkArgs(train_t5xxl=True)).kohya_state_dict()
     assert sum(k.startswith("lora_te3_") and k.endswith(".alpha") for k in keys) == 2 * 7
-    with pytest.raises(UserError, match="train_t5xxl='maybe' is not a valid bool"):
-        parse_network_args(["train_t5xxl=maybe"])
+    with pytest.raises(UserError, match="train_t5xxl='maybe' is not a valid True or False"):
+        parse_network_args({"train_t5xxl": "maybe"}, "networks.lora_flux")
 
 
 def test_fused_lora_gradients_equal_with_gradient_checkpointing():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from sd_scripts_compat.config.network_args import NetworkArgs
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import create_network
@@ -29,7 +30,8 @@ def _autotune(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory):
     family = get_family("tiny-sdxl")
-    network = create_network(build_modules(family), network_dim=8, network_alpha=4, conv_dim=2, conv_alpha=1)
+    network = create_network(build_modules(family), network_dim=8, network_alpha=4,
+                             args=NetworkArgs(conv_dim=2, conv_alpha=1))
     facts = TrainingFacts(output_name="sks_dog", network_dim=8, network_alpha=4.0, learning_rate=1e-4,
                           optimizer="torch.optim.adamw.AdamW", resolution=(64, 64), training_started_at=1.7e9,
                           session_id=7, network_args={"conv_dim": "2", "conv_alpha": "1"}, steps=12, epoch=2,

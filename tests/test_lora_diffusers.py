@@ -11,6 +11,7 @@ import pytest
 import torch
 from fixtures.diffusers_load import load_lora_complaints
 
+from sd_scripts_compat.config.network_args import NetworkArgs
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import create_network
@@ -57,7 +58,8 @@ def test_diffusers_load_lora_weights_matches_our_network(tmp_path, family, conv_
 
     bundle = build_modules(get_family(family), seed=0)
     torch.manual_seed(0)
-    network = create_network(bundle, network_dim=4, network_alpha=2, conv_dim=conv_dim, conv_alpha=1)
+    network = create_network(bundle, network_dim=4, network_alpha=2,
+                             args=NetworkArgs(conv_dim=conv_dim, conv_alpha=1))
     network.apply_to()
     optimizer = torch.optim.AdamW(network.prepare_optimizer_params(None, None, 1e-2))
     ids = bundle.tokenizers[0](["a photo of sks dog", "grass"], padding="max_length", max_length=77,

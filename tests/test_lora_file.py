@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from sd_scripts_compat.config.network_args import NetworkArgs
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
@@ -29,7 +30,8 @@ from sd_scripts_compat.network.lora_file import (
 def trained_state():
     """A tiny-sd15 LoRA (with LoCon) whose up weights are non-zero."""
     bundle = build_modules(get_family("tiny-sd15"))
-    network = create_network(bundle, network_dim=4, network_alpha=2, conv_dim=2, conv_alpha=1)
+    network = create_network(bundle, network_dim=4, network_alpha=2,
+                             args=NetworkArgs(conv_dim=2, conv_alpha=1))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for lora in network.loras():
@@ -121,7 +123,8 @@ def test_int64_alpha_is_read_and_loaded(tmp_path, trained_state):
     loaded, metadata = read_lora_file(path)
     assert metadata == {}
     assert loaded["lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha"].dtype == torch.int64
-    network = create_network(build_modules(get_family("tiny-sd15")), network_dim=4, network_alpha=1, conv_dim=2)
+    network = create_network(build_modules(get_family("tiny-sd15")), network_dim=4, network_alpha=1,
+                             args=NetworkArgs(conv_dim=2, conv_alpha=1))
     network.load_kohya_state_dict(loaded)
     assert {lora.scale for lora in network.loras()} == {0.5, 1.0}
     info = describe_lora(loaded, metadata)

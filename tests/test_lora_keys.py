@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sd_scripts_compat.config.network_args import NetworkArgs
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import create_network
@@ -30,8 +31,8 @@ CASES = [
 def test_keys_and_shapes_equal_reference(reference, family, conv_dim, te_counts, unet_count):
     expected = json.loads((REFERENCE / reference).read_text())
     bundle = build_modules(get_family(family), device="meta")
-    network = create_network(bundle, network_dim=16, network_alpha=8, conv_dim=conv_dim,
-                             conv_alpha=1 if conv_dim else None)
+    network = create_network(bundle, network_dim=16, network_alpha=8,
+                             args=NetworkArgs(conv_dim=conv_dim, conv_alpha=1 if conv_dim else None))
     state_dict = network.kohya_state_dict()
     assert set(state_dict) == set(expected)
     for key, (shape, dtype) in expected.items():

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from sd_scripts_compat.config.network_args import NetworkArgs
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.network.lora import LoRAModule, create_network, create_network_from_weights, parse_network_args
+from sd_scripts_compat.network.lora import LoRAModule, create_network, create_network_from_weights
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_init_kaiming_down_zero_up():
 def test_zero_at_init_and_apply_remove_bit_exact(sd15):
     before_unet, before_te = _unet_out(sd15), _te_out(sd15)
     names_before = list(sd15.unet.state_dict())
-    network = create_network(sd15, network_dim=4, network_alpha=2, conv_dim=2)
+    network = create_network(sd15, network_dim=4, network_alpha=2, args=NetworkArgs(conv_dim=2, conv_alpha=1))
     network.apply_to()
     assert torch.equal(_unet_out(sd15), before_unet)  # lora_up is zero: output unchanged
     assert torch.equal(_te_out(sd15), before_te)
@@ -105,7 +106,7 @@ def test_zero_at_init_and_apply_remove_bit_exact(sd15):
 
 
 def test_set_multiplier_scales_every_module_delta(sd15):
-    network = create_network(sd15, network_dim=4, network_alpha=4, conv_dim=2, conv_alpha=1)
+    network = create_network(sd15, network_dim=4, network_alpha=4, args=NetworkArgs(conv_dim=2, conv_alpha=1))
     _randomize_up(network)
     network.apply_to()
     try:
@@ -207,7 +208,7 @@ def test_wrong_family_is_user_error(sd15, sdxl):
 
 def test_strict_load_reports_missing_keys(sd15):
     state = create_network(sd15, network_dim=4).kohya_state_dict()
-    conv_network = create_network(sd15, network_dim=4, conv_dim=2)
+    conv_network = create_network(sd15, network_dim=4, args=NetworkArgs(conv_dim=2, conv_alpha=1))
     with pytest.raises(UserError, match="missing"):
         conv_network.load_kohya_state_dict(state)
     conv_network.load_kohya_state_dict(state, strict=False)  # network_weights style: partial load is fine
@@ -216,7 +217,8 @@ def test_strict_load_reports_missing_keys(sd15):
 
 
 def test_create_from_weights_reads_dims_and_alphas(sdxl):
-    source = create_network(sdxl, network_dim=6, network_alpha=3, conv_dim=2, conv_alpha=0.5)
+    source = create_network(sdxl, network_dim=6, network_alpha=3,
+                            args=NetworkArgs(conv_dim=2, conv_alpha=0.5))
     _randomize_up(source)
     state = source.kohya_state_dict()
     network = create_network_from_weights(sdxl, state)
@@ -231,17 +233,3 @@ def test_create_from_weights_reads_dims_and_alphas(sdxl):
     assert unet_only.text_encoder_modules == 0 and unet_only.unet_modules == source.unet_modules
 
 
-def test_parse_network_args():
-    assert parse_network_args(["conv_dim=4", "conv_alpha=1"]) == {"conv_dim": 4, "conv_alpha": 1.0}
-    assert parse_network_args(["conv_dim=8"]) == {"conv_dim": 8, "conv_alpha": 1.0}
-    assert parse_network_args(["dropout=0.1", "rank_dropout=0.2", "module_dropout=0.05"]) == {
-        "dropout": 0.1, "rank_dropout": 0.2, "module_dropout": 0.05}
-    assert parse_network_args([]) == {}
-    with pytest.raises(UserError, match="unknown network_args key 'conv_dims'"):
-        parse_network_args(["conv_dims=4"])
-    with pytest.raises(UserError, match="does not support"):
-        parse_network_args(["block_dims=2,2,2"])
-    with pytest.raises(UserError, match="not 'key=value'"):
-        parse_network_args(["conv_dim"])
-    with pytest.raises(UserError, match="valid int"):
-        parse_network_args(["conv_dim=four"])

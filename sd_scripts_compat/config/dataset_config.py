@@ -20,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.config.bounds import bound_problem
 from sd_scripts_compat.config.dataset_spec import (
     MIN_REPEATS,
     DatasetGroupSpec,
@@ -195,6 +196,9 @@ def _check_table(source: str, table: Any, where: str, allowed: Mapping[str, str]
             checked[key] = _convert(allowed[key], value)
         except _Mismatch as mismatch:
             raise UserError(f"{source}: {key} in {where}: expected {mismatch}, got {describe_value(value)}") from None
+        problem = bound_problem(key, checked[key])
+        if problem:
+            raise UserError(f"{source}: {key} in {where}: {problem}")
         if key == "resize_interpolation" and value not in RESIZE_INTERPOLATIONS:
             raise UserError(f"{source}: resize_interpolation in {where}: {value!r} is not one of "
                             f"{', '.join(RESIZE_INTERPOLATIONS)}")

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.config.bounds import MAX_VALUES, MIN_VALUES, bound_problem
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec
 from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs, script_name, scripts_text
 from sd_scripts_compat.config.kohya_toml import flatten, read_toml
+from sd_scripts_compat.config.network_args import LYCORIS_MODULE, NetworkArgs, parse_network_args
 from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS
 from sd_scripts_compat.errors import UserError
 
@@ -130,27 +132,12 @@ KOHYA_ONLY_OPTIMIZERS = ("SGDNesterov", "SGDNesterov8bit", "DAdaptation", "DAdap
                          "DAdaptAdan", "DAdaptAdanIP", "DAdaptLion", "DAdaptSGD", "AdamWScheduleFree",
                          "RAdamScheduleFree", "SGDScheduleFree")
 KOHYA_ONLY_SCHEDULERS = ("inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
-SUPPORTED_NETWORK_MODULES = ("networks.lora",)
+SUPPORTED_NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE)
 # kohya's network module per entry point (its FLUX script trains networks.lora_flux), the first one the default
 NETWORK_MODULES: dict[str, tuple[str, ...]] = {"train_network": SUPPORTED_NETWORK_MODULES,
                                                "sdxl_train_network": SUPPORTED_NETWORK_MODULES,
                                                "flux_train_network": ("networks.lora_flux",)}
 SUPPORTED_LOG_WITH = (None, "tensorboard")
-
-# Lower bounds that sd-scripts assumes without checking (0 batch size, clip_skip 0 = embeddings, ...).
-MIN_VALUES: dict[str, float] = {
-    "train_batch_size": 1, "gradient_accumulation_steps": 1, "max_train_steps": 1, "max_train_epochs": 1,
-    "network_dim": 1, "vae_batch_size": 1, "max_data_loader_n_workers": 0, "keep_tokens": 0,
-    "min_bucket_reso": 1, "max_bucket_reso": 1, "bucket_reso_steps": 1, "lr_scheduler_num_cycles": 1,
-    "save_every_n_epochs": 1, "save_every_n_steps": 1, "save_last_n_epochs": 1, "save_last_n_steps": 1,
-    "save_last_n_epochs_state": 1, "save_last_n_steps_state": 1, "sample_every_n_steps": 1,
-    "sample_every_n_epochs": 1, "validate_every_n_steps": 1, "validate_every_n_epochs": 1,
-    "max_validation_steps": 1, "clip_skip": 1, "blocks_to_swap": 0, "t5xxl_max_token_length": 1,
-    "caption_dropout_every_n_epochs": 0, "token_warmup_min": 0,
-    "token_warmup_step": 0, "learning_rate": 0, "unet_lr": 0, "max_grad_norm": 0, "prior_loss_weight": 0,
-    "network_alpha": 0, "noise_offset": 0, "min_snr_gamma": 0, "caption_dropout_rate": 0,
-    "caption_tag_dropout_rate": 0, "validation_split": 0, "lr_scheduler_power": 0,
-}
 
 _KIND_WORDS = {
     "store_true": "true or false",
@@ -234,7 +221,7 @@ class TrainingConfig:
     network_module: str = "networks.lora"
     network_dim: int = 4  # networks/lora.py's default when network_dim is not given
     network_alpha: float = 1.0
-    network_args: dict[str, str] = field(default_factory=dict)  # values stay strings, as kohya passes them
+    network_args: NetworkArgs = field(default_factory=NetworkArgs)  # typed; .entries as given
     network_train_unet_only: bool = False
     unet_lr: float | None = None
     text_encoder_lr: tuple[float, ...] | None = None  # one value for all encoders, or one per encoder
@@ -523,16 +510,13 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
         raise UserError(f"{where('text_encoder_lr')}: {list(out['text_encoder_lr'])}: one learning rate per text "
                         "encoder is not supported; give a single value")
 
-    for name, minimum in MIN_VALUES.items():
-        value = out.get(name)
-        if value is not None and value < minimum:
-            raise UserError(f"{where(name)}: must be {minimum} or more, got {value!r}")
+    for name in sorted(MIN_VALUES.keys() | MAX_VALUES.keys()):
+        problem = bound_problem(name, out.get(name))
+        if problem:
+            raise UserError(f"{where(name)}: {problem}")
     if out["validation_split"] >= 1:
         raise UserError(f"{where('validation_split')}: must be below 1 (a fraction of the images), "
                         f"got {out['validation_split']!r}")
-    if out["caption_dropout_rate"] > 1 or out["caption_tag_dropout_rate"] > 1:
-        key = "caption_dropout_rate" if out["caption_dropout_rate"] > 1 else "caption_tag_dropout_rate"
-        raise UserError(f"{where(key)}: a rate must be between 0 and 1, got {out[key]!r}")
 
     warmup = out["lr_warmup_steps"]
     if isinstance(warmup, float):
@@ -556,12 +540,20 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     modules = NETWORK_MODULES[script]
     if out["network_module"] is None:
         out["network_module"] = modules[0]
+    if out["network_module"] == LYCORIS_MODULE and script == "flux_train_network":
+        raise UserError(f"{where('network_module')}: lycoris.kohya cannot train FLUX here (lycoris-lora would "
+                        "wrap the diffusers layout and write keys sd-scripts and ComfyUI do not load); "
+                        "use networks.lora_flux")
     if out["network_module"] not in modules:
         raise UserError(f"{where('network_module')}: {out['network_module']!r} is not supported by {script}; "
                         f"this engine trains {', '.join(modules)} there")
     if out["network_dim"] is None:
         out["network_dim"] = 4
     out["network_alpha"] = float(out["network_alpha"])
+    out["network_args"] = parse_network_args(out["network_args"], out["network_module"],
+                                             sdxl=script == "sdxl_train_network",
+                                             rank=(out["network_dim"], out["network_alpha"]),
+                                             where=where("network_args"))
 
     if out["save_model_as"] is None:
         out["save_model_as"] = "safetensors"

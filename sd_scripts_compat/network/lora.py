@@ -23,6 +23,7 @@ Keys: ``lora_unet_<name>`` (SD1/2: diffusers names; SDXL: SGM names; FLUX: BFL n
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from sd_scripts_compat.config.network_args import SD_DOWN_UP_BLOCKS, NetworkArgs
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -43,58 +45,28 @@ TEXT_ENCODER_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttentio
                         "T5Attention", "T5DenseGatedActDense", "T5DenseActDense")
 
 
-def _bool_arg(value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(value)
+# networks/lora.py's RE_UPDOWN: SD 1/2 UNet names (diffusers layout) -> block numbers for block weights / dims
+_SD_UPDOWN = re.compile(r"(up|down)_blocks_(\d+)_(resnets|upsamplers|downsamplers|attentions)_(\d+)_")
 
 
-_bool_arg.__name__ = "bool"
-
-# network_args keys we understand -> converter; the value names match create_network's keywords.
-_NETWORK_ARG_TYPES: dict[str, Any] = {
-    "conv_dim": int,
-    "conv_alpha": float,
-    "dropout": float,
-    "rank_dropout": float,
-    "module_dropout": float,
-    "train_t5xxl": _bool_arg,  # FLUX: also train a LoRA on T5-XXL (lora_te3_)
-}
-# sd-scripts networks.lora args this engine does not implement (a clear error beats silently ignoring them).
-_UNSUPPORTED_KOHYA_ARGS = {
-    "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight", "mid_lr_weight",
-    "up_lr_weight", "block_lr_zero_threshold", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
-    "loraplus_text_encoder_lr_ratio", "train_blocks", "algo", "preset",
-}
-
-
-def parse_network_args(items: list[str] | None) -> dict[str, Any]:
-    """Parse kohya ``network_args`` (``["conv_dim=4", "conv_alpha=1"]``) into create_network keywords.
-
-    As in sd-scripts, ``conv_alpha`` defaults to 1.0 when ``conv_dim`` is given without it.
-    """
-    parsed: dict[str, Any] = {}
-    for item in items or []:
-        if not isinstance(item, str) or "=" not in item:
-            raise UserError(f"network_args entry {item!r} is not 'key=value' (e.g. \"conv_dim=4\")")
-        key, value = (part.strip() for part in item.split("=", 1))
-        if key in _UNSUPPORTED_KOHYA_ARGS:
-            raise UserError(f"network_args key {key!r} is an sd-scripts option this engine does not support; "
-                            f"remove it (supported: {', '.join(_NETWORK_ARG_TYPES)})")
-        if key not in _NETWORK_ARG_TYPES:
-            raise UserError(f"unknown network_args key {key!r}; supported: {', '.join(_NETWORK_ARG_TYPES)}")
-        try:
-            parsed[key] = _NETWORK_ARG_TYPES[key](value)
-        except ValueError:
-            raise UserError(f"network_args {key}={value!r} is not a valid {_NETWORK_ARG_TYPES[key].__name__}") from None
-    if "conv_dim" in parsed and "conv_alpha" not in parsed:
-        parsed["conv_alpha"] = 1.0
-    for key in ("dropout", "rank_dropout", "module_dropout"):
-        if key in parsed and not 0.0 <= parsed[key] < 1.0:
-            raise UserError(f"network_args {key}={parsed[key]} must be in [0, 1)")
-    return parsed
+def block_index(lora_name: str, sdxl: bool) -> int:
+    """The UNet block a module belongs to, numbered as sd-scripts' ``get_block_index`` numbers it
+    (SD 1/2: down 1-11, mid 12, up 13-24; SDXL: 0 emb, 1-9 input, 10-12 middle, 13-21 output, 22 out);
+    -1 for a name outside them, which Python indexing maps to the last block, as in sd-scripts."""
+    name = lora_name.removeprefix("lora_unet_")
+    if not sdxl:
+        match = _SD_UPDOWN.search(lora_name)
+        if match:
+            side, i, kind, j = match.group(1), int(match.group(2)), match.group(3), int(match.group(4))
+            idx = 3 * i + (2 if kind in ("upsamplers", "downsamplers") else j)
+            return 1 + idx if side == "down" else SD_DOWN_UP_BLOCKS + 1 + idx
+        return SD_DOWN_UP_BLOCKS if "mid_block_" in lora_name else -1
+    if name.startswith(("time_embed_", "label_emb_")):
+        return 0
+    for prefix, first in (("input_blocks_", 1), ("middle_block_", 10), ("output_blocks_", 13)):
+        if name.startswith(prefix):
+            return first + int(name.split("_")[2])
+    return 22 if name.startswith("out_") else -1
 
 
 class LoRAModule(nn.Module):
@@ -378,9 +350,11 @@ def iter_target_modules(bundle: ModelBundle, *, conv: bool, unet: bool = True, t
 class LoRANetwork(nn.Module):
     """All LoRA modules of one model bundle; its ``state_dict()`` is the kohya state dict."""
 
-    def __init__(self, bundle: ModelBundle, modules: list[tuple[str, LoRAModule]]) -> None:
+    def __init__(self, bundle: ModelBundle, modules: list[tuple[str, LoRAModule]],
+                 args: NetworkArgs | None = None) -> None:
         super().__init__()
         self.bundle = bundle
+        self.args = args or NetworkArgs()  # LoRA+ ratios and block lr weights shape the optimizer groups
         self.unet_loras: list[LoRAModule] = []
         self.text_encoder_loras: list[LoRAModule] = []
         for part, lora in modules:
@@ -417,21 +391,26 @@ class LoRANetwork(nn.Module):
 
     def prepare_optimizer_params(self, text_encoder_lr: float | None, unet_lr: float | None,
                                  default_lr: float) -> list[dict[str, Any]]:
-        """Optimizer param groups as sd-scripts builds them: text encoder group, then UNet group.
+        """Optimizer param groups as sd-scripts builds them: text encoder groups, then UNet groups.
 
-        A part's lr is its own lr when given, else ``default_lr``; a part whose lr is 0 gets no group
-        (sd-scripts skips it) and its LoRA parameters are frozen.
+        A part's lr is its own lr when given, else ``default_lr``. With a LoRA+ ratio a part has two
+        groups: its ``lora_down`` / alpha-free parameters at lr and its ``lora_up`` weights at lr x ratio.
+        With block lr weights the UNet has one group (pair) per block, in the order of the blocks' first
+        modules, at lr x the block's weight. A group whose lr is 0 is left out (as sd-scripts does) and
+        its parameters are frozen.
         """
-        groups: list[dict[str, Any]] = []
-        for loras, lr in ((self.text_encoder_loras, text_encoder_lr), (self.unet_loras, unet_lr)):
-            params = [p for lora in loras for p in lora.parameters()]
-            if not params:
-                continue
-            lr = default_lr if lr is None else lr
-            for p in params:
-                p.requires_grad_(bool(lr))
-            if lr:
-                groups.append({"params": params, "lr": lr})
+        args = self.args
+        te_lr = default_lr if text_encoder_lr is None else text_encoder_lr
+        groups = _lora_groups(self.text_encoder_loras, te_lr, args.text_encoder_plus_ratio)
+        unet_lr = default_lr if unet_lr is None else unet_lr
+        if args.block_lr_weight is None:
+            return groups + _lora_groups(self.unet_loras, unet_lr, args.unet_plus_ratio)
+        sdxl = self.bundle.family.unet_lora_names == "sgm"
+        by_block: dict[int, list[LoRAModule]] = {}
+        for lora in self.unet_loras:
+            by_block.setdefault(block_index(lora.lora_name, sdxl), []).append(lora)
+        for index, loras in by_block.items():
+            groups += _lora_groups(loras, unet_lr * args.block_lr_weight[index], args.unet_plus_ratio)
         return groups
 
     def kohya_state_dict(self) -> dict[str, torch.Tensor]:
@@ -475,6 +454,20 @@ class LoRANetwork(nn.Module):
                     own[key].copy_(value.to(own[key].dtype))
 
 
+def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None) -> list[dict[str, Any]]:
+    """One part's groups: every parameter at ``lr``, or with LoRA+ the ``lora_up`` weights apart at
+    ``lr * plus_ratio``; empty or zero-lr groups are dropped and their parameters frozen."""
+    plain = [p for lora in loras for name, p in lora.named_parameters() if not (plus_ratio and "lora_up" in name)]
+    plus = [p for lora in loras for name, p in lora.named_parameters() if plus_ratio and "lora_up" in name]
+    groups = []
+    for params, group_lr in ((plain, lr), (plus, lr * (plus_ratio or 0.0))):
+        for param in params:
+            param.requires_grad_(bool(group_lr))
+        if params and group_lr:
+            groups.append({"params": params, "lr": group_lr})
+    return groups
+
+
 def _new_module(lora_name: str, base: Any, dim: int, alpha: float | None, **kwargs: Any) -> LoRAModule:
     # Parameters are created on the base module's device (meta stays meta: shapes only).
     if isinstance(base, FusedTargets):
@@ -483,38 +476,54 @@ def _new_module(lora_name: str, base: Any, dim: int, alpha: float | None, **kwar
 
 
 def create_network(bundle: ModelBundle, *, network_dim: int = 4, network_alpha: float = 1.0,
-                   conv_dim: int | None = None, conv_alpha: float | None = None, dropout: float | None = None,
-                   rank_dropout: float | None = None, module_dropout: float | None = None,
-                   train_unet: bool = True, train_text_encoder: bool = True, multiplier: float = 1.0,
-                   train_t5xxl: bool = False) -> LoRANetwork:
+                   dropout: float | None = None, args: NetworkArgs | None = None, train_unet: bool = True,
+                   train_text_encoder: bool = True, multiplier: float = 1.0) -> LoRANetwork:
     """A fresh kohya LoRA network for ``bundle`` (not yet applied: call ``apply_to()``).
 
-    ``conv_dim`` adds LoCon modules on the ResnetBlock2D / Downsample2D / Upsample2D convs; as in
-    sd-scripts its alpha defaults to 1.0. Parts not trained get no modules (and no keys in the file).
-    ``train_t5xxl`` (FLUX, from network_args) adds the T5-XXL modules (``lora_te3_``).
+    ``dropout`` is sd-scripts' ``network_dropout``; ``args`` the typed ``network_args``: LoCon
+    (``conv_dim``: modules on the ResnetBlock2D / Downsample2D / Upsample2D convs), rank and module
+    dropout, block dims / alphas (a rank per UNet block; rank 0 or a block lr weight of 0: no module),
+    FLUX's ``train_t5xxl`` (``lora_te3_``) and ``train_blocks``, LoRA+ and block lr weights (kept for
+    :meth:`LoRANetwork.prepare_optimizer_params`). Parts not trained get no modules (no keys in the file).
     """
+    args = args or NetworkArgs()
     if network_dim is None or network_dim < 1:
         raise UserError(f"network_dim must be a positive integer, got {network_dim!r}")
-    if conv_dim is not None and conv_dim < 1:
-        conv_dim = None
-    if conv_dim is not None and conv_alpha is None:
-        conv_alpha = 1.0
-    options = {"multiplier": multiplier, "dropout": dropout, "rank_dropout": rank_dropout,
-               "module_dropout": module_dropout}
+    options = {"multiplier": multiplier, "dropout": dropout, "rank_dropout": args.rank_dropout,
+               "module_dropout": args.module_dropout}
+    conv = args.conv_dim is not None or args.conv_block_dims is not None
+    sdxl = bundle.family.unet_lora_names == "sgm"
     modules = []
-    enable = {"train_t5xxl"} if train_t5xxl else set()
+    enable = {"train_t5xxl"} if args.train_t5xxl else set()
     for lora_name, part, base, uses_conv_dim in iter_target_modules(
-            bundle, conv=conv_dim is not None, unet=train_unet, text_encoder=train_text_encoder, enable=enable):
-        dim, alpha = (conv_dim, conv_alpha) if uses_conv_dim else (network_dim, network_alpha)
-        modules.append((part, _new_module(lora_name, base, dim, alpha, **options)))
-    return LoRANetwork(bundle, modules)
+            bundle, conv=conv, unet=train_unet, text_encoder=train_text_encoder, enable=enable):
+        if part == "unet" and args.train_blocks != "all" and f"_{args.train_blocks}_blocks_" not in lora_name:
+            continue
+        dim, alpha = _rank(lora_name, part == "unet", uses_conv_dim, args, (network_dim, network_alpha), sdxl)
+        if dim:
+            modules.append((part, _new_module(lora_name, base, dim, alpha, **options)))
+    return LoRANetwork(bundle, modules, args)
+
+
+def _rank(lora_name: str, in_unet: bool, uses_conv_dim: bool, args: NetworkArgs, rank: tuple[int, float],
+          sdxl: bool) -> tuple[int | None, float | None]:
+    """(dim, alpha) of one module as sd-scripts' ``create_modules`` picks it; dim 0 or None: no module."""
+    if in_unet and args.block_dims is not None:
+        index = block_index(lora_name, sdxl)
+        if not uses_conv_dim:
+            return args.block_dims[index], args.block_alphas[index]
+        if args.conv_block_dims is None:
+            return None, None
+        return args.conv_block_dims[index], args.conv_block_alphas[index]
+    return (args.conv_dim, args.conv_alpha) if uses_conv_dim else rank
 
 
 def create_network_from_weights(bundle: ModelBundle, weights: dict[str, torch.Tensor] | str, *,
                                 train_unet: bool = True, train_text_encoder: bool = True,
-                                multiplier: float = 1.0) -> LoRANetwork:
+                                multiplier: float = 1.0, args: NetworkArgs | None = None) -> LoRANetwork:
     """A network shaped by a kohya file (``dim_from_weights``): one module per module in the file,
-    dims from ``lora_down`` and alphas from ``alpha``; the file's weights are loaded into it.
+    dims from ``lora_down`` and alphas from ``alpha``; the file's weights are loaded into it. ``args``
+    shape the optimizer groups (LoRA+, block lr weights), not the modules.
 
     Keys of a part not trained (``train_text_encoder=False``...) are ignored, as in sd-scripts.
     """
@@ -546,7 +555,7 @@ def create_network_from_weights(bundle: ModelBundle, weights: dict[str, torch.Te
     if leftover:
         raise UserError(f"{source}: {len(leftover)} LoRA keys have no matching module in a "
                         f"{bundle.family.name} model (e.g. {leftover[0]}); is it for another model family?")
-    network = LoRANetwork(bundle, modules)
+    network = LoRANetwork(bundle, modules, args)
     network.load_kohya_state_dict({k: weights[k] for k in used}, strict=False, source=source)
     return network
 
