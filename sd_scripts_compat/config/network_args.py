@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,9 @@ from sd_scripts_compat.errors import UserError
 LYCORIS_MODULE = "lycoris.kohya"
 # lycoris-lora's kohya entry point: the algorithms that train here (all wrap Linear / Conv2d)
 LYCORIS_ALGOS = ("lora", "locon", "loha", "lokr", "dylora", "full", "ia3", "diag-oft", "boft", "glora")
+
+MISSING_LYCORIS = ('network_module = "lycoris.kohya" needs the lycoris-lora package: '
+                   'pip install -e ".[lycoris]" (or pip install "lycoris-lora>=3.2,<4")')
 
 SD_DOWN_UP_BLOCKS, SD_MID_BLOCKS = 12, 1  # networks/lora.py NUM_OF_BLOCKS / NUM_OF_MID_BLOCKS
 SDXL_DOWN_UP_BLOCKS, SDXL_MID_BLOCKS = 9, 3  # SDXL_NUM_OF_BLOCKS / SDXL_NUM_OF_MID_BLOCKS
@@ -278,10 +282,17 @@ def _block_ranks(values: dict[str, Any], args: NetworkArgs, lr_weight: tuple[flo
             "conv_block_alphas": conv_alphas}
 
 
+def check_lycoris_installed() -> None:
+    """One line naming the extra when lycoris-lora is not installed (looked up without importing it)."""
+    if importlib.util.find_spec("lycoris") is None:
+        raise UserError(MISSING_LYCORIS)
+
+
 def _lycoris_args(entries: dict[str, str], where: str) -> NetworkArgs:
     algo = entries.get("algo", "lora")
     if algo not in LYCORIS_ALGOS:
         near = difflib.get_close_matches(algo, LYCORIS_ALGOS, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise UserError(f"{where}: lycoris.kohya algo {algo!r} is unknown; {hint}use one of {', '.join(LYCORIS_ALGOS)}")
+    check_lycoris_installed()
     return NetworkArgs(entries=dict(entries), lycoris=dict(entries))

@@ -42,13 +42,13 @@ WRAPPER_KEYS: dict[str, str] = {
     "lora_type": "lora-scripts GUI key",
     "network_args_custom": "lora-scripts GUI key; put the entries into network_args",
     "optimizer_args_custom": "lora-scripts GUI key; put the entries into optimizer_args",
-    "lycoris_algo": "lora-scripts GUI key for LyCORIS, which this engine does not train",
+    "lycoris_algo": 'lora-scripts GUI key; write network_module = "lycoris.kohya", network_args = ["algo=locon"]',
     "conv_dim": 'lora-scripts GUI key; write network_args = ["conv_dim=4", "conv_alpha=1"]',
     "conv_alpha": 'lora-scripts GUI key; write network_args = ["conv_dim=4", "conv_alpha=1"]',
     "dropout": "lora-scripts GUI key (LyCORIS dropout); the kohya key is network_dropout",
-    "train_norm": "lora-scripts GUI key (LyCORIS)",
+    "train_norm": 'lora-scripts GUI key (LyCORIS); write network_args = ["train_norm=True"]',
     "dylora_unit": "lora-scripts GUI key (DyLoRA)",
-    "lokr_factor": "lora-scripts GUI key (LyCORIS LoKr)",
+    "lokr_factor": 'lora-scripts GUI key (LyCORIS LoKr); write network_args = ["factor=8"]',
     "enable_block_weights": 'lora-scripts GUI key; write network_args = ["down_lr_weight=..."]',
     "down_lr_weight": 'lora-scripts GUI key; write network_args = ["down_lr_weight=..."]',
     "mid_lr_weight": 'lora-scripts GUI key; write network_args = ["mid_lr_weight=..."]',
@@ -550,6 +550,9 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     if out["network_dim"] is None:
         out["network_dim"] = 4
     out["network_alpha"] = float(out["network_alpha"])
+    if out["network_module"] == LYCORIS_MODULE and out["dim_from_weights"]:
+        raise UserError(f"{where('dim_from_weights')}: not supported with lycoris.kohya here; give the "
+                        "network_dim and network_args the file was trained with, and network_weights")
     out["network_args"] = parse_network_args(out["network_args"], out["network_module"],
                                              sdxl=script == "sdxl_train_network",
                                              rank=(out["network_dim"], out["network_alpha"]),

@@ -104,8 +104,10 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ read
-def read_lora_file(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read a kohya LoRA safetensors file: ``(state_dict, metadata)``; not a LoRA / corrupt -> UserError."""
+def read_lora_file(path: str | os.PathLike[str], *,
+                   lycoris: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a kohya LoRA safetensors file: ``(state_dict, metadata)``; not a LoRA / corrupt -> UserError.
+    ``lycoris``: a LyCORIS file (LoHa, LoKr, ... under kohya's module names) is accepted too."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -119,10 +121,18 @@ def read_lora_file(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor
             state_dict = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (not a dict)
     except Exception as error:  # safetensors raises its own SafetensorError / OSError variants
         raise UserError(f"{path}: not a readable safetensors file (corrupt or truncated?): {error}") from None
-    problem = lora_problem(state_dict)
+    problem = None if lycoris and is_lycoris(state_dict) else lora_problem(state_dict)
     if problem:
         raise UserError(f"{path} is not a kohya LoRA file: {problem}")
     return state_dict, metadata
+
+
+LYCORIS_SUFFIXES = (".hada_w1_a", ".lokr_w1", ".lokr_w1_a", ".oft_blocks", ".oft_diag", ".diff")
+
+
+def is_lycoris(state_dict: dict[str, Any]) -> bool:
+    """A LyCORIS network's tensors under kohya module names (``lora_unet_...hada_w1_a``)."""
+    return any(k.startswith("lora_") and k.endswith(LYCORIS_SUFFIXES) for k in state_dict)
 
 
 def lora_problem(state_dict: dict[str, Any]) -> str | None:
@@ -141,7 +151,7 @@ def lora_problem(state_dict: dict[str, Any]) -> str | None:
         return "it looks like a Stable Diffusion model checkpoint (base model), not a LoRA"
     if any(".lora_A." in k or ".lora_B." in k or ".lora.down." in k or ".lora_linear_layer." in k for k in keys):
         return "it is a diffusers/peft-format LoRA (lora_A/lora_B keys); only kohya-format LoRAs are read"
-    if any(k.endswith((".hada_w1_a", ".lokr_w1", ".oft_blocks")) for k in keys):
+    if is_lycoris(state_dict):
         return "it is a LyCORIS (LoHa/LoKr/OFT) network, not a plain LoRA"
     return f"no '<module>.lora_down.weight' keys (first key: {keys[0]})"
 
@@ -357,6 +367,7 @@ class TrainingFacts:
     training_started_at: float  # time.time()
     session_id: int
     network_args: dict[str, str] | None = None  # the raw key=value pairs, as given
+    network_module: str | None = None  # None: the family's own (networks.lora, networks.lora_flux)
     network_dropout: float | None = None
     unet_lr: float | None = None
     text_encoder_lr: float | None = None
@@ -416,7 +427,7 @@ def build_metadata(family: FamilySpec, facts: TrainingFacts) -> dict[str, str]:
         "ss_max_train_steps": facts.max_train_steps,
         "ss_lr_warmup_steps": facts.lr_warmup_steps,
         "ss_lr_scheduler": facts.lr_scheduler,
-        "ss_network_module": family.network_module or NETWORK_MODULE,
+        "ss_network_module": facts.network_module or family.network_module or NETWORK_MODULE,
         "ss_network_dim": facts.network_dim,
         "ss_network_alpha": facts.network_alpha,
         "ss_network_dropout": facts.network_dropout,

@@ -329,10 +329,21 @@ def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8
 
 
 def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
-    """A new LoRA, or one shaped (dim_from_weights) or initialised from ``network_weights``."""
+    """A new LoRA (or LyCORIS network), or one shaped (dim_from_weights) or initialised from ``network_weights``."""
     from sd_scripts_compat.network.lora import create_network, create_network_from_weights
     from sd_scripts_compat.network.lora_file import read_lora_file
 
+    if config.network_args.lycoris is not None:
+        from sd_scripts_compat.network.lycoris import create_lycoris_network
+
+        network = create_lycoris_network(model.bundle, network_dim=config.network_dim or 4,
+                                         network_alpha=config.network_alpha, dropout=config.network_dropout,
+                                         args=config.network_args, train_text_encoder=model.train_text_encoder)
+        if config.network_weights:
+            network.apply_to()  # lycoris registers its modules when applied
+            network.load_kohya_state_dict(read_lora_file(config.network_weights, lycoris=True)[0],
+                                          source=config.network_weights)
+        return network
     if config.network_weights and config.dim_from_weights:
         return create_network_from_weights(model.bundle, config.network_weights, train_unet=True,
                                            train_text_encoder=model.train_text_encoder, args=config.network_args)
@@ -482,6 +493,7 @@ def build_checkpointer(config: TrainingConfig, process: Process, model: Model, d
         learning_rate=config.learning_rate, optimizer=optimization.description, resolution=data.spec.resolution,
         training_started_at=process.started, session_id=secrets.randbits(31),  # ss_session_id, as sd-scripts
         network_args=dict(config.network_args.entries) or None, network_dropout=config.network_dropout,
+        network_module=config.network_module,
         unet_lr=config.unet_lr, text_encoder_lr=config.text_encoders_lr, lr_scheduler=config.lr_scheduler,
         lr_warmup_steps=optimization.warmup_steps, mixed_precision=process.accelerator.mixed_precision,
         num_train_images=data.train.num_train_images, num_reg_images=data.train.num_reg_images,
