@@ -201,3 +201,22 @@ def test_full_size_layout_converts_back_on_meta(name):
         want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         got = {k: tuple(v.shape) for k, v in parts[part].items()}
         assert got == want, part
+
+
+def test_older_sd1_text_encoder_layout_is_converted_on_read(tmp_path):
+    """SD 1.x files saved before transformers' ``text_model.`` level (``cond_stage_model.transformer.encoder.*``)
+    load, as they do in sd-scripts and ComfyUI; the model equals the current layout's."""
+    from safetensors.torch import load_file, save_file
+
+    source = build_modules(get_family("tiny-sd15"))
+    current = save_single_file(source, tmp_path / "current.safetensors")
+    old = {k.replace("cond_stage_model.transformer.text_model.", "cond_stage_model.transformer."): v
+           for k, v in load_file(str(current)).items()}
+    assert any(k.startswith("cond_stage_model.transformer.encoder.") for k in old)
+    save_file(old, str(tmp_path / "old.safetensors"))
+    loaded = load_single_file(tmp_path / "old.safetensors")
+    reference = load_single_file(current)
+    assert loaded.family.name == "tiny-sd15"
+    for ours, theirs in zip(loaded.text_encoders[0].state_dict().values(),
+                            reference.text_encoders[0].state_dict().values()):
+        assert torch.equal(ours, theirs)

@@ -128,6 +128,8 @@ def _user_config(args: argparse.Namespace, base_dir: Path) -> tuple[Path, Path |
 
     base_dir.mkdir(parents=True, exist_ok=True)
     forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
+    if args.allow_pickle:
+        forced["allow_pickle"] = True
     dataset = None
     if args.dataset_config:
         dataset = base_dir / "dataset.toml"
@@ -145,10 +147,10 @@ def _user_config(args: argparse.Namespace, base_dir: Path) -> tuple[Path, Path |
 
 def run(args: argparse.Namespace) -> int:
     from autotune.launch.bench import parse_sweeps
-    from autotune.launch.plan_options import refuse_pickle
+    from autotune.launch.plan_options import accept_pickle
 
     check_options(args)
-    refuse_pickle(args.model, "bench")
+    accept_pickle(args, "bench")
     parse_sweeps(args.sweep)  # a bad --sweep is said before anything runs
     if args.keep:
         workdir = Path(args.keep).expanduser().resolve()

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from autotune.launch.plan_options import add_arguments, build_request, refuse_pickle, render
+from autotune.launch.plan_options import accept_pickle, add_arguments, build_request, render
 
 __all__ = ["add_arguments", "run"]
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from autotune.planning.toml_writer import write_plan_files
     from sd_scripts_compat.errors import UserError
 
-    refuse_pickle(args.model, "plan")
+    accept_pickle(args, "plan")
     request = build_request(args)
     plan = plan_training(request)
     if not plan.fits:

@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--model", required=True, metavar="PATH|builtin:ID",
                         help="base model: a .safetensors file, a diffusers folder, or builtin:sd15 / builtin:sdxl ...")
     parser.add_argument("--family", default=None, help="model family when it cannot be detected (e.g. sd2-v)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="allow a .ckpt/.pt model: a pickle can run code when loaded; it is loaded with "
+                        "torch.load(weights_only=True), which refuses anything but tensors")
     parser.add_argument("--gpu", action="append", default=None, metavar="NAME",
                         help='plan for this catalogue card instead of probing (repeat for several GPUs)')
     parser.add_argument("--vram", action="append", type=float, default=None, metavar="GB",
@@ -43,18 +46,28 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
-def refuse_pickle(model: str, command: str) -> None:
-    """``plan`` and ``run`` read models only as .safetensors or diffusers folders (they have no --allow_pickle):
-    a pickle checkpoint is a one-line UserError saying what to do instead."""
+def is_pickle(model: str) -> bool:
     from pathlib import Path
 
-    from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES
 
-    if Path(model).suffix.lower() in PICKLE_SUFFIXES:
-        raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; autotune {command} reads "
-                        "only .safetensors files and diffusers folders: convert it to .safetensors, or train it "
-                        "with `autotune train CONFIG --allow_pickle`")
+    return Path(model).suffix.lower() in PICKLE_SUFFIXES
+
+
+def accept_pickle(args: argparse.Namespace, command: str) -> None:
+    """A ``.ckpt`` / ``.pt`` model: a one-line refusal naming ``--allow-pickle``, or (with it) its family read
+    once here, so no later step loads the pickle again."""
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.models.detect import detect_family
+
+    if not is_pickle(args.model):
+        return
+    if not args.allow_pickle:
+        raise UserError(f"{args.model} is a pickle checkpoint, which can run code when loaded; autotune {command} "
+                        "loads it only with --allow-pickle (torch.load(weights_only=True)), or convert it to "
+                        ".safetensors")
+    if args.family is None:
+        args.family = detect_family(args.model, allow_pickle=True).name
 
 
 def _physical_cores() -> int:
@@ -82,7 +95,7 @@ def build_request(args: argparse.Namespace) -> Any:
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
                        cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
                        host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,
-                       measured_device=device)
+                       measured_device=device, allow_pickle=bool(args.allow_pickle and is_pickle(args.model)))
 
 
 def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:

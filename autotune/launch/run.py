@@ -149,10 +149,10 @@ def address_space_limit(limit_mib: float) -> Any:
 
 
 def start_run(args: argparse.Namespace) -> int:
-    from autotune.launch.plan_options import refuse_pickle
+    from autotune.launch.plan_options import accept_pickle
 
     check_options(args)
-    refuse_pickle(args.model, "run")
+    accept_pickle(args, "run")
     dataset_dir = dataset_folder(args.dataset)
     if getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
         from autotune.recovery.sd_scripts import early_check
@@ -367,6 +367,8 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path |
     user = Path(args.config)
     document = read_toml(user)
     forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
+    if args.allow_pickle:
+        forced["allow_pickle"] = True
     given_output = flat_values(document).get("output_dir")
     if given_output:
         print(f"LoRA files and states go to {Path(given_output).resolve()} (output_dir of {user})")

@@ -83,6 +83,9 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     out = [Choice("pretrained_model_name_or_path", req.model,
                   "builtin:<id> is understood by lora-autotune's engine only" if req.model.startswith("builtin:")
                   else "the base model you gave")]
+    if req.allow_pickle:
+        out.append(Choice("allow_pickle", True, "you allowed this pickle checkpoint; lora-autotune's engine loads "
+                                                "it with torch.load(weights_only=True) (sd-scripts ignores this key)"))
     if fam.v2:
         out.append(Choice("v2", True, "SD 2.x: OpenCLIP text encoder and 1024-wide cross-attention"))
     if fam.v_parameterization:

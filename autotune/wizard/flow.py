@@ -18,7 +18,6 @@ import shlex
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
     base = plan_training(request)
     if not base.fits:
         raise UserError(base.message)
-    plan = with_pickle_allowed(review(asker, request, base, start, accept=args.accept).plan, model)
+    plan = review(asker, request, base, start, accept=args.accept).plan
     config, dataset_toml = write_all(data, plan, output)
     asker.say(f"\nWrote {config} and {dataset_toml} ({output.fmt} layout).", style="bold")
     for line in commands(plan, output, config):
@@ -70,20 +69,7 @@ def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: step
                        goal=output.goal, priority=output.priority, preferences=Preferences(output_name=output.name),
                        cpu_physical_cores=hardware.cpu_cores, cpu_memory_bytes=hardware.ram_bytes,
                        dataset=data.summary, output_dir=str(output.folder), cpu_bf16=hardware.cpu_bf16,
-                       probe_summary=hardware.summary + "; autotune wizard")
-
-
-def with_pickle_allowed(plan: Any, model: steps.ModelChoice) -> Any:
-    """The user allowed a pickle checkpoint: the config says so (our engine refuses pickles otherwise)."""
-    from autotune.planning.planner import Choice
-
-    if not model.allow_pickle:
-        return plan
-    choices = list(plan.choices)
-    at = next(i for i, c in enumerate(choices) if c.key == "pretrained_model_name_or_path") + 1
-    choices.insert(at, Choice("allow_pickle", True, "you allowed this pickle checkpoint in the wizard; it is "
-                                                    "loaded with torch.load(weights_only=True)"))
-    return replace(plan, choices=tuple(choices))
+                       probe_summary=hardware.summary + "; autotune wizard", allow_pickle=model.allow_pickle)
 
 
 @contextlib.contextmanager
@@ -138,7 +124,8 @@ def run_command(model: steps.ModelChoice, data: steps.DatasetChoice, output: ste
                 dataset_toml: Path) -> list[str]:
     """``autotune run`` with the written files (its own output in OUT/run, the LoRA in OUT/output)."""
     return ["run", str(data.folder), "--model", model.model, "--family", model.family, "--config", str(config),
-            "--dataset-config", str(dataset_toml), "--out", str(output.folder / "run")]
+            "--dataset-config", str(dataset_toml), "--out", str(output.folder / "run"),
+            *(["--allow-pickle"] if model.allow_pickle else [])]
 
 
 def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardware, model: steps.ModelChoice,

@@ -244,16 +244,9 @@ def _prediction_siblings(name: str) -> list[Any]:
 def family_of_pickle(path: Path) -> str:
     """A pickle checkpoint's family (loaded with weights_only=True, after the user allowed it), by the
     shared detector's rules."""
-    from sd_scripts_compat.errors import UserError
-    from sd_scripts_compat.models.checkpoint import detect_layout, read_checkpoint
-    from sd_scripts_compat.models.detect import all_families, checkpoint_candidates, choose_family, file_prediction
+    from sd_scripts_compat.models.detect import detect_family
 
-    checkpoint = read_checkpoint(path, allow_pickle=True)
-    matched = checkpoint_candidates(checkpoint.shapes, detect_layout(checkpoint), all_families())
-    if not matched:
-        raise UserError(f"{path}: its first UNet convolution matches no known family; give another model")
-    prediction = file_prediction(checkpoint.shapes, checkpoint.metadata)
-    return choose_family(matched, prediction, None, subject=str(path), noun="checkpoint").name
+    return detect_family(path, allow_pickle=True).name
 
 
 # ------------------------------------------------------------------------------------------ dataset

@@ -338,10 +338,14 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
 }
 
 
+# Extensions a config file may hold too (sd-scripts ignores them there).
+FILE_EXTENSIONS = ("allow_pickle",)
+
+
 def _add_extension_flags(parser: Any) -> None:
     import argparse
 
-    group = parser.add_argument_group("lora-autotune extensions (command line only)")
+    group = parser.add_argument_group("lora-autotune extensions (command line; allow_pickle also in the config)")
     for name, (kind, help_text) in EXTENSION_FLAGS.items():
         if kind is bool:
             group.add_argument(f"--{name}", action="store_true", default=argparse.SUPPRESS, help=help_text)
@@ -662,6 +666,11 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
             section = f" (in [{section_of[key]}])" if section_of[key] else ""
             if key in WRAPPER_KEYS:
                 warnings.append(f"{source}: {key}{section} is ignored: {WRAPPER_KEYS[key]}")
+                continue
+            if key in FILE_EXTENSIONS:  # the planner and the wizard write it when the user allowed a pickle
+                if not isinstance(value, bool):
+                    raise UserError(f"{source}: {key}{section}: expected true or false, got {describe_value(value)}")
+                extensions.setdefault(key, value)  # the command line wins
                 continue
             if key not in specs:
                 near = _closest(key, list(specs))

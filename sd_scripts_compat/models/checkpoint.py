@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 SD1_TE_PREFIX = "cond_stage_model.transformer.text_model."
+# SD 1.x files saved with transformers before 4.x's text_model level: cond_stage_model.transformer.encoder.*
+SD1_OLD_TE_PREFIX = "cond_stage_model.transformer."
 SD2_TE_PREFIX = "cond_stage_model.model."
 SDXL_TE1_PREFIX = "conditioner.embedders.0.transformer.text_model."
 SDXL_TE2_PREFIX = "conditioner.embedders.1.model."
@@ -49,12 +51,12 @@ def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
                         "with model_index.json, or builtin:<id>")
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        return _read_safetensors(path, header_only)
+        return _current_text_encoder_names(_read_safetensors(path, header_only))
     if suffix in PICKLE_SUFFIXES:
         if not allow_pickle:
             raise UserError(f"{path} is a pickle checkpoint, which can run code when loaded; convert it to "
                             ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
-        return _read_pickle(path)
+        return _current_text_encoder_names(_read_pickle(path))
     raise UserError(f"{path}: unknown model file type {suffix or '(no suffix)'!r}; expected .safetensors "
                     "(or .ckpt/.pt with --allow_pickle) or a diffusers folder with model_index.json")
 
@@ -91,6 +93,22 @@ def _read_pickle(path: Path) -> Checkpoint:
                         "expected a Stable Diffusion checkpoint")
     tensors = {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
     return Checkpoint(path=path, shapes={k: tuple(v.shape) for k, v in tensors.items()}, metadata={}, tensors=tensors)
+
+
+def _old_sd1_name(key: str) -> str:
+    """``cond_stage_model.transformer.encoder.*`` (older SD 1.x files) -> ``...transformer.text_model.encoder.*``."""
+    if key.startswith(SD1_OLD_TE_PREFIX) and not key.startswith(SD1_TE_PREFIX):
+        return SD1_TE_PREFIX + key[len(SD1_OLD_TE_PREFIX):]
+    return key
+
+
+def _current_text_encoder_names(checkpoint: Checkpoint) -> Checkpoint:
+    """The older SD 1.x text-encoder layout converted on read, as sd-scripts and ComfyUI accept it."""
+    if not any(_old_sd1_name(key) != key for key in checkpoint.shapes):
+        return checkpoint
+    tensors = None if checkpoint.tensors is None else {_old_sd1_name(k): v for k, v in checkpoint.tensors.items()}
+    return Checkpoint(path=checkpoint.path, shapes={_old_sd1_name(k): v for k, v in checkpoint.shapes.items()},
+                      metadata=checkpoint.metadata, tensors=tensors)
 
 
 def detect_layout(checkpoint: Checkpoint) -> str:

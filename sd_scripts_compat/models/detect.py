@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES
 from sd_scripts_compat.models.families import FamilySpec, family_names, get_family
 
 BUILTIN_PREFIX = "builtin:"
@@ -52,13 +53,14 @@ def known_family(name: str, stated_by: str = "--family") -> FamilySpec:
 
 
 def detect_family(model: str | os.PathLike[str], stated: str | None = None, *,
-                  stated_by: str = "--family") -> FamilySpec:
+                  stated_by: str = "--family", allow_pickle: bool = False) -> FamilySpec:
     """The family of ``builtin:ID``, a diffusers folder or a ``.safetensors`` file, from headers and configs.
 
     ``stated`` is the user's word for it (e.g. ``sd2-v`` for an SD2 768-v file without a v-prediction
     marker); ``stated_by`` names where it came from in error messages. A model that contradicts it is a
     UserError; a model that cannot be read cheaply (missing, a pickle checkpoint) takes it on trust,
-    so a plan can be made for a model that is elsewhere.
+    so a plan can be made for a model that is elsewhere. ``allow_pickle``: the user allowed a ``.ckpt`` /
+    ``.pt``; unless stated, it is loaded (``torch.load(weights_only=True)``) to read its family.
     """
     if stated is not None:
         known_family(stated, stated_by)
@@ -70,6 +72,8 @@ def detect_family(model: str | os.PathLike[str], stated: str | None = None, *,
         return _family_of_folder(path, stated, stated_by)
     if path.is_file() and path.suffix.lower() == ".safetensors":
         return _family_of_single_file(path, stated, stated_by)
+    if path.is_file() and allow_pickle and stated is None and path.suffix.lower() in PICKLE_SUFFIXES:
+        return _family_of_single_file(path, stated, stated_by, allow_pickle=True)
     if stated is not None:
         return get_family(stated)
     if path.is_file():
@@ -132,11 +136,12 @@ def _family_of_folder(folder: Path, stated: str | None, stated_by: str) -> Famil
     return choose_family(matched, prediction, stated, subject=str(folder), stated_by=stated_by)
 
 
-def _family_of_single_file(path: Path, stated: str | None, stated_by: str) -> FamilySpec:
+def _family_of_single_file(path: Path, stated: str | None, stated_by: str,
+                           allow_pickle: bool = False) -> FamilySpec:
     """A single file: its layout from the header's keys, the first UNet conv, the v-prediction markers."""
     from sd_scripts_compat.models.checkpoint import detect_layout, read_checkpoint
 
-    checkpoint = read_checkpoint(path, header_only=True)
+    checkpoint = read_checkpoint(path, header_only=True, allow_pickle=allow_pickle)
     layout = detect_layout(checkpoint)
     matched = checkpoint_candidates(checkpoint.shapes, layout, all_families())
     if not matched:
