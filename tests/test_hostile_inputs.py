@@ -214,8 +214,10 @@ CLI = [
     Case("inspect-missing", lambda t: ["autotune", "inspect", str(t / "nope.safetensors")], "nope.safetensors"),
     Case("doctor-missing", lambda t: ["autotune", "doctor", str(t / "nope")], "not found"),
     Case("doctor-batch-zero", lambda t: ["autotune", "doctor", str(dataset(t)), "--batch", "0"], "--batch"),
-    Case("doctor-caption-extension-without-dot", lambda t: ["autotune", "doctor", str(dataset(t)),
-                                                            "--caption-extension", "txt"], ".txt"),
+    Case("doctor-config-missing", lambda t: ["autotune", "doctor", str(dataset(t)), "--config", str(t / "nope.toml")],
+         "nope.toml"),
+    Case("doctor-dataset-config-without-config", lambda t: ["autotune", "doctor", str(dataset(t)),
+                                                            "--dataset-config", str(t / "d.toml")], "--config"),
     Case("doctor-resolution-zero", lambda t: ["autotune", "doctor", str(dataset(t)), "--resolution", "0"],
          "--resolution"),
     Case("probe-gpu-unknown", lambda t: ["autotune", "probe", "--gpu", "Voodoo 9000"], "Voodoo 9000"),
@@ -345,6 +347,31 @@ MODELS = [
         t, pretrained_model_name_or_path=str(a_file(t / "m.ckpt")), v2=None), "--allow_pickle"),
     Case("train-model-folder-without-index", lambda t: train(
         t, pretrained_model_name_or_path=str((t / "m").mkdir() or t / "m")), "model_index.json"),
+    Case("plan-model-ckpt-without-allow-pickle", lambda t: plan(t, model=str(a_file(t / "m.ckpt"))), "--allow-pickle"),
+    Case("run-model-ckpt-without-allow-pickle", lambda t: run(t, model=str(a_file(t / "m.ckpt"))), "--allow-pickle"),
+    Case("engine-network-args-unknown-key", lambda t: engine(t, network_args=["conv_dims=4"]), "conv_dims"),
+    Case("engine-network-args-dropout-key", lambda t: engine(t, network_args=["dropout=0.1"]), "network_dropout"),
+    Case("engine-network-args-block-dims-count", lambda t: engine(t, network_args=["block_dims=4,4"]),
+         "block_dims must have 25 values"),
+    Case("engine-network-args-true-lowercase", lambda t: engine(t, network_args=["conv_dim=4", "rank_dropout=x"]),
+         "rank_dropout"),
+    Case("engine-lycoris-unknown-algo", lambda t: engine(t, network_module="lycoris.kohya",
+                                                         network_args=["algo=lokrr"]), "lokrr"),
+    Case("run-config-network-args-unimplemented", lambda t: run(t, "--config", str(config(
+        t, network_args=["block_alphas=1"]))), "block_alphas"),
+    Case("engine-dataset-config-batch-zero", lambda t: engine(t, "--dataset_config", str(text_file(
+        t / "d.toml", f'[[datasets]]\nbatch_size = 0\n[[datasets.subsets]]\nimage_dir = "{dataset(t)}"\n')),
+        train_data_dir=None),
+        "batch_size"),
+    Case("engine-dataset-config-keep-tokens-negative", lambda t: engine(t, "--dataset_config", str(text_file(
+        t / "d.toml", f'[[datasets]]\nkeep_tokens = -1\n[[datasets.subsets]]\nimage_dir = "{dataset(t)}"\n')),
+        train_data_dir=None),
+        "keep_tokens"),
+    Case("engine-train-data-dir-is-an-n-name-folder", lambda t: engine(
+        t, train_data_dir=str(dataset(t) / "2_toy")), "give its parent"),
+    Case("run-config-on-an-n-name-folder", lambda t: ["autotune", "run", str(dataset(t) / "2_toy"), "--model", TINY,
+                                                      "--config", str(config(t)), "--out", str(t / "run")],
+         "pass its parent"),
     Case("engine-model-ckpt-without-allow-pickle", lambda t: engine(
         t, pretrained_model_name_or_path=str(a_file(t / "m.ckpt"))), "--allow_pickle"),
     Case("engine-model-text-as-safetensors", lambda t: engine(

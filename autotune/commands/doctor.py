@@ -2,6 +2,7 @@
 
     autotune doctor DATASET/
     autotune doctor DATASET/ --model builtin:tiny-sd15 --batch 4
+    autotune doctor DATASET/ --model model.safetensors --config config.toml [--dataset-config dataset.toml]
     autotune doctor DATASET/ --json > report.json
     autotune doctor DATASET/ --html report.html --strict
 
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="caption file extension (default: the one most captions use, as `autotune plan` picks)")
     parser.add_argument("--max-token-length", type=int, choices=(75, 150, 225), default=None,
                         help="kohya's max_token_length (default 75)")
+    parser.add_argument("--config", default=None, metavar="config.toml",
+                        help="check for the resolution, batch, caption extension and token length this sd-scripts / "
+                        "lora-scripts config trains with (read as the engine reads it; flags above still win)")
+    parser.add_argument("--dataset-config", default=None, metavar="dataset.toml",
+                        help="with --config: its dataset.toml (batch, resolution and captions there win)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object "
                         "(format lora-autotune-doctor/1, see autotune/doctor/render_json.py)")
     parser.add_argument("--html", metavar="REPORT.html", default=None,
@@ -45,10 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autotune.doctor import diagnose
+    from autotune.doctor.diagnose import options_from_config
 
-    report = diagnose(args.dataset, model=args.model, family=args.family, resolution=args.resolution,
-                      batch=args.batch, caption_extension=args.caption_extension,
-                      max_token_length=args.max_token_length)
+    given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch,
+                                "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
+    if args.config:
+        configured = options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
+                                         dataset_dir=args.dataset)
+        if args.resolution is None:  # the config's bucketing, unless --resolution asks for the planner's
+            given["buckets"] = configured["buckets"]
+        given = {key: value if value is not None else configured[key] for key, value in given.items()}
+    elif args.dataset_config:
+        from sd_scripts_compat.errors import UserError
+
+        raise UserError("--dataset-config needs --config (the training config it belongs to)")
+    report = diagnose(args.dataset, model=args.model, family=args.family, **given)
     written = None
     if args.html:
         from autotune.doctor.render_html import write_html

@@ -122,10 +122,11 @@ def _read(image: Path, path: Path, root: Path, extension: str) -> tuple[str | No
 
 def _other_extension(image: Path, root: Path, extension: str) -> list[Problem]:
     """A caption beside the image with another caption extension: the engine never reads it."""
+    variants = dict.fromkeys(v for ext in CAPTION_EXTENSIONS for v in (ext, ext.upper()) if v != extension)
     return [Problem(WARNING, "caption-other-extension", _rel(other, root),
-                    f"not read: the dataset's captions are {extension} (the extension most of its captions use)",
-                    f"rename it to {image.stem}{extension}")
-            for other in (image.with_name(image.stem + ext) for ext in CAPTION_EXTENSIONS if ext != extension)
+                    f"not read: the captions read are {extension} (caption_extension; file names are case-sensitive)",
+                    f"rename it to {image.stem}{extension}, or set caption_extension = \"{other.suffix}\"")
+            for other in (image.with_name(image.stem + ext) for ext in variants)
             if other.is_file()]
 
 

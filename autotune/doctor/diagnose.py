@@ -19,6 +19,8 @@ from autotune.doctor.duplicates import duplicate_problems
 from autotune.doctor.folders import scan_problems, unsupported_files
 from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck, check_image
 from autotune.doctor.report import ERROR, DoctorReport, DoctorSettings, Problem, SubsetFacts, sort_problems
+from sd_scripts_compat.config.dataset_spec import normalize_caption_extension
+from sd_scripts_compat.dataset.buckets import BucketConfig
 from sd_scripts_compat.dataset.scan import DatasetScan, SubsetScan, scan_dataset_folder
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec
@@ -37,13 +39,15 @@ def resolve_family(model: str | None, family: str | None) -> FamilySpec | None:
 
 def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, family: str | None = None,
              resolution: int | None = None, batch: int | None = None, caption_extension: str | None = None,
-             max_token_length: int | None = None, count_tokens: TokenCounter | None = None) -> DoctorReport:
+             max_token_length: int | None = None, count_tokens: TokenCounter | None = None,
+             buckets: BucketConfig | None = None) -> DoctorReport:
     """Check a dataset folder for everything that would silently shrink it, crash the run or train garbage.
 
     ``model``/``family`` pick the bucket rules and the default resolution (the family's native size, else
     512 px); ``batch`` (default 1) decides which buckets are smaller than a batch; ``caption_extension``
     defaults to the planner's choice; ``max_token_length`` is kohya's (None = 75). ``count_tokens`` replaces
-    the shipped CLIP tokenizer (callers that check many datasets load it once).
+    the shipped CLIP tokenizer (callers that check many datasets load it once). ``buckets``: a config's own
+    bucketing keys (``options_from_config``) instead of the planner's for the resolution.
     """
     from autotune.planning.dataset import summarise
     from sd_scripts_compat.models.detect import known_family
@@ -57,10 +61,10 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     batch = 1 if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch {batch}: must be 1 or more")
-    if caption_extension is not None and not caption_extension.startswith("."):
-        raise UserError(f"--caption-extension {caption_extension}: give it with its dot (e.g. .{caption_extension})")
+    if caption_extension is not None:
+        caption_extension = normalize_caption_extension(caption_extension)  # "txt" -> ".txt", as sd-scripts
     limit = check_max_token_length(max_token_length)
-    config = bucket_config(spec or known_family(STAND_IN_FAMILY), side)
+    config = buckets if buckets is not None else bucket_config(spec or known_family(STAND_IN_FAMILY), side)
     extension = caption_extension or summarise(scan).caption_extension
     settings = DoctorSettings(family=spec.name if spec else None, resolution=side, batch_size=batch,
                               bucket_reso_steps=config.bucket_reso_steps, min_bucket_reso=config.min_bucket_reso,
@@ -107,6 +111,35 @@ def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck
                         captions_orphaned=captions.orphaned, captions_empty=captions.empty,
                         modes=tuple(sorted(modes.items())), top_tags=top_tags(captions.captions, TOP_TAGS))
     return facts, problems
+
+
+def options_from_config(config: str | os.PathLike[str], dataset_config: str | os.PathLike[str] | None, *,
+                        model: str | None, family: str | None,
+                        dataset_dir: str | os.PathLike[str] | None = None) -> dict[str, object]:
+    """The doctor's options as a training config resolves them, read by the engine's own reader (kohya's
+    precedence: dataset.toml over config.toml): resolution (the longer side), batch, caption extension,
+    max_token_length. Without ``dataset_config`` the images are ``dataset_dir``'s, as `autotune run` trains."""
+    from sd_scripts_compat.config.settings_space import settings_from_files
+
+    spec = resolve_family(model, family)
+    script = spec.kohya_script.removesuffix(".py") if spec else "train_network"
+    default = (spec.resolution, spec.resolution) if spec else (DEFAULT_RESOLUTION, DEFAULT_RESOLUTION)
+    resolved = settings_from_files(config, dataset_config, script=script, default_resolution=default,
+                                   train_data_dir=_train_data_dir(dataset_dir))
+    extensions = {subset.caption_extension for subset in resolved.dataset.subsets}
+    return {"resolution": max(resolved.settings.resolution), "batch": resolved.settings.train_batch_size,
+            "caption_extension": extensions.pop() if len(extensions) == 1 else None,
+            "max_token_length": resolved.config.max_token_length, "buckets": BucketConfig.of(resolved.dataset)}
+
+
+def _train_data_dir(dataset_dir: str | os.PathLike[str] | None) -> str | None:
+    """The folder as train_data_dir, or its parent for an N_name folder given itself (its settings are the same)."""
+    from sd_scripts_compat.config.dataset_spec import parse_repeat_folder
+
+    if dataset_dir is None:
+        return None
+    path = Path(dataset_dir).resolve()
+    return str(path.parent if parse_repeat_folder(path.name) and scan_dataset_folder(path).top_level else path)
 
 
 def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | None = None,

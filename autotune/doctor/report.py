@@ -112,8 +112,10 @@ def _plural(count: int, word: str) -> str:
 def summary_line(report: DoctorReport) -> str:
     """One line for other commands: counts of errors and warnings, images and the true steps per epoch."""
     s = report.settings
+    captioned = sum(subset.captions_found for subset in report.subsets)
     return (f"doctor: {_plural(len(report.errors), 'error')}, {_plural(len(report.warnings), 'warning')} in "
             f"{_plural(report.num_images, 'image')} ({_plural(len(report.subsets), 'subset')}); "
+            f"{captioned} of {report.num_images} images captioned ({s.caption_extension}); "
             f"{report.steps_per_epoch} steps per epoch at batch {s.batch_size}, {s.resolution} px")
 
 

@@ -219,6 +219,8 @@ def render(plan: Any) -> None:
         of = f" of {p.ram_usable_bytes / GIB:.2f} GiB usable" if p.ram_usable_bytes is not None else " (not checked)"
         console.print(f"predicted peak host RAM [bold]{p.ram_peak_bytes / GIB:.2f} GiB[/bold]{of}: "
                       + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.ram_components if v) + " GiB")
+    if plan.dataset is not None:
+        console.print(plan.dataset.line(), soft_wrap=True)
     console.print("run: " + " ".join(plan.launch_command))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")

@@ -88,6 +88,10 @@ def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
     """``--config`` without ``--dataset-config`` trains on the folder as sd-scripts' ``train_data_dir``,
     which reads only N_name subfolders: images directly in the folder are a one-line UserError there."""
     if args.config and not args.dataset_config and not args.resume and scan.top_level:
+        if scan.subsets[0].class_tokens is not None or scan.subsets[0].num_repeats > 1:
+            raise UserError(f"{scan.root} is itself an N_name folder, but --config without --dataset-config trains on "
+                            "it as train_data_dir, which holds N_name folders: pass its parent "
+                            f"{scan.root.parent} instead (or give --dataset-config)")
         raise UserError(f"{scan.root}: the images lie directly in the folder, but --config without "
                         "--dataset-config trains on it as train_data_dir, which reads only N_name subfolders; "
                         f"move them into e.g. {scan.root / '10_mychar'}, or give --dataset-config")
@@ -95,8 +99,9 @@ def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
 
 def describe_scan(scan: Any) -> str:
     """One line: each subset with its image count (and every skipped folder, with why)."""
-    parts = [f"{'images directly in the folder' if scan.top_level else s.folder.name} ({s.num_images} images)"
-             for s in scan.subsets]
+    parts = [f"{'images directly in the folder' if scan.top_level else s.folder.name} ({s.num_images} images"
+             f"{f', {s.num_repeats} repeats' if s.num_repeats > 1 else ''}"
+             f"{f', class tokens {s.class_tokens!r}' if s.class_tokens else ''})" for s in scan.subsets]
     return ", ".join(parts) + "".join(f"; {warning}" for warning in scan.warnings)
 
 
@@ -169,7 +174,7 @@ def start_run(args: argparse.Namespace) -> int:
         from autotune.doctor import check_before_training
 
         print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
-                                               resolution=args.resolution)))
+                                               **_doctor_options(args))))
     out = dataset_folder(args.out) if args.out else (Path("output") / dataset_dir.name).resolve()
     before = _entries(out)
     _prepare_output(out, args.resume)
@@ -179,6 +184,16 @@ def start_run(args: argparse.Namespace) -> int:
         if not args.resume:
             _remove_failed_start(out, before)
         raise
+
+
+def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What the doctor checks for: the settings --config (+ --dataset-config) will train with, else the pins."""
+    if not args.config:
+        return {"resolution": args.resolution}
+    from autotune.doctor.diagnose import options_from_config
+
+    return options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
+                               dataset_dir=args.dataset)
 
 
 def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any) -> int:

@@ -15,6 +15,7 @@ from sd_scripts_compat.dataset.scan import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
     DatasetScan,
+    caption_coverage,
     require_images,
     scan_dataset_folder,
 )
@@ -50,6 +51,13 @@ class DatasetSummary:
         """Images seen in one kohya epoch: each folder's images times its repeats."""
         return sum(s.num_images * s.num_repeats for s in self.subsets)
 
+    def line(self) -> str:
+        """One line for the plan: images, folders, views per epoch, how many are captioned."""
+        captioned = sum(s.num_captions for s in self.subsets)
+        folders = f"{len(self.subsets)} folder{'s' if len(self.subsets) != 1 else ''}"
+        return (f"dataset {self.root}: {self.num_images} images in {folders}, {self.views_per_epoch} views per "
+                f"epoch; {captioned} of {self.num_images} images captioned ({self.caption_extension})")
+
 
 def scan_dataset(path: str | os.PathLike[str]) -> DatasetSummary:
     """Count images and repeats the way sd-scripts reads ``--train_data_dir`` (plus images directly in the
@@ -72,6 +80,9 @@ def summarise(scan: DatasetScan) -> DatasetSummary:
                                   num_captions=len(found)))
     caption_extension = max(CAPTION_EXTENSIONS, key=lambda ext: (counts[ext], ext == ".txt"))
     warnings = list(scan.warnings)
+    elsewhere = caption_coverage([i for s in scan.subsets for i in s.images], caption_extension).problem()
+    if elsewhere:
+        warnings.append(elsewhere)
     for s in subsets:
         if s.num_captions < s.num_images and not s.class_tokens:
             warnings.append(f"{Path(s.image_dir).name}/: {s.num_images - s.num_captions} image(s) without a "

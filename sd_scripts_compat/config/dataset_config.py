@@ -371,6 +371,10 @@ def folder_dataset_group(train_data_dir: str | Path, reg_data_dir: str | Path | 
                          default_resolution: tuple[int, int] | None = None) -> DatasetGroupSpec:
     """One dataset from ``train_data_dir`` (+ ``reg_data_dir``) folders, with the command-line layer applied."""
     subsets = folder_subsets(train_data_dir, is_reg=False, option="train_data_dir")
+    own = parse_repeat_folder(Path(train_data_dir).name)
+    if not subsets and own is not None and own[0] >= MIN_REPEATS:
+        raise UserError(f"train_data_dir = {str(train_data_dir)!r} is itself an N_name folder; train_data_dir holds "
+                        f"N_name folders: give its parent {str(Path(train_data_dir).resolve().parent)!r}")
     if not subsets:
         raise UserError(f"train_data_dir = {str(train_data_dir)!r} has no '<repeats>_<class tokens>' subfolder "
                         "such as '10_sks dog'; put the images in one")

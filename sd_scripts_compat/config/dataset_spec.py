@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def normalize_caption_extension(extension: str) -> str:
+    """sd-scripts' rule: a caption extension without its dot gets one ("txt" -> ".txt"); the case is kept."""
+    return "." + extension if extension and not extension.startswith(".") else extension
+
+
 @dataclass(frozen=True)
 class SubsetSpec:
     image_dir: str
@@ -42,6 +47,9 @@ class SubsetSpec:
     resize_interpolation: str | None = None
     metadata_file: str | None = None  # fine-tuning subset (captions from a metadata JSON), else DreamBooth
     custom_attributes: dict[str, Any] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "caption_extension", normalize_caption_extension(self.caption_extension))
 
 
 @dataclass(frozen=True)

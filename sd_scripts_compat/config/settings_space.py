@@ -184,19 +184,22 @@ class ResolvedRun:
 
 
 def settings_from_files(config_path: str | Path, dataset_config_path: str | Path | None, *, sdxl: bool = False,
-                        script: str | None = None,
-                        default_resolution: tuple[int, int] | None = None) -> ResolvedRun:
+                        script: str | None = None, default_resolution: tuple[int, int] | None = None,
+                        train_data_dir: str | Path | None = None) -> ResolvedRun:
     """Read config.toml (+ dataset.toml) with the engine's own reader, exactly as a training run will.
 
     The reader's warnings are not shown here (the engine shows them when it starts); its errors are
     the engine's one-line errors, raised now rather than after a model has loaded. ``script`` names the
     entry point (``"flux_train_network"``); without it ``sdxl`` chooses SD 1.x/2.x or SDXL.
+    ``train_data_dir`` is given on the "command line" (it wins over the file's), as ``autotune run`` does.
     """
     from sd_scripts_compat.config.training_config import load_training_config, single_dataset
 
     argv = ["--config_file", str(config_path)]
     if dataset_config_path is not None:
         argv += ["--dataset_config", str(dataset_config_path)]
+    elif train_data_dir is not None:
+        argv += ["--train_data_dir", str(train_data_dir)]
     loggers = [logging.getLogger(name) for name in ("sd_scripts_compat.config.training_config",
                                                     "sd_scripts_compat.config.dataset_config")]
     levels = [logger.level for logger in loggers]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.errors import UserError
 
@@ -124,6 +124,12 @@ class BucketConfig:
     max_bucket_reso: int = 1024
     bucket_reso_steps: int = 64
     bucket_no_upscale: bool = False
+
+    @classmethod
+    def of(cls, spec: Any) -> BucketConfig:
+        """The bucketing keys of a resolved ``DatasetSpec``, as the dataset builder uses them."""
+        return cls(spec.resolution, spec.enable_bucket, spec.min_bucket_reso, spec.max_bucket_reso,
+                   spec.bucket_reso_steps, spec.bucket_no_upscale)
 
     def check(self) -> None:
         """kohya's constraints, as one-line errors naming the key."""

@@ -21,14 +21,15 @@ def read_caption(image_path: str | Path, caption_extension: str) -> str | None:
     """First line (stripped) of ``<stem><caption_extension>`` beside the image, or None when absent.
 
     Like sd-scripts, an existing but empty file is an error (it is almost always a tagging
-    accident), and so is a file that is not UTF-8.
+    accident), and so is a file that is not UTF-8. Unlike sd-scripts, a UTF-8 byte-order mark (Windows
+    Notepad writes one) is dropped rather than glued to the first tag.
     """
     path = Path(image_path)
     caption_path = path.with_name(path.stem + caption_extension)
     if not caption_path.is_file():
         return None
     try:
-        text = caption_path.read_text(encoding="utf-8")
+        text = caption_path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise UserError(f"{caption_path}: caption file is not UTF-8 ({exc.reason}); re-save it as UTF-8") from None
     if text == "":

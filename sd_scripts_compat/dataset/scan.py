@@ -7,20 +7,24 @@ stats files; it never opens an image.
 
 The rules (sd-scripts'):
 
-- an image is a file ending in one of ``IMAGE_EXTENSIONS``, in any letter case;
+- an image is a file ending in one of ``IMAGE_EXTENSIONS``, in any letter case, whose name does not start
+  with ``.`` (sd-scripts' glob skips hidden files, macOS' ``._name.png`` resource forks among them);
 - a subfolder ``N_name`` holds images repeated N times per epoch with class tokens ``name``
   (``10_sks dog`` -> 10, "sks dog"); a subfolder whose name does not start with an integer is
   skipped, and so is one with N below 1 (its images would be seen 0 times);
-- a caption is the file next to an image with the image's stem and a caption extension.
+- a caption is the file next to an image with the image's stem and a caption extension (``caption_coverage``
+  also says when images have caption files under another extension than the one that will be read).
 
 ``scan_dataset_folder`` adds one rule of its own: images directly in the folder, when it has no
-``N_name`` subfolders, form one subset with 1 repeat (a dataset.toml can point at any folder; sd-scripts'
-``train_data_dir`` cannot, so ``DatasetScan.top_level`` says when that is the case).
+``N_name`` subfolders, form one subset with 1 repeat, or with the folder's own repeats and class tokens when
+it is itself an ``N_name`` folder (a dataset.toml can point at any folder; sd-scripts' ``train_data_dir``
+cannot, so ``DatasetScan.top_level`` says when that is the case).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +40,55 @@ def is_image(path: Path) -> bool:
 
 
 def list_images(folder: Path) -> list[Path]:
-    """The images directly in ``folder``, sorted by name (so runs never depend on the listing order)."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and is_image(p))
+    """The images directly in ``folder``, sorted by name (so runs never depend on the listing order); hidden
+    files are not images, as in sd-scripts."""
+    return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file() and is_image(p))
+
+
+def hidden_images(folder: Path) -> int:
+    """Image-named files that ``list_images`` passes over because their name starts with a dot."""
+    return sum(1 for p in folder.iterdir() if p.name.startswith(".") and is_image(p) and p.is_file())
+
+
+@dataclass(frozen=True)
+class CaptionCoverage:
+    """How many of some images have a caption under ``extension``, and, for those that do not, the other
+    caption extensions (letter case included) their caption files have: files the run would never read."""
+
+    extension: str
+    images: int
+    captioned: int
+    elsewhere: dict[str, int]
+
+    def line(self) -> str:
+        return f"{self.captioned} of {self.images} images captioned ({self.extension})"
+
+    def problem(self) -> str | None:
+        """One line when captions exist under another extension; None otherwise."""
+        if not self.elsewhere:
+            return None
+        other, count = max(self.elsewhere.items(), key=lambda item: item[1])
+        return (f"{count} image(s) have no {self.extension} caption but a {other} one beside them, which is not read "
+                f"(caption_extension = \"{self.extension}\"); set caption_extension = \"{other}\" or rename the files")
+
+
+def caption_coverage(images: Iterable[Path], extension: str) -> CaptionCoverage:
+    """Captions present under ``extension`` (exact case, as the engine and sd-scripts open them) and the other
+    caption-like files (``.txt`` / ``.caption`` in any case) of the images without one."""
+    listing: dict[Path, set[str]] = {}
+    captioned, total = 0, 0
+    elsewhere: dict[str, int] = {}
+    for image in images:
+        total += 1
+        names = listing.setdefault(image.parent, {p.name for p in image.parent.iterdir()})
+        if image.stem + extension in names:
+            captioned += 1
+            continue
+        others = [name[len(image.stem):] for name in names
+                  if name.startswith(image.stem + ".") and name[len(image.stem):].lower() in CAPTION_EXTENSIONS]
+        for other in others[:1]:
+            elsewhere[other] = elsewhere.get(other, 0) + 1
+    return CaptionCoverage(extension=extension, images=total, captioned=captioned, elsewhere=elsewhere)
 
 
 
@@ -111,6 +162,7 @@ def scan_dataset_folder(path: str | os.PathLike[str],
     subsets: list[SubsetScan] = []
     warnings: list[str] = []
     repeat_folders = 0
+    hidden = 0
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         parsed = parse_repeat_folder(folder.name)
         if parsed is None:
@@ -124,6 +176,7 @@ def scan_dataset_folder(path: str | os.PathLike[str],
                             "(sd-scripts skips it); name it e.g. 1_" + (tokens or "name"))
             continue
         images = list_images(folder)
+        hidden += hidden_images(folder)
         if not images:
             warnings.append(f"{folder.name}/ holds no images ({', '.join(IMAGE_EXTENSIONS)}); skipped")
             continue
@@ -134,8 +187,21 @@ def scan_dataset_folder(path: str | os.PathLike[str],
                         "only their images are read")
     top_level = bool(top) and not repeat_folders
     if top_level:
-        subsets.append(_subset(root, 1, None, top, caption_extensions))
+        hidden += hidden_images(root)
+        repeats, tokens = _own_repeats(root)
+        subsets.append(_subset(root, repeats, tokens, top, caption_extensions))
+    if hidden:
+        warnings.append(f"{hidden} hidden image file(s) skipped (names starting with '.', such as macOS ._ files), "
+                        "as sd-scripts skips them")
     return DatasetScan(root=root, subsets=tuple(subsets), warnings=tuple(warnings), top_level=top_level)
+
+
+def _own_repeats(folder: Path) -> tuple[int, str | None]:
+    """An ``N_name`` folder given itself keeps its repeats and class tokens (1 and None for any other name)."""
+    parsed = parse_repeat_folder(folder.name)
+    if parsed is None or parsed[0] < MIN_REPEATS:
+        return 1, None
+    return parsed[0], parsed[1] or None
 
 
 def require_images(scan: DatasetScan) -> DatasetScan:

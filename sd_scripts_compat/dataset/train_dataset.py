@@ -30,7 +30,7 @@ from sd_scripts_compat.dataset.buckets import (
 )
 from sd_scripts_compat.dataset.cache_entries import LatentEntry, TextEntry, read_latent_file, read_text_file
 from sd_scripts_compat.dataset.captions import base_caption, process_caption, tag_frequency
-from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, list_images
+from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, caption_coverage, list_images
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -83,6 +83,23 @@ def _scan_dir(image_dir: Path) -> list[Path]:
         raise UserError(f"image_dir {image_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}); add images or remove "
                         "the subset")
     return paths
+
+
+def _warn_about_captions(subset: SubsetSpec, paths: list[Path], captions: list[str], empty: list[Path]) -> None:
+    """Say when captions will not train as the user probably meant: caption files under another extension
+    than ``caption_extension`` (never read), blank caption files, images with no caption at all."""
+    coverage = caption_coverage(paths, subset.caption_extension)
+    if coverage.problem():
+        warnings.warn(f"{subset.image_dir}: {coverage.line()}; {coverage.problem()}", stacklevel=3)
+    blank = [path for path, caption in zip(paths, captions) if not caption.strip()
+             and path.with_name(path.stem + subset.caption_extension).is_file()]
+    if blank:
+        warnings.warn(f"{len(blank)} caption file(s) in {subset.image_dir} are blank (only whitespace; first: "
+                      f"{blank[0].name}); those images train with an empty caption", stacklevel=3)
+    if empty:
+        warnings.warn(f"{len(empty)} images in {subset.image_dir} have neither a {subset.caption_extension} "
+                      f"caption nor class tokens (first: {empty[0].name}); they train with an empty caption",
+                      stacklevel=3)
 
 
 def read_image_size(path: Path) -> Size:
@@ -393,8 +410,7 @@ def build_dataset(spec: DatasetSpec, *, seed: int, prior_loss_weight: float = 1.
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', not {split!r}")
-    bucket_config = BucketConfig(spec.resolution, spec.enable_bucket, spec.min_bucket_reso, spec.max_bucket_reso,
-                                 spec.bucket_reso_steps, spec.bucket_no_upscale)
+    bucket_config = BucketConfig.of(spec)
     bucket_config.check()
     if not 0.0 <= spec.validation_split < 1.0:
         raise UserError(f"validation_split = {spec.validation_split} must be in [0, 1)")
@@ -433,10 +449,7 @@ def build_dataset(spec: DatasetSpec, *, seed: int, prior_loss_weight: float = 1.
             size = read_image_size(path) if verify_images else _header_size(path)
             captions.append(caption)
             (reg_entries if subset.is_reg else train_entries).append((subset_index, path, caption, size, repeats))
-        if empty:
-            warnings.warn(f"{len(empty)} images in {subset.image_dir} have neither a {subset.caption_extension} "
-                          f"caption nor class tokens (first: {empty[0].name}); they train with an empty caption",
-                          stacklevel=2)
+        _warn_about_captions(subset, paths, captions, empty)
         if not subset.is_reg:
             counts = frequencies.setdefault(Path(subset.image_dir).name, {})
             for tag, n in tag_frequency(captions).items():
