@@ -161,3 +161,55 @@ def test_engine_names_the_extra_when_lycoris_is_missing(tmp_path):
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and MISSING_LYCORIS in result.stderr
+
+
+# ---- the planner ------------------------------------------------------------------------------------------
+
+def _plan_json(*extra: str) -> dict:
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "autotune", "plan", str(Path(__file__).parents[1] / "examples" /
+                                                                          "dataset"),
+                           "--model", "builtin:sdxl", "--gpu", "RTX 3060", "--rank", "16", "--json", *extra],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_planner_counts_lycoris_parameters_with_the_package():
+    def lora_bytes(plan: dict) -> int:
+        return plan["prediction"]["components"]["lora_params"]
+
+    locon, loha = _plan_json("--network", "locon"), _plan_json("--network", "loha")
+    lokr, lokr8 = _plan_json("--network", "lokr"), _plan_json("--network", "lokr", "--network-arg", "factor=8")
+    assert lora_bytes(loha) == 2 * lora_bytes(locon)  # LoHa: two rank-r factor pairs per module
+    assert lora_bytes(lokr) < lora_bytes(lokr8) < lora_bytes(locon)  # LoKr's size follows its factor
+    values = {c["key"]: c["value"] for c in lokr8["choices"]}
+    assert values["network_module"] == "lycoris.kohya" and values["network_args"] == ["algo=lokr", "factor=8"]
+    assert lokr8["settings"]["network_args"] == ["algo=lokr", "factor=8"]
+
+
+def test_planner_refuses_lycoris_for_flux_and_bad_entries_in_one_line():
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    for extra, said in ((["--model", "builtin:tiny-flux", "--network", "loha"], "cannot train tiny-flux"),
+                        (["--model", "builtin:tiny-sd15", "--network", "lokr", "--network-arg", "factor"],
+                         "key=value"),
+                        (["--model", "builtin:tiny-sd15", "--network-arg", "conv_dims=4"], "conv_dims")):
+        done = subprocess.run([sys.executable, "-m", "autotune", "plan", str(Path(__file__).parents[1] / "examples" /
+                                                                              "dataset"), *extra],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 2 and said in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_autotune_run_plans_and_trains_a_loha(tmp_path):
+    from tests.test_run_e2e import make_dataset
+
+    data = make_dataset(tmp_path)
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15",
+                           "--network", "loha", "--epochs", "1", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = next((tmp_path / "run" / "output").glob("*.safetensors"))
+    weights, metadata = read_lora_file(written, lycoris=True)
+    assert any(key.endswith(".hada_w1_a") for key in weights) and metadata["ss_network_module"] == "lycoris.kohya"

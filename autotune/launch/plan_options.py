@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="speed | balanced | quality (default balanced)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="pin the optimizer")
     parser.add_argument("--rank", type=int, default=None, help="pin the LoRA rank (network_dim)")
+    parser.add_argument("--network", choices=("lora", "locon", "loha", "lokr"), default="lora",
+                        help="lora (kohya's networks.lora) or a LyCORIS algorithm (lycoris.kohya, the lycoris extra)")
+    parser.add_argument("--network-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more network_args entry, e.g. factor=8 for LoKr (repeat it)")
     parser.add_argument("--resolution", type=int, default=None, help="pin the training resolution (px)")
     parser.add_argument("--epochs", type=int, default=None, help="pin the number of epochs")
     parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
@@ -88,6 +92,7 @@ def build_request(args: argparse.Namespace) -> Any:
             raise UserError(f"--cpu-cores {args.cpu_cores}: must be 1 or more")
         cores = args.cpu_cores
     prefs = Preferences(optimizer=args.optimizer, rank=args.rank, resolution=args.resolution, epochs=args.epochs,
+                        network=args.network, network_args=tuple(args.network_arg),
                         allow_fp8=not args.no_fp8, workers=args.workers)
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)

@@ -29,7 +29,10 @@ MAX_RECORDS = 1000  # oldest dropped first; a record is ~1 KB
 # TrainSettings fields that change a micro-step's time or peak memory (learning rates and clipping do not)
 KEY_FIELDS = ("train_batch_size", "gradient_accumulation_steps", "resolution", "gradient_checkpointing",
               "optimizer_type", "network_dim", "network_train_unet_only", "mixed_precision", "fp8_base",
-              "cache_latents", "cache_text_encoder_outputs", "xformers", "blocks_to_swap")
+              "cache_latents", "cache_text_encoder_outputs", "xformers", "blocks_to_swap", "network_module",
+              "network_args")
+# key fields a record stored before they existed is read with (its run trained a plain LoRA)
+KEY_DEFAULTS = {"network_module": "networks.lora", "network_args": []}
 
 
 def cache_dir() -> Path:
@@ -50,7 +53,8 @@ def store_path() -> Path:
 
 def settings_key(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The key fields of a ``TrainSettings.to_event()`` block, JSON-normalised (resolution as a list)."""
-    key = {name: settings.get(name) for name in KEY_FIELDS}
+    key = {name: settings.get(name, KEY_DEFAULTS.get(name)) for name in KEY_FIELDS}
+    key["network_args"] = list(key["network_args"] or [])
     if key["resolution"] is not None:
         key["resolution"] = [int(v) for v in key["resolution"]]
     return key

@@ -142,12 +142,18 @@ def _network(c: PlanContext) -> list[Choice]:
     rank_reason = ("your --rank" if pinned and s.network_dim == pinned
                    else f"goal {req.goal}: rank {goal.rank}" if s.network_dim == goal.rank
                    else f"lowered from {pinned or goal.rank} to fit memory (fewer LoRA parameters)")
+    lycoris = s.network_module != profile.network_module
     out = [
-        Choice("network_module", profile.network_module, profile.network_module_reason),
+        Choice("network_module", s.network_module, "LyCORIS through lycoris-lora, as asked (--network)" if lycoris
+               else profile.network_module_reason),
         Choice("network_dim", c.values["network_dim"], rank_reason),
         Choice("network_alpha", c.values["network_alpha"],
                "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
     ]
+    if s.network_args:
+        out.append(Choice("network_args", list(s.network_args),
+                          "the LyCORIS algorithm and its options (parameters counted by lycoris-lora itself)"
+                          if lycoris else "your --network-arg entries"))
     if s.network_train_unet_only:
         te_reason = ("UNet only: fit memory" if any(f.startswith("UNet only") for f in c.fallbacks)
                      else "your choice" if req.preferences.train_text_encoder is False

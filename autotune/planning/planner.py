@@ -101,6 +101,7 @@ from autotune.planning.request import (
     Preferences,
     gpu_from_spec,
     gpu_from_vram,
+    network_choice,
     validate_request,
     validate_resolution,
 )
@@ -240,7 +241,7 @@ def plan_training(request: PlanRequest) -> Plan:
     t5_fp8 = "t5xxl_fp8" in profile.model_files and caching_needs_fp8_t5(family.name, usable)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
-                        attention=prefs.attention)
+                        attention=prefs.attention, network=network_choice(prefs, family))
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, cpu_bf16=request.cpu_bf16,

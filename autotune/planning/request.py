@@ -74,6 +74,8 @@ class Preferences:
     seed: int = 42
     output_name: str | None = None
     workers: int | None = None  # max_data_loader_n_workers (host RAM may step it down)
+    network: str = "lora"  # lora (the family's kohya module) or a LyCORIS algorithm (NETWORKS)
+    network_args: tuple[str, ...] = ()  # more "key=value" network_args (LoKr's factor=8, conv_dim=4, ...)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,31 @@ def validate_request(request: PlanRequest) -> None:
         raise UserError(f"--epochs {prefs.epochs}: must be 1 or more")
     if prefs.attention not in ATTENTIONS:
         raise UserError(f"--attention {prefs.attention}: choose sdpa or xformers")
+    if prefs.network not in NETWORKS:
+        raise UserError(f"--network {prefs.network}: choose one of {', '.join(NETWORKS)}")
+    for entry in prefs.network_args:
+        if "=" not in entry:
+            raise UserError(f"--network-arg {entry}: write key=value, e.g. factor=8")
+
+
+def network_choice(prefs: Preferences, family: FamilySpec) -> tuple[str, tuple[str, ...]]:
+    """(network_module, network_args) the preferences ask for, checked by the engine's own network_args reader
+    (LyCORIS: lycoris-lora installed, a known algorithm; not for FLUX)."""
+    from sd_scripts_compat.config.network_args import LYCORIS_MODULE, parse_network_args
+
+    entries = dict(entry.split("=", 1) for entry in prefs.network_args)
+    if prefs.network == "lora":
+        module = family.network_module
+    else:
+        if family.unet_lora_names == "bfl":
+            raise UserError(f"--network {prefs.network}: LyCORIS cannot train {family.name} here (lycoris-lora would "
+                            "write keys sd-scripts and ComfyUI do not load for FLUX); use --network lora")
+        module, entries = LYCORIS_MODULE, {"algo": prefs.network, **entries}
+    parse_network_args(entries, module, sdxl=family.is_sdxl, where="--network-arg")
+    return module, tuple(f"{key}={value}" for key, value in entries.items())
+
+
+NETWORKS = ("lora", "locon", "loha", "lokr")  # lora: networks.lora(_flux); the others: lycoris.kohya algorithms
 
 
 def validate_resolution(resolution: int | None, family: FamilySpec) -> None:

@@ -26,7 +26,7 @@ DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs 
 
 
 def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, precision: str, train_te: bool,
-                effective: int, attention: str) -> TrainSettings:
+                effective: int, attention: str, network: tuple[str, tuple[str, ...]] | None = None) -> TrainSettings:
     """The preferred settings before anything is given up (latents always cached; text-encoder outputs as the
     family's plan profile says, else cached for SDXL UNet-only training)."""
     cache_te = plan_profile(family.name).cache_text_encoder_outputs
@@ -36,6 +36,7 @@ def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, pre
         network_train_unet_only=not train_te, mixed_precision=precision, fp8_base=False, cache_latents=True,
         cache_text_encoder_outputs=cache_te if cache_te is not None else family.is_sdxl and not train_te,
         max_bucket_reso=side * 2, xformers=attention == "xformers",
+        network_module=network[0] if network else family.network_module, network_args=network[1] if network else (),
     )
 
 

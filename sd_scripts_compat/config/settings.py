@@ -16,6 +16,9 @@ from typing import Any
 
 from sd_scripts_compat.config.kohya_toml import parse_resolution
 
+# fields added after events were first stored: a block written before them reads as their defaults
+_LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": ()}
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -50,6 +53,8 @@ class TrainSettings:
     full_fp16: bool = False
     full_bf16: bool = False
     blocks_to_swap: int = 0  # FLUX: transformer blocks kept in host memory and copied in around their use
+    network_module: str = "networks.lora"  # "lycoris.kohya": LyCORIS, its algorithm in network_args
+    network_args: tuple[str, ...] = ()  # kohya's "key=value" entries, as written
 
     @property
     def effective_batch(self) -> int:
@@ -85,16 +90,17 @@ class TrainSettings:
         out = asdict(self)
         out["resolution"] = list(self.resolution)
         out["text_encoder_lr"] = list(self.text_encoder_lr) if self.text_encoder_lr is not None else None
+        out["network_args"] = list(self.network_args)
         return out
 
     @classmethod
     def from_event(cls, values: Mapping[str, Any]) -> TrainSettings:
         """Read a ``to_event`` block back; a missing or ill-typed field is a ValueError naming it."""
         names = {f.name for f in fields(cls)}
-        missing = sorted(names - set(values))
+        missing = sorted(names - set(values) - set(_LATER_FIELDS))
         if missing:
             raise ValueError(f"settings block lacks {', '.join(missing)}")
-        data = {name: values[name] for name in names}
+        data = {name: values.get(name, _LATER_FIELDS.get(name)) for name in names}
         data["resolution"] = parse_resolution(data["resolution"])
         for name in ("train_batch_size", "gradient_accumulation_steps", "network_dim", "blocks_to_swap"):
             data[name] = int(data[name])
@@ -108,6 +114,8 @@ class TrainSettings:
             data["text_encoder_lr"] = tuple(float(lr) for lr in data["text_encoder_lr"])
         warmup = data["lr_warmup_steps"]
         data["lr_warmup_steps"] = warmup if isinstance(warmup, int) else float(warmup)
+        data["network_module"] = str(data["network_module"])
+        data["network_args"] = tuple(str(entry) for entry in data["network_args"])
         return cls(**data)
 
     def describe(self) -> str:

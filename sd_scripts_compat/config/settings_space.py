@@ -144,6 +144,8 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         full_fp16=bool(values.get("full_fp16", False)),
         full_bf16=bool(values.get("full_bf16", False)),
         blocks_to_swap=int(values.get("blocks_to_swap") or 0),
+        network_module=str(values.get("network_module") or defaults.network_module),
+        network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
     )
 
 
@@ -153,6 +155,7 @@ def resolved_settings(config: TrainingConfig, dataset: DatasetSpec) -> TrainSett
     """The settings a run really uses, from the engine's checked config and its (one) resolved dataset: the one
     reader (:func:`settings_from_values`) over the config's values and the dataset's batch, size and buckets."""
     values = {name: getattr(config, name) for name in _CONFIG_KEYS}
+    values["network_args"] = [f"{key}={value}" for key, value in config.network_args.entries.items()]
     values.update(train_batch_size=dataset.batch_size, resolution=tuple(dataset.resolution),
                   enable_bucket=dataset.enable_bucket, max_bucket_reso=dataset.max_bucket_reso)
     return settings_from_values(values)
@@ -163,7 +166,7 @@ _CONFIG_KEYS = ("gradient_accumulation_steps", "gradient_checkpointing", "optimi
                 "network_alpha", "network_train_unet_only", "mixed_precision", "fp8_base", "fp8_base_unet",
                 "cache_latents", "cache_text_encoder_outputs", "xformers", "learning_rate", "unet_lr",
                 "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "max_grad_norm", "full_fp16", "full_bf16",
-                "blocks_to_swap")
+                "blocks_to_swap", "network_module")
 
 
 def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:

@@ -24,12 +24,13 @@ from sd_scripts_compat.errors import UserError
 if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle
 
-def _import_kohya_entry() -> Any:
+def _import_kohya_entry(quiet: bool) -> Any:
     check_lycoris_installed()
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel notice on import
     import lycoris.kohya
 
-    logging.getLogger("LyCORIS").setLevel(logging.WARNING)  # its per-network INFO lines
+    # its per-network INFO lines go; its warnings (a rank that falls back to full matrices) stay unless quiet
+    logging.getLogger("LyCORIS").setLevel(logging.ERROR if quiet else logging.WARNING)
     return lycoris.kohya
 
 
@@ -130,10 +131,11 @@ class LycorisNetwork(nn.Module):
 
 def create_lycoris_network(bundle: ModelBundle, *, network_dim: int, network_alpha: float,
                            dropout: float | None, args: NetworkArgs, train_unet: bool = True,
-                           train_text_encoder: bool = True, multiplier: float = 1.0) -> LycorisNetwork:
+                           train_text_encoder: bool = True, multiplier: float = 1.0,
+                           quiet: bool = False) -> LycorisNetwork:
     """``lycoris.kohya.create_network`` on our model with the user's network_args, as sd-scripts calls it
-    (``network_dropout`` is passed as ``dropout`` there too)."""
-    kohya_entry = _import_kohya_entry()
+    (``network_dropout`` is passed as ``dropout`` there too); ``quiet``: without lycoris' warnings (counting)."""
+    kohya_entry = _import_kohya_entry(quiet)
     encoders = list(bundle.text_encoders)
     kwargs = dict(args.lycoris or {})
     if dropout is not None:
