@@ -100,33 +100,8 @@ def test_refusals_are_one_line(tmp_path, monkeypatch):
 # ---- against lycoris in sd-scripts itself (LORA_AUTOTUNE_SD_SCRIPTS, its venv with lycoris-lora) ----------
 
 _NAMES_IN_SD_SCRIPTS = r"""
-import json, sys, types, importlib.machinery, torch
-try:
-    import torchvision
-except Exception:  # library.utils imports torchvision.transforms; nothing here uses it
-    stand_in = types.ModuleType("torchvision")
-    stand_in.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
-    stand_in.transforms = types.ModuleType("torchvision.transforms")
-    sys.modules["torchvision"] = stand_in
-sys.path.insert(0, sys.argv[1])
 import lycoris.kohya
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-family, algo = sys.argv[2], sys.argv[3]
-with torch.device("meta"):
-    if family == "sdxl":
-        from library.sdxl_original_unet import SdxlUNet2DConditionModel
-        unet = SdxlUNet2DConditionModel()
-        te = [CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                           num_attention_heads=12, hidden_act="quick_gelu")),
-              CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=1280, intermediate_size=5120,
-                                                         num_hidden_layers=32, num_attention_heads=20,
-                                                         hidden_act="gelu", projection_dim=1280))]
-    else:
-        from library.original_unet import UNet2DConditionModel
-        unet = UNet2DConditionModel(sample_size=64, attention_head_dim=8, cross_attention_dim=768)
-        te = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                          num_attention_heads=12, hidden_act="quick_gelu"))
-network = lycoris.kohya.create_network(1.0, 16, 8, None, te, unet, algo=algo)
+network = lycoris.kohya.create_network(1.0, 16, 8, None, te, unet, algo=sys.argv[3])
 network.apply_to(te, unet, True, True)
 print(json.dumps({k: list(v.shape) for k, v in network.state_dict().items()}))
 """
@@ -135,12 +110,12 @@ print(json.dumps({k: list(v.shape) for k, v in network.state_dict().items()}))
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
 @pytest.mark.parametrize("algo", ["locon", "loha", "lokr"])
 def test_keys_and_shapes_equal_lycoris_in_sd_scripts(family, algo):
-    from tests.fixtures.local import sd_scripts
+    from tests.fixtures.local import SD_SCRIPTS_MODELS, sd_scripts
 
     checkout, python = sd_scripts()
     if python is None:
         pytest.skip("needs LORA_AUTOTUNE_SD_SCRIPTS (+ _PYTHON): a local sd-scripts checkout, lycoris-lora in its venv")
-    result = subprocess.run([str(python), "-c", _NAMES_IN_SD_SCRIPTS, str(checkout), family, algo],
+    result = subprocess.run([str(python), "-c", SD_SCRIPTS_MODELS + _NAMES_IN_SD_SCRIPTS, str(checkout), family, algo],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     theirs = json.loads(result.stdout.strip().splitlines()[-1])

@@ -271,35 +271,9 @@ def test_engine_refuses_an_unimplemented_key_in_one_line_before_loading(tmp_path
 # ---- in sd-scripts itself (a local checkout: LORA_AUTOTUNE_SD_SCRIPTS; never in CI) ------------------------
 
 _LOAD_IN_SD_SCRIPTS = r"""
-import sys, types, torch
-from safetensors.torch import load_file
-try:
-    import torchvision  # library.utils imports its transforms; networks/lora.py never uses them
-except Exception:  # a venv without a torchvision build for its torch: a stand-in for the import only
-    import importlib.machinery
-    stand_in = types.ModuleType("torchvision")
-    stand_in.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
-    stand_in.transforms = types.ModuleType("torchvision.transforms")
-    sys.modules["torchvision"] = stand_in
-sys.path.insert(0, sys.argv[1])
 import networks.lora as lora
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-path, family = sys.argv[2], sys.argv[3]
-with torch.device("meta"):
-    if family == "sdxl":
-        from library.sdxl_original_unet import SdxlUNet2DConditionModel
-        unet = SdxlUNet2DConditionModel()
-        te = [CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                           num_attention_heads=12, hidden_act="quick_gelu")),
-              CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=1280, intermediate_size=5120,
-                                                         num_hidden_layers=32, num_attention_heads=20,
-                                                         hidden_act="gelu", projection_dim=1280))]
-    else:
-        from library.original_unet import UNet2DConditionModel
-        unet = UNet2DConditionModel(sample_size=64, attention_head_dim=8, cross_attention_dim=768)  # SD 1.5
-        te = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                          num_attention_heads=12, hidden_act="quick_gelu"))
-weights = load_file(path)
+from safetensors.torch import load_file
+weights = load_file(sys.argv[3])
 network, _ = lora.create_network_from_weights(1.0, None, None, te, unet, weights_sd=weights)
 network.apply_to(te, unet, True, True)  # registers the modules, as train_network does before loading
 network.load_state_dict(weights, strict=True)
@@ -313,7 +287,7 @@ def test_locon_file_loads_strictly_in_sd_scripts_networks_lora(tmp_path, family,
     import subprocess
 
     from sd_scripts_compat.network.lora_file import save_lora_file
-    from tests.fixtures.local import sd_scripts
+    from tests.fixtures.local import SD_SCRIPTS_MODELS, sd_scripts
 
     checkout, python = sd_scripts()
     if python is None:
@@ -324,7 +298,8 @@ def test_locon_file_loads_strictly_in_sd_scripts_networks_lora(tmp_path, family,
     state = {k: torch.full(v.shape, 8.0) if k.endswith(".alpha") else torch.zeros(v.shape) for k, v in meta.items()}
     path = tmp_path / "locon.safetensors"
     save_lora_file(path, state, {"ss_network_args": json.dumps(args.entries)})
-    result = subprocess.run([str(python), "-c", _LOAD_IN_SD_SCRIPTS, str(checkout), str(path), family],
+    result = subprocess.run([str(python), "-c", SD_SCRIPTS_MODELS + _LOAD_IN_SD_SCRIPTS, str(checkout), family,
+                             str(path)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[:1500]
     unet_modules, te_modules = map(int, result.stdout.split()[-2:])
