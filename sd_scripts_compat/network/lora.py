@@ -394,7 +394,7 @@ class LoRANetwork(nn.Module):
         """Optimizer param groups as sd-scripts builds them: text encoder groups, then UNet groups.
 
         A part's lr is its own lr when given, else ``default_lr``. With a LoRA+ ratio a part has two
-        groups: its ``lora_down`` / alpha-free parameters at lr and its ``lora_up`` weights at lr x ratio.
+        groups: its ``lora_down`` weights at lr and its ``lora_up`` weights at lr x ratio.
         With block lr weights the UNet has one group (pair) per block, in the order of the blocks' first
         modules, at lr x the block's weight. A group whose lr is 0 is left out (as sd-scripts does) and
         its parameters are frozen.
