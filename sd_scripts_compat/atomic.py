@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -26,10 +27,14 @@ TEST_PAUSE_ENV = "SD_COMPAT_TEST_SAVE_PAUSE"
 def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[Path]:
     """Yield a temp path beside ``path``; on normal exit it replaces ``path``, on error it is removed.
 
-    For writers that want a file name (safetensors' ``save_file``, PIL's ``save``).
+    For writers that want a file name (safetensors' ``save_file``, PIL's ``save``). A target that exists and is
+    not a regular file (a device such as /dev/null, a FIFO, a socket, a folder) is refused in one line: the
+    rename would replace it, and as root that replaces a device node.
     """
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    refuse_non_regular(target)
+    # the writer's PID in the name: a later run can tell a killed writer's leftover from a live one's
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=suffix, dir=target.parent)
     os.close(fd)
     mode = 0o666 & ~_umask()  # mkstemp makes 0600; a file we write gets the umask's permissions
     os.chmod(tmp, mode)
@@ -68,6 +73,57 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+_TEMP_NAME = re.compile(r"^\..+\.(?P<pid>\d+)\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def remove_stale_temp_files(folder: Path) -> int:
+    """Delete the temp files ``atomic_path`` left in ``folder`` when its writer was killed (its PID no longer
+    runs); a live writer's are kept. Returns how many went. Temp files survive a SIGKILL between their
+    creation and the rename; a cache beside the user's images must not keep them for ever."""
+    removed = 0
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return 0
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or _alive(int(match.group("pid"))):
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, not ours to signal
+        return True
+    return True
+
+
+def refuse_non_regular(target: Path) -> None:
+    """UserError when ``target`` exists and is not a regular file (a symlink is judged by what it points to)."""
+    import stat
+
+    from sd_scripts_compat.errors import UserError
+
+    try:
+        mode = target.stat().st_mode
+    except OSError:  # not there (or a dangling link): nothing to replace
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise UserError(f"{target} is {kind}, not a regular file; write to a file path instead")
 
 
 def _test_pause(target: Path) -> None:

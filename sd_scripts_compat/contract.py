@@ -299,6 +299,13 @@ def disk_full_guard(folder: str | os.PathLike[str], needed_bytes: int | None, wh
                             "free some space there or choose another output_dir") from None
 
 
+def error_summary(error: BaseException, limit: int = 500) -> str:
+    """The first line of an error's message, or its type's name when the message is empty (a bare
+    ``MemoryError()`` has none): never fails, whatever the error holds."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:limit]
+
+
 def is_oom_error(error: BaseException) -> bool:
     """True for torch.OutOfMemoryError and for RuntimeErrors whose message is an OOM in disguise."""
     try:

@@ -189,6 +189,19 @@ CLI = [
     Case("plan-resolution-sd15-500", lambda t: plan(t, "--resolution", "500", model="builtin:sd15"),
          "--resolution 500"),
     Case("plan-vram-zero", lambda t: plan(t, "--vram", "0"), "--vram 0"),
+    Case("plan-vram-nan", lambda t: plan(t, "--vram", "nan"), "--vram"),
+    Case("plan-ram-inf", lambda t: plan(t, "--ram", "inf"), "--ram"),
+    Case("run-memory-limit-inf", lambda t: run(t, "--memory-limit", "inf"), "--memory-limit"),
+    Case("run-stall-timeout-nan", lambda t: run(t, "--stall-timeout", "nan"), "--stall-timeout"),
+    Case("engine-learning-rate-nan", lambda t: engine(t, learning_rate=float("nan")), "learning_rate"),
+    Case("engine-max-grad-norm-inf", lambda t: engine(t, max_grad_norm=float("inf")), "max_grad_norm"),
+    Case("engine-seed-negative", lambda t: engine(t, seed=-1), "seed"),
+    Case("engine-optimizer-args-bad-value", lambda t: engine(t, optimizer_args=["betas=(2.0, 0.9)"]),
+         "optimizer_args for AdamW"),
+    Case("engine-optimizer-args-unknown-key", lambda t: engine(t, optimizer_args=["momentumm=0.9"]), "momentumm"),
+    Case("engine-sample-prompts-bad-size", lambda t: engine(t, sample_prompts=str(text_file(
+        t / "prompts.txt", "a toy --w wide\n")), sample_every_n_steps=1), "--w"),
+    Case("engine-seed-too-big", lambda t: engine(t, seed=2**64), "seed"),
     Case("plan-vram-negative", lambda t: plan(t, "--vram", "-8"), "--vram -8"),
     Case("plan-gpu-unknown", lambda t: plan(t, "--gpu", "Voodoo 9000"), "Voodoo 9000"),
     Case("plan-cpu-cores-zero", lambda t: plan(t, "--cpu-cores", "0"), "--cpu-cores 0"),
@@ -434,7 +447,20 @@ REPORTS = [
          "no run to report"),
     Case("report-html-under-a-file", lambda t: ["autotune", "report", str(finished_run(t / "ev")), "--html",
                                                 str(a_file(t / "g") / "r.html")], "--html"),
+    # writes never replace what is not a regular file (as root the rename would replace the device node)
+    Case("report-html-dev-null", lambda t: ["autotune", "report", str(finished_run(t / "ev")), "--html", "/dev/null"],
+         "/dev/null is a device"),
+    Case("doctor-html-dev-null", lambda t: ["autotune", "doctor", str(dataset(t)), "--html", "/dev/null"],
+         "/dev/null is a device"),
+    Case("doctor-html-fifo", lambda t: ["autotune", "doctor", str(dataset(t)), "--html", str(fifo(t / "pipe"))],
+         "is a FIFO"),
+    Case("doctor-html-a-folder", lambda t: ["autotune", "doctor", str(dataset(t)), "--html", str(t)], "is a folder"),
 ]
+
+
+def fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
 
 CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS
 

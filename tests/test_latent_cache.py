@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,46 @@ def test_encode_images_is_batch_independent_and_offload(vae):
     torch.testing.assert_close(together[1:2], alone, rtol=1e-4, atol=1e-5)
     offload(vae, "cpu")
     assert next(vae.parameters()).device.type == "cpu"
+
+
+@pytest.mark.slow
+def test_a_killed_runs_temp_files_beside_the_images_are_removed_by_the_next_run(tmp_path):
+    """SIGKILL while a latent cache file is being written leaves its temp file beside the images; the next run
+    removes it (its writer's PID is in its name and no longer runs) and trains."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import toml
+
+    from sd_scripts_compat.dataset.cache_entries import LATENT_CACHE_SUFFIX
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "data"
+    shutil.copytree(root / "examples" / "dataset", data)
+    config = tmp_path / "config.toml"
+    config.write_text(toml.dumps({
+        "pretrained_model_name_or_path": "builtin:tiny-sd15", "train_data_dir": str(data),
+        "output_dir": str(tmp_path / "out"), "output_name": "lora", "resolution": "64,64",
+        "caption_extension": ".txt", "max_train_steps": 2, "network_dim": 4, "cache_latents_to_disk": True,
+        "max_data_loader_n_workers": 0}))
+    command = [sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file", str(config)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SD_COMPAT_TEST_SAVE_PAUSE": f"*{LATENT_CACHE_SUFFIX}:60"}
+
+    def temps() -> list[Path]:
+        return list(data.rglob(".*.tmp"))
+
+    child = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not temps() and time.time() < deadline and child.poll() is None:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+    left = temps()
+    assert left and all(str(child.pid) in p.name for p in left)
+    env.pop("SD_COMPAT_TEST_SAVE_PAUSE")
+    again = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert temps() == []

@@ -309,3 +309,134 @@ def test_full_disk_while_saving_is_one_line_exit_28_and_the_state_stays(tmp_path
         assert lines[0].startswith("autotune run: error: ") and str(out) in lines[0] and "disk full" in lines[0]
         assert "out of memory" not in run.stdout and "attempt 0 failed" not in run.stdout  # not retried
         assert load_train_state(out / "lora-state").counters.global_step == 2
+
+
+@pytest.mark.slow
+def test_one_run_per_out_no_orphan_trainer_and_resume_waits_for_it(tmp_path):
+    """The output folder is locked by the run that uses it (flock: it dies with the run): a second `autotune run`
+    into it gets one line with the first's PID and changes nothing there. SIGKILL of the supervisor leaves no
+    trainer behind: the kernel sends it SIGTERM (it saves its state and ends); while it is still alive (held
+    stopped here) `--resume` refuses naming it, and afterwards resumes."""
+    data, out = make_dataset(tmp_path), tmp_path / "run"
+    command = [sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15", "--out", str(out),
+               "--config", str(long_config(tmp_path, steps=300)), "--save-state-every", "3600"]
+    first = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        wait_for(lambda: (out / "autotune_events" / "progress.json").exists() or first.poll() is not None,
+                 what="progress.json")
+        before = sorted(p.name for p in out.iterdir())
+        second = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-2000:]
+        lines = [line for line in second.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"another autotune run (PID {first.pid})" in lines[0], second.stderr
+        assert sorted(p.name for p in out.iterdir()) == before
+        trainer = trainers_of(out)[0]
+        os.kill(trainer, signal.SIGSTOP)  # held alive: the parent-death SIGTERM stays pending
+    finally:
+        first.kill()  # SIGKILL: no clean-up of ours runs
+        first.wait(timeout=60)
+    refused = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and f"trainer (PID {trainer}) is still running" in refused.stderr, refused.stderr
+    os.kill(trainer, signal.SIGCONT)
+    started = time.monotonic()
+    wait_for(lambda: not trainers_of(out), timeout=60, what="the trainer to end with its supervisor")
+    print(f"trainer ended {time.monotonic() - started:.1f} s after it could act on SIGTERM")
+    assert list((out / "output").glob("*-state")), "it saved its state on the way out"
+    resumed = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert int(read_lora_file(out / "output" / "long.safetensors")[1]["ss_steps"]) == 300
+
+
+def trainers_of(out: Path) -> list[int]:
+    """PIDs of live engine processes whose command line names ``out`` (the trainer of that run)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(") ")[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(str(out).encode() in arg for arg in argv) and b"sd_scripts_compat" in b" ".join(argv):
+            found.append(int(entry.name))
+    return found
+
+
+def process_state(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().split(") ")[-1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.slow
+def test_ctrl_z_stops_the_whole_run_and_fg_carries_on_at_the_same_step(tmp_path):
+    """SIGTSTP (Ctrl-Z) to `autotune run` stops the trainer too (it has its own session, so the terminal's signal
+    never reaches it); SIGCONT (fg) continues both, and the run ends as if never stopped."""
+    data, out = make_dataset(tmp_path), tmp_path / "run"
+    command = [sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15", "--out", str(out),
+               "--config", str(long_config(tmp_path, steps=40)), "--save-state-every", "3600"]
+    run = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    progress = out / "autotune_events" / "progress.json"
+    wait_for(lambda: progress.exists() or run.poll() is not None, what="progress.json")
+    trainer = trainers_of(out)[0]
+    run.send_signal(signal.SIGTSTP)
+    wait_for(lambda: process_state(trainer) == "T" and process_state(run.pid) == "T", timeout=10,
+             what="the trainer and its supervisor to stop")
+    held = progress.read_bytes()
+    time.sleep(2)
+    assert progress.read_bytes() == held and process_state(trainer) == "T"
+    run.send_signal(signal.SIGCONT)
+    _, stderr = run.communicate(timeout=900)
+    assert run.returncode == 0, stderr[-3000:]
+    lora = next(p for p in (out / "output").glob("*.safetensors") if "-0" not in p.name and "-step" not in p.name)
+    assert int(read_lora_file(lora)[1]["ss_steps"]) == 40
+
+
+def long_config(root: Path, steps: int) -> Path:
+    """A tiny-sd15 config of ``steps`` steps (a plan would cap a tiny CPU run at a few dozen)."""
+    path = root / "long.toml"
+    path.write_text(toml.dumps({"max_train_steps": steps, "resolution": "64,64", "network_dim": 4,
+                                "optimizer_type": "AdamW", "learning_rate": 1e-4, "max_data_loader_n_workers": 0,
+                                "caption_extension": ".txt", "output_name": "long"}))
+    return path
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
+    """A run records what it started from; --resume after a new image, another model or another rank refuses
+    with one line listing what changed; --resume-changed continues and the run records the changes."""
+    data, out, config = make_dataset(tmp_path), tmp_path / "run", long_config(tmp_path, steps=300)
+
+    def command(model: str = "builtin:tiny-sd15", *extra: str) -> list[str]:
+        return [sys.executable, "-m", "autotune", "run", str(data), "--model", model, "--out", str(out), "--config",
+                str(config), "--save-state-every", "3600", *extra]
+
+    first = subprocess.Popen(command(), cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    wait_for(lambda: (out / "autotune_events" / "progress.json").exists() or first.poll() is not None,
+             what="progress.json")
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=300)
+    assert first.returncode == 143
+    Image.new("RGB", (64, 64)).save(data / "1_toy" / "new.png")
+    (data / "1_toy" / "new.txt").write_text("toy, new", encoding="utf-8")
+    for argv, said in ((command("builtin:tiny-sd15", "--resume"), "the dataset (8 files"),
+                       (command("builtin:tiny-sdxl", "--resume"), "the model (builtin:tiny-sd15 -> builtin:tiny-sdxl)"),
+                       (command("builtin:tiny-sd15", "--resume", "--rank", "8"), "--rank (None -> 8)")):
+        refused = subprocess.run(argv, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert refused.returncode == 2 and len(lines) == 1 and said in lines[0], refused.stderr[-2000:]
+        assert "--resume-changed" in lines[0]
+    resumed = subprocess.run(command("builtin:tiny-sd15", "--resume", "--resume-changed"), cwd=tmp_path, env=ENV,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming although changed since the run started: the dataset" in resumed.stdout
+    state = json.loads((out / "autotune_run.json").read_text())
+    assert state["resumed_changed"] and state["resumed_changed"][0].startswith("the dataset")

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from autotune.launch.plan_options import finite
 from sd_scripts_compat.contract import Outcome
 from sd_scripts_compat.errors import UserError
 
@@ -46,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not keep the figures for this machine's plans")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR and keep its configs and logs (default: a "
                                                       "temporary folder, removed)")
-    parser.add_argument("--memory-limit", type=float,
+    parser.add_argument("--memory-limit", type=finite,
                         help="CPU only: cap each run's address space at this many MiB (a real, catchable OOM)")
-    parser.add_argument("--stall-timeout", type=float, default=600.0,
+    parser.add_argument("--stall-timeout", type=finite, default=600.0,
                         help="seconds without progress before a point is killed (default 600)")
 
 

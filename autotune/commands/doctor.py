@@ -50,8 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from autotune.doctor import diagnose
     from autotune.doctor.diagnose import options_from_config
+    from sd_scripts_compat.atomic import refuse_non_regular
+
+    if args.html:  # said before the images are read, not after
+        refuse_non_regular(Path(args.html))
 
     given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch,
                                 "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}

@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.html:  # said before the report is made, not after
+        from sd_scripts_compat.atomic import refuse_non_regular
+
+        refuse_non_regular(Path(args.html))
     text, _ = report_for(Path(args.output_dir), as_json=args.json, html_path=Path(args.html) if args.html else None)
     print(text, end="" if text.endswith("\n") else "\n")
     return 0

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autotune.launch.plan_options import finite
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autotune.planning.planner import GOALS, OPTIMIZERS, PRIORITIES
@@ -27,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--gpu", metavar="NAME", help="plan for this catalogue card (configs for another machine)")
     hardware.add_argument("--gpu-index", type=int, metavar="N", help="with several GPUs: the one that trains")
-    hardware.add_argument("--vram", type=float, metavar="GB", help="plan as if the card had only this much memory")
+    hardware.add_argument("--vram", type=finite, metavar="GB", help="plan as if the card had only this much memory")
     hardware.add_argument("--cpu", action="store_true", help="no GPU here: plan for this machine's CPU")
     hardware.add_argument("--probe", metavar="FILE", help="plan for the machine `autotune probe --json` saved")
     model = parser.add_argument_group("base model")

@@ -8,6 +8,19 @@ import argparse
 from typing import Any
 
 
+def finite(text: str) -> float:
+    """An argparse type: a number that is not nan or inf (Python's float() takes both)."""
+    import math
+
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+finite.__name__ = "finite number"
+
+
 def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True) -> None:
     from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
 
@@ -21,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         "torch.load(weights_only=True), which refuses anything but tensors")
     parser.add_argument("--gpu", action="append", default=None, metavar="NAME",
                         help='plan for this catalogue card instead of probing (repeat for several GPUs)')
-    parser.add_argument("--vram", action="append", type=float, default=None, metavar="GB",
+    parser.add_argument("--vram", action="append", type=finite, default=None, metavar="GB",
                         help="plan for a card with this much memory (with --gpu: that card, smaller)")
     parser.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
     parser.add_argument("--priority", choices=PRIORITIES, default="balanced",
@@ -37,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
     parser.add_argument("--workers", type=int, default=None, help="pin max_data_loader_n_workers (host RAM may "
                         "still lower it)")
-    parser.add_argument("--ram", type=float, default=None, metavar="GB",
+    parser.add_argument("--ram", type=finite, default=None, metavar="GB",
                         help="plan for a machine with this much RAM in total (default: the probe's available RAM; "
                         "with --gpu/--vram and no --ram, host RAM is predicted but not checked)")
     parser.add_argument("--cpu-cores", type=int, default=None,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autotune.launch.plan_options import finite
 from autotune.recovery.watchdog import DECISIONS_LOG
 from sd_scripts_compat.errors import UserError
 
@@ -27,15 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run in --out from its newest state")
+    parser.add_argument("--resume-changed", action="store_true",
+                        help="with --resume: continue even though the dataset, model or options changed since the "
+                             "run started (the changes are recorded in the run)")
     parser.add_argument("--max-retries", type=int, default=5,
                         help="retries after OOM / divergence / kill / stall (default 5)")
-    parser.add_argument("--stall-timeout", type=float, default=600.0,
+    parser.add_argument("--stall-timeout", type=finite, default=600.0,
                         help="seconds without progress before the run is killed and retried (default 600)")
-    parser.add_argument("--save-state-every", type=float, default=60.0,
+    parser.add_argument("--save-state-every", type=finite, default=60.0,
                         help="seconds between cheap state saves, the most work an OS kill can lose (default 60)")
     parser.add_argument("--skip-doctor", action="store_true",
                         help="start even when `autotune doctor` finds errors in the dataset (not recommended)")
-    parser.add_argument("--memory-limit", type=float,
+    parser.add_argument("--memory-limit", type=finite,
                         help="CPU only: cap the trainer's address space at this many MiB (a real, catchable OOM)")
     parser.add_argument("--engine", metavar="sd-scripts=PATH",
                         help="train with your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) "
@@ -123,18 +127,26 @@ def _prepare_output(out: Path, resume: bool) -> None:
         if not (out / "config.toml").is_file():
             raise UserError(f"{out}: the interrupted run's config.toml is missing; the run cannot be continued: "
                             "start a new one with another --out")
+        trainer = live_trainer(out)
+        if trainer is not None:
+            raise UserError(f"{out}: the interrupted run's trainer (PID {trainer}) is still running (saving its "
+                            "state); wait for it to end, then --resume")
         return
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: is a file, not a folder; choose another --out")
     if (out / RUN_STATE).is_file() or newest_state(out) is not None:
         raise UserError(f"{out}: holds an earlier run; continue it with --resume, or choose another --out")
+
+
+def live_trainer(out: Path) -> int | None:
+    """The PID of this run's trainer when it is still alive (its command line names ``out``), else None."""
+    from autotune.recovery.watchdog import TRAINER_PID
+
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UserError(f"--out {out}: cannot create the folder ({error.strerror or error}); "
-                        "choose another --out") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: the folder is not writable; choose another --out")
+        pid = int((out / TRAINER_PID).read_text(encoding="ascii").strip())
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[-1].split()[0]
+    except (OSError, ValueError):
+        return None
+    return pid if state != "Z" and str(out).encode() in argv else None
 
 
 def address_space_limit(limit_mib: float) -> Any:
@@ -154,6 +166,7 @@ def address_space_limit(limit_mib: float) -> Any:
 
 
 def start_run(args: argparse.Namespace) -> int:
+    from autotune.launch.out_lock import locked_output
     from autotune.launch.plan_options import accept_pickle
 
     check_options(args)
@@ -177,13 +190,14 @@ def start_run(args: argparse.Namespace) -> int:
                                                **_doctor_options(args))))
     out = dataset_folder(args.out) if args.out else (Path("output") / dataset_dir.name).resolve()
     before = _entries(out)
-    _prepare_output(out, args.resume)
-    try:
-        return _supervised(args, out, dataset_dir, scan)
-    except UserError:
-        if not args.resume:
-            _remove_failed_start(out, before)
-        raise
+    with locked_output(out):  # one run per --out: a second one is told the first's PID
+        try:
+            _prepare_output(out, args.resume)
+            return _supervised(args, out, dataset_dir, scan)
+        except UserError:
+            if not args.resume:
+                _remove_failed_start(out, before)
+            raise
 
 
 def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,6 +208,30 @@ def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:
 
     return options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
                                dataset_dir=args.dataset)
+
+
+def _checked_fingerprint(args: argparse.Namespace, out: Path, dataset_dir: Path) -> dict[str, Any]:
+    """What to keep in autotune_run.json about the run's inputs: a new run's fingerprint; on --resume, the one it
+    started with, after refusing (one line listing them) a resume whose inputs changed, unless --resume-changed."""
+    from autotune.launch.fingerprint import changes, run_fingerprint
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.watchdog import RUN_STATE
+
+    now = run_fingerprint(args, dataset_dir)
+    if not args.resume:
+        return {"fingerprint": now}
+    saved = read_json(out / RUN_STATE) or {}
+    if not isinstance(saved.get("fingerprint"), dict):  # a run started before fingerprints: nothing to compare
+        return {}
+    changed = changes(saved["fingerprint"], now)
+    kept = {"fingerprint": saved["fingerprint"], "resumed_changed": list(saved.get("resumed_changed") or [])}
+    if changed and not args.resume_changed:
+        raise UserError(f"{out}: changed since this run started: {'; '.join(changed)}; --resume would continue "
+                        "another run: start a new one with another --out, or pass --resume-changed to continue")
+    if changed:
+        print(f"resuming although changed since the run started: {'; '.join(changed)}")
+        kept["resumed_changed"] += changed
+    return kept
 
 
 def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any) -> int:
@@ -208,6 +246,7 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
 
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")
+    started = _checked_fingerprint(args, out, dataset_dir)
     probe = probe_system(out, use_torch=False)
     cuda = probe.accelerator == "cuda"
     if args.memory_limit and cuda:
@@ -241,7 +280,7 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
         stall_timeout_s=args.stall_timeout, resume=args.resume,
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
-        train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib},
+        train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib, **started},
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
         engine=engine,
         stability=_stability_limits(probe, cuda),

@@ -150,6 +150,30 @@ def proc_memory_mib(pid: int) -> tuple[float | None, float | None]:
     return rss, vm
 
 
+def _in_child(preexec_fn: Callable[[], None] | None, supervisor: int) -> Callable[[], None]:
+    """What the child runs before exec: it dies with its supervisor, then the caller's own setup."""
+    def setup() -> None:
+        _die_with(supervisor)
+        if preexec_fn is not None:
+            preexec_fn()
+
+    return setup
+
+
+def _die_with(supervisor: int) -> None:
+    """Linux: the kernel sends the child SIGTERM when its supervisor dies, however it dies (SIGKILL, a closed
+    terminal), so no trainer outlives ``autotune run``; SIGTERM lets it save its state first. Elsewhere there is
+    no such call (Windows would need a job object): the child is then stopped only through us."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != supervisor:  # it died between the fork and the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -158,11 +182,15 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 @contextlib.contextmanager
-def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int]) -> Any:
+def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int], continued: list[float]) -> Any:
     """While the child runs, SIGINT (Ctrl-C) and SIGTERM (``kill``, ``docker stop``, a scheduler) sent to us go
     to the child: the engine stops at the next step boundary, saves its state, ends its DataLoader workers and
     exits; we wait for it. Sent to the engine's process only: a worker killed by SIGTERM would fail the step in
-    flight. Installed even when the signal was inherited as ignored (a background job), so ``kill -INT`` works."""
+    flight. Installed even when the signal was inherited as ignored (a background job), so ``kill -INT`` works.
+
+    Ctrl-Z (SIGTSTP) stops the child's whole group (it has its own session, so the terminal's signal never
+    reaches it), then us; ``fg`` (SIGCONT) continues us, and we continue the group and note the time in
+    ``continued`` (the stall clock restarts there: a suspended run is not a stalled one)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -172,7 +200,15 @@ def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int])
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(number)
 
+    def suspend(_number: int, _frame: Any) -> None:
+        _signal_group(proc, signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # we stop here; SIGCONT (fg, bg, kill -CONT) carries on below
+        _signal_group(proc, signal.SIGCONT)
+        continued.append(time.monotonic())
+
     previous = {number: signal.signal(number, forward) for number in (signal.SIGINT, signal.SIGTERM)}
+    if hasattr(signal, "SIGTSTP"):
+        previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, suspend)
     try:
         yield
     finally:
@@ -218,11 +254,12 @@ def run_attempt(
     started = time.monotonic()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stops: list[int] = []  # the stop signals we received (and forwarded)
+    continued: list[float] = []  # when a Ctrl-Z suspension ended
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=preexec_fn)
+                                start_new_session=True, preexec_fn=_in_child(preexec_fn, os.getpid()))
         lock = threading.Lock()
         err_tail: deque[str] = deque(maxlen=40)
         out_sinks: list[TextIO] = [log, sys.stdout] if echo else [log]
@@ -233,8 +270,8 @@ def run_attempt(
             pump.start()
         if on_start is not None:
             on_start(proc.pid)
-        with _forwarding_stop_signals(proc, stops):
-            watch = _watch(proc, event_path(events_dir, PROGRESS), stops, stall_timeout_s=stall_timeout_s,
+        with _forwarding_stop_signals(proc, stops, continued):
+            watch = _watch(proc, event_path(events_dir, PROGRESS), stops, continued, stall_timeout_s=stall_timeout_s,
                            poll_s=poll_s, kill_grace_s=kill_grace_s, stop_grace_s=stop_grace_s)
         for pump in pumps:
             pump.join(5)
@@ -245,9 +282,10 @@ def run_attempt(
                                     peak_vm_mib=watch.peak_vm)
 
 
-def _watch(proc: subprocess.Popen[bytes], progress_path: Path, stops: list[int], *, stall_timeout_s: float,
-           poll_s: float, kill_grace_s: float, stop_grace_s: float) -> _Watch:
-    """Poll the child until it exits: sample its memory, kill it on a stall, give a forwarded stop its grace."""
+def _watch(proc: subprocess.Popen[bytes], progress_path: Path, stops: list[int], continued: list[float], *,
+           stall_timeout_s: float, poll_s: float, kill_grace_s: float, stop_grace_s: float) -> _Watch:
+    """Poll the child until it exits: sample its memory, kill it on a stall, give a forwarded stop its grace.
+    The stall clock restarts when a Ctrl-Z suspension ends (``continued``)."""
     seen = _Watch()
     last_change, last_mtime = time.monotonic(), None
     stop_deadline: float | None = None
@@ -265,6 +303,8 @@ def _watch(proc: subprocess.Popen[bytes], progress_path: Path, stops: list[int],
             mtime = progress_path.stat().st_mtime_ns
         except FileNotFoundError:
             mtime = None
+        if continued and continued[-1] > last_change:
+            last_change = continued[-1]
         if mtime != last_mtime:
             last_mtime, last_change = mtime, time.monotonic()
         elif time.monotonic() - last_change > stall_timeout_s and seen.stalled_after_s is None:

@@ -47,6 +47,7 @@ RETRY_LOG = "autotune_retries.json"
 CHILD_LOG = "autotune_train.log"
 EVENTS_DIR = "autotune_events"
 RUN_STATE = "autotune_run.json"  # the supervisor's own state: current settings and retries, for --resume
+TRAINER_PID = "autotune_trainer.pid"  # the running trainer's PID, so a --resume never starts a second one
 
 
 # ---------------------------------------------------------------- state folders and configs
@@ -109,6 +110,7 @@ class Job:
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
 
     def child_started(self, pid: int) -> None:
+        (self.output_dir / TRAINER_PID).write_text(str(pid), encoding="ascii")  # --resume checks it has ended
         self.engine.child_started(pid)
         if self.on_child_start is not None:
             self.on_child_start(pid)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import atomic_path
+from sd_scripts_compat.atomic import atomic_path, remove_stale_temp_files
 from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.dataset.buckets import resize_and_crop
 from sd_scripts_compat.dataset.cache_entries import LatentEntry, folder_writable, latent_cache_path
@@ -177,6 +177,10 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype
 
     pending: list[ImageRecord] = []
     reused = 0
+    if to_disk and is_main_process:  # what a killed run left beside the images goes first
+        for folder in {latent_cache_path(record, where).parent for record in dataset.records
+                       for where in (None, cache_dir)}:
+            remove_stale_temp_files(folder)
     for record in dataset.records:
         flip = dataset.subset_of(record).flip_aug
         if to_disk:

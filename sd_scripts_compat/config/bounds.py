@@ -24,9 +24,11 @@ MIN_VALUES: dict[str, float] = {
     "network_alpha": 0, "noise_offset": 0, "min_snr_gamma": 0, "caption_dropout_rate": 0,
     "caption_tag_dropout_rate": 0, "validation_split": 0, "lr_scheduler_power": 0,
     "num_repeats": 1,  # dataset config only: 0 repeats would see the images 0 times
+    "seed": 0, "validation_seed": 0,
 }
-# Upper bounds (rates are fractions).
-MAX_VALUES: dict[str, float] = {"caption_dropout_rate": 1, "caption_tag_dropout_rate": 1}
+RATES = ("caption_dropout_rate", "caption_tag_dropout_rate")  # fractions: at most 1
+# Upper bounds: rates are fractions; seeds go to numpy, which takes 0 .. 2**32 - 1 (sd-scripts seeds it too).
+MAX_VALUES: dict[str, float] = {**dict.fromkeys(RATES, 1), "seed": 2**32 - 1, "validation_seed": 2**32 - 1}
 # dataset-config name -> training-config name, where they differ
 DATASET_NAMES: dict[str, str] = {"batch_size": "train_batch_size"}
 
@@ -43,5 +45,7 @@ def bound_problem(name: str, value: Any) -> str | None:
     if name in MIN_VALUES and value < MIN_VALUES[name]:
         return f"must be {MIN_VALUES[name]} or more, got {value!r}"
     if name in MAX_VALUES and value > MAX_VALUES[name]:
-        return f"a rate must be between 0 and 1, got {value!r}"
+        if name in RATES:
+            return f"a rate must be between 0 and 1, got {value!r}"
+        return f"must be at most {MAX_VALUES[name]}, got {value!r}"
     return None

@@ -39,12 +39,14 @@ class OomInjector:
     ``SD_COMPAT_INJECT_OOM`` holds comma-separated rules:
       ``step=N``           raise once when global step N is about to run (a marker file in
                            ``marker_dir`` makes it fire once, even across restarts);
-      ``pixels_gt=P``      raise whenever micro-batch x height x width (in pixels) exceeds P.
+      ``pixels_gt=P``      raise whenever micro-batch x height x width (in pixels) exceeds P;
+      ``bare_step=N``      raise a bare ``MemoryError()`` (no message, as a failed host allocation can) once at N.
     """
 
     steps: frozenset[int]
     pixels_gt: int | None
     marker_dir: Path | None
+    bare_steps: frozenset[int] = frozenset()
 
     @classmethod
     def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> OomInjector | None:
@@ -52,16 +54,19 @@ class OomInjector:
         if not spec:
             return None
         steps: set[int] = set()
+        bare: set[int] = set()
         pixels_gt = None
         for rule in filter(None, (part.strip() for part in spec.split(","))):
             key, _, value = rule.partition("=")
             if key == "step" and value.isdigit():
                 steps.add(int(value))
+            elif key == "bare_step" and value.isdigit():
+                bare.add(int(value))
             elif key == "pixels_gt" and value.isdigit():
                 pixels_gt = int(value)
             else:
-                raise ValueError(f"{INJECT_ENV}: cannot read rule {rule!r} (use step=N or pixels_gt=P)")
-        return cls(frozenset(steps), pixels_gt, marker_dir)
+                raise ValueError(f"{INJECT_ENV}: cannot read rule {rule!r} (use step=N, bare_step=N or pixels_gt=P)")
+        return cls(frozenset(steps), pixels_gt, marker_dir, frozenset(bare))
 
     def check(self, step: int, batch_size: int, height: int, width: int) -> None:
         import torch
@@ -74,6 +79,8 @@ class OomInjector:
             )
         if step in self.steps and _marker_fires(self.marker_dir, f"injected-oom-step{step}"):
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_ENV} at step {step})")
+        if step in self.bare_steps and _marker_fires(self.marker_dir, f"injected-bare-oom-step{step}"):
+            raise MemoryError()
 
 
 @dataclass(frozen=True)

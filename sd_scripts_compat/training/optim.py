@@ -39,10 +39,18 @@ def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate:
             learning_rate = None  # type: ignore[assignment]
     try:
         optimizer = optimizer_class(param_groups, lr=learning_rate, **kwargs)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:  # an unknown keyword; a value the optimizer refuses (betas=(2, 0))
         raise UserError(f"optimizer_args for {canonical}: {error}") from None
     args_text = ",".join(f"{k}={v}" for k, v in optimizer_args.items())
     return optimizer, f"{module_name}.{class_name}({args_text})"
+
+
+def check_optimizer_settings(name: str, learning_rate: float, optimizer_args: dict[str, Any]) -> None:
+    """Build the optimizer once on a stand-in parameter, so a bad ``optimizer_args`` entry is one line before the
+    model loads rather than a crash after it."""
+    import torch
+
+    make_optimizer(name, [{"params": [torch.nn.Parameter(torch.zeros(1))]}], learning_rate, optimizer_args)
 
 
 def _fused_adamw_supported(param_groups: list[dict[str, Any]]) -> bool:

@@ -31,6 +31,7 @@ from sd_scripts_compat.contract import (
     OOM,
     OOM_EXIT_CODE,
     PROGRESS,
+    error_summary,
     is_oom_error,
     memory_figures,
     write_event,
@@ -111,6 +112,13 @@ def setup_process(config: TrainingConfig) -> Process:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
+
+    from sd_scripts_compat.training.optim import check_optimizer_settings
+    from sd_scripts_compat.training.sampling import read_sample_prompts
+
+    check_optimizer_settings(config.optimizer_type or "AdamW", config.learning_rate, config.optimizer_args)
+    if config.sample_prompts:  # read now: a bad line is said before the model loads, not at the first sample
+        read_sample_prompts(config.sample_prompts, (512, 512))
 
     started = time.time()
     paths = RunPaths.create(config)
@@ -647,7 +655,7 @@ def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
         if not is_oom_error(error):
             progress.close()  # the error's line then starts a line of its own
             raise
-        loop.oom = {"message": str(error).splitlines()[0][:500], "type": type(error).__name__}
+        loop.oom = {"message": error_summary(error), "type": type(error).__name__}
     # Outside the except block: the exception's frames (and the activations they hold) are gone now.
     r.phases.end_loop()
     progress.close()

@@ -8,6 +8,7 @@ LoRA (already hooked into those modules) is what is seen.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,17 @@ def parse_prompt_line(line: str, default: SamplePrompt) -> SamplePrompt:
             sample = replace(sample, **{name: cast(value.strip())})
         except ValueError:
             raise UserError(f"sample prompt {line.strip()!r}: --{flag} needs a {cast.__name__}") from None
-    return sample
+    return _sizes_as_sd_scripts_rounds(sample, line)
+
+
+def _sizes_as_sd_scripts_rounds(sample: SamplePrompt, line: str) -> SamplePrompt:
+    """sd-scripts renders at ``max(64, size - size % 8)``; a size it would change is changed here too, and said
+    (the VAE needs multiples of 8: the exact size used to crash the first sample after minutes of training)."""
+    width, height = (max(64, size - size % 8) for size in (sample.width, sample.height))
+    if (width, height) != (sample.width, sample.height):
+        warnings.warn(f"sample prompt {line.strip()!r}: {sample.width}x{sample.height} rendered at {width}x{height} "
+                      "(multiples of 8, at least 64, as sd-scripts renders)", stacklevel=2)
+    return replace(sample, width=width, height=height)
 
 
 def read_sample_prompts(path: str | Path, resolution: tuple[int, int]) -> list[SamplePrompt]:

@@ -23,7 +23,10 @@ do), or the step in flight fails for want of its batch.
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +35,26 @@ from typing import Any
 from sd_scripts_compat.contract import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _orphaned_output_to_devnull() -> None:
+    """A supervisor that died (its death is what sent this signal: autotune's attempt runner asks the kernel for
+    it) took the read ends of our stdout and stderr pipes with it, and the next print would raise BrokenPipeError
+    before the state is saved. A pipe without a reader polls as POLLERR; such a stream is pointed at /dev/null,
+    so the run still saves its state and ends cleanly."""
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            poller = select.poll()
+            poller.register(fd, select.POLLERR)
+            if not any(event & select.POLLERR for _, event in poller.poll(0)):
+                continue
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (OSError, AttributeError):  # no poll() (Windows): nothing to do
+            continue
 
 
 @dataclass
@@ -61,6 +84,7 @@ class StopSignals:
     def _handle(self, number: int, _frame: Any) -> None:
         if self.received is None:
             self.received = number
+        _orphaned_output_to_devnull()
         if not self.in_loop:
             raise KeyboardInterrupt  # loading or caching: nothing to save, stop now
 
