@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 # logger name -> messages (regular expressions on the formatted message) that are dropped
 HARMLESS: dict[str, tuple[str, ...]] = {
@@ -27,6 +28,27 @@ class _DropMatching(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not any(p.search(message) for p in self.patterns)
+
+
+def our_warnings_as_lines(program: str) -> None:
+    """The engine's own warnings (``warnings.warn`` in ``sd_scripts_compat``) as one line each in the style of its
+    errors, ``train_network: warning: ...``, instead of Python's file, line and source; others as Python shows
+    them. Set once by the entry point, for its process."""
+    import os
+    import sys
+    import warnings
+
+    python_shows = warnings.showwarning
+    package = os.path.dirname(os.path.abspath(__file__))
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if not str(filename).startswith(package):
+            python_shows(message, category, filename, lineno, file, line)
+            return
+        print(f"{program}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+
+    warnings.showwarning = show
 
 
 def silence_harmless_library_messages() -> None:

@@ -32,10 +32,11 @@ def main(argv: list[str] | None = None, *, sdxl: bool = False, script: str | Non
     with StopSignals.installed() as stops:
         try:
             from sd_scripts_compat.config.training_config import load_training_config
-            from sd_scripts_compat.quiet import silence_harmless_library_messages
+            from sd_scripts_compat.quiet import our_warnings_as_lines, silence_harmless_library_messages
             from sd_scripts_compat.training.recipe import train
 
             silence_harmless_library_messages()
+            our_warnings_as_lines(program)
             config = load_training_config(sys.argv[1:] if argv is None else argv, script=program)
             return train(config, sdxl=config.sdxl)
         except UserError as error:

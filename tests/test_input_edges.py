@@ -59,3 +59,20 @@ def test_a_bad_optimizer_argument_is_refused_before_anything_loads(tmp_path):
     with pytest.raises(UserError, match="weight_decayy"):
         check_optimizer_settings("AdamW", 1e-4, {"weight_decayy": 0.1})
     check_optimizer_settings("Lion", 1e-4, {"betas": (0.9, 0.99)})
+
+
+def test_the_engines_own_warnings_are_one_line_each(tmp_path):
+    """A warning of ours reads like the engine's errors (``train_network: warning: ...``), not as Python's
+    ``file:line: UserWarning`` plus a source line."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "examples" / "dataset", data)
+    config = write_config(tmp_path / "config.toml", base_config(tmp_path, train_data_dir=str(data),
+                                                                caption_extension=".caption", max_train_steps=1))
+    result = subprocess.run([sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file", str(config)],
+                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if "images captioned" in line]
+    assert said and all(line.startswith("train_network: warning: ") for line in said), result.stderr[-2000:]
+    assert "UserWarning" not in result.stderr and "warnings.warn" not in result.stderr
