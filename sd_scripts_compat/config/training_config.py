@@ -562,6 +562,7 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
                                              rank=(out["network_dim"], out["network_alpha"]),
                                              where=where("network_args"))
 
+    _check_path_lengths(out, where)
     if out["save_model_as"] is None:
         out["save_model_as"] = "safetensors"
     if out["save_model_as"] != "safetensors":
@@ -593,6 +594,27 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
             if out[name]:
                 warnings.append(f"{where(name)}: ignored because dataset_config is given (as in sd-scripts)")
     return out
+
+
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file systems
+SAVED_NAME_EXTRA = 40  # what the engine adds to output_name: "-step00001234-state.old", ".safetensors", a temp part
+
+
+def _check_path_lengths(out: dict[str, Any], where: Any) -> None:
+    """Path components the file system cannot hold, said now rather than at the first save after loading."""
+    for name in ("output_dir", "logging_dir", "train_data_dir", "reg_data_dir", "dataset_config",
+                 "pretrained_model_name_or_path", "network_weights", "sample_prompts", "resume"):
+        value = out.get(name)
+        if isinstance(value, str):
+            long = next((part for part in Path(value).parts if len(part.encode()) > NAME_MAX), None)
+            if long is not None:
+                raise UserError(f"{where(name)}: the path component {long[:40]!r}... is {len(long.encode())} bytes; "
+                                f"file systems take at most {NAME_MAX}; use a shorter name")
+    output_name = out.get("output_name")
+    if isinstance(output_name, str) and len(output_name.encode()) > NAME_MAX - SAVED_NAME_EXTRA:
+        raise UserError(f"{where('output_name')}: {len(output_name.encode())} bytes; the saved files add up to "
+                        f"{SAVED_NAME_EXTRA} more to it and a file name holds at most {NAME_MAX}: use at most "
+                        f"{NAME_MAX - SAVED_NAME_EXTRA} bytes")
 
 
 def most_blocks_to_swap(script: str) -> int:
