@@ -19,6 +19,7 @@ import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any
 
 from sd_scripts_compat.config.kohya_args import DATA_DIR
@@ -96,6 +97,7 @@ class NetworkArgs:
         return self.loraplus_text_encoder_lr_ratio or self.loraplus_lr_ratio
 
 
+@cache
 def read_module_keys() -> dict[str, frozenset[str]]:
     """Every network_args key each sd-scripts network module reads (data/kohya_network_args.tsv)."""
     keys: dict[str, set[str]] = {}

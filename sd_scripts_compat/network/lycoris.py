@@ -151,9 +151,8 @@ def create_lycoris_network(bundle: ModelBundle, *, network_dim: int, network_alp
         raise UserError(f"network_args for lycoris.kohya: {error}") from None
     names = _kohya_names(bundle)
     if bundle.family.unet_lora_names == "sgm":
-        names_only = set(type(inner).UNET_TARGET_REPLACE_NAME)
-        inner.unet_loras = [lora for lora in inner.unet_loras
-                            if lora.lora_name not in {f"lora_unet_{n}".replace(".", "_") for n in names_only}]
+        by_name = {f"lora_unet_{name}".replace(".", "_") for name in type(inner).UNET_TARGET_REPLACE_NAME}
+        inner.unet_loras = [lora for lora in inner.unet_loras if lora.lora_name not in by_name]
     if not train_unet:
         inner.unet_loras = []
     if not train_text_encoder:
