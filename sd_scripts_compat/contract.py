@@ -9,6 +9,9 @@ user's sd-scripts) can be supervised.
 Events (each written atomically, so a reader never sees half a file):
 - ``progress.json``: ``step, epoch, max_train_steps, time, it_per_s, loss``, rewritten every few seconds;
   the watchdog's stall detector watches its modification time.
+- ``phase.json``: ``phase`` (one of :data:`ENGINE_PHASES`), ``done`` and ``total`` (items of the phase, when
+  counted), ``bytes`` (what a loading phase reads), ``time``; rewritten when a phase begins and as it advances
+  (at most every second). The stall detector's limit depends on the phase (``autotune.recovery.stall``).
 - ``oom.json``: ``step, epoch, message, memory`` (MiB figures), ``state_dir``, ``settings`` (a
   ``TrainSettings.to_event()`` block: what the run really used) and ``resolved`` (per-dataset values,
   text-encoder caching, weight dtype).
@@ -33,7 +36,9 @@ Exit codes: :data:`DONE_EXIT_CODE` 0; :data:`USER_ERROR_EXIT_CODE` 2 (bad input,
 :data:`TERMINATED_EXIT_CODE` 143 (SIGTERM: schedulers, ``docker stop``), both a clean stop with the state saved
 (the watchdog reports either as "interrupted"); :data:`DISK_FULL_EXIT_CODE` 28 (``ENOSPC``'s number: a save
 found no space; one line on stderr names the folder and the space needed, the previous file or state is
-intact; final, never retried: a smaller batch needs no less disk).
+intact; final, never retried: a smaller batch needs no less disk); :data:`BAD_DATA_EXIT_CODE` 65 (sysexits'
+``EX_DATAERR``: NaN or Inf found in the base model's weights or the LoRA to start from, before training; one
+line names the file and the tensor; final: no learning rate fixes a broken file).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ INTERRUPTED_EXIT_CODE = 130  # SIGINT: state saved
 DIVERGED_EXIT_CODE = 88  # non-finite or diverging loss; diverged.json says where, nothing bad was saved
 TERMINATED_EXIT_CODE = 143  # SIGTERM (128 + 15): state saved, as for SIGINT
 DISK_FULL_EXIT_CODE = 28  # no space left for a save (errno ENOSPC is 28); the previous save is intact
+BAD_DATA_EXIT_CODE = 65  # NaN / Inf in an input file's weights (EX_DATAERR): not a divergence, never retried
 STOPPED_EXIT_CODES = (INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE)
 
 # event files
@@ -70,7 +76,9 @@ PROGRESS = "progress"
 OOM = "oom"
 DONE = "done"
 DIVERGED = "diverged"
-EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED)
+PHASE = "phase"
+EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED, PHASE)
+ENGINE_PHASES = ("loading", "caching", "training", "validating", "saving", "sampling")
 
 # the engine's extension flags (command line only; never written into kohya configs)
 EVENTS_DIR_FLAG = "--autotune_events_dir"
@@ -159,6 +167,7 @@ class Outcome(str, Enum):
     CONTINUE = "continue"  # the engine stopped short of its last step (an adapter's relaunch): resume as it is
     USER_ERROR = "user_error"  # bad input, one line: final
     DISK_FULL = "disk_full"  # no space for a save: final (a smaller batch needs no less disk)
+    BAD_DATA = "bad_data"  # NaN / Inf in the base model or the LoRA to start from: final, not a divergence
     INTERRUPTED = "interrupted"  # SIGINT / SIGTERM, state saved: final
     CRASH = "crash"  # anything else: final
     # a supervised run only
@@ -175,7 +184,8 @@ class Outcome(str, Enum):
     @property
     def final(self) -> bool:
         """An attempt that ended this way is not retried."""
-        return self in (Outcome.DONE, Outcome.USER_ERROR, Outcome.DISK_FULL, Outcome.INTERRUPTED, Outcome.CRASH)
+        return self in (Outcome.DONE, Outcome.USER_ERROR, Outcome.DISK_FULL, Outcome.BAD_DATA, Outcome.INTERRUPTED,
+                        Outcome.CRASH)
 
     @property
     def out_of_memory(self) -> bool:
@@ -194,6 +204,7 @@ class ExitFacts:
 
     returncode: int | None
     stalled_after_s: float | None = None  # the runner killed it after this long without progress
+    stalled_in: str | None = None  # the phase it was in then (phase.json), when it said
     stop_signal: int | None = None  # a SIGINT / SIGTERM the runner received and forwarded
     stderr_tail: tuple[str, ...] = ()
     events: Mapping[str, dict[str, Any] | None] = field(default_factory=dict)
@@ -205,12 +216,15 @@ def classify(facts: ExitFacts) -> tuple[Outcome, str]:
     tail = facts.stderr_tail[-1] if facts.stderr_tail else ""
     if facts.stalled_after_s is not None:
         step = (events.get(PROGRESS) or {}).get("step")
-        return Outcome.STALL, f"no progress for {facts.stalled_after_s:g} s (last step {step}); killed"
+        where = f" while {facts.stalled_in}" if facts.stalled_in else ""
+        return Outcome.STALL, f"no progress{where} for {facts.stalled_after_s:.0f} s (last step {step}); killed"
     if facts.stop_signal is not None or rc in STOPPED_EXIT_CODES:
         how = signal.Signals(facts.stop_signal).name if facts.stop_signal else f"exit code {rc}"
         return Outcome.INTERRUPTED, f"interrupted ({how}); state saved by the engine"
     if rc == DONE_EXIT_CODE:
         return Outcome.DONE, "finished"
+    if rc == BAD_DATA_EXIT_CODE:
+        return Outcome.BAD_DATA, tail or "NaN or Inf in an input file's weights"
     if rc == OOM_EXIT_CODE:
         return Outcome.OOM, str((events.get(OOM) or {}).get("message") or "out of memory")
     if rc == DIVERGED_EXIT_CODE:

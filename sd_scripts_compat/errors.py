@@ -23,3 +23,10 @@ def one_line(error: BaseException) -> str:
         text = last[len(prefix):] if last.startswith(prefix) else last
     lines = [line for line in text.splitlines() if line.strip()]
     return " ".join(line.strip() for line in lines) if lines else type(error).__name__
+
+
+class BadWeights(UserError):
+    """NaN or Inf in the weights of an input file (the base model, the LoRA to start or resume from): a damaged
+    file, not a divergence, so it has its own exit code (``contract.BAD_DATA_EXIT_CODE``) and is never retried."""
+
+    exit_code = 65

@@ -177,6 +177,49 @@ def a_file(path: Path) -> Path:
     return text_file(path, "a regular file\n")
 
 
+BAD_DATA = 65  # contract.BAD_DATA_EXIT_CODE: NaN / Inf in an input file, not a divergence
+
+
+def quantized_model(path: Path) -> Path:
+    """A checkpoint whose UNet weights are int8 (a quantized file), its CLIP position ids int64 as usual."""
+    return safetensors_file(path, {"model.diffusion_model.input_blocks.0.0.weight": np.zeros((320, 4, 3, 3), np.int8),
+                                   "cond_stage_model.transformer.text_model.embeddings.position_ids":
+                                       np.arange(77, dtype=np.int64)[None]})
+
+
+def tiny_model_with(path: Path, poison: str, value: float = float("nan")) -> Path:
+    """builtin:tiny-sd15 as a single file, with one value of the first tensor whose name contains ``poison``."""
+    from safetensors.torch import load_file, save_file
+
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.models.single_file import save_single_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_single_file(build_modules(get_family("tiny-sd15")), path)
+    tensors = load_file(str(path))
+    name = next(k for k in sorted(tensors) if poison in k and tensors[k].is_floating_point())
+    tensors[name].view(-1)[tensors[name].numel() // 2] = value
+    save_file(tensors, str(path))
+    return path
+
+
+def lora_with(path: Path, value: float) -> Path:
+    """A LoRA for builtin:tiny-sd15 (made by training nothing: a fresh network's weights) with one bad value."""
+    from safetensors.torch import save_file
+
+    from sd_scripts_compat.models.loading import load_base_model
+    from sd_scripts_compat.network.lora import create_network
+
+    network = create_network(load_base_model(TINY), network_dim=4, network_alpha=4.0)
+    state = {k: v.detach().clone().contiguous() for k, v in network.state_dict().items()}
+    first = next(k for k in sorted(state) if k.endswith("lora_up.weight"))
+    state[first].view(-1)[0] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
 # ---------------------------------------------------------------- the corpus
 
 CLI = [
@@ -402,6 +445,25 @@ MODELS = [
     Case("plan-model-text-as-safetensors", lambda t: plan(t, model=str(text_file(t / "m.safetensors"))),
          "m.safetensors"),
     Case("run-model-is-a-lora", lambda t: run(t, model=str(lora_like(t / "m.safetensors"))), "m.safetensors"),
+    # quantized and damaged base models: refused by name, before training (and NaN never called "diverged")
+    Case("engine-model-int8", lambda t: engine(t, pretrained_model_name_or_path=str(quantized_model(
+        t / "m.safetensors"))), "quantized weights (int8"),
+    Case("train-model-int8", lambda t: train(t, pretrained_model_name_or_path=str(quantized_model(
+        t / "m.safetensors"))), "quantized weights (int8"),
+    Case("plan-model-int8", lambda t: plan(t, model=str(quantized_model(t / "m.safetensors"))), "quantized weights"),
+    Case("run-model-int8", lambda t: run(t, model=str(quantized_model(t / "m.safetensors"))), "quantized weights"),
+    Case("engine-model-gguf", lambda t: engine(t, pretrained_model_name_or_path=str(binary(t / "m.gguf"))),
+         "GGUF-quantized"),
+    Case("plan-model-gguf", lambda t: plan(t, model=str(binary(t / "m.gguf"))), "GGUF-quantized"),
+    Case("run-model-gguf", lambda t: run(t, model=str(binary(t / "m.gguf"))), "GGUF-quantized"),
+    Case("engine-model-nan-unet-weight", lambda t: engine(t, pretrained_model_name_or_path=str(tiny_model_with(
+        t / "m.safetensors", "model.diffusion_model."))), "hold NaN or Inf", BAD_DATA),
+    Case("engine-model-inf-vae-weight", lambda t: engine(t, pretrained_model_name_or_path=str(tiny_model_with(
+        t / "m.safetensors", "first_stage_model.", float("inf")))), "AutoencoderKL hold NaN or Inf", BAD_DATA),
+    Case("engine-model-nan-text-encoder", lambda t: engine(t, pretrained_model_name_or_path=str(tiny_model_with(
+        t / "m.safetensors", "cond_stage_model."))), "CLIPTextModel hold NaN or Inf", BAD_DATA),
+    Case("run-model-nan-weights", lambda t: run(t, "--skip-doctor", model=str(tiny_model_with(
+        t / "m.safetensors", "model.diffusion_model."))), "hold NaN or Inf", BAD_DATA),
 ]
 
 LORAS = [
@@ -426,6 +488,12 @@ LORAS = [
         lora_like(t / "w.safetensors", truncate=True))), "w.safetensors"),
     Case("train-network-weights-base-model", lambda t: train(t, network_weights=str(safetensors_file(
         t / "w.safetensors", {"model.diffusion_model.x.weight": np.zeros((4, 4), np.float32)}))), "w.safetensors"),
+    Case("engine-network-weights-nan", lambda t: engine(t, network_weights=str(lora_with(
+        t / "w.safetensors", float("nan")))), "LoRA weights to start from hold NaN or Inf", BAD_DATA),
+    Case("train-network-weights-inf", lambda t: train(t, network_weights=str(lora_with(
+        t / "w.safetensors", float("-inf")))), "w.safetensors", BAD_DATA),
+    Case("engine-network-weights-nan-dim-from-weights", lambda t: engine(t, network_weights=str(lora_with(
+        t / "w.safetensors", float("nan"))), dim_from_weights=True), "hold NaN or Inf", BAD_DATA),
 ]
 
 INTERRUPTIONS = [

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, latent_cache_path, offload
+from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, offload
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.train_dataset import build_dataset, mix_seed
 from sd_scripts_compat.errors import UserError
@@ -42,7 +43,8 @@ def test_memory_and_disk_caches_are_equal_and_used_in_batches(tmp_path, vae):
     stats = cache_latents(disk, vae, device="cpu", vae_batch_size=1, to_disk=True)
     assert stats.encoded == 3 and stats.reused == 0
     for record in memory.records:
-        assert latent_cache_path(record).is_file()
+        assert disk.latent_files[record.index].is_file()
+        assert disk.latent_files[record.index].parent == record.path.parent
         ids = [record.index]
         a = memory.collate(ids, epoch=0, step=0)
         b = disk.collate(ids, epoch=0, step=0)
@@ -64,7 +66,7 @@ def test_memory_and_disk_caches_are_equal_and_used_in_batches(tmp_path, vae):
 def test_disk_cache_reused_then_invalidated(tmp_path, vae):
     dataset = make_dataset(tmp_path)
     cache_latents(dataset, vae, to_disk=True)
-    paths = [latent_cache_path(r) for r in dataset.records]
+    paths = [dataset.latent_files[r.index] for r in dataset.records]
     mtimes = [p.stat().st_mtime_ns for p in paths]
     again = make_dataset(tmp_path)
     stats = cache_latents(again, vae, to_disk=True)
@@ -140,3 +142,100 @@ def test_a_killed_runs_temp_files_beside_the_images_are_removed_by_the_next_run(
     again = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert temps() == []
+
+
+def _rewrite(path, **tensors):
+    """Replace a cache file's tensors, keeping its metadata (a damaged file that still claims to be valid)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda e: {"latents": torch.zeros(4, 3, 3)}, "shape (4, 3, 3)"),
+    (lambda e: {"latents": torch.full_like(e, float("nan"))}, "not finite"),
+    (lambda e: {"latents": e.half()}, "dtype float16"),
+])
+def test_damaged_disk_entry_is_rebuilt_and_named_once(tmp_path, vae, damage, named):
+    dataset = make_dataset(tmp_path)
+    cache_latents(dataset, vae, to_disk=True)
+    path = dataset.latent_files[0]
+    good = dataset.collate([0], epoch=0, step=0)["latents"][0].clone()
+    _rewrite(path, **damage(good))
+    again = make_dataset(tmp_path)
+    said = re.escape(f"rebuilding 1 damaged latent cache file(s) ({path.name}: ") + ".*" + re.escape(named)
+    with pytest.warns(UserWarning, match=said):
+        stats = cache_latents(again, vae, to_disk=True)
+    assert (stats.encoded, stats.reused) == (1, 2)
+    torch.testing.assert_close(again.collate([0], epoch=0, step=0)["latents"][0], good)
+
+
+def test_entry_damaged_after_the_check_is_refused_by_the_data_path(tmp_path, vae):
+    from sd_scripts_compat.dataset.cache_entries import DamagedEntry
+
+    dataset = make_dataset(tmp_path)
+    cache_latents(dataset, vae, to_disk=True)
+    wide = dataset.records[1]
+    path, shape = dataset.latent_files[wide.index], dataset.latent_shape(wide)
+    assert shape == (4, 8, 8)
+    _rewrite(path, latents=torch.zeros(4, 4, 8))  # another bucket's shape
+    with pytest.raises(DamagedEntry, match=re.escape(f"{path}: the latent cache holds shape (4, 4, 8), not {shape}")
+                       + ".*delete it and resume"):
+        dataset.collate([wide.index], epoch=0, step=0)
+    path.write_bytes(b"\x00" * 10)
+    with pytest.raises(DamagedEntry, match="cannot be read"):
+        dataset.collate([wide.index], epoch=0, step=0)
+
+
+def test_two_vaes_on_one_dataset_use_their_own_files(tmp_path, vae):
+    other = build_modules(get_family("tiny-sd15")).vae
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(0.5)
+    first, second = make_dataset(tmp_path), make_dataset(tmp_path)
+    cache_latents(first, vae, to_disk=True)
+    cache_latents(second, other, to_disk=True)
+    assert not set(first.latent_files.values()) & set(second.latent_files.values())
+    before = {p: p.read_bytes() for p in first.latent_files.values()}
+    again = make_dataset(tmp_path)
+    assert cache_latents(again, vae, to_disk=True).encoded == 0  # the other VAE's run left ours alone
+    assert {p: p.read_bytes() for p in first.latent_files.values()} == before
+    assert len(list((tmp_path / "1_x").glob("*.latents.safetensors"))) == 6
+
+
+def test_a_run_waits_for_the_one_building_an_entry(tmp_path, vae):
+    """Another process holds the images (as a run caching them does): this one waits, then reuses what it wrote."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    dataset = make_dataset(tmp_path)
+    cache_latents(dataset, vae, to_disk=True)
+    built = {p: p.read_bytes() for p in dataset.latent_files.values()}
+    for path in built:
+        path.unlink()
+    script = ("import fcntl, sys, pathlib, json, base64\n"
+              "handles = [open(p, 'rb') for p in sorted(pathlib.Path(sys.argv[1]).glob('*.png'))]\n"
+              "[fcntl.flock(h, fcntl.LOCK_EX) for h in handles]\n"
+              "print('held', flush=True)\n"
+              "for p, b in json.loads(sys.stdin.readline()).items():\n"
+              "    pathlib.Path(p).write_bytes(base64.b64decode(b))\n")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "1_x")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    result = {}
+    waiting = make_dataset(tmp_path)
+    thread = threading.Thread(target=lambda: result.update(stats=cache_latents(waiting, vae, to_disk=True)))
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive() and not any(p.exists() for p in built)  # waiting, not encoding
+    import base64
+    import json
+    holder.communicate(json.dumps({str(p): base64.b64encode(b).decode() for p, b in built.items()}) + "\n",
+                       timeout=30)
+    thread.join(timeout=60)
+    assert (result["stats"].encoded, result["stats"].reused) == (0, 3)  # what the holder wrote, read finished

@@ -18,6 +18,7 @@ from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.watchdog import Job, supervise
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.contract import (
+    BAD_DATA_EXIT_CODE,
     DISK_FULL_EXIT_CODE,
     DIVERGED,
     DIVERGED_EXIT_CODE,
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
     (ExitFacts(USER_ERROR_EXIT_CODE, stderr_tail=("train_network: error: x.toml: bad key",)), Outcome.USER_ERROR,
      "bad key"),
     (ExitFacts(DISK_FULL_EXIT_CODE, stderr_tail=("out/: disk full",)), Outcome.DISK_FULL, "disk full"),
+    (ExitFacts(BAD_DATA_EXIT_CODE, stderr_tail=("m.safetensors: ... hold NaN or Inf",)), Outcome.BAD_DATA, "NaN"),
     (ExitFacts(143), Outcome.INTERRUPTED, "exit code 143"),
     (ExitFacts(1, stop_signal=signal.SIGINT), Outcome.INTERRUPTED, "SIGINT"),
     (ExitFacts(-signal.SIGTERM, stalled_after_s=5.0, events={PROGRESS: {"step": 7}}), Outcome.STALL,
@@ -62,7 +64,7 @@ def test_outcomes_read_and_write_as_their_plain_words() -> None:
     assert json.dumps({"failure": Outcome.OS_KILL}) == '{"failure": "os_kill"}'
     assert f"{Outcome.OOM}" == str(Outcome.OOM) == "oom" and Outcome("stall") is Outcome.STALL
     assert {o for o in Outcome if o.final} == {Outcome.DONE, Outcome.USER_ERROR, Outcome.DISK_FULL,
-                                              Outcome.INTERRUPTED, Outcome.CRASH}
+                                              Outcome.BAD_DATA, Outcome.INTERRUPTED, Outcome.CRASH}
 
 
 CHILD = """

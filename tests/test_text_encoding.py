@@ -8,7 +8,6 @@ from PIL import Image
 
 from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
-from sd_scripts_compat.dataset.cache_entries import text_cache_path
 from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
@@ -122,7 +121,7 @@ def test_te_cache_equals_live_encoding_memory_and_disk(tmp_path, sdxl):
     torch.testing.assert_close(batch["pooled"], live.pooled, rtol=1e-5, atol=1e-6)
     disk = _dataset(tmp_path, caption_prefix="photo of")
     assert cache_text_encoder_outputs(disk, sdxl, max_token_length=150, to_disk=True).encoded == 2
-    assert all(text_cache_path(r).is_file() for r in disk.records)
+    assert all(disk.text_files[r.index].is_file() for r in disk.records)
     again = _dataset(tmp_path, caption_prefix="photo of")
     stats = cache_text_encoder_outputs(again, sdxl, max_token_length=150, to_disk=True)
     assert (stats.encoded, stats.reused) == (0, 3)

@@ -109,6 +109,19 @@ def test_fake_engine_stall_is_killed_and_retried(tmp_path):
     assert final_weights(result.output_file)[0] == pytest.approx(expected_w(STEPS))
 
 
+def test_a_long_load_is_not_a_stall_but_a_frozen_step_is(tmp_path):
+    """Loading 48 MiB may take the base limit plus 3 s (at the slow-disk floor of 16 MiB/s): a 2.5 s silent load
+    with a 1 s base passes; the frozen step afterwards is killed after about 1 s (the training limit: ten usual
+    steps, at least the base when that is under a minute) and resumed, with nothing lost."""
+    job = make_job(tmp_path, f"load_s=2.5,load_bytes={48 * 2**20},stall_at=6", batch=1, budget=1000.0,
+                   stall_timeout_s=1.0, save_state_every_s=0.05)
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["failure"] for r in result.retries] == ["stall"]  # the frozen step only, not the load
+    assert "no progress while training for 1 s" in result.retries[0]["message"], result.retries[0]
+    assert final_weights(result.output_file)[0] == pytest.approx(expected_w(STEPS))
+
+
 def test_fake_engine_user_error_stops_with_its_message(tmp_path):
     result = supervise(make_job(tmp_path, "user_error"))
     assert not result.ok and result.outcome == "user_error"

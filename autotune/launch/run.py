@@ -16,7 +16,7 @@ from typing import Any
 
 from autotune.launch.plan_options import finite
 from autotune.recovery.watchdog import DECISIONS_LOG
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.errors import BadWeights, UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -304,6 +304,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         raise UserError(result.message.split(": error: ", 1)[-1])
     if result.outcome is Outcome.DISK_FULL:
         raise DiskFullError(result.message.split(": error: ", 1)[-1])
+    if result.outcome is Outcome.BAD_DATA:
+        raise BadWeights(result.message.split(": error: ", 1)[-1])
     if result.outcome is Outcome.INTERRUPTED:
         last = result.attempts[-1] if result.attempts else None
         print(f"interrupted; continue with: autotune run {args.dataset} --model {args.model} --out {out} --resume",

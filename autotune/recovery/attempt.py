@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from autotune.recovery.stall import describe, stall_limit
 from sd_scripts_compat.contract import (
     DIVERGED,
     DONE,
     OOM,
+    PHASE,
     PROGRESS,
     ExitFacts,
     Outcome,
@@ -174,6 +176,13 @@ def _die_with(supervisor: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -223,6 +232,7 @@ class _Watch:
     peak_rss: float | None = None
     peak_vm: float | None = None
     stalled_after_s: float | None = None
+    stalled_in: str | None = None
 
 
 def run_attempt(
@@ -245,9 +255,10 @@ def run_attempt(
     The child gets its own process group so a stall kill also reaches any workers it started, and
     Ctrl-C (SIGINT) or SIGTERM reaches it only through us (forwarded as it came, so it saves state and exits
     130 / 143; after ``stop_grace_s`` without an exit its group is killed).
-    A stall is no change in ``progress.json`` for ``stall_timeout_s`` (counted from launch until
-    the first progress file). ``on_line`` sees every line of both streams (an engine adapter turns
-    another trainer's output into progress events with it: ``autotune.recovery.sd_scripts``).
+    A stall is no change in ``progress.json`` or ``phase.json`` for longer than the engine's phase allows
+    (``recovery.stall``: ``stall_timeout_s`` scaled to the phase's work; counted from launch until the first
+    file). ``on_line`` sees every line of both streams (an engine adapter turns another trainer's output
+    into progress events with it: ``autotune.recovery.sd_scripts``).
     """
     events_dir.mkdir(parents=True, exist_ok=True)
     clear_events(events_dir)
@@ -271,23 +282,26 @@ def run_attempt(
         if on_start is not None:
             on_start(proc.pid)
         with _forwarding_stop_signals(proc, stops, continued):
-            watch = _watch(proc, event_path(events_dir, PROGRESS), stops, continued, stall_timeout_s=stall_timeout_s,
+            watch = _watch(proc, events_dir, stops, continued, stall_timeout_s=stall_timeout_s,
                            poll_s=poll_s, kill_grace_s=kill_grace_s, stop_grace_s=stop_grace_s)
         for pump in pumps:
             pump.join(5)
     events = {kind: read_event(events_dir, kind) for kind in (PROGRESS, OOM, DIVERGED, DONE)}
-    facts = ExitFacts(returncode=proc.returncode, stalled_after_s=watch.stalled_after_s,
+    facts = ExitFacts(returncode=proc.returncode, stalled_after_s=watch.stalled_after_s, stalled_in=watch.stalled_in,
                       stop_signal=stops[0] if stops else None, stderr_tail=tuple(err_tail), events=events)
     return AttemptResult.from_facts(facts, seconds=time.monotonic() - started, peak_rss_mib=watch.peak_rss,
                                     peak_vm_mib=watch.peak_vm)
 
 
-def _watch(proc: subprocess.Popen[bytes], progress_path: Path, stops: list[int], continued: list[float], *,
+def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], continued: list[float], *,
            stall_timeout_s: float, poll_s: float, kill_grace_s: float, stop_grace_s: float) -> _Watch:
     """Poll the child until it exits: sample its memory, kill it on a stall, give a forwarded stop its grace.
-    The stall clock restarts when a Ctrl-Z suspension ends (``continued``)."""
+    The stall clock restarts when ``progress.json`` or ``phase.json`` changes and when a Ctrl-Z suspension
+    ends (``continued``); its limit follows the phase (``recovery.stall``)."""
     seen = _Watch()
-    last_change, last_mtime = time.monotonic(), None
+    watched = (event_path(events_dir, PROGRESS), event_path(events_dir, PHASE))
+    last_change, last_mtimes = time.monotonic(), (None, None)
+    limit = stall_timeout_s
     stop_deadline: float | None = None
     while proc.poll() is None:
         time.sleep(poll_s)
@@ -299,16 +313,15 @@ def _watch(proc: subprocess.Popen[bytes], progress_path: Path, stops: list[int],
             if time.monotonic() > stop_deadline:
                 _signal_group(proc, signal.SIGKILL)
             continue
-        try:
-            mtime = progress_path.stat().st_mtime_ns
-        except FileNotFoundError:
-            mtime = None
+        mtimes = tuple(_mtime(path) for path in watched)
         if continued and continued[-1] > last_change:
             last_change = continued[-1]
-        if mtime != last_mtime:
-            last_mtime, last_change = mtime, time.monotonic()
-        elif time.monotonic() - last_change > stall_timeout_s and seen.stalled_after_s is None:
-            seen.stalled_after_s = stall_timeout_s
+        if mtimes != last_mtimes:
+            last_mtimes, last_change = mtimes, time.monotonic()
+            phase, progress = read_event(events_dir, PHASE), read_event(events_dir, PROGRESS)
+            limit = stall_limit(phase, progress, stall_timeout_s)
+        elif time.monotonic() - last_change > limit and seen.stalled_after_s is None:
+            seen.stalled_after_s, seen.stalled_in = limit, describe(read_event(events_dir, PHASE))
             _signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(kill_grace_s)

@@ -1,7 +1,8 @@
 """Text-encoder output caching (kohya's ``cache_text_encoder_outputs[_to_disk]``): encode each caption once.
 
-A disk file ``<image name>.te.safetensors`` (named and read in ``dataset.cache_entries``) records the caption,
-the encoders' fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and is rebuilt when any differ.
+A disk file ``<image name>.<key>.te.safetensors`` (named and read in ``dataset.cache_entries``; the key names the
+encoders' fingerprint, ``max_token_length``, ``clip_skip`` and dtype) records the caption too and is rebuilt when
+it changes or the file is damaged (named in one warning).
 An image folder we cannot write to gets its files under ``cache_dir`` instead, as latent caches do.
 Encoding itself is ``models.text_encoding``; this module only decides what to encode and where it goes.
 """
@@ -10,13 +11,23 @@ from __future__ import annotations
 
 import errno
 import random
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.atomic import atomic_path
+from sd_scripts_compat.caching.build_lock import images_locked
 from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
 from sd_scripts_compat.contract import disk_full_guard
-from sd_scripts_compat.dataset.cache_entries import TextEntry, folder_writable, text_cache_path
+from sd_scripts_compat.dataset.cache_entries import (
+    TextEntry,
+    entry_key,
+    folder_writable,
+    load_text_file,
+    text_cache_path,
+    text_problem,
+)
 from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset
 from sd_scripts_compat.errors import UserError
@@ -33,17 +44,20 @@ def _text_metadata(caption: str, key: str, max_token_length: int, clip_skip: int
             "max_token_length": str(max_token_length), "clip_skip": str(clip_skip), "dtype": str(dtype)}
 
 
-def _text_cache_valid(path: Path, expected: dict[str, str]) -> bool:
+def _text_entry_problem(path: Path, expected: dict[str, str]) -> str | None:
+    """None: a valid entry; "": absent or of another caption (rebuilt quietly); else what is wrong (named)."""
     from safetensors import safe_open
 
     if not path.is_file():
-        return False
+        return ""
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-    except Exception:  # truncated or foreign: rebuild
-        return False
-    return all(metadata.get(k) == v for k, v in expected.items())
+        if any(metadata.get(k) != v for k, v in expected.items()):
+            return ""  # the caption changed (the rest is in the file's key)
+        return text_problem(load_text_file(path))
+    except Exception:  # noqa: BLE001 - truncated or foreign
+        return "unreadable"
 
 
 def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
@@ -69,11 +83,12 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
                                batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
                                clip_skip: int | None = None, is_main_process: bool = True,
-                               cache_dir: Path | None = None, encode: Any = None, variant: str = "") -> CacheStats:
+                               cache_dir: Path | None = None, encode: Any = None, variant: str = "",
+                               progress: Callable[[int], None] | None = None) -> CacheStats:
     """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
     the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
     shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
-    are encoded once. Disk files ``<image name>.te.safetensors`` record the caption, the encoders'
+    are encoded once. Disk files ``<image name>.<key>.te.safetensors`` record the caption, the encoders'
     fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ; those of
     images in a folder we cannot write to go under ``cache_dir`` (when given). ``encode(captions)`` replaces
     ``encode_prompts`` where the run encodes its own way (FLUX.1: ``max_token_length`` is then T5's length);
@@ -89,24 +104,34 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     te_key = "+".join(module_fingerprint(te) for te in bundle.text_encoders) + variant
     captions = {r.index: process_caption(r.caption, dataset.subset_of(r), random.Random(0)) for r in dataset.records}
 
+    def expected(record: ImageRecord) -> dict[str, str]:
+        return _text_metadata(captions[record.index], te_key, length, clip_skip, dtype)
+
     pending: list[ImageRecord] = []
-    reused = 0
+    damaged: list[str] = []
     for record in dataset.records:
         if to_disk:
-            expected = _text_metadata(captions[record.index], te_key, length, clip_skip, dtype)
-            path = text_cache_path(record)
-            if cache_dir is not None and not folder_writable(path.parent) and not _text_cache_valid(path, expected):
-                path = text_cache_path(record, cache_dir)
+            key = entry_key({k: v for k, v in expected(record).items() if k != "caption"})
+            path = text_cache_path(record, key)
+            if cache_dir is not None and not folder_writable(path.parent) \
+                    and _text_entry_problem(path, expected(record)) is not None:
+                path = text_cache_path(record, key, cache_dir)
             dataset.text_files[record.index] = path
             dataset.text_outputs.pop(record.index, None)
             if not is_main_process:
                 continue
-            if _text_cache_valid(path, expected):
-                reused += 1
+            problem = _text_entry_problem(path, expected(record))
+            if problem is None:
                 continue
+            if problem:
+                damaged.append(f"{path.name}: {problem}")
         pending.append(record)
     if to_disk and not is_main_process:
         return CacheStats(0, 0)
+    if damaged:
+        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+        warnings.warn(f"rebuilding {len(damaged)} damaged text-encoder cache file(s) ({'; '.join(damaged[:3])}{more})",
+                      stacklevel=2)
 
     unique = sorted({captions[r.index] for r in pending})
     if unique:
@@ -123,11 +148,17 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
                 mask = getattr(out, "attention_mask", None)
                 mask = mask[i].cpu().clone() if mask is not None else None
                 encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled, mask)
+            if progress is not None:
+                progress(0)  # captions, not images: the phase is alive, its image count unchanged
+    for caption, entry in encoded.items():
+        if text_problem(entry):
+            raise UserError(f"the text encoders gave outputs that are not finite for the caption {caption[:60]!r} in "
+                            f"{str(dtype).removeprefix('torch.')}; train in float32 or bf16 (mixed_precision)")
     for record in pending:
         entry = encoded[captions[record.index]]
         if to_disk:
-            _save_text(dataset.text_files[record.index], entry,
-                       _text_metadata(captions[record.index], te_key, length, clip_skip, dtype))
+            with images_locked([record.path]):  # one writer at a time; the contents are the same
+                _save_text(dataset.text_files[record.index], entry, expected(record))
         else:
             dataset.text_outputs[record.index] = entry
-    return CacheStats(encoded=len(unique), reused=reused)
+    return CacheStats(encoded=len(unique), reused=len(dataset.records) - len(pending))

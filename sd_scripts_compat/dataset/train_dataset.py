@@ -233,6 +233,7 @@ class TrainDataset:
     latent_files: dict[int, Path] = field(default_factory=dict)
     text_outputs: dict[int, TextEntry] = field(default_factory=dict)
     text_files: dict[int, Path] = field(default_factory=dict)
+    latent_geometry: tuple[int, int] | None = None  # the VAE's (channels, downscale): a cached entry's shape
 
     # ----- sizes and metadata -----
     def __len__(self) -> int:
@@ -379,12 +380,21 @@ class TrainDataset:
     def _cached_latents(self, record: ImageRecord, flipped: bool) -> torch.Tensor:
         entry = self.latents.get(record.index)
         if entry is None:
-            entry = read_latent_file(self.latent_files[record.index])
+            entry = read_latent_file(self.latent_files[record.index], self.latent_shape(record),
+                                     self.subset_of(record).flip_aug)
         if flipped:
             if entry.latents_flipped is None:
                 raise ValueError(f"{record.path}: flip_aug is on but the latent cache has no flipped latents")
             return entry.latents_flipped
         return entry.latents
+
+    def latent_shape(self, record: ImageRecord) -> tuple[int, int, int] | None:
+        """(C, h, w) of the record's latents as the VAE makes them, once caching has told the geometry."""
+        if self.latent_geometry is None:
+            return None
+        channels, downscale = self.latent_geometry
+        width, height = record.bucket
+        return channels, height // downscale, width // downscale
 
     def _cached_text(self, record: ImageRecord) -> TextEntry | None:
         entry = self.text_outputs.get(record.index)

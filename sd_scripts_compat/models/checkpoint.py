@@ -57,8 +57,24 @@ def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
             raise UserError(f"{path} is a pickle checkpoint, which can run code when loaded; convert it to "
                             ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
         return _current_text_encoder_names(_read_pickle(path))
+    if suffix == ".gguf":
+        raise UserError(f"{path} is a GGUF-quantized model, which sd-scripts cannot train from; use the model's "
+                        ".safetensors file (bf16, fp16 or fp8)")
     raise UserError(f"{path}: unknown model file type {suffix or '(no suffix)'!r}; expected .safetensors "
                     "(or .ckpt/.pt with --allow_pickle) or a diffusers folder with model_index.json")
+
+
+# integer weights: a quantized file (bitsandbytes int8 / nf4, or another scheme) no LoRA trainer can start from
+_QUANTIZED = {"I8": "int8", "U8": "uint8 (4-bit packed)", "I16": "int16", "I32": "int32"}
+
+
+def _refuse_quantized(path: Path, dtypes: dict[str, str]) -> None:
+    """A weight or bias stored as integers cannot be trained on (sd-scripts would fail deep in loading): one line
+    naming the dtype and a tensor. Integer buffers (CLIP's ``position_ids``) are no weights and pass."""
+    for key, dtype in dtypes.items():
+        if dtype in _QUANTIZED and key.endswith((".weight", ".bias")):
+            raise UserError(f"{path} holds quantized weights ({_QUANTIZED[dtype]}, e.g. {key}), which cannot be "
+                            "trained from; use the model's bf16, fp16 or fp8 .safetensors file")
 
 
 def _read_safetensors(path: Path, header_only: bool) -> Checkpoint:
@@ -68,8 +84,13 @@ def _read_safetensors(path: Path, header_only: bool) -> Checkpoint:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             metadata = dict(handle.metadata() or {})
             keys = list(handle.keys())
-            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in keys}
+            slices = {key: handle.get_slice(key) for key in keys}
+            shapes = {key: tuple(piece.get_shape()) for key, piece in slices.items()}
+            dtypes = {key: piece.get_dtype() for key, piece in slices.items()}
+            _refuse_quantized(path, dtypes)
             tensors = None if header_only else {key: handle.get_tensor(key) for key in keys}
+    except UserError:
+        raise
     except Exception as exc:  # safetensors raises its own SafetensorError plus OSError/ValueError
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"{path} is not a readable safetensors file (corrupt or truncated?): {reason}; "
@@ -92,6 +113,7 @@ def _read_pickle(path: Path) -> Checkpoint:
         raise UserError(f"{path} holds a {type(raw).__name__}, not a state dict; "
                         "expected a Stable Diffusion checkpoint")
     tensors = {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    _refuse_quantized(path, {k: {torch.int8: "I8", torch.uint8: "U8"}.get(v.dtype, "") for k, v in tensors.items()})
     return Checkpoint(path=path, shapes={k: tuple(v.shape) for k, v in tensors.items()}, metadata={}, tensors=tensors)
 
 

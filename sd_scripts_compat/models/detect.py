@@ -70,7 +70,7 @@ def detect_family(model: str | os.PathLike[str], stated: str | None = None, *,
     path = Path(text).expanduser()
     if path.is_dir():
         return _family_of_folder(path, stated, stated_by)
-    if path.is_file() and path.suffix.lower() == ".safetensors":
+    if path.is_file() and path.suffix.lower() in (".safetensors", ".gguf"):  # a GGUF file is refused by name
         return _family_of_single_file(path, stated, stated_by)
     if path.is_file() and allow_pickle and stated is None and path.suffix.lower() in PICKLE_SUFFIXES:
         return _family_of_single_file(path, stated, stated_by, allow_pickle=True)

@@ -7,6 +7,9 @@ Accepted specs:
   FILE.safetensors            original single-file layout (the way most users hold SD1.5/SDXL)
   FILE.ckpt / FILE.pt         the same, only with ``allow_pickle=True`` (``--allow_pickle``)
 Every result is a ``ModelBundle``; every bad input is a one-line ``UserError`` naming the file.
+
+Test hook: ``SD_COMPAT_TEST_LOAD_DELAY=SECONDS`` makes loading wait that long first (a model on a slow disk),
+so the watchdog's stall limits are testable with a tiny model.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
 
     from sd_scripts_compat.models.build import ModelBundle
 
+LOAD_DELAY_ENV = "SD_COMPAT_TEST_LOAD_DELAY"
 BUILTIN_IDS = tuple(family_names())  # every family can be built (random weights)
 DIFFUSERS_TEXT_PARTS = ("text_encoder", "text_encoder_2")
 DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
@@ -43,6 +47,10 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
     """
     if family is not None:
         known_family(family, ENGINE_STATED_BY)
+    if os.environ.get(LOAD_DELAY_ENV):
+        import time
+
+        time.sleep(float(os.environ[LOAD_DELAY_ENV]))
     text = os.fspath(spec)
     if any((clip_l, t5xxl, ae, t5xxl_tokenizer)) or _is_flux_source(text):
         from sd_scripts_compat.models.flux_files import load_flux_model

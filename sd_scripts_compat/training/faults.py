@@ -1,8 +1,8 @@
 """Deterministic fault injection, so the OOM and stability ladders are testable on a CPU.
 
-``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`) and ``SD_COMPAT_INJECT_NAN`` (see
-:class:`NanInjector`) hold comma-separated rules; tests and benches set them on the engine's
-environment, the watchdog never does. The run reads both once into a :class:`FaultPlan`, which wraps the
+``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`), ``SD_COMPAT_INJECT_NAN`` (see :class:`NanInjector`) and
+``SD_COMPAT_INJECT_FREEZE`` (see :class:`FreezeInjector`) hold comma-separated rules; tests and benches set them
+on the engine's environment, the watchdog never does. The run reads them once into a :class:`FaultPlan`, which wraps the
 training objective when there is anything to inject: the training loop has no fault code of its own.
 A *real* divergence needs no injector: a learning rate far too
 high for the tiny model (``learning_rate = 2.0`` with AdamW on ``builtin:tiny-sd15``) makes its loss turn
@@ -19,6 +19,7 @@ from typing import Any
 
 INJECT_ENV = "SD_COMPAT_INJECT_OOM"
 NAN_ENV = "SD_COMPAT_INJECT_NAN"
+FREEZE_ENV = "SD_COMPAT_INJECT_FREEZE"
 
 
 def _marker_fires(marker_dir: Path | None, name: str) -> bool:
@@ -97,22 +98,49 @@ class NanInjector:
 
     @classmethod
     def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> NanInjector | None:
-        spec = (environ if environ is not None else os.environ).get(NAN_ENV, "").strip()
-        if not spec:
-            return None
-        steps: set[int] = set()
-        for rule in filter(None, (part.strip() for part in spec.split(","))):
-            key, _, value = rule.partition("=")
-            if key != "step" or not value.isdigit():
-                raise ValueError(f"{NAN_ENV}: cannot read rule {rule!r} (use step=N)")
-            steps.add(int(value))
-        return cls(frozenset(steps), marker_dir)
+        steps = _step_rules(NAN_ENV, environ)
+        return None if steps is None else cls(steps, marker_dir)
 
     def poison(self, step: int, loss: Any) -> Any:
         """``loss``, or NaN times it when step ``step`` is to be poisoned (the first time only)."""
         if step in self.steps and _marker_fires(self.marker_dir, f"injected-nan-step{step}"):
             return loss * float("nan")
         return loss
+
+
+def _step_rules(env: str, environ: dict[str, str] | None) -> frozenset[int] | None:
+    spec = (environ if environ is not None else os.environ).get(env, "").strip()
+    if not spec:
+        return None
+    steps: set[int] = set()
+    for rule in filter(None, (part.strip() for part in spec.split(","))):
+        key, _, value = rule.partition("=")
+        if key != "step" or not value.isdigit():
+            raise ValueError(f"{env}: cannot read rule {rule!r} (use step=N)")
+        steps.add(int(value))
+    return frozenset(steps)
+
+
+@dataclass(frozen=True)
+class FreezeInjector:
+    """Freezes a training step, as a hung driver or a deadlocked loader does, so the stall detector is testable.
+
+    ``SD_COMPAT_INJECT_FREEZE`` holds comma-separated ``step=N`` rules: the forward of optimizer step N sleeps
+    for an hour, once (a marker file in ``marker_dir``), so the resumed run goes on."""
+
+    steps: frozenset[int]
+    marker_dir: Path | None
+
+    @classmethod
+    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> FreezeInjector | None:
+        steps = _step_rules(FREEZE_ENV, environ)
+        return None if steps is None else cls(steps, marker_dir)
+
+    def check(self, step: int) -> None:
+        import time
+
+        if step in self.steps and _marker_fires(self.marker_dir, f"injected-freeze-step{step}"):
+            time.sleep(3600)
 
 
 @dataclass(frozen=True)
@@ -123,11 +151,13 @@ class FaultPlan:
 
     oom: OomInjector | None = None
     nan: NanInjector | None = None
+    freeze: FreezeInjector | None = None
 
     @classmethod
     def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> FaultPlan | None:
         oom, nan = OomInjector.from_env(marker_dir, environ), NanInjector.from_env(marker_dir, environ)
-        return cls(oom, nan) if oom is not None or nan is not None else None
+        freeze = FreezeInjector.from_env(marker_dir, environ)
+        return cls(oom, nan, freeze) if oom or nan or freeze else None
 
     def wrap(self, objective: Any, step: Callable[[], int], vae_scale: int) -> FaultyObjective:
         return FaultyObjective(objective, self, step, vae_scale)
@@ -143,6 +173,8 @@ class FaultyObjective:
 
     def forward(self, denoiser: Any, latents: Any, *args: Any) -> Any:
         step = self.step()
+        if self.plan.freeze is not None:
+            self.plan.freeze.check(step)
         if self.plan.oom is not None:
             self.plan.oom.check(step, latents.shape[0], latents.shape[2] * self.vae_scale,
                                 latents.shape[3] * self.vae_scale)

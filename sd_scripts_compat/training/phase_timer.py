@@ -38,12 +38,14 @@ class PhaseTimer:
     """
 
     def __init__(self, device_type: str, *, every: int | None = None, elapsed_before: float = 0.0,
-                 clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None,
+                 on_event: Callable[[str, bool], None] | None = None) -> None:
         cuda = device_type == "cuda"
         self.every = every or (CUDA_SAMPLE_EVERY if cuda else 1)
         self.warmup = CUDA_WARMUP_STEPS if cuda else 0
         self.method = "cuda_synchronize" if cuda else "perf_counter"
         self._clock = clock
+        self._on_event = on_event  # told (name, True) when an event begins and (name, False) when it ends
         self._sync = sync if sync is not None else (_cuda_sync if cuda else _no_sync)
         self.started = clock() - elapsed_before  # setup began that long ago (the process's start of setup)
         self.events: dict[str, float] = dict.fromkeys(EVENT_PHASES, 0.0)
@@ -108,10 +110,14 @@ class PhaseTimer:
         work is drained first so it is not counted here."""
         self._sync()
         begun = self._clock()
+        if self._on_event is not None:
+            self._on_event(name, True)
         try:
             yield
         finally:
             self._sync()
+            if self._on_event is not None:
+                self._on_event(name, False)
             spent = self._clock() - begun
             self.events[name] += spent
             if self._in_loop:

@@ -51,6 +51,7 @@ from sd_scripts_compat.training.devices import (
 from sd_scripts_compat.training.faults import FaultPlan
 from sd_scripts_compat.training.monitor import start_monitor
 from sd_scripts_compat.training.objectives import NoiseSettings
+from sd_scripts_compat.training.phase_report import PhaseReporter, size_on_disk
 from sd_scripts_compat.training.phase_timer import PhaseTimer, tensorboard_scalars
 from sd_scripts_compat.training.precision import DynamicLossScale
 from sd_scripts_compat.training.stability import Diverged, StabilityGuard
@@ -58,6 +59,8 @@ from sd_scripts_compat.training.stopping import StopSignals
 from sd_scripts_compat.training.validation import ValidationRun
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from accelerate import Accelerator
     from tqdm.auto import tqdm
@@ -153,12 +156,18 @@ class Model:
 
 def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model:
     from sd_scripts_compat.models.loading import load_base_model
+    from sd_scripts_compat.models.weight_check import check_finite
 
     parts = {"clip_l": config.clip_l, "t5xxl": config.t5xxl, "ae": config.ae,  # FLUX.1's separate files
              "t5xxl_tokenizer": config.t5xxl_tokenizer}
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
                              family=_stated_family(config, sdxl), **{k: v for k, v in parts.items() if v})
     family = bundle.family
+    base = config.pretrained_model_name_or_path
+    encoder_files = [config.clip_l, config.t5xxl] if family.flow_matching else []
+    for index, module in enumerate([bundle.unet, bundle.vae, *bundle.text_encoders]):
+        source = ([base, config.ae or base, *encoder_files][index:index + 1] or [base])[0] or base
+        check_finite(source, f"the weights of its {type(module).__name__}", module.state_dict().items())
     vae_scale = family.latent_downsample
     if family.kohya_script.removesuffix(".py") != _script(config, sdxl):
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
@@ -221,17 +230,20 @@ class Inputs:
     conditioner: Conditioner
 
 
-def cache_inputs(config: TrainingConfig, process: Process, model: Model, data: Data) -> Inputs:
+def cache_inputs(config: TrainingConfig, process: Process, model: Model, data: Data,
+                 progress: Callable[[int], None] | None = None) -> Inputs:
+    """Latents, then text-encoder outputs, when cached; ``progress(n)``: n more images done (phase.json)."""
     conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
                               dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
                               t5_max_length=config.t5xxl_max_token_length
                               or getattr(model.family, "t5xxl_max_token_length", None))
-    cached_latents = _cache_latents(config, process, model, data)
-    cached_text = _cache_text(config, process, model, data, conditioner)
+    cached_latents = _cache_latents(config, process, model, data, progress)
+    cached_text = _cache_text(config, process, model, data, conditioner, progress)
     return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
 
 
-def _cache_latents(config: TrainingConfig, process: Process, model: Model, data: Data) -> bool:
+def _cache_latents(config: TrainingConfig, process: Process, model: Model, data: Data,
+                   progress: Callable[[int], None] | None) -> bool:
     import torch
 
     from sd_scripts_compat.caching.latent_cache import cache_latents, offload
@@ -241,16 +253,21 @@ def _cache_latents(config: TrainingConfig, process: Process, model: Model, data:
     place(vae, process.device, vae_dtype)
     if not (config.cache_latents or config.cache_latents_to_disk):
         return False
+    encoded = reused = 0
     for dataset in data.all:
-        cache_latents(dataset, vae, device=process.device, dtype=vae_dtype, vae_batch_size=config.vae_batch_size,
-                      to_disk=bool(config.cache_latents_to_disk), is_main_process=process.is_main,
-                      cache_dir=cache_dir(process))
+        stats = cache_latents(dataset, vae, device=process.device, dtype=vae_dtype,
+                              vae_batch_size=config.vae_batch_size, to_disk=bool(config.cache_latents_to_disk),
+                              is_main_process=process.is_main, cache_dir=cache_dir(process), progress=progress)
+        encoded, reused = encoded + stats.encoded, reused + stats.reused
+    if config.cache_latents_to_disk:
+        process.accelerator.print(f"latent cache: {encoded} encoded, {reused} reused from disk")
     process.accelerator.wait_for_everyone()  # other processes read the files the main process wrote
     offload(vae)
     return True
 
 
-def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Data, conditioner: Conditioner) -> bool:
+def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Data, conditioner: Conditioner,
+                progress: Callable[[int], None] | None) -> bool:
     from sd_scripts_compat.caching.latent_cache import offload
     from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
 
@@ -266,13 +283,18 @@ def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Da
     if not cached:
         return False
     own = conditioner.flow_matching  # FLUX.1 encodes CLIP-L + T5 (length t5xxl_max_token_length)
+    encoded = reused = 0
     for dataset in data.all:
-        cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
+        stats = cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
                                    to_disk=bool(config.cache_text_encoder_outputs_to_disk),
                                    max_token_length=conditioner.t5_max_length if own else config.max_token_length,
                                    clip_skip=config.clip_skip, is_main_process=process.is_main,
                                    cache_dir=cache_dir(process), encode=conditioner.encode if own else None,
-                                   variant=f"+t5_mask={conditioner.apply_t5_attn_mask}" if own else "")
+                                   variant=f"+t5_mask={conditioner.apply_t5_attn_mask}" if own else "",
+                                   progress=progress)
+        encoded, reused = encoded + stats.encoded, reused + stats.reused
+    if config.cache_text_encoder_outputs_to_disk:
+        process.accelerator.print(f"text-encoder cache: {encoded} captions encoded, {reused} images reused from disk")
     process.accelerator.wait_for_everyone()
     for encoder in model.bundle.text_encoders:
         offload(encoder)
@@ -338,6 +360,7 @@ def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8
 
 def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
     """A new LoRA (or LyCORIS network), or one shaped (dim_from_weights) or initialised from ``network_weights``."""
+    from sd_scripts_compat.models.weight_check import check_finite
     from sd_scripts_compat.network.lora import create_network, create_network_from_weights
     from sd_scripts_compat.network.lora_file import read_lora_file
 
@@ -349,10 +372,13 @@ def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
                                          args=config.network_args, train_text_encoder=model.train_text_encoder)
         if config.network_weights:
             network.apply_to()  # lycoris registers its modules when applied
-            network.load_kohya_state_dict(read_lora_file(config.network_weights, lycoris=True)[0],
-                                          source=config.network_weights)
+            state = read_lora_file(config.network_weights, lycoris=True)[0]
+            check_finite(config.network_weights, "the network weights to start from", state.items(), sample=None)
+            network.load_kohya_state_dict(state, source=config.network_weights)
         return network
     if config.network_weights and config.dim_from_weights:
+        check_finite(config.network_weights, "the LoRA weights to start from",
+                     read_lora_file(config.network_weights)[0].items(), sample=None)
         return create_network_from_weights(model.bundle, config.network_weights, train_unet=True,
                                            train_text_encoder=model.train_text_encoder, args=config.network_args)
     network = create_network(model.bundle, network_dim=config.network_dim or 4,
@@ -360,7 +386,9 @@ def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
                              dropout=config.network_dropout, args=config.network_args, train_unet=True,
                              train_text_encoder=model.train_text_encoder)
     if config.network_weights:
-        network.load_kohya_state_dict(read_lora_file(config.network_weights)[0])
+        state = read_lora_file(config.network_weights)[0]
+        check_finite(config.network_weights, "the LoRA weights to start from", state.items(), sample=None)
+        network.load_kohya_state_dict(state)
     return network
 
 
@@ -429,11 +457,13 @@ def resume(config: TrainingConfig, process: Process, network: Network, optimizat
            data: Data) -> TrainCounters:
     """The counters to start from: zero, or those of the ``resume`` state (whose weights, optimizer,
     schedule and RNG states are loaded here)."""
+    from sd_scripts_compat.models.weight_check import check_finite
     from sd_scripts_compat.training.train_state import TrainCounters, load_train_state, restore_rng_state
 
     if not config.resume:
         return TrainCounters()
     state = load_train_state(Path(config.resume))
+    check_finite(config.resume, "the saved LoRA weights", state.lora_state.items(), sample=None)
     network.network.load_kohya_state_dict(state.lora_state)
     optimizer = unwrap_optimizer(optimization.optimizer)
     configured_lrs = list(optimization.lr_scheduler.base_lrs)
@@ -573,11 +603,16 @@ def train(config: TrainingConfig, *, sdxl: bool) -> int:
 
 def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     process = setup_process(config)
-    phases = PhaseTimer(process.device.type, elapsed_before=time.time() - process.started)
+    reporter = PhaseReporter(process.paths.events_dir, enabled=process.is_main)
+    reporter.enter("loading", size_bytes=size_on_disk([config.pretrained_model_name_or_path, config.clip_l,
+                                                       config.t5xxl, config.ae, config.network_weights]))
+    phases = PhaseTimer(process.device.type, elapsed_before=time.time() - process.started,
+                        on_event=reporter.timer_event)
     model = load_model(config, process, sdxl=sdxl)
     data = build_data(config, process, model)
     with phases.event("caching"):
-        inputs = cache_inputs(config, process, model, data)
+        reporter.enter("caching", total=sum(len(d.records) for d in data.all))
+        inputs = cache_inputs(config, process, model, data, reporter.advance)
     network = build_network(config, process, model)
     optimization = build_optimization(config, process, network, data)
     objective = build_objective(config, process, model)
@@ -596,6 +631,7 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
                     validation, guard, stops, phases)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
+    reporter.enter("training")
     # the background sampler of monitor.jsonl reads the step counter by itself: the loop never calls it
     with start_monitor(process.paths.events_dir, config.autotune_monitor_seconds, lambda: counters.global_step,
                        enabled=process.is_main, max_steps=optimization.max_train_steps):
