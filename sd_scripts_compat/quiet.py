@@ -4,14 +4,26 @@ The screen should show our messages. Two libraries log warnings on every run tha
 LoRA trainer: bitsandbytes (CPU build) cannot fetch an optional 4-bit GEMM kernel from a model hub it
 must not reach anyway, and diffusers warns about keeping float32 modules when a VAE without any such
 modules (the list it prints is empty) is cast. Each filter matches one message exactly; anything else
-those loggers say still shows.
+those loggers say still shows. Around sampling (diffusers' pipelines: a scheduler-config deprecation dumped
+with the whole config, transformers' image-processor notice) :func:`libraries_quiet` drops the libraries'
+warnings altogether. ``LORA_AUTOTUNE_VERBOSE=1`` (``autotune run --verbose``) keeps everything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+from collections.abc import Iterator
 from typing import Any
+
+VERBOSE_ENV = "LORA_AUTOTUNE_VERBOSE"
+NOISY_LIBRARIES = ("diffusers", "transformers", "torch", "accelerate", "huggingface_hub")
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 # logger name -> messages (regular expressions on the formatted message) that are dropped
 HARMLESS: dict[str, tuple[str, ...]] = {
@@ -52,8 +64,33 @@ def our_warnings_as_lines(program: str) -> None:
 
 
 def silence_harmless_library_messages() -> None:
-    """Install the filters (idempotent); call before the libraries are imported."""
+    """Install the filters (idempotent); call before the libraries are imported. Nothing when verbose."""
+    if verbose():
+        return
     for name, patterns in HARMLESS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMatching) for f in logger.filters):
             logger.addFilter(_DropMatching(patterns))
+
+
+@contextlib.contextmanager
+def libraries_quiet() -> Iterator[None]:
+    """While the block runs, the libraries' Python warnings and log records below ERROR are dropped (ours still
+    show); when verbose, nothing changes."""
+    import warnings
+
+    if verbose():
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in NOISY_LIBRARIES]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        for library in NOISY_LIBRARIES:
+            warnings.filterwarnings("ignore", module=rf"{library}(\.|$)")
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)

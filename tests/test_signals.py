@@ -440,3 +440,34 @@ def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
     assert "resuming although changed since the run started: the dataset" in resumed.stdout
     state = json.loads((out / "autotune_run.json").read_text())
     assert state["resumed_changed"] and state["resumed_changed"][0].startswith("the dataset")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["loading", "caching", "training"])
+def test_sigkill_of_the_supervisor_leaves_no_trainer_in_any_phase(tmp_path, phase):
+    """`autotune run` killed with SIGKILL (no clean-up of ours runs) while its trainer loads the model (held by the
+    slow-loader test hook), writes a latent cache file (held by the atomic-write test hook) or trains: the kernel
+    tells the trainer (PR_SET_PDEATHSIG), and no trainer is left 5 s later; nothing half-written stays in the
+    dataset."""
+    data, out = make_dataset(tmp_path), tmp_path / "run"
+    config = tmp_path / "phase.toml"
+    config.write_text(toml.dumps({"max_train_steps": 300, "resolution": "64,64", "network_dim": 4,
+                                  "max_data_loader_n_workers": 0, "caption_extension": ".txt",
+                                  "cache_latents_to_disk": True, "output_name": "lora"}))
+    hooks = {"loading": {"SD_COMPAT_TEST_LOAD_DELAY": "120"},
+             "caching": {"SD_COMPAT_TEST_SAVE_PAUSE": "*.latents.safetensors:120"}, "training": {}}[phase]
+    run = subprocess.Popen([sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15",
+                            "--out", str(out), "--config", str(config), "--save-state-every", "3600"],
+                           cwd=tmp_path, env={**ENV, **hooks}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    said = out / "autotune_events" / "phase.json"
+    wait_for(lambda: said.exists() and json.loads(said.read_text() or "{}").get("phase") == phase
+             and (phase != "caching" or [p for p in (data / "1_toy").iterdir() if p.name.startswith(".")])
+             or run.poll() is not None,
+             what=f"the trainer to be {phase}")
+    assert run.poll() is None and trainers_of(out)
+    run.kill()
+    run.wait(timeout=60)
+    started = time.monotonic()
+    wait_for(lambda: not trainers_of(out), timeout=5, what="the trainer to end with its supervisor")
+    print(f"{phase}: trainer gone {time.monotonic() - started:.1f} s after its supervisor")
+    assert not [p for p in (data / "1_toy").iterdir() if p.name.startswith(".")]

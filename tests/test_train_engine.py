@@ -303,3 +303,25 @@ def test_sample_at_first_renders_the_prompts_before_the_first_step(tmp_path):
     assert samples == ["lora_e000000_00.png"]  # only the one before training: no sample_every_n_* given
     first_step = out / "lora-step00000001.safetensors"
     assert (out / "sample" / samples[0]).stat().st_mtime_ns <= first_step.stat().st_mtime_ns
+
+
+@pytest.mark.slow
+def test_sampling_is_quiet_and_verbose_brings_the_libraries_back(tmp_path):
+    """diffusers' pipelines warn about the scheduler config (a deprecation, with the whole config dumped) and
+    transformers about its image processor on every sample: nothing a trainer can act on, so not shown, unless
+    LORA_AUTOTUNE_VERBOSE=1 (``autotune run --verbose``)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a circle --w 64 --h 64 --s 2 --d 1\nsquare --w 64 --h 64 --s 2 --n blurry\n", encoding="utf-8")
+    stderr = {}
+    for verbose in ("", "1"):
+        values = base_config(tmp_path, max_train_steps=1, sample_prompts=str(prompts), sample_every_n_steps=1,
+                             sample_sampler="euler_a", output_dir=str(tmp_path / f"out{verbose}"))
+        config = write_config(tmp_path / f"config{verbose}.toml", values)
+        result = subprocess.run([sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file",
+                                 str(config)], capture_output=True, text=True, cwd=ROOT,
+                                env={**ENV, "LORA_AUTOTUNE_VERBOSE": verbose}, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert len(list((tmp_path / f"out{verbose}" / "sample").glob("*.png"))) == 2
+        stderr[verbose] = result.stderr
+    assert stderr[""].strip() == "", stderr[""][-2000:]
+    assert "FutureWarning" in stderr["1"] and "steps_offset" in stderr["1"]

@@ -17,6 +17,7 @@ from typing import Any
 from autotune.launch.plan_options import finite
 from autotune.recovery.watchdog import DECISIONS_LOG
 from sd_scripts_compat.errors import BadWeights, UserError
+from sd_scripts_compat.quiet import VERBOSE_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retries", type=int, default=5,
                         help="retries after OOM / divergence / kill / stall (default 5)")
     parser.add_argument("--stall-timeout", type=finite, default=600.0,
-                        help="seconds without progress before the run is killed and retried (default 600)")
+                        help="seconds without progress before the run is killed and retried (default 600); "
+                             "loading adds time for the model's size, training allows ten usual steps")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the libraries' own warnings too (hidden by default: nothing to act on)")
     parser.add_argument("--save-state-every", type=finite, default=60.0,
                         help="seconds between cheap state saves, the most work an OS kill can lose (default 60)")
     parser.add_argument("--skip-doctor", action="store_true",
@@ -277,7 +281,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, cuda=cuda, max_retries=args.max_retries,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {})},
+        cuda=cuda, max_retries=args.max_retries,
         stall_timeout_s=args.stall_timeout, resume=args.resume,
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
         train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib, **started},

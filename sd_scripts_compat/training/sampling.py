@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.quiet import libraries_quiet
 
 SAMPLERS = {
     "ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "euler": "EulerDiscreteScheduler",
@@ -132,14 +133,15 @@ def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: An
     for encoder in bundle.text_encoders:
         encoder.to(accelerator.device)
     try:
-        if conditioner is not None and conditioner.flow_matching:  # FLUX.1
-            from sd_scripts_compat.training.flux_sampling import render_flux_samples
+        with libraries_quiet():  # pipelines warn about their configs: nothing a trainer can act on
+            if conditioner is not None and conditioner.flow_matching:  # FLUX.1
+                from sd_scripts_compat.training.flux_sampling import render_flux_samples
 
-            render_flux_samples(bundle, prompts, conditioner.flux_texts, guidance_scale=config.guidance_scale,
-                                out_dir=out_dir, name=name, device=accelerator.device, dtype=dtype)
-        else:
-            render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir, name=name,
-                           device=accelerator.device, dtype=dtype, clip_skip=config.clip_skip)
+                render_flux_samples(bundle, prompts, conditioner.flux_texts, guidance_scale=config.guidance_scale,
+                                    out_dir=out_dir, name=name, device=accelerator.device, dtype=dtype)
+            else:
+                render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir,
+                               name=name, device=accelerator.device, dtype=dtype, clip_skip=config.clip_skip)
     finally:
         bundle.vae.to(vae_device)
         for encoder, device, was_training in zip(bundle.text_encoders, text_devices, training[1:]):
