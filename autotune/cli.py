@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
+    from sd_scripts_compat.quiet import silence_harmless_library_messages
+
+    silence_harmless_library_messages()  # plan and bench import lycoris / bitsandbytes, which log at import
     try:
         return int(args._run(args) or 0)
     except UserError as error:

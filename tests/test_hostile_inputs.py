@@ -534,7 +534,164 @@ def fifo(path: Path) -> Path:
     os.mkfifo(path)
     return path
 
-CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS
+
+def bench(root: Path, *extra: str, model: str = TINY) -> list[str]:
+    return ["autotune", "bench", "--model", model, *extra]
+
+
+def dataset_toml(root: Path, body: str) -> list[str]:
+    """The engine with a dataset.toml whose one subset (the good images) gets ``body`` as extra lines."""
+    text = f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{dataset(root) / "2_toy"}"\n{body}\n'
+    return engine(root, "--dataset_config", str(text_file(root / "d.toml", text)), train_data_dir=None)
+
+
+def flux(root: Path, **overrides: object) -> list[str]:
+    values: dict[str, object] = {"pretrained_model_name_or_path": "builtin:tiny-flux", "t5xxl_max_token_length": 16,
+                                 "network_train_unet_only": True, **overrides}
+    return ["sd_scripts_compat.flux_train_network", "--config_file", str(config(root, **values))]
+
+
+def huge_header(path: Path) -> Path:
+    """A .safetensors whose header claims to be 2**60 bytes long."""
+    path.write_bytes((2**60).to_bytes(8, "little") + b"{}")
+    return path
+
+
+# issue 22's own: more of what a new user does, across every command and the engine's entry points
+MORE = [
+    Case("bench-steps-zero", lambda t: bench(t, "--steps", "0"), "--steps"),
+    Case("bench-steps-negative", lambda t: bench(t, "--steps", "-3"), "--steps"),
+    Case("bench-warmup-negative", lambda t: bench(t, "--warmup", "-1"), "--warmup"),
+    Case("bench-sweep-unknown-key", lambda t: bench(t, "--sweep", "speed=1,2"), "speed"),
+    Case("bench-sweep-no-values", lambda t: bench(t, "--sweep", "batch="), "--sweep"),
+    Case("bench-sweep-batch-zero", lambda t: bench(t, "--sweep", "batch=0,2"), "batch"),
+    Case("bench-sweep-not-key-value", lambda t: bench(t, "--sweep", "batch"), "--sweep"),
+    Case("bench-sweep-precision-unknown", lambda t: bench(t, "--sweep", "precision=fp64"), "fp64"),
+    Case("bench-sweep-resolution-off-step", lambda t: bench(t, "--sweep", "resolution=70"), "70"),
+    Case("bench-sweep-checkpointing-maybe", lambda t: bench(t, "--sweep", "checkpointing=maybe"), "maybe"),
+    Case("bench-sweep-optimizer-unknown", lambda t: bench(t, "--sweep", "optimizer=SuperAdam"), "SuperAdam"),
+    Case("bench-stall-timeout-inf", lambda t: bench(t, "--stall-timeout", "inf"), "--stall-timeout"),
+    Case("bench-memory-limit-nan", lambda t: bench(t, "--memory-limit", "nan"), "--memory-limit"),
+    Case("bench-model-missing", lambda t: bench(t, model=str(t / "nope.safetensors")), "nope.safetensors"),
+    Case("bench-model-int8", lambda t: bench(t, model=str(quantized_model(t / "m.safetensors"))), "quantized"),
+    Case("bench-keep-under-a-file", lambda t: bench(t, "--keep", str(a_file(t / "f") / "k")), "f"),
+    Case("bench-config-missing", lambda t: bench(t, "--config", str(t / "nope.toml")), "nope.toml"),
+    Case("bench-dataset-missing", lambda t: [*bench(t), str(t / "nope")], "nope"),
+    Case("bench-out-it-does-not-write", lambda t: bench(t, "--out", str(a_file(t / "f"))), "--out"),
+    Case("plan-rank-negative", lambda t: plan(t, "--rank", "-4"), "--rank"),
+    Case("plan-workers-negative", lambda t: plan(t, "--workers", "-1"), "--workers"),
+    Case("plan-network-arg-unknown", lambda t: plan(t, "--network", "locon", "--network-arg", "foo=1"), "foo"),
+    Case("plan-network-arg-no-equals", lambda t: plan(t, "--network", "locon", "--network-arg", "conv_dim"),
+         "conv_dim"),
+    Case("plan-network-lokr-on-flux", lambda t: plan(t, "--network", "lokr", model="builtin:tiny-flux"), "FLUX"),
+    Case("plan-format-unknown", lambda t: plan(t, "--format", "onetrainer"), "onetrainer"),
+    Case("plan-config-malformed", lambda t: plan(t, "--config", str(text_file(t / "c.toml", 'a = "open\n'))),
+         "c.toml"),
+    Case("plan-dataset-config-missing", lambda t: plan(t, "--config", str(config(t)), "--dataset-config",
+                                                       str(t / "nope.toml")), "nope.toml"),
+    Case("plan-dataset-is-a-file", lambda t: ["autotune", "plan", str(a_file(t / "f")), "--model", TINY], "f"),
+    Case("plan-dataset-empty", lambda t: ["autotune", "plan", str((t / "e").mkdir() or t / "e"), "--model", TINY],
+         "e"),
+    Case("plan-resolution-garbage", lambda t: plan(t, "--resolution", "big"), "--resolution"),
+    Case("plan-resolution-three-values", lambda t: plan(t, "--resolution", "64,64,64"), "--resolution"),
+    Case("plan-epochs-not-an-integer", lambda t: plan(t, "--epochs", "1.5"), "--epochs"),
+    Case("plan-cpu-cores-negative", lambda t: plan(t, "--cpu-cores", "-2"), "--cpu-cores"),
+    Case("plan-ram-zero", lambda t: plan(t, "--ram", "0"), "--ram"),
+    Case("plan-out-is-dev-null", lambda t: plan(t, "--out", "/dev/null"), "/dev/null"),
+    Case("run-resolution-garbage", lambda t: run(t, "--resolution", "big"), "--resolution"),
+    Case("run-rank-zero", lambda t: run(t, "--rank", "0"), "--rank 0"),
+    Case("run-network-arg-bad-value", lambda t: run(t, "--network", "locon", "--network-arg", "conv_dim=x"),
+         "conv_dim"),
+    Case("run-engine-path-missing", lambda t: run(t, "--engine", f"sd-scripts={t / 'nope'}"), "nope"),
+    Case("run-engine-bad-form", lambda t: run(t, "--engine", "kohya"), "--engine"),
+    Case("run-out-is-dev-null", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out", "/dev/null"],
+         "/dev/null"),
+    Case("run-config-a-folder", lambda t: run(t, "--config", str((t / "cfg").mkdir() or t / "cfg")), "cfg"),
+    Case("run-save-state-every-nan", lambda t: run(t, "--save-state-every", "nan"), "--save-state-every"),
+    Case("run-dataset-config-malformed", lambda t: run(t, "--config", str(config(t)), "--dataset-config",
+                                                       str(text_file(t / "d.toml", "[[datasets]\n"))), "d.toml"),
+    Case("doctor-dataset-is-a-file", lambda t: ["autotune", "doctor", str(a_file(t / "f"))], "f"),
+    Case("doctor-symlink-loop", lambda t: ["autotune", "doctor", str(symlink_loop(t / "loop"))], "loop"),
+    Case("doctor-html-under-a-file", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
+                                                str(a_file(t / "f") / "d.html")], "--html"),
+    Case("doctor-config-malformed", lambda t: ["autotune", "doctor", str(dataset(t)), "--config",
+                                               str(text_file(t / "c.toml", 'a = "open\n'))], "c.toml"),
+    Case("doctor-config-binary", lambda t: ["autotune", "doctor", str(dataset(t)), "--config",
+                                            str(binary(t / "c.toml"))], "c.toml"),
+    Case("doctor-resolution-garbage", lambda t: ["autotune", "doctor", str(dataset(t)), "--resolution", "x"],
+         "--resolution"),
+    Case("report-html-a-folder", lambda t: ["autotune", "report", str(finished_run(t / "ev")), "--html",
+                                            str(t)], "is a folder"),
+    Case("report-html-fifo", lambda t: ["autotune", "report", str(finished_run(t / "ev")), "--html",
+                                        str(fifo(t / "pipe"))], "is a FIFO"),
+    Case("report-done-json-a-list", lambda t: ["autotune", "report", str(text_file(t / "done.json", "[]").parent)],
+         "no run to report"),
+    Case("report-done-json-other-schema", lambda t: ["autotune", "report", str(text_file(
+        t / "done.json", '{"schema": 99, "event": "done", "steps": 1}').parent)], "no run to report"),
+    Case("inspect-empty-file", lambda t: ["autotune", "inspect", str(text_file(t / "l.safetensors", ""))],
+         "l.safetensors"),
+    Case("inspect-header-length-huge", lambda t: ["autotune", "inspect", str(huge_header(t / "l.safetensors"))],
+         "l.safetensors"),
+    Case("inspect-symlink-loop", lambda t: ["autotune", "inspect", str(symlink_loop(t / "loop"))], "loop"),
+    Case("inspect-unknown-suffix", lambda t: ["autotune", "inspect", str(a_file(t / "l.bin"))], "l.bin"),
+    Case("inspect-dev-null", lambda t: ["autotune", "inspect", "/dev/null"], "/dev/null"),
+    Case("engine-network-dim-zero", lambda t: engine(t, network_dim=0), "network_dim"),
+    Case("engine-network-alpha-nan", lambda t: engine(t, network_alpha=float("nan")), "network_alpha"),
+    Case("engine-gradient-accumulation-zero", lambda t: engine(t, gradient_accumulation_steps=0),
+         "gradient_accumulation_steps"),
+    Case("engine-max-train-epochs-negative", lambda t: engine(t, max_train_epochs=-1), "max_train_epochs"),
+    Case("engine-lr-scheduler-unknown", lambda t: engine(t, lr_scheduler="sometimes"), "sometimes"),
+    Case("engine-mixed-precision-unknown", lambda t: engine(t, mixed_precision="fp8"), "mixed_precision"),
+    Case("engine-save-precision-unknown", lambda t: engine(t, save_precision="int4"), "save_precision"),
+    Case("engine-caption-dropout-above-one", lambda t: engine(t, caption_dropout_rate=1.5), "caption_dropout_rate"),
+    Case("engine-noise-offset-nan", lambda t: engine(t, noise_offset=float("nan")), "noise_offset"),
+    Case("engine-min-snr-gamma-negative", lambda t: engine(t, min_snr_gamma=-5.0), "min_snr_gamma"),
+    Case("engine-keep-tokens-negative", lambda t: engine(t, keep_tokens=-2), "keep_tokens"),
+    Case("engine-resolution-zero", lambda t: engine(t, resolution="0,0"), "resolution"),
+    Case("engine-bucket-steps-zero", lambda t: engine(t, enable_bucket=True, bucket_reso_steps=0),
+         "bucket_reso_steps"),
+    Case("engine-min-bucket-above-max", lambda t: engine(t, enable_bucket=True, min_bucket_reso=512,
+                                                         max_bucket_reso=256), "bucket_reso"),
+    Case("engine-network-module-unknown", lambda t: engine(t, network_module="networks.magic"), "networks.magic"),
+    Case("engine-output-dir-is-a-file", lambda t: engine(t, output_dir=str(a_file(t / "f"))), "output_dir"),
+    Case("engine-clip-skip-zero", lambda t: engine(t, clip_skip=0), "clip_skip"),
+    Case("engine-max-token-length-100", lambda t: engine(t, max_token_length=100), "max_token_length"),
+    Case("engine-sample-sampler-unknown", lambda t: engine(t, sample_sampler="warp_drive", sample_prompts=str(
+        text_file(t / "p.txt", "a cat --w 64 --h 64\n")), sample_every_n_steps=1), "warp_drive"),
+    Case("engine-sample-prompts-missing", lambda t: engine(t, sample_prompts=str(t / "nope.txt"),
+                                                           sample_every_n_steps=1), "nope.txt"),
+    Case("engine-sdxl-script-on-sd15", lambda t: ["sd_scripts_compat.sdxl_train_network", "--config_file",
+                                                  str(config(t))], "train_network"),
+    Case("engine-sd15-script-on-sdxl", lambda t: engine(t, pretrained_model_name_or_path="builtin:tiny-sdxl"),
+         "sdxl_train_network"),
+    Case("flux-guidance-scale-nan", lambda t: flux(t, guidance_scale=float("nan")), "guidance_scale"),
+    Case("flux-timestep-sampling-unknown", lambda t: flux(t, timestep_sampling="random"), "timestep_sampling"),
+    Case("flux-blocks-to-swap-negative", lambda t: flux(t, blocks_to_swap=-1), "blocks_to_swap"),
+    Case("flux-t5-max-length-zero", lambda t: flux(t, t5xxl_max_token_length=0), "t5xxl_max_token_length"),
+    Case("flux-discrete-flow-shift-inf", lambda t: flux(t, discrete_flow_shift=float("inf")), "discrete_flow_shift"),
+    Case("flux-on-an-sd15-model", lambda t: flux(t, pretrained_model_name_or_path=TINY), "train_network"),
+    Case("dataset-toml-resolution-garbage", lambda t: engine(t, "--dataset_config", str(text_file(
+        t / "d.toml", f'[[datasets]]\nresolution = "big"\n[[datasets.subsets]]\nimage_dir = "{dataset(t)}"\n')),
+        train_data_dir=None), "resolution"),
+    Case("dataset-toml-subset-key-typo", lambda t: dataset_toml(t, "num_repeat = 2"), "num_repeat"),
+    Case("dataset-toml-caption-extension-number", lambda t: dataset_toml(t, "caption_extension = 5"),
+         "caption_extension"),
+    Case("dataset-toml-image-dir-a-file", lambda t: engine(t, "--dataset_config", str(text_file(
+        t / "d.toml", f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{a_file(t / "f")}"\n')),
+        train_data_dir=None), "f"),
+    Case("dataset-toml-flip-aug-string", lambda t: dataset_toml(t, 'flip_aug = "yes"'), "flip_aug"),
+    Case("dataset-toml-batch-size-float", lambda t: engine(t, "--dataset_config", str(text_file(
+        t / "d.toml", f'[[datasets]]\nbatch_size = 1.5\n[[datasets.subsets]]\nimage_dir = "{dataset(t)}"\n')),
+        train_data_dir=None), "batch_size"),
+    Case("dataset-toml-num-repeats-negative", lambda t: dataset_toml(t, "num_repeats = -3"), "num_repeats"),
+    Case("dataset-toml-caption-dropout-nan", lambda t: dataset_toml(t, "caption_dropout_rate = nan"),
+         "caption_dropout_rate"),
+    Case("dataset-toml-color-aug", lambda t: dataset_toml(t, "color_aug = true"), "color_aug"),
+    Case("dataset-toml-secondary-separator-without-shuffle", lambda t: dataset_toml(
+        t, 'keep_tokens_separator = "|||"\nkeep_tokens = -1'), "keep_tokens"),
+]
+
+CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS + MORE
 
 
 def files_under(root: Path) -> set[str]:

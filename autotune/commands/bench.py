@@ -33,7 +33,7 @@ ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves th
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autotune.launch import plan_options as plan_command
 
-    plan_command.add_arguments(parser, dataset_required=False)
+    plan_command.add_arguments(parser, dataset_required=False, with_out=False)  # --keep DIR keeps its files
     parser.add_argument("--config", help="bench this kohya config.toml instead of a plan's settings")
     parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per point (default 6)")
@@ -155,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
     parse_sweeps(args.sweep)  # a bad --sweep is said before anything runs
     if args.keep:
         workdir = Path(args.keep).expanduser().resolve()
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UserError(f"--keep {args.keep}: cannot make that folder ({error.strerror}); give a folder "
+                            "path") from None
         return _bench(args, workdir)
     with tempfile.TemporaryDirectory(prefix="autotune-bench-") as tmp:
         return _bench(args, Path(tmp))

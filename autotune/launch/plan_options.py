@@ -21,7 +21,8 @@ def finite(text: str) -> float:
 finite.__name__ = "finite number"
 
 
-def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True) -> None:
+def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True, with_out: bool = True) -> None:
+    """The plan's options; ``with_out=False`` for a command that writes no configs of its own (bench)."""
     from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
 
     parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="physical CPU cores of the training machine (default: this machine's)")
     parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
                         help="config layout: kohya (flat) or lora-scripts (sectioned)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+    if with_out:
+        parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
     parser.add_argument("--no-learn", action="store_true",
                         help="plan from the models alone, ignoring this machine's measured runs and benches")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")

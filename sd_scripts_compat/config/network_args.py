@@ -29,6 +29,13 @@ LYCORIS_MODULE = "lycoris.kohya"
 # lycoris-lora's kohya entry point: the algorithms that train here (all wrap Linear / Conv2d)
 LYCORIS_ALGOS = ("lora", "locon", "loha", "lokr", "dylora", "full", "ia3", "diag-oft", "boft", "glora")
 
+# every network_args key lycoris-lora 3.x's kohya entry point and its modules read (``kwargs.get`` in its source,
+# deprecated spellings included): anything else it would silently ignore
+LYCORIS_KEYS = ("algo", "block_size", "bypass_mode", "constrain", "constraint", "conv_alpha", "conv_dim",
+                "decompose_both", "disable_conv_cp", "dora_wd", "dropout", "factor", "full_matrix",
+                "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio", "module_dropout",
+                "preset", "rank_dropout", "rescaled", "rs_lora", "train_norm", "train_t5xxl",
+                "unbalanced_factorization", "use_conv_cp", "use_cp", "use_scalar", "use_tucker", "wd_on_output")
 MISSING_LYCORIS = ('network_module = "lycoris.kohya" needs the lycoris-lora package: '
                    'pip install -e ".[lycoris]" (or pip install "lycoris-lora>=3.2,<4")')
 
@@ -185,8 +192,19 @@ _TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 
+# lycoris-lora reads these with int() / float() when the network is made: a bad one is said now, by name
+_LYCORIS_NUMBERS: dict[str, Callable[[str], Any]] = {
+    "conv_dim": int, "conv_alpha": float, "dropout": float, "rank_dropout": float, "module_dropout": float,
+    "block_size": int, "factor": int, "constraint": float, "constrain": float, "loraplus_lr_ratio": float,
+    "loraplus_unet_lr_ratio": float, "loraplus_text_encoder_lr_ratio": float,
+}
+
+
 def _convert(key: str, text: str, where: str) -> Any:
-    convert = _TYPES[key]
+    return _convert_with(key, text, where, _TYPES[key])
+
+
+def _convert_with(key: str, text: str, where: str, convert: Callable[[str], Any]) -> Any:
     try:
         value = convert(str(text).strip())
     except ValueError:
@@ -291,6 +309,15 @@ def check_lycoris_installed() -> None:
 
 
 def _lycoris_args(entries: dict[str, str], where: str) -> NetworkArgs:
+    unknown = sorted(set(entries) - set(LYCORIS_KEYS))
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], LYCORIS_KEYS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise UserError(f"{where}: lycoris.kohya does not read {unknown[0]!r} (it would be ignored); {hint}its keys: "
+                        f"{', '.join(LYCORIS_KEYS)}")
+    for key, convert in _LYCORIS_NUMBERS.items():
+        if key in entries:
+            _convert_with(key, entries[key], where, convert)
     algo = entries.get("algo", "lora")
     if algo not in LYCORIS_ALGOS:
         near = difflib.get_close_matches(algo, LYCORIS_ALGOS, n=1)
