@@ -438,6 +438,7 @@ def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming although changed since the run started: the dataset" in resumed.stdout
+    assert "resumed although its inputs changed (--resume-changed): the dataset" in resumed.stdout  # the report
     state = json.loads((out / "autotune_run.json").read_text())
     assert state["resumed_changed"] and state["resumed_changed"][0].startswith("the dataset")
 

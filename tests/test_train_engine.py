@@ -325,3 +325,18 @@ def test_sampling_is_quiet_and_verbose_brings_the_libraries_back(tmp_path):
         stderr[verbose] = result.stderr
     assert stderr[""].strip() == "", stderr[""][-2000:]
     assert "FutureWarning" in stderr["1"] and "steps_offset" in stderr["1"]
+
+
+@pytest.mark.slow
+def test_the_progress_bar_and_the_log_show_the_unets_rate_when_the_text_encoder_trains_at_another(tmp_path):
+    """sd-scripts orders the optimizer's groups text encoder first; the bar used to show that group's rate."""
+    values = base_config(tmp_path, max_train_steps=2, learning_rate=1e-4, unet_lr=3e-4, text_encoder_lr=1e-5,
+                         lr_scheduler="constant", network_train_unet_only=False, logging_dir=str(tmp_path / "logs"),
+                         log_with="tensorboard")
+    result = run_engine(write_config(tmp_path / "config.toml", values))
+    assert "lr=3.00e-04" in result.stdout and "lr=1.00e-05" not in result.stdout, result.stdout[-1000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(next((tmp_path / "logs").rglob("events.out.tfevents.*")).parent))
+    accumulator.Reload()
+    assert {round(event.value, 10) for event in accumulator.Scalars("lr/unet")} == {3e-4}

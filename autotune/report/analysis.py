@@ -40,6 +40,7 @@ def build_report(run: RunFiles) -> dict[str, Any]:
         "family": done.get("family") or (run.plan or {}).get("family"),
         "phases": phase_table(phases), "speed": speed(run), "devices": devices,
         "memory": memory(run, devices), "findings": [f.to_dict() for f in findings],
+        "resumed_changed": list(run.resumed_changed),
     }
     report["bottleneck"] = bottleneck(run, report, findings)
     return report

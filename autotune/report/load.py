@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.recovery.watchdog import EVENTS_DIR
+from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE
 from sd_scripts_compat.errors import UserError
 
 PLAN_FILE = "autotune_plan.json"  # written by `autotune run` next to config.toml
@@ -30,6 +30,7 @@ class RunFiles:
     header: dict[str, Any] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     attempts: int = 0
+    resumed_changed: list[str] = field(default_factory=list)  # what changed before a --resume-changed
 
     @property
     def phases(self) -> dict[str, Any] | None:
@@ -59,13 +60,15 @@ def load_run(folder: str | Path) -> RunFiles:
         raise UserError(f"{folder}: no run to report here (no done.json, progress.json or {MONITOR_FILE} in "
                         f"{events}); give the --out folder of an autotune run")
     header, samples = runs[-1] if runs else ({}, [])
-    return RunFiles(folder=root, events_dir=events, done=done, progress=progress, plan=_read_plan(root),
-                    header=header, samples=samples, attempts=len(runs))
+    changed = (_read_json(root / RUN_STATE) or {}).get("resumed_changed")
+    return RunFiles(folder=root, events_dir=events, done=done, progress=progress, plan=_read_json(root / PLAN_FILE),
+                    header=header, samples=samples, attempts=len(runs),
+                    resumed_changed=[str(c) for c in changed] if isinstance(changed, list) else [])
 
 
-def _read_plan(root: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        plan = json.loads((root / PLAN_FILE).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return plan if isinstance(plan, dict) else None
+    return data if isinstance(data, dict) else None

@@ -38,6 +38,8 @@ def render_text(report: dict[str, Any], width: int = 100) -> str:
         console.print(line)
     for finding in report["findings"]:
         console.print(f"warning: {finding['message']}; {finding['fix']}")
+    if report.get("resumed_changed"):
+        console.print(f"resumed although its inputs changed (--resume-changed): {'; '.join(report['resumed_changed'])}")
     neck = report["bottleneck"]
     console.print(f"bottleneck: {neck['message']}: {neck['fix']}")
     return console.export_text()

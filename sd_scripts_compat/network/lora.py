@@ -401,16 +401,16 @@ class LoRANetwork(nn.Module):
         """
         args = self.args
         te_lr = default_lr if text_encoder_lr is None else text_encoder_lr
-        groups = _lora_groups(self.text_encoder_loras, te_lr, args.text_encoder_plus_ratio)
+        groups = _lora_groups(self.text_encoder_loras, te_lr, args.text_encoder_plus_ratio, "text_encoder")
         unet_lr = default_lr if unet_lr is None else unet_lr
         if args.block_lr_weight is None:
-            return groups + _lora_groups(self.unet_loras, unet_lr, args.unet_plus_ratio)
+            return groups + _lora_groups(self.unet_loras, unet_lr, args.unet_plus_ratio, "unet")
         sdxl = self.bundle.family.unet_lora_names == "sgm"
         by_block: dict[int, list[LoRAModule]] = {}
         for lora in self.unet_loras:
             by_block.setdefault(block_index(lora.lora_name, sdxl), []).append(lora)
         for index, loras in by_block.items():
-            groups += _lora_groups(loras, unet_lr * args.block_lr_weight[index], args.unet_plus_ratio)
+            groups += _lora_groups(loras, unet_lr * args.block_lr_weight[index], args.unet_plus_ratio, "unet")
         return groups
 
     def kohya_state_dict(self) -> dict[str, torch.Tensor]:
@@ -454,9 +454,10 @@ class LoRANetwork(nn.Module):
                     own[key].copy_(value.to(own[key].dtype))
 
 
-def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None) -> list[dict[str, Any]]:
+def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None, part: str) -> list[dict[str, Any]]:
     """One part's groups: every parameter at ``lr``, or with LoRA+ the ``lora_up`` weights apart at
-    ``lr * plus_ratio``; empty or zero-lr groups are dropped and their parameters frozen."""
+    ``lr * plus_ratio``; empty or zero-lr groups are dropped and their parameters frozen. Each group names its
+    ``part`` ("text_encoder" or "unet": what the progress bar's rate is read from)."""
     plain = [p for lora in loras for name, p in lora.named_parameters() if not (plus_ratio and "lora_up" in name)]
     plus = [p for lora in loras for name, p in lora.named_parameters() if plus_ratio and "lora_up" in name]
     groups = []
@@ -464,7 +465,7 @@ def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None) -
         for param in params:
             param.requires_grad_(bool(group_lr))
         if params and group_lr:
-            groups.append({"params": params, "lr": group_lr})
+            groups.append({"params": params, "lr": group_lr, "part": part})
     return groups
 
 

@@ -405,6 +405,7 @@ class Optimization:
     max_train_steps: int
     total_epochs: int
     warmup_steps: int
+    unet_group: int = -1  # the first param group of the UNet / transformer: its rate is the one shown
 
 
 def build_optimization(config: TrainingConfig, process: Process, network: Network, data: Data) -> Optimization:
@@ -424,12 +425,14 @@ def build_optimization(config: TrainingConfig, process: Process, network: Networ
                                      num_warmup_steps=warmup_steps, num_cycles=config.lr_scheduler_num_cycles or 1,
                                      power=config.lr_scheduler_power or 1.0, learning_rate=config.learning_rate,
                                      scheduler_args=config.lr_scheduler_args)
+    unet_group = next((i for i, group in enumerate(param_groups) if group.get("part") == "unet"), -1)
     loss_scale = DynamicLossScale() if config.full_fp16 else None
     if loss_scale is None:
         optimizer = process.accelerator.prepare(optimizer)  # GradScaler for fp16 mixed precision lives here
     return Optimization(optimizer=optimizer, description=description, lr_scheduler=lr_scheduler,
                         loss_scale=loss_scale, accumulation=accumulation, batches_per_epoch=batches_per_epoch,
                         max_train_steps=max_train_steps, total_epochs=math.ceil(max_train_steps / steps_per_epoch),
+                        unet_group=unet_group,
                         warmup_steps=warmup_steps)
 
 
@@ -839,8 +842,9 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
     rate = len(loop.step_ended_at) / max(now - loop.session_started, 1e-9)
     loop.peak_memory_mib = max(loop.peak_memory_mib, peak_memory_mib(r.process.device))
     lr_scheduler = r.optimization.lr_scheduler
-    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
-    r.process.accelerator.log({"loss/current": mean_loss, "lr/unet": lr_scheduler.get_last_lr()[-1],
+    unet_lr = lr_scheduler.get_last_lr()[r.optimization.unet_group]  # the UNet's, not a text encoder's
+    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{unet_lr:.2e}")
+    r.process.accelerator.log({"loss/current": mean_loss, "lr/unet": unet_lr,
                                "speed/it_per_s": rate, "memory/peak_mib": loop.peak_memory_mib,
                                **tensorboard_scalars(r.phases.summary())}, step=counters.global_step)
     events_dir = r.process.paths.events_dir
