@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -78,3 +79,35 @@ def test_inspect_not_a_lora(tmp_path):
     result = _autotune("inspect", str(junk))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "junk.safetensors" in result.stderr
+
+
+def test_inspect_reads_a_100_mb_lora_from_its_header_without_torch_in_under_a_second(tmp_path):
+    """A rank-128 LoRA for SD1.5 (the real module names and shapes, zeros, fp16: about 100 MB) answered from the
+    header alone: torch is never imported, times show as ISO 8601, and the wall time is a fraction of the second
+    the issue allows (the margin is the point: torch's import alone takes longer)."""
+    import math
+    import time
+
+    from safetensors.numpy import save_file
+
+    from sd_scripts_compat.models.loading import load_base_model
+    from sd_scripts_compat.network.lora import create_network
+
+    network = create_network(load_base_model("builtin:sd15", device="meta"), network_dim=128, network_alpha=64.0)
+    tensors = {key: (np.full((), 64.0, np.float16) if key.endswith(".alpha") else
+                     np.zeros(tuple(value.shape), np.float16)) for key, value in network.state_dict().items()}
+    path = tmp_path / "big.safetensors"
+    save_file(tensors, str(path), metadata={"ss_training_started_at": "1796225026.6", "ss_network_dim": "128"})
+    size = path.stat().st_size
+    assert 90e6 < size < 200e6, size
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "autotune", "inspect", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    seconds = time.perf_counter() - started
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and "safetensors.torch" not in imported
+    assert "sd15 (" in done.stdout and "128 x" in done.stdout and "2026-12-02T15:23:46Z" in done.stdout
+    assert f"{sum(math.prod(t.shape) for k, t in tensors.items() if k.endswith('.weight')):,}" in done.stdout
+    print(f"inspect of a {size / 1e6:.0f} MB LoRA: {seconds:.2f} s (python -X importtime included)")
+    assert seconds < 1.0

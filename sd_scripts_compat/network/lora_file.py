@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sd_scripts_compat.atomic import write_bytes_atomic
 from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.network.lora_header import TensorInfo, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -243,10 +244,6 @@ def match_families(layout: dict[str, Any]) -> list[str]:
     return found
 
 
-def _dtype_name(dtype: Any) -> str:
-    return {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(dtype), str(dtype))
-
-
 def _family_from_metadata(candidates: list[str], metadata: dict[str, str]) -> list[str]:
     """Narrow shape-based candidates (e.g. sd2 vs sd2-v) with the file's own metadata when it has any."""
     from sd_scripts_compat.models.families import get_family
@@ -289,6 +286,7 @@ def describe_lora(state_dict: dict[str, Any], metadata: dict[str, str] | None = 
     full-size family from its tiny twin); module counts per part, ranks, alphas, precision.
     """
     metadata = dict(metadata or {})
+    state_dict = {key: TensorInfo.of(value) for key, value in state_dict.items()}  # torch tensors or header facts
     problem = lora_problem(state_dict)
     if problem:
         raise UserError(f"not a kohya LoRA: {problem}")
@@ -304,16 +302,16 @@ def describe_lora(state_dict: dict[str, Any], metadata: dict[str, str] | None = 
         modules[name] = {
             "part": _part(name),
             "rank": rank,
-            "alpha": float(alpha.float().item()) if alpha is not None else float(rank),
-            "conv3x3": value.dim() == 4 and tuple(value.shape[2:]) != (1, 1),
+            "alpha": alpha.value if alpha is not None and alpha.value is not None else float(rank),
+            "conv3x3": len(value.shape) == 4 and tuple(value.shape[2:]) != (1, 1),
         }
     parts = Counter(m["part"] for m in modules.values())
     ranks = Counter(m["rank"] for m in modules.values())
     alphas = Counter(m["alpha"] for m in modules.values())
     conv_ranks = Counter(m["rank"] for m in modules.values() if m["conv3x3"])
-    weight_dtypes = Counter(_dtype_name(v.dtype) for k, v in state_dict.items() if k.endswith(".weight"))
-    parameters = sum(int(v.numel()) for k, v in state_dict.items() if k.endswith(".weight"))
-    training = {label: metadata[key] for label, key in TRAINING_FIELDS if key in metadata}
+    weight_dtypes = Counter(v.dtype for k, v in state_dict.items() if k.endswith(".weight"))
+    parameters = sum(v.numel for k, v in state_dict.items() if k.endswith(".weight"))
+    training = {label: _readable(key, metadata[key]) for label, key in TRAINING_FIELDS if key in metadata}
     return {
         "family": families[0] if len(families) == 1 else None,
         "family_candidates": families,
@@ -339,9 +337,28 @@ def describe_lora(state_dict: dict[str, Any], metadata: dict[str, str] | None = 
     }
 
 
+def _readable(key: str, value: str) -> str:
+    """sd-scripts' start / end times are epoch seconds: shown as ISO 8601 (UTC)."""
+    if key in ("ss_training_started_at", "ss_training_finished_at"):
+        try:
+            moment = datetime.datetime.fromtimestamp(float(value), tz=datetime.timezone.utc)
+        except (ValueError, OverflowError, OSError):
+            return value
+        return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+    return value
+
+
 def describe_lora_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``describe_lora`` of a file, plus its path, size and full metadata."""
-    state_dict, metadata = read_lora_file(path)
+    """``describe_lora`` of a file, plus its path, size and full metadata: from its header alone (no torch)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    if path.suffix.lower() != ".safetensors":
+        raise UserError(f"{path}: only .safetensors LoRA files are read (pickled .pt/.ckpt LoRAs are not loaded)")
+    state_dict, metadata = read_header(path)
+    problem = lora_problem(state_dict)
+    if problem:
+        raise UserError(f"{path} is not a kohya LoRA file: {problem}")
     info = describe_lora(state_dict, metadata)
     info["file"] = str(path)
     info["file_size"] = Path(path).stat().st_size
