@@ -28,6 +28,27 @@ COMMANDS: list[tuple[str, str, str]] = [
 ]
 
 
+EXAMPLES = """examples:
+  autotune run examples/dataset --model builtin:tiny-sd15      # train the built-in tiny model here
+  autotune plan DATASET --model sdxl.safetensors --gpu "RTX 4070" --out cfg
+  autotune plan DATASET --model builtin:flux-dev --vram 16
+  autotune doctor DATASET
+  autotune run DATASET --model sd15.safetensors --out runs/mine
+  autotune report runs/mine
+  autotune inspect LORA.safetensors                             # any kohya LoRA file
+each command has its own --help"""
+
+
+def _description() -> str:
+    """The families come from their data (``sd_scripts_compat.models.families``), so a new one is named here too."""
+    from sd_scripts_compat.models.families import family_names, get_family
+
+    names = [name for name in family_names() if not get_family(name).tiny]
+    kinds = dict.fromkeys(get_family(name).description.split(" (")[0] for name in names)
+    return (f"Plan, run and recover LoRA training on the GPU you have: {', '.join(kinds)}.\n"
+            f"Built-in models (--model builtin:NAME): {', '.join(family_names())}.")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse with its errors as one line (``autotune plan: error: ...; see autotune plan --help``): the usage
     block it prints first would bury the line that says what is wrong."""
@@ -39,8 +60,8 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (``autotune --help`` imports none of them)."""
     parser = OneLineParser(
-        prog="autotune",
-        description="Plan, run and recover LoRA training for Stable Diffusion on the GPU you have.",
+        prog="autotune", description=_description(), epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"lora-autotune {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
@@ -49,7 +70,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             subparsers.add_parser(name, help=help_text, description=help_text)
             continue
         module = importlib.import_module(module_name)
-        sub = subparsers.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        sub = subparsers.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # examples: one a line
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser

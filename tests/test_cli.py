@@ -29,6 +29,17 @@ def test_help_lists_every_subcommand():
     assert "probe" in done.stdout
 
 
+def test_help_names_every_family_and_keeps_examples_one_a_line():
+    from sd_scripts_compat.models.families import family_names, get_family
+
+    top = autotune("--help").stdout
+    for name in family_names():
+        assert name in top and (get_family(name).tiny or get_family(name).description.split(" (")[0] in top)
+    assert "\n  autotune plan DATASET --model builtin:flux-dev --vram 16\n" in top
+    bench = autotune("bench", "--help").stdout
+    assert "\n    autotune bench DATASET --model M --sweep batch=1,2,4,8        # one run per micro-batch\n" in bench
+
+
 def test_console_script_entry_point():
     script = Path(sys.executable).parent / ("autotune.exe" if os.name == "nt" else "autotune")
     if not script.exists():
