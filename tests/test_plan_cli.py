@@ -125,3 +125,49 @@ def test_fake_probe_two_gpus_held_memory_and_display(monkeypatch, tmp_path):
     assert plan.fits and plan.num_processes == 2
     assert plan.prediction.usable_bytes == 12 * GIB - int(1.5 * GIB)  # the smaller, busier card decides
     assert plan.prediction.required_bytes <= plan.prediction.usable_bytes
+
+
+PINS = {"--batch": "2", "--accum": "3", "--lr": "2e-4", "--rank": "16", "--alpha": "8", "--steps": "500",
+        "--optimizer": "Lion", "--resolution": "512"}
+KOHYA_NAMES = {"--batch": "--train_batch_size", "--accum": "--gradient_accumulation_steps", "--lr": "--learning_rate",
+               "--rank": "--network_dim", "--alpha": "--network_alpha", "--steps": "--max_train_steps",
+               "--optimizer": "--optimizer_type", "--resolution": "--resolution"}
+
+
+def test_plan_keeps_what_is_pinned_under_our_names_and_sd_scripts_names_alike(tmp_path):
+    """--batch / --accum / --lr / --rank / --alpha / --steps / --optimizer (any the engine trains) / --resolution,
+    or sd-scripts' flag names for them (and kohya's 512,512): the same config, every pinned value in it."""
+    configs = []
+    for name, names in (("ours", {k: k for k in PINS}), ("kohya", KOHYA_NAMES)):
+        out = tmp_path / name
+        values = [item for key, value in PINS.items()
+                  for item in (names[key], "512,512" if name == "kohya" and key == "--resolution" else value)]
+        done = autotune("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sd15", "--vram", "12", "--out",
+                        str(out), *values)
+        assert done.returncode == 0, done.stderr
+        configs.append({k: v for k, v in toml.load(out / "config.toml").items() if not str(v).startswith(str(out))})
+    assert configs[0] == configs[1]
+    config = configs[0]
+    assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (2, 3)
+    assert (config["unet_lr"], config["network_dim"], config["network_alpha"]) == (2e-4, 16, 8.0)
+    assert config["max_train_steps"] == 500 and "max_train_epochs" not in config
+    assert config["optimizer_type"] == "Lion" and config["resolution"] == "512,512"
+
+
+def test_a_pinned_batch_that_cannot_fit_is_stepped_down_with_the_reason(tmp_path):
+    done = autotune("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sdxl", "--vram", "8", "--batch", "16",
+                    "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["settings"]["train_batch_size"] < 16
+    assert any(line.startswith("your micro-batch 16 x 1 does not fit (needs ") for line in plan["fallbacks"])
+
+
+def test_pins_that_contradict_are_one_line(tmp_path):
+    for args, said in ((["--steps", "100", "--epochs", "2"], "give one of them"),
+                       (["--resolution", "768,512"], "square buckets"),
+                       (["--optimizer", "SGD"], "--optimizer"), (["--lr", "0"], "--lr 0"),
+                       (["--accum", "0"], "--accum 0")):
+        done = autotune("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sd15", "--vram", "12", *args)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2 and len(lines) == 1 and said in lines[0], (args, done.stderr)

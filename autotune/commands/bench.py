@@ -33,7 +33,7 @@ ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves th
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autotune.launch import plan_options as plan_command
 
-    plan_command.add_arguments(parser, dataset_required=False, with_out=False)  # --keep DIR keeps its files
+    plan_command.add_arguments(parser, dataset_required=False, bench=True)  # --keep DIR keeps its files
     parser.add_argument("--config", help="bench this kohya config.toml instead of a plan's settings")
     parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per point (default 6)")

@@ -52,7 +52,8 @@ CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "memory_calibr
 GIB = 2**30
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Lion", "Lion8bit", "Prodigy", "Adafactor")
 # kohya optimizer_type spellings -> the state layout they keep (paged variants keep the same state)
-_OPTIMIZER_ALIASES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "pagedadamw8bit": "AdamW8bit", "lion": "Lion",
+_OPTIMIZER_ALIASES = {"adamw": "AdamW", "pagedadamw": "AdamW", "pagedadamw32bit": "AdamW", "adamw8bit": "AdamW8bit",
+                      "pagedadamw8bit": "AdamW8bit", "lion": "Lion",
                       "lion8bit": "Lion8bit", "pagedlion8bit": "Lion8bit", "prodigy": "Prodigy",
                       "adafactor": "Adafactor"}
 WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "fp8")

@@ -15,7 +15,8 @@ from typing import Any
 
 # the plan options of `autotune run` that change what is trained
 OPTIONS = ("family", "goal", "priority", "optimizer", "rank", "resolution", "epochs", "network", "network_arg",
-           "no_fp8", "allow_pickle")
+           "no_fp8", "allow_pickle", "batch", "accum", "lr", "alpha", "plan_steps")
+_FLAG_OF = {"plan_steps": "steps"}  # an option whose dest is not its flag
 
 
 def run_fingerprint(args: argparse.Namespace, dataset_dir: Path) -> dict[str, Any]:
@@ -38,7 +39,7 @@ def changes(started: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for name, value in now["options"].items():
         old = (started.get("options") or {}).get(name)
         if old != value:
-            found.append(f"--{name.replace('_', '-')} ({old} -> {value})")
+            found.append(f"--{_FLAG_OF.get(name, name).replace('_', '-')} ({old} -> {value})")
     for key, flag in (("config", "--config"), ("dataset_config", "--dataset-config")):
         if started.get(key) != now[key]:
             found.append(f"the {flag} file")

@@ -21,9 +21,27 @@ def finite(text: str) -> float:
 finite.__name__ = "finite number"
 
 
-def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True, with_out: bool = True) -> None:
-    """The plan's options; ``with_out=False`` for a command that writes no configs of its own (bench)."""
-    from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
+def resolution_side(text: str) -> int:
+    """``--resolution 768`` or kohya's ``768,768``; plans train square buckets of one area, so W,H must agree."""
+    parts = [part.strip() for part in str(text).split(",")]
+    if len(parts) not in (1, 2) or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one side in pixels (768) or W,H as kohya writes it "
+                                         "(768,768)")
+    if len(parts) == 2 and parts[0] != parts[1]:
+        raise argparse.ArgumentTypeError(f"{text}: plans train square buckets (of that area, any aspect); give "
+                                         f"one side, e.g. {int((int(parts[0]) * int(parts[1])) ** 0.5) // 64 * 64}, "
+                                         "or set resolution in a --config")
+    return int(parts[0])
+
+
+resolution_side.__name__ = "resolution"
+
+
+def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True, bench: bool = False) -> None:
+    """The plan's options; ``bench``: for ``autotune bench``, which writes no configs (no ``--out``) and whose
+    ``--steps`` are its timed steps (no steps pin)."""
+    from autotune.planning.goals import GOALS, PRIORITIES
+    from sd_scripts_compat.config.optimizers import optimizer_names
 
     parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
                         help="folder of N_name image subfolders (N = repeats)")
@@ -40,14 +58,26 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
     parser.add_argument("--priority", choices=PRIORITIES, default="balanced",
                         help="speed | balanced | quality (default balanced)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="pin the optimizer")
-    parser.add_argument("--rank", type=int, default=None, help="pin the LoRA rank (network_dim)")
+    parser.add_argument("--optimizer", "--optimizer_type", choices=optimizer_names(), default=None, metavar="NAME",
+                        help=f"pin the optimizer: {', '.join(optimizer_names())}")
+    parser.add_argument("--rank", "--network_dim", type=int, default=None, help="pin the LoRA rank (network_dim)")
+    parser.add_argument("--alpha", "--network_alpha", type=finite, default=None, help="pin network_alpha")
+    parser.add_argument("--batch", "--train_batch_size", type=int, default=None,
+                        help="pin the micro-batch (a smaller one only if it cannot fit, said with the reason)")
+    parser.add_argument("--accum", "--gradient_accumulation_steps", type=int, default=None,
+                        help="pin gradient accumulation (effective batch = batch x accum)")
+    parser.add_argument("--lr", "--learning_rate", type=finite, default=None,
+                        help="pin the UNet's / transformer's learning rate (text encoders get half)")
+    if not bench:
+        parser.add_argument("--steps", "--max_train_steps", dest="plan_steps", type=int, default=None,
+                            help="pin the number of optimizer steps (instead of the goal's epochs)")
     parser.add_argument("--network", choices=("lora", "locon", "loha", "lokr"), default="lora",
                         help="lora (kohya's networks.lora) or a LyCORIS algorithm (lycoris.kohya, the lycoris extra)")
     parser.add_argument("--network-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="one more network_args entry, e.g. factor=8 for LoKr (repeat it)")
-    parser.add_argument("--resolution", type=int, default=None, help="pin the training resolution (px)")
-    parser.add_argument("--epochs", type=int, default=None, help="pin the number of epochs")
+    parser.add_argument("--resolution", type=resolution_side, default=None, metavar="PX|W,H",
+                        help="pin the training resolution: 768 or 768,768 as kohya writes it")
+    parser.add_argument("--epochs", "--max_train_epochs", type=int, default=None, help="pin the number of epochs")
     parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
     parser.add_argument("--workers", type=int, default=None, help="pin max_data_loader_n_workers (host RAM may "
                         "still lower it)")
@@ -58,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="physical CPU cores of the training machine (default: this machine's)")
     parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
                         help="config layout: kohya (flat) or lora-scripts (sectioned)")
-    if with_out:
+    if not bench:
         parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
     parser.add_argument("--no-learn", action="store_true",
                         help="plan from the models alone, ignoring this machine's measured runs and benches")
@@ -108,7 +138,8 @@ def build_request(args: argparse.Namespace) -> Any:
         cores = args.cpu_cores
     prefs = Preferences(optimizer=args.optimizer, rank=args.rank, resolution=args.resolution, epochs=args.epochs,
                         network=args.network, network_args=tuple(args.network_arg),
-                        allow_fp8=not args.no_fp8, workers=args.workers)
+                        allow_fp8=not args.no_fp8, workers=args.workers, batch=args.batch, accum=args.accum,
+                        learning_rate=args.lr, alpha=args.alpha, steps=getattr(args, "plan_steps", None))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
     return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),

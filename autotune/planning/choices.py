@@ -148,7 +148,8 @@ def _network(c: PlanContext) -> list[Choice]:
                else profile.network_module_reason),
         Choice("network_dim", c.values["network_dim"], rank_reason),
         Choice("network_alpha", c.values["network_alpha"],
-               "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
+               f"your --alpha: LoRA scale {s.network_alpha / s.network_dim:g}" if req.preferences.alpha is not None
+               else "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
     ]
     if s.network_args:
         out.append(Choice("network_args", list(s.network_args),
@@ -166,7 +167,7 @@ def _network(c: PlanContext) -> list[Choice]:
 
 def _optimizer(c: PlanContext) -> list[Choice]:
     s, req, goal = c.settings, c.request, c.goal
-    opt_reason = OPTIMIZER_REASONS[s.optimizer_type]
+    opt_reason = OPTIMIZER_REASONS.get(s.optimizer_type, f"{s.optimizer_type}, as sd-scripts builds it")
     if s.optimizer_type != c.preferred_opt:
         opt_reason = f"switched from {c.preferred_opt} to fit memory; " + opt_reason
     elif req.preferences.optimizer:
@@ -182,6 +183,9 @@ def _optimizer(c: PlanContext) -> list[Choice]:
         te_lr = float(f"{unet_lr / 2:.3g}")
         lr_reason = (f"goal {req.goal}: {goal.unet_lr:g} x sqrt(effective batch {c.effective} / 4), "
                      "clamped to [2.5e-5, 4e-4]")
+    if req.preferences.learning_rate is not None:
+        unet_lr, te_lr = req.preferences.learning_rate, float(f"{req.preferences.learning_rate / 2:.3g}")
+        lr_reason = "your --lr"
     out += [Choice("learning_rate", unet_lr, "same as unet_lr (kohya uses the per-part rates below)"),
             Choice("unet_lr", unet_lr, lr_reason)]
     if not s.network_train_unet_only:
@@ -195,9 +199,10 @@ def _optimizer(c: PlanContext) -> list[Choice]:
 def _training(c: PlanContext) -> list[Choice]:
     s, fam, req, goal = c.settings, c.family, c.request, c.goal
     mb, accum = c.values["train_batch_size"], c.values["gradient_accumulation_steps"]
+    pinned = req.preferences.batch is not None and mb == req.preferences.batch
     out = [
-        Choice("train_batch_size", mb, f"fastest fitting micro-batch: predicted peak {c.peak / GIB:.2f} GiB of "
-                                       f"{c.usable / GIB:.2f} GiB usable per device"),
+        Choice("train_batch_size", mb, f"{'your --batch' if pinned else 'fastest fitting micro-batch'}: predicted "
+                                       f"peak {c.peak / GIB:.2f} GiB of {c.usable / GIB:.2f} GiB usable per device"),
         Choice("gradient_accumulation_steps", accum, f"effective batch {c.effective} = {mb} x {accum}"
                + (f" x {c.devices} devices" if c.devices > 1 else "") + f" (goal {req.goal} wants "
                f"{goal.effective_batch})"),
@@ -225,8 +230,10 @@ def _training(c: PlanContext) -> list[Choice]:
                      f"{c.dataset.views_per_epoch} views per epoch) -> {c.steps} optimizer steps")
     if not req.gpus and is_tiny_scale(fam) and not req.preferences.epochs:
         epochs_reason += f"; tiny model on CPU: capped to a short run (<= {TINY_CPU_MAX_STEPS} steps, >= 1 epoch)"
-    out += [Choice("max_train_epochs", c.epochs, epochs_reason),
-            Choice("seed", req.preferences.seed, "fixed seed: reruns are reproducible")]
+    length = Choice("max_train_steps", c.steps, f"your --steps ({c.epochs} epochs of {c.dataset.views_per_epoch} "
+                    "views, the last one partly)") if req.preferences.steps else \
+        Choice("max_train_epochs", c.epochs, epochs_reason)
+    out += [length, Choice("seed", req.preferences.seed, "fixed seed: reruns are reproducible")]
     return out
 
 

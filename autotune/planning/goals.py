@@ -1,7 +1,8 @@
 """What a goal and a priority ask of a LoRA: rank, effective batch, learning rate and amount of training.
 
 Numbers are community practice for kohya LoRAs (see ``autotune.planning.planner``'s docstring for the
-rules). ``GOALS``, ``PRIORITIES`` and ``OPTIMIZERS`` are the values ``autotune plan`` accepts.
+rules). ``GOALS`` and ``PRIORITIES`` are the values ``autotune plan`` accepts; ``OPTIMIZERS`` are those the planner
+picks by itself (``--optimizer`` pins any the engine trains).
 """
 
 from __future__ import annotations
@@ -69,12 +70,15 @@ class TrainingLength:
 
 
 def training_length(goal: GoalProfile, priority: str, num_images: int, views_per_epoch: int, effective: int,
-                    pinned_epochs: int | None, short_cpu_run: bool) -> TrainingLength:
+                    pinned_epochs: int | None, short_cpu_run: bool, pinned_steps: int | None = None) -> TrainingLength:
     """Epochs and optimizer steps for the target image-views; a short CPU run keeps whole epochs that fit
-    in TINY_CPU_MAX_STEPS optimizer steps (at least one)."""
+    in TINY_CPU_MAX_STEPS optimizer steps (at least one); pinned steps are kept as they are."""
     target = target_views(goal, num_images, priority)
-    epochs = pinned_epochs or max(1, round(target / views_per_epoch))
     steps_per_epoch = math.ceil(views_per_epoch / effective)
+    if pinned_steps:
+        return TrainingLength(target_views=target, epochs=math.ceil(pinned_steps / steps_per_epoch),
+                              steps=pinned_steps)
+    epochs = pinned_epochs or max(1, round(target / views_per_epoch))
     if short_cpu_run:
         epochs = max(1, min(epochs, TINY_CPU_MAX_STEPS // steps_per_epoch))
     return TrainingLength(target_views=target, epochs=epochs, steps=epochs * steps_per_epoch)

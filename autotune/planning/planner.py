@@ -234,6 +234,8 @@ def plan_training(request: PlanRequest) -> Plan:
     precision, precision_reason = _precision(gpus, request.cpu_bf16)
     usable = min(g.usable_bytes for g in gpus) if gpus else int(request.cpu_memory_bytes or 16 * GIB)
     effective = max(devices, max(1, min(goal.effective_batch, dataset.num_images)))
+    split = _pinned_split(prefs, effective, devices)
+    effective = split[0] * split[1] * devices if split else effective
     preferred_opt = prefs.optimizer or PRIORITY_OPTIMIZER[request.priority]
     profile = plan_profile(family.name)
     train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else (
@@ -247,7 +249,14 @@ def plan_training(request: PlanRequest) -> Plan:
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, cpu_bf16=request.cpu_bf16,
                           learned=_learned(request, family.name, devices), usable=usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
-                   devices=devices, usable=usable, predictor=predictor)
+                   devices=devices, usable=usable, predictor=predictor, split=split)
+    if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
+        need = found.smallest.required / GIB
+        found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
+                       predictor=predictor)
+        found = replace(found, fallbacks=(f"your micro-batch {split[0]} x {split[1]} does not fit (needs "
+                                          f"{need:.1f} GiB at the smallest settings, {usable / GIB:.1f} usable): "
+                                          "the fastest split that does", *found.fallbacks))
     learned = _learned_lines(predictor.excluded)
     device = _device_label(gpus)
     common = dict(version=__version__, model=request.model, family=family.name, goal=request.goal,
@@ -259,11 +268,11 @@ def plan_training(request: PlanRequest) -> Plan:
                     dataset_config={}, prediction=None, launch_command=(), **common)
 
     chosen = found.chosen
-    s = chosen.settings
+    s = chosen.settings if prefs.alpha is None else replace(chosen.settings, network_alpha=prefs.alpha)
     effective_real = s.train_batch_size * s.gradient_accumulation_steps * devices
     short_cpu_run = not gpus and is_tiny_scale(family) and not prefs.epochs
     length = training_length(goal, request.priority, dataset.num_images, dataset.views_per_epoch, effective_real,
-                             prefs.epochs, short_cpu_run)
+                             prefs.epochs, short_cpu_run, pinned_steps=prefs.steps)
     seconds_per_step = s.gradient_accumulation_steps / chosen.it_per_s
     modelled = (chosen.host_ram_loading, chosen.host_ram) if chosen.host_ram else None  # FLUX's own model
     ram = plan_host_ram(request, family, s, dataset.num_images, chosen.peak, modelled=modelled)
@@ -289,6 +298,18 @@ def plan_training(request: PlanRequest) -> Plan:
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,
                 launch_command=launch_command(family, devices, precision, request.output_dir), **common)
+
+
+def _pinned_split(prefs: Any, effective: int, devices: int) -> tuple[int, int] | None:
+    """The user's (micro-batch, accumulation): both given; the batch alone (accumulation makes up the goal's
+    effective batch); or the accumulation alone (the micro-batch makes up the rest)."""
+    if prefs.batch is None and prefs.accum is None:
+        return None
+    if prefs.batch is not None and prefs.accum is not None:
+        return prefs.batch, prefs.accum
+    if prefs.batch is not None:
+        return prefs.batch, max(1, round(effective / (prefs.batch * devices)))
+    return max(1, round(effective / (prefs.accum * devices))), prefs.accum
 
 
 def _learned(request: PlanRequest, family: str, devices: int) -> Any:

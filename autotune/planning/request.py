@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from autotune.planning.dataset import DatasetSummary
-from autotune.planning.goals import GOALS, OPTIMIZERS, PRIORITIES
+from autotune.planning.goals import GOALS, PRIORITIES
+from sd_scripts_compat.config.optimizers import optimizer_names
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -76,6 +77,11 @@ class Preferences:
     workers: int | None = None  # max_data_loader_n_workers (host RAM may step it down)
     network: str = "lora"  # lora (the family's kohya module) or a LyCORIS algorithm (NETWORKS)
     network_args: tuple[str, ...] = ()  # more "key=value" network_args (LoKr's factor=8, conv_dim=4, ...)
+    batch: int | None = None  # train_batch_size (micro-batch)
+    accum: int | None = None  # gradient_accumulation_steps
+    learning_rate: float | None = None  # the UNet's rate (the text encoders' is half of it, as planned)
+    alpha: float | None = None  # network_alpha
+    steps: int | None = None  # max_train_steps (instead of the goal's epochs)
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,18 @@ def validate_request(request: PlanRequest) -> None:
     if request.priority not in PRIORITIES:
         raise UserError(f"--priority {request.priority}: unknown priority; choose one of {', '.join(PRIORITIES)}")
     prefs = request.preferences
-    if prefs.optimizer is not None and prefs.optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer {prefs.optimizer}: the planner chooses among {', '.join(OPTIMIZERS)}")
+    trained = optimizer_names()
+    if prefs.optimizer is not None and prefs.optimizer not in trained:
+        raise UserError(f"--optimizer {prefs.optimizer}: the engine trains {', '.join(trained)}")
+    for flag, value in (("--batch", prefs.batch), ("--accum", prefs.accum), ("--steps", prefs.steps)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: must be 1 or more")
+    for flag, rate in (("--lr", prefs.learning_rate), ("--alpha", prefs.alpha)):
+        if rate is not None and not rate > 0:
+            raise UserError(f"{flag} {rate:g}: must be a positive number")
+    if prefs.steps is not None and prefs.epochs is not None:
+        raise UserError(f"--steps {prefs.steps} and --epochs {prefs.epochs}: give one of them (kohya's "
+                        "max_train_epochs would override max_train_steps)")
     if prefs.rank is not None and prefs.rank < 1:
         raise UserError(f"--rank {prefs.rank}: must be a positive integer, e.g. 16")
     if prefs.workers is not None and prefs.workers < 0:

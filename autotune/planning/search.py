@@ -155,12 +155,14 @@ class Scored:
 
 
 def best_at(point: TrainSettings, effective_batch: int, devices: int, usable: int,
-            predictor: Predictor) -> tuple[Scored | None, Scored]:
-    """The fastest fitting (micro-batch, checkpointing) at one ladder point, and the smallest candidate there."""
+            predictor: Predictor, split: tuple[int, int] | None = None) -> tuple[Scored | None, Scored]:
+    """The fastest fitting (micro-batch, checkpointing) at one ladder point, and the smallest candidate there;
+    ``split``: only that (micro-batch, accumulation), the user's."""
     best: Scored | None = None
     smallest: Scored | None = None
+    splits = [split] if split else list(reversed(micro_batch_splits(effective_batch, devices, exact=False)))
     for gc in (False, True):
-        for mb, accum in reversed(micro_batch_splits(effective_batch, devices, exact=False)):
+        for mb, accum in splits:
             s = replace(point, train_batch_size=mb, gradient_accumulation_steps=accum, gradient_checkpointing=gc)
             e = predictor.predict(s)
             scale = devices * (DDP_EFFICIENCY if devices > 1 else 1.0)
@@ -226,12 +228,13 @@ def _add_fallback(fallbacks: list[str], label: str) -> None:
 
 def search(start: TrainSettings, family: FamilySpec, goal: GoalProfile, *, fp8_ok: bool,
            effective: int, devices: int, usable: int,
-           predictor: Predictor) -> SearchResult:
-    """Walk the ladder from ``start`` (cumulatively, mildest first) until something fits."""
+           predictor: Predictor, split: tuple[int, int] | None = None) -> SearchResult:
+    """Walk the ladder from ``start`` (cumulatively, mildest first) until something fits; with ``split`` (the
+    user's micro-batch and accumulation) only that split is tried at each point."""
     fallbacks: list[str] = []
     smallest: Scored | None = None
     for label, point in [("", start), *ladder(start, family, goal, fp8_ok)]:
-        best, smallest = best_at(point, effective, devices, usable, predictor)
+        best, smallest = best_at(point, effective, devices, usable, predictor, split)
         if label:
             _add_fallback(fallbacks, label)
         if best is not None:
