@@ -189,3 +189,54 @@ def test_a_gpu_waiting_for_its_loader_is_data_bound_with_the_workers_to_set_fake
     neck = build_report(_cuda_run(tmp_path, used_gib=4.0, data=55.0))["bottleneck"]
     assert neck["kind"] == "data_bound" and neck["message"].startswith("GPU idle 38% waiting for data (2 loader")
     assert neck["fix"] == "set max_data_loader_n_workers = 4"  # latents are cached: more workers is the fix
+
+
+def _cpu_run(tmp_path: Path, process_cpu: float, machine_cpu: float, threads: int = 2, cores: int = 2) -> RunFiles:
+    """A finished CPU run: the CUDA stand-in's done.json, a trace of the trainer's and the machine's CPU use."""
+    run = _cuda_run(tmp_path, used_gib=1.0)
+    samples = [{"kind": "sample", "t": 1000.0 + t, "step": 1 + t, "gpus": [],
+                "proc": {"cpu_percent": process_cpu, "rss_bytes": GIB},
+                "sys": {"cpu_percent": machine_cpu, "load_1m": machine_cpu * cores / 100}} for t in range(90)]
+    header = {"kind": "header", "gpus": [], "max_steps": 100_000, "cpu_count": cores, "threads": threads,
+              "ram_total_bytes": 16 * GIB}
+    return RunFiles(folder=tmp_path, events_dir=tmp_path, done=run.done, progress=None, plan=run.plan,
+                    header=header, samples=samples, attempts=1)
+
+
+@pytest.mark.parametrize("process_cpu, machine_cpu, kind", [
+    (60.0, 100.0, "cpu_contention"),  # 30% busy on 2 threads while the machine was full: someone else's work
+    (60.0, 32.0, "device_idle"),  # 30% busy, the machine otherwise idle: the trainer itself idled
+    (138.0, 72.0, "device_idle"),  # 69%: still not compute-bound
+    (190.0, 97.0, "compute_bound"),  # busy 95% of the time
+])
+def test_compute_bound_is_said_only_when_the_trainer_was_busy(tmp_path, process_cpu, machine_cpu, kind):
+    """The report used to say "compute-bound ... nothing idles" of a process busy 12-49% of the time: it read the
+    process's CPU only, not the machine's."""
+    report = build_report(_cpu_run(tmp_path, process_cpu, machine_cpu))
+    neck = report["bottleneck"]
+    assert neck["kind"] == kind, neck
+    busy = report["devices"][0]["busy_percent"]
+    assert busy == pytest.approx(process_cpu / 2)
+    if busy < 70:
+        assert neck["kind"] != "compute_bound" and "nothing idles" not in neck["fix"]
+    if kind == "cpu_contention":
+        assert "other processes kept 1.4 cores of the 2 busy" in neck["message"] and "OMP_NUM_THREADS" in neck["fix"]
+
+
+@pytest.mark.slow
+def test_a_run_beside_a_cpu_burner_is_reported_as_contention_not_compute_bound(tmp_path):
+    """A real run (one training thread, as the tests run it) while two other processes spin on both cores: the
+    monitor's machine-wide CPU use shows it, and the report names the contention."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        events = train(tmp_path, max_train_steps=12)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    report = build_report(load_run(events))
+    row = report["devices"][0]
+    print(f"busy {row['busy_percent']:.0f}%, machine {row['machine_cpu_percent']:.0f}%, others "
+          f"{row['other_processes_cores']:.1f} cores: {report['bottleneck']['message']}")
+    assert report["bottleneck"]["kind"] == "cpu_contention", report["bottleneck"]
+    assert row["busy_percent"] < 70 and row["other_processes_cores"] >= 0.5

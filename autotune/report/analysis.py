@@ -7,7 +7,10 @@ The bottleneck is the first of these that holds (the order is how much each cost
 4. events-bound: validation, saves and samples took :data:`EVENTS_BOUND_FRACTION` or more of the loop;
 5. memory headroom (CUDA): the peak used under :data:`HEADROOM_FRACTION` of the card and the memory model
    finds a larger micro-batch that fits and is predicted clearly faster;
-6. otherwise compute-bound: the device itself is the limit.
+6. the device idled: busy under :data:`BUSY_FRACTION` of the time (a GPU's utilisation; on a CPU the trainer's
+   CPU time over its threads): contention when other processes kept the machine's CPUs busy meanwhile, else the
+   trainer's own idling;
+7. otherwise compute-bound: the device itself is the limit, and was busy.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ DATA_BOUND_FRACTION = 0.20
 VAE_BOUND_FRACTION = 0.25
 EVENTS_BOUND_FRACTION = 0.25
 HEADROOM_FRACTION = 0.60
+BUSY_FRACTION = 0.70  # below this share of the wall time busy, a run is not called compute-bound
+OTHERS_CORES = 0.5  # other processes using this many cores or more (averaged) is contention
 HEADROOM_MIN_SPEEDUP = 1.15
 MIB, GIB = 2**20, 2**30
 
@@ -87,12 +92,17 @@ def device_rows(run: RunFiles) -> list[dict[str, Any]]:
              "power_w": _mean(g.get("power_w") for g in gs)} for i, gs in sorted(by_index.items())]
     if rows or not during:
         return rows
-    cores = os.cpu_count() or 1
+    cores = run.header.get("cpu_count") or os.cpu_count() or 1
+    threads = min(run.header.get("threads") or cores, cores)
     cpu = _mean((s.get("proc") or {}).get("cpu_percent") for s in during)
-    return [{"device": "cpu", "name": f"CPU ({cores} logical cores)",
-             "busy_percent": cpu / cores if cpu is not None else None,
+    machine = _mean((s.get("sys") or {}).get("cpu_percent") for s in during)
+    others = max(0.0, machine * cores / 100 - cpu / 100) if cpu is not None and machine is not None else None
+    return [{"device": "cpu", "name": f"CPU ({cores} logical cores, {threads} training threads)",
+             "busy_percent": min(100.0, cpu / threads) if cpu is not None else None,
              "peak_used_bytes": max(((s.get("proc") or {}).get("rss_bytes") or 0 for s in during), default=None),
-             "total_bytes": run.header.get("ram_total_bytes"), "process_cpu_percent": cpu}]
+             "total_bytes": run.header.get("ram_total_bytes"), "process_cpu_percent": cpu,
+             "machine_cpu_percent": machine, "other_processes_cores": others, "threads": threads,
+             "load_1m": _mean((s.get("sys") or {}).get("load_1m") for s in during)}]
 
 
 def memory(run: RunFiles, devices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,10 +141,36 @@ def bottleneck(run: RunFiles, report: dict[str, Any], findings: list[Any]) -> di
     room = headroom(run, report)
     if room is not None:
         return room
+    idling = idle_device(report["devices"])
+    if idling is not None:
+        return idling
     compute = sum(of_steps[k] for k in ("forward", "backward", "optimizer"))
     return {"kind": "compute_bound", "message": f"compute-bound: forward, backward and optimizer are "
             f"{100 * compute:.0f}% of the step time (waiting for data {100 * of_steps['data']:.0f}%)",
             "fix": "nothing idles: only a faster device, a lower resolution or fewer steps make it quicker"}
+
+
+def idle_device(devices: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The device was busy under BUSY_FRACTION of the time: who took the machine (contention), or that the trainer
+    itself idled; None when it was busy (or nothing says how busy)."""
+    if not devices or devices[0].get("busy_percent") is None or devices[0]["busy_percent"] >= 100 * BUSY_FRACTION:
+        return None
+    row, busy = devices[0], devices[0]["busy_percent"]
+    if row["device"].startswith("cuda"):
+        return {"kind": "device_idle", "message": f"the GPU was busy {busy:.0f}% of the time: its kernels wait "
+                "for the host (small steps, Python overhead, copies)", "fix": "a larger micro-batch or fewer, larger "
+                "kernels (sdpa, no per-step syncs); see the phases above for the host's share"}
+    others, cores, load = row.get("other_processes_cores"), row["name"], row.get("load_1m")
+    threads = f"{row['threads']} thread{'s' if row['threads'] != 1 else ''}"
+    if others is not None and others >= OTHERS_CORES:
+        return {"kind": "cpu_contention", "message": f"the trainer's {threads} ran {busy:.0f}% of the "
+                f"time: other processes kept {others:.1f} cores of the {cores.split(' (')[1].split(' logical')[0]} "
+                f"busy meanwhile" + (f" (load average {load:.1f})" if load is not None else ""),
+                "fix": "stop the other work while training, or give the trainer fewer threads (OMP_NUM_THREADS) so "
+                "the two do not preempt each other"}
+    return {"kind": "device_idle", "message": f"the trainer's {threads} ran {busy:.0f}% of the time "
+            "with the machine otherwise idle: it waits between kernels (small steps, Python overhead)",
+            "fix": "a larger micro-batch gives each step more work per thread"}
 
 
 def _data_bound(fraction: float, idle: str, workers: int, settings: dict[str, Any]) -> dict[str, Any]:

@@ -4,17 +4,19 @@ Every ``interval_s`` (default :data:`DEFAULT_INTERVAL_S`) a daemon thread append
 training step, per GPU (through NVML, when nvidia-ml-py and a driver are there) utilisation, memory
 used / total, SM and memory clocks against the SM clock's maximum, power against its limit, temperature
 and the clock-event (throttle) reasons; for the process (psutil) CPU % and resident memory; for the system
+its CPU use and load average (so a report can tell other work on the machine from the trainer's own idling),
 RAM available / total and swap used / total. The loop pays nothing: the thread reads the step counter
 through a callable and does its own I/O (NVML and psutil calls release the GIL for their system calls).
 Off when ``--autotune_monitor_seconds 0`` or without an events folder.
 
 Format (``schema`` :data:`MONITOR_SCHEMA`): a ``{"kind": "header", ...}`` line per engine process (``pid``,
 ``interval_s``, ``started``, ``gpus``: name and total memory per sampled GPU, ``ram_total_bytes``,
-``max_steps``: the run's last step), then
+``max_steps``: the run's last step, ``cpu_count``: logical CPUs, ``threads``: torch's intra-op threads), then
 ``{"kind": "sample", "t": unix time, "step": n, "gpus": [{"index", "util_percent", "mem_util_percent",
 "mem_used_bytes", "mem_total_bytes", "sm_clock_mhz", "max_sm_clock_mhz", "mem_clock_mhz", "power_w",
 "power_limit_w", "temp_c", "throttle": [reason names]}], "proc": {"cpu_percent", "rss_bytes"}, "sys":
-{"ram_available_bytes", "ram_total_bytes", "swap_used_bytes", "swap_total_bytes"}}`` lines. A value NVML or
+{"cpu_percent" (all CPUs, 0-100), "load_1m", "ram_available_bytes", "ram_total_bytes", "swap_used_bytes",
+"swap_total_bytes"}}`` lines. A value NVML or
 psutil cannot give is null. Lines are appended whole (one ``write`` on an ``O_APPEND`` file), several
 attempts of one run follow each other in one file, and a reader skips a line that is not JSON (a kill in
 the middle of a write). :func:`read_monitor` is the reader.
@@ -106,12 +108,15 @@ class PsutilSource:
         self.psutil = psutil
         self.process = psutil.Process(pid)
         self.process.cpu_percent(None)  # the first call starts the interval; it returns 0.0
+        psutil.cpu_percent(None)  # the same for the whole machine
 
     def sample(self) -> tuple[dict[str, Any], dict[str, Any]]:
         memory, swap = self.psutil.virtual_memory(), self.psutil.swap_memory()
         proc = {"cpu_percent": _call(self.process.cpu_percent, None),
                 "rss_bytes": getattr(_call(self.process.memory_info), "rss", None)}
-        system = {"ram_available_bytes": memory.available, "ram_total_bytes": memory.total,
+        load = _call(os.getloadavg) if hasattr(os, "getloadavg") else None
+        system = {"cpu_percent": _call(self.psutil.cpu_percent, None), "load_1m": load[0] if load else None,
+                  "ram_available_bytes": memory.available, "ram_total_bytes": memory.total,
                   "swap_used_bytes": swap.used, "swap_total_bytes": swap.total}
         return proc, system
 
@@ -132,7 +137,8 @@ class Monitor:
         self._file.write_line(json.dumps({
             "schema": MONITOR_SCHEMA, "kind": "header", "pid": os.getpid(), "interval_s": self.interval_s,
             "started": time.time(), "gpus": self.gpus.describe() if self.gpus else [],
-            "ram_total_bytes": ram_total, "max_steps": self.max_steps}))
+            "ram_total_bytes": ram_total, "max_steps": self.max_steps, "cpu_count": os.cpu_count(),
+            "threads": _torch_threads()}))
         self._thread.start()
 
     def stop(self) -> None:
@@ -155,6 +161,14 @@ class Monitor:
                 with contextlib.suppress(Exception):
                     self._file.write_line(json.dumps(self.sample()))  # the last sample: the run's end
                 return
+
+
+def _torch_threads() -> int | None:
+    """torch's intra-op threads in this process (the engine has torch loaded; None where it has not)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else None
 
 
 @contextlib.contextmanager
