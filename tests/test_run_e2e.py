@@ -370,3 +370,17 @@ def test_real_divergence_is_caught_the_rate_lowered_and_no_worse_than_a_run_star
           f"started at the lower rate {baseline[-1][1]:.5f}")
     assert retried[-1][0] == baseline[-1][0] == steps
     assert retried[-1][1] <= baseline[-1][1] * 1.02
+
+
+def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(tmp_path):
+    """`output/<dataset>-<family>`: two models trained on one dataset never share a folder (was output/<dataset>)."""
+    from autotune.launch.layout import default_out, run_name
+
+    assert run_name(tmp_path / "my data!", "tiny-sd15") == "my_data-tiny-sd15"
+    assert default_out(tmp_path / "d", "sdxl") != default_out(tmp_path / "d", "tiny-flux")
+    examples = Path(__file__).resolve().parents[1] / "examples" / "dataset"
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", str(examples), "--model", "builtin:tiny-sd15",
+                           "--steps", "2", "--skip-doctor"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list((tmp_path / "output" / "dataset-tiny-sd15").glob("**/*.safetensors"))

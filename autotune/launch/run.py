@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from autotune.launch.layout import default_out
 from autotune.launch.plan_options import finite
 from autotune.recovery.watchdog import DECISIONS_LOG
 from sd_scripts_compat.errors import BadWeights, UserError
@@ -192,7 +193,7 @@ def start_run(args: argparse.Namespace) -> int:
 
         print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
                                                **_doctor_options(args))))
-    out = dataset_folder(args.out) if args.out else (Path("output") / dataset_dir.name).resolve()
+    out = dataset_folder(args.out) if args.out else default_out(dataset_dir, _family_name(args))
     before = _entries(out)
     with locked_output(out):  # one run per --out: a second one is told the first's PID
         try:
@@ -375,6 +376,12 @@ def _print_report(out: Path) -> None:
         print(f"no report: {error}")
         return
     print(f"\n{text.rstrip()}\nreport page: {out / REPORT_HTML} (again with: autotune report {out})")
+
+
+def _family_name(args: argparse.Namespace) -> str:
+    from sd_scripts_compat.models.detect import detect_family
+
+    return detect_family(args.model, args.family, allow_pickle=bool(getattr(args, "allow_pickle", False))).name
 
 
 def _entries(folder: Path) -> set[str] | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from autotune.launch.layout import DEFAULT_ROOT, run_name
 from autotune.wizard.ask import Asker, Option, integer_check
 from sd_scripts_compat.errors import UserError
 
@@ -400,13 +401,12 @@ def goal_and_output(asker: Asker, args: argparse.Namespace, data: DatasetChoice,
     priority = asker.choose("Priority", [Option(f"{p}: {PRIORITY_HELP[p]}", p) for p in PRIORITIES],
                             default="balanced", flag="--priority", given=args.priority,
                             explanation="trades training time against quality")
-    stem = re.sub(r"[^A-Za-z0-9_-]", "_", data.folder.name).strip("_") or "lora"
-    name = asker.text("Output name", default=f"{stem}-{family}", check=name_problem, flag="--output-name",
+    name = asker.text("Output name", default=run_name(data.folder, family), check=name_problem, flag="--output-name",
                       given=args.output_name, explanation="the LoRA file's name (kohya's output_name)")
-    default_folder = Path("output") / name
+    default_folder = DEFAULT_ROOT / name
     number = 2
     while output_problem(str(default_folder)):
-        default_folder, number = Path("output") / f"{name}-{number}", number + 1
+        default_folder, number = DEFAULT_ROOT / f"{name}-{number}", number + 1
     folder = asker.text("Output folder", default=str(default_folder), check=output_problem, flag="--out",
                         given=args.out, path=True, only_directories=True,
                         explanation="config.toml and dataset.toml go here; the LoRA goes to its output/ folder")
