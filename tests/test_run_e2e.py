@@ -383,4 +383,14 @@ def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(
                            "--steps", "2", "--skip-doctor"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert list((tmp_path / "output" / "dataset-tiny-sd15").glob("**/*.safetensors"))
+    out = tmp_path / "output" / "dataset-tiny-sd15"
+    lora = json.loads((out / "autotune_events" / "done.json").read_text())["output_file"]
+    # report and inspect take the run's folder, or any file in it
+    for command, target, said in (("report", out, "bottleneck: "), ("report", lora, "bottleneck: "),
+                                  ("report", out / "config.toml", "bottleneck: "),
+                                  ("inspect", out, "tiny-sd15 ("), ("inspect", lora, "tiny-sd15 (")):
+        shown = subprocess.run([sys.executable, "-X", "importtime", "-m", "autotune", command, str(target)],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and said in shown.stdout, (command, target, shown.stderr[-2000:])
+        if command == "inspect":  # still without torch
+            assert not [line for line in shown.stderr.splitlines() if line.endswith("| torch")]

@@ -49,7 +49,7 @@ def load_run(folder: str | Path) -> RunFiles:
     from sd_scripts_compat.contract import DONE, MONITOR_FILE, PROGRESS, read_event
     from sd_scripts_compat.training.monitor import read_monitor
 
-    root = Path(folder).expanduser()
+    root = run_folder(Path(folder).expanduser())
     if not root.is_dir():
         raise UserError(f"{folder}: no such folder; give the --out folder of an autotune run "
                         "(or an engine's --autotune_events_dir)")
@@ -64,6 +64,15 @@ def load_run(folder: str | Path) -> RunFiles:
     return RunFiles(folder=root, events_dir=events, done=done, progress=progress, plan=_read_json(root / PLAN_FILE),
                     header=header, samples=samples, attempts=len(runs),
                     resumed_changed=[str(c) for c in changed] if isinstance(changed, list) else [])
+
+
+def run_folder(path: Path) -> Path:
+    """The run a path belongs to: a run folder itself, or the nearest folder above a file (the LoRA in
+    ``output/``, ``config.toml``, a report page) that holds a run's events; else the path as given."""
+    for candidate in [path, *path.parents][:4]:
+        if candidate.is_dir() and ((candidate / EVENTS_DIR).is_dir() or (candidate / "done.json").is_file()):
+            return candidate
+    return path
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
