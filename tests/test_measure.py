@@ -187,9 +187,27 @@ def test_bench_sweep_marks_the_fastest_that_fits_and_its_injected_oom_teaches_th
     bf16 = json.loads((tmp_path / "b" / "point01" / "events" / "done.json").read_text())
     assert bf16["settings"]["mixed_precision"] == "bf16" and bf16["resolved"]["weight_dtype"] == "bfloat16"
     assert {r.outcome for r in load_measurements()} == {"done", "oom"}
-
+    finished = [line for line in bench.stderr.splitlines()
+                if line.startswith("[") and ("it/s" in line or ": oom" in line)]
+    assert len(finished) == 4, bench.stderr  # each point said as it finished, not only at the end
     plan = json.loads(_autotune("plan", str(tmp_path / "b" / "dataset"), "--model", "builtin:tiny-sd15",
                                 "--json").stdout)
     chosen = plan["settings"]
     assert chosen["train_batch_size"] < 4 or chosen["gradient_checkpointing"]  # not what ran out of memory
     assert any("ran out of memory" in line and "bench" in line for line in plan["learned"])
+
+
+@pytest.mark.slow
+def test_bench_piped_prints_the_whole_table_and_its_phase_line_adds_up_to_its_step_time(tmp_path):
+    bench = _autotune("bench", "--model", "builtin:tiny-sd15", "--steps", "2", "--warmup", "2", "--no-store")
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    header = next(line for line in bench.stdout.splitlines() if "point" in line and "outcome" in line)
+    assert all(column in header for column in ("it/s", "images/s", "s/step", "peak MiB (RSS)"))
+    row = next(line for line in bench.stdout.splitlines() if line.lstrip("│ ").startswith("* "))
+    seconds = float(row.split("│")[5])
+    phases = next(line for line in bench.stdout.splitlines() if " ms per step: " in line)
+    total, parts = phases.split(" ms per step: ")
+    assert float(total.split("of ")[-1]) == pytest.approx(1000 * seconds, abs=1)
+    shares = [float(part.rsplit(" ", 1)[1]) for part in parts.split(", ")]
+    assert sum(shares) == pytest.approx(1000 * seconds, rel=0.01)
+

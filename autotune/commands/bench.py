@@ -236,25 +236,30 @@ def render(results: list[Any], cuda: bool) -> None:
                       f"{p.it_per_s:.3g}" if p.it_per_s else "-", f"{p.images_per_s:.3g}" if p.images_per_s else "-",
                       f"{p.seconds_per_step:.4g}" if p.seconds_per_step else "-",
                       memory if p.outcome != Outcome.OOM else "-", outcome)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # piped: the whole table, not 80 columns
     console.print(table)
     console.print("* the fastest that fits (most images/s)")
     for p in results:
-        line = phase_line(p.phases)
+        line = phase_line(p.phases, p.seconds_per_step)
         if line:
             console.print(f"{p.label}: {line}")
         if p.outcome not in (Outcome.DONE, Outcome.OOM):
             console.print(f"{p.label}: {p.outcome}: {p.message[:200]}")
 
 
-def phase_line(phases: dict[str, Any] | None) -> str:
-    """The engine's per-phase breakdown (done.json's ``phases``: ms per step of each step phase), one line."""
+def phase_line(phases: dict[str, Any] | None, seconds_per_step: float | None = None) -> str:
+    """The engine's per-phase breakdown in one line: with the point's measured s/step, each step phase's share of
+    it in ms (so the line adds up to the table's s/step); else done.json's sampled ms per step as they are."""
     if not isinstance(phases, dict):
         return ""
     per_step = phases.get("sampled_ms_per_step")
     if isinstance(per_step, dict) and per_step:
-        return "ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()
-                                           if isinstance(v, (int, float)))
+        numbers = {k: float(v) for k, v in per_step.items() if isinstance(v, (int, float))}
+        total = sum(numbers.values())
+        if seconds_per_step and total > 0:
+            return f"of {1000 * seconds_per_step:.0f} ms per step: " + ", ".join(
+                f"{k} {1000 * seconds_per_step * v / total:.1f}" for k, v in numbers.items())
+        return "ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in numbers.items())
     seconds = phases.get("seconds")
     if isinstance(seconds, dict):
         return "seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in seconds.items() if isinstance(v, (int, float)))

@@ -250,11 +250,22 @@ def run_bench(job: BenchJob, points: Sequence[tuple[str, TrainSettings]],
             progress(f"[{index + 1}/{len(points)}] {label}: {short_settings(settings)}; {job.warmup} warm-up + "
                      f"{job.steps} timed steps")
         results.append(run_point(job, index, label, settings))
+        if progress is not None:  # each point as it finishes: a sweep takes minutes
+            progress(f"[{index + 1}/{len(points)}] {label}: {point_line(results[-1])}")
     timed = [p for p in results if p.images_per_s]
     if timed:
         best = max(timed, key=lambda p: p.images_per_s or 0.0)
         results = [replace(p, fastest=p is best) for p in results]
     return results
+
+
+def point_line(point: BenchPoint) -> str:
+    """One finished point: its speed and peak memory, or how it ended."""
+    if not point.seconds_per_step:
+        return f"{point.outcome}: {point.message[:160]}"
+    memory = point.peak_memory_mib or point.memory.get("peak_rss_mib")
+    return (f"{point.it_per_s:.3g} it/s, {point.images_per_s:.3g} images/s, {point.seconds_per_step:.4g} s/step"
+            + (f", peak {memory:.0f} MiB" if memory else ""))
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
