@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -472,3 +473,26 @@ def test_doctor_errors_are_shown_and_no_training_is_offered(tmp_path):
     assert code == 0
     assert "doctor:" in shown and "circle_00.png" in shown and "Not offering to train here" in shown
     assert (out / "config.toml").is_file() and not (out / "run").exists()
+
+
+def test_the_wizard_predicts_from_this_machines_measured_runs_as_autotune_plan_does(tmp_path):
+    """One learning store for plan, run and the wizard: a measured record of the plan's own settings on this CPU
+    makes the wizard's speed line the measured one, and it says so."""
+    from autotune.hardware.probe import probe_system
+    from autotune.measure.store import device_key, from_done_event, record_measurements
+
+    planned = subprocess.run([sys.executable, "-m", "autotune", "plan", str(EXAMPLES), "--model", "builtin:tiny-sd15",
+                              "--json", "--no-learn"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    settings = json.loads(planned.stdout)["settings"]
+    device = device_key(probe_system(tmp_path, use_torch=False), cpu=True)
+    record = from_done_event({"settings": settings, "step_seconds": [0.5] * 8}, device=device, family="tiny-sd15",
+                             source="bench")
+    record_measurements([record])
+    done = subprocess.run([sys.executable, "-m", "autotune", "wizard", str(EXAMPLES), "--model", "builtin:tiny-sd15",
+                           "--cpu", "--yes", "--no-start"], capture_output=True, text=True, timeout=300,
+                          env={**ENV, "AUTOTUNE_CACHE_DIR": os.environ["AUTOTUNE_CACHE_DIR"]}, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL)  # this test's store, not the one ENV was copied with
+    assert done.returncode == 0, done.stderr
+    speed = next(line for line in done.stdout.splitlines() if line.strip().startswith("speed "))
+    assert "predicted from:" in speed and "speed model" not in speed, speed
+    assert f"{1 / (0.5 * settings['gradient_accumulation_steps']):.3g} it/s" in speed, speed

@@ -60,11 +60,11 @@ def settings_key(settings: Mapping[str, Any]) -> dict[str, Any]:
     return key
 
 
-def device_key(probe: Any) -> str:
+def device_key(probe: Any, *, cpu: bool = False) -> str:
     """The device a probe's run trains on: the first CUDA GPU's catalogue name (so ``--gpu NAME`` plans find its
-    measurements), else its own name, else ``cpu:<model name>``."""
+    measurements), else its own name, else (or with ``cpu``) ``cpu:<model name>``."""
     gpu = next((g for g in getattr(probe, "gpus", ()) if getattr(g, "backend", "cuda") == "cuda"), None)
-    if getattr(probe, "accelerator", "cpu") == "cuda" and gpu is not None:
+    if not cpu and getattr(probe, "accelerator", "cpu") == "cuda" and gpu is not None:
         return str(getattr(gpu, "catalog_name", None) or gpu.name)
     return f"cpu:{probe.cpu.model or probe.cpu.arch or 'unknown'}"
 

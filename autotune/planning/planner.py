@@ -247,7 +247,7 @@ def plan_training(request: PlanRequest) -> Plan:
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, cpu_bf16=request.cpu_bf16,
-                          learned=_learned(request, family.name, devices), usable=usable)
+                          learned=learned_for(request, family.name, devices), usable=usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
@@ -312,7 +312,7 @@ def _pinned_split(prefs: Any, effective: int, devices: int) -> tuple[int, int] |
     return max(1, round(effective / (prefs.accum * devices))), prefs.accum
 
 
-def _learned(request: PlanRequest, family: str, devices: int) -> Any:
+def learned_for(request: PlanRequest, family: str, devices: int) -> Any:
     """This device's measurements for ``family`` (None: none given, or a multi-GPU plan, which no single-device
     measurement describes)."""
     if not request.measurements or request.measured_device is None or devices > 1:

@@ -63,13 +63,17 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
 
 def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: steps.DatasetChoice,
                   output: steps.OutputChoice) -> Any:
+    from autotune.measure.store import load_measurements
     from autotune.planning.planner import PlanRequest, Preferences
 
+    # the same learning store `autotune plan` reads: a wizard plan predicts from this machine's measured runs too
+    measured = tuple(load_measurements()) if hardware.device else ()
     return PlanRequest(dataset_dir=str(data.folder), model=model.model, family=model.family, gpus=hardware.gpus,
                        goal=output.goal, priority=output.priority, preferences=Preferences(output_name=output.name),
                        cpu_physical_cores=hardware.cpu_cores, cpu_memory_bytes=hardware.ram_bytes,
                        dataset=data.summary, output_dir=str(output.folder), cpu_bf16=hardware.cpu_bf16,
-                       probe_summary=hardware.summary + "; autotune wizard", allow_pickle=model.allow_pickle)
+                       probe_summary=hardware.summary + "; autotune wizard", allow_pickle=model.allow_pickle,
+                       measurements=measured, measured_device=hardware.device if measured else None)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ as ``TrainSettings`` (kohya's names); the changes it suggests are the space's mo
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from autotune.planning.goals import network_alpha
@@ -34,6 +34,7 @@ from autotune.planning.planner import (
     PlanRequest,
     Prediction,
     Preferences,
+    learned_for,
     learning_rate,
     plan_training,
 )
@@ -88,6 +89,7 @@ class Target:
     views_per_epoch: int
     cpu_bf16: bool = False  # the CPU computes bf16 natively (the plan's request)
     t5_fp8: bool = False  # FLUX: the plan names an fp8 T5-XXL file
+    learned: Any = field(default=None, compare=False)  # this machine's measurements, as `autotune plan` reads them
 
     @classmethod
     def of(cls, request: PlanRequest, plan: Plan) -> Target:
@@ -96,7 +98,8 @@ class Target:
         return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
                    views_per_epoch=plan.dataset.views_per_epoch,
-                   t5_fp8="fp8" in str(plan.kohya_values().get("t5xxl", "")), cpu_bf16=request.cpu_bf16)
+                   t5_fp8="fp8" in str(plan.kohya_values().get("t5xxl", "")), cpu_bf16=request.cpu_bf16,
+                   learned=learned_for(request, plan.family, max(1, len(request.gpus))))
 
     @property
     def devices(self) -> int:
@@ -115,6 +118,7 @@ class Fit:
     samples_per_s: float
     seconds_per_step: float
     optimizer_steps: int
+    speed_basis: str = "speed model"  # or the measured run it comes from
 
     @property
     def fits(self) -> bool:
@@ -163,25 +167,20 @@ class Evaluation:
 
 
 def predict_fit(target: Target, settings: TrainSettings, epochs: int) -> Fit:
-    """Memory on one device and the slowest device's speed, as the planner predicts them."""
-    from autotune.planning.search import estimate_for_settings
+    """Memory on one device and the slowest device's speed, as the planner predicts them (its ``Predictor``:
+    this machine's measured figures where the store has them)."""
+    from autotune.planning.search import Predictor
 
-    estimate, speed_of = estimate_for_settings(target.family, settings, target.cpu_cores, t5_fp8=target.t5_fp8,
-                                               cpu_bf16=target.cpu_bf16)
-    components = dict(estimate.components)
-    extra = 0
-    if target.devices > 1:  # DDP keeps a second copy of the LoRA gradients as all-reduce buckets
-        extra = components.get("lora_grads", 0)
-        components["ddp_buckets"] = extra
-    rates = [speed_of(gpu.spec if gpu is not None else None).it_per_s for gpu in target.gpus or (None,)]
-    micro = float(min(rates))
+    predictor = Predictor(get_family(target.family), target.gpus, target.cpu_cores, t5_fp8=target.t5_fp8,
+                          cpu_bf16=target.cpu_bf16, learned=target.learned, usable=target.usable_bytes)
+    estimate = predictor.predict(settings)
+    micro = float(estimate.it_per_s)
     batch, accumulation = settings.train_batch_size, settings.gradient_accumulation_steps
     scale = target.devices * (DDP_EFFICIENCY if target.devices > 1 else 1.0)
     steps = epochs * math.ceil(target.views_per_epoch / (batch * accumulation * target.devices))
-    return Fit(peak_bytes=int(estimate.peak_bytes) + extra, required_bytes=int(estimate.total_bytes) + extra,
-               usable_bytes=target.usable_bytes, components=tuple((str(k), int(v)) for k, v in components.items()),
-               micro_steps_per_s=micro, samples_per_s=micro * batch * scale,
-               seconds_per_step=accumulation / micro, optimizer_steps=steps)
+    return Fit(peak_bytes=estimate.peak, required_bytes=estimate.required, usable_bytes=target.usable_bytes,
+               components=estimate.components, micro_steps_per_s=micro, samples_per_s=micro * batch * scale,
+               seconds_per_step=accumulation / micro, optimizer_steps=steps, speed_basis=estimate.speed_basis)
 
 
 def with_preference_values(settings: TrainSettings, overrides: Overrides, is_sdxl: bool) -> TrainSettings:
@@ -434,12 +433,12 @@ LABELS = {"train_batch_size": "micro-batch", "gradient_accumulation_steps": "acc
 def describe(overrides: Overrides) -> str:
     """``micro-batch 2, accumulation 4``; booleans as on / off."""
     parts = []
-    for field in fields(Overrides):
-        value = getattr(overrides, field.name)
+    for knob in fields(Overrides):
+        value = getattr(overrides, knob.name)
         if value is None:
             continue
         shown = ("on" if value else "off") if isinstance(value, bool) else str(value)
-        parts.append(f"{LABELS[field.name]} {shown}")
+        parts.append(f"{LABELS[knob.name]} {shown}")
     return ", ".join(parts) or "the planner's choices"
 
 

@@ -88,8 +88,9 @@ def show(asker: Asker, current: Evaluation) -> None:
                         highlight=False)
     from autotune.planning.toml_writer import human_seconds
 
+    basis = fit.speed_basis
     asker.say(f"  speed   {fit.it_per_s:.3g} it/s (kohya's progress bar), {fit.optimizer_steps} steps: about "
-              f"{human_seconds(fit.total_seconds)}")
+              f"{human_seconds(fit.total_seconds)} (predicted from: {basis})")
     for note in current.notes:
         asker.say(f"  note: {note}", style="yellow")
     if not current.fits:

@@ -35,6 +35,7 @@ class Hardware:
     local: bool
     cuda_index: int | None = None
     cpu_bf16: bool = False  # the probed CPU computes bf16 natively: a CPU plan trains in bf16 (as `autotune plan`)
+    device: str | None = None  # the measurement store's key for it (``measure.store.device_key``): plans learn
 
 
 def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
@@ -51,7 +52,7 @@ def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
                         + (f"; choose 0 to {len(targets) - 1}" if targets else "; drop it"))
     if args.cpu:
         asker.say("Planning for this machine's CPU (--cpu).")
-        return Hardware((), cores, ram, line, local, cpu_bf16=bool(probe.cpu.bf16_native))
+        return Hardware((), cores, ram, line, local, cpu_bf16=bool(probe.cpu.bf16_native), device=_cpu_key(probe))
     if targets:
         index = 0
         if len(targets) > 1:
@@ -64,7 +65,8 @@ def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
         target = _limited(targets[index], args.vram)
         numbers = [gpu.index for gpu in probe.gpus if gpu.vram_total_bytes]  # the order targets_from_probe keeps
         return Hardware((target,), cores, ram, line, local,
-                        cuda_index=numbers[index] if len(targets) > 1 else None)
+                        cuda_index=numbers[index] if len(targets) > 1 else None,
+                        device=target.spec.name if target.spec else None)
     asker.say("No GPU found: training here would run on the CPU, which is slow (fine for the builtin:tiny-* "
               "models).", style="yellow")
     where = asker.choose("Plan for", [Option("this machine's CPU", "cpu"),
@@ -72,7 +74,7 @@ def hardware(asker: Asker, args: argparse.Namespace) -> Hardware:
                          default="cpu", flag="--cpu",
                          explanation="a named card's configs are meant to be copied to the machine that has it")
     if where == "cpu":
-        return Hardware((), cores, ram, line, local, cpu_bf16=bool(probe.cpu.bf16_native))
+        return Hardware((), cores, ram, line, local, cpu_bf16=bool(probe.cpu.bf16_native), device=_cpu_key(probe))
     return _named_card(asker, args, cores, given=None)
 
 
@@ -128,7 +130,13 @@ def _named_card(asker: Asker, args: argparse.Namespace, cores: int, given: str |
                            name=spec.name if args.vram is None else f"{spec.name} limited to {args.vram:g} GB")
     asker.say(f"Planning for {target.name}: {target.total_bytes / GIB:.1f} GiB, "
               f"bf16 {'yes' if target.bf16_capable else 'no'}, fp8 {'yes' if target.fp8_base_capable else 'no'}")
-    return Hardware((target,), cores, None, f"not probed: planned for {target.name}", local=False)
+    return Hardware((target,), cores, None, f"not probed: planned for {target.name}", local=False, device=spec.name)
+
+
+def _cpu_key(probe: Any) -> str:
+    from autotune.measure.store import device_key
+
+    return device_key(probe, cpu=True)
 
 
 def _limited(target: Any, vram_gb: float | None) -> Any:
