@@ -112,9 +112,9 @@ def test_tiny_sdxl_lora_scripts_sections_and_dataset_config_train_sample_and_log
     done = json.loads((events / "done.json").read_text())
     losses = [loss for _, loss in done["validation_loss"]]
     # UNet-only on a tiny SDXL learns slower: 5-7% in 30 steps, depending on the CPU's kernels. The held-out set
-    # is one image, so a point between may rise a little (seen: 1.1184, 1.1221, 1.0465 at an unchanged commit);
-    # the last must be the lowest and at least 3% below the first
-    assert losses[-1] < min(losses[:-1]) and losses[-1] < 0.97 * losses[0], losses
+    # is one image, so the points after the first wander a little (seen at unchanged commits: 1.1184, 1.1221,
+    # 1.0465 and 1.1205, 1.0632, 1.0816): the last must be at least 3% below the first
+    assert losses[-1] < 0.97 * losses[0], losses
     state, metadata = read_lora_file(tmp_path / "out" / "xl.safetensors")
     info = describe_lora(state, metadata)
     assert info["family"] == "tiny-sdxl" and info["modules"]["text_encoders"] == {}  # UNet only

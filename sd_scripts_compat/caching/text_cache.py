@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import atomic_path
+from sd_scripts_compat.atomic import atomic_path, remove_stale_temp_files
 from sd_scripts_compat.caching.build_lock import images_locked
 from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
 from sd_scripts_compat.contract import disk_full_guard
@@ -109,6 +109,10 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
 
     pending: list[ImageRecord] = []
     damaged: list[str] = []
+    if to_disk and is_main_process:  # what a killed run left beside the images goes first
+        for folder in {text_cache_path(record, "x", where).parent for record in dataset.records
+                       for where in (None, cache_dir)}:
+            remove_stale_temp_files(folder)
     for record in dataset.records:
         if to_disk:
             key = entry_key({k: v for k, v in expected(record).items() if k != "caption"})
