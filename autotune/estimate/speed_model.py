@@ -151,6 +151,14 @@ def cpu_precision_factor(precision: str, native_bf16: bool) -> float:
     return CPU_NATIVE_BF16_GAIN if native_bf16 else 1.0 / CPU_BF16_SLOWDOWN
 
 
+def cpu_bf16_speed(native: bool) -> str:
+    """How bf16 autocast runs on this CPU against fp32: the one sentence the plan and the wizard both say."""
+    if native:
+        return (f"this CPU computes bf16 natively (avx512_bf16 / AMX): bf16 autocast runs about "
+                f"{CPU_NATIVE_BF16_GAIN:g}x the fp32 rate on full-size models")
+    return f"this CPU has no native bf16: bf16 autocast is emulated, about {CPU_BF16_SLOWDOWN:g}x slower than fp32"
+
+
 def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accumulation_steps: int = 1,
                   peak_tflops: float | None = None, cpu_cores: int | None = None, cpu_bf16: bool = False,
                   calibration: dict[str, Any] | None = None) -> SpeedEstimate:

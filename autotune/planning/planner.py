@@ -189,11 +189,12 @@ class Plan:
 
 def _precision(gpus: Sequence[GpuTarget], cpu_bf16: bool = False) -> tuple[str, str]:
     """mixed_precision and its reason: the weakest device decides (all ranks of a DDP run share one setting)."""
-    if not gpus and cpu_bf16:
-        return "bf16", ("no GPU; this CPU computes bf16 natively (avx512_bf16 / AMX): bf16 autocast, ~1.8x the "
-                        "fp32 rate on full-size models; the LoRA weights stay fp32")
     if not gpus:
-        return "no", "no GPU; this CPU has no native bf16 (emulated bf16 is ~3.6x slower): fp32"
+        from autotune.estimate.speed_model import cpu_bf16_speed
+
+        if cpu_bf16:
+            return "bf16", f"no GPU; {cpu_bf16_speed(True)}; the LoRA weights stay fp32"
+        return "no", f"no GPU; {cpu_bf16_speed(False)}: fp32"
     if all(g.bf16_capable for g in gpus):
         return "bf16", "compute capability >= 8.0: bf16 has fp32's range, no loss scaling"
     return "fp16", "compute capability < 8.0: no fast bf16, fp16 with loss scaling"

@@ -450,8 +450,10 @@ def notes_for(target: Target, settings: TrainSettings, real: Plan | None, base: 
         if target.gpus and not all(gpu.bf16_capable for gpu in target.gpus):
             notes.append("bf16 needs compute capability 8.0 or newer; this card would emulate it slowly or "
                          "refuse it (fp16 is the planner's choice)")
-        if not target.gpus:
-            notes.append("on the CPU bf16 autocast is slower than fp32 here (the planner's choice is no)")
+        if not target.gpus and not target.cpu_bf16:  # said as the plan says it (speed_model.cpu_bf16_speed)
+            from autotune.estimate.speed_model import cpu_bf16_speed
+
+            notes.append(f"{cpu_bf16_speed(False)} (the planner's choice is no)")
     if settings.mixed_precision == "no" and target.gpus:
         notes.append("fp32 on a GPU: twice the weight memory and far slower than bf16 / fp16")
     if real is not None and real.fallbacks and real.fallbacks != base.fallbacks:
