@@ -29,3 +29,12 @@ def _own_measurement_store(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     folder = tmp_path_factory.mktemp("autotune-cache")
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(folder))
     return folder
+
+
+# Tests that mostly wait (a model held loading for 3 minutes, a frozen step held for one) leave their core idle:
+# started first, the other worker fills the wait; started last, the whole run waits for them at its end.
+WAITING_TESTS = ("tests/test_stalls.py::",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(WAITING_TESTS))  # stable: the rest keep their order
