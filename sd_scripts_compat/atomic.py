@@ -33,18 +33,20 @@ def atomic_path(path: str | os.PathLike[str], suffix: str = ".tmp") -> Iterator[
     """
     target = Path(path)
     refuse_non_regular(target)
-    # the writer's PID in the name: a later run can tell a killed writer's leftover from a live one's
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=suffix, dir=target.parent)
-    os.close(fd)
     mode = 0o666 & ~_umask()  # mkstemp makes 0600; a file we write gets the umask's permissions
-    os.chmod(tmp, mode)
-    try:
+    tmp = ""
+    try:  # from the temp file's creation on: a Ctrl-C between it and the write must remove it too
+        # the writer's PID in the name: a later run can tell a killed writer's leftover from a live one's
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=suffix, dir=target.parent)
+        os.close(fd)
+        os.chmod(tmp, mode)
         yield Path(tmp)
         os.chmod(tmp, mode)  # again: a writer may have replaced the file (safetensors' save_file writes 0600)
         _test_pause(target)
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
