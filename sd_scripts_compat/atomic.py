@@ -59,9 +59,10 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~_umask())
-    try:
+    tmp: Path | None = None
+    try:  # as in atomic_path: a Ctrl-C right after the folder's creation must remove it too
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
         for file in tmp.rglob("*"):
             if file.is_file():
@@ -73,7 +74,8 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
