@@ -60,7 +60,7 @@ def learned_rows(model: str, dataset: str, steps: int, repeats: int) -> list[dic
             learned = plan_prediction(model, dataset, env)
             out = Path(tmp) / f"run{repeat}"
             autotune("run", dataset, "--model", model, "--out", str(out), env=env)
-            done = json.loads((out / "autotune_events" / "done.json").read_text())
+            done = json.loads((out / "logs/events" / "done.json").read_text())
             measured = steady_seconds_per_step(done)  # the median step, as the store keeps it
             for label, prediction in (("plan from the models", first), ("plan after autotune bench", learned)):
                 if label.endswith("models") and repeat:

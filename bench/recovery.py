@@ -27,9 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autotune.layout import EVENTS_DIR  # noqa: E402
 from autotune.recovery.engine import CompatEngine  # noqa: E402
 from autotune.recovery.ladder import LadderLimits, memory_predictor  # noqa: E402
-from autotune.recovery.watchdog import EVENTS_DIR, Job, supervise  # noqa: E402
+from autotune.recovery.watchdog import Job, supervise  # noqa: E402
 from sd_scripts_compat.config.settings_space import settings_from_files  # noqa: E402
 
 

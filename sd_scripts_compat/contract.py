@@ -84,6 +84,7 @@ ENGINE_PHASES = ("loading", "caching", "training", "validating", "saving", "samp
 EVENTS_DIR_FLAG = "--autotune_events_dir"
 SAVE_STATE_EVERY_FLAG = "--save_state_every_seconds"
 RETRY_LOG_FLAG = "--autotune_retry_log"
+STATE_DIR_FLAG = "--autotune_state_dir"  # state folders go here instead of output_dir
 MONITOR_FLAG = "--autotune_monitor_seconds"
 MONITOR_FILE = "monitor.jsonl"  # in the events folder, beside the events
 

@@ -5,8 +5,9 @@ which call ``main(sdxl=True)`` / ``main(script="flux_train_network")``). This mo
 point: the run itself reads top to bottom in
 ``sd_scripts_compat.training.recipe.train``.
 
-Extension flags (ours, command line only): ``--autotune_events_dir``, ``--save_state_every_seconds``,
-``--autotune_retry_log``, ``--autotune_monitor_seconds``; see ``sd_scripts_compat.contract`` for the watchdog contract.
+Extension flags (ours, command line only): ``--autotune_events_dir``, ``--autotune_state_dir``,
+``--save_state_every_seconds``, ``--autotune_retry_log``, ``--autotune_monitor_seconds``; see
+``sd_scripts_compat.contract`` for the watchdog contract.
 """
 
 from __future__ import annotations

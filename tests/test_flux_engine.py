@@ -154,6 +154,6 @@ def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flux_train_network" in result.stdout and "bottleneck:" in result.stdout
-    lora = next(p for p in (out / "output").glob("*.safetensors") if "-0" not in p.name)
+    lora = next(p for p in out.glob("*.safetensors") if "-0" not in p.name)
     _, metadata = read_lora_file(lora)
     assert metadata["ss_base_model_version"] == "flux1" and metadata["modelspec.architecture"] == "flux-1-dev/lora"

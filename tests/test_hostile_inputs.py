@@ -168,7 +168,8 @@ def run_with_saved_state(root: Path, text: str) -> list[str]:
     """An --out whose autotune_run.json (the supervisor's own state) is ``text``, next to a good config.toml."""
     out = root / "run"
     out.mkdir(parents=True)
-    (out / "autotune_run.json").write_text(text, encoding="utf-8")
+    (out / "state").mkdir()
+    (out / "state/autotune_run.json").write_text(text, encoding="utf-8")
     config(out, output_dir=str(out / "output"))
     return ["autotune", "run", str(dataset(root)), "--model", TINY, "--out", str(out), "--resume"]
 
@@ -268,7 +269,7 @@ CLI = [
     Case("run-out-is-a-file", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
                                          str(a_file(t / "f"))], "--out"),
     Case("run-resume-nothing-there", lambda t: run(t, "--resume"), "no interrupted autotune run"),
-    Case("run-resume-saved-state-garbage", lambda t: run_with_saved_state(t, "{not json"), "autotune_run.json"),
+    Case("run-resume-saved-state-garbage", lambda t: run_with_saved_state(t, "{not json"), "state/autotune_run.json"),
     Case("run-resume-saved-state-other-version", lambda t: run_with_saved_state(t, '{"settings": {"x": 1}}'),
          "another version"),
     Case("inspect-missing", lambda t: ["autotune", "inspect", str(t / "nope.safetensors")], "nope.safetensors"),

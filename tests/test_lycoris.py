@@ -185,6 +185,6 @@ def test_autotune_run_plans_and_trains_a_loha(tmp_path):
                            "--network", "loha", "--epochs", "1", "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
-    written = next((tmp_path / "run" / "output").glob("*.safetensors"))
+    written = next((tmp_path / "run").glob("*.safetensors"))
     weights, metadata = read_lora_file(written, lycoris=True)
     assert any(key.endswith(".hada_w1_a") for key in weights) and metadata["ss_network_module"] == "lycoris.kohya"

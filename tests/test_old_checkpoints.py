@@ -60,4 +60,4 @@ def test_run_trains_an_allowed_ckpt(tmp_path):
     done = autotune("run", str(data), "--model", str(tiny_ckpt(tmp_path / "model.ckpt")), "--allow-pickle",
                     "--epochs", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert list((out / "output").glob("*.safetensors"))
+    assert list(out.glob("*.safetensors"))

@@ -179,7 +179,7 @@ def test_autotune_run_saves_its_plan_and_prints_the_report_at_its_end(tmp_path):
     tail = result.stdout[result.stdout.index("run report: "):]
     assert "where the time went" in tail and "bottleneck: " in tail and "predicted by the plan" in tail
     assert (out / "autotune_report.html").read_text().startswith("<!doctype html>")
-    assert (out / "autotune_events" / "monitor.jsonl").stat().st_size > 0
+    assert (out / "logs/events" / "monitor.jsonl").stat().st_size > 0
     report = build_report(load_run(out))
     assert report["speed"]["predicted_it_per_s"] == pytest.approx(plan["prediction"]["it_per_s"])
     assert report["phases"]["covered_fraction"] >= 0.95

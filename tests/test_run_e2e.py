@@ -270,16 +270,16 @@ def test_dataset_toml_batch_survives_an_oom_step_down(tmp_path):
     done = _cli(str(data), "--model", "builtin:tiny-sd15", "--config", str(config), "--dataset-config", str(dataset),
                 "--out", str(out), env_extra={"SD_COMPAT_INJECT_OOM": "step=1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"c.toml sets no output_dir: LoRA files and states go to {out / 'output'}" in done.stdout
-    retry = json.loads((out / "autotune_retries.json").read_text())[0]
+    assert f"c.toml sets no output_dir: LoRA files go to {out}" in done.stdout
+    retry = json.loads((out / "logs/retries.json").read_text())[0]
     assert retry["failure"] == "oom" and retry["step"] == 1
     assert retry["changes"] == {"train_batch_size": [4, 2], "gradient_accumulation_steps": [1, 2]}
-    log = (out / "autotune_decisions.log").read_text()
+    log = (out / "logs/decisions.log").read_text()
     assert "next: micro-batch 2 x accum 2" in log, log
-    attempt = toml.loads((out / "dataset.attempt1.toml").read_text())
+    attempt = toml.loads((out / "state/dataset.attempt1.toml").read_text())
     assert attempt["datasets"][0]["batch_size"] == 2
     final = toml.loads((out / "config.final.toml").read_text())
-    assert final["gradient_accumulation_steps"] == 2 and (out / "output" / "echo.safetensors").is_file()
+    assert final["gradient_accumulation_steps"] == 2 and (out / "echo.safetensors").is_file()
     assert "Failed to load CPU gemm_4bit_forward" not in done.stderr  # known-harmless library noise is filtered
     assert "should be kept in float32: []" not in done.stderr
 
@@ -293,8 +293,8 @@ def test_run_honours_a_given_config_output_dir(tmp_path):
                                   "max_data_loader_n_workers": 0, "caption_extension": ".caption"}))
     done = _cli(str(data), "--model", "builtin:tiny-sd15", "--config", str(config), "--out", str(tmp_path / "run"))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"LoRA files and states go to {elsewhere} (output_dir of {config})" in done.stdout
-    assert (elsewhere / "mine.safetensors").is_file() and not (tmp_path / "run" / "output").exists()
+    assert f"LoRA files go to {elsewhere} (output_dir of {config})" in done.stdout
+    assert (elsewhere / "mine.safetensors").is_file() and not list((tmp_path / "run").glob("*.safetensors"))
 
 
 # ---------------------------------------------------------------- unstable training (NaN, divergence)
@@ -374,7 +374,7 @@ def test_real_divergence_is_caught_the_rate_lowered_and_no_worse_than_a_run_star
 
 def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(tmp_path):
     """`output/<dataset>-<family>`: two models trained on one dataset never share a folder (was output/<dataset>)."""
-    from autotune.launch.layout import default_out, run_name
+    from autotune.layout import default_out, run_name
 
     assert run_name(tmp_path / "my data!", "tiny-sd15") == "my_data-tiny-sd15"
     assert default_out(tmp_path / "d", "sdxl") != default_out(tmp_path / "d", "tiny-flux")
@@ -384,7 +384,14 @@ def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     out = tmp_path / "output" / "dataset-tiny-sd15"
-    lora = json.loads((out / "autotune_events" / "done.json").read_text())["output_file"]
+    lora = json.loads((out / "logs/events" / "done.json").read_text())["output_file"]
+    # README's tree: the LoRA beside the configs, the states and the logs in their own folders
+    assert Path(lora) == out / "dataset-tiny-sd15.safetensors"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "autotune_plan.json", "autotune_report.html", "config.final.toml", "config.toml",
+        "dataset-tiny-sd15.safetensors", "dataset.final.toml", "dataset.toml", "logs", "state"]
+    assert {p.name for p in (out / "logs").iterdir()} >= {"train.log", "decisions.log", "events", "network_train"}
+    assert (out / "state" / "autotune_run.json").is_file()  # (a 2-step run saves no state: see test_signals.py)
     # report and inspect take the run's folder, or any file in it
     for command, target, said in (("report", out, "bottleneck: "), ("report", lora, "bottleneck: "),
                                   ("report", out / "config.toml", "bottleneck: "),

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import toml
 
+from autotune.layout import DECISIONS_LOG, SD_SCRIPTS_LEDGER
 from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.sd_scripts import (
     DEFAULT_IT_PER_S,
-    LEDGER_FILE,
     OptionReader,
     check_import,
     find_install,
@@ -31,7 +31,7 @@ from autotune.recovery.sd_scripts import (
     prepare,
     save_every_n_steps,
 )
-from autotune.recovery.watchdog import DECISIONS_LOG, Job, supervise
+from autotune.recovery.watchdog import Job, supervise
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import get_family
@@ -99,7 +99,7 @@ def make_job(tmp: Path, rules: str, *, micro: int = 4, budget: float = 300.0, sa
 
 
 def commands(job: Job) -> list[list[str]]:
-    lines = [json.loads(x) for x in (job.output_dir / "autotune_decisions.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (job.output_dir / "logs/decisions.jsonl").read_text().splitlines()]
     return [x["argv"] for x in lines if x["event"] == "sd_scripts_command"]
 
 
@@ -167,7 +167,7 @@ def test_fake_counter_reset_after_resume_is_caught_and_compensated(tmp_path):
     w, meta = read_fake_lora(result.output_file)
     assert meta["fake_true_steps"] == str(STEPS) and meta["ss_steps"] == str(STEPS - 6)  # its own count is off
     assert w == pytest.approx(expected_w(STEPS))
-    ledger = json.loads((job.output_dir / LEDGER_FILE).read_text())
+    ledger = json.loads((job.output_dir / SD_SCRIPTS_LEDGER).read_text())
     assert ledger["target_steps"] == STEPS and ledger["states"]["lora-state"]["step"] == STEPS
 
 
@@ -275,12 +275,12 @@ def test_cli_run_plans_then_supervises_the_fake_from_a_lora_scripts_folder(tmp_p
     assert f"python: {sys.executable}" in done.stdout and "sd-scripts version 0.9.1" in done.stdout
     shown = done.stdout + done.stderr  # decision lines go to stdout
     assert f"attempt 0: {sys.executable} {lora / 'scripts' / 'stable' / 'train_network.py'}" in shown
-    retry = json.loads((out / "autotune_retries.json").read_text())[0]
+    retry = json.loads((out / "logs/retries.json").read_text())[0]
     assert retry["failure"] == "oom" and retry["step"] == 5 and retry["resume_step"] == 4
-    w, meta = read_fake_lora(out / "output" / "data-tiny-sd15.safetensors")
-    target = json.loads((out / LEDGER_FILE).read_text())["target_steps"]
+    w, meta = read_fake_lora(out / "data-tiny-sd15.safetensors")
+    target = json.loads((out / SD_SCRIPTS_LEDGER).read_text())["target_steps"]
     assert meta["fake_true_steps"] == str(target) and target > 5
-    assert (out / "sd_scripts_tokenizers" / "openai_clip-vit-large-patch14" / "vocab.json").is_file()
+    assert (out / "state" / "sd_scripts_tokenizers" / "openai_clip-vit-large-patch14" / "vocab.json").is_file()
 
 
 def test_cli_bad_engine_path_and_builtin_model_are_one_line(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -194,21 +195,23 @@ def test_autotune_run_forwards_sigterm_waits_for_the_state_and_resumes(tmp_path)
                "--epochs", "20", "--save-state-every", "3600"]
     child = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
-    wait_for(lambda: (out / "autotune_events" / "progress.json").exists() or child.poll() is not None,
+    wait_for(lambda: (out / "logs/events" / "progress.json").exists() or child.poll() is not None,
              what="progress.json")
     child.send_signal(signal.SIGTERM)  # to `autotune run` only, as a scheduler does; it forwards it
     stdout, stderr = child.communicate(timeout=300)
     assert child.returncode == 143, stderr[-3000:]
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--resume" in lines[0] and "Traceback" not in stdout + stderr, stderr[-3000:]
-    state = next((out / "output").glob("*-state"))
+    state = next((out / "state").glob("*-state"))
     stopped = load_train_state(state).counters.global_step
     assert stopped > 0
 
-    again = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+    said = shlex.split(lines[0].split("continue with: ", 1)[1])  # the command it prints is the one that works
+    assert said[:2] == ["autotune", "run"] and said[-2:] == ["--resume", str(out)], said
+    again = subprocess.run([sys.executable, "-m", *said], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                            timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
-    lora = next(p for p in (out / "output").glob("*.safetensors") if "-0" not in p.name)
+    lora = next(p for p in out.glob("*.safetensors") if "-0" not in p.name)
     assert f"resumed from {state} at step {stopped}" in again.stdout
     assert int(read_lora_file(lora)[1]["ss_steps"]) == 20  # 20 epochs of 1 step (4 images, batch 1 x 4)
 
@@ -258,7 +261,7 @@ def test_read_only_dataset_trains_with_its_caches_under_the_output_folder(tmp_pa
                               text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         assert sorted(p.name for p in (source / "1_toy").iterdir()) == before
-        caches = {p: p.stat().st_mtime_ns for p in (out / "output" / ".cache" / "latents").rglob("*.safetensors")}
+        caches = {p: p.stat().st_mtime_ns for p in (out / ".cache" / "latents").rglob("*.safetensors")}
         assert sorted(p.name.split(".")[0] for p in caches) == ["img0", "img1"]
         assert (out / "config.toml").read_text().count("cache_latents_to_disk = true") == 1
         again = subprocess.run(engine_command(out / "config.toml", "--max_train_steps", "1", "--output_name",
@@ -323,7 +326,7 @@ def test_one_run_per_out_no_orphan_trainer_and_resume_waits_for_it(tmp_path):
     first = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     try:
-        wait_for(lambda: (out / "autotune_events" / "progress.json").exists() or first.poll() is not None,
+        wait_for(lambda: (out / "logs/events" / "progress.json").exists() or first.poll() is not None,
                  what="progress.json")
         before = sorted(p.name for p in out.iterdir())
         second = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
@@ -343,12 +346,12 @@ def test_one_run_per_out_no_orphan_trainer_and_resume_waits_for_it(tmp_path):
     started = time.monotonic()
     wait_for(lambda: not trainers_of(out), timeout=60, what="the trainer to end with its supervisor")
     print(f"trainer ended {time.monotonic() - started:.1f} s after it could act on SIGTERM")
-    assert list((out / "output").glob("*-state")), "it saved its state on the way out"
+    assert list((out / "state").glob("*-state")), "it saved its state on the way out"
     resumed = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                              timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    assert int(read_lora_file(out / "output" / "long.safetensors")[1]["ss_steps"]) == 300
+    assert int(read_lora_file(out / "long.safetensors")[1]["ss_steps"]) == 300
 
 
 def trainers_of(out: Path) -> list[int]:
@@ -383,7 +386,7 @@ def test_ctrl_z_stops_the_whole_run_and_fg_carries_on_at_the_same_step(tmp_path)
                "--config", str(long_config(tmp_path, steps=40)), "--save-state-every", "3600"]
     run = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True)
-    progress = out / "autotune_events" / "progress.json"
+    progress = out / "logs/events" / "progress.json"
     wait_for(lambda: progress.exists() or run.poll() is not None, what="progress.json")
     trainer = trainers_of(out)[0]
     run.send_signal(signal.SIGTSTP)
@@ -395,7 +398,7 @@ def test_ctrl_z_stops_the_whole_run_and_fg_carries_on_at_the_same_step(tmp_path)
     run.send_signal(signal.SIGCONT)
     _, stderr = run.communicate(timeout=900)
     assert run.returncode == 0, stderr[-3000:]
-    lora = next(p for p in (out / "output").glob("*.safetensors") if "-0" not in p.name and "-step" not in p.name)
+    lora = next(p for p in out.glob("*.safetensors") if "-0" not in p.name and "-step" not in p.name)
     assert int(read_lora_file(lora)[1]["ss_steps"]) == 40
 
 
@@ -420,7 +423,7 @@ def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
 
     first = subprocess.Popen(command(), cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
-    wait_for(lambda: (out / "autotune_events" / "progress.json").exists() or first.poll() is not None,
+    wait_for(lambda: (out / "logs/events" / "progress.json").exists() or first.poll() is not None,
              what="progress.json")
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=300)
@@ -434,12 +437,13 @@ def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
         lines = [line for line in refused.stderr.splitlines() if line.strip()]
         assert refused.returncode == 2 and len(lines) == 1 and said in lines[0], refused.stderr[-2000:]
         assert "--resume-changed" in lines[0]
-    resumed = subprocess.run(command("builtin:tiny-sd15", "--resume", "--resume-changed"), cwd=tmp_path, env=ENV,
-                             capture_output=True, text=True, timeout=900)
+    by_file = [word for word in command("builtin:tiny-sd15") if word not in ("--out", str(out))]
+    resumed = subprocess.run([*by_file, "--resume", str(out / "logs" / "train.log"), "--resume-changed"],
+                             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming although changed since the run started: the dataset" in resumed.stdout
     assert "resumed although its inputs changed (--resume-changed): the dataset" in resumed.stdout  # the report
-    state = json.loads((out / "autotune_run.json").read_text())
+    state = json.loads((out / "state/autotune_run.json").read_text())
     assert state["resumed_changed"] and state["resumed_changed"][0].startswith("the dataset")
 
 
@@ -460,7 +464,7 @@ def test_sigkill_of_the_supervisor_leaves_no_trainer_in_any_phase(tmp_path, phas
     run = subprocess.Popen([sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15",
                             "--out", str(out), "--config", str(config), "--save-state-every", "3600"],
                            cwd=tmp_path, env={**ENV, **hooks}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    said = out / "autotune_events" / "phase.json"
+    said = out / "logs/events" / "phase.json"
     wait_for(lambda: said.exists() and json.loads(said.read_text() or "{}").get("phase") == phase
              and (phase != "caching" or [p for p in (data / "1_toy").iterdir() if p.name.startswith(".")])
              or run.poll() is not None,

@@ -20,6 +20,7 @@ import torch
 from fixtures.fake_engine import fake_memory_mib, fake_settings
 from safetensors import safe_open
 
+from autotune.layout import DECISIONS_LOG
 from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.stability import (
@@ -30,7 +31,7 @@ from autotune.recovery.stability import (
     longer_warmup,
     next_stable_settings,
 )
-from autotune.recovery.watchdog import DECISIONS_LOG, Job, supervise
+from autotune.recovery.watchdog import Job, supervise
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.contract import DIVERGED_EXIT_CODE, EVENT_KINDS, read_event
 from sd_scripts_compat.training.faults import NAN_ENV, NanInjector

@@ -40,12 +40,12 @@ def autotune_run(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Comple
 
 
 def retries(out: Path) -> list[dict]:
-    path = out / "autotune_retries.json"
+    path = out / "logs/retries.json"
     return json.loads(path.read_text()) if path.exists() else []
 
 
 def final_steps(out: Path) -> int:
-    return int(read_lora_file(out / "output" / "lora.safetensors")[1]["ss_steps"])
+    return int(read_lora_file(out / "lora.safetensors")[1]["ss_steps"])
 
 
 @pytest.mark.slow

@@ -16,15 +16,10 @@ import toml
 from fixtures.fake_engine import fake_memory_mib, fake_settings
 from safetensors import safe_open
 
+from autotune.layout import DECISIONS_JSONL, DECISIONS_LOG
 from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits
-from autotune.recovery.watchdog import (
-    DECISIONS_JSONL,
-    DECISIONS_LOG,
-    Job,
-    clean_partial_files,
-    supervise,
-)
+from autotune.recovery.watchdog import Job, clean_partial_files, supervise
 from sd_scripts_compat.contract import newest_state
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_engine.py"

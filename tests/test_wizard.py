@@ -343,7 +343,8 @@ def test_yes_takes_every_default(tmp_path):
     assert "(default, --yes)" in done.stdout and "Plan accepted (--yes)" in done.stdout
     out = tmp_path / "output" / "dataset-tiny-sd15"
     config = toml.loads((out / "config.toml").read_text())
-    assert config["output_dir"] == str(out / "output") and config["dataset_config"] == str(out / "dataset.toml")
+    assert config["output_dir"] == str(out) and config["dataset_config"] == str(out / "dataset.toml")
+    assert config["logging_dir"] == str(out / "logs")
     assert settings_from_files(out / "config.toml", out / "dataset.toml", sdxl=False).settings.network_dim == 32
 
 
@@ -465,7 +466,15 @@ def test_pty_whole_flow_ends_in_a_finished_training(tmp_path):
     assert child.exitstatus == 0
     config = toml.loads((out / "config.toml").read_text())
     assert config["train_batch_size"] == 2
-    assert list((out / "output").glob("*.safetensors"))
+    # one layout (autotune.layout): the LoRA beside the configs, states and logs in their folders, nothing else
+    (lora,) = [p for p in out.glob("*.safetensors") if "-0" not in p.name]
+    assert (out / "state" / "autotune_run.json").is_file() and (out / "logs" / "train.log").is_file()
+    assert (out / "autotune_report.html").is_file() and not (out / "run").exists() and not (out / "output").exists()
+    for command, target, said in (("report", out, "bottleneck: "), ("report", out / "logs" / "train.log", "bottleneck"),
+                                  ("inspect", out, "tiny-sd15 ("), ("inspect", lora, "tiny-sd15 (")):
+        shown = subprocess.run([sys.executable, "-m", "autotune", command, str(target)], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and said in shown.stdout, (command, target, shown.stderr[-2000:])
 
 
 def test_doctor_errors_are_shown_and_no_training_is_offered(tmp_path):

@@ -60,7 +60,7 @@ def lora_in(path: Path) -> Path:
     (state folders and cache files left out)."""
     if not path.is_dir():
         return path
-    from autotune.recovery.watchdog import EVENTS_DIR
+    from autotune.layout import EVENTS_DIR
     from autotune.report.load import run_folder
     from sd_scripts_compat.contract import DONE, read_event
 

@@ -1,9 +1,10 @@
 """What a run was started from, so that ``--resume`` can tell when it would continue something else.
 
-Recorded in ``autotune_run.json`` when a run starts; compared on ``--resume``. The dataset is its file list and
+Recorded in ``state/autotune_run.json`` when a run starts; compared on ``--resume``. The dataset is its file list and
 sizes (images and captions; our caches and hidden files left out, they change as a run trains), the model its
 path, size and modification time (a file) or its id (built in), the options the user gave that shape the run,
-and the bytes of a given ``--config`` / ``--dataset-config``.
+and the bytes of a given ``--config`` / ``--dataset-config``. On ``--resume`` an option or file not given again
+keeps the run's own (the resumed run trains from the configs in its folder): only what is given differently counts.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def changes(started: dict[str, Any], now: dict[str, Any]) -> list[str]:
                      else "the dataset (files renamed or replaced)")
     if started.get("model") != now["model"]:
         found.append(f"the model ({_label(started.get('model'))} -> {_label(now['model'])})")
-    for name, value in now["options"].items():
+    for name, value in now["options"].items():  # an option not given again keeps its value: not a change
         old = (started.get("options") or {}).get(name)
-        if old != value:
+        if value not in (None, False, []) and old != value:
             found.append(f"--{_FLAG_OF.get(name, name).replace('_', '-')} ({old} -> {value})")
     for key, flag in (("config", "--config"), ("dataset_config", "--dataset-config")):
-        if started.get(key) != now[key]:
+        if now[key] is not None and started.get(key) != now[key]:
             found.append(f"the {flag} file")
     return found
 

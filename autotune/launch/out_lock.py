@@ -14,9 +14,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from autotune.layout import LOCK_FILE
 from sd_scripts_compat.errors import UserError
-
-LOCK_FILE = ".autotune.lock"
 
 
 @contextlib.contextmanager

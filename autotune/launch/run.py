@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.launch.layout import default_out
 from autotune.launch.plan_options import finite
-from autotune.recovery.watchdog import DECISIONS_LOG
+from autotune.layout import (
+    CONFIG,
+    DATASET_CONFIG,
+    DECISIONS_LOG,
+    EVENTS_DIR,
+    FINAL_CONFIG,
+    REPORT_HTML,
+    RUN_STATE,
+    STATE_DIR,
+    TRAINER_PID,
+    default_out,
+    run_root,
+)
 from sd_scripts_compat.errors import BadWeights, UserError
 from sd_scripts_compat.quiet import VERBOSE_ENV
 
@@ -28,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(out=None)
     parser.add_argument("--config", help="use this kohya config.toml instead of planning")
     parser.add_argument("--dataset-config", help="with --config: a kohya dataset.toml to use")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run in --out from its newest state")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN",
+                        help="continue an interrupted run from its newest state: the run in --out (or the default "
+                             "folder), or RUN: its folder or any file in it")
     parser.add_argument("--resume-changed", action="store_true",
                         help="with --resume: continue even though the dataset, model or options changed since the "
                              "run started (the changes are recorded in the run)")
@@ -119,7 +132,6 @@ def describe_scan(scan: Any) -> str:
 
 def _prepare_output(out: Path, resume: bool) -> None:
     from autotune.recovery.attempt import read_json
-    from autotune.recovery.watchdog import RUN_STATE
     from sd_scripts_compat.contract import newest_state
 
     if resume:
@@ -129,7 +141,7 @@ def _prepare_output(out: Path, resume: bool) -> None:
         if not isinstance(read_json(out / RUN_STATE), dict):
             raise UserError(f"{out / RUN_STATE}: unreadable (not the JSON autotune run writes); the run cannot be "
                             "continued: start a new one with another --out")
-        if not (out / "config.toml").is_file():
+        if not (out / CONFIG).is_file():
             raise UserError(f"{out}: the interrupted run's config.toml is missing; the run cannot be continued: "
                             "start a new one with another --out")
         trainer = live_trainer(out)
@@ -137,13 +149,12 @@ def _prepare_output(out: Path, resume: bool) -> None:
             raise UserError(f"{out}: the interrupted run's trainer (PID {trainer}) is still running (saving its "
                             "state); wait for it to end, then --resume")
         return
-    if (out / RUN_STATE).is_file() or newest_state(out) is not None:
+    if (out / RUN_STATE).is_file() or newest_state(out / STATE_DIR) is not None or newest_state(out) is not None:
         raise UserError(f"{out}: holds an earlier run; continue it with --resume, or choose another --out")
 
 
 def live_trainer(out: Path) -> int | None:
     """The PID of this run's trainer when it is still alive (its command line names ``out``), else None."""
-    from autotune.recovery.watchdog import TRAINER_PID
 
     try:
         pid = int((out / TRAINER_PID).read_text(encoding="ascii").strip())
@@ -193,7 +204,7 @@ def start_run(args: argparse.Namespace) -> int:
 
         print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
                                                **_doctor_options(args))))
-    out = dataset_folder(args.out) if args.out else default_out(dataset_dir, _family_name(args))
+    out = _output_folder(args, dataset_dir)
     before = _entries(out)
     with locked_output(out):  # one run per --out: a second one is told the first's PID
         try:
@@ -203,6 +214,19 @@ def start_run(args: argparse.Namespace) -> int:
             if not args.resume:
                 _remove_failed_start(out, before)
             raise
+
+
+def _output_folder(args: argparse.Namespace, dataset_dir: Path) -> Path:
+    """``--out``, the run that ``--resume RUN`` names (its folder or any file in it), or the default folder."""
+    if isinstance(args.resume, str):
+        root = run_root(Path(args.resume))
+        if root is None:
+            raise UserError(f"--resume {args.resume}: not in an autotune run folder (no {RUN_STATE} or {CONFIG} "
+                            "there or above); give the folder of the run to continue, or a file in it")
+        if args.out and dataset_folder(args.out) != root:
+            raise UserError(f"--resume {args.resume} is in the run {root}, but --out is {args.out}; give one of them")
+        return root
+    return dataset_folder(args.out) if args.out else default_out(dataset_dir, _family_name(args))
 
 
 def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,7 +244,6 @@ def _checked_fingerprint(args: argparse.Namespace, out: Path, dataset_dir: Path)
     started with, after refusing (one line listing them) a resume whose inputs changed, unless --resume-changed."""
     from autotune.launch.fingerprint import changes, run_fingerprint
     from autotune.recovery.attempt import read_json
-    from autotune.recovery.watchdog import RUN_STATE
 
     now = run_fingerprint(args, dataset_dir)
     if not args.resume:
@@ -247,7 +270,7 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     from autotune.hardware.probe import probe_system
     from autotune.recovery.attempt import read_json
     from autotune.recovery.engine import CompatEngine
-    from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE, Job, supervise
+    from autotune.recovery.watchdog import Job, supervise
     from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
 
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")
@@ -273,20 +296,22 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     ours = not getattr(args, "engine", None)
     if ours:
         engine: Any = CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every)
+        states_at: Path | None = out / STATE_DIR
     else:
         from autotune.recovery.sd_scripts import prepare
 
         engine = prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
                          states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
                          planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None)
+        states_at = None  # sd-scripts keeps its states beside the LoRA (it has no option for another folder)
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {})},
         cuda=cuda, max_retries=args.max_retries,
-        stall_timeout_s=args.stall_timeout, resume=args.resume,
+        stall_timeout_s=args.stall_timeout, resume=bool(args.resume),
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
-        train_output_dir=train_output, extra_state={"usable_mib": limits.budget_mib, **started},
+        train_output_dir=train_output, states_at=states_at, extra_state={"usable_mib": limits.budget_mib, **started},
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
         engine=engine,
         stability=_stability_limits(probe, cuda),
@@ -301,7 +326,7 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
                           "retries": result.retries, "output_dir": str(out)}, indent=2, default=str))
     if result.ok:
         retries = len(result.retries)
-        print(f"\nLoRA: {result.output_file}\nsettings that worked: {out / 'config.final.toml'}"
+        print(f"\nLoRA: {result.output_file}\nsettings that worked: {out / FINAL_CONFIG}"
               f"{f' ({retries} retries, see {out / DECISIONS_LOG})' if retries else ''}")
         if not args.json:
             _print_report(out)
@@ -314,8 +339,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         raise BadWeights(result.message.split(": error: ", 1)[-1])
     if result.outcome is Outcome.INTERRUPTED:
         last = result.attempts[-1] if result.attempts else None
-        print(f"interrupted; continue with: autotune run {args.dataset} --model {args.model} --out {out} --resume",
-              file=sys.stderr)
+        print(f"interrupted; continue with: autotune run {shlex.join([args.dataset, '--model', args.model])} "
+              f"--resume {shlex.quote(str(out))}", file=sys.stderr)
         terminated = last is not None and (last.stop_signal == signal.SIGTERM or last.returncode == 143)
         return 143 if terminated else 130
     print(f"autotune run: {result.message}", file=sys.stderr)
@@ -368,7 +393,7 @@ def _watching_for_slowdowns(monitor_file: Path) -> Any:
 
 def _print_report(out: Path) -> None:
     """The run's report (``autotune report``) after a finished run, and its HTML page in ``out``."""
-    from autotune.report.run_report import REPORT_HTML, report_for
+    from autotune.report.run_report import report_for
 
     try:
         text, _ = report_for(out, html_path=out / REPORT_HTML)
@@ -399,7 +424,7 @@ def _remove_failed_start(out: Path, before: set[str] | None) -> None:
 
     from sd_scripts_compat.contract import newest_state
 
-    if not out.is_dir() or newest_state(out) is not None or newest_state(out / "output") is not None:
+    if not out.is_dir() or newest_state(out) is not None or newest_state(out / STATE_DIR) is not None:
         return
     if before is None:
         shutil.rmtree(out, ignore_errors=True)
@@ -414,7 +439,7 @@ def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
     being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
     the step-down budget, a wrapped trainer's first save interval)."""
-    config_path, dataset_path = out / "config.toml", out / "dataset.toml"
+    config_path, dataset_path = out / CONFIG, out / DATASET_CONFIG
     if args.resume:
         return config_path, dataset_path if dataset_path.is_file() else None, None
     if not args.config:
@@ -425,8 +450,8 @@ def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path
 def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path | None:
     """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
 
-    The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out/output`` and the
-    user is told so. Returns the dataset config's path in ``out`` (None: the folder convention, which
+    The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out`` and the user is told
+    so. Returns the dataset config's path in ``out`` (None: the folder convention, which
     needs N_name subfolders: sd-scripts' ``train_data_dir`` does not read images directly in the folder).
     """
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
@@ -439,19 +464,19 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path |
         forced["allow_pickle"] = True
     given_output = flat_values(document).get("output_dir")
     if given_output:
-        print(f"LoRA files and states go to {Path(given_output).resolve()} (output_dir of {user})")
+        print(f"LoRA files go to {Path(given_output).resolve()} (output_dir of {user})")
     else:
-        forced["output_dir"] = str(out / "output")
-        print(f"{user} sets no output_dir: LoRA files and states go to {out / 'output'}")
+        forced["output_dir"] = str(out)
+        print(f"{user} sets no output_dir: LoRA files go to {out}")
     dataset_path: Path | None = None
     if args.dataset_config:
-        dataset_path = out / "dataset.toml"
+        dataset_path = out / DATASET_CONFIG
         write_toml(dataset_path, read_toml(args.dataset_config, "dataset config"),
                    f"# from {args.dataset_config} (autotune run)\n")
         forced["dataset_config"] = str(dataset_path)
     else:
         forced["train_data_dir"] = str(dataset_dir)
-    write_toml(out / "config.toml", set_config_values(document, forced), f"# from {user} (autotune run)\n")
+    write_toml(out / CONFIG, set_config_values(document, forced), f"# from {user} (autotune run)\n")
     return dataset_path
 
 
@@ -539,16 +564,13 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Any]:
     from autotune.launch.plan_options import build_request, render
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
-    from autotune.report.load import PLAN_FILE
-    from sd_scripts_compat.atomic import write_json_atomic
 
     args.out = str(out)
     plan = plan_training(build_request(args))
     if not plan.fits:
         raise UserError(f"{args.model}: {plan.message}")
     render(plan)
-    config, dataset = write_plan_files(plan, out, args.format)
-    write_json_atomic(out / PLAN_FILE, plan.to_dict())  # the report compares the run with its prediction
+    config, dataset = write_plan_files(plan, out, args.format)  # with autotune_plan.json, for the report
     return config, dataset, plan
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.layout import LOGS_DIR
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GoalProfile, learning_rate
 from autotune.planning.profiles import plan_profile
@@ -257,11 +258,12 @@ def swap_reason(c: PlanContext) -> str:
 
 
 def output_paths(request: PlanRequest) -> tuple[str, str]:
-    """(output_dir, logging_dir): relative to the launch folder, or under ``--out``."""
+    """(output_dir, logging_dir): relative to the launch folder, or the run folder's (``autotune.layout``): the
+    LoRA beside the configs, TensorBoard's logs in ``logs/``."""
     if request.output_dir is None:
         return "./output", "./logs"
     base = Path(request.output_dir).expanduser().resolve()
-    return str(base / "output"), str(base / "logs")
+    return str(base), str(base / LOGS_DIR)
 
 
 def output_name(request: PlanRequest, dataset: DatasetSummary, family: FamilySpec) -> str:

@@ -17,10 +17,12 @@ flattens away again.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
+from autotune.layout import CONFIG, DATASET_CONFIG, PLAN_FILE
 from autotune.planning.planner import Plan
 from autotune.planning.request import GIB
 from sd_scripts_compat.atomic import write_text_atomic
@@ -173,17 +175,21 @@ def _check_round_trip(text: str, values: dict[str, Any], sectioned: bool) -> Non
 
 
 def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "kohya") -> tuple[Path, Path]:
-    """Write config.toml and dataset.toml into ``out_dir`` (created if missing); returns their paths.
+    """Write config.toml, dataset.toml and the plan with its reasons and predictions (``autotune_plan.json``,
+    which the report compares a run with) into ``out_dir`` (created if missing; ``autotune.layout``); returns the
+    configs' paths. ``autotune plan --out``, ``autotune run`` and the wizard all write through here.
 
-    Both texts are rendered (and checked) before either file is touched.
+    Every text is rendered (and checked) before any file is touched.
     """
     config_text = render_config(plan, fmt)
     dataset_text = render_dataset(plan)
+    plan_text = json.dumps(plan.to_dict(), indent=1, sort_keys=True, default=str)
     out = Path(out_dir).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        config_path, dataset_path = out / "config.toml", out / "dataset.toml"
+        config_path, dataset_path = out / CONFIG, out / DATASET_CONFIG
         write_text_atomic(dataset_path, dataset_text)
+        write_text_atomic(out / PLAN_FILE, plan_text)
         write_text_atomic(config_path, config_text)
     except OSError as error:
         raise UserError(f"--out {out_dir}: cannot write there ({error.strerror or error}); "

@@ -20,6 +20,7 @@ from sd_scripts_compat.contract import (
     EVENTS_DIR_FLAG,
     RETRY_LOG_FLAG,
     SAVE_STATE_EVERY_FLAG,
+    STATE_DIR_FLAG,
     newest_state,
 )
 
@@ -36,6 +37,7 @@ class AttemptFiles:
     dataset: Path | None
     events_dir: Path
     retry_log: Path
+    states_dir: Path  # where the trainer keeps (and the supervisor looks for) its states
 
 
 class Engine(Protocol):
@@ -82,7 +84,8 @@ class CompatEngine:
         if files.dataset is not None:
             argv += ["--dataset_config", str(files.dataset)]
         argv += [*self.extra_args, EVENTS_DIR_FLAG, str(files.events_dir), SAVE_STATE_EVERY_FLAG,
-                 f"{self.save_state_every_s:g}", RETRY_LOG_FLAG, str(files.retry_log)]
+                 f"{self.save_state_every_s:g}", RETRY_LOG_FLAG, str(files.retry_log),
+                 STATE_DIR_FLAG, str(files.states_dir)]
         if state is not None:
             argv += ["--resume", str(state[0])]
         return argv

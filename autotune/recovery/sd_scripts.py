@@ -18,7 +18,7 @@ Most users already trust an sd-scripts install; ``autotune run --engine sd-scrip
 - owning the step count. sd-scripts' own counter is not trusted across resumes (upstream resume issues
   1999, 2171, 2248: after a resume its ``global_step`` and so its ``train_state.json`` ``current_step``,
   its state-folder names and its end condition can be off). The true step is R + the bar's count, every
-  state folder's true step goes into a ledger (``autotune_sd_scripts.json``), R comes from the ledger and is
+  state folder's true step goes into a ledger (``state/sd_scripts.json``), R comes from the ledger and is
   passed as ``--initial_step`` (so a drifted ``current_step`` is never read back). When its counter is
   found off by D at the first save after a resume, the attempt is stopped and relaunched from the same
   state with ``max_train_steps`` = target + D, so it ends at the target step; a run that still ends short
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.layout import SD_SCRIPTS_LEDGER, STATE_DIR
 from sd_scripts_compat.atomic import write_json_atomic, write_text_atomic
 from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 from sd_scripts_compat.contract import PROGRESS, STATE_FILE, Outcome, state_step, write_event
@@ -55,8 +56,7 @@ if TYPE_CHECKING:
     from autotune.recovery.watchdog import DecisionLog
 
 ENGINE_NAME = "sd-scripts"
-LEDGER_FILE = "autotune_sd_scripts.json"
-TOKENIZER_DIR = "sd_scripts_tokenizers"
+TOKENIZER_DIR = f"{STATE_DIR}/sd_scripts_tokenizers"  # shipped tokenizers sd-scripts reads (it would download them)
 
 # (folder under PATH, what it is): the places sd-scripts lives in the projects that ship it
 SCRIPT_PLACES: tuple[tuple[str, str], ...] = (
@@ -588,7 +588,7 @@ class SdScriptsEngine:
     save_every: tuple[int, float, str] = (0, DEFAULT_IT_PER_S, "")  # this attempt's (steps, it/s, source)
 
     def __post_init__(self) -> None:
-        self.ledger = Ledger.load(self.output_dir / LEDGER_FILE)
+        self.ledger = Ledger.load(self.output_dir / SD_SCRIPTS_LEDGER)
 
     # -- hooks
 
@@ -624,7 +624,7 @@ class SdScriptsEngine:
         if state is not None and target:  # the step count is pinned: a new micro-batch must not change it
             pinned = target + offset
             values = {"max_train_steps": pinned, "max_train_epochs": None}
-        path = self.output_dir / f"sd_scripts.attempt{attempt}.toml"
+        path = self.output_dir / STATE_DIR / f"sd_scripts.attempt{attempt}.toml"
         header = f"# attempt {attempt} for sd-scripts ({self.options.script.name}), written by autotune run\n"
         path, dropped = config_for_sd_scripts(config, self.options, path, values, header)
         if dropped:

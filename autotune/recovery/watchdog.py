@@ -25,6 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.layout import (
+    CHILD_LOG,
+    DECISIONS_JSONL,
+    DECISIONS_LOG,
+    EVENTS_DIR,
+    FINAL_CONFIG,
+    FINAL_DATASET_CONFIG,
+    RETRY_LOG,
+    RUN_STATE,
+    STATE_DIR,
+    TRAINER_PID,
+)
 from autotune.recovery.attempt import AttemptResult, child_env, run_attempt
 from autotune.recovery.engine import AttemptFiles, CompatEngine, Engine
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, next_settings
@@ -40,15 +52,6 @@ from sd_scripts_compat.atomic import write_json_atomic
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.config.settings_space import write_config, write_dataset_config
 from sd_scripts_compat.contract import Outcome
-
-DECISIONS_JSONL = "autotune_decisions.jsonl"
-DECISIONS_LOG = "autotune_decisions.log"
-RETRY_LOG = "autotune_retries.json"
-CHILD_LOG = "autotune_train.log"
-EVENTS_DIR = "autotune_events"
-RUN_STATE = "autotune_run.json"  # the supervisor's own state: current settings and retries, for --resume
-TRAINER_PID = "autotune_trainer.pid"  # the running trainer's PID, so a --resume never starts a second one
-
 
 # ---------------------------------------------------------------- state folders and configs
 
@@ -103,21 +106,22 @@ class Job:
     preexec_fn: Callable[[], None] | None = None
     echo: bool = True
     prior_retries: list[dict[str, Any]] = field(default_factory=list)  # from an interrupted run (--resume)
-    train_output_dir: Path | None = None  # the engine's output_dir (LoRA, states); default: output_dir
+    train_output_dir: Path | None = None  # the engine's output_dir (the LoRA); default: output_dir
+    states_at: Path | None = None  # where the engine keeps its states; default: the engine's output_dir
     extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
     budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
     stability: StabilityLimits = field(default_factory=StabilityLimits)
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
+
+    @property
+    def states_dir(self) -> Path:
+        return self.states_at or self.train_output_dir or self.output_dir
 
     def child_started(self, pid: int) -> None:
         (self.output_dir / TRAINER_PID).write_text(str(pid), encoding="ascii")  # --resume checks it has ended
         self.engine.child_started(pid)
         if self.on_child_start is not None:
             self.on_child_start(pid)
-
-    @property
-    def states_dir(self) -> Path:
-        return self.train_output_dir or self.output_dir
 
 
 @dataclass
@@ -179,12 +183,12 @@ class _Next:
 def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[Path, Path | None]:
     if settings == job.settings:
         return job.config_path, job.dataset_config_path
-    config = job.output_dir / f"config.attempt{attempt}.toml"
+    config = job.output_dir / STATE_DIR / f"config.attempt{attempt}.toml"
     header = f"# attempt {attempt} after a step-down (out of memory or instability): {settings.describe()}\n"
     write_config(job.config_path, config, settings, header, base=job.settings)
     dataset = None
     if job.dataset_config_path is not None:
-        dataset = job.output_dir / f"dataset.attempt{attempt}.toml"
+        dataset = job.output_dir / STATE_DIR / f"dataset.attempt{attempt}.toml"
         write_dataset_config(job.dataset_config_path, dataset, settings, header, base=job.settings)
     return config, dataset
 
@@ -212,7 +216,8 @@ def supervise(job: Job) -> RunResult:
     Stops on done, a user error (exit 2), a full disk (28), an interrupt (130 / 143), a crash, when a ladder
     is exhausted, or after ``max_retries`` retries.
     """
-    job.output_dir.mkdir(parents=True, exist_ok=True)
+    for folder in (job.output_dir / STATE_DIR, (job.output_dir / DECISIONS_LOG).parent):
+        folder.mkdir(parents=True, exist_ok=True)
     run = _Run(job, DecisionLog(job.output_dir, job.echo), job.settings, list(job.prior_retries),
                resume_ok=job.resume)
     attempt = len(run.retries)
@@ -248,7 +253,7 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
         log.write("cleanup", f"removed half-written files of a killed run: {', '.join(removed)}")
     config, dataset = _attempt_configs(job, attempt, run.settings)
     state = job.engine.newest_state(job.states_dir) if run.resume_ok else None
-    files = AttemptFiles(config, dataset, job.output_dir / EVENTS_DIR, job.output_dir / RETRY_LOG)
+    files = AttemptFiles(config, dataset, job.output_dir / EVENTS_DIR, job.output_dir / RETRY_LOG, job.states_dir)
     write_json_atomic(files.retry_log, run.retries)
     write_json_atomic(job.output_dir / RUN_STATE, {
         **job.extra_state, "settings": run.settings.to_event(), "attempt": attempt, "retries": run.retries,
@@ -389,7 +394,7 @@ def _write_final_configs(job: Job, settings: TrainSettings) -> None:
     header = ("# settings that finally worked (written by autotune run"
               f"{'' if settings == job.settings else ' after a step-down: out of memory or instability'}): "
               f"{settings.describe()}\n")
-    write_config(job.config_path, job.output_dir / "config.final.toml", settings, header, base=job.settings)
+    write_config(job.config_path, job.output_dir / FINAL_CONFIG, settings, header, base=job.settings)
     if job.dataset_config_path is not None:
-        write_dataset_config(job.dataset_config_path, job.output_dir / "dataset.final.toml", settings, header,
+        write_dataset_config(job.dataset_config_path, job.output_dir / FINAL_DATASET_CONFIG, settings, header,
                                 base=job.settings)

@@ -1,8 +1,8 @@
 """A finished (or stopped) run's files, read for the report: the engine's events, its monitor trace, the plan.
 
-An ``autotune run`` output folder holds ``autotune_events/`` (done.json with its ``phases`` block, progress.json,
-monitor.jsonl) and ``autotune_plan.json`` (the plan ``autotune run`` trained with). An engine's own events
-folder (``--autotune_events_dir``) is read the same way.
+An ``autotune run`` output folder (``autotune.layout``) holds ``logs/events/`` (done.json with its ``phases`` block,
+progress.json, monitor.jsonl) and ``autotune_plan.json`` (the plan ``autotune run`` trained with). An engine's own
+events folder (``--autotune_events_dir``) is read the same way.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.recovery.watchdog import EVENTS_DIR, RUN_STATE
+from autotune.layout import EVENTS_DIR, PLAN_FILE, RUN_STATE, run_root
 from sd_scripts_compat.errors import UserError
-
-PLAN_FILE = "autotune_plan.json"  # written by `autotune run` next to config.toml
 
 
 @dataclass(frozen=True)
@@ -67,12 +65,12 @@ def load_run(folder: str | Path) -> RunFiles:
 
 
 def run_folder(path: Path) -> Path:
-    """The run a path belongs to: a run folder itself, or the nearest folder above a file (the LoRA in
-    ``output/``, ``config.toml``, a report page) that holds a run's events; else the path as given."""
-    for candidate in [path, *path.parents][:4]:
-        if candidate.is_dir() and ((candidate / EVENTS_DIR).is_dir() or (candidate / "done.json").is_file()):
-            return candidate
-    return path
+    """The run a path belongs to: the run folder holding it (the folder itself, the LoRA, ``config.toml``, a
+    report page, anything under ``state/`` or ``logs/``), or an events folder itself; else the path as given."""
+    if path.is_dir() and any((path / name).is_file() for name in ("done.json", "progress.json")):
+        return path  # an engine's events folder itself
+    root = run_root(path)
+    return root if root is not None else path
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-REPORT_HTML = "autotune_report.html"  # what `autotune run` writes into its output folder
-
 
 def report_for(folder: Path, *, as_json: bool = False, html_path: Path | None = None) -> tuple[str, dict]:
     """The rendered report of the run in ``folder`` (and its HTML page written to ``html_path``)."""

@@ -126,9 +126,10 @@ def commands(plan: Any, output: steps.OutputChoice, config: Path) -> list[str]:
 
 def run_command(model: steps.ModelChoice, data: steps.DatasetChoice, output: steps.OutputChoice, config: Path,
                 dataset_toml: Path) -> list[str]:
-    """``autotune run`` with the written files (its own output in OUT/run, the LoRA in OUT/output)."""
+    """``autotune run`` with the written files, into their folder (``autotune.layout``: the LoRA, ``state/`` and
+    ``logs/`` beside the configs)."""
     return ["run", str(data.folder), "--model", model.model, "--family", model.family, "--config", str(config),
-            "--dataset-config", str(dataset_toml), "--out", str(output.folder / "run"),
+            "--dataset-config", str(dataset_toml), "--out", str(output.folder),
             *(["--allow-pickle"] if model.allow_pickle else [])]
 
 

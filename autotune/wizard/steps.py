@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.launch.layout import DEFAULT_ROOT, run_name
+from autotune.layout import CONFIG, DATASET_CONFIG, DEFAULT_ROOT, STATE_DIR, run_name
 from autotune.wizard.ask import Asker, Option, integer_check
 from sd_scripts_compat.errors import UserError
 
@@ -394,7 +394,7 @@ def output_problem(text: str) -> str | None:
     folder = Path(text).expanduser()
     if folder.exists() and not folder.is_dir():
         return f"{folder} is a file"
-    taken = [name for name in ("config.toml", "dataset.toml", "run") if (folder / name).exists()]
+    taken = [name for name in (CONFIG, DATASET_CONFIG, STATE_DIR) if (folder / name).exists()]
     if taken:
         return f"{folder} holds {', '.join(taken)} already; choose a new folder (nothing is overwritten)"
     return None
@@ -417,7 +417,7 @@ def goal_and_output(asker: Asker, args: argparse.Namespace, data: DatasetChoice,
         default_folder, number = DEFAULT_ROOT / f"{name}-{number}", number + 1
     folder = asker.text("Output folder", default=str(default_folder), check=output_problem, flag="--out",
                         given=args.out, path=True, only_directories=True,
-                        explanation="config.toml and dataset.toml go here; the LoRA goes to its output/ folder")
+                        explanation="config.toml, dataset.toml, the LoRA, state/ and logs/ go here")
     fmt = asker.choose("Config layout", [Option("kohya (flat, sd-scripts / kohya_ss)", "kohya"),
                                          Option("lora-scripts (sectioned, as its GUI saves)", "lora-scripts")],
                        default="kohya", flag="--format", given=args.format,

@@ -301,6 +301,7 @@ class TrainingConfig:
     allow_pickle: bool = False
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
+    autotune_state_dir: str | None = None
     save_state_every_seconds: float | None = None
     autotune_monitor_seconds: float | None = None
     t5xxl_tokenizer: str | None = None  # FLUX: a local T5 tokenizer (sd-scripts downloads one from the hub)
@@ -330,6 +331,7 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "allow_pickle": (bool, "allow loading .ckpt/.pt pickles (loaded with torch.load(weights_only=True))"),
     "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
     "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
+    "autotune_state_dir": (str, "folder for state folders (default: output_dir, as in sd-scripts)"),
     "save_state_every_seconds": (float, "also save state when this many seconds passed since the last save"),
     "autotune_monitor_seconds": (float, "seconds between monitor.jsonl samples in the events folder (GPU, CPU, "
                                         "RAM; default 2, 0 = off)"),
@@ -602,7 +604,7 @@ SAVED_NAME_EXTRA = 40  # what the engine adds to output_name: "-step00001234-sta
 
 def _check_path_lengths(out: dict[str, Any], where: Any) -> None:
     """Path components the file system cannot hold, said now rather than at the first save after loading."""
-    for name in ("output_dir", "logging_dir", "train_data_dir", "reg_data_dir", "dataset_config",
+    for name in ("output_dir", "logging_dir", "autotune_state_dir", "train_data_dir", "reg_data_dir", "dataset_config",
                  "pretrained_model_name_or_path", "network_weights", "sample_prompts", "resume"):
         value = out.get(name)
         if isinstance(value, str):

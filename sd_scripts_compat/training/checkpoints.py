@@ -29,13 +29,17 @@ class RunPaths:
     output_dir: Path
     output_name: str
     events_dir: Path | None
+    states_root: Path  # where state folders go: output_dir, as in sd-scripts, unless --autotune_state_dir
 
     @classmethod
     def create(cls, config: Any) -> RunPaths:
-        """The run's paths from ``output_dir`` / ``output_name``; the output folder exists and is writable."""
-        paths = cls(Path(config.output_dir or "output"), safe_output_name(config.output_name or "last"),
-                    Path(config.autotune_events_dir) if config.autotune_events_dir else None)
+        """The run's paths from ``output_dir`` / ``output_name``; the output folders exist and are writable."""
+        output_dir = Path(config.output_dir or "output")
+        paths = cls(output_dir, safe_output_name(config.output_name or "last"),
+                    Path(config.autotune_events_dir) if config.autotune_events_dir else None,
+                    Path(config.autotune_state_dir) if config.autotune_state_dir else output_dir)
         check_output_dir(paths.output_dir)
+        check_output_dir(paths.states_root)
         return paths
 
     def lora_file(self, suffix: str = "") -> Path:
@@ -43,7 +47,7 @@ class RunPaths:
 
     def state_dir(self, suffix: str = "") -> Path:
         """The rolling state folder (kohya's ``{output_name}-state``), or an intermediate one with ``suffix``."""
-        return self.output_dir / f"{self.output_name}{suffix}-state"
+        return self.states_root / f"{self.output_name}{suffix}-state"
 
 
 def safe_output_name(name: str) -> str:
@@ -137,12 +141,12 @@ class Checkpointer:
         name = glob.escape(self.paths.output_name)
         if step is None:
             _prune_newest(self.paths.output_dir.glob(f"{name}-[0-9]*.safetensors"), self.policy.keep_epoch_files)
-            _prune_newest((p for p in self.paths.output_dir.glob(f"{name}-[0-9]*-state") if p.is_dir()),
+            _prune_newest((p for p in self.paths.states_root.glob(f"{name}-[0-9]*-state") if p.is_dir()),
                           self.policy.keep_epoch_states)
         else:
             _prune_steps(self.paths.output_dir.glob(f"{name}-step*.safetensors"), self.policy.keep_step_files,
                          step, ".safetensors")
-            _prune_steps((p for p in self.paths.output_dir.glob(f"{name}-step*-state") if p.is_dir()),
+            _prune_steps((p for p in self.paths.states_root.glob(f"{name}-step*-state") if p.is_dir()),
                          self.policy.keep_step_states, step, "-state")
 
 
