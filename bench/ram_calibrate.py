@@ -55,13 +55,16 @@ def tiny_run(workers: int) -> tuple[int, int]:
     return measured, predicted
 
 
-def file_load(path: Path) -> tuple[int, int]:
+def file_load(path: Path, dtype: str) -> tuple[int, int]:
+    """Loading ``path`` as the engine does, into ``dtype`` ("float32": a CPU plan; "bfloat16": a GPU plan)."""
     from autotune.estimate.ram_model import RamInputs, predict_ram
 
-    code = "from sd_scripts_compat.models.loading import load_base_model; import sys; load_base_model(sys.argv[1])"
-    measured = peak_rss([sys.executable, "-c", code, str(path)])
+    code = ("import sys, torch; from sd_scripts_compat.models.loading import load_base_model; "
+            "dtype = getattr(torch, sys.argv[2]); load_base_model(sys.argv[1], dtype=dtype, vae_dtype=dtype)")
+    measured = peak_rss([sys.executable, "-c", code, str(path), dtype])
     predicted = predict_ram(RamInputs(family="sd15", resolution=512, batch_size=1, num_images=1, num_workers=0,
-                                      model_file_bytes=path.stat().st_size, on_gpu=False)).peak_bytes
+                                      model_file_bytes=path.stat().st_size, on_gpu=dtype != "float32",
+                                      weight_dtype="fp32" if dtype == "float32" else "bf16")).peak_bytes
     return measured, predicted
 
 
@@ -74,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     # 0 workers: getrusage reports the largest single process, and workers are processes of their own
     rows = [("tiny-sd15 engine run, 0 workers", *tiny_run(0))]
     if args.file is not None and args.file.is_file():
-        rows.append((f"load {args.file.name} ({args.file.stat().st_size / 2**30:.2f} GiB)", *file_load(args.file)))
+        for dtype in ("float32", "bfloat16"):
+            rows.append((f"load {args.file.name} ({args.file.stat().st_size / 2**30:.2f} GiB) into {dtype}",
+                         *file_load(args.file, dtype)))
     print("| run | measured peak RSS MiB | predicted MiB | error |")
     print("|---|---|---|---|")
     for name, measured, predicted in rows:

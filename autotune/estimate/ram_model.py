@@ -3,11 +3,11 @@
 Analytic like the VRAM model (no torch import) and built on the same architecture facts
 (``memory_calibration.json``). What the engine really does (``sd_scripts_compat.models``):
 
-- **Loading** (the peak for every GPU plan): a single file is read whole into host tensors in its own dtype
-  (``checkpoint.read_checkpoint``), converted to diffusers names (views), then each tensor is copied into fp32
-  modules (``single_file._strict_load``: ``value.to(float32)``) while the file's tensors stay alive until the
-  loader returns. Peak = file bytes + 4 B per element (the file's own tensors when it is fp32). A built-in
-  random model is built in fp32 (4 B per element), nothing read.
+- **Loading** (the peak for most GPU plans): a file's tensors are read one at a time into buffers of their own
+  and cast at once to the dtype their module trains in (``safetensors_file.read_tensors``): the UNet and text
+  encoders in the weight dtype (fp32 on a CPU unless bf16), the VAE in fp32 on a CPU, else the weight dtype.
+  Peak = the loaded modules (+ one tensor in flight): about the file's size when it is stored in the training
+  dtype, whatever dtype the file has. A built-in random model is built in fp32 (4 B per element), nothing read.
 - **After loading** the modules move to the GPU (their host copies are freed); the VAE, and the text encoders
   when their outputs are cached, are offloaded back to host RAM in the weight dtype. Cached latents / text
   outputs kept in RAM (``cache_latents`` without ``_to_disk``) are fp32 / weight-dtype host tensors.
@@ -17,8 +17,9 @@ Analytic like the VRAM model (no torch import) and built on the same architectur
 - **CPU plans** train on the host: the VRAM model's tensor peak lives in RAM beside the process.
 
 Measured on this CPU (``bench/ram_calibrate.py``; peak RSS of a child process via ``getrusage``): the engine
-process with torch, diffusers and transformers imported and a tiny model loaded: ``PROCESS_BYTES``; loading the
-random fp16 SD1.5 single file (2.13 GB): 6.40 GiB peak, 6.47 predicted (+1 %).
+process with torch, diffusers and transformers imported and a tiny model loaded: ``PROCESS_BYTES``; loading a
+random fp16 SD1.5 single file (2.13 GB) into fp32 modules: 4.45 GiB peak (the file and fp32 modules at once,
+6.40 GiB, before the loader cast as it read), into bf16: 2.42 GiB.
 """
 
 from __future__ import annotations
@@ -102,13 +103,12 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
     arch = family_calibration(inputs.family, calibration)["architecture"]
     unet, te, vae = _elements(arch)
     total = unet + te + vae
-    file_bytes = inputs.model_file_bytes or 0
-    if file_bytes and abs(file_bytes - 4 * total) < 0.05 * file_bytes:
-        converted = 0  # an fp32 file: .to(float32) returns the file's own tensors
-    else:
-        converted = 4 * total
     down = latent_downsample(arch)
     wbytes = DTYPE_BYTES.get(inputs.weight_dtype, 2)
+    if inputs.model_file_bytes:  # read into the training dtypes (the VAE fp32 on a CPU or in an fp32 run)
+        loaded = wbytes * (unet + te) + (4 if not inputs.on_gpu or wbytes == 4 else wbytes) * vae
+    else:
+        loaded = 4 * total  # a built-in model is drawn in fp32, then cast
     offloaded = 0
     if inputs.on_gpu:
         offloaded = (4 if inputs.weight_dtype == "fp32" else wbytes) * vae
@@ -129,8 +129,7 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
     pinned = inputs.num_workers * PREFETCH_FACTOR * batch if inputs.on_gpu else 0
     components = {
         "process": PROCESS_BYTES,
-        "checkpoint_file": file_bytes,
-        "fp32_modules": converted,
+        "loaded_modules": loaded,
         "offloaded_modules": offloaded,
         "cached_latents": latents_ram,
         "cached_text": text_ram,
@@ -138,7 +137,7 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
         "pinned_batches": pinned,
         "training_tensors": 0 if inputs.on_gpu else inputs.training_tensor_bytes,
     }
-    loading = components["checkpoint_file"] + components["fp32_modules"]
+    loading = components["loaded_modules"]
     training = offloaded + latents_ram + text_ram + workers + pinned + components["training_tensors"]
     return RamEstimate(inputs=inputs, components=components, loading_bytes=loading, training_bytes=training)
 

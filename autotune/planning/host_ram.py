@@ -3,8 +3,8 @@ when even that is not enough (``autotune.estimate.ram_model`` says what each par
 
 The planner caches latents to disk already (``cache_latents_to_disk``), so the one thing left to give up for
 host RAM is data loader workers (each a process with its own private pages and prefetched batches), halved
-down to 0. Model loading is usually the peak (the file plus fp32 modules): no setting of the plan lowers it,
-so then the plan says so and how much the machine lacks.
+down to 0. Model loading is usually the peak (the weights in their training dtype): no setting of the plan lowers
+it, so then the plan says so and how much the machine lacks.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
         fallbacks.append(f"host RAM: data loader workers {start} -> {workers}")
     warnings: list[str] = []
     if usable is not None and current.peak_bytes > usable:
-        phase = ("model loading (the checkpoint file read whole, then copied into fp32 modules)"
+        phase = ("model loading (the model's weights, read into their training dtype)"
                  if current.loading_bytes >= current.training_bytes else "training")
         warnings.append(f"host RAM is the limit: predicted peak {current.peak_gib:.1f} GiB during {phase}, "
                         f"{usable / GIB:.1f} GiB usable; close other programs, add swap, or use a machine with "

@@ -82,13 +82,14 @@ def family_tokenizers(family: FamilySpec, t5_tokenizer: str | None = None) -> li
 
 
 def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                  seed: int | None = 0, builtin: bool = False) -> ModelBundle:
+                  seed: int | None = 0, builtin: bool = False, vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """Build a family's denoiser, VAE and text encoders from its configs with random weights.
 
     ``device="meta"`` builds only shapes (a full SDXL in well under a second, FLUX.1 in a few), for FLOP
     counting and memory tracing without allocating gigabytes. ``builtin``: the user asked for
     ``builtin:<name>``; a family too large for random weights (``builtin_meta_only``) is then a UserError
-    off the meta device.
+    off the meta device. Weights are drawn in fp32 (the same values whatever ``dtype``), then cast to ``dtype``
+    (the VAE to ``vae_dtype`` when given).
     """
     import torch
     from diffusers import AutoencoderKL
@@ -110,8 +111,9 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
     for module in modules:
         module.requires_grad_(False)
         module.eval()
-        if dtype is not None:
-            module.to(dtype)
+        target = vae_dtype if module is vae and vae_dtype is not None else dtype
+        if target is not None:
+            module.to(target)
     tokenizers = family_tokenizers(family)
     return ModelBundle(family=family, unet=unet, vae=vae, text_encoders=text_encoders, tokenizers=tokenizers,
                        scheduler_config=dict(family.scheduler), prediction_type=family.prediction_type,

@@ -7,6 +7,7 @@ can read headers without importing the converters, and neither imports the other
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,12 +39,17 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor] | None  # None when only the header was read
 
 
+DtypeOf = Callable[[str], "torch.dtype | None"]  # a tensor's name -> the dtype to hold it in (None: the file's)
+
+
 def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                    header_only: bool = False) -> Checkpoint:
+                    header_only: bool = False, dtype_of: DtypeOf | None = None) -> Checkpoint:
     """Read a ``.safetensors`` (or, behind ``allow_pickle``, a ``.ckpt``/``.pt``) checkpoint.
 
-    Every failure is a one-line UserError naming the file: missing, unknown suffix, pickle without
-    the flag, unreadable / truncated / not a checkpoint at all.
+    ``dtype_of`` casts each floating tensor as it is read (the training dtype of the module it goes to), so the
+    file's own copy of a tensor lives only until it is cast: loading needs the loaded modules' size, not the
+    file's plus theirs. Every failure is a one-line UserError naming the file: missing, unknown suffix, pickle
+    without the flag, unreadable / truncated / not a checkpoint at all.
     """
     path = Path(path)
     if not path.is_file():
@@ -51,12 +57,12 @@ def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
                         "with model_index.json, or builtin:<id>")
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        return _current_text_encoder_names(_read_safetensors(path, header_only))
+        return _current_text_encoder_names(_read_safetensors(path, header_only, dtype_of))
     if suffix in PICKLE_SUFFIXES:
         if not allow_pickle:
             raise UserError(f"{path} is a pickle checkpoint, which can run code when loaded; convert it to "
                             ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")
-        return _current_text_encoder_names(_read_pickle(path))
+        return _current_text_encoder_names(_read_pickle(path, dtype_of))
     if suffix == ".gguf":
         raise UserError(f"{path} is a GGUF-quantized model, which sd-scripts cannot train from; use the model's "
                         ".safetensors file (bf16, fp16 or fp8)")
@@ -77,8 +83,14 @@ def _refuse_quantized(path: Path, dtypes: dict[str, str]) -> None:
                             "trained from; use the model's bf16, fp16 or fp8 .safetensors file")
 
 
-def _read_safetensors(path: Path, header_only: bool) -> Checkpoint:
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _read_safetensors(path: Path, header_only: bool, dtype_of: DtypeOf | None) -> Checkpoint:
     from safetensors import safe_open
+
+    from sd_scripts_compat.safetensors_file import read_tensors
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -88,7 +100,8 @@ def _read_safetensors(path: Path, header_only: bool) -> Checkpoint:
             shapes = {key: tuple(piece.get_shape()) for key, piece in slices.items()}
             dtypes = {key: piece.get_dtype() for key, piece in slices.items()}
             _refuse_quantized(path, dtypes)
-            tensors = None if header_only else {key: handle.get_tensor(key) for key in keys}
+        # each tensor into its own buffer and cast at once: no mapped file stays resident beside the modules
+        tensors = None if header_only else read_tensors(path, dtype_of or (lambda key: None))
     except UserError:
         raise
     except Exception as exc:  # safetensors raises its own SafetensorError plus OSError/ValueError
@@ -98,7 +111,7 @@ def _read_safetensors(path: Path, header_only: bool) -> Checkpoint:
     return Checkpoint(path=path, shapes=shapes, metadata=metadata, tensors=tensors)
 
 
-def _read_pickle(path: Path) -> Checkpoint:
+def _read_pickle(path: Path, dtype_of: DtypeOf | None) -> Checkpoint:
     import torch
 
     try:
@@ -113,7 +126,11 @@ def _read_pickle(path: Path) -> Checkpoint:
         raise UserError(f"{path} holds a {type(raw).__name__}, not a state dict; "
                         "expected a Stable Diffusion checkpoint")
     tensors = {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    del raw  # the tensors' only other holder: a cast below then frees each original
     _refuse_quantized(path, {k: {torch.int8: "I8", torch.uint8: "U8"}.get(v.dtype, "") for k, v in tensors.items()})
+    if dtype_of is not None:
+        for key in list(tensors):  # one at a time: each original goes as soon as its cast copy exists
+            tensors[key] = _cast(tensors[key], dtype_of(key))
     return Checkpoint(path=path, shapes={k: tuple(v.shape) for k, v in tensors.items()}, metadata={}, tensors=tensors)
 
 

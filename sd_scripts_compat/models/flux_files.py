@@ -51,11 +51,13 @@ def _kind_of(keys: Any) -> str | None:
     return None
 
 
-def _read(path: str | os.PathLike[str], option: str, header_only: bool) -> dict[str, Any]:
-    """A part's tensors (or, for the meta device, its shapes), with a one-line error for a wrong file."""
+def _read(path: str | os.PathLike[str], option: str, header_only: bool,
+          dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """A part's tensors (each cast to ``dtype`` as it is read), or for the meta device its shapes, with a
+    one-line error for a wrong file."""
     from sd_scripts_compat.models.checkpoint import read_checkpoint
 
-    checkpoint = read_checkpoint(path, header_only=header_only)
+    checkpoint = read_checkpoint(path, header_only=header_only, dtype_of=lambda key: dtype)
     kind = _kind_of(checkpoint.shapes)
     if kind != option:
         found = _WHAT.get(kind or "", "no FLUX part we know")
@@ -100,8 +102,10 @@ def t5_state(tensors: Mapping[str, torch.Tensor], module: Any) -> dict[str, torc
 
 def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = None, t5xxl: str | None = None,
                     ae: str | None = None, t5xxl_tokenizer: str | None = None, family: str | None = None,
-                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> ModelBundle:
-    """The FLUX bundle from kohya's four options (see the module docstring); every failure one line."""
+                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                    vae_dtype: torch.dtype | None = None) -> ModelBundle:
+    """The FLUX bundle from kohya's four options (see the module docstring); every failure one line. Weights are
+    held in ``dtype`` (the AE in ``vae_dtype``; default fp32), cast tensor by tensor as the files are read."""
     from sd_scripts_compat.models.detect import ENGINE_STATED_BY, detect_family
 
     spec = detect_family(pretrained, family, stated_by=ENGINE_STATED_BY)
@@ -118,13 +122,14 @@ def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = 
     elif text.startswith("builtin:"):
         from sd_scripts_compat.models.build import build_modules
 
-        bundle = build_modules(spec, device=device, dtype=dtype, seed=0, builtin=True)
+        bundle = build_modules(spec, device=device, dtype=dtype, seed=0, builtin=True, vae_dtype=vae_dtype)
     elif folder.is_dir():
-        bundle = _from_folder(folder, spec, given={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype=dtype)
+        bundle = _from_folder(folder, spec, given={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype=dtype,
+                              vae_dtype=vae_dtype or dtype)
     else:
         bundle = _from_transformer_file(folder, spec, clip_l=clip_l, t5xxl=t5xxl, ae=ae, dtype=dtype)
     if str(device) != "meta":
-        _replace_parts(bundle, {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype)
+        _replace_parts(bundle, {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}, dtype, vae_dtype or dtype)
     _attach_tokenizers(bundle, t5xxl_tokenizer, t5xxl, folder if folder.is_dir() else None)
     for module in (bundle.unet, bundle.vae, *bundle.text_encoders):
         module.requires_grad_(False)
@@ -145,14 +150,15 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
         raise UserError(f"{path} is a FLUX transformer file without text encoders or AE; also give "
                         f"{', '.join(missing)} (clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors)")
     transformer, vae, text_encoders = _empty(spec)
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(path, dtype_of=lambda key: dtype)
     _fill(transformer, to_diffusers(checkpoint.tensors, transformer.config), "transformer", path, dtype)
     return ModelBundle(family=spec, unet=transformer, vae=vae, text_encoders=text_encoders, tokenizers=[],
                        scheduler_config=dict(spec.scheduler), prediction_type=spec.prediction_type, source=str(path),
                        extra={"format": "bfl_single_file", "t5xxl": t5xxl})
 
 
-def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | None], dtype: Any) -> ModelBundle:
+def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | None], dtype: Any,
+                 vae_dtype: Any) -> ModelBundle:
     """A diffusers FLUX pipeline folder (or a lone transformer folder plus the part files)."""
     import torch
     import transformers
@@ -172,7 +178,8 @@ def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | No
         transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer" if pipeline else folder,
                                                              local_files_only=True, torch_dtype=target)
         if not given.get("ae"):
-            vae = AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True, torch_dtype=target)
+            vae = AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True,
+                                                torch_dtype=vae_dtype or torch.float32)
         for index, (option, te) in enumerate(zip(("clip_l", "t5xxl"), spec.text_encoders, strict=True)):
             if not given.get(option):
                 cls = getattr(transformers, te.class_name)
@@ -193,7 +200,7 @@ def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | No
                        extra={"format": "diffusers", "t5xxl": given.get("t5xxl")})
 
 
-def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: Any) -> None:
+def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: Any, vae_dtype: Any) -> None:
     """Load each part file that was given into the bundle (replacing a folder's or a built-in's part)."""
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
@@ -202,12 +209,13 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
     for option, path in given.items():
         if not path:
             continue
-        tensors = _read(path, option, header_only=False)
+        part_dtype = vae_dtype if option == "ae" else dtype
+        tensors = _read(path, option, header_only=False, dtype=part_dtype)
         if option == "ae":
             _check_latent_channels(tensors, spec, Path(path))
             diffusers_names = any(k.startswith("decoder.up_blocks.") for k in tensors)  # a diffusers vae/ file
             state = tensors if diffusers_names else convert_ldm_vae_checkpoint(tensors, model_config(spec.vae))
-            _fill(vae, state, "ae", Path(path), dtype)
+            _fill(vae, state, "ae", Path(path), vae_dtype)
             bundle.vae = vae
         elif option == "clip_l":
             _fill(text_encoders[0], clip_l_state(tensors), "clip_l", Path(path), dtype)

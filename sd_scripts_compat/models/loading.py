@@ -37,13 +37,15 @@ DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
 def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, allow_pickle: bool = False,
                     device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     clip_l: str | None = None, t5xxl: str | None = None, ae: str | None = None,
-                    t5xxl_tokenizer: str | None = None) -> ModelBundle:
+                    t5xxl_tokenizer: str | None = None, vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """Load (or build) a base model from ``spec``; see the module docstring for the accepted forms.
 
     ``family`` is the user's statement of what the model is (e.g. ``sd2-v`` for an SD2 768-v file
     without a v-prediction marker); a model that contradicts it is a UserError naming both.
     ``clip_l`` / ``t5xxl`` / ``ae`` / ``t5xxl_tokenizer`` are kohya's FLUX part options
-    (``models.flux_files``); a FLUX transformer file or folder goes there by itself.
+    (``models.flux_files``); a FLUX transformer file or folder goes there by itself. ``dtype`` is the dtype the
+    weights train in (the VAE's ``vae_dtype``, default ``dtype``; both default fp32): each tensor is cast as it is
+    read, so loading holds the modules, not the file beside them.
     """
     if family is not None:
         known_family(family, ENGINE_STATED_BY)
@@ -56,15 +58,16 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
         from sd_scripts_compat.models.flux_files import load_flux_model
 
         return load_flux_model(text, clip_l=clip_l, t5xxl=t5xxl, ae=ae, t5xxl_tokenizer=t5xxl_tokenizer,
-                               family=family, device=device, dtype=dtype)
+                               family=family, device=device, dtype=dtype, vae_dtype=vae_dtype)
     if text.startswith(BUILTIN_PREFIX):
-        return _load_builtin(text, family=family, device=device, dtype=dtype)
+        return _load_builtin(text, family=family, device=device, dtype=dtype, vae_dtype=vae_dtype)
     path = Path(text).expanduser()
     if path.is_dir():
-        return load_diffusers_folder(path, family=family, device=device, dtype=dtype)
+        return load_diffusers_folder(path, family=family, device=device, dtype=dtype, vae_dtype=vae_dtype)
     from sd_scripts_compat.models.single_file import load_single_file
 
-    return load_single_file(path, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype)
+    return load_single_file(path, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype,
+                            vae_dtype=vae_dtype)
 
 
 def _is_flux_source(text: str) -> bool:
@@ -86,11 +89,11 @@ def _is_flux_source(text: str) -> bool:
 
 
 def _load_builtin(model: str, *, family: str | None, device: str | torch.device,
-                  dtype: torch.dtype | None) -> ModelBundle:
+                  dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.build import build_modules
 
     return build_modules(detect_family(model, family, stated_by=ENGINE_STATED_BY), device=device, dtype=dtype,
-                         seed=0, builtin=True)
+                         seed=0, builtin=True, vae_dtype=vae_dtype)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -140,7 +143,8 @@ def _first_difference(want: list[dict[str, tuple[int, ...]]], got: list[dict[str
 
 
 def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None = None,
-                          device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> ModelBundle:
+                          device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                          vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """A diffusers pipeline folder (``model_index.json``), read with local files only.
 
     Its own ``tokenizer``/``tokenizer_2`` folders win over the shipped vocabulary; the scheduler
@@ -164,7 +168,7 @@ def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None 
     target = dtype or torch.float32
     try:
         unet = UNet2DConditionModel.from_pretrained(folder / "unet", local_files_only=True, torch_dtype=target)
-        vae = AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True, torch_dtype=target)
+        vae = AutoencoderKL.from_pretrained(folder / "vae", local_files_only=True, torch_dtype=vae_dtype or target)
         text_encoders = []
         for part in DIFFUSERS_TEXT_PARTS:
             if not (folder / part).is_dir():

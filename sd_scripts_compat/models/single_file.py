@@ -366,15 +366,18 @@ def _strict_load(module: Any, state: Mapping[str, torch.Tensor], part: str, path
 
 def load_single_file(path: str | os.PathLike[str], *, family: str | FamilySpec | None = None,
                      allow_pickle: bool = False, device: str | torch.device = "cpu",
-                     dtype: torch.dtype | None = None) -> ModelBundle:
-    """Load an original-layout checkpoint into a ModelBundle of diffusers/transformers modules.
+                     dtype: torch.dtype | None = None, vae_dtype: torch.dtype | None = None) -> ModelBundle:
+    """Load an original-layout checkpoint into a ModelBundle of diffusers/transformers modules, each tensor cast
+    to its module's dtype as it is read (``dtype``, the VAE ``vae_dtype``; default fp32).
 
     ``device="meta"`` reads only the header (family detection) and builds shapes, for memory probes.
     """
     from sd_scripts_compat.models.build import ModelBundle, build_modules, load_tokenizer
 
     header_only = str(device) == "meta" and Path(path).suffix.lower() == ".safetensors"
-    checkpoint = read_checkpoint(path, allow_pickle=allow_pickle, header_only=header_only)
+    vae_dtype = vae_dtype or dtype
+    checkpoint = read_checkpoint(path, allow_pickle=allow_pickle, header_only=header_only,
+                                 dtype_of=lambda key: vae_dtype if key.startswith(VAE_PREFIX) else dtype)
     spec = detect_family(checkpoint, stated=family)
     if str(device) == "meta":
         bundle = build_modules(spec, device="meta", dtype=dtype, seed=None)
@@ -386,7 +389,7 @@ def load_single_file(path: str | os.PathLike[str], *, family: str | FamilySpec |
         for index, te in enumerate(bundle.text_encoders):
             modules["text_encoder" if index == 0 else f"text_encoder_{index + 1}"] = te
         for part, module in modules.items():
-            _strict_load(module, parts[part], part, checkpoint.path, dtype)
+            _strict_load(module, parts[part], part, checkpoint.path, vae_dtype if part == "vae" else dtype)
             module.to(device)
         bundle.tokenizers = [load_tokenizer(pad_token=te.tokenizer["pad_token"],
                                             max_length=te.tokenizer["model_max_length"])

@@ -1,13 +1,12 @@
 """A safetensors file's header without torch: each tensor's dtype and shape, the metadata, and the values of its
 0-dim tensors (a LoRA's alphas). Enough to describe a LoRA (``autotune inspect``) in a fraction of a second.
 
-Written by hand (the format is an 8-byte little-endian header length, the JSON header, then the data): the
-safetensors package reads bfloat16 values only through torch, whose import alone takes a second or more.
+The header itself is read by ``sd_scripts_compat.safetensors_file`` (by hand: the safetensors package reads
+bfloat16 values only through torch, whose import alone takes a second or more).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -16,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.safetensors_file import Entry, read_entries
 
-MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "F8_E4M3": "fp8_e4m3",
                "F8_E5M2": "fp8_e5m2"}
 _SCALAR = {"F32": "<f", "F16": "<e", "F64": "<d", "I64": "<q", "I32": "<i", "I16": "<h", "I8": "<b", "U8": "<B"}
@@ -51,31 +50,21 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, TensorInfo], di
     path = Path(path)
     try:
         with path.open("rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            length = int.from_bytes(handle.read(8), "little")
-            if size < 8 or not 2 <= length <= min(MAX_HEADER_BYTES, size - 8):
-                raise ValueError("the header length is not that of a safetensors file")
-            header = json.loads(handle.read(length))
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-            metadata = header.pop("__metadata__", None) or {}
-            tensors = {key: _info(handle, key, entry, 8 + length, size) for key, entry in header.items()}
+            entries, metadata = read_entries(handle)
+            tensors = {key: _info(handle, entry) for key, entry in entries.items()}
     except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error) or type(error).__name__
         raise UserError(f"{path}: not a readable safetensors file (corrupt or truncated?): {reason}") from None
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    return tensors, metadata
 
 
-def _info(handle: Any, key: str, entry: dict[str, Any], data_start: int, size: int) -> TensorInfo:
-    dtype, shape, (start, end) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-    if not 0 <= start <= end or data_start + end > size:
-        raise ValueError(f"tensor {key} lies beyond the end of the file")
+def _info(handle: Any, entry: Entry) -> TensorInfo:
     value = None
-    if not shape:
-        handle.seek(data_start + start)
-        raw = handle.read(end - start)
-        if dtype == "BF16":  # the upper half of a float32
+    if not entry.shape:
+        handle.seek(entry.start)
+        raw = handle.read(entry.end - entry.start)
+        if entry.dtype == "BF16":  # the upper half of a float32
             value = struct.unpack("<f", b"\0\0" + raw[:2])[0]
-        elif dtype in _SCALAR:
-            value = float(struct.unpack(_SCALAR[dtype], raw[: struct.calcsize(_SCALAR[dtype])])[0])
-    return TensorInfo(shape, DTYPE_NAMES.get(dtype, dtype), value)
+        elif entry.dtype in _SCALAR:
+            value = float(struct.unpack(_SCALAR[entry.dtype], raw[: struct.calcsize(_SCALAR[entry.dtype])])[0])
+    return TensorInfo(entry.shape, DTYPE_NAMES.get(entry.dtype, entry.dtype), value)

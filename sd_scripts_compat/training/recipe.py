@@ -160,8 +160,10 @@ def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model
 
     parts = {"clip_l": config.clip_l, "t5xxl": config.t5xxl, "ae": config.ae,  # FLUX.1's separate files
              "t5xxl_tokenizer": config.t5xxl_tokenizer}
+    # read straight into the dtypes the modules train in: loading holds the modules, never the file beside them
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
-                             family=_stated_family(config, sdxl), **{k: v for k, v in parts.items() if v})
+                             family=_stated_family(config, sdxl), dtype=process.weight_dtype,
+                             vae_dtype=vae_dtype(config, process), **{k: v for k, v in parts.items() if v})
     family = bundle.family
     base = config.pretrained_model_name_or_path
     encoder_files = [config.clip_l, config.t5xxl] if family.flow_matching else []
@@ -242,20 +244,26 @@ def cache_inputs(config: TrainingConfig, process: Process, model: Model, data: D
     return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
 
 
+def vae_dtype(config: TrainingConfig, process: Process) -> torch.dtype:
+    """The VAE encodes in fp32 on a CPU or with ``no_half_vae``, else in the weight dtype (as in sd-scripts)."""
+    import torch
+
+    return torch.float32 if config.no_half_vae or process.device.type == "cpu" else process.weight_dtype
+
+
 def _cache_latents(config: TrainingConfig, process: Process, model: Model, data: Data,
                    progress: Callable[[int], None] | None) -> bool:
-    import torch
 
     from sd_scripts_compat.caching.latent_cache import cache_latents, offload
 
     vae = model.bundle.vae
-    vae_dtype = torch.float32 if config.no_half_vae or process.device.type == "cpu" else process.weight_dtype
-    place(vae, process.device, vae_dtype)
+    dtype = vae_dtype(config, process)
+    place(vae, process.device, dtype)
     if not (config.cache_latents or config.cache_latents_to_disk):
         return False
     encoded = reused = 0
     for dataset in data.all:
-        stats = cache_latents(dataset, vae, device=process.device, dtype=vae_dtype,
+        stats = cache_latents(dataset, vae, device=process.device, dtype=dtype,
                               vae_batch_size=config.vae_batch_size, to_disk=bool(config.cache_latents_to_disk),
                               is_main_process=process.is_main, cache_dir=cache_dir(process), progress=progress)
         encoded, reused = encoded + stats.encoded, reused + stats.reused
