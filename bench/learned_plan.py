@@ -10,9 +10,9 @@ In a fresh measurement store (a temporary ``AUTOTUNE_CACHE_DIR``), for one model
 Prints a table of each prediction against what the run measured (ratio predicted / measured). This VM's speed
 drifts 10-20% between runs, so ``--repeats`` reruns steps 2-4 and the table shows each repeat.
 
-``--calibrate-cpu`` instead measures fp32 benches of several sizes (tiny-sd15 at 256 px, tiny-sdxl at 256 and
-512 px, micro-batch 1; with ``--full`` also sd15 at 256 px) and fits the CPU speed model's overhead and rate
-(``autotune.calibration.cpu_speed``), printing the points and the constants to put in
+``--calibrate-cpu`` instead measures benches of several sizes (tiny-sd15 at 64 / 128 / 256 px, tiny-sdxl at 256
+px; with ``--full`` also sd15 at 256 px), micro-batch 1 and 4, fp32 and bf16, and fits the CPU speed model's four
+terms per precision (``autotune.calibration.cpu_speed``), printing the points and the constants to put in
 ``autotune/estimate/speed_model.py``.
 
     python bench/learned_plan.py                        # builtin:tiny-sd15 on examples/dataset
@@ -82,39 +82,46 @@ def print_learned(rows: list[dict], model: str) -> None:
 
 
 def calibrate_cpu(full: bool, steps: int) -> None:
-    """fp32 benches of several sizes -> (FLOPs per micro-step, seconds per micro-step) -> the CPU fit."""
+    """Benches of several sizes at micro-batch 1 and 4, fp32 and bf16 -> the CPU model's four terms per precision."""
     import psutil
 
-    from autotune.calibration.cpu_speed import CpuPoint, fit_cpu_speed
-    from autotune.estimate.memory_model import inputs_for_settings
-    from autotune.estimate.speed_model import step_flops
+    from autotune.calibration.cpu_speed import cpu_point, fit_cpu_speed
+    from autotune.estimate.speed_model import CPU_NATIVE_BF16_GAIN
     from sd_scripts_compat.config.settings import TrainSettings
 
-    # not tiny-sd15 at 512 px: its 64x64 self-attention with 32 channels is memory-bound, far off any FLOP rate
-    cases = [("tiny-sd15", 256), ("tiny-sdxl", 256), ("tiny-sdxl", 512)]
+    cases = [("tiny-sd15", 64), ("tiny-sd15", 128), ("tiny-sd15", 256), ("tiny-sdxl", 256)]
     if full:
         cases.append(("sd15", 256))
     # the cores the runs compute on: OMP_NUM_THREADS where set (a shared machine), else the physical cores
     cores = int(os.environ.get("OMP_NUM_THREADS") or psutil.cpu_count(logical=False) or 1)
-    points = []
-    print("| model | px | GFLOP per micro-step | measured s per micro-step |")
-    print("|---|---|---|---|")
+    points: dict[str, list] = {"fp32": [], "bf16": []}
+    per_sample: dict[str, dict[int, float]] = {"fp32": {}, "bf16": {}}
+    print("| model | px | micro-batch | precision | GFLOP per micro-step | measured s per micro-step |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="calibrate-cpu-") as tmp:
         env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(Path(tmp) / "cache"), "HF_HUB_OFFLINE": "1"}
         for family, px in cases:
             # no dataset: the bench's synthetic one, as large as the resolution (buckets never upscale)
-            done = autotune("bench", "--model", f"builtin:{family}", "--resolution", str(px),
-                            "--steps", str(steps), "--sweep", "precision=no", "--sweep", "batch=1",
-                            "--rank", "16", "--json", "--no-store", env=env)
-            (point,) = json.loads(done.stdout)["points"]
-            settings = TrainSettings.from_event(point["settings"])
-            flops = step_flops(inputs_for_settings(family, settings)).total
-            seconds = point["seconds_per_step"] / settings.gradient_accumulation_steps
-            points.append(CpuPoint(flops, seconds, cores))
-            print(f"| {family} | {px} | {flops / 1e9:.2f} | {seconds:.4f} |")
-    fit = fit_cpu_speed(points)
-    print(f"\nCPU_MICRO_STEP_OVERHEAD_S = {fit.overhead_s:.3f}\nCPU_GFLOPS_PER_CORE = {fit.gflops_per_core:.1f}"
-          f"  ({cores} physical cores)")
+            done = autotune("bench", "--model", f"builtin:{family}", "--resolution", str(px), "--steps", str(steps),
+                            "--sweep", "precision=no,bf16", "--sweep", "batch=1,4", "--json", "--no-store", env=env)
+            for point in json.loads(done.stdout)["points"]:
+                settings = TrainSettings.from_event(point["settings"])
+                seconds = point["seconds_per_step"] / settings.gradient_accumulation_steps
+                precision, features = cpu_point(family, settings, seconds, cores)
+                points[precision].append(features)
+                if family == "sd15":
+                    per_sample[precision][settings.train_batch_size] = seconds
+                print(f"| {family} | {px} | {settings.train_batch_size} | {precision} | "
+                      f"{features.flops_per_micro_step / 1e9:.2f} | {seconds:.4f} |")
+    fp32 = fit_cpu_speed(points["fp32"])
+    gain = CPU_NATIVE_BF16_GAIN  # the sd15 per-sample slopes give it; without --full the shipped one
+    if len(per_sample["fp32"]) == 2 and len(per_sample["bf16"]) == 2:
+        gain = (per_sample["fp32"][4] - per_sample["fp32"][1]) / (per_sample["bf16"][4] - per_sample["bf16"][1])
+    bf16 = fit_cpu_speed(points["bf16"], gflops_per_core=fp32[2] * gain)
+    for name, fit in (("CPU_FP32", fp32), ("CPU_BF16", bf16)):
+        print(f"{name} = CpuCoefficients(overhead_s={fit[0]:.4f}, weight_gbs={fit[1]:.2f}, "
+              f"gflops_per_core={fit[2]:.1f}, activation_gbs={fit[3]:.2f})  # {cores} cores")
+    print(f"CPU_NATIVE_BF16_GAIN = {gain:.2f}")
 
 
 def main() -> None:

@@ -1,44 +1,83 @@
 """Fitting the CPU speed model to measured engine runs (calibration only).
 
-The CPU model is ``seconds per micro-step = overhead + FLOPs / (cores x rate)`` (see
-``autotune.estimate.speed_model``). Two unknowns, so a least-squares line through measured
-(FLOPs per core, seconds) points: tiny models pin the overhead, full-size steps the rate.
-``bench/learned_plan.py --calibrate-cpu`` measures the points and prints the fit.
+The CPU model is ``seconds per micro-step = overhead + weight bytes / weight rate + FLOPs / (cores x FLOP rate) +
+activation bytes / activation rate`` (see ``autotune.estimate.speed_model``): four non-negative unknowns per
+precision, fitted by least squares on the relative error over measured points (tiny models pin the overhead and
+the activation term, full-size steps the weight traffic and the FLOP rate). ``bench/learned_plan.py
+--calibrate-cpu`` measures the points and prints the fit. Non-negative least squares by hand (every subset of
+the four terms, the best one whose coefficients are all non-negative): numpy has none, and scipy is not a
+dependency for four unknowns.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class CpuPoint:
-    """One measured run: FLOPs of one micro-step, its measured seconds, the physical cores it ran on."""
+    """One measured micro-step: its FLOPs, frozen weight bytes (compute dtype), activation bytes, the physical
+    cores it ran on and its measured seconds."""
 
     flops_per_micro_step: float
-    seconds_per_micro_step: float
+    weight_bytes: float
+    activation_bytes: float
     cores: int
+    seconds_per_micro_step: float
 
 
-@dataclass(frozen=True)
-class CpuFit:
-    overhead_s: float  # CPU_MICRO_STEP_OVERHEAD_S
-    gflops_per_core: float  # CPU_GFLOPS_PER_CORE
-
-
-def fit_cpu_speed(points: Sequence[CpuPoint]) -> CpuFit:
-    """Least squares of ``seconds = overhead + (flops / cores) / rate`` over ``points`` (two or more, with
-    different FLOPs); the overhead is clamped at 0 (noise can pull it below with only big steps)."""
+def fit_cpu_speed(points: Sequence[CpuPoint], gflops_per_core: float | None = None) -> tuple[float, float, float,
+                                                                                           float]:
+    """``(overhead_s, weight_gbs, gflops_per_core, activation_gbs)`` of the best non-negative fit; a term the
+    points do not need is 0 (its rate ``inf``). ``gflops_per_core`` fixes the FLOP rate (bf16, whose FLOP and
+    activation terms the points cannot tell apart: fp32's rate times the measured gain). ValueError with fewer
+    than four points."""
     import numpy as np
 
-    if len(points) < 2:
-        raise ValueError("fit_cpu_speed needs two or more measured points")
-    x = np.array([p.flops_per_micro_step / max(1, p.cores) for p in points], dtype=float)
-    y = np.array([p.seconds_per_micro_step for p in points], dtype=float)
-    if np.ptp(x) == 0:
-        raise ValueError("fit_cpu_speed needs points with different FLOPs per micro-step")
-    slope, intercept = np.polyfit(x, y, 1)
-    if intercept < 0:  # through the origin instead
-        intercept, slope = 0.0, float(np.dot(x, y) / np.dot(x, x))
-    return CpuFit(overhead_s=float(intercept), gflops_per_core=float(1.0 / slope / 1e9) if slope > 0 else 0.0)
+    if len(points) < 4:
+        raise ValueError("fit_cpu_speed needs four or more measured points")
+    design = np.array([[1.0, p.weight_bytes, p.flops_per_micro_step / max(1, p.cores), p.activation_bytes]
+                       for p in points])
+    measured = np.array([p.seconds_per_micro_step for p in points])
+    seconds = measured.copy()
+    weights = 1.0 / measured  # relative error: a tiny step counts as much as a full-size one
+    if gflops_per_core is not None:
+        seconds = measured - design[:, 2] / (gflops_per_core * 1e9)
+        design[:, 2] = 0.0
+    best: tuple[float, np.ndarray] | None = None
+    for size in range(1, 5):
+        for columns in itertools.combinations(range(4), size):
+            found, *_ = np.linalg.lstsq(design[:, columns] * weights[:, None], seconds * weights, rcond=None)
+            if (found < 0).any():
+                continue
+            coefficients = np.zeros(4)
+            coefficients[list(columns)] = found
+            residual = float(np.sum(((design @ coefficients - seconds) * weights) ** 2))
+            if best is None or residual < best[0]:
+                best = (residual, coefficients)
+    assert best is not None  # the overhead alone is always a non-negative fit
+    overhead, per_weight_byte, per_flop, per_activation_byte = best[1]
+
+    def rate(per_unit: float) -> float:
+        return float(1.0 / per_unit / 1e9) if per_unit > 0 else float("inf")
+
+    flop_rate = gflops_per_core if gflops_per_core is not None else rate(per_flop)
+    return float(overhead), rate(per_weight_byte), flop_rate, rate(per_activation_byte)
+
+
+def cpu_point(family: str, settings: object, seconds_per_micro_step: float, cores: int) -> tuple[str, CpuPoint]:
+    """A bench point's precision ("fp32" / "bf16") and its features, as the speed model counts them."""
+    from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
+    from autotune.estimate.speed_model import compute_precision, step_flops
+
+    inputs = inputs_for_settings(family, settings)
+    precision = "bf16" if compute_precision(inputs) == "bf16" else "fp32"
+    flops = step_flops(inputs)
+    activations = predict_memory(inputs).components["activations"]
+    if inputs.gradient_checkpointing:  # as the model counts it: the work of all activations, recompute included
+        plain = inputs.with_(gradient_checkpointing=False)
+        activations = predict_memory(plain).components["activations"] * flops.total / step_flops(plain).total
+    weights = family_calibration(family)["architecture"]["unet"]["float_elements"] * (2 if precision == "bf16" else 4)
+    return precision, CpuPoint(flops.total, weights, activations, cores, seconds_per_micro_step)

@@ -22,37 +22,48 @@ published LoRA throughput (``shared/reference/vram_datapoints.md``): row 1, SD1.
 2080 Ti at ~3.3 it/s (1.8 TFLOP/step, 5.9 TFLOP/s of 53.8: 11 %) and row 18, SDXL bs8 with GC on
 a 4090 at ~3 s/it (159 TFLOP/step, 53 TFLOP/s of 165: 32 %); row 17 (SDXL 1024 bs1 on a 3090 Ti,
 1.12 s/it) is predicted at 0.7-0.95 s/it, i.e. the curve is somewhat optimistic at bs1.
-On the CPU (no GPU given) a micro-step costs a fixed overhead plus its FLOPs at the CPU's rate:
-``seconds = CPU_MICRO_STEP_OVERHEAD_S + FLOPs / (cores x CPU_GFLOPS_PER_CORE)``. The overhead (per-op
-dispatch, the data loader, the optimizer: what a tiny model's step is made of) and the rate (what a
-full-size step is made of) come from ``autotune.calibration.cpu_speed.fit_cpu_speed`` over engine benches on
-this project's 2-core machine (``bench/learned_plan.py --calibrate-cpu --full``, one thread, fp32, micro-batch
-1: tiny-sd15 256 px 0.196 s per micro-step for 2.96 GFLOP, tiny-sdxl 256 / 512 px 0.058 / 0.158 s for 1.8 / 9.3
-GFLOP, sd15 256 px 5.57 s for 397 GFLOP: a fit of 0.075 s + 72 GFLOP/s per core). Two threads on a loaded
-machine scale worse than that (the README's 2-thread sd15 figure is ~44 GFLOP/s per core), hence 50 per core.
-tiny-sd15 at 512 px is left out: its 64x64 self-attention with 32 channels is memory-bound (9 GFLOP/s). The old
-FLOPs-only figure put the quickstart at ~50 micro-steps/s where its runs measure ~2-10. A tiny model's small
-convolutions still run below the fitted rate, so its prediction stays optimistic (up to ~2x at 256 px): its
-measured figure (``autotune bench``) is what the planner should use, and does. bf16 autocast on a CPU with native bf16
-(avx512_bf16 / AMX: ``cpu_bf16=True``) runs the FLOP part ``CPU_NATIVE_BF16_GAIN`` x faster (this machine:
-an SD1.5 UNet forward + backward at 256 px 1.26-1.31 s vs 1.86-2.46 s in fp32; ``bench/engine.py --cpu-bf16``:
-sd15 256 px engine steps 2.27 vs 4.66 s, tiny-sd15 0.142 vs 0.196 s); without native
-bf16 it is emulated, ~3.6x slower. The overhead part is not sped up. A measured figure of the same
-settings on the same machine (``autotune.measure``) beats all of this: the planner uses it when it has one.
+On the CPU (no GPU given) a micro-step costs a fixed overhead, its memory traffic and its FLOPs:
+``seconds = overhead + UNet weight bytes / weight rate + FLOPs / (cores x FLOP rate) + activation bytes /
+activation rate``, with the weight bytes at the compute dtype (every frozen weight is read in the forward and again
+for the input gradients) and the activation bytes the memory model's without checkpointing, scaled by the
+checkpointing recompute's FLOPs when it is on (the elementwise and normalisation work that runs at memory speed,
+which is what a tiny model's step is made of). ``CpuCoefficients`` holds the four per
+precision; ``autotune.calibration.cpu_speed.fit_cpu_speed`` fits them (non-negative least squares on relative
+error) from ``autotune bench`` points (``bench/learned_plan.py --calibrate-cpu``): on this project's 2-core machine
+(2 threads) tiny-sd15 at 64 / 128 / 256 px, tiny-sdxl at 256 px and sd15 at 256 px, micro-batch 1 and 4, fp32 and
+bf16: 20 points, every one within 0.68-1.26x (fp32) and 0.73-1.35x (bf16) of its fit. bf16 autocast on a CPU with
+native bf16 (avx512_bf16 / AMX: ``cpu_bf16=True``) computes ``CPU_NATIVE_BF16_GAIN`` x the fp32 FLOP rate (the
+sd15 per-sample slope: 0.65 vs 1.71 s) but pays more per-op overhead (casts), so a tiny model runs slower in bf16
+and a full-size one 1.8-2.3x faster; without native bf16 it is emulated, its FLOP part ~3.6x slower. A measured
+figure of the same settings on the same machine (``autotune.measure``) beats all of this: the planner uses it when
+it has one.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 EFFICIENCY_MAX = 0.33
 EFFICIENCY_HALF_TFLOP = 3.5
-CPU_GFLOPS_PER_CORE = 50.0
-CPU_MICRO_STEP_OVERHEAD_S = 0.08
-CPU_NATIVE_BF16_GAIN = 1.8
-CPU_BF16_SLOWDOWN = 3.6
+
+
+@dataclass(frozen=True)
+class CpuCoefficients:
+    """The CPU micro-step model's four terms for one compute precision (see the module docstring)."""
+
+    overhead_s: float
+    weight_gbs: float  # GB/s of frozen weight bytes (at the compute dtype)
+    gflops_per_core: float
+    activation_gbs: float  # GB/s of the memory model's activation bytes
+
+
+CPU_FP32 = CpuCoefficients(overhead_s=0.020, weight_gbs=2.28, gflops_per_core=231.5, activation_gbs=0.59)
+CPU_NATIVE_BF16_GAIN = 2.62  # bf16 FLOP rate / fp32's on a CPU with native bf16
+CPU_BF16 = CpuCoefficients(overhead_s=0.0535, weight_gbs=4.91, gflops_per_core=231.5 * CPU_NATIVE_BF16_GAIN,
+                           activation_gbs=0.32)
+CPU_BF16_SLOWDOWN = 3.6  # emulated bf16 (no native support): the FLOP part this much slower than fp32
 
 
 @dataclass(frozen=True)
@@ -144,18 +155,40 @@ def compute_precision(inputs: Any) -> str:
     return {"fp8": "fp16"}.get(inputs.weight_dtype, inputs.weight_dtype)
 
 
-def cpu_precision_factor(precision: str, native_bf16: bool) -> float:
-    """The CPU's FLOP rate under ``precision`` relative to fp32 (fp16 autocast stays fp32 on CPU)."""
+def cpu_coefficients(precision: str, native_bf16: bool) -> CpuCoefficients:
+    """The CPU model's terms under ``precision`` (fp16 autocast stays fp32 on a CPU; emulated bf16 is fp32's with
+    its FLOP rate ``CPU_BF16_SLOWDOWN`` x lower)."""
     if precision != "bf16":
-        return 1.0
-    return CPU_NATIVE_BF16_GAIN if native_bf16 else 1.0 / CPU_BF16_SLOWDOWN
+        return CPU_FP32
+    if native_bf16:
+        return CPU_BF16
+    return replace(CPU_FP32, gflops_per_core=CPU_FP32.gflops_per_core / CPU_BF16_SLOWDOWN)
+
+
+def cpu_micro_step_seconds(inputs: Any, flops: float, cores: int, native_bf16: bool,
+                           calibration: dict[str, Any] | None = None) -> float:
+    """Seconds of one micro-step on ``cores`` CPU cores: overhead + weight traffic + FLOPs + activation traffic."""
+    from autotune.estimate.memory_model import family_calibration, predict_memory
+
+    precision = compute_precision(inputs)
+    k = cpu_coefficients(precision, native_bf16)
+    compute_bytes = 2 if precision == "bf16" else 4
+    weights = family_calibration(inputs.family, calibration)["architecture"]["unet"]["float_elements"]
+    activations = predict_memory(inputs, calibration).components["activations"]
+    if getattr(inputs, "gradient_checkpointing", False):  # it keeps fewer activations but does all that work,
+        plain = inputs.with_(gradient_checkpointing=False)  # and the recompute again
+        activations = (predict_memory(plain, calibration).components["activations"]
+                       * flops / step_flops(plain, calibration).total)
+    return (k.overhead_s + weights * compute_bytes / (k.weight_gbs * 1e9) + flops / (cores * k.gflops_per_core * 1e9)
+            + activations / (k.activation_gbs * 1e9))
 
 
 def cpu_bf16_speed(native: bool) -> str:
     """How bf16 autocast runs on this CPU against fp32: the one sentence the plan and the wizard both say."""
     if native:
-        return (f"this CPU computes bf16 natively (avx512_bf16 / AMX): bf16 autocast runs about "
-                f"{CPU_NATIVE_BF16_GAIN:g}x the fp32 rate on full-size models")
+        return (f"this CPU computes bf16 natively (avx512_bf16 / AMX): bf16 autocast computes about "
+                f"{CPU_NATIVE_BF16_GAIN:g}x the fp32 FLOP rate (full-size steps ~2x faster; a tiny model's step, "
+                "mostly per-op overhead, slower)")
     return f"this CPU has no native bf16: bf16 autocast is emulated, about {CPU_BF16_SLOWDOWN:g}x slower than fp32"
 
 
@@ -178,9 +211,9 @@ def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accu
         device = getattr(gpu, "name", None) or f"{rate:g} TFLOP/s"
     else:
         cores = max(1, int(cpu_cores or 1))
-        rate = cores * CPU_GFLOPS_PER_CORE / 1000 * cpu_precision_factor(precision, cpu_bf16)
-        seconds = CPU_MICRO_STEP_OVERHEAD_S + (tflop / rate if rate > 0 else math.inf)
-        eff = tflop / seconds / rate if seconds > 0 else 0.0  # the overhead's share lowers the achieved rate
+        rate = cores * cpu_coefficients(precision, cpu_bf16).gflops_per_core / 1000
+        seconds = cpu_micro_step_seconds(inputs, flops.total, cores, cpu_bf16, calibration)
+        eff = tflop / seconds / rate if seconds > 0 else 0.0  # overhead and traffic lower the achieved rate
         device = f"cpu x{cores}"
     achieved = rate * eff
     micro = tflop / achieved if achieved > 0 else math.inf

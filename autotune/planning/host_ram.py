@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune.estimate.ram_model import GIB, RamEstimate, RamInputs, model_file_bytes, predict_ram
+from autotune.estimate.ram_model import (
+    GIB,
+    PROCESS_BYTES,
+    WORKER_PRIVATE_BYTES,
+    RamEstimate,
+    RamInputs,
+    model_file_bytes,
+    predict_ram,
+)
 from autotune.planning.request import PlanRequest
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.models.families import FamilySpec
@@ -36,7 +44,8 @@ def default_workers(request: PlanRequest) -> int:
 
 
 def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSettings, num_images: int,
-                  tensor_peak_bytes: int, *, modelled: tuple[int, int] | None = None) -> HostRamPlan:
+                  tensor_peak_bytes: int, *, modelled: tuple[int, int] | None = None,
+                  own_model: bool = False) -> HostRamPlan:
     """The workers the machine's RAM allows and the predicted peak; ``tensor_peak_bytes`` counts for CPU plans.
     ``modelled`` is (loading, training) host RAM from a family's own memory model (FLUX: swapped blocks and
     parked encoders), used instead of the UNet families' RAM model."""
@@ -56,6 +65,11 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
             loading, training = modelled
             return RamEstimate(inputs=inputs, components={"process": 0, "loading": loading, "training": training},
                                loading_bytes=loading, training_bytes=training)
+        if own_model:  # a DiT family on the CPU: its weights are part of the tensors, all of them in RAM
+            workers = n * WORKER_PRIVATE_BYTES
+            return RamEstimate(inputs=inputs, components={"process": PROCESS_BYTES, "training_tensors":
+                                                          tensor_peak_bytes, "dataloader_workers": workers},
+                               loading_bytes=tensor_peak_bytes, training_bytes=tensor_peak_bytes + workers)
         return predict_ram(inputs)
 
     current = estimate(workers)

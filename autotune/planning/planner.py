@@ -275,8 +275,12 @@ def plan_training(request: PlanRequest) -> Plan:
     length = training_length(goal, request.priority, dataset.num_images, dataset.views_per_epoch, effective_real,
                              prefs.epochs, short_cpu_run, pinned_steps=prefs.steps)
     seconds_per_step = s.gradient_accumulation_steps / chosen.it_per_s
-    modelled = (chosen.host_ram_loading, chosen.host_ram) if chosen.host_ram else None  # FLUX's own model
-    ram = plan_host_ram(request, family, s, dataset.num_images, chosen.peak, modelled=modelled)
+    # a DiT's own host-RAM model is a GPU run's (swapped blocks, parked encoders, a CUDA process); on a CPU the
+    # tensors themselves live in RAM, without the CUDA context the device peak counts
+    modelled = (chosen.host_ram_loading, chosen.host_ram) if chosen.host_ram and gpus else None
+    host_tensors = sum(v for k, v in chosen.components if k not in ("cuda_context", "safety_margin"))
+    ram = plan_host_ram(request, family, s, dataset.num_images, host_tensors, modelled=modelled,
+                        own_model=bool(chosen.host_ram))
     common.update(fallbacks=found.fallbacks + ram.fallbacks, warnings=common["warnings"] + ram.warnings)
     prediction = Prediction(
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,

@@ -110,7 +110,10 @@ def select_bucket_no_upscale(image_size: Size, max_area: int, steps: int) -> Buc
         resized = (width, height)
     bucket = (resized[0] - resized[0] % steps, resized[1] - resized[1] % steps)
     if bucket[0] <= 0 or bucket[1] <= 0:
-        raise ValueError(f"image {width}x{height} is smaller than bucket_reso_steps={steps}")
+        shrunk = "" if resized == (width, height) else f", shrunk to {resized[0]}x{resized[1]} for the training area,"
+        raise ValueError(f"image {width}x{height}{shrunk} is narrower than one bucket step ({steps} px) on its short "
+                         "side; train at a higher resolution, crop the image closer to square, or lower "
+                         "bucket_reso_steps")
     return BucketAssignment(bucket, resized, bucket[0] / bucket[1] - aspect)
 
 
