@@ -319,7 +319,7 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
         result = supervise(job)
     if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
-        remember_attempts(result.attempts, probe, family.name, limits.budget_mib)
+        remember_attempts(result.attempts, probe, family.name, limits.budget_mib, contended=_contended(out))
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
                           "output_file": result.output_file, "final_settings": result.final_settings.to_event(),
@@ -347,15 +347,20 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     return 1
 
 
-def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: float | None) -> None:
+def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: float | None,
+                      contended: str | None = None) -> None:
     """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
-    plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run."""
+    plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run.
+    A run that shared the CPU with other work (``contended``: why) keeps its speed out: the plan would learn the
+    other work's share as this machine's speed; its out-of-memory attempts still count."""
     from autotune.measure.store import device_key, from_done_event, from_oom_event, record_measurements
 
     device = device_key(probe)
     records = []
+    if contended:
+        print(f"this run's speed is not kept for future plans: {contended}")
     for attempt in attempts:
-        if attempt.done_event:
+        if attempt.done_event and not contended:
             records.append(from_done_event(attempt.done_event, device=device, family=family, source="run"))
         elif attempt.oom_event:
             records.append(from_oom_event(attempt.oom_event, device=device, family=family, source="run",
@@ -368,6 +373,19 @@ def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: 
     except OSError as error:
         print(f"warning: could not store this run's measurements ({error}); plans will not learn from it",
               file=sys.stderr)
+def _contended(out: Path) -> str | None:
+    """Why the finished run's speed does not represent this machine (``autotune.report.analysis.contention``)."""
+    from autotune.report.analysis import contention
+    from autotune.report.load import load_run
+
+    if not (out / EVENTS_DIR).is_dir():
+        return None
+    try:
+        return contention(load_run(out))
+    except UserError:
+        return None
+
+
 def _watching_for_slowdowns(monitor_file: Path) -> Any:
     """A thread that reads the engine's monitor file while it trains and prints a warning line when the run
     spills into shared memory, swaps or throttles (``autotune.report.detector``)."""

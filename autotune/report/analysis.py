@@ -173,6 +173,12 @@ def idle_device(devices: list[dict[str, Any]]) -> dict[str, Any] | None:
             "fix": "a larger micro-batch gives each step more work per thread"}
 
 
+def contention(run: RunFiles) -> str | None:
+    """Why the run's speed says little about this machine (other processes took its CPU), or None."""
+    found = idle_device(device_rows(run))
+    return found["message"] if found and found["kind"] == "cpu_contention" else None
+
+
 def _data_bound(fraction: float, idle: str, workers: int, settings: dict[str, Any]) -> dict[str, Any]:
     suggest = min(8, max(2, (os.cpu_count() or 2) - 1)) if workers == 0 else min(16, workers * 2)
     fix = f"set max_data_loader_n_workers = {suggest}"
