@@ -18,21 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from learned_plan import autotune  # this folder's helper: `autotune ...` as a child, a failure ends the bench
+
 CASES = "tiny-sd15:64,tiny-sd15:128,tiny-flux:256,sd15:256,tiny-sdxl:256"
-
-
-def autotune(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "autotune", *argv], cwd=ROOT, capture_output=True, text=True,
-                          env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"autotune {' '.join(argv)} failed ({done.returncode}): {done.stderr[-1500:]}")
-    return done
 
 
 def predicted(dataset: Path, pins: list[str], env: dict[str, str]) -> dict:
