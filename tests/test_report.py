@@ -243,15 +243,16 @@ def test_a_run_beside_a_cpu_burner_is_reported_as_contention_not_compute_bound(t
 
 
 def test_a_contended_run_teaches_plans_nothing_about_speed(tmp_path):
-    """`autotune run` beside two CPU burners: its speed is the burners' leftovers, so it stays out of the
+    """`autotune run` beside CPU burners: its speed is the burners' leftovers, so it stays out of the
     measurement store (a later plan still predicts from the model) and the run says why. (A quickstart run beside
     a CI job once taught the plan 4.4 s per step for a 0.27 s step: 16x off.)"""
     pins = ["--model", "builtin:tiny-sd15", "--resolution", "256", "--steps", "16"]
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    # two burners per core and two trainer threads (whatever OMP_NUM_THREADS the caller set): a third of the CPU
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
     try:
         done = subprocess.run([sys.executable, "-m", "autotune", "run", str(DATASET), *pins, "--out",
                                str(tmp_path / "run"), "--skip-doctor"], capture_output=True, text=True, cwd=tmp_path,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+                              env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}, timeout=900)
     finally:
         for burner in burners:
             burner.kill()

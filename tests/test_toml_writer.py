@@ -123,7 +123,8 @@ def test_output_is_byte_identical_for_the_same_inputs(tmp_path):
         paths = write_plan_files(plan_training(request), tmp_path / "out", "lora-scripts")
         texts.append([p.read_bytes() for p in paths])
     assert texts[0] == texts[1]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.toml", "dataset.toml"]  # no temp files
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # and no temp files
+        "autotune_plan.json", "config.toml", "dataset.toml"]
 
 
 def test_unwritable_out_is_a_user_error(tmp_path):
