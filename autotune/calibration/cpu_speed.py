@@ -69,15 +69,11 @@ def fit_cpu_speed(points: Sequence[CpuPoint], gflops_per_core: float | None = No
 
 def cpu_point(family: str, settings: object, seconds_per_micro_step: float, cores: int) -> tuple[str, CpuPoint]:
     """A bench point's precision ("fp32" / "bf16") and its features, as the speed model counts them."""
-    from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
-    from autotune.estimate.speed_model import compute_precision, step_flops
+    from autotune.estimate.memory_model import inputs_for_settings
+    from autotune.estimate.speed_model import compute_precision, cpu_traffic_bytes, step_flops
 
     inputs = inputs_for_settings(family, settings)
     precision = "bf16" if compute_precision(inputs) == "bf16" else "fp32"
-    flops = step_flops(inputs)
-    activations = predict_memory(inputs).components["activations"]
-    if inputs.gradient_checkpointing:  # as the model counts it: the work of all activations, recompute included
-        plain = inputs.with_(gradient_checkpointing=False)
-        activations = predict_memory(plain).components["activations"] * flops.total / step_flops(plain).total
-    weights = family_calibration(family)["architecture"]["unet"]["float_elements"] * (2 if precision == "bf16" else 4)
-    return precision, CpuPoint(flops.total, weights, activations, cores, seconds_per_micro_step)
+    flops = step_flops(inputs).total
+    weights, activations = cpu_traffic_bytes(inputs, flops)
+    return precision, CpuPoint(flops, weights, activations, cores, seconds_per_micro_step)

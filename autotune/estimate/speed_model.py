@@ -165,21 +165,27 @@ def cpu_coefficients(precision: str, native_bf16: bool) -> CpuCoefficients:
     return replace(CPU_FP32, gflops_per_core=CPU_FP32.gflops_per_core / CPU_BF16_SLOWDOWN)
 
 
-def cpu_micro_step_seconds(inputs: Any, flops: float, cores: int, native_bf16: bool,
-                           calibration: dict[str, Any] | None = None) -> float:
-    """Seconds of one micro-step on ``cores`` CPU cores: overhead + weight traffic + FLOPs + activation traffic."""
+def cpu_traffic_bytes(inputs: Any, flops: float, calibration: dict[str, Any] | None = None) -> tuple[float, float]:
+    """The CPU model's two traffic terms of one micro-step: (frozen UNet weight bytes at the compute dtype,
+    activation bytes of the work done). Shared with the calibration that fits their rates."""
     from autotune.estimate.memory_model import family_calibration, predict_memory
 
-    precision = compute_precision(inputs)
-    k = cpu_coefficients(precision, native_bf16)
-    compute_bytes = 2 if precision == "bf16" else 4
+    compute_bytes = 2 if compute_precision(inputs) == "bf16" else 4
     weights = family_calibration(inputs.family, calibration)["architecture"]["unet"]["float_elements"]
     activations = predict_memory(inputs, calibration).components["activations"]
     if getattr(inputs, "gradient_checkpointing", False):  # it keeps fewer activations but does all that work,
         plain = inputs.with_(gradient_checkpointing=False)  # and the recompute again
         activations = (predict_memory(plain, calibration).components["activations"]
                        * flops / step_flops(plain, calibration).total)
-    return (k.overhead_s + weights * compute_bytes / (k.weight_gbs * 1e9) + flops / (cores * k.gflops_per_core * 1e9)
+    return weights * compute_bytes, activations
+
+
+def cpu_micro_step_seconds(inputs: Any, flops: float, cores: int, native_bf16: bool,
+                           calibration: dict[str, Any] | None = None) -> float:
+    """Seconds of one micro-step on ``cores`` CPU cores: overhead + weight traffic + FLOPs + activation traffic."""
+    k = cpu_coefficients(compute_precision(inputs), native_bf16)
+    weights, activations = cpu_traffic_bytes(inputs, flops, calibration)
+    return (k.overhead_s + weights / (k.weight_gbs * 1e9) + flops / (cores * k.gflops_per_core * 1e9)
             + activations / (k.activation_gbs * 1e9))
 
 

@@ -155,7 +155,6 @@ def _prepare_output(out: Path, resume: bool) -> None:
 
 def live_trainer(out: Path) -> int | None:
     """The PID of this run's trainer when it is still alive (its command line names ``out``), else None."""
-
     try:
         pid = int((out / TRAINER_PID).read_text(encoding="ascii").strip())
         argv = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -373,6 +372,8 @@ def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: 
     except OSError as error:
         print(f"warning: could not store this run's measurements ({error}); plans will not learn from it",
               file=sys.stderr)
+
+
 def _contended(out: Path) -> str | None:
     """Why the finished run's speed does not represent this machine (``autotune.report.analysis.contention``)."""
     from autotune.report.analysis import contention
