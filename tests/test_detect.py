@@ -3,6 +3,7 @@ stated families that agree or conflict, and the family facts it reads. Real file
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -150,15 +151,28 @@ def test_kohya_flags_name_a_family():
 
 def test_family_facts_are_consistent():
     """The facts code reads instead of branching on names agree with the rest of each family file."""
+    # sd-scripts' script of each transformer class (SD3, Lumina, HunyuanImage and Anima have their own)
+    transformer_scripts = {"FluxTransformer2DModel": "flux_train_network.py",
+                           "ChromaTransformer2DModel": "flux_train_network.py",
+                           "SD3Transformer2DModel": "sd3_train_network.py",
+                           "Lumina2Transformer2DModel": "lumina_train_network.py",
+                           "HunyuanImageTransformer2DModel": "hunyuan_image_train_network.py",
+                           "CosmosTransformer3DModel": "anima_train_network.py"}
     for name in family_names():
         f = get_family(name)
-        script = "flux_train_network.py" if f.flow_matching else (
+        script = transformer_scripts[f.denoiser_class] if f.is_transformer else (
             "sdxl_train_network.py" if f.is_sdxl else "train_network.py")
         assert f.kohya_script == script, name
         assert f.engine_module == "sd_scripts_compat." + f.kohya_script[:-3]
+        if f.trained_here:
+            assert importlib.util.find_spec(f.engine_module) is not None, name
         assert f.v2 == f.ss_base_model_version.startswith("sd_v2"), name
-        layout = "flux" if f.is_transformer else "sdxl" if f.is_sdxl else "sd2" if f.v2 else "sd1"
+        own_layouts = {"sd3_train_network.py": "sd3", "lumina_train_network.py": "lumina2",
+                       "hunyuan_image_train_network.py": "hunyuan_image", "anima_train_network.py": "anima"}
+        layout = (own_layouts.get(f.kohya_script, "flux") if f.is_transformer else "sdxl" if f.is_sdxl
+                  else "sd2" if f.v2 else "sd1")
         assert f.single_file_layout == layout, name
-        assert f.latent_downsample == 2 ** (len(f.vae["block_out_channels"]) - 1)
+        if "block_out_channels" in f.vae and "spatial_compression_ratio" not in f.vae:
+            assert f.latent_downsample == 2 ** (len(f.vae["block_out_channels"]) - 1)
         if not f.tiny and not f.is_transformer:
             assert f.latent_downsample == 8 and f.resolution // f.latent_downsample == f.unet["sample_size"]

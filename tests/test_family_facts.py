@@ -31,7 +31,9 @@ def engine_accepts_swap(family: str, blocks: int) -> bool:
     spec = get_family(family)
     argv = ["--blocks_to_swap", str(blocks)] if blocks else []  # SD scripts take no such option at all
     try:
-        config = load_training_config(argv, script=spec.engine_module.split(".")[-1])
+        # a family sd-scripts trains for us: its swap rule alone (the engine reads no config of it)
+        config = load_training_config(argv, script=spec.engine_module.split(".")[-1]) if spec.trained_here \
+            else SimpleNamespace(blocks_to_swap=blocks)
         check_blocks_to_swap(spec, config.blocks_to_swap)
     except UserError:
         return False

@@ -77,6 +77,18 @@ def engine_lora(bundle: Any, rank: int, alpha: float | None = None) -> Any:
     return network
 
 
+def enable_checkpointing(model: Any) -> None:
+    """diffusers' gradient checkpointing, with a checkpoint function that takes keyword arguments (diffusers'
+    own does not, and HunyuanImage's blocks pass ``attention_mask=`` to it)."""
+    import functools
+
+    import torch
+
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=functools.partial(
+        torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    model.train()
+
+
 def block_lists(model: Any, spec: FamilySpec) -> list[list[Any]]:
     """The denoiser's block lists in the family's swap order (``transformer_block_groups``)."""
     return [list(getattr(model, group["modules"])) for group in spec.transformer_block_groups]
@@ -87,7 +99,8 @@ def swapped_weights(model: Any, spec: FamilySpec, blocks_to_swap: int) -> list[A
     import torch
 
     lists = block_lists(model, spec)
-    split = swap_split(blocks_to_swap, *(len(blocks) for blocks in lists))
+    counts = [len(blocks) for blocks in lists]
+    split = swap_split(blocks_to_swap, counts[0], counts[1] if len(counts) > 1 else 0)
     out = []
     for count, blocks in zip(split, lists):
         for block in blocks[len(blocks) - count:] if count else []:
@@ -161,9 +174,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
     network = engine_lora(bundle, rank)
     if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-        model.train()
-    fake_mode: Any = FakeTensorMode() if fake else contextlib.nullcontext()
+        enable_checkpointing(model)
+    fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
         fakeify([model, network], fake_mode)
     host = swapped_weights(model, spec, blocks_to_swap)
@@ -178,8 +190,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         counter.register([*frozen, *lora_params, *state])
         counter.reset_peak()
         with counter.mode():
-            FORWARDS[spec.denoiser_class](model, counter, batch_size, resolution,
-                                          text_tokens or spec.t5xxl_max_token_length or 512)
+            FORWARDS[spec.denoiser_class](model, counter, spec, batch_size, resolution,
+                                          text_tokens or spec.denoiser_text_tokens)
             grad_bytes = _storage_bytes([p.grad for p in lora_params if p.grad is not None])
             counter.phase = "optimizer"
             opt.step()
@@ -194,33 +206,151 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2))
 
 
-def _flux_forward_backward(model: Any, counter: LiveBytesCounter, batch_size: int, resolution: int,
-                           text_tokens: int) -> None:
-    """Flow-matching step on packed latents with cached T5 / CLIP outputs (what flux_train_network feeds)."""
+def _flow_step(model: Any, counter: LiveBytesCounter, latents: Any, inputs: dict[str, Any], *,
+               pack: Callable[[Any], Any] = lambda x: x) -> None:
+    """One flow-matching step: noise the latents, run the denoiser on ``inputs`` under bf16 autocast, MSE to
+    the velocity, backward. ``pack`` turns the noisy latents into the denoiser's ``hidden_states``."""
     import torch
 
-    flux = get_family("flux-dev")
-    tokens, side = flux.image_tokens(resolution), resolution // flux.bucket_step
-    cfg = model.config
-    counter.phase = "inputs"
-    latents = torch.empty(batch_size, tokens, cfg.in_channels, dtype=torch.float32)
-    t5 = torch.empty(batch_size, text_tokens, cfg.joint_attention_dim, dtype=torch.bfloat16)
-    pooled = torch.empty(batch_size, cfg.pooled_projection_dim, dtype=torch.bfloat16)
-    img_ids = torch.zeros(side * side, 3)
-    txt_ids = torch.zeros(text_tokens, 3)
     counter.phase = "forward"
     noise = torch.randn_like(latents)
-    sigma = torch.rand(batch_size, 1, 1)
+    sigma = torch.rand(latents.shape[0], *([1] * (latents.dim() - 1)))
     noisy = (1 - sigma) * latents + sigma * noise
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        pred = model(hidden_states=noisy.to(torch.bfloat16), encoder_hidden_states=t5, pooled_projections=pooled,
-                     timestep=sigma.flatten(), img_ids=img_ids, txt_ids=txt_ids,
-                     guidance=torch.full((batch_size,), 3.5), return_dict=False)[0]
-    loss = torch.nn.functional.mse_loss(pred.float(), (noise - latents).float())
-    del pred, noisy, noise, latents, t5, pooled
+        pred = model(hidden_states=pack(noisy.to(torch.bfloat16)), timestep=sigma.flatten() * 1000, **inputs,
+                     return_dict=False)[0]
+    loss = torch.nn.functional.mse_loss(pred.float().reshape(noise.shape), (noise - latents).float())
+    del pred, noisy, noise, latents, inputs
     counter.phase = "backward"
     loss.backward()
     del loss
+
+
+def _latents(model: Any, spec: FamilySpec, batch_size: int, resolution: int) -> Any:
+    """Cached latents of one batch: [B, C, side, side] in latent pixels, fp32 as the cache holds them."""
+    import torch
+
+    side = resolution // spec.latent_downsample
+    return torch.empty(batch_size, model.config.in_channels, side, side, dtype=torch.float32)
+
+
+def _text(batch_size: int, tokens: int, width: int) -> Any:
+    import torch
+
+    return torch.empty(batch_size, tokens, width, dtype=torch.bfloat16)
+
+
+def _flux_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                           resolution: int, text_tokens: int) -> None:
+    """FLUX.1 and Chroma: packed 2x2 latent tokens, cached T5 (and CLIP-L pooled) outputs, ids, guidance (what
+    flux_train_network feeds; Chroma takes neither pooled output nor guidance)."""
+    import torch
+
+    tokens, side = spec.image_tokens(resolution), resolution // spec.bucket_step
+    cfg = model.config
+    counter.phase = "inputs"
+    latents = torch.empty(batch_size, tokens, cfg.in_channels, dtype=torch.float32)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, cfg.joint_attention_dim),
+              "img_ids": torch.zeros(side * side, 3), "txt_ids": torch.zeros(text_tokens, 3)}
+    if "pooled_projection_dim" in cfg:
+        inputs["pooled_projections"] = torch.empty(batch_size, cfg.pooled_projection_dim, dtype=torch.bfloat16)
+    if cfg.get("guidance_embeds"):
+        inputs["guidance"] = torch.full((batch_size,), 3.5)
+    _flow_step(model, counter, latents, inputs)
+
+
+def _sd3_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                          resolution: int, text_tokens: int) -> None:
+    """SD3: latent image in, CLIP-L/G + T5 context (77 + 256 tokens of 4096) and the 2048-wide pooled vector."""
+    import torch
+
+    counter.phase = "inputs"
+    cfg = model.config
+    latents = _latents(model, spec, batch_size, resolution)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, cfg.joint_attention_dim),
+              "pooled_projections": torch.empty(batch_size, cfg.pooled_projection_dim, dtype=torch.bfloat16)}
+    _flow_step(model, counter, latents, inputs)
+
+
+def _lumina_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                             resolution: int, text_tokens: int) -> None:
+    """Lumina 2: latent image in, Gemma2 hidden states, an all-ones caption mask (captions padded alike take
+    the unmasked attention). Its rotary embedder reads caption lengths on the host, which a fake tensor cannot
+    give, so it runs on real tensors (no weights; its outputs are the small rotary tables)."""
+    import torch
+
+    counter.phase = "inputs"
+    latents = _latents(model, spec, batch_size, resolution)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.cap_feat_dim),
+              "encoder_attention_mask": _host_ones(batch_size, text_tokens)}
+    rope = model.rope_embedder
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.device("cpu"):
+        rope.freqs_cis = rope._precompute_freqs_cis(rope.axes_dim, rope.axes_lens, rope.theta)  # built on meta
+    rope.forward = _on_real_tensors(rope.forward)
+    try:
+        _flow_step(model, counter, latents, inputs)
+    finally:
+        del rope.forward
+
+
+def _on_real_tensors(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run outside the fake mode on real stand-ins of the same shapes (empty tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(*args: Any) -> Any:
+        with unset_fake_temporarily():
+            return forward(*(torch.ones(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a
+                             for a in args))
+
+    return real
+
+
+def _hunyuan_image_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                                    resolution: int, text_tokens: int) -> None:
+    """HunyuanImage-2.1: 64-channel latents of the 32x VAE and the text context. The model packs the valid
+    Qwen2.5-VL and byT5 tokens by boolean indexing (a data-dependent shape a fake tensor cannot take), so the
+    trace feeds the whole context (1024 + 128 tokens) as one Qwen2.5-VL-wide input: the same tokens through
+    every block; only byT5's small input projection is left out."""
+    counter.phase = "inputs"
+    latents = _latents(model, spec, batch_size, resolution)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.text_embed_dim),
+              "encoder_attention_mask": _host_ones(batch_size, text_tokens)}
+    _flow_step(model, counter, latents, inputs)
+
+
+def _cosmos_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                             resolution: int, text_tokens: int) -> None:
+    """Anima (Cosmos-Predict2 DiT): one-frame video latents, the LLM adapter's 512 x 1024 context (the adapter's
+    own small transient is not traced), and the padding mask the model concatenates as a channel, given at
+    latent size. diffusers resizes that mask with torchvision, which is not our dependency: a nearest-neighbour
+    stand-in serves the (identity) resize."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    counter.phase = "inputs"
+    latents = _latents(model, spec, batch_size, resolution).unsqueeze(2)
+    side = latents.shape[-1]
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.text_embed_dim),
+              "padding_mask": torch.zeros(1, 1, side, side, dtype=torch.bfloat16)}
+    module = sys.modules[type(model).__module__]
+    if not hasattr(module, "transforms"):
+        module.transforms = SimpleNamespace(  # type: ignore[attr-defined]
+            InterpolationMode=SimpleNamespace(NEAREST="nearest"),
+            functional=SimpleNamespace(resize=lambda t, size, interpolation=None: torch.nn.functional.interpolate(
+                t, size=size, mode="nearest")))
+    _flow_step(model, counter, latents, inputs)
+
+
+def _host_ones(batch_size: int, tokens: int) -> Any:
+    """An all-ones attention mask made outside the fake mode (the model reads it on the host)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.ones(batch_size, tokens, dtype=torch.bool)
 
 
 def _block_sizes(block: Any) -> dict[str, int]:
@@ -233,6 +363,21 @@ def _block_sizes(block: Any) -> dict[str, int]:
                              if isinstance(getattr(m, "weight", None), torch.Tensor)),
         "fp8_elements": sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear)),
     }
+
+
+def _extras_elements(spec: FamilySpec) -> tuple[int, int]:
+    """(all, Linear weight) elements of the modules kohya's DiT file holds beside the transformer (Anima's LLM
+    adapter), built on the meta device."""
+    import diffusers
+    import torch
+
+    total = linear = 0
+    for extra in spec.denoiser_extras:
+        with torch.device("meta"):
+            module = getattr(diffusers, extra["_class_name"])(**model_config(extra))
+        total += sum(p.numel() for p in module.parameters())
+        linear += sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    return total, linear
 
 
 def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
@@ -251,7 +396,8 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
     lists = block_lists(model, spec)
     in_blocks = sum(p.numel() for blocks in lists for block in blocks for p in block.parameters())
     all_linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    rest_linear = all_linear - sum(len(blocks) * _block_sizes(blocks[0])["fp8_elements"] for blocks in lists)
+    rest_linear = all_linear - sum(_block_sizes(block)["fp8_elements"] for blocks in lists for block in blocks)
+    extra = _extras_elements(spec)
     network = engine_lora(bundle, rank=1)
     lora: Counter[str] = Counter(f"{m.lora_down.in_features}x{m.lora_up.out_features}" for m in network.unet_loras)
 
@@ -260,55 +406,71 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
                    and name.startswith(tuple(prefixes)) and "norm" not in name)
 
     groups = [{"name": group["name"], "count": len(blocks), **_block_sizes(blocks[0]),
-               "macs_per_image_token": macs(blocks[0], group["image_linears"]),
-               "macs_per_text_token": macs(blocks[0], group["text_linears"])}
+               **({"attention": group["attention"]} if "attention" in group else {}),
+               "macs_per_image_token": sum(macs(b, group["image_linears"]) for b in blocks) // len(blocks),
+               "macs_per_text_token": sum(macs(b, group["text_linears"]) for b in blocks) // len(blocks)}
               for group, blocks in zip(spec.transformer_block_groups, lists)]
+    for group, blocks in zip(groups, lists):
+        sizes = [_block_sizes(block) for block in blocks]
+        if any(size != sizes[0] for size in sizes):  # SD3.5 Medium: MMDiT-X blocks 0-12, a pre-only last block
+            group["per_block"] = [[size["elements"], size["swap_elements"], size["fp8_elements"]] for size in sizes]
     cfg = model.config
     return {
         "config": model_config(spec.unet),
         "block_groups": groups,
-        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks, "fp8_elements": rest_linear},
+        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks + extra[0],
+                 "fp8_elements": rest_linear + extra[1]},
         "lora_modules": dict(sorted(lora.items())),
         "text_encoders": {te.file_option or te.lora_prefix: sum(p.numel() for p in encoder.parameters())
                           for te, encoder in zip(spec.text_encoders, bundle.text_encoders)},
         "ae_elements": sum(p.numel() for p in bundle.vae.parameters()),
-        "hidden": cfg.num_attention_heads * cfg.attention_head_dim,
-        "text_tokens": int(spec.t5xxl_max_token_length or 512),
+        "hidden": int(cfg.get("hidden_size") or cfg.num_attention_heads * cfg.attention_head_dim),
+        "text_tokens": spec.denoiser_text_tokens,
         "latent_downsample": spec.latent_downsample,
     }
 
 
 def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY,
                                tokens: int | None = None) -> dict[str, int]:
-    """Peak live bytes of caching one caption: the family's text encoders (FLUX.1: CLIP-L and T5-XXL) under
-    no_grad on fake tensors, built from the family's configs with transformers' defaults (what sd-scripts runs;
-    the engine's own modules choose another attention kernel and would understate sd-scripts' transient).
+    """Peak live bytes of caching one caption: the family's text encoders (FLUX.1: CLIP-L and T5-XXL; SD3 adds
+    CLIP-G; Lumina's Gemma2, HunyuanImage's Qwen2.5-VL + byT5, Anima's Qwen3), all resident as sd-scripts
+    keeps them, each run in turn on a caption of its own token length under no_grad on fake tensors, built
+    from the family's configs with transformers' defaults (what sd-scripts runs; the engine's own modules
+    choose another attention kernel and would understate sd-scripts' transient). ``tokens`` replaces the
+    length of every encoder that is not CLIP.
 
-    Returns the weights and the transient above them (hidden states, T5's fp32 attention scores), the figure
-    the transformer model adds to the encoders' weights for the caching phase."""
+    Returns the weights and the transient above them (hidden states, T5's fp32 attention scores, an LLM's
+    logits), the figure the transformer model adds to the encoders' weights for the caching phase."""
     import torch
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     spec = trace_family(family)
     with torch.device("meta"):
-        clip, t5 = (getattr(transformers, te.class_name)(getattr(transformers, te.class_name).config_class(
-            **model_config(te.config))).to(torch.bfloat16) for te in spec.text_encoders)
-    tokens = tokens or int(spec.t5xxl_max_token_length or 512)
+        encoders = [getattr(transformers, te.class_name)(getattr(transformers, te.class_name).config_class(
+            **model_config(te.config))).to(torch.bfloat16) for te in spec.text_encoders]
+    lengths = [te.tokenizer["model_max_length"] if te.tokenizer_kind == "clip" or tokens is None else tokens
+               for te in spec.text_encoders]
     fake_mode = FakeTensorMode()
-    fakeify([clip, t5], fake_mode)
-    weights = [*clip.parameters(), *clip.buffers(), *t5.parameters(), *t5.buffers()]
+    fakeify(encoders, fake_mode)
+    weights = [t for encoder in encoders for t in (*encoder.parameters(), *encoder.buffers())]
     counter = LiveBytesCounter()
     with fake_mode:
         counter.register(weights)
         counter.reset_peak()
         with counter.mode(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            clip(torch.zeros(1, 77, dtype=torch.long))
-            t5(input_ids=torch.zeros(1, tokens, dtype=torch.long))
+            for encoder, length in zip(encoders, lengths):
+                encoder(input_ids=torch.zeros(1, length, dtype=torch.long))
     weight_bytes = _storage_bytes(weights)
     return {"weights_bytes": weight_bytes, "transient_bytes": counter.peak - weight_bytes}
 
+
 # what each denoiser class is fed in a training step with cached inputs (FLUX.1: flux_train_network's call)
-FORWARDS: dict[str, Callable[[Any, LiveBytesCounter, int, int, int], None]] = {
+FORWARDS: dict[str, Callable[[Any, LiveBytesCounter, FamilySpec, int, int, int], None]] = {
     "FluxTransformer2DModel": _flux_forward_backward,
+    "ChromaTransformer2DModel": _flux_forward_backward,
+    "SD3Transformer2DModel": _sd3_forward_backward,
+    "Lumina2Transformer2DModel": _lumina_forward_backward,
+    "HunyuanImageTransformer2DModel": _hunyuan_image_forward_backward,
+    "CosmosTransformer3DModel": _cosmos_forward_backward,
 }

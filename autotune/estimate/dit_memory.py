@@ -6,7 +6,7 @@ fp8 and swappable elements, multiply-adds per image and per text token), the res
 encoders and AE, the text length, and the activation fit; the swap split is the engine's
 (``FamilySpec.swap_split``, one count per block group). FLUX.1 is the first instance (19 double + 38 single
 blocks, CLIP-L + T5-XXL run once while caching): a new family adds its entry and a calibration fit, not a
-module. Fast (no torch); FLUX.1's entry is fitted by ``bench/calibrate_flux_memory.py`` from fake-tensor traces
+module. Fast (no torch); FLUX.1's entry is fitted by ``bench/calibrate_dit_memory.py`` from fake-tensor traces
 of the full-size transformer (``autotune.calibration.dit_memtrace``, generic over DiT families).
 
 Training-phase tensor peak = resident transformer weights + LoRA params + grads + optimizer state + activations:
@@ -66,7 +66,7 @@ def load_dit_calibration(path: str = str(DIT_CALIBRATION_PATH)) -> dict[str, Any
     file = Path(path)
     if not file.is_file():
         raise UserError(f"{file}: transformer memory calibration missing; regenerate it with "
-                        "bench/calibrate_flux_memory.py")
+                        "bench/calibrate_dit_memory.py")
     return json.loads(file.read_text(encoding="utf-8"))
 
 
@@ -95,6 +95,7 @@ class DitMemoryInputs:
     cache_text_encoder_outputs: bool = True
     cache_latents: bool = True
     t5_fp8: bool = False  # the T5-XXL file is float8 (t5xxl_fp8_e4m3fn): half the caching-phase weights
+    text_encoders_on_cpu: bool = False  # caching runs the encoders on the CPU (HunyuanImage's text_encoder_cpu)
     lora_dtype: str = "fp32"
     height: int | None = None
     family: str = "flux-dev"
@@ -156,13 +157,29 @@ def _block_bytes(block: dict[str, Any], fp8: bool) -> tuple[int, int]:
     return total, swapped
 
 
+def _blocks(group: dict[str, Any]) -> list[dict[str, int]]:
+    """Each block of a group with its sizes: all alike, or a group's ``per_block`` list where blocks differ
+    (SD3.5 Medium's MMDiT-X blocks 0-12 and its pre-only last block)."""
+    if "per_block" in group:
+        return [{"elements": e, "swap_elements": s, "fp8_elements": f} for e, s, f in group["per_block"]]
+    return [group] * group["count"]
+
+
+def _swapped_blocks(arch: dict[str, Any], split: tuple[int, ...]) -> list[dict[str, int]]:
+    """The blocks ``split`` swaps: the last ones of each group (the engine's and sd-scripts' rule)."""
+    out: list[dict[str, int]] = []
+    for n, group in zip(split, arch["block_groups"]):
+        out += _blocks(group)[len(_blocks(group)) - n:] if n else []
+    return out
+
+
 def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> tuple[int, int]:
     """(resident GPU bytes, host bytes) of the transformer's weights with ``split`` blocks of each group swapped
     (``FamilySpec.swap_split``: the engine's rule, one count per block group in the family's order)."""
     rest = arch["rest"]
-    full = sum(group["count"] * _block_bytes(group, fp8)[0] for group in arch["block_groups"]) \
+    full = sum(_block_bytes(block, fp8)[0] for group in arch["block_groups"] for block in _blocks(group)) \
         + 2 * rest["elements"] - (rest["fp8_elements"] if fp8 else 0)
-    host = sum(n * _block_bytes(group, fp8)[1] for n, group in zip(split, arch["block_groups"]))
+    host = sum(_block_bytes(block, fp8)[1] for block in _swapped_blocks(arch, split))
     return full - host, host
 
 
@@ -170,7 +187,7 @@ def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -
     """Device copies in flight beside the resident blocks: our engine's swapper (``training/block_swap.py``)
     copies a swapped block into a fresh buffer and prefetches the next, so up to two of the largest swapped
     blocks; sd-scripts copies into the storage of the block it evicts and needs none (the traces model that)."""
-    sizes = [_block_bytes(group, fp8)[1] for n, group in zip(split, arch["block_groups"]) if n]
+    sizes = [_block_bytes(block, fp8)[1] for block in _swapped_blocks(arch, split)]
     return 2 * max(sizes) if sizes else 0
 
 
@@ -184,8 +201,10 @@ def lora_sizes(arch: dict[str, Any], rank: int) -> list[tuple[int, int]]:
 
 
 def encoder_bytes(arch: dict[str, Any], t5_fp8: bool) -> int:
-    te = arch["text_encoders"]
-    return 2 * te["clip_l"] + (1 if t5_fp8 else 2) * te["t5xxl"]
+    """The text encoders' bf16 bytes; ``t5_fp8``: the largest one (FLUX's / SD3's T5-XXL, HunyuanImage's
+    Qwen2.5-VL under ``fp8_vl``) in fp8."""
+    sizes = list(arch["text_encoders"].values())
+    return 2 * sum(sizes) - (max(sizes) if t5_fp8 and sizes else 0)
 
 
 def _activations(cal: dict[str, Any], i: DitMemoryInputs) -> int:
@@ -234,11 +253,12 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     notes = [f"blocks_to_swap {inputs.blocks_to_swap}: {host / GIB:.2f} GiB of block weights on the host"] \
         if inputs.blocks_to_swap else []
     caching = 0
-    if inputs.cache_text_encoder_outputs:
+    if inputs.cache_text_encoder_outputs and not inputs.text_encoders_on_cpu:
         cache_tensors = encoders + cal["caching_transient_bytes"]
         caching = int(cache_tensors * (1 + inputs.allocator_overhead)) + context
         if caching > tensor_peak * (1 + inputs.allocator_overhead) + context:
-            notes.append(f"peak is the text-encoder caching ({'fp8' if inputs.t5_fp8 else 'bf16'} T5-XXL on the GPU)")
+            notes.append(f"peak is the text-encoder caching ({'fp8' if inputs.t5_fp8 else 'bf16'} largest text "
+                         "encoder on the GPU)")
     host_base = int(cal["host_ram_baseline_gib"] * GIB)
     parked = ae + (encoders if inputs.cache_text_encoder_outputs else 0)
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
@@ -249,4 +269,5 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
 
 
 def _all_elements(arch: dict[str, Any]) -> int:
-    return sum(group["count"] * group["elements"] for group in arch["block_groups"]) + arch["rest"]["elements"]
+    return sum(block["elements"] for group in arch["block_groups"] for block in _blocks(group)) \
+        + arch["rest"]["elements"]

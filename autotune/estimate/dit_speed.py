@@ -1,9 +1,10 @@
-"""Predicted FLUX.1 LoRA speed: FLOPs per step from the architecture, and what block swap costs on the host link.
+"""Predicted transformer (DiT) LoRA speed: FLOPs per step from the architecture, and what block swap costs.
 
 FLOPs are counted analytically from ``dit_calibration.json``'s architecture (exact Linear sizes, no tracing):
 per sample, every double block's image-stream Linears run over the image tokens and its text-stream Linears over
 the 512 T5 tokens, every single block's Linears over both; joint attention costs 4 * tokens^2 * hidden per block
-(QK^T and PV). The modulation Linears run once per sample (negligible). Backward of frozen weights needs only
+(QK^T and PV; a cross-attention block: image^2 + image x text pairs). The modulation Linears run once per
+sample (negligible). Backward of frozen weights needs only
 input gradients (1x the Linear FLOPs) plus flash attention's backward (``attention_backward_factor`` x its
 forward); gradient checkpointing adds one more forward (every block is checkpointed).
 
@@ -40,13 +41,18 @@ def dit_step_flops(inputs: DitMemoryInputs, calibration: dict[str, Any] | None =
     groups = arch["block_groups"]
     linear = 2.0 * sum(g["count"] * (img * g["macs_per_image_token"] + txt * g["macs_per_text_token"])
                        for g in groups)
-    blocks = sum(g["count"] for g in groups)
-    attention = 4.0 * blocks * (img + txt) ** 2 * arch["hidden"]
+    attention = 4.0 * arch["hidden"] * sum(g["count"] * _attention_pairs(g, img, txt) for g in groups)
     forward = inputs.batch_size * (linear + attention)
     backward = inputs.batch_size * (linear + cal["speed"]["attention_backward_factor"] * attention)
     if inputs.gradient_checkpointing:
         backward += forward
     return {"forward": forward, "backward": backward, "total": forward + backward}
+
+
+def _attention_pairs(group: dict[str, Any], img: int, txt: int) -> int:
+    """Query-key pairs per head-width of one block: joint attention over image and text tokens together (FLUX,
+    SD3, Lumina, HunyuanImage), or self-attention over the image plus cross-attention to the text (Anima)."""
+    return img * img + img * txt if group.get("attention") == "cross" else (img + txt) ** 2
 
 
 def swap_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:

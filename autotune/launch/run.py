@@ -84,6 +84,18 @@ def check_options(args: argparse.Namespace) -> None:
                         f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
 
 
+def check_engine_trains(model: str, family: str | None) -> None:
+    """A family our engine does not train (``trained_here`` false: Lumina 2, HunyuanImage-2.1, Anima, and SD3.5 /
+    Chroma until the engine has them) is one line naming sd-scripts' script and ``--engine``, before planning."""
+    from sd_scripts_compat.models.detect import detect_family
+
+    spec = detect_family(model, family)
+    if not spec.trained_here:
+        raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by sd-scripts' "
+                        f"{spec.kohya_script}; add --engine sd-scripts=PATH (your sd-scripts checkout), or write "
+                        "the configs with autotune plan --out")
+
+
 def dataset_folder(path: str) -> Path:
     """``path`` made absolute; a symlink loop or a path the OS cannot resolve is a one-line UserError."""
     try:
@@ -191,6 +203,8 @@ def start_run(args: argparse.Namespace) -> int:
         from autotune.recovery.sd_scripts import early_check
 
         early_check(args.engine, args.python, args.model)
+    elif args.model:
+        check_engine_trains(args.model, args.family)
     scan = check_dataset(dataset_dir)
     check_folder_convention(args, scan)
     if args.resolution is not None and not args.config:  # the plan's own rule, said before the doctor's checks

@@ -62,11 +62,17 @@ class PlanContext:
     workers: int | None = None  # data loader workers after the host-RAM check (None: the default rule)
     t5_fp8: bool = False  # FLUX: plan an fp8 T5-XXL file (caching would not fit with the 16-bit one)
     host_ram: int = 0
+    te_cpu: bool = False  # HunyuanImage: cache on the CPU (even the fp8 encoders do not fit)
 
     @property
     def values(self) -> dict[str, Any]:
         """The settings' kohya values: the one mapping (``settings_space.config_values``) every key below reads."""
-        return config_values(self.settings)
+        return config_values(self.settings, self.family.fp8_option)
+
+    @property
+    def text_encoder_fp8(self) -> bool:
+        """The largest text encoder is in fp8 for caching (SD3: only under fp8_base, which keeps the file's fp8)."""
+        return plan_profile(self.family.name).text_encoder_fp8(self.t5_fp8, self.settings.fp8_base)
 
     @property
     def side(self) -> int:
@@ -95,9 +101,15 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     # separate model files (FLUX: CLIP-L, T5-XXL, AE); a builtin:<id> model brings its own
     files = {} if req.model.startswith("builtin:") else dict(profile.model_files)
     fp8_t5 = files.pop("t5xxl_fp8", None)
-    if c.t5_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
+    if c.text_encoder_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
         files["t5xxl"] = fp8_t5
     out += [Choice(key, path, reason) for key, (path, reason) in files.items()]
+    if c.text_encoder_fp8 and profile.te_fp8_flag:
+        out.append(Choice(profile.te_fp8_flag, True, "caching the text-encoder outputs with the 16-bit "
+                          "Qwen2.5-VL would not fit this card: its weights in fp8 while caching"))
+    if c.te_cpu and profile.te_cpu_flag:
+        out.append(Choice(profile.te_cpu_flag, True, "even the fp8 text encoders do not fit this card beside "
+                          "CUDA: they cache on the CPU (slow: minutes per caption, once)"))
     here = req.output_dir is not None
     out.append(Choice("dataset_config", str(Path(req.output_dir).expanduser().resolve() / "dataset.toml")
                       if here else "dataset.toml",
@@ -213,8 +225,8 @@ def _training(c: PlanContext) -> list[Choice]:
         Choice("mixed_precision", c.values["mixed_precision"], c.precision_reason),
     ]
     profile = plan_profile(fam.name)
-    if s.fp8_base:
-        out.append(Choice("fp8_base", True, "nothing fit with 16-bit weights: " + (profile.fp8_reason or (
+    if s.fp8_base and fam.fp8_option:
+        out.append(Choice(fam.fp8_option, True, "nothing fit with 16-bit weights: " + (profile.fp8_reason or (
             "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
     if s.blocks_to_swap:
         out.append(Choice("blocks_to_swap", c.values["blocks_to_swap"], swap_reason(c)))
@@ -243,16 +255,19 @@ def swap_reason(c: PlanContext) -> str:
     from autotune.estimate.dit_memory import dit_inputs_for_settings, predict_dit_memory
     from autotune.estimate.dit_speed import dit_step_flops, swap_seconds
 
-    inputs = dit_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.t5_fp8)
+    inputs = dit_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.text_encoder_fp8,
+                                     text_encoders_on_cpu=c.te_cpu)
     estimate = predict_dit_memory(inputs)
     double, single = c.family.swap_split(c.settings.blocks_to_swap)
+    blocks = (f"{double} double + {single} single" if c.family.swap_block_counts[1]
+              else f"the last {double} of {c.family.swap_block_counts[0]}")
     gpus = c.request.gpus
     cost = ""
     if gpus:
         link = swap_seconds(inputs, gpus[0].spec)
         cost = (f"; copying them costs ~{link:.2f} s of host-link time per micro-step against "
                 f"{dit_step_flops(inputs)['total'] / 1e12:.0f} TFLOP of compute it overlaps")
-    return (f"the fewest swapped blocks that fit ({double} double + {single} single): "
+    return (f"the fewest swapped blocks that fit ({blocks}): "
             f"{estimate.swapped_bytes / GIB:.1f} GiB of their weights wait in host RAM "
             f"(~{estimate.host_ram_bytes / GIB:.0f} GiB RAM in all while training){cost}")
 

@@ -206,11 +206,12 @@ def _fp8_capable(gpu: GpuTarget, min_cc: tuple[int, int] | None) -> bool:
     return gpu.fp8_base_capable or (min_cc is not None and cc is not None and cc >= min_cc)
 
 
-def caching_needs_fp8_t5(family: str, usable: int) -> bool:
-    """True when caching the text-encoder outputs with a 16-bit T5-XXL would not fit ``usable`` bytes."""
+def caching_needs_fp8_t5(family: str, usable: int, t5_fp8: bool = False) -> bool:
+    """True when caching the text-encoder outputs with a 16-bit T5-XXL (the family's largest text encoder;
+    ``t5_fp8``: with it in fp8) would not fit ``usable`` bytes."""
     from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
 
-    estimate = predict_dit_memory(DitMemoryInputs(resolution=512, family=family, blocks_to_swap=0))
+    estimate = predict_dit_memory(DitMemoryInputs(resolution=512, family=family, blocks_to_swap=0, t5_fp8=t5_fp8))
     return estimate.caching_peak + estimate.components["safety_margin"] > usable
 
 
@@ -241,13 +242,15 @@ def plan_training(request: PlanRequest) -> Plan:
     profile = plan_profile(family.name)
     train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else (
         profile.train_text_encoder if profile.train_text_encoder is not None else not family.is_sdxl)
-    t5_fp8 = "t5xxl_fp8" in profile.model_files and caching_needs_fp8_t5(family.name, usable)
+    t5_fp8 = profile.has_te_fp8 and caching_needs_fp8_t5(family.name, usable)
+    te_cpu = bool(profile.te_cpu_flag) and bool(gpus) and caching_needs_fp8_t5(family.name, usable, t5_fp8)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
                         attention=prefs.attention, network=network_choice(prefs, family))
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
-    predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, cpu_bf16=request.cpu_bf16,
+    predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, te_cpu=te_cpu,
+                          cpu_bf16=request.cpu_bf16,
                           learned=learned_for(request, family.name, devices), usable=usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
@@ -293,7 +296,8 @@ def plan_training(request: PlanRequest) -> Plan:
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
                           target_views=length.target_views, precision_reason=precision_reason,
                           fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
-                          workers=ram.workers, t5_fp8=t5_fp8, host_ram=chosen.host_ram)
+                          workers=ram.workers, t5_fp8=t5_fp8, te_cpu=te_cpu,
+                          host_ram=chosen.host_ram)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "

@@ -31,6 +31,19 @@ class PlanProfile:
     max_blocks_to_swap: int
     fp8_min_compute_capability: tuple[int, int] | None = None  # None: the engine's rule (8.9+)
     fp8_reason: str | None = None
+    # the largest text encoder in fp8 for the caching phase: a file (model_files' "t5xxl_fp8") or a flag
+    # (HunyuanImage's fp8_vl); SD3 keeps an fp8 T5-XXL file in fp8 only under fp8_base (else it upcasts it)
+    te_fp8_flag: str | None = None
+    te_fp8_needs_fp8_base: bool = False
+    te_cpu_flag: str | None = None  # caching on the CPU where even the fp8 encoders do not fit (text_encoder_cpu)
+
+    @property
+    def has_te_fp8(self) -> bool:
+        return "t5xxl_fp8" in self.model_files or self.te_fp8_flag is not None
+
+    def text_encoder_fp8(self, planned: bool, fp8_base: bool) -> bool:
+        """Whether the planned fp8 text encoder is in fp8 for these settings (SD3: only under fp8_base)."""
+        return planned and (fp8_base or not self.te_fp8_needs_fp8_base)
 
 
 @cache
@@ -56,5 +69,6 @@ def plan_profile(family: str) -> PlanProfile:
         max_blocks_to_swap=get_family(family).max_blocks_to_swap,
         fp8_min_compute_capability=(tuple(int(x) for x in entry["fp8_min_compute_capability"].split("."))
                                     if "fp8_min_compute_capability" in entry else None),  # type: ignore[arg-type]
-        fp8_reason=entry.get("fp8_reason"),
+        fp8_reason=entry.get("fp8_reason"), te_fp8_flag=entry.get("te_fp8_flag"),
+        te_fp8_needs_fp8_base=entry.get("te_fp8_needs_fp8_base", False), te_cpu_flag=entry.get("te_cpu_flag"),
     )

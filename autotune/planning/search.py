@@ -55,7 +55,7 @@ class Estimate:
 
 
 def estimate_for_settings(family: str, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
-                          cpu_bf16: bool = False) -> tuple[Any, Any]:
+                          cpu_bf16: bool = False, te_cpu: bool = False) -> tuple[Any, Any]:
     """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
     (``cpu_bf16``: the CPU computes bf16 natively)."""
@@ -63,8 +63,10 @@ def estimate_for_settings(family: str, s: TrainSettings, cpu_cores: int, *, t5_f
 
     if is_dit_family(family):
         from autotune.estimate.dit_speed import predict_dit_speed
+        from autotune.planning.profiles import plan_profile
 
-        flux = dit_inputs_for_settings(family, s, t5_fp8=t5_fp8)
+        te_fp8 = plan_profile(family).text_encoder_fp8(t5_fp8, s.fp8_base)
+        flux = dit_inputs_for_settings(family, s, t5_fp8=te_fp8, text_encoders_on_cpu=te_cpu)
         return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
@@ -81,11 +83,12 @@ class Predictor:
     ran out of memory here is made not to fit (``excluded`` keeps why, for the plan to show)."""
 
     def __init__(self, family: FamilySpec, gpus: tuple[GpuTarget, ...], cpu_cores: int, t5_fp8: bool = False,
-                 cpu_bf16: bool = False, learned: Any = None, usable: int = 0) -> None:
+                 cpu_bf16: bool = False, learned: Any = None, usable: int = 0, te_cpu: bool = False) -> None:
         self.family = family
         self.gpus = gpus
         self.cpu_cores = cpu_cores
         self.t5_fp8 = t5_fp8  # FLUX: the T5-XXL file is fp8 (the caching phase needs it on small cards)
+        self.te_cpu = te_cpu  # HunyuanImage: the text encoders cache on the CPU (text_encoder_cpu)
         self.cpu_bf16 = cpu_bf16
         self.learned = learned
         self.usable = usable
@@ -93,7 +96,8 @@ class Predictor:
         self._cache: dict[TrainSettings, Estimate] = {}
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
-        return estimate_for_settings(self.family.name, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16)
+        return estimate_for_settings(self.family.name, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
+                                     te_cpu=self.te_cpu)
 
     def model_rate(self, s: TrainSettings) -> float:
         """The speed model's micro-steps/s of the slowest device."""
@@ -192,7 +196,8 @@ def planner_limits(family: FamilySpec, fp8_ok: bool) -> Limits:
     the family's swap maximum, fp8 where every card stores it."""
     step, _ = step_and_floor(family)
     return Limits(is_sdxl=family.is_sdxl, fp8_supported=fp8_ok, max_blocks_to_swap=family.max_blocks_to_swap,
-                  resolution_step=step, min_resolution=resolution_floor(family.resolution))
+                  resolution_step=step, min_resolution=resolution_floor(family.resolution),
+                  fp8_option=family.fp8_option)
 
 
 def ladder(start: TrainSettings, family: FamilySpec, goal: GoalProfile,

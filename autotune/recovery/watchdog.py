@@ -185,7 +185,8 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
         return job.config_path, job.dataset_config_path
     config = job.output_dir / STATE_DIR / f"config.attempt{attempt}.toml"
     header = f"# attempt {attempt} after a step-down (out of memory or instability): {settings.describe()}\n"
-    write_config(job.config_path, config, settings, header, base=job.settings)
+    write_config(job.config_path, config, settings, header, base=job.settings,
+                 fp8_option=job.limits.fp8_option)
     dataset = None
     if job.dataset_config_path is not None:
         dataset = job.output_dir / STATE_DIR / f"dataset.attempt{attempt}.toml"
@@ -394,7 +395,8 @@ def _write_final_configs(job: Job, settings: TrainSettings) -> None:
     header = ("# settings that finally worked (written by autotune run"
               f"{'' if settings == job.settings else ' after a step-down: out of memory or instability'}): "
               f"{settings.describe()}\n")
-    write_config(job.config_path, job.output_dir / FINAL_CONFIG, settings, header, base=job.settings)
+    write_config(job.config_path, job.output_dir / FINAL_CONFIG, settings, header, base=job.settings,
+                 fp8_option=job.limits.fp8_option)
     if job.dataset_config_path is not None:
         write_dataset_config(job.dataset_config_path, job.output_dir / FINAL_DATASET_CONFIG, settings, header,
                                 base=job.settings)

@@ -2,7 +2,10 @@
 
 ``data/kohya_train_network_args.tsv`` lists every option that sd-scripts' ``train_network.py`` and
 ``sdxl_train_network.py`` accept, ``data/kohya_flux_train_network_args.tsv`` every option of
-``flux_train_network.py`` (copies of the reference lists, in one notation). Everything that needs kohya's
+``flux_train_network.py``, and one table each for ``sd3_train_network.py``, ``lumina_train_network.py``,
+``hunyuan_image_train_network.py`` and ``anima_train_network.py`` (copies of the reference lists, in one
+notation: sd-scripts runs those four; our engine knows their options so that a config meant for one is named
+as such, and the planner's configs for them are checked against them). Everything that needs kohya's
 argument names -- the argparse parser of our entry points, the TOML reader, config generators --
 reads these tables instead of repeating them, so the names cannot drift apart. Which table (and
 which of its script-only rows) an entry point accepts is :data:`SCRIPTS`, data too.
@@ -25,6 +28,10 @@ ARGS_TSV = DATA_DIR / "kohya_train_network_args.tsv"
 FLUX_ARGS_TSV = DATA_DIR / "kohya_flux_train_network_args.tsv"
 
 
+def _table(script: str) -> Path:
+    return DATA_DIR / f"kohya_{script}_args.tsv"
+
+
 @dataclass(frozen=True)
 class TrainingScript:
     """One sd-scripts entry point: its option table and whether it takes the table's script-only rows."""
@@ -33,12 +40,18 @@ class TrainingScript:
     table: Path
     takes_only_rows: bool  # the last column ("sdxl_only" / "flux_only") marks rows only this script takes
     models: str  # what it trains, for messages
+    runs_here: bool = True  # our engine has this entry point (False: sd-scripts runs it, we plan for it)
 
 
 SCRIPTS: dict[str, TrainingScript] = {script.name: script for script in (
     TrainingScript("train_network", ARGS_TSV, False, "SD 1.x/2.x"),
     TrainingScript("sdxl_train_network", ARGS_TSV, True, "SDXL"),
-    TrainingScript("flux_train_network", FLUX_ARGS_TSV, True, "FLUX.1"),
+    TrainingScript("flux_train_network", FLUX_ARGS_TSV, True, "FLUX.1 / Chroma"),
+    TrainingScript("sd3_train_network", _table("sd3_train_network"), True, "SD3 / SD3.5", False),
+    TrainingScript("lumina_train_network", _table("lumina_train_network"), True, "Lumina Image 2.0", False),
+    TrainingScript("hunyuan_image_train_network", _table("hunyuan_image_train_network"), True, "HunyuanImage-2.1",
+                   False),
+    TrainingScript("anima_train_network", _table("anima_train_network"), True, "Anima", False),
 )}
 
 
@@ -119,7 +132,7 @@ def _row_to_spec(row: dict[str, str], table: Path, only: bool) -> tuple[str, Any
     return kind, default, choices, only
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=8)
 def _read_table(table: Path) -> dict[str, tuple[Any, ...]]:
     """One table: name -> (kind, default, choices, script-only), in its order."""
     with table.open(encoding="utf-8", newline="") as handle:
@@ -145,12 +158,19 @@ def load_arg_specs() -> dict[str, ArgSpec]:
 def arg_specs(*, sdxl: bool = False, script: str | None = None) -> dict[str, ArgSpec]:
     """The options one entry point accepts (``script``, or SD 1.x/2.x / SDXL by ``sdxl``)."""
     name = script_name(sdxl=sdxl, script=script)
-    return {option: spec for option, spec in load_arg_specs().items() if name in spec.scripts}
+    entry, every = SCRIPTS[name], load_arg_specs()
+    # this script's own defaults and choices (discrete_flow_shift is 3.0 for FLUX.1, 6.0 for Lumina, ...)
+    return {option: ArgSpec(option, kind, default, choices, every[option].scripts)
+            for option, (kind, default, choices, only) in _read_table(entry.table).items()
+            if entry.takes_only_rows or not only}
 
 
 def scripts_text(spec: ArgSpec) -> str:
-    """``"SDXL / FLUX.1 (sdxl_train_network, flux_train_network)"``: who takes an option, for messages."""
-    return (" / ".join(SCRIPTS[s].models for s in spec.scripts) + f" ({', '.join(spec.scripts)})")
+    """``"SDXL / FLUX.1 (sdxl_train_network, flux_train_network)"``: who takes an option, for messages; an option
+    only scripts we do not run take says so (``"Lumina Image 2.0 (sd-scripts' lumina_train_network)"``)."""
+    ours = any(SCRIPTS[s].runs_here for s in spec.scripts)
+    return (" / ".join(SCRIPTS[s].models for s in spec.scripts)
+            + f" ({'' if ours else 'sd-scripts: '}{', '.join(spec.scripts)})")
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):

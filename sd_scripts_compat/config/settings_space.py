@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 # ---- kohya files: the one mapping and the one reader ---------------------------------------------------
 
 
-def config_values(s: TrainSettings) -> dict[str, Any]:
-    """The settings as training-config values, in kohya's value types ("W,H" resolution)."""
+def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict[str, Any]:
+    """The settings as training-config values, in kohya's value types ("W,H" resolution). ``fp8_option``: the
+    family's key for fp8 weights (``FamilySpec.fp8_option``: HunyuanImage's script reads ``fp8_scaled``)."""
     values: dict[str, Any] = {
         "train_batch_size": s.train_batch_size,
         "gradient_accumulation_steps": s.gradient_accumulation_steps,
@@ -52,8 +53,9 @@ def config_values(s: TrainSettings) -> dict[str, Any]:
         "mixed_precision": s.mixed_precision,
         "cache_latents": s.cache_latents,
         "cache_text_encoder_outputs": s.cache_text_encoder_outputs,
-        "fp8_base": s.fp8_base,
     }
+    if fp8_option is not None:
+        values[fp8_option] = s.fp8_base
     if s.network_alpha is not None:
         values["network_alpha"] = s.network_alpha
     if s.max_bucket_reso is not None:
@@ -87,13 +89,14 @@ def _changed(values: dict[str, Any], before: dict[str, Any] | None) -> dict[str,
 
 
 def write_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
-                 base: TrainSettings | None = None) -> None:
+                 base: TrainSettings | None = None, fp8_option: str | None = "fp8_base") -> None:
     """Write ``src`` with the settings' values set wherever kohya reads them, to ``dst``.
 
     Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
     does not grow keys (and the engine's "ignored option" warnings) it never had.
     """
-    values = _changed(config_values(settings), None if base is None else config_values(base))
+    values = _changed(config_values(settings, fp8_option),
+                      None if base is None else config_values(base, fp8_option))
     write_toml(dst, set_config_values(read_toml(src), values), header)
 
 
@@ -130,7 +133,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         network_alpha=None if alpha is None else float(alpha),
         network_train_unet_only=bool(values.get("network_train_unet_only", False)),
         mixed_precision=str(values.get("mixed_precision") or defaults.mixed_precision),
-        fp8_base=bool(values.get("fp8_base", False) or values.get("fp8_base_unet", False)),
+        fp8_base=any(bool(values.get(key, False)) for key in ("fp8_base", "fp8_base_unet", "fp8_scaled")),
         cache_latents=bool(values.get("cache_latents", False)),
         cache_text_encoder_outputs=bool(values.get("cache_text_encoder_outputs", False)),
         max_bucket_reso=int(bucket) if values.get("enable_bucket") and bucket is not None else None,
@@ -228,7 +231,8 @@ class Limits:
     """What the family and the machine allow a move to do."""
 
     is_sdxl: bool = False
-    fp8_supported: bool = False  # float8 storage of the base weights on this device
+    fp8_supported: bool = False  # float8 storage of the base weights on this device (and in the family's script)
+    fp8_option: str | None = "fp8_base"  # the family's config key for it (FamilySpec.fp8_option)
     te_cache_allowed: bool = True  # False when captions change between steps (shuffle, dropout)
     max_blocks_to_swap: int = 0  # the family's (FamilySpec.max_blocks_to_swap)
     resolution_step: int = 64
@@ -361,7 +365,7 @@ def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
 
 def _fp8(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     return [Candidate(replace(s, fp8_base=True), "fp8 base weights")] \
-        if lim.fp8_supported and not s.fp8_base else []
+        if lim.fp8_supported and lim.fp8_option and not s.fp8_base else []
 
 
 RUNGS: dict[str, Rung] = {

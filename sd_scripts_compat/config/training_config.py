@@ -23,7 +23,14 @@ from typing import Any
 from sd_scripts_compat.config.bounds import MAX_VALUES, MIN_VALUES, bound_problem
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec
-from sd_scripts_compat.config.kohya_args import ArgSpec, build_argparser, load_arg_specs, script_name, scripts_text
+from sd_scripts_compat.config.kohya_args import (
+    SCRIPTS,
+    ArgSpec,
+    build_argparser,
+    load_arg_specs,
+    script_name,
+    scripts_text,
+)
 from sd_scripts_compat.config.kohya_toml import flatten, read_toml
 from sd_scripts_compat.config.network_args import LYCORIS_MODULE, NetworkArgs, parse_network_args
 from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS
@@ -658,6 +665,9 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
     another entry point only (SDXL's, FLUX.1's) is an error naming the scripts that take it.
     """
     script = script_name(sdxl=sdxl, script=script)
+    if not SCRIPTS[script].runs_here:
+        raise UserError(f"{script}: sd-scripts' script for {SCRIPTS[script].models}; this engine does not train it "
+                        "(autotune run --engine sd-scripts=PATH supervises sd-scripts)")
     sdxl = script == "sdxl_train_network"
     specs = load_arg_specs()
     parser = build_argparser(script=script, every_script=True, suppress_defaults=True)

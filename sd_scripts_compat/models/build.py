@@ -91,11 +91,14 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
     off the meta device. Weights are drawn in fp32 (the same values whatever ``dtype``), then cast to ``dtype``
     (the VAE to ``vae_dtype`` when given).
     """
+    import diffusers
     import torch
-    from diffusers import AutoencoderKL
 
     from sd_scripts_compat.errors import UserError
 
+    if not family.trained_here and str(device) != "meta":
+        raise UserError(f"{family.name}: {family.description} is not trained by this engine; train it with "
+                        f"sd-scripts' {family.kohya_script} (autotune run --engine sd-scripts=PATH supervises it)")
     if builtin and family.builtin_meta_only and str(device) != "meta":
         raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
                         "to train, give the real model file as pretrained_model_name_or_path (or use "
@@ -105,7 +108,7 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
         torch.manual_seed(seed)
     with torch.device(device):
         unet = build_denoiser(family.unet)
-        vae = AutoencoderKL(**model_config(family.vae))
+        vae = getattr(diffusers, family.vae.get("_class_name", "AutoencoderKL"))(**model_config(family.vae))
         text_encoders = [build_text_encoder(te.config) for te in family.text_encoders]
     modules = [unet, vae, *text_encoders]
     for module in modules:

@@ -189,7 +189,8 @@ def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
     for family in pool:
         unet = family.unet
         if family.is_transformer:
-            if family.single_file_layout == layout and _transformer_header_fits(shapes, unet):
+            if family.single_file_layout == layout and _transformer_header_fits(shapes, unet,
+                                                                               family.flux_model_type or "flux"):
                 out.append(family)
             continue
         kernel = unet.get("conv_in_kernel", 3)
@@ -199,14 +200,16 @@ def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
     return out
 
 
-def _transformer_header_fits(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> bool:
+def _transformer_header_fits(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
+                             model_type: str) -> bool:
     from sd_scripts_compat.models.flux_layout import bfl_shapes_hint
 
     hint = bfl_shapes_hint(shapes)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     return (hint["inner"], hint["in_channels"], hint["num_layers"], hint["num_single_layers"], hint["guidance"],
-            hint["context"]) == (inner, config["in_channels"], config["num_layers"], config["num_single_layers"],
-                                 bool(config.get("guidance_embeds")), config["joint_attention_dim"])
+            hint["context"], hint["model_type"]) == (
+        inner, config["in_channels"], config["num_layers"], config["num_single_layers"],
+        bool(config.get("guidance_embeds")), config["joint_attention_dim"], model_type)
 
 
 def file_prediction(shapes: Mapping[str, Any], metadata: Mapping[str, str]) -> str | None:

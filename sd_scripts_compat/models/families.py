@@ -1,4 +1,5 @@
-"""Model families (SD 1.x, SD 2.x, SDXL, FLUX.1 and their tiny test twins) as data.
+"""Model families (SD 1.x, SD 2.x, SDXL, FLUX.1, SD3.5, Chroma, Lumina 2, HunyuanImage-2.1, Anima and the
+tiny test twins) as data.
 
 Each family is one JSON file in ``data/families/``: diffusers-style configs for the denoiser (a UNet
 or a transformer, named by its ``_class_name``; the JSON key stays ``unet`` for every family), the
@@ -76,6 +77,18 @@ class FamilySpec:
     # a transformer's block lists in blocks_to_swap's order: the module list's name, and which Linears (name
     # prefixes inside a block) process image tokens and which text tokens (FLUX's double blocks: one stream each)
     transformer_block_groups: tuple[dict[str, Any], ...] = ()
+    trained_here: bool = True  # our engine trains it; False: planned here, trained by the user's sd-scripts
+    text_tokens: int | None = None  # text tokens the denoiser attends to (SD3: 77 CLIP + 256 T5); None: T5 length
+    # kohya's LoRA names for a transformer whose names kohya's network module spells its own way
+    # (unet_lora_names "table"): per block list, the kohya and diffusers block paths ("{i}": the index) and
+    # each kohya Linear's diffusers parts (several: kohya's fused one, e.g. SD3's attn.qkv = to_q | to_k | to_v)
+    lora_layout: tuple[dict[str, Any], ...] = ()
+    # further diffusers modules kohya's DiT file holds beside the transformer (Anima's LLM adapter): counted
+    # in the weights, run inside the step
+    denoiser_extras: tuple[dict[str, Any], ...] = ()
+    # kohya's option that stores the frozen transformer in fp8 for this family's script: "fp8_base", or
+    # HunyuanImage's "fp8_scaled" (its script ignores fp8_base); None: the script forces fp8 off (Anima)
+    fp8_option: str | None = "fp8_base"
 
     @property
     def denoiser_class(self) -> str:
@@ -107,9 +120,16 @@ class FamilySpec:
 
     @property
     def latent_downsample(self) -> int:
-        """Image pixels per latent pixel along a side: each VAE encoder block but the last halves the image
-        (diffusers derives it the same way). 8 for the full-size VAEs."""
-        return 2 ** (len(self.vae["block_out_channels"]) - 1)
+        """Image pixels per latent pixel along a side: the VAE's own ratio where its config states one
+        (HunyuanImage's 32, the Wan VAE's 8), else each encoder block but the last halves the image (diffusers
+        derives it the same way). 8 for the SD / FLUX VAEs."""
+        stated = self.vae.get("spatial_compression_ratio") or self.vae.get("scale_factor_spatial")
+        return int(stated) if stated else 2 ** (len(self.vae["block_out_channels"]) - 1)
+
+    @property
+    def denoiser_text_tokens(self) -> int:
+        """Text tokens in one sample of the denoiser's input (SD3: 77 CLIP + 256 T5; FLUX.1: its T5 length)."""
+        return int(self.text_tokens or self.t5xxl_max_token_length or 512)
 
     def image_tokens(self, width: int, height: int | None = None) -> int:
         """Denoiser tokens of one image: packed latent tokens for a transformer (FLUX: (side / 16)^2), latent
@@ -120,7 +140,9 @@ class FamilySpec:
 
     @property
     def swap_block_counts(self) -> tuple[int, int]:
-        """(double-stream, single-stream) transformer blocks that ``blocks_to_swap`` counts; (0, 0): none."""
+        """(double-stream, single-stream) transformer blocks that ``blocks_to_swap`` counts; (0, 0): none. A
+        transformer with one block list (SD3's joint blocks, Lumina's main layers, Anima's blocks) has no
+        single-stream count."""
         if not self.is_transformer:
             return 0, 0
         return int(self.unet.get("num_layers", 0)), int(self.unet.get("num_single_layers", 0))
@@ -155,9 +177,13 @@ def swap_split(blocks_to_swap: int, num_double: int, num_single: int, *, residen
                model: str = "this model") -> tuple[int, int]:
     """(double, single) blocks swapped for kohya's ``blocks_to_swap``: n // 2 double and 2 * (n - n // 2) single
     blocks, the last of each list (``Flux.enable_block_swap``), keeping ``resident`` blocks of each list on the
-    device (sd-scripts rotates swapped blocks through two of each: FLUX.1's limit of 35). Too many is one line."""
-    double, single = blocks_to_swap // 2, (blocks_to_swap - blocks_to_swap // 2) * 2
-    if blocks_to_swap < 0 or double > num_double - resident or single > num_single - resident:
+    device (sd-scripts rotates swapped blocks through two of each: FLUX.1's limit of 35). A model with one list
+    (``num_single`` 0: SD3, Lumina, Anima) swaps its last n blocks, ``(n, 0)``. Too many is one line."""
+    if num_single == 0:
+        double, single = blocks_to_swap, 0
+    else:
+        double, single = blocks_to_swap // 2, (blocks_to_swap - blocks_to_swap // 2) * 2
+    if blocks_to_swap < 0 or double > num_double - resident or single > max(0, num_single - resident):
         most = max_blocks_to_swap(num_double, num_single, resident=resident)
         raise UserError(f"blocks_to_swap = {blocks_to_swap}: {model} ({num_double} double, {num_single} single "
                         f"blocks) swaps at most {most}; use 0-{most}")
@@ -166,6 +192,8 @@ def swap_split(blocks_to_swap: int, num_double: int, num_single: int, *, residen
 
 def max_blocks_to_swap(num_double: int, num_single: int, *, resident: int = 0) -> int:
     """The largest ``blocks_to_swap`` that :func:`swap_split` accepts (0 for a model without blocks)."""
+    if num_single == 0:
+        return max(0, num_double - resident)
     n = 0
     while (n + 1) // 2 <= num_double - resident and ((n + 1) - (n + 1) // 2) * 2 <= num_single - resident:
         n += 1
@@ -183,7 +211,8 @@ def get_family(name: str) -> FamilySpec:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(family_names())}")
     raw = json.loads(path.read_text(encoding="utf-8"))
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])
-    raw["transformer_block_groups"] = tuple(raw.get("transformer_block_groups", ()))
+    for key in ("transformer_block_groups", "lora_layout", "denoiser_extras"):
+        raw[key] = tuple(raw.get(key, ()))
     return FamilySpec(**raw)
 
 

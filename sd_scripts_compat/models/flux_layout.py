@@ -70,11 +70,32 @@ def block_tables(config: Mapping[str, Any]) -> Iterator[tuple[str, str, dict[str
 
 def lora_targets(transformer: nn.Module) -> Iterator[tuple[str, tuple[nn.Module, ...]]]:
     """``(bfl_name, linears)`` for every Linear kohya's ``networks.lora_flux`` wraps by default (the
-    DoubleStreamBlock / SingleStreamBlock Linears), with the diffusers modules that make up a fused one."""
+    DoubleStreamBlock / SingleStreamBlock Linears), with the diffusers modules that make up a fused one.
+    Chroma's blocks have no modulation Linears (its approximator feeds them), so they yield none."""
     modules = dict(transformer.named_modules())
     for bfl_block, block, linears, _norms in block_tables(transformer.config):
         for bfl_name, parts in linears.items():
-            yield f"{bfl_block}.{bfl_name}", tuple(modules[f"{block}.{part}"] for part in parts)
+            if all(f"{block}.{part}" in modules for part in parts):
+                yield f"{bfl_block}.{bfl_name}", tuple(modules[f"{block}.{part}"] for part in parts)
+
+
+def table_lora_targets(transformer: nn.Module, layout: tuple[dict[str, Any], ...]
+                       ) -> Iterator[tuple[str, tuple[nn.Module, ...]]]:
+    """``(kohya_name, linears)`` from a family's ``lora_layout`` (SD3, Lumina 2, HunyuanImage, Anima): each
+    block list's kohya Linears with their diffusers parts; a Linear a block lacks (SD3's last, pre-only context
+    block has no context MLP; MMDiT-X's second attention ends at block 12) is not targeted, as in kohya."""
+    modules = dict(transformer.named_modules())
+    for group in layout:
+        kohya, diffusers = group["kohya"], group["diffusers"]
+        if "{i}" in diffusers:
+            count = len(modules[diffusers.split(".{i}")[0]])
+            blocks = [(kohya.format(i=i), diffusers.format(i=i)) for i in range(count)]
+        else:
+            blocks = [(kohya, diffusers)]
+        for kohya_block, block in blocks:
+            for name, parts in group["linears"].items():
+                if all(f"{block}.{part}" in modules for part in parts):
+                    yield f"{kohya_block}.{name}", tuple(modules[f"{block}.{part}"] for part in parts)
 
 
 def to_diffusers(bfl: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -146,7 +167,7 @@ def is_bfl_transformer(keys: Any) -> bool:
 
 
 def bfl_shapes_hint(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
-    """The facts a header tells (no weights): inner width, input channels, block counts, guidance."""
+    """The facts a header tells (no weights): inner width, input channels, block counts, guidance, model type."""
     stripped = {_strip(k): tuple(v) for k, v in shapes.items()}
     img_in = stripped.get("img_in.weight")
     doubles = {int(k.split(".")[1]) for k in stripped if k.startswith("double_blocks.")}
@@ -154,4 +175,6 @@ def bfl_shapes_hint(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     return {"inner": img_in[0] if img_in else None, "in_channels": img_in[1] if img_in else None,
             "num_layers": len(doubles), "num_single_layers": len(singles),
             "guidance": "guidance_in.in_layer.weight" in stripped,
-            "context": stripped.get("txt_in.weight", (None, None))[1]}
+            "context": stripped.get("txt_in.weight", (None, None))[1],
+            # Chroma: the modulation approximator instead of per-block modulation Linears
+            "model_type": "chroma" if any(k.startswith("distilled_guidance_layer.") for k in stripped) else "flux"}

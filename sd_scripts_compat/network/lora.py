@@ -12,7 +12,9 @@ Targets (facts of sd-scripts, checked against ``shared/reference/kohya/keys_*.js
   3x3 convs get conv_dim/conv_alpha, their Linear (time_emb_proj) and 1x1 conv (conv_shortcut) get
   network_dim/network_alpha.
 - FLUX (``networks.lora_flux``): every Linear of the double / single stream blocks under BFL's names
-  (``lora_unet_double_blocks_0_img_attn_qkv``); a Linear BFL fuses is one fused module.
+  (``lora_unet_double_blocks_0_img_attn_qkv``); a Linear BFL fuses is one fused module. Chroma: the same
+  without the modulation Linears. SD3.5, Lumina 2, HunyuanImage-2.1, Anima: the family's ``lora_layout``.
+- Lumina's Gemma2 and Anima's Qwen3 text encoders: the Linears of each decoder layer's attention and MLP.
 - Text encoders: the Linear layers inside ``CLIPAttention`` / ``CLIPMLP`` (T5: ``T5Attention`` /
   ``T5DenseGatedActDense``, only with ``network_args = ["train_t5xxl=True"]``, as in sd-scripts).
 Keys: ``lora_unet_<name>`` (SD1/2: diffusers names; SDXL: SGM names; FLUX: BFL names), ``lora_te_`` /
@@ -42,7 +44,8 @@ UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
 # transformers 5 has one CLIPAttention class (SDPA is an attention backend, not a subclass); older
 # releases had CLIPSdpaAttention / CLIPFlashAttention2 subclasses, kept so their models still match.
 TEXT_ENCODER_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP",
-                        "T5Attention", "T5DenseGatedActDense", "T5DenseActDense")
+                        "T5Attention", "T5DenseGatedActDense", "T5DenseActDense",
+                        "Gemma2Attention", "Gemma2MLP", "Qwen3Attention", "Qwen3MLP")
 
 
 # networks/lora.py's RE_UPDOWN: SD 1/2 UNet names (diffusers layout) -> block numbers for block weights / dims
@@ -324,11 +327,14 @@ def iter_target_modules(bundle: ModelBundle, *, conv: bool, unet: bool = True, t
                     if isinstance(child, nn.Linear):
                         full = f"{name}.{child_name}" if child_name else name
                         yield _lora_key(spec.lora_prefix, rename(full)), spec.lora_prefix, child, False
-    if unet and family.unet_lora_names == "bfl":
-        from sd_scripts_compat.models.flux_layout import lora_targets
+    if unet and family.unet_lora_names in ("bfl", "table"):
+        from sd_scripts_compat.models.flux_layout import lora_targets, table_lora_targets
 
-        for bfl_name, parts in lora_targets(bundle.unet):
-            yield _lora_key("lora_unet", bfl_name), "unet", parts[0] if len(parts) == 1 else FusedTargets(parts), False
+        targets = lora_targets(bundle.unet) if family.unet_lora_names == "bfl" \
+            else table_lora_targets(bundle.unet, family.lora_layout)
+        for kohya_name, parts in targets:
+            yield _lora_key("lora_unet", kohya_name), "unet", parts[0] if len(parts) == 1 else FusedTargets(parts), \
+                False
     elif unet:
         targets = UNET_TARGETS + (UNET_CONV_TARGETS if conv else ())
         unet_config = dict(bundle.unet.config)
