@@ -16,9 +16,11 @@ FLUX.1-schnell shares dev's transformer and coefficients (its 256 T5 tokens make
 
 Every other transformer family (SD3.5 Medium / Large, Chroma, Lumina 2, HunyuanImage-2.1, Anima) gets a
 ``variants`` entry the same way, its configurations placed relative to its own native size and swap maximum
-(:func:`family_fit`, :func:`family_validation`): 8 fit traces (native / 2 and native x rank 16 / 64 x
-checkpointing), an fp8 pair where the family stores fp8 (Anima does not), and 8 held-out traces with swap
-counts up to the family's maximum; its text-encoder caching transient is traced with its own encoders.
+(:func:`family_fit`, :func:`family_validation`): 10 fit traces (native / 2 and native x rank 16 / 64 x
+checkpointing, and batch 2 at native / 2: a per-sample constant ``d`` for what one more sample costs beside its
+tokens, e.g. Anima's cross-attended text), an fp8 pair where the family stores fp8 (Anima does not), and 8
+held-out traces with swap counts up to the family's maximum; its text-encoder caching transient is traced with
+its own encoders.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from autotune.estimate.dit_memory import (  # noqa: E402
     DIT_CALIBRATION_PATH,
     DitMemoryInputs,
+    activation_tokens,
     predict_dit_memory,
 )
 from sd_scripts_compat.models.families import get_family  # noqa: E402
@@ -70,6 +73,8 @@ def family_fit(family: str) -> list[dict]:
     out = [dict(resolution=r, batch_size=1, rank=k, gradient_checkpointing=gc, optimizer="AdamW8bit",
                 fp8_base=False, blocks_to_swap=0) for gc in (True, False) for r in (native // 2, native)
            for k in (16, 64)]
+    out += [dict(resolution=native // 2, batch_size=2, rank=16, gradient_checkpointing=gc, optimizer="AdamW8bit",
+                 fp8_base=False, blocks_to_swap=0) for gc in (True, False)]  # what one more sample costs
     return out + ([dict(resolution=native, batch_size=1, rank=16, gradient_checkpointing=gc, optimizer="AdamW8bit",
                         fp8_base=True, blocks_to_swap=0) for gc in (True, False)] if fp8 else [])
 
@@ -134,20 +139,19 @@ def fit(traces: dict[str, dict], architecture: dict, configs: list[dict] | None 
         family: str = "flux-dev") -> dict:
     """Activation coefficients per checkpointing setting (see the module doc); ``fp8_extra`` 0 for a family
     without fp8 traces."""
-    text = architecture["text_tokens"]
     out: dict = {"activations": {}, "fp8_extra": {}}
     for gc in (True, False):
         name = "gc" if gc else "no_gc"
+        chosen = [c for c in configs or FIT if c["gradient_checkpointing"] == gc and not c["fp8_base"]]
+        per_sample = len({c["batch_size"] for c in chosen}) > 1  # batch-2 fit points: a per-sample constant d
         rows, rhs = [], []
-        for cfg in configs or FIT:
-            if cfg["gradient_checkpointing"] != gc or cfg["fp8_base"]:
-                continue
-            t = traces[_key(cfg)]
-            tokens = cfg["batch_size"] * (get_family(family).image_tokens(cfg["resolution"]) + text)
-            rows.append([1.0, cfg["rank"], tokens, tokens * cfg["rank"]])
-            rhs.append(t["activations_peak_bytes"])
-        c0, c1, a, b = _solve(rows, rhs)
-        out["activations"][name] = {"c0": c0, "c1": c1, "a": a, "b": b}
+        for cfg in chosen:
+            batch = cfg["batch_size"]
+            tokens = batch * activation_tokens(architecture, family, cfg["resolution"])
+            rows.append([1.0, cfg["rank"], tokens, tokens * cfg["rank"]] + ([batch] if per_sample else []))
+            rhs.append(traces[_key(cfg)]["activations_peak_bytes"])
+        c0, c1, a, b, *d = _solve(rows, rhs)
+        out["activations"][name] = {"c0": c0, "c1": c1, "a": a, "b": b, **({"d": d[0]} if d else {})}
         fp8 = next((c for c in configs or FIT if c["gradient_checkpointing"] == gc and c["fp8_base"]), None)
         if fp8 is None:
             out["fp8_extra"][name] = 0

@@ -54,7 +54,9 @@ def test_shipped_table_is_the_reference_list():
 
 def test_table_defaults_and_choices_are_python_values():
     specs = load_arg_specs()
-    assert len(specs) == 215  # sd-scripts' 196 options of train_network / sdxl_train_network + FLUX.1's 19
+    # sd-scripts' 196 options of train_network / sdxl_train_network + FLUX.1's 19 + those only the SD3, Lumina,
+    # HunyuanImage and Anima scripts take (38)
+    assert len(specs) == 253
     assert specs["learning_rate"].default == 2e-06 and specs["learning_rate"].kind == "float"
     assert specs["caption_extension"].default == ".caption"
     assert specs["max_train_steps"].default == 1600
@@ -66,6 +68,8 @@ def test_table_defaults_and_choices_are_python_values():
     assert {name for name, spec in specs.items() if spec.sdxl_only} == {
         "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "disable_mmap_load_safetensors"}
     assert len(arg_specs(sdxl=True)) == 196 and len(arg_specs(script="flux_train_network")) == 215
+    assert arg_specs(script="lumina_train_network")["discrete_flow_shift"].default == 6.0
+    assert "nextdit_shift" in arg_specs(script="lumina_train_network")["timestep_sampling"].choices
 
 
 def test_argparser_has_kohya_names_kinds_and_defaults():

@@ -283,6 +283,33 @@ def test_cli_run_plans_then_supervises_the_fake_from_a_lora_scripts_folder(tmp_p
     assert (out / "state" / "sd_scripts_tokenizers" / "openai_clip-vit-large-patch14" / "vocab.json").is_file()
 
 
+def test_cli_run_plans_lumina_and_supervises_the_fakes_lumina_script(tmp_path):
+    """A family our engine does not train (Lumina 2, told by its file's header) is planned for the card and run
+    by sd-scripts' own script for it: the fake's lumina_train_network.py, which takes only that script's
+    options, OOMs once at step 5 and is resumed at the saved step."""
+    import torch
+    from safetensors.torch import save_file
+
+    data = make_dataset(tmp_path, pngs=True)
+    model = tmp_path / "lumina_2.safetensors"  # the modules kohya's lumina_models.py names (header only matters)
+    save_file({k: torch.zeros(1) for k in ["x_embedder.weight", "cap_embedder.1.weight",
+                                          "noise_refiner.0.attention.qkv.weight",
+                                          "context_refiner.0.attention.qkv.weight",
+                                          *(f"layers.{i}.attention.qkv.weight" for i in range(26))]}, str(model))
+    out = tmp_path / "run"
+    done = _cli("run", str(data), "--model", str(model), "--vram", "12", "--engine", f"sd-scripts={FAKE_SCRIPTS}",
+                "--out", str(out), "--save-state-every", "0.2", env=fake_env(tmp_path, "oom_at=5"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shown = done.stdout + done.stderr
+    assert f"attempt 0: {sys.executable} {FAKE_SCRIPTS / 'lumina_train_network.py'}" in shown
+    config = toml.loads((out / "config.toml").read_text())
+    assert config["network_module"] == "networks.lora_lumina" and config["gemma2"].endswith(".safetensors")
+    retry = json.loads((out / "logs/retries.json").read_text())[0]
+    assert retry["failure"] == "oom" and retry["step"] == 5
+    target = json.loads((out / SD_SCRIPTS_LEDGER).read_text())["target_steps"]
+    assert read_fake_lora(out / "data-lumina2.safetensors")[1]["fake_true_steps"] == str(target)
+
+
 def test_cli_bad_engine_path_and_builtin_model_are_one_line(tmp_path):
     data = make_dataset(tmp_path, pngs=True)
     env = fake_env(tmp_path)

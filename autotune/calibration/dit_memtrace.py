@@ -196,6 +196,12 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
             counter.phase = "optimizer"
             opt.step()
             opt.zero_grad(set_to_none=True)
+    # the modules kohya's DiT file holds beside the transformer (Anima's LLM adapter): resident, frozen, their
+    # small forward fed in as its output (what the step hands the blocks)
+    all_extra, linear_extra = _extras_elements(spec)
+    extras = 2 * all_extra - (linear_extra if fp8_base else 0)
+    weights_bytes += extras
+    counter.peak += extras
     persistent = weights_bytes + _storage_bytes(lora_params) + grad_bytes + state_bytes
     return DitTraceResult(
         resolution=resolution, batch_size=batch_size, rank=rank, gradient_checkpointing=gradient_checkpointing,
@@ -418,7 +424,9 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
     return {
         "config": model_config(spec.unet),
         "block_groups": groups,
-        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks + extra[0],
+        # buffers count too: SD3's positional table (384^2 x 1536 for Medium) is one, and lives on the device
+        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks + extra[0]
+                 + sum(b.numel() for b in model.buffers() if b.is_floating_point()),
                  "fp8_elements": rest_linear + extra[1]},
         "lora_modules": dict(sorted(lora.items())),
         "text_encoders": {te.file_option or te.lora_prefix: sum(p.numel() for p in encoder.parameters())

@@ -19,8 +19,10 @@ Training-phase tensor peak = resident transformer weights + LoRA params + grads 
   prefetched, so ``swap_buffers`` adds two of the largest swapped blocks on top of the traced tensor peak.
 - LoRA: kohya's 304 modules (exact shapes from the architecture), fp32, and each optimizer's state layout
   (shared with the SD model: ``memory_model.optimizer_state_bytes``).
-- Activations: ``c0 + c1*rank + batch*tokens*(a + b*rank)`` per checkpointing setting, tokens = packed image
-  tokens (side / 16)^2 + 512 T5 tokens; attention is flash / memory-efficient (O(tokens)). ``fp8_extra``: the
+- Activations: ``c0 + c1*rank + batch*(d + tokens*(a + b*rank))`` per checkpointing setting (``d``: per sample
+  beside its tokens, fitted where batch-2 traces were; 0 for FLUX.1), tokens = packed image
+  tokens (side / 16)^2 + 512 T5 tokens (the family's text length; none for a cross-attention transformer:
+  ``activation_tokens``); attention is flash / memory-efficient (O(tokens)). ``fp8_extra``: the
   traced difference under fp8_base.
 - Text encoders resident (outputs not cached): CLIP-L bf16 + T5-XXL bf16 or fp8; the AE when latents are not
   cached (its encode transient uses the SD VAE encoder's traced bytes per pixel: the same encoder blocks).
@@ -207,12 +209,19 @@ def encoder_bytes(arch: dict[str, Any], t5_fp8: bool) -> int:
     return 2 * sum(sizes) - (max(sizes) if t5_fp8 and sizes else 0)
 
 
+def activation_tokens(arch: dict[str, Any], family: str, resolution: int, height: int | None = None) -> int:
+    """Tokens one sample's activations grow with: its image tokens, plus the text tokens where they join the
+    sequence (joint attention); a cross-attention transformer (Anima) keeps the text beside it."""
+    joint = any(group.get("attention") != "cross" for group in arch["block_groups"])
+    return get_family(family).image_tokens(resolution, height) + (arch["text_tokens"] if joint else 0)
+
+
 def _activations(cal: dict[str, Any], i: DitMemoryInputs) -> int:
     gc = "gc" if i.gradient_checkpointing else "no_gc"
-    arch = cal["architecture"]
     coef = cal["activations"][gc]
-    tokens = get_family(i.family).image_tokens(i.resolution, i.height) + arch["text_tokens"]
-    act = coef["c0"] + coef["c1"] * i.rank + i.batch_size * tokens * (coef["a"] + coef["b"] * i.rank)
+    tokens = activation_tokens(cal["architecture"], i.family, i.resolution, i.height)
+    per_sample = coef.get("d", 0.0) + tokens * (coef["a"] + coef["b"] * i.rank)
+    act = coef["c0"] + coef["c1"] * i.rank + i.batch_size * per_sample
     if i.fp8_base:
         act += cal["fp8_extra"][gc]
     if not i.cache_latents:

@@ -104,7 +104,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     if c.text_encoder_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
         files["t5xxl"] = fp8_t5
     out += [Choice(key, path, reason) for key, (path, reason) in files.items()]
-    if c.text_encoder_fp8 and profile.te_fp8_flag:
+    if c.text_encoder_fp8 and profile.te_fp8_flag and not c.te_cpu:
         out.append(Choice(profile.te_fp8_flag, True, "caching the text-encoder outputs with the 16-bit "
                           "Qwen2.5-VL would not fit this card: its weights in fp8 while caching"))
     if c.te_cpu and profile.te_cpu_flag:

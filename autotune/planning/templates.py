@@ -20,12 +20,17 @@ from autotune.planning.planner import Plan, plan_training
 from autotune.planning.request import GIB, PlanRequest, gpu_from_vram
 from autotune.planning.toml_writer import render_config, render_dataset
 from sd_scripts_compat.atomic import write_text_atomic
+from sd_scripts_compat.models.families import get_family
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 TIERS_GB = (6, 8, 12, 16, 24, 48)
 # family -> the VRAM tiers it gets (FLUX: the tiers sd-scripts publishes figures for)
+# the families sd-scripts trains beside them: 8-24 GB with 10 GB (the tier where swapping starts to matter)
+DIT_TIERS = (8, 10, 12, 16, 24)
 FAMILY_TIERS: dict[str, tuple[int, ...]] = {"sd15": TIERS_GB, "sd2": TIERS_GB, "sdxl": TIERS_GB,
-                                            "flux-dev": (8, 10, 12, 16, 24)}
+                                            "flux-dev": DIT_TIERS, "chroma": DIT_TIERS, "sd3.5-medium": DIT_TIERS,
+                                            "sd3.5-large": DIT_TIERS, "lumina2": DIT_TIERS,
+                                            "hunyuan-image-2.1": DIT_TIERS, "anima": DIT_TIERS}
 FAMILIES = tuple(FAMILY_TIERS)
 TEMPLATE_CPU_CORES = 8  # a typical desktop; only max_data_loader_n_workers depends on it
 MODEL_PLACEHOLDER = "./models/{family}.safetensors"  # FLUX: ./models/flux-dev.safetensors (the transformer)
@@ -58,7 +63,7 @@ def template_files() -> dict[str, str]:
             rows.append(f"| {family} | {tier} | {s.resolution[0]} | {s.train_batch_size} x "
                         f"{s.gradient_accumulation_steps} | {'on' if s.gradient_checkpointing else 'off'} | "
                         f"{s.network_dim} | {s.optimizer_type}"
-                        f"{' + fp8 base' if s.fp8_base else ''}"
+                        f"{f' + {get_family(family).fp8_option}' if s.fp8_base else ''}"
                         f"{f' + blocks_to_swap {s.blocks_to_swap}' if s.blocks_to_swap else ''} | "
                         f"{p.peak_bytes / GIB:.2f} |")
     files["README.md"] = "\n".join([
@@ -66,11 +71,14 @@ def template_files() -> dict[str, str]:
         "",
         "Planned by lora-autotune for a card of each size (generic Ampere rates, bf16), goal character, priority",
         "balanced, 20 images x 10 repeats. Copy a folder, set `pretrained_model_name_or_path` in config.toml and",
-        "`image_dir` in dataset.toml, then run `accelerate launch train_network.py --config_file config.toml`",
-        "(`sdxl_train_network.py` for SDXL) from that folder. `autotune plan` does the same for your own GPU and data.",
-        "FLUX.1 (`flux_train_network.py`) also needs `clip_l`, `t5xxl` and `ae` pointed at your files; where",
-        "config.toml names `t5xxl_fp8_e4m3fn.safetensors`, use an fp8 T5-XXL file (the 16-bit one does not fit",
-        "while the text-encoder outputs are cached).",
+        "`image_dir` in dataset.toml, then run `accelerate launch SCRIPT --config_file config.toml` from that",
+        "folder, SCRIPT being the one each config.toml's header names (`train_network.py`, `sdxl_train_network.py`,",
+        "`flux_train_network.py` for FLUX.1 and Chroma, `sd3_train_network.py`, `lumina_train_network.py`,",
+        "`hunyuan_image_train_network.py`, `anima_train_network.py`). `autotune plan` does the same for your own",
+        "GPU and data. The transformer families also need their text-encoder and VAE/AE keys (`clip_l`, `clip_g`,",
+        "`t5xxl`, `ae`, `gemma2`, `text_encoder`, `byt5`, `qwen3`, `vae`) pointed at your files; where config.toml",
+        "names `t5xxl_fp8_e4m3fn.safetensors`, use an fp8 T5-XXL file (the 16-bit one does not fit while the",
+        "text-encoder outputs are cached).",
         "",
         "| family | GB | resolution | micro-batch x accumulation | checkpointing | rank | optimizer "
         "| predicted peak GiB |",

@@ -88,7 +88,8 @@ class Target:
     usable_bytes: int
     views_per_epoch: int
     cpu_bf16: bool = False  # the CPU computes bf16 natively (the plan's request)
-    t5_fp8: bool = False  # FLUX: the plan names an fp8 T5-XXL file
+    t5_fp8: bool = False  # FLUX: the plan names an fp8 T5-XXL file (HunyuanImage: fp8_vl)
+    te_cpu: bool = False  # HunyuanImage: the plan caches on the CPU (text_encoder_cpu)
     learned: Any = field(default=None, compare=False)  # this machine's measurements, as `autotune plan` reads them
 
     @classmethod
@@ -98,12 +99,23 @@ class Target:
         return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
                    views_per_epoch=plan.dataset.views_per_epoch,
-                   t5_fp8="fp8" in str(plan.kohya_values().get("t5xxl", "")), cpu_bf16=request.cpu_bf16,
+                   t5_fp8=_te_flag(plan, "fp8"), te_cpu=_te_flag(plan, "cpu"), cpu_bf16=request.cpu_bf16,
                    learned=learned_for(request, plan.family, max(1, len(request.gpus))))
 
     @property
     def devices(self) -> int:
         return max(1, len(self.gpus))
+
+
+def _te_flag(plan: Plan, form: str) -> bool:
+    """Whether the plan caches with its largest text encoder in fp8 (an fp8 T5-XXL file, or the family's flag) or
+    on the CPU (the family's flag)."""
+    from autotune.planning.profiles import plan_profile
+
+    values, profile = plan.kohya_values(), plan_profile(plan.family)
+    if form == "cpu":
+        return bool(profile.te_cpu_flag and values.get(profile.te_cpu_flag))
+    return "fp8" in str(values.get("t5xxl", "")) or bool(profile.te_fp8_flag and values.get(profile.te_fp8_flag))
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,7 @@ def predict_fit(target: Target, settings: TrainSettings, epochs: int) -> Fit:
     from autotune.planning.search import Predictor
 
     predictor = Predictor(get_family(target.family), target.gpus, target.cpu_cores, t5_fp8=target.t5_fp8,
+                          te_cpu=target.te_cpu,
                           cpu_bf16=target.cpu_bf16, learned=target.learned, usable=target.usable_bytes)
     estimate = predictor.predict(settings)
     micro = float(estimate.it_per_s)

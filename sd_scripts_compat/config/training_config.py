@@ -24,8 +24,8 @@ from sd_scripts_compat.config.bounds import MAX_VALUES, MIN_VALUES, bound_proble
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
 from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec
 from sd_scripts_compat.config.kohya_args import (
-    SCRIPTS,
     ArgSpec,
+    arg_specs,
     build_argparser,
     load_arg_specs,
     script_name,
@@ -145,6 +145,17 @@ NETWORK_MODULES: dict[str, tuple[str, ...]] = {"train_network": SUPPORTED_NETWOR
                                                "sdxl_train_network": SUPPORTED_NETWORK_MODULES,
                                                "flux_train_network": ("networks.lora_flux",)}
 SUPPORTED_LOG_WITH = (None, "tensorboard")
+
+
+def network_modules(script: str) -> tuple[str, ...]:
+    """The network modules an entry point takes, its default first; a script sd-scripts runs for us (SD3, Lumina,
+    ...) takes its families' module (the family data's ``network_module``)."""
+    if script in NETWORK_MODULES:
+        return NETWORK_MODULES[script]
+    from sd_scripts_compat.models.families import family_names, get_family
+
+    return tuple(dict.fromkeys(get_family(name).network_module for name in family_names()
+                               if get_family(name).kohya_script == f"{script}.py"))
 
 _KIND_WORDS = {
     "store_true": "true or false",
@@ -550,7 +561,7 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
         raise UserError(f"{where('lr_scheduler')}: 'constant' does not take lr_warmup_steps "
                         f"({out['lr_warmup_steps']!r}); use 'constant_with_warmup' or set lr_warmup_steps = 0")
 
-    modules = NETWORK_MODULES[script]
+    modules = network_modules(script)
     if out["network_module"] is None:
         out["network_module"] = modules[0]
     if out["network_module"] == LYCORIS_MODULE and script == "flux_train_network":
@@ -665,11 +676,9 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
     another entry point only (SDXL's, FLUX.1's) is an error naming the scripts that take it.
     """
     script = script_name(sdxl=sdxl, script=script)
-    if not SCRIPTS[script].runs_here:
-        raise UserError(f"{script}: sd-scripts' script for {SCRIPTS[script].models}; this engine does not train it "
-                        "(autotune run --engine sd-scripts=PATH supervises sd-scripts)")
     sdxl = script == "sdxl_train_network"
     specs = load_arg_specs()
+    own = arg_specs(script=script)  # this script's defaults and choices (discrete_flow_shift: FLUX 3.0, Lumina 6.0)
     parser = build_argparser(script=script, every_script=True, suppress_defaults=True)
     _add_extension_flags(parser)
     namespace, extras = parser.parse_known_args(argv)
@@ -721,6 +730,7 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
             if key == "config_file":
                 warnings.append(f"{where}: ignored inside a config file (only --config_file on the command line)")
                 continue
+            spec = own[key]
             value = _check_kind(spec, value, where)
             toml_raw[key] = value
             if spec.kind in ("str", "Path") and value == "" and spec.default is None:
@@ -730,7 +740,7 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
             origins.section[key] = section_of[key]
     origins.cli = set(cli)
 
-    values = {name: spec.default for name, spec in specs.items()}
+    values = {name: spec.default for name, spec in {**specs, **own}.items()}
     values.update(toml_values)
     values.update(cli)
     raw = {**toml_raw, **{k: (str(v) if isinstance(v, Path) else v) for k, v in cli.items()}}

@@ -142,6 +142,9 @@ def _family_of_single_file(path: Path, stated: str | None, stated_by: str,
     from sd_scripts_compat.models.checkpoint import detect_layout, read_checkpoint
 
     checkpoint = read_checkpoint(path, header_only=True, allow_pickle=allow_pickle)
+    own = header_marker_candidates(checkpoint.shapes, all_families())
+    if own:  # SD3.5, Lumina 2, HunyuanImage-2.1, Anima: sd-scripts trains them, we plan them
+        return choose_family(own, None, stated, subject=str(path), noun="checkpoint", stated_by=stated_by)
     layout = detect_layout(checkpoint)
     matched = checkpoint_candidates(checkpoint.shapes, layout, all_families())
     if not matched:
@@ -196,6 +199,26 @@ def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
         kernel = unet.get("conv_in_kernel", 3)
         expected = (unet["block_out_channels"][0], unet.get("in_channels", 4), kernel, kernel)
         if family.single_file_layout == layout and (shape is None or tuple(shape) == expected):
+            out.append(family)
+    return out
+
+
+OWN_LAYOUT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")  # ComfyUI / SD3 files, Anima's
+
+
+def header_marker_candidates(shapes: Mapping[str, Any], pool: Iterable[FamilySpec]) -> list[FamilySpec]:
+    """Families with ``header_markers`` whose every marker and first block list's count the header shows."""
+    keys = set()
+    for key in shapes:
+        prefix = next((p for p in OWN_LAYOUT_PREFIXES if key.startswith(p)), "")
+        keys.add(key[len(prefix):])
+    out = []
+    for family in pool:
+        if not family.header_markers or not all(any(k.startswith(m) for k in keys) for m in family.header_markers):
+            continue
+        blocks = family.lora_layout[0]["kohya"].split("{i}")[0]  # "joint_blocks." / "layers." / "blocks."
+        count = len({k[len(blocks):].split(".")[0] for k in keys if k.startswith(blocks)})
+        if count == family.swap_block_counts[0]:
             out.append(family)
     return out
 

@@ -89,6 +89,10 @@ class FamilySpec:
     # kohya's option that stores the frozen transformer in fp8 for this family's script: "fp8_base", or
     # HunyuanImage's "fp8_scaled" (its script ignores fp8_base); None: the script forces fp8 off (Anima)
     fp8_option: str | None = "fp8_base"
+    # module-path prefixes every single file of this family holds (after a ComfyUI "model.diffusion_model." or
+    # Anima's "net." prefix), as kohya's model code names them: how a header tells SD3 / Lumina / HunyuanImage /
+    # Anima files apart (with the first block list's count from ``lora_layout``)
+    header_markers: tuple[str, ...] = ()
 
     @property
     def denoiser_class(self) -> str:
@@ -211,7 +215,7 @@ def get_family(name: str) -> FamilySpec:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(family_names())}")
     raw = json.loads(path.read_text(encoding="utf-8"))
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])
-    for key in ("transformer_block_groups", "lora_layout", "denoiser_extras"):
+    for key in ("transformer_block_groups", "lora_layout", "denoiser_extras", "header_markers"):
         raw[key] = tuple(raw.get(key, ()))
     return FamilySpec(**raw)
 

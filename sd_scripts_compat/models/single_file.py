@@ -253,8 +253,15 @@ def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None
     every tensor shape, then ``detect.choose_family`` (stated family, v-prediction markers).
 
     A ``FamilySpec`` passed as ``stated`` is the only candidate (custom variants, tests). A stated
-    family name that the file contradicts is a UserError naming both.
+    family name that the file contradicts is a UserError naming both. A file of a family sd-scripts trains for us
+    (SD3.5, Lumina 2, HunyuanImage-2.1, Anima: told by its header) is a UserError naming sd-scripts' script.
     """
+    from sd_scripts_compat.models.detect import header_marker_candidates
+
+    own = header_marker_candidates(checkpoint.shapes, all_families())
+    if own:
+        raise UserError(f"{checkpoint.path}: a {own[0].description} file; this engine does not train it, "
+                        f"sd-scripts' {own[0].kohya_script} does (autotune run --engine sd-scripts=PATH)")
     layout = detect_layout(checkpoint)
     if isinstance(stated, FamilySpec):
         pool = [stated]

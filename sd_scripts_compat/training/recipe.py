@@ -603,9 +603,15 @@ class LoopState:
 def train(config: TrainingConfig, *, sdxl: bool) -> int:
     """One training run; returns the process exit code (0, OOM_EXIT_CODE, DIVERGED_EXIT_CODE, or INTERRUPTED_EXIT_CODE /
     TERMINATED_EXIT_CODE after SIGINT / SIGTERM, see ``training.stopping``)."""
+    fresh = [Path(d) for d in (config.output_dir or "output", config.autotune_state_dir) if d and not Path(d).exists()]
     with StopSignals.installed() as stops:
         try:
             return _train(config, sdxl=sdxl, stops=stops)
+        except UserError:  # refused (a model it cannot load, bad data): the folders it made for outputs go again
+            for folder in fresh:
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            raise
         except KeyboardInterrupt:  # a signal while loading or caching: nothing trained yet, nothing to save
             name = _script(config, sdxl)
             print(f"{name}: {stops.name} before training started; nothing to save", file=sys.stderr)

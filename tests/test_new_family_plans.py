@@ -1,0 +1,208 @@
+"""Plans for the families sd-scripts trains and our engine does not (yet): SD3.5 Medium / Large, Chroma, Lumina 2,
+HunyuanImage-2.1, Anima. Each plan swaps the fewest blocks that fit, puts the family's fp8 under its own key (or
+none), writes only options its own sd-scripts script takes (the option tables, with kinds and choices), and
+names that script; our engine refuses these families with one line naming --engine sd-scripts; single-file
+headers (as kohya's model code names the modules) tell the families apart."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import toml
+from fixtures.local import REFERENCE
+
+from autotune.estimate.dit_memory import DitMemoryInputs, load_dit_calibration, predict_dit_memory
+from autotune.planning.planner import PlanRequest, Preferences, gpu_from_vram, plan_training
+from autotune.planning.search import Predictor
+from autotune.planning.toml_writer import write_plan_files
+from autotune.recovery.ladder import LadderLimits
+from sd_scripts_compat.models.detect import detect_family
+from sd_scripts_compat.models.families import get_family
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("sd3.5-medium", "sd3.5-large", "chroma", "lumina2", "hunyuan-image-2.1", "anima")
+TIERS = (8, 12, 16, 24)
+KINDS = {"store_true": bool, "int": int, "float": float, "str": str, "Path": str, "str[nargs=*]": list,
+         "float[nargs=*]": list, "int_or_float": (int, float)}
+
+
+def plan(family: str, tier: int, **prefs):
+    return plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors", family=family,
+                                     gpus=(gpu_from_vram(tier),), cpu_physical_cores=8,
+                                     preferences=Preferences(**prefs)))
+
+
+def option_table(script: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The script's options (the shipped copy; the reference table when present must be the same one)."""
+    shipped = ROOT / "sd_scripts_compat" / "data" / f"kohya_{script}_args.tsv"
+    with shipped.open(encoding="utf-8") as fh:
+        rows = {r["name"]: (r["kind"], tuple(filter(None, r["choices"].split("|"))))
+                for r in csv.DictReader(fh, delimiter="\t")}
+    reference = REFERENCE / "kohya" / f"{script}_args.tsv"
+    if reference.is_file():
+        with reference.open(encoding="utf-8") as fh:
+            assert {r["name"] for r in csv.DictReader(fh, delimiter="\t")} == set(rows)
+    return rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_memory_model_matches_full_size_traces_the_fit_did_not_use(family: str) -> None:
+    """bench/calibrate_dit_memory.py's held-out traces of the family's own transformer: within 10 %, never more
+    than 2 % low; swap counts up to the family's maximum among them."""
+    spec = get_family(family)
+    entry = load_dit_calibration()["variants"][family]
+    held_out = [t for t in entry["traces"] if not t["used_for_fit"]]
+    configs = [t["config"] for t in held_out]
+    assert len(held_out) >= 6 and max(c["blocks_to_swap"] for c in configs) == spec.max_blocks_to_swap
+    assert {c["gradient_checkpointing"] for c in configs} == {True, False} and {c["batch_size"] for c in configs} \
+        == {1, 2}
+    assert {c["fp8_base"] for c in configs} == ({True, False} if spec.fp8_option else {False})
+    for trace in held_out:
+        cfg = trace["config"]
+        inputs = DitMemoryInputs(family=family, resolution=cfg["resolution"], batch_size=cfg["batch_size"],
+                                 rank=cfg["rank"], gradient_checkpointing=cfg["gradient_checkpointing"],
+                                 optimizer=cfg["optimizer"], fp8_base=cfg["fp8_base"],
+                                 blocks_to_swap=cfg["blocks_to_swap"])
+        ratio = predict_dit_memory(inputs).tensor_peak_bytes / trace["peak_bytes"]
+        assert 0.98 <= ratio <= 1.10, (family, cfg, ratio)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_tier_swaps_the_fewest_blocks_that_fit(family: str) -> None:
+    spec = get_family(family)
+    plans = {tier: plan(family, tier) for tier in TIERS}
+    assert plans[24].fits, plans[24].message
+    fitting = [t for t in TIERS if plans[t].fits]
+    assert fitting == sorted(fitting) and fitting[-1] == 24  # more VRAM never stops fitting
+    swaps = [plans[t].settings.blocks_to_swap for t in fitting]
+    assert swaps == sorted(swaps, reverse=True) and max(swaps) <= spec.max_blocks_to_swap
+    for tier in fitting:
+        p, gpu = plans[tier], gpu_from_vram(tier)
+        s = p.settings
+        assert p.prediction.peak_bytes <= gpu.usable_bytes and p.prediction.it_per_s > 0
+        assert p.launch_command[-3] == spec.kohya_script
+        if s.blocks_to_swap:  # one block fewer fits at no micro-batch or checkpointing setting
+            predictor = Predictor(spec, (gpu,), 8, t5_fp8="fp8" in str(p.kohya_values().get("t5xxl", ""))
+                                  or "fp8_vl" in p.kohya_values(), te_cpu="text_encoder_cpu" in p.kohya_values())
+            fewer = replace(s, blocks_to_swap=s.blocks_to_swap - 1)
+            for mb in (1, 2):
+                for gc in (False, True):
+                    assert predictor.predict(replace(fewer, train_batch_size=mb, gradient_checkpointing=gc)) \
+                        .required > gpu.usable_bytes, (family, tier, mb, gc)
+            assert "fewest swapped blocks" in {c.key: c.reason for c in p.choices}["blocks_to_swap"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tier", (8, 24))
+def test_written_config_holds_only_its_scripts_options(tmp_path: Path, family: str, tier: int) -> None:
+    p = plan(family, tier)
+    if not p.fits:
+        pytest.skip(f"{family} does not fit {tier} GB: {p.message}")
+    spec = get_family(family)
+    config_path, dataset_path = write_plan_files(p, tmp_path)
+    table = option_table(spec.kohya_script.removesuffix(".py"))
+    values = toml.load(config_path)
+    for key, value in values.items():
+        assert key in table, f"{key} is not a {spec.kohya_script} option"
+        kind, choices = table[key]
+        assert isinstance(value, KINDS[kind]) and (kind == "store_true" or not isinstance(value, bool)), (key, value)
+        assert not choices or str(value) in choices, (key, value, choices)
+    assert values["network_module"] == spec.network_module
+    step = toml.load(dataset_path)["datasets"][0]["bucket_reso_steps"]
+    assert step % (16 if family in ("lumina2", "anima") else 32) == 0  # what each script asserts
+
+
+def test_family_rules_reach_the_config() -> None:
+    chroma = plan("chroma", 24).kohya_values()
+    assert chroma["model_type"] == "chroma" and chroma["guidance_scale"] == 0.0 and chroma["apply_t5_attn_mask"]
+    assert "clip_l" not in chroma and {"t5xxl", "ae"} <= set(chroma)
+    sd3 = {tier: plan("sd3.5-large", tier) for tier in (8, 24)}
+    assert {"clip_l", "clip_g", "t5xxl"} <= set(sd3[24].kohya_values())
+    small = sd3[8].kohya_values()  # an fp8 T5-XXL file only helps under fp8_base (sd-scripts upcasts it else)
+    assert "fp8" not in small["t5xxl"] or small["fp8_base"]
+    for tier in TIERS:  # HunyuanImage: fp8_scaled, never fp8_base; fp8_vl / the CPU for caching on small cards
+        values = plan("hunyuan-image-2.1", tier).kohya_values()
+        assert "fp8_base" not in values and {"text_encoder", "byt5", "vae"} <= set(values)
+    hunyuan = {tier: plan("hunyuan-image-2.1", tier).kohya_values() for tier in (8, 16, 24)}
+    assert hunyuan[8].get("text_encoder_cpu") and hunyuan[16].get("fp8_vl") and "fp8_vl" not in hunyuan[24]
+    for tier in TIERS:  # Anima's script forces fp8 off: no plan asks for it
+        values = plan("anima", tier).kohya_values()
+        assert not any(k.startswith("fp8") for k in values) and values["network_train_unet_only"]
+
+
+def test_ladder_swaps_up_to_each_familys_maximum_and_skips_fp8_where_the_script_has_none() -> None:
+    for family in FAMILIES:
+        spec = get_family(family)
+        limits = LadderLimits.for_family(spec, budget_mib=8000.0, fp8_supported=True)
+        assert limits.max_blocks_to_swap == spec.max_blocks_to_swap
+        assert limits.fp8_option == spec.fp8_option
+    assert get_family("anima").fp8_option is None and get_family("hunyuan-image-2.1").fp8_option == "fp8_scaled"
+
+
+def _header_file(path: Path, keys: list[str]) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({key: torch.zeros(1) for key in keys}, str(path))
+    return path
+
+
+# module names as kohya's model code (library/sd3_models.py, lumina_models.py, hunyuan_image_models.py,
+# anima_models.py) and the official files spell them; block counts from the reference stats
+HEADERS = {
+    "sd3.5-large": ["model.diffusion_model.x_embedder.proj.weight", "model.diffusion_model.context_embedder.weight",
+                    *(f"model.diffusion_model.joint_blocks.{i}.x_block.attn.qkv.weight" for i in range(38))],
+    "sd3.5-medium": ["x_embedder.proj.weight", "context_embedder.weight",
+                     *(f"joint_blocks.{i}.x_block.attn.qkv.weight" for i in range(24)),
+                     *(f"joint_blocks.{i}.x_block.attn2.qkv.weight" for i in range(13))],
+    "lumina2": ["x_embedder.weight", "cap_embedder.1.weight", "noise_refiner.0.attention.qkv.weight",
+                "context_refiner.0.attention.qkv.weight", *(f"layers.{i}.attention.qkv.weight" for i in range(26))],
+    "hunyuan-image-2.1": ["img_in.proj.weight", "byt5_in.fc1.weight",
+                          "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
+                          *(f"double_blocks.{i}.img_attn_qkv.weight" for i in range(20)),
+                          *(f"single_blocks.{i}.linear1.weight" for i in range(40))],
+    "anima": ["net.x_embedder.proj.1.weight", "net.t_embedder.1.linear_1.weight",
+              *(f"net.blocks.{i}.self_attn.q_proj.weight" for i in range(28))],
+}
+
+
+@pytest.mark.parametrize("family", sorted(HEADERS))
+def test_single_file_headers_name_their_family(tmp_path: Path, family: str) -> None:
+    path = _header_file(tmp_path / f"{family}.safetensors", HEADERS[family])
+    assert detect_family(path).name == family
+    assert detect_family(path, family).name == family
+
+
+def test_untrained_families_are_one_line_from_our_engine(tmp_path: Path) -> None:
+    """`autotune run` with our engine, and our engine's own entry point, refuse before anything is written."""
+    data = ROOT / "examples" / "dataset"
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:lumina2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode != 0 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "lumina_train_network.py" in done.stderr and "--engine sd-scripts" in done.stderr
+    assert not out.exists()
+    config = tmp_path / "c.toml"
+    config.write_text('pretrained_model_name_or_path = "builtin:anima"\noutput_dir = "o"\n')
+    engine = subprocess.run([sys.executable, "-m", "sd_scripts_compat.train_network", "--config_file", str(config)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert engine.returncode != 0 and engine.stderr.strip().count("\n") == 0, engine.stderr
+    assert "anima_train_network.py" in engine.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_committed_templates_hold_only_their_scripts_options(family: str) -> None:
+    """templates/<family>/<tier>gb/ (8, 10, 12, 16, 24 GB; tests/test_templates.py checks they are fresh)."""
+    spec = get_family(family)
+    table = option_table(spec.kohya_script.removesuffix(".py"))
+    configs = sorted((ROOT / "templates" / family).glob("*gb/config.toml"))
+    assert (ROOT / "templates" / family / "24gb" / "config.toml") in configs
+    for config in configs:
+        assert set(toml.load(config)) <= set(table), config
