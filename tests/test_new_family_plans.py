@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import toml
-from fixtures.local import REFERENCE
+from fixtures.local import REFERENCE, SD_SCRIPTS_SKIP
+from fixtures.local import sd_scripts as local_sd_scripts
 
 from autotune.estimate.dit_memory import DitMemoryInputs, load_dit_calibration, predict_dit_memory
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_vram, plan_training
@@ -27,6 +28,7 @@ from sd_scripts_compat.models.families import get_family
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("sd3.5-medium", "sd3.5-large", "chroma", "lumina2", "hunyuan-image-2.1", "anima")
 TIERS = (8, 12, 16, 24)
+SD_SCRIPTS, SD_PYTHON = local_sd_scripts()
 KINDS = {"store_true": bool, "int": int, "float": float, "str": str, "Path": str, "str[nargs=*]": list,
          "float[nargs=*]": list, "int_or_float": (int, float)}
 
@@ -206,3 +208,33 @@ def test_committed_templates_hold_only_their_scripts_options(family: str) -> Non
     assert (ROOT / "templates" / family / "24gb" / "config.toml") in configs
     for config in configs:
         assert set(toml.load(config)) <= set(table), config
+
+
+SD_CHECK = """
+import importlib, sys, toml
+sys.path.insert(0, sys.argv[1])
+script, config, dataset = sys.argv[2], sys.argv[3], sys.argv[4]
+sys.argv = [script + ".py", "--config_file", config]
+module = importlib.import_module(script)
+from library import config_util, train_util
+parser = module.setup_parser()
+args = train_util.read_config_from_file(parser.parse_args(), parser)
+known = {a.dest for a in parser._actions}
+unknown = [k for k in toml.load(config) if k not in known]
+assert not unknown, unknown
+config_util.ConfigSanitizer(True, False, False, True).sanitize_user_config(config_util.load_user_config(dataset))
+print("ACCEPTED", args.network_module, args.blocks_to_swap)
+"""
+
+
+@pytest.mark.skipif(SD_SCRIPTS is None or SD_PYTHON is None, reason=SD_SCRIPTS_SKIP)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sd_scripts_own_parser_accepts_every_template_local_only(family: str) -> None:
+    """sd-scripts' own parser of the family's script reads each committed template (config and dataset)."""
+    spec = get_family(family)
+    for config in sorted((ROOT / "templates" / family).glob("*gb/config.toml")):
+        done = subprocess.run([str(SD_PYTHON), "-c", SD_CHECK, str(SD_SCRIPTS), spec.kohya_script.removesuffix(".py"),
+                               str(config), str(config.parent / "dataset.toml")], capture_output=True, text=True,
+                              timeout=600, cwd=str(config.parent))
+        assert done.returncode == 0, (config, done.stderr[-2000:])
+        assert f"ACCEPTED {spec.network_module}" in done.stdout, done.stdout
