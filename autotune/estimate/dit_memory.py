@@ -16,7 +16,9 @@ Training-phase tensor peak = resident transformer weights + LoRA params + grads 
   of each list; at most 35 for FLUX.1)
   keep only their ``.weight`` tensors on the host; in sd-scripts the block swapped in reuses the GPU storage
   of the one swapped out (no buffer: what the traces measure), our engine copies into fresh buffers with one
-  prefetched, so ``swap_buffers`` adds two of the largest swapped blocks on top of the traced tensor peak.
+  prefetched, so ``swap_buffers`` adds two of the largest swapped blocks on top of the traced tensor peak
+  (none for a family only sd-scripts trains: ``trained_here`` false). HunyuanImage's ``fp8_scaled`` counts as
+  ``fp8_base`` (1 byte per Linear weight; its per-block scales are a few kB).
 - LoRA: kohya's 304 modules (exact shapes from the architecture), fp32, and each optimizer's state layout
   (shared with the SD model: ``memory_model.optimizer_state_bytes``).
 - Activations: ``c0 + c1*rank + batch*(d + tokens*(a + b*rank))`` per checkpointing setting (``d``: per sample
@@ -236,7 +238,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
     cal = dit_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
-    split = get_family(inputs.family).swap_split(inputs.blocks_to_swap)
+    family = get_family(inputs.family)
+    split = family.swap_split(inputs.blocks_to_swap)
     resident, host = transformer_bytes(arch, inputs.fp8_base, split)
     sizes = lora_sizes(arch, inputs.rank)
     n_params = sum(numel * count for numel, count in sizes)
@@ -254,7 +257,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         "activations": _activations(cal, inputs),
     }
     tensor_peak = sum(components.values())
-    components["swap_buffers"] = swap_buffer_bytes(arch, inputs.fp8_base, split)
+    # our engine's swapper needs its buffers; a family only sd-scripts trains swaps into the evicted storage
+    components["swap_buffers"] = swap_buffer_bytes(arch, inputs.fp8_base, split) if family.trained_here else 0
     context = int(inputs.cuda_context_gib * GIB)
     components["cuda_context"] = context
     components["allocator_overhead"] = int(inputs.allocator_overhead * tensor_peak)

@@ -364,7 +364,8 @@ def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
 
 
 def _fp8(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    return [Candidate(replace(s, fp8_base=True), "fp8 base weights")] \
+    label = "fp8 base weights" if lim.fp8_option == "fp8_base" else f"fp8 weights ({lim.fp8_option})"
+    return [Candidate(replace(s, fp8_base=True), label)] \
         if lim.fp8_supported and lim.fp8_option and not s.fp8_base else []
 
 
