@@ -238,3 +238,14 @@ def test_sd_scripts_own_parser_accepts_every_template_local_only(family: str) ->
                               timeout=600, cwd=str(config.parent))
         assert done.returncode == 0, (config, done.stderr[-2000:])
         assert f"ACCEPTED {spec.network_module}" in done.stdout, done.stdout
+
+
+def test_wizard_offers_the_sd_scripts_engine_for_a_family_our_engine_does_not_train(tmp_path: Path) -> None:
+    out = tmp_path / "wizard"
+    done = subprocess.run([sys.executable, "-m", "autotune", "wizard", str(ROOT / "examples" / "dataset"), "--model",
+                           "builtin:anima", "--out", str(out), "--yes"], capture_output=True, text=True, timeout=300,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "300"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "anima_train_network.py --config_file" in done.stdout and "--engine sd-scripts=PATH" in done.stdout
+    assert "Start training now" not in done.stdout  # it would start our engine, which refuses Anima
+    assert toml.load(out / "config.toml")["network_module"] == "networks.lora_anima"

@@ -148,6 +148,14 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
     if not data.kohya_layout:
         asker.say("Not offering to train here: `autotune run` needs N_name subfolders (see above).")
         return 0
+    from sd_scripts_compat.models.families import get_family
+
+    family = get_family(model.family)
+    if not family.trained_here:  # sd-scripts trains it; autotune run supervises sd-scripts
+        asker.say(f"Train here under lora-autotune's watchdog with your sd-scripts ({family.kohya_script}):")
+        asker.say("  " + env + shlex.join(["autotune", *argv, "--engine", "sd-scripts=PATH"]), soft_wrap=True)
+        asker.say("  (PATH: your sd-scripts checkout or lora-scripts folder)")
+        return 0
     asker.say("Train here with lora-autotune (OOM watchdog: steps down and resumes if memory runs out):")
     asker.say("  " + env + shlex.join(["autotune", *argv]), soft_wrap=True)
     if not asker.confirm("Start training now?", default=True, flag="--start", given=args.start,
