@@ -118,15 +118,15 @@ TINY_FIT += [dict(resolution=256, batch_size=1, rank=4, gradient_checkpointing=g
                   fp8_base=True, blocks_to_swap=0) for gc in (True, False)]
 
 
-def tiny_variant() -> dict:
-    """tiny-flux's own entry (the engine's tiny test twin: demos, CPU tests): its architecture and coefficients,
-    traced on the engine's own model and LoRA network (a second or two in all)."""
+def tiny_variant(name: str = TINY) -> dict:
+    """A tiny twin's own entry (tiny-flux, tiny-chroma: the engine's test models for demos and CPU tests): its
+    architecture and coefficients, traced on the engine's own model and LoRA network (a second or two in all)."""
     from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_dit_step
 
-    architecture = dit_architecture_facts(TINY)
-    traces = {_key(cfg): trace_dit_step(TINY, **cfg, text_tokens=architecture["text_tokens"]).to_dict()
+    architecture = dit_architecture_facts(name)
+    traces = {_key(cfg): trace_dit_step(name, **cfg, text_tokens=architecture["text_tokens"]).to_dict()
               for cfg in TINY_FIT}
-    return {"architecture": architecture, **fit(traces, architecture, TINY_FIT, TINY)}
+    return {"architecture": architecture, **fit(traces, architecture, TINY_FIT, name)}
 
 
 def _solve(rows: list[list[float]], rhs: list[float]) -> list[float]:
@@ -216,7 +216,7 @@ def flux_calibration(traces_path: Path) -> dict:
 
 
 def print_table(calibration: dict, families: list[str]) -> None:
-    for family in families:
+    for family in (f for f in families if not get_family(f).tiny):  # a tiny twin keeps no held-out traces
         entry = calibration["variants"][family] if family in calibration["variants"] else calibration
         rows = [t for t in entry["traces"] if not t["used_for_fit"]]
         print("\n".join(table({_key(t["config"]): t for t in rows}, calibration, family, [t["config"] for t in rows])))
@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         names = ["flux-dev", "flux-schnell", TINY]
     else:
         for family in args.family:
-            variants[family] = family_variant(family, args.traces / f"{family}.json")
+            variants[family] = tiny_variant(family) if get_family(family).tiny else \
+                family_variant(family, args.traces / f"{family}.json")
         names = args.family
     calibration["variants"] = variants
     calibration["families"] = families + [name for name in names if name not in families]

@@ -3,7 +3,8 @@
 The screen should show our messages. Two libraries log warnings on every run that say nothing to a
 LoRA trainer: bitsandbytes (CPU build) cannot fetch an optional 4-bit GEMM kernel from a model hub it
 must not reach anyway, and diffusers warns about keeping float32 modules when a VAE without any such
-modules (the list it prints is empty) is cast. Each filter matches one message exactly; anything else
+modules (the list it prints is empty) is cast, and diffusers' Chroma model imports a deprecated alias of
+its own. Each filter matches one message exactly; anything else
 those loggers say still shows. Around sampling (diffusers' pipelines: a scheduler-config deprecation dumped
 with the whole config, transformers' image-processor notice) :func:`libraries_quiet` drops the libraries'
 warnings altogether. ``LORA_AUTOTUNE_VERBOSE=1`` (``autotune run --verbose``) keeps everything.
@@ -30,6 +31,10 @@ HARMLESS: dict[str, tuple[str, ...]] = {
     "bitsandbytes.backends.cpu.ops": (r"^Failed to load CPU gemm_4bit_forward from kernels-community",),
     "diffusers.models.modeling_utils": (r"^There are modules in \w+ that should be kept in float32: \[\]\.",),
 }
+
+# Python warnings (message regular expressions) dropped the same way: diffusers' Chroma transformer imports its
+# own deprecated FluxPosEmbed alias on every build
+HARMLESS_WARNINGS: tuple[str, ...] = (r"`FluxPosEmbed` is deprecated",)
 
 
 class _DropMatching(logging.Filter):
@@ -67,6 +72,10 @@ def silence_harmless_library_messages() -> None:
     """Install the filters (idempotent); call before the libraries are imported. Nothing when verbose."""
     if verbose():
         return
+    import warnings
+
+    for pattern in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     for name, patterns in HARMLESS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMatching) for f in logger.filters):

@@ -1,5 +1,6 @@
 """The FLUX.1 engine end to end: real runs of ``python -m sd_scripts_compat.flux_train_network`` on
-``builtin:tiny-flux`` (random weights) over ``examples/dataset`` at 64 px, on this CPU."""
+``builtin:tiny-flux`` and ``builtin:tiny-chroma`` (``model_type = "chroma"``: T5 only, the modulation
+approximator, no modulation LoRA) with random weights over ``examples/dataset`` at 64 px, on this CPU."""
 
 from __future__ import annotations
 
@@ -33,6 +34,12 @@ def base_config(tmp_path: Path, **overrides) -> dict:
     return values
 
 
+# what a Chroma config changes (sd-scripts' docs: model_type chroma, guidance 0, the T5 mask, sigmoid timesteps)
+CHROMA = {"pretrained_model_name_or_path": "builtin:tiny-chroma", "model_type": "chroma", "guidance_scale": 0.0,
+          "apply_t5_attn_mask": True, "timestep_sampling": "sigmoid"}
+FAMILIES = {"tiny-flux": {}, "tiny-chroma": CHROMA}
+
+
 def run_flux(tmp_path: Path, values: dict, *extra: str, name: str = "config.toml",
              check: bool = True) -> subprocess.CompletedProcess:
     config = tmp_path / name
@@ -45,14 +52,16 @@ def run_flux(tmp_path: Path, values: dict, *extra: str, name: str = "config.toml
 
 
 @pytest.mark.slow
-def test_tiny_flux_learns_and_writes_a_kohya_lora(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_flux_learns_and_writes_a_kohya_lora(tmp_path, family):
     events = tmp_path / "events"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a circle shape --w 64 --h 64 --s 2 --d 1 --g 3.5\n")
+    sampling = {} if family == "tiny-chroma" else {"sample_prompts": str(prompts), "sample_every_n_steps": 24}
     values = base_config(tmp_path, train_batch_size=4, max_train_steps=24, network_dim=8, network_alpha=8,
                          learning_rate=1e-2, cache_latents=True, cache_text_encoder_outputs=True,
                          validation_split=0.25, validate_every_n_steps=12, gradient_checkpointing=True,
-                         sample_prompts=str(prompts), sample_every_n_steps=24)
+                         **sampling, **FAMILIES[family])
     result = run_flux(tmp_path, values, "--autotune_events_dir", str(events))
     done = json.loads((events / "done.json").read_text())
     losses = [loss for _, loss in done["validation_loss"]]
@@ -61,17 +70,27 @@ def test_tiny_flux_learns_and_writes_a_kohya_lora(tmp_path):
     assert losses[-1] < 0.9 * losses[0], losses
     state, metadata = read_lora_file(tmp_path / "out" / "flux.safetensors")
     assert state and all(k.startswith("lora_unet_") for k in state)
-    assert metadata["ss_timestep_sampling"] == "shift" and metadata["ss_model_prediction_type"] == "raw"
-    assert metadata["ss_guidance_scale"] == "1.0"
-    assert (tmp_path / "out" / "sample" / "flux_step00000024_00.png").stat().st_size > 0
+    assert metadata["ss_timestep_sampling"] == values["timestep_sampling"]
+    assert metadata["ss_model_prediction_type"] == "raw"
+    assert metadata["ss_guidance_scale"] == str(values["guidance_scale"])
     assert done["settings"]["blocks_to_swap"] == 0 and "done: 24 steps" in result.stdout
+    if family == "tiny-flux":
+        assert (tmp_path / "out" / "sample" / "flux_step00000024_00.png").stat().st_size > 0
+        return
+    # Chroma as sd-scripts writes it: its own base model and architecture, and no modulation Linears
+    assert metadata["ss_base_model_version"] == "chroma" and metadata["ss_model_type"] == "chroma"
+    assert metadata["modelspec.architecture"] == "chroma/lora"
+    modules = {k.split(".")[0] for k in state}
+    assert len(modules) == 8 * 2 + 2 * 2 and not any("_mod" in m or "modulation" in m for m in modules)
 
 
 @pytest.mark.slow
-def test_resume_half_way_and_block_swap_are_bit_identical_to_a_straight_run(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resume_half_way_and_block_swap_are_bit_identical_to_a_straight_run(tmp_path, family):
     """6 steps straight; 3, stop, resume 3; and 6 with blocks swapped: the same LoRA bit for bit."""
-    values = base_config(tmp_path, save_every_n_steps=3, save_state=True, timestep_sampling="sigma",
-                         model_prediction_type="sigma_scaled", apply_t5_attn_mask=True)
+    values = base_config(tmp_path, **{**FAMILIES[family], "save_every_n_steps": 3, "save_state": True,
+                                      "timestep_sampling": "sigma", "model_prediction_type": "sigma_scaled",
+                                      "apply_t5_attn_mask": True})
     run_flux(tmp_path, values)
     straight = read_lora_file(tmp_path / "out" / "flux.safetensors")[0]
     half = tmp_path / "out" / "flux-step00000003-state"
@@ -104,13 +123,19 @@ def test_injected_oom_writes_oom_json_with_exit_87(tmp_path):
     assert oom["resolved"]["weight_dtype"] == "float32"
 
 
-def test_bad_flux_input_is_one_line(tmp_path):
-    result = run_flux(tmp_path, base_config(tmp_path, model_type="chroma"), check=False)
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert "model_type" in result.stderr
-    result = run_flux(tmp_path, base_config(tmp_path, pretrained_model_name_or_path="builtin:tiny-sd15"),
-                      check=False)
-    assert result.returncode == 2 and "train_network" in result.stderr
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"model_type": "chroma"}, "apply_t5_attn_mask = true"),  # Chroma's rules, before anything loads
+    ({**CHROMA, "guidance_scale": 3.5}, "set guidance_scale = 0.0"),
+    ({**CHROMA, "sample_prompts": "p.txt"}, "remove sample_prompts"),
+    ({**CHROMA, "model_type": "flux", "guidance_scale": 1.0}, "set model_type = 'chroma'"),  # model and type disagree
+    ({**CHROMA, "pretrained_model_name_or_path": "builtin:tiny-flux"}, "set model_type = 'flux'"),
+    ({**CHROMA, "pretrained_model_name_or_path": "builtin:chroma"}, "give the real model file"),
+    ({"pretrained_model_name_or_path": "builtin:tiny-sd15"}, "train_network"),
+])
+def test_bad_flux_input_is_one_line(tmp_path, changes, said):
+    result = run_flux(tmp_path, base_config(tmp_path, **changes), check=False)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert said in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_text_cache_file_keeps_the_t5_mask(tmp_path):
@@ -136,7 +161,9 @@ def test_autotune_train_routes_a_flux_config_to_the_flux_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path):
+@pytest.mark.parametrize(("family", "version", "architecture"), [("tiny-flux", "flux1", "flux-1-dev/lora"),
+                                                                  ("tiny-chroma", "chroma", "chroma/lora")])
+def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path, family, version, architecture):
     """``autotune run`` on a FLUX model: the planner's FLUX config is read with the FLUX script's rules and
     trained by flux_train_network under the watchdog, ending in a kohya FLUX LoRA and the run's report."""
     import numpy as np
@@ -149,11 +176,11 @@ def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path):
         Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
         (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "autotune", "run", str(folder.parent), "--model", "builtin:tiny-flux",
+    command = [sys.executable, "-m", "autotune", "run", str(folder.parent), "--model", f"builtin:{family}",
                "--out", str(out), "--epochs", "1"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "flux_train_network" in result.stdout and "bottleneck:" in result.stdout
     lora = next(p for p in out.glob("*.safetensors") if "-0" not in p.name)
     _, metadata = read_lora_file(lora)
-    assert metadata["ss_base_model_version"] == "flux1" and metadata["modelspec.architecture"] == "flux-1-dev/lora"
+    assert metadata["ss_base_model_version"] == version and metadata["modelspec.architecture"] == architecture

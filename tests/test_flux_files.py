@@ -150,3 +150,41 @@ def test_layout_table_agrees_with_diffusers_converter_at_full_size():
     assert all(ours[k].shape[0] == v.shape[0] for k, v in bundle.unet.state_dict().items())
     back = to_bfl(ours, config)
     assert all(torch.equal(back[k], thin[k]) for k in thin)
+
+
+def test_chroma_files_round_trip_without_clip_l(tmp_path):
+    """tiny-chroma written as sd-scripts' Chroma files (BFL transformer with the approximator, t5xxl, ae; no
+    clip_l) is told from FLUX.1 by its header and loads back bit for bit; clip_l is not asked for."""
+    chroma = load_base_model("builtin:tiny-chroma")
+    files = save_flux_files(chroma, tmp_path)
+    assert "clip_l" not in files
+    with safe_open(str(files["pretrained_model_name_or_path"]), "pt") as handle:
+        keys = set(handle.keys())
+    assert {"distilled_guidance_layer.layers.0.in_layer.weight", "distilled_guidance_layer.norms.0.scale",
+            "double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight", "final_layer.linear.weight"} <= keys
+    assert not any("_mod." in k or "modulation" in k or k.startswith(("guidance_in", "vector_in")) for k in keys)
+    assert detect_family(str(files["pretrained_model_name_or_path"])).name == "tiny-chroma"
+    loaded = load_base_model(files["pretrained_model_name_or_path"], t5xxl=str(files["t5xxl"]), ae=str(files["ae"]))
+    assert loaded.family.name == "tiny-chroma"
+    for mine, theirs in ((chroma.unet, loaded.unet), (chroma.vae, loaded.vae),
+                         (chroma.text_encoders[0], loaded.text_encoders[0])):
+        other = theirs.state_dict()
+        assert all(torch.equal(other[k], v) for k, v in mine.state_dict().items())
+
+
+def test_chroma_layout_agrees_with_diffusers_converter_at_full_size():
+    """Our BFL -> diffusers names for Chroma equal diffusers' convert_chroma_transformer_checkpoint_to_diffusers
+    on the full-size model's row counts, and the way back restores every tensor."""
+    from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
+
+    bundle = build_modules(get_family("chroma"), device="meta", seed=None)
+    config = bundle.unet.config
+    gen = torch.Generator().manual_seed(0)
+    thin = {k: torch.randn((v.shape[0],) + ((1,) if v.dim() > 1 else ()), generator=gen)
+            for k, v in to_bfl(bundle.unet.state_dict(), config).items()}
+    ours = to_diffusers(thin, config)
+    theirs = convert_chroma_transformer_checkpoint_to_diffusers(dict(thin))
+    assert set(ours) == set(theirs) == set(bundle.unet.state_dict())
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    back = to_bfl(ours, config)
+    assert all(torch.equal(back[k], thin[k]) for k in thin)

@@ -647,10 +647,17 @@ def most_blocks_to_swap(script: str) -> int:
 
 
 def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
-    """flux_train_network's own rules, as sd-scripts applies them (and chroma, which we do not train)."""
-    if out["model_type"] != "flux":
-        raise UserError(f"{where('model_type')}: {out['model_type']!r} models are not trained by this engine; "
-                        "remove model_type (FLUX.1 dev / schnell are)")
+    """flux_train_network's own rules, as sd-scripts applies them; Chroma's (``model_type = "chroma"``) as its
+    docs and ``assert_extra_args`` state them: the T5 mask on, guidance 0 (Chroma is not distilled)."""
+    if out["model_type"] == "chroma":
+        if not out["apply_t5_attn_mask"]:
+            raise UserError(f"{where('model_type')}: Chroma needs apply_t5_attn_mask = true (sd-scripts asserts it)")
+        if out["guidance_scale"] != 0.0:
+            raise UserError(f"{where('guidance_scale')}: {out['guidance_scale']!r} for Chroma, which is not "
+                            "guidance-distilled; set guidance_scale = 0.0 (sd-scripts' docs: it must be 0)")
+        if out["sample_prompts"]:
+            raise UserError(f"{where('sample_prompts')}: sampling Chroma is not implemented by this engine; "
+                            "remove sample_prompts")
     if out["fp8_base_unet"]:
         out["fp8_base"] = True  # sd-scripts: fp8_base_unet implies fp8_base for FLUX.1
     if out["split_mode"]:

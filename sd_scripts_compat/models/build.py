@@ -102,7 +102,7 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
     if builtin and family.builtin_meta_only and str(device) != "meta":
         raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
                         "to train, give the real model file as pretrained_model_name_or_path (or use "
-                        "builtin:tiny-flux to try)")
+                        f"builtin:{'tiny-chroma' if family.flux_model_type == 'chroma' else 'tiny-flux'} to try)")
 
     if seed is not None and str(device) != "meta":
         torch.manual_seed(seed)

@@ -145,7 +145,9 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
     from sd_scripts_compat.models.checkpoint import read_checkpoint
     from sd_scripts_compat.models.flux_layout import to_diffusers
 
-    missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae)) if not value]
+    given = {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}
+    needed = [te.file_option for te in spec.text_encoders if te.file_option] + ["ae"]  # Chroma: no clip_l
+    missing = [name for name in needed if not given.get(name)]
     if missing:
         raise UserError(f"{path} is a FLUX transformer file without text encoders or AE; also give "
                         f"{', '.join(missing)} (clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors)")
@@ -206,8 +208,9 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
 
     spec = bundle.family
     _, vae, text_encoders = _empty(spec)
+    index = {te.file_option: i for i, te in enumerate(spec.text_encoders)}  # Chroma: T5 only, at index 0
     for option, path in given.items():
-        if not path:
+        if not path or (option != "ae" and option not in index):  # kohya ignores clip_l for Chroma
             continue
         part_dtype = vae_dtype if option == "ae" else dtype
         tensors = _read(path, option, header_only=False, dtype=part_dtype)
@@ -218,11 +221,12 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
             _fill(vae, state, "ae", Path(path), vae_dtype)
             bundle.vae = vae
         elif option == "clip_l":
-            _fill(text_encoders[0], clip_l_state(tensors), "clip_l", Path(path), dtype)
-            bundle.text_encoders[0] = text_encoders[0]
+            _fill(text_encoders[index[option]], clip_l_state(tensors), "clip_l", Path(path), dtype)
+            bundle.text_encoders[index[option]] = text_encoders[index[option]]
         else:
-            _fill(text_encoders[1], t5_state(tensors, text_encoders[1]), "t5xxl", Path(path), dtype)
-            bundle.text_encoders[1] = text_encoders[1]
+            encoder = text_encoders[index[option]]
+            _fill(encoder, t5_state(tensors, encoder), "t5xxl", Path(path), dtype)
+            bundle.text_encoders[index[option]] = encoder
 
 
 def _check_latent_channels(tensors: Mapping[str, torch.Tensor], spec: FamilySpec, path: Path) -> None:
@@ -249,8 +253,8 @@ def _attach_tokenizers(bundle: ModelBundle, option: str | None, t5xxl: str | Non
 
 def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
                     dtype: torch.dtype | None = None) -> dict[str, Path]:
-    """Write the bundle as sd-scripts' four FLUX files (flux1.safetensors in BFL layout, clip_l, t5xxl, ae),
-    atomically; returns option -> path. ``dtype`` casts floating tensors (e.g. bf16)."""
+    """Write the bundle as sd-scripts' FLUX files (flux1.safetensors in BFL layout, clip_l, t5xxl, ae; Chroma
+    without clip_l), atomically; returns option -> path. ``dtype`` casts floating tensors (e.g. bf16)."""
     from sd_scripts_compat.models.flux_layout import to_bfl
     from sd_scripts_compat.models.single_file import _vae_name_to_original
 
@@ -260,12 +264,17 @@ def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
         original = _vae_name_to_original(name, vae_config)
         ae[original] = tensor[:, :, None, None] if ".mid.attn_1." in original and tensor.ndim == 2 and (
             original.endswith(".weight")) else tensor
-    clip = {f"text_model.{k}" if not k.startswith("text_model.") else k: v
-            for k, v in bundle.text_encoders[0].state_dict().items() if not k.endswith("position_ids")}
-    t5 = {k: v for k, v in bundle.text_encoders[1].state_dict().items() if k != "encoder.embed_tokens.weight"}
     parts = {"pretrained_model_name_or_path": ("flux1.safetensors", to_bfl(bundle.unet.state_dict(),
                                                                            bundle.unet.config)),
-             "clip_l": ("clip_l.safetensors", clip), "t5xxl": ("t5xxl.safetensors", t5), "ae": ("ae.safetensors", ae)}
+             "ae": ("ae.safetensors", ae)}
+    for spec, encoder in zip(bundle.family.text_encoders, bundle.text_encoders):  # Chroma: T5 only
+        state = encoder.state_dict()
+        if spec.file_option == "clip_l":
+            parts["clip_l"] = ("clip_l.safetensors", {f"text_model.{k}" if not k.startswith("text_model.") else k: v
+                                                      for k, v in state.items() if not k.endswith("position_ids")})
+        else:
+            parts["t5xxl"] = ("t5xxl.safetensors", {k: v for k, v in state.items()
+                                                    if k != "encoder.embed_tokens.weight"})
     out = {}
     for option, (name, tensors) in parts.items():
         out[option] = _write(Path(folder) / name, tensors, dtype)

@@ -55,9 +55,26 @@ OUTER_LINEARS = {
     "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
     "final_layer.linear": "proj_out",
 }
+# Chroma's modulation approximator (``distilled_guidance_layer``), per layer i (BFL -> diffusers)
+APPROXIMATOR_LAYER = {"in_layer": "linear_1", "out_layer": "linear_2"}
 # AdaLayerNormContinuous: BFL stores (shift, scale), diffusers (scale, shift)
 SWAPPED_HALVES = {"final_layer.adaLN_modulation.1": "norm_out.linear"}
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI-style full checkpoints carry one
+
+
+def approximator_names(config: Mapping[str, Any]) -> dict[str, str]:
+    """Chroma's approximator tensors, BFL name -> diffusers name (none for FLUX.1)."""
+    if "approximator_layers" not in config:
+        return {}
+    out = {f"distilled_guidance_layer.{p}.{k}": f"distilled_guidance_layer.{p}.{k}"
+           for p in ("in_proj", "out_proj") for k in ("weight", "bias")}
+    for i in range(int(config["approximator_layers"])):
+        for old, new in APPROXIMATOR_LAYER.items():
+            for kind in ("weight", "bias"):
+                out[f"distilled_guidance_layer.layers.{i}.{old}.{kind}"] = \
+                    f"distilled_guidance_layer.layers.{i}.{new}.{kind}"
+        out[f"distilled_guidance_layer.norms.{i}.scale"] = f"distilled_guidance_layer.norms.{i}.weight"
+    return out
 
 
 def block_tables(config: Mapping[str, Any]) -> Iterator[tuple[str, str, dict[str, tuple[str, ...]], dict[str, str]]]:
@@ -105,7 +122,7 @@ def to_diffusers(bfl: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> 
 
     bfl = {_strip(k): v for k, v in bfl.items()}
     inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {new: bfl[old] for old, new in approximator_names(config).items() if old in bfl}
     for old, new in OUTER_LINEARS.items():
         for kind in ("weight", "bias"):
             if f"{old}.{kind}" in bfl:
@@ -132,24 +149,27 @@ def to_diffusers(bfl: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> 
 
 
 def to_bfl(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """``FluxTransformer2DModel`` state dict -> BFL names (the layout of flux1-dev.safetensors)."""
+    """``FluxTransformer2DModel`` (or ``ChromaTransformer2DModel``) state dict -> BFL names (the layout of
+    flux1-dev.safetensors / Chroma's file); a part the model lacks (Chroma's modulation Linears) is left out."""
     import torch
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {old: state[new] for old, new in approximator_names(config).items()}
     for old, new in OUTER_LINEARS.items():
         for kind in ("weight", "bias"):
             if f"{new}.{kind}" in state:
                 out[f"{old}.{kind}"] = state[f"{new}.{kind}"]
     for old, new in SWAPPED_HALVES.items():
         for kind in ("weight", "bias"):
-            scale, shift = state[f"{new}.{kind}"].chunk(2, dim=0)
-            out[f"{old}.{kind}"] = torch.cat([shift, scale], dim=0)
+            if f"{new}.{kind}" in state:
+                scale, shift = state[f"{new}.{kind}"].chunk(2, dim=0)
+                out[f"{old}.{kind}"] = torch.cat([shift, scale], dim=0)
     for bfl_block, block, linears, norms in block_tables(config):
         for old, new in norms.items():
             out[f"{bfl_block}.{old}"] = state[f"{block}.{new}"]
         for bfl_name, parts in linears.items():
             for kind in ("weight", "bias"):
-                out[f"{bfl_block}.{bfl_name}.{kind}"] = torch.cat([state[f"{block}.{p}.{kind}"] for p in parts])
+                if all(f"{block}.{p}.{kind}" in state for p in parts):
+                    out[f"{bfl_block}.{bfl_name}.{kind}"] = torch.cat([state[f"{block}.{p}.{kind}"] for p in parts])
     return out
 
 

@@ -189,7 +189,8 @@ def tokenize_flux(bundle: ModelBundle, captions: list[str],
 
 def encode_flux_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, apply_t5_attn_mask: bool = False,
                        dtype: Any = None) -> TextConditioning:
-    """Encode :func:`tokenize_flux` ids: CLIP-L pooled output + T5 last hidden state (keeps autograd)."""
+    """Encode :func:`tokenize_flux` ids: CLIP-L pooled output (none for Chroma) + T5 last hidden state (keeps
+    autograd)."""
     import torch
 
     pooled = states = None
@@ -200,9 +201,9 @@ def encode_flux_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, app
             states = encoder(ids["t5"].to(device), attention_mask=mask, return_dict=True).last_hidden_state
         else:
             pooled = encoder(ids["clip"].reshape(-1, ids["clip"].shape[-1]).to(device), return_dict=True).pooler_output
-    assert states is not None and pooled is not None  # a FLUX family has both encoders
+    assert states is not None  # a FLUX family has T5 (FLUX.1 also CLIP-L; Chroma only T5: no pooled vector)
     if dtype is not None:
-        states, pooled = states.to(dtype), pooled.to(dtype)
+        states, pooled = states.to(dtype), pooled.to(dtype) if pooled is not None else None
     txt_ids = torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype)
     return TextConditioning(states, pooled, attention_mask=ids["t5_mask"].to(states.device), txt_ids=txt_ids)
 

@@ -44,7 +44,8 @@ class Conditioner:
             mask = getattr(encoded, "attention_mask", None)
         if self.flow_matching:
             mask = mask.to(hidden.device) if mask is not None and self.apply_t5_attn_mask else None
-            return hidden, {"pooled": pooled.to(hidden.device, self.dtype), "t5_attn_mask": mask}
+            pooled = pooled.to(hidden.device, self.dtype) if pooled is not None else None  # Chroma: no CLIP-L
+            return hidden, {"pooled": pooled, "t5_attn_mask": mask}
         if not self.bundle.family.is_sdxl:
             return hidden, None
         time_ids = sdxl_time_ids(batch["original_sizes_hw"], batch["crop_top_lefts"], batch["target_sizes_hw"],

@@ -189,7 +189,7 @@ def text_ids(length: int, device: Any = None, dtype: Any = None) -> torch.Tensor
 
 
 def flux_prediction(transformer: Any, noisy: torch.Tensor, timesteps: torch.Tensor, t5_hidden: torch.Tensor,
-                    pooled: torch.Tensor, t5_mask: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
+                    pooled: torch.Tensor | None, t5_mask: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
     """The transformer's velocity for unpacked latents [B, C, H, W] (returned unpacked, same shape).
 
     ``timesteps`` are in [0, 1000] (diffusers' FLUX transformer multiplies its input by 1000, hence the
@@ -203,6 +203,11 @@ def flux_prediction(transformer: Any, noisy: torch.Tensor, timesteps: torch.Tens
     tokens = pack_latents(noisy)
     img_ids = image_ids(packed_h, packed_w, device=noisy.device, dtype=noisy.dtype)
     txt_ids = text_ids(t5_hidden.shape[1], device=noisy.device, dtype=noisy.dtype)
+    if hasattr(transformer, "distilled_guidance_layer"):  # Chroma: no pooled vector, its approximator's guidance 0
+        out = transformer(hidden_states=tokens, encoder_hidden_states=t5_hidden, img_ids=img_ids, txt_ids=txt_ids,
+                          timestep=timesteps.to(noisy.dtype) / NUM_TRAIN_TIMESTEPS,
+                          attention_mask=chroma_attention_mask(t5_mask, tokens.shape[1]), return_dict=False)[0]
+        return unpack_latents(out, packed_h, packed_w)
     guidance = None
     if transformer.config.guidance_embeds:
         guidance = torch.full((batch,), float(guidance_scale), device=noisy.device, dtype=torch.float32)
@@ -215,6 +220,19 @@ def flux_prediction(transformer: Any, noisy: torch.Tensor, timesteps: torch.Tens
                       timestep=timesteps.to(noisy.dtype) / NUM_TRAIN_TIMESTEPS, img_ids=img_ids, txt_ids=txt_ids,
                       guidance=guidance, joint_attention_kwargs=attention, return_dict=False)[0]
     return unpack_latents(out, packed_h, packed_w)
+
+
+def chroma_attention_mask(t5_mask: torch.Tensor | None, image_tokens: int) -> torch.Tensor | None:
+    """Chroma's joint mask [B, text + image]: each caption's tokens and one padding token after them (sd-scripts'
+    ``attn_padding=1``, diffusers' Chroma pipeline alike), then every image token; None without a T5 mask."""
+    import torch
+
+    if t5_mask is None:
+        return None
+    lengths = t5_mask.sum(dim=1, keepdim=True)
+    text = torch.arange(t5_mask.shape[1], device=t5_mask.device)[None, :] <= lengths
+    image = torch.ones((t5_mask.shape[0], image_tokens), dtype=torch.bool, device=t5_mask.device)
+    return torch.cat([text, image], dim=1)
 
 
 class FlowMatchingObjective:
@@ -245,7 +263,7 @@ class FlowMatchingObjective:
                  timesteps: torch.Tensor, sigmas: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         noisy = noisy_latents(latents, noise, sigmas)
         added = added or {}
-        prediction = flux_prediction(denoiser, noisy, timesteps, hidden, added["pooled"], added.get("t5_attn_mask"),
+        prediction = flux_prediction(denoiser, noisy, timesteps, hidden, added.get("pooled"), added.get("t5_attn_mask"),
                                      self.settings.guidance_scale)
         return prediction, (latents, noise, noisy, sigmas)
 

@@ -171,6 +171,9 @@ def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model
         source = ([base, config.ae or base, *encoder_files][index:index + 1] or [base])[0] or base
         check_finite(source, f"the weights of its {type(module).__name__}", module.state_dict().items())
     vae_scale = family.latent_downsample
+    if family.flux_model_type and config.model_type != family.flux_model_type:
+        raise UserError(f"{config.pretrained_model_name_or_path}: a {family.description} model; set model_type = "
+                        f"{family.flux_model_type!r} (sd-scripts' --model_type)")
     if family.kohya_script.removesuffix(".py") != _script(config, sdxl):
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
                         f"train it with {family.engine_module}")
