@@ -83,7 +83,8 @@ def test_chroma_is_one_line_and_split_mode_means_18_blocks(tmp_path):
 
 
 def test_flux_options_are_errors_for_the_sd_scripts(tmp_path):
-    assert "only for FLUX.1 / Chroma (flux_train_network)" in error_of(tmp_path, {"guidance_scale": 1.0}, script="train_network")
+    said = error_of(tmp_path, {"guidance_scale": 1.0}, script="train_network")
+    assert "only for FLUX.1 / Chroma (flux_train_network)" in said
     assert "only for FLUX.1" in error_of(tmp_path, {"blocks_to_swap": 4}, script="sdxl_train_network")
     cfg = load(tmp_path, {"guidance_scale": 3.5}, script="train_network")  # at its default: a warning
     assert any("ignored by train_network" in w for w in cfg.warnings)

@@ -161,7 +161,8 @@ def test_chroma_files_round_trip_without_clip_l(tmp_path):
     with safe_open(str(files["pretrained_model_name_or_path"]), "pt") as handle:
         keys = set(handle.keys())
     assert {"distilled_guidance_layer.layers.0.in_layer.weight", "distilled_guidance_layer.norms.0.scale",
-            "double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight", "final_layer.linear.weight"} <= keys
+            "double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight",
+            "final_layer.linear.weight"} <= keys
     assert not any("_mod." in k or "modulation" in k or k.startswith(("guidance_in", "vector_in")) for k in keys)
     assert detect_family(str(files["pretrained_model_name_or_path"])).name == "tiny-chroma"
     loaded = load_base_model(files["pretrained_model_name_or_path"], t5xxl=str(files["t5xxl"]), ae=str(files["ae"]))
