@@ -180,3 +180,50 @@ def test_lora_of_another_family_is_refused_in_one_line(flux_lora):
     sd_lora = create_network(sd15, network_dim=2).kohya_state_dict()
     with pytest.raises(UserError, match="but the model is tiny-flux"):
         create_network_from_weights(bundle, sd_lora)
+
+
+CHROMA_VARIANTS = {"tiny-double-blocks": {"num_single_layers": 0},
+                   "wide-single-block": {"num_layers": 0, "num_single_layers": 1, "num_attention_heads": 24,
+                                         "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(CHROMA_VARIANTS))
+def test_diffusers_chroma_pipeline_loads_our_lora(tmp_path, variant):
+    """diffusers' ChromaPipeline (its kohya-FLUX LoRA converter) takes our Chroma LoRA: every key used, the
+    transformer's output equal to our network's (same tolerance and same width caveat as FLUX above)."""
+    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+    from peft.tuners.lora import LoraLayer
+
+    tiny = get_family("tiny-chroma")
+    bundle = build_modules(replace(tiny, unet={**tiny.unet, **CHROMA_VARIANTS[variant]}), seed=0)
+    network = _randomized_network(bundle)
+    path = tmp_path / "chroma_lora.safetensors"
+    facts = replace(_facts(), extra={"model_type": "chroma", "guidance_scale": 0.0})
+    save_lora_file(path, network.kohya_state_dict(), build_metadata(bundle.family, facts))
+    gen = torch.Generator().manual_seed(11)
+    config = bundle.unet.config
+    inputs = {"hidden_states": torch.randn(2, 16, config.in_channels, generator=gen),
+              "encoder_hidden_states": torch.randn(2, 6, config.joint_attention_dim, generator=gen),
+              "timestep": torch.tensor([0.25, 0.75]), "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(6, 3)}
+    with torch.no_grad():
+        base = bundle.unet(**inputs).sample
+        network.apply_to()
+        ours = bundle.unet(**inputs).sample
+        network.remove()
+    assert (ours - base).abs().max() > 1e-3
+    pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(bundle.scheduler_config),
+                          vae=bundle.vae, text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0],
+                          transformer=bundle.unet)
+    # the one thing it says: the file has no T5 LoRA (none was trained), so T5 gets none
+    complaints = load_lora_complaints(pipe, path)
+    assert [c for c in complaints if not c.startswith("No LoRA keys associated to T5EncoderModel")] == []
+    expected_layers = sum(len(lora.targets.parts) if isinstance(lora, FusedLoRAModule) else 1
+                          for lora in network.unet_loras)
+    assert sum(isinstance(m, LoraLayer) for m in bundle.unet.modules()) == expected_layers
+    with torch.no_grad():
+        theirs = bundle.unet(**inputs).sample
+    error = (theirs - ours).abs().max().item()
+    print(f"chroma {variant}: max |ours - diffusers| transformer {error:.2e}")
+    assert error <= ATOL
+    pipe.unload_lora_weights()
