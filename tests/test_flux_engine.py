@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import toml
 import torch
+from fixtures.engine_runs import run_engine
 
 from sd_scripts_compat.network.lora_file import read_lora_file
 
@@ -42,13 +43,7 @@ FAMILIES = {"tiny-flux": {}, "tiny-chroma": CHROMA}
 
 def run_flux(tmp_path: Path, values: dict, *extra: str, name: str = "config.toml",
              check: bool = True) -> subprocess.CompletedProcess:
-    config = tmp_path / name
-    config.write_text(toml.dumps(values), encoding="utf-8")
-    command = [sys.executable, "-m", "sd_scripts_compat.flux_train_network", "--config_file", str(config), *extra]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
-    if check:
-        assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    return run_engine("flux_train_network", tmp_path, values, *extra, name=name, check=check)
 
 
 @pytest.mark.slow

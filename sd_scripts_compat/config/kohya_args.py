@@ -2,11 +2,11 @@
 
 ``data/kohya_train_network_args.tsv`` lists every option that sd-scripts' ``train_network.py`` and
 ``sdxl_train_network.py`` accept, ``data/kohya_flux_train_network_args.tsv`` every option of
-``flux_train_network.py``, and one table each for ``sd3_train_network.py``, ``lumina_train_network.py``,
-``hunyuan_image_train_network.py`` and ``anima_train_network.py`` (copies of the reference lists, in one
-notation: sd-scripts runs those four; our engine knows their options so that a config meant for one is named
-as such, and the planner's configs for them are checked against them). Everything that needs kohya's
-argument names -- the argparse parser of our entry points, the TOML reader, config generators --
+``flux_train_network.py``, and one table each for ``sd3_train_network.py`` (our engine runs it too),
+``lumina_train_network.py``, ``hunyuan_image_train_network.py`` and ``anima_train_network.py`` (copies of the
+reference lists, in one notation: sd-scripts runs those three; our engine knows their options so that a config
+meant for one is named as such, and the planner's configs for them are checked against them). Everything that
+needs kohya's argument names -- the argparse parser of our entry points, the TOML reader, config generators --
 reads these tables instead of repeating them, so the names cannot drift apart. Which table (and
 which of its script-only rows) an entry point accepts is :data:`SCRIPTS`, data too.
 """
@@ -47,7 +47,7 @@ SCRIPTS: dict[str, TrainingScript] = {script.name: script for script in (
     TrainingScript("train_network", ARGS_TSV, False, "SD 1.x/2.x"),
     TrainingScript("sdxl_train_network", ARGS_TSV, True, "SDXL"),
     TrainingScript("flux_train_network", FLUX_ARGS_TSV, True, "FLUX.1 / Chroma"),
-    TrainingScript("sd3_train_network", _table("sd3_train_network"), True, "SD3 / SD3.5", False),
+    TrainingScript("sd3_train_network", _table("sd3_train_network"), True, "SD3 / SD3.5"),
     TrainingScript("lumina_train_network", _table("lumina_train_network"), True, "Lumina Image 2.0", False),
     TrainingScript("hunyuan_image_train_network", _table("hunyuan_image_train_network"), True, "HunyuanImage-2.1",
                    False),

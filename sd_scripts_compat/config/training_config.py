@@ -131,6 +131,8 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
     "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift", "weighting_scheme",
     "logit_mean", "logit_std", "mode_scale", "blocks_to_swap", "model_type", "split_mode",
+    # SD3 / SD3.5 (sd3_train_network): CLIP-G, the CLIP masks, the timestep shift
+    "clip_g", "apply_lg_attn_mask", "training_shift",
 })
 ALIASES = frozenset({"caption_extention", "use_8bit_adam", "use_lion_optimizer"})
 
@@ -315,6 +317,10 @@ class TrainingConfig:
     blocks_to_swap: int = 0  # kohya's None is 0 here
     model_type: str = "flux"
     split_mode: bool = False  # deprecated in sd-scripts: blocks_to_swap = 18
+    # SD3 / SD3.5 (sd3_train_network only)
+    clip_g: str | None = None
+    apply_lg_attn_mask: bool = False
+    training_shift: float = 1.0
     # engine extensions (not kohya options; command line only, never written to kohya configs)
     allow_pickle: bool = False
     autotune_events_dir: str | None = None
@@ -609,6 +615,8 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     out["blocks_to_swap"] = out["blocks_to_swap"] or 0  # kohya's None
     if script == "flux_train_network":
         _normalize_flux(out, where, warnings)
+    elif script == "sd3_train_network":
+        _normalize_sd3(out, where, warnings)
     if out["dataset_config"] is not None:
         for name in ("train_data_dir", "reg_data_dir"):
             if out[name]:
@@ -644,6 +652,24 @@ def most_blocks_to_swap(script: str) -> int:
 
     return max((get_family(name).max_blocks_to_swap for name in family_names()
                 if get_family(name).kohya_script == f"{script}.py"), default=0)
+
+
+def _normalize_sd3(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+    """sd3_train_network's own rules, as sd-scripts applies them (fp8_base_unet implies fp8_base)."""
+    if out["fp8_base_unet"]:
+        out["fp8_base"] = True
+    if out["sample_prompts"]:
+        raise UserError(f"{where('sample_prompts')}: sampling SD3 is not implemented by this engine; remove "
+                        "sample_prompts")
+    most = most_blocks_to_swap("sd3_train_network")
+    if out["blocks_to_swap"] > most:
+        raise UserError(f"{where('blocks_to_swap')}: SD3.5 swaps at most {most} blocks (Large; Medium 22), got "
+                        f"{out['blocks_to_swap']}")
+    for name in ("training_shift", "logit_std"):
+        if out[name] <= 0:
+            raise UserError(f"{where(name)}: must be above 0, got {out[name]!r}")
+    if out["max_token_length"] is not None:
+        warnings.append(f"{where('max_token_length')}: not used by SD3 (77 CLIP tokens, t5xxl_max_token_length T5)")
 
 
 def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> None:

@@ -147,10 +147,16 @@ def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_sk
 
 def encode_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length: int | None = None,
                    clip_skip: int | None = None, dtype: Any = None, t5xxl_max_token_length: int | None = None,
-                   apply_t5_attn_mask: bool = False) -> TextConditioning:
+                   apply_t5_attn_mask: bool = False, apply_lg_attn_mask: bool = False) -> TextConditioning:
     """Tokenize and encode captions with every text encoder of the bundle (on their current devices).
 
-    ``t5xxl_max_token_length`` / ``apply_t5_attn_mask`` are kohya's FLUX options (ignored by SD families)."""
+    ``t5xxl_max_token_length`` / ``apply_t5_attn_mask`` are kohya's FLUX and SD3 options, ``apply_lg_attn_mask``
+    SD3's (all ignored by SD families). SD3's conditioning is ``models.sd3_text``'s."""
+    if bundle.family.kohya_script == "sd3_train_network.py":
+        from sd_scripts_compat.models.sd3_text import encode_sd3_tokens, tokenize_sd3
+
+        return encode_sd3_tokens(bundle, tokenize_sd3(bundle, captions, t5xxl_max_token_length), dtype=dtype,
+                                 apply_lg_attn_mask=apply_lg_attn_mask, apply_t5_attn_mask=apply_t5_attn_mask)
     if any(te.tokenizer_kind == "t5" for te in bundle.family.text_encoders):
         ids = tokenize_flux(bundle, captions, t5xxl_max_token_length)
         return encode_flux_tokens(bundle, ids, apply_t5_attn_mask=apply_t5_attn_mask, dtype=dtype)

@@ -489,7 +489,7 @@ def build_metadata(family: FamilySpec, facts: TrainingFacts) -> dict[str, str]:
         "modelspec.resolution": f"{width}x{height}",
         "modelspec.date": datetime.datetime.fromtimestamp(stamp).isoformat(),
     }
-    if not family.flow_matching:  # sd-scripts writes no prediction type for FLUX
+    if not family.flux_model_type:  # sd-scripts writes none for FLUX.1 / Chroma, "epsilon" for SD3 too
         spec["modelspec.prediction_type"] = "v" if family.v_parameterization else "epsilon"
     for key in ("author", "description", "license", "tags"):
         value = getattr(facts, key)

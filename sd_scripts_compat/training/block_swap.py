@@ -279,7 +279,7 @@ def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any,
     :func:`place_except_swapped` move the rest, so the swapped blocks never occupy the device at once."""
     if not blocks_to_swap:
         return None
-    doubles, singles = list(transformer.transformer_blocks), list(transformer.single_transformer_blocks)
+    doubles, singles = list(transformer.transformer_blocks), list(getattr(transformer, "single_transformer_blocks", ()))
     n_double, n_single = family.swap_split(blocks_to_swap) if family is not None else \
         swap_split(blocks_to_swap, len(doubles), len(singles))
     blocks = doubles + singles

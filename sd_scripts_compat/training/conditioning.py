@@ -13,9 +13,11 @@ class Conditioner:
     output and T5 mask (a flow-matching family)."""
 
     def __init__(self, bundle: Any, *, max_token_length: int | None, clip_skip: int | None, dtype: Any,
-                 t5_max_length: int | None = None, apply_t5_attn_mask: bool = False) -> None:
+                 t5_max_length: int | None = None, apply_t5_attn_mask: bool = False,
+                 apply_lg_attn_mask: bool = False) -> None:
         self.bundle, self.max_token_length, self.clip_skip, self.dtype = bundle, max_token_length, clip_skip, dtype
         self.t5_max_length, self.apply_t5_attn_mask = t5_max_length, apply_t5_attn_mask
+        self.apply_lg_attn_mask = apply_lg_attn_mask  # SD3: zero CLIP-L/G padding outputs
         self.flow_matching = getattr(bundle.family, "objective", "") == "flow_matching"
 
     def encode(self, captions: list[str], *, train: bool = False) -> Any:
@@ -24,8 +26,8 @@ class Conditioner:
 
         from sd_scripts_compat.models.text_encoding import encode_prompts
 
-        extra = {"t5xxl_max_token_length": self.t5_max_length, "apply_t5_attn_mask": self.apply_t5_attn_mask} \
-            if self.flow_matching else {}
+        extra = {"t5xxl_max_token_length": self.t5_max_length, "apply_t5_attn_mask": self.apply_t5_attn_mask,
+                 "apply_lg_attn_mask": self.apply_lg_attn_mask} if self.flow_matching else {}
         with torch.set_grad_enabled(train):
             return encode_prompts(self.bundle, captions, max_token_length=self.max_token_length,
                                   clip_skip=self.clip_skip, dtype=self.dtype, **extra)

@@ -240,6 +240,7 @@ def cache_inputs(config: TrainingConfig, process: Process, model: Model, data: D
     """Latents, then text-encoder outputs, when cached; ``progress(n)``: n more images done (phase.json)."""
     conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
                               dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
+                              apply_lg_attn_mask=bool(config.apply_lg_attn_mask),
                               t5_max_length=config.t5xxl_max_token_length
                               or getattr(model.family, "t5xxl_max_token_length", None))
     cached_latents = _cache_latents(config, process, model, data, progress)
@@ -301,7 +302,8 @@ def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Da
                                    max_token_length=conditioner.t5_max_length if own else config.max_token_length,
                                    clip_skip=config.clip_skip, is_main_process=process.is_main,
                                    cache_dir=cache_dir(process), encode=conditioner.encode if own else None,
-                                   variant=f"+t5_mask={conditioner.apply_t5_attn_mask}" if own else "",
+                                   variant=(f"+t5_mask={conditioner.apply_t5_attn_mask}" + (
+                                       "+lg_mask=True" if conditioner.apply_lg_attn_mask else "")) if own else "",
                                    progress=progress)
         encoded, reused = encoded + stats.encoded, reused + stats.reused
     if config.cache_text_encoder_outputs_to_disk:
@@ -454,6 +456,10 @@ def build_objective(config: TrainingConfig, process: Process, model: Model) -> O
 
     from sd_scripts_compat.training.objectives import NoisePredictionObjective
 
+    if model.family.kohya_script == "sd3_train_network.py":  # SD3's flow matching, as its script defines it
+        from sd_scripts_compat.training.sd3_flow import Sd3FlowObjective, Sd3FlowSettings
+
+        return Sd3FlowObjective(Sd3FlowSettings.from_config(config))
     if getattr(model.family, "objective", "noise_prediction") == "flow_matching":
         from sd_scripts_compat.training.flow_matching import FlowMatchingObjective, FlowMatchSettings
 
@@ -978,6 +984,10 @@ def _family_metadata(config: TrainingConfig, model: Model) -> dict[str, str]:
     """Metadata the family's objective adds (FLUX.1: sd-scripts' flow-matching ss_ keys)."""
     if getattr(model.family, "objective", "") != "flow_matching":
         return {}
+    if model.family.kohya_script == "sd3_train_network.py":
+        from sd_scripts_compat.training.sd3_flow import sd3_metadata
+
+        return sd3_metadata(config)
     from sd_scripts_compat.training.flow_matching import flux_metadata
 
     return flux_metadata(config)
@@ -985,8 +995,8 @@ def _family_metadata(config: TrainingConfig, model: Model) -> dict[str, str]:
 
 def _script(config: TrainingConfig, sdxl: bool) -> str:
     """The entry point this run was started as (``kohya_args.SCRIPTS``)."""
-    if getattr(config, "script", None) == "flux_train_network":
-        return "flux_train_network"
+    if getattr(config, "script", None) in ("flux_train_network", "sd3_train_network"):
+        return config.script
     return "sdxl_train_network" if sdxl else "train_network"
 
 
@@ -994,8 +1004,8 @@ def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
     from sd_scripts_compat.models.detect import family_for_kohya_flags
 
-    if sdxl or _script(config, sdxl) == "flux_train_network":
-        return None  # detected from the file; load_model checks it is SDXL / FLUX
+    if sdxl or _script(config, sdxl) in ("flux_train_network", "sd3_train_network"):
+        return None  # detected from the file; load_model checks it is SDXL / FLUX / SD3
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 
