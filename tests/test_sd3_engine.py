@@ -40,7 +40,9 @@ def test_tiny_sd3_learns_and_writes_sd_scripts_lora(tmp_path):
     done = json.loads((events / "done.json").read_text())
     losses = [loss for _, loss in done["validation_loss"]]
     assert [step for step, _ in done["validation_loss"]] == [0, 12, 24]
-    assert losses[-1] < 0.9 * losses[0], losses  # held-out loss at fixed timesteps and noise
+    # held-out loss at fixed timesteps and noise: 1.341 -> 1.198 here (0.89x; SD3's image target has a higher
+    # floor on a random model than FLUX's velocity)
+    assert losses[-1] < 0.93 * losses[0], losses
     state, metadata = read_lora_file(tmp_path / "out" / "sd3.safetensors")
     modules = {k.split(".")[0] for k in state}
     # kohya's lora_sd3 names: block 0 has MMDiT-X's second attention, the last context block is pre-only
