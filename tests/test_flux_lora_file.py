@@ -182,13 +182,8 @@ def test_lora_of_another_family_is_refused_in_one_line(flux_lora):
         create_network_from_weights(bundle, sd_lora)
 
 
-CHROMA_VARIANTS = {"tiny-double-blocks": {"num_single_layers": 0},
-                   "wide-single-block": {"num_layers": 0, "num_single_layers": 1, "num_attention_heads": 24,
-                                         "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]}}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(CHROMA_VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_diffusers_chroma_pipeline_loads_our_lora(tmp_path, variant):
     """diffusers' ChromaPipeline (its kohya-FLUX LoRA converter) takes our Chroma LoRA: every key used, the
     transformer's output equal to our network's (same tolerance and same width caveat as FLUX above)."""
@@ -196,7 +191,7 @@ def test_diffusers_chroma_pipeline_loads_our_lora(tmp_path, variant):
     from peft.tuners.lora import LoraLayer
 
     tiny = get_family("tiny-chroma")
-    bundle = build_modules(replace(tiny, unet={**tiny.unet, **CHROMA_VARIANTS[variant]}), seed=0)
+    bundle = build_modules(replace(tiny, unet={**tiny.unet, **VARIANTS[variant]}), seed=0)
     network = _randomized_network(bundle)
     path = tmp_path / "chroma_lora.safetensors"
     facts = replace(_facts(), extra={"model_type": "chroma", "guidance_scale": 0.0})
