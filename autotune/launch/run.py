@@ -85,8 +85,8 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def check_engine_trains(model: str, family: str | None) -> None:
-    """A family our engine does not train (``trained_here`` false: Lumina 2, HunyuanImage-2.1, Anima, and SD3.5 /
-    Chroma until the engine has them) is one line naming sd-scripts' script and ``--engine``, before planning."""
+    """A family our engine does not train (``trained_here`` false: Lumina 2, HunyuanImage-2.1, Anima, and SD3.5
+    until the engine loads its files) is one line naming sd-scripts' script and ``--engine``, before planning."""
     from sd_scripts_compat.models.detect import detect_family
 
     spec = detect_family(model, family)
