@@ -131,8 +131,8 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
     "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift", "weighting_scheme",
     "logit_mean", "logit_std", "mode_scale", "blocks_to_swap", "model_type", "split_mode",
-    # SD3 / SD3.5 (sd3_train_network): CLIP-G, the CLIP masks, the timestep shift
-    "clip_g", "apply_lg_attn_mask", "training_shift",
+    # SD3 / SD3.5 (sd3_train_network): the CLIP masks, the timestep shift (its model files are not read yet)
+    "apply_lg_attn_mask", "training_shift",
 })
 ALIASES = frozenset({"caption_extention", "use_8bit_adam", "use_lion_optimizer"})
 
@@ -318,7 +318,6 @@ class TrainingConfig:
     model_type: str = "flux"
     split_mode: bool = False  # deprecated in sd-scripts: blocks_to_swap = 18
     # SD3 / SD3.5 (sd3_train_network only)
-    clip_g: str | None = None
     apply_lg_attn_mask: bool = False
     training_shift: float = 1.0
     # engine extensions (not kohya options; command line only, never written to kohya configs)

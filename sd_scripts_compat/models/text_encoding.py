@@ -151,10 +151,8 @@ def encode_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length
     """Tokenize and encode captions with every text encoder of the bundle (on their current devices).
 
     ``t5xxl_max_token_length`` / ``apply_t5_attn_mask`` are kohya's FLUX and SD3 options, ``apply_lg_attn_mask``
-    SD3's (all ignored by SD families). SD3's conditioning is ``models.sd3_text``'s."""
+    SD3's (all ignored by SD families). SD3's: :func:`encode_sd3_tokens`."""
     if bundle.family.kohya_script == "sd3_train_network.py":
-        from sd_scripts_compat.models.sd3_text import encode_sd3_tokens, tokenize_sd3
-
         return encode_sd3_tokens(bundle, tokenize_sd3(bundle, captions, t5xxl_max_token_length), dtype=dtype,
                                  apply_lg_attn_mask=apply_lg_attn_mask, apply_t5_attn_mask=apply_t5_attn_mask)
     if any(te.tokenizer_kind == "t5" for te in bundle.family.text_encoders):
@@ -212,6 +210,61 @@ def encode_flux_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, app
         states, pooled = states.to(dtype), pooled.to(dtype) if pooled is not None else None
     txt_ids = torch.zeros(states.shape[1], 3, device=states.device, dtype=states.dtype)
     return TextConditioning(states, pooled, attention_mask=ids["t5_mask"].to(states.device), txt_ids=txt_ids)
+
+
+# ---- SD3: sd-scripts' strategy_sd3 ----------------------------------------------------------------------
+# CLIP-L and CLIP-G penultimate hidden states (77 tokens each) side by side on the feature axis, zero-padded to
+# T5-XXL's width and followed by T5-XXL's ``t5xxl_max_token_length`` tokens (77 + 256 = 333 x 4096 for SD3.5), and
+# the two CLIPs' projected pooled outputs side by side (768 + 1280 = 2048). ``apply_lg_attn_mask`` /
+# ``apply_t5_attn_mask`` zero the padding positions of the CLIP / T5 outputs, as sd-scripts does (the encoders
+# themselves run unmasked).
+
+SD3_CLIP_TOKENS = 77
+
+
+def tokenize_sd3(bundle: ModelBundle, captions: list[str], t5xxl_max_token_length: int | None
+                 ) -> dict[str, torch.Tensor]:
+    """Ids and masks per encoder, keyed by its file option (``clip_l``, ``clip_g``, ``t5xxl``)."""
+    from sd_scripts_compat.models.t5_tokenizer import missing_tokenizer_message
+
+    out: dict[str, torch.Tensor] = {}
+    for spec, tokenizer in zip(bundle.family.text_encoders, bundle.tokenizers, strict=True):
+        if tokenizer is None:
+            raise UserError(missing_tokenizer_message(bundle.extra.get("t5xxl")))
+        length = SD3_CLIP_TOKENS if spec.tokenizer_kind == "clip" else check_t5xxl_max_token_length(
+            t5xxl_max_token_length, bundle.family.t5xxl_max_token_length)
+        tokens = tokenizer(captions, max_length=length, padding="max_length", truncation=True, return_tensors="pt")
+        out[spec.file_option], out[f"{spec.file_option}_mask"] = tokens.input_ids, tokens.attention_mask
+    return out
+
+
+def encode_sd3_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, apply_lg_attn_mask: bool = False,
+                      apply_t5_attn_mask: bool = False, dtype: Any = None) -> TextConditioning:
+    """The context (B, 77 + T5 tokens, T5 width) and pooled vector (B, CLIP-L + CLIP-G projections); keeps
+    autograd (a text-encoder LoRA trains through it)."""
+    import torch
+    import torch.nn.functional as F
+
+    clip_states, pooled, t5 = [], [], None
+    for spec, encoder in zip(bundle.family.text_encoders, bundle.text_encoders, strict=True):
+        device = next(encoder.parameters()).device
+        key = spec.file_option
+        mask = ids[f"{key}_mask"].to(device).unsqueeze(-1)
+        if spec.tokenizer_kind == "t5":
+            t5 = encoder(ids[key].to(device), return_dict=True).last_hidden_state
+            t5 = t5 * mask if apply_t5_attn_mask else t5
+            continue
+        out = encoder(ids[key].to(device), output_hidden_states=True, return_dict=True)
+        hidden = out.hidden_states[-2]
+        clip_states.append(hidden * mask if apply_lg_attn_mask else hidden)
+        pooled.append(out.text_embeds)
+    assert t5 is not None, "an SD3 family has a T5 encoder"
+    lg = torch.cat([s.to(t5.device) for s in clip_states], dim=-1)
+    context = torch.cat([F.pad(lg, (0, t5.shape[-1] - lg.shape[-1])), t5], dim=1)
+    vector = torch.cat([p.to(t5.device) for p in pooled], dim=-1)
+    if dtype is not None:
+        context, vector = context.to(dtype), vector.to(dtype)
+    return TextConditioning(context, vector)
 
 
 def sdxl_time_ids(original_sizes_hw: torch.Tensor, crop_top_lefts: torch.Tensor, target_sizes_hw: torch.Tensor,
