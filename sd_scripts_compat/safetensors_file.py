@@ -54,9 +54,11 @@ def read_entries(handle: BinaryIO) -> tuple[dict[str, Entry], dict[str, str]]:
     return entries, {str(k): str(v) for k, v in metadata.items()}
 
 
-def read_tensors(path: str | os.PathLike[str], dtype_of: Callable[[str], torch.dtype | None]) -> dict[str, Any]:
-    """Every tensor of ``path``, each read into its own buffer and cast to ``dtype_of(name)`` when floating (None:
-    kept as stored); the stored copy goes as soon as its cast exists. ValueError / OSError when unreadable."""
+def read_tensors(path: str | os.PathLike[str], dtype_of: Callable[[str], torch.dtype | None],
+                 keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """Every tensor of ``path`` (or those ``keep`` names), each read into its own buffer and cast to
+    ``dtype_of(name)`` when floating (None: kept as stored); the stored copy goes as soon as its cast exists.
+    ValueError / OSError when unreadable."""
     import torch
 
     dtypes = _torch_dtypes(torch)
@@ -64,6 +66,8 @@ def read_tensors(path: str | os.PathLike[str], dtype_of: Callable[[str], torch.d
     with Path(path).open("rb", buffering=0) as handle:
         entries, _ = read_entries(handle)
         for key, entry in entries.items():
+            if keep is not None and not keep(key):
+                continue
             stored = dtypes.get(entry.dtype)
             if stored is None:
                 raise ValueError(f"tensor {key} has the unknown dtype {entry.dtype}")

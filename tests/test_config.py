@@ -149,17 +149,17 @@ def test_lora_scripts_default_template_is_accepted():
 
 
 def test_gui_keys_warn_and_unimplemented_kohya_keys_warn(tmp_path, caplog):
-    path = write(tmp_path, 'model_train_type = "sd-lora"\nconv_dim = 4\nlowram = true\nvae = "/m/vae.pt"\n'
+    path = write(tmp_path, 'model_train_type = "sd-lora"\nconv_dim = 4\nlowram = true\nzero_terminal_snr = true\n'
                            'mem_eff_attn = true\nhighvram = false\n')
     with caplog.at_level("WARNING", logger="sd_scripts_compat.config.training_config"):
         cfg = load(path)
     text = "\n".join(cfg.warnings)
     assert "model_train_type" in text and "conv_dim" in text and 'network_args = ["conv_dim=4"' in text
-    for name in ("lowram", "vae", "mem_eff_attn"):
+    for name in ("lowram", "zero_terminal_snr", "mem_eff_attn"):
         assert f"{name}: sd-scripts option not implemented" in text
     assert "highvram" not in text  # at its default: nothing is lost
     assert len(caplog.records) == len(cfg.warnings) == 5
-    assert cfg.raw["vae"] == "/m/vae.pt"
+    assert cfg.raw["zero_terminal_snr"] is True
 
 
 # --- precedence -----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import toml
 import torch
-from fixtures.engine_runs import run_engine
+from fixtures.engine_runs import run_engine, toy_dataset
 
 from sd_scripts_compat.network.lora_file import read_lora_file
 
@@ -161,17 +161,9 @@ def test_autotune_train_routes_a_flux_config_to_the_flux_engine(tmp_path):
 def test_autotune_run_plans_and_trains_tiny_flux_with_its_engine(tmp_path, family, version, architecture):
     """``autotune run`` on a FLUX model: the planner's FLUX config is read with the FLUX script's rules and
     trained by flux_train_network under the watchdog, ending in a kohya FLUX LoRA and the run's report."""
-    import numpy as np
-    from PIL import Image
-
-    folder = tmp_path / "data" / "2_toy"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for i in range(2):
-        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
+    data = toy_dataset(tmp_path)
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "autotune", "run", str(folder.parent), "--model", f"builtin:{family}",
+    command = [sys.executable, "-m", "autotune", "run", str(data), "--model", f"builtin:{family}",
                "--out", str(out), "--epochs", "1"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

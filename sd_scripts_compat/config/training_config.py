@@ -131,8 +131,8 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
     "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift", "weighting_scheme",
     "logit_mean", "logit_std", "mode_scale", "blocks_to_swap", "model_type", "split_mode",
-    # SD3 / SD3.5 (sd3_train_network): the CLIP masks, the timestep shift (its model files are not read yet)
-    "apply_lg_attn_mask", "training_shift",
+    # SD3 / SD3.5 (sd3_train_network): its CLIP-G file, the CLIP masks, the timestep shift; a VAE file (all)
+    "clip_g", "apply_lg_attn_mask", "training_shift", "vae",
 })
 ALIASES = frozenset({"caption_extention", "use_8bit_adam", "use_lion_optimizer"})
 
@@ -317,7 +317,9 @@ class TrainingConfig:
     blocks_to_swap: int = 0  # kohya's None is 0 here
     model_type: str = "flux"
     split_mode: bool = False  # deprecated in sd-scripts: blocks_to_swap = 18
-    # SD3 / SD3.5 (sd3_train_network only)
+    # SD3 / SD3.5 (sd3_train_network only), and the VAE file every script takes
+    clip_g: str | None = None
+    vae: str | None = None
     apply_lg_attn_mask: bool = False
     training_shift: float = 1.0
     # engine extensions (not kohya options; command line only, never written to kohya configs)
@@ -657,9 +659,6 @@ def _normalize_sd3(out: dict[str, Any], where: Any, warnings: list[str]) -> None
     """sd3_train_network's own rules, as sd-scripts applies them (fp8_base_unet implies fp8_base)."""
     if out["fp8_base_unet"]:
         out["fp8_base"] = True
-    if out["sample_prompts"]:
-        raise UserError(f"{where('sample_prompts')}: sampling SD3 is not implemented by this engine; remove "
-                        "sample_prompts")
     most = most_blocks_to_swap("sd3_train_network")
     if out["blocks_to_swap"] > most:
         raise UserError(f"{where('blocks_to_swap')}: SD3.5 swaps at most {most} blocks (Large; Medium 22), got "

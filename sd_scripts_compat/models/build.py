@@ -81,6 +81,27 @@ def family_tokenizers(family: FamilySpec, t5_tokenizer: str | None = None) -> li
     return out
 
 
+def tiny_twin(family: FamilySpec) -> FamilySpec:
+    """The tiny family trained by the same script as ``family`` (same FLUX model type): what to try it with."""
+    from sd_scripts_compat.models.families import family_names, get_family
+
+    tiny = [get_family(name) for name in family_names() if get_family(name).tiny]
+    return next((f for f in tiny if (f.kohya_script, f.flux_model_type) == (family.kohya_script,
+                                                                            family.flux_model_type)), tiny[0])
+
+
+def empty_modules(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
+    """A family's denoiser, VAE and text encoders with parameters on the meta device (real buffers), to be filled
+    from a file by ``load_state_dict(assign=True)``: no random weights drawn only to be overwritten."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return (build_denoiser(family.unet),
+                getattr(diffusers, family.vae.get("_class_name", "AutoencoderKL"))(**model_config(family.vae)),
+                [build_text_encoder(te.config) for te in family.text_encoders])
+
+
 def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                   seed: int | None = 0, builtin: bool = False, vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """Build a family's denoiser, VAE and text encoders from its configs with random weights.
@@ -102,11 +123,13 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
     if builtin and family.builtin_meta_only and str(device) != "meta":
         raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
                         "to train, give the real model file as pretrained_model_name_or_path (or use "
-                        f"builtin:{'tiny-chroma' if family.flux_model_type == 'chroma' else 'tiny-flux'} to try)")
+                        f"builtin:{tiny_twin(family).name} to try)")
 
-    if seed is not None and str(device) != "meta":
-        torch.manual_seed(seed)
-    with torch.device(device):
+    # the weights come from their own seed, leaving the caller's random stream as it was: a run from builtin:ID
+    # draws its LoRA and noise exactly as a run from the same weights saved as files
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        if seed is not None and str(device) != "meta":
+            torch.manual_seed(seed)
         unet = build_denoiser(family.unet)
         vae = getattr(diffusers, family.vae.get("_class_name", "AutoencoderKL"))(**model_config(family.vae))
         text_encoders = [build_text_encoder(te.config) for te in family.text_encoders]

@@ -43,12 +43,14 @@ DtypeOf = Callable[[str], "torch.dtype | None"]  # a tensor's name -> the dtype 
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
-                    header_only: bool = False, dtype_of: DtypeOf | None = None) -> Checkpoint:
+                    header_only: bool = False, dtype_of: DtypeOf | None = None,
+                    keep: Callable[[str], bool] | None = None) -> Checkpoint:
     """Read a ``.safetensors`` (or, behind ``allow_pickle``, a ``.ckpt``/``.pt``) checkpoint.
 
     ``dtype_of`` casts each floating tensor as it is read (the training dtype of the module it goes to), so the
     file's own copy of a tensor lives only until it is cast: loading needs the loaded modules' size, not the
-    file's plus theirs. Every failure is a one-line UserError naming the file: missing, unknown suffix, pickle
+    file's plus theirs. ``keep`` names the tensors to read (a .safetensors file's others are never read; default
+    all). Every failure is a one-line UserError naming the file: missing, unknown suffix, pickle
     without the flag, unreadable / truncated / not a checkpoint at all.
     """
     path = Path(path)
@@ -57,7 +59,7 @@ def read_checkpoint(path: str | os.PathLike[str], *, allow_pickle: bool = False,
                         "with model_index.json, or builtin:<id>")
     suffix = path.suffix.lower()
     if suffix == ".safetensors":
-        return _current_text_encoder_names(_read_safetensors(path, header_only, dtype_of))
+        return _current_text_encoder_names(_read_safetensors(path, header_only, dtype_of, keep))
     if suffix in PICKLE_SUFFIXES:
         if not allow_pickle:
             raise UserError(f"{path} is a pickle checkpoint, which can run code when loaded; convert it to "
@@ -87,7 +89,8 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
-def _read_safetensors(path: Path, header_only: bool, dtype_of: DtypeOf | None) -> Checkpoint:
+def _read_safetensors(path: Path, header_only: bool, dtype_of: DtypeOf | None,
+                      keep: Callable[[str], bool] | None = None) -> Checkpoint:
     from safetensors import safe_open
 
     from sd_scripts_compat.safetensors_file import read_tensors
@@ -101,7 +104,7 @@ def _read_safetensors(path: Path, header_only: bool, dtype_of: DtypeOf | None) -
             dtypes = {key: piece.get_dtype() for key, piece in slices.items()}
             _refuse_quantized(path, dtypes)
         # each tensor into its own buffer and cast at once: no mapped file stays resident beside the modules
-        tensors = None if header_only else read_tensors(path, dtype_of or (lambda key: None))
+        tensors = None if header_only else read_tensors(path, dtype_of or (lambda key: None), keep)
     except UserError:
         raise
     except Exception as exc:  # safetensors raises its own SafetensorError plus OSError/ValueError

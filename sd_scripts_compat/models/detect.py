@@ -143,7 +143,7 @@ def _family_of_single_file(path: Path, stated: str | None, stated_by: str,
 
     checkpoint = read_checkpoint(path, header_only=True, allow_pickle=allow_pickle)
     own = header_marker_candidates(checkpoint.shapes, all_families())
-    if own:  # SD3.5, Lumina 2, HunyuanImage-2.1, Anima: sd-scripts trains them, we plan them
+    if own:  # SD3.5 (ours), Lumina 2, HunyuanImage-2.1, Anima (sd-scripts trains them): told by the header
         return choose_family(own, None, stated, subject=str(path), noun="checkpoint", stated_by=stated_by)
     layout = detect_layout(checkpoint)
     matched = checkpoint_candidates(checkpoint.shapes, layout, all_families())

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec, model_config
+from sd_scripts_compat.models.build import empty_modules
+from sd_scripts_compat.models.families import FamilySpec
 
 if TYPE_CHECKING:
     import torch
@@ -64,17 +65,6 @@ def _read(path: str | os.PathLike[str], option: str, header_only: bool,
         raise UserError(f"{checkpoint.path} holds {found}, not what {option} needs; give {_EXPECTED[option]} "
                         f"as {option}")
     return checkpoint.shapes if header_only else checkpoint.tensors
-
-
-def _empty(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKL
-
-    from sd_scripts_compat.models.build import build_denoiser, build_text_encoder
-
-    with init_empty_weights(include_buffers=False):
-        return (build_denoiser(family.unet), AutoencoderKL(**model_config(family.vae)),
-                [build_text_encoder(te.config) for te in family.text_encoders])
 
 
 def _fill(module: Any, state: Mapping[str, torch.Tensor], part: str, path: Path, dtype: torch.dtype | None) -> None:
@@ -151,7 +141,7 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
     if missing:
         raise UserError(f"{path} is a FLUX transformer file without text encoders or AE; also give "
                         f"{', '.join(missing)} (clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors)")
-    transformer, vae, text_encoders = _empty(spec)
+    transformer, vae, text_encoders = empty_modules(spec)
     checkpoint = read_checkpoint(path, dtype_of=lambda key: dtype)
     _fill(transformer, to_diffusers(checkpoint.tensors, transformer.config), "transformer", path, dtype)
     return ModelBundle(family=spec, unet=transformer, vae=vae, text_encoders=text_encoders, tokenizers=[],
@@ -175,7 +165,7 @@ def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | No
     if absent:
         raise UserError(f"{folder} has no {', '.join(parts[o] + '/' for o in absent)}; give {', '.join(absent)} "
                         "as files or use a complete diffusers FLUX.1 folder")
-    _, vae, text_encoders = _empty(spec)
+    _, vae, text_encoders = empty_modules(spec)
     try:
         transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer" if pipeline else folder,
                                                              local_files_only=True, torch_dtype=target)
@@ -204,10 +194,10 @@ def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | No
 
 def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: Any, vae_dtype: Any) -> None:
     """Load each part file that was given into the bundle (replacing a folder's or a built-in's part)."""
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+    from sd_scripts_compat.models.single_file import vae_from_state
 
     spec = bundle.family
-    _, vae, text_encoders = _empty(spec)
+    _, _, text_encoders = empty_modules(spec)
     index = {te.file_option: i for i, te in enumerate(spec.text_encoders)}  # Chroma: T5 only, at index 0
     for option, path in given.items():
         if not path or (option != "ae" and option not in index):  # kohya ignores clip_l for Chroma
@@ -216,10 +206,7 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
         tensors = _read(path, option, header_only=False, dtype=part_dtype)
         if option == "ae":
             _check_latent_channels(tensors, spec, Path(path))
-            diffusers_names = any(k.startswith("decoder.up_blocks.") for k in tensors)  # a diffusers vae/ file
-            state = tensors if diffusers_names else convert_ldm_vae_checkpoint(tensors, model_config(spec.vae))
-            _fill(vae, state, "ae", Path(path), vae_dtype)
-            bundle.vae = vae
+            bundle.vae = vae_from_state(tensors, spec, Path(path), vae_dtype)
         elif option == "clip_l":
             _fill(text_encoders[index[option]], clip_l_state(tensors), "clip_l", Path(path), dtype)
             bundle.text_encoders[index[option]] = text_encoders[index[option]]
@@ -256,14 +243,9 @@ def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
     """Write the bundle as sd-scripts' FLUX files (flux1.safetensors in BFL layout, clip_l, t5xxl, ae; Chroma
     without clip_l), atomically; returns option -> path. ``dtype`` casts floating tensors (e.g. bf16)."""
     from sd_scripts_compat.models.flux_layout import to_bfl
-    from sd_scripts_compat.models.single_file import _vae_name_to_original
+    from sd_scripts_compat.models.single_file import original_vae_state
 
-    vae_config = dict(bundle.vae.config)
-    ae = {}
-    for name, tensor in bundle.vae.state_dict().items():
-        original = _vae_name_to_original(name, vae_config)
-        ae[original] = tensor[:, :, None, None] if ".mid.attn_1." in original and tensor.ndim == 2 and (
-            original.endswith(".weight")) else tensor
+    ae = original_vae_state(bundle.vae)
     parts = {"pretrained_model_name_or_path": ("flux1.safetensors", to_bfl(bundle.unet.state_dict(),
                                                                            bundle.unet.config)),
              "ae": ("ae.safetensors", ae)}
@@ -277,11 +259,11 @@ def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
                                                     if k != "encoder.embed_tokens.weight"})
     out = {}
     for option, (name, tensors) in parts.items():
-        out[option] = _write(Path(folder) / name, tensors, dtype)
+        out[option] = write_part_file(Path(folder) / name, tensors, dtype)
     return out
 
 
-def _write(path: Path, tensors: Mapping[str, torch.Tensor], dtype: Any) -> Path:
+def write_part_file(path: Path, tensors: Mapping[str, torch.Tensor], dtype: Any) -> Path:
     from safetensors.torch import save_file
 
     from sd_scripts_compat.atomic import atomic_path

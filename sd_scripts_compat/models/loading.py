@@ -37,13 +37,16 @@ DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
 def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, allow_pickle: bool = False,
                     device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     clip_l: str | None = None, t5xxl: str | None = None, ae: str | None = None,
-                    t5xxl_tokenizer: str | None = None, vae_dtype: torch.dtype | None = None) -> ModelBundle:
+                    clip_g: str | None = None, vae: str | None = None, t5xxl_tokenizer: str | None = None,
+                    vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """Load (or build) a base model from ``spec``; see the module docstring for the accepted forms.
 
     ``family`` is the user's statement of what the model is (e.g. ``sd2-v`` for an SD2 768-v file
     without a v-prediction marker); a model that contradicts it is a UserError naming both.
     ``clip_l`` / ``t5xxl`` / ``ae`` / ``t5xxl_tokenizer`` are kohya's FLUX part options
-    (``models.flux_files``); a FLUX transformer file or folder goes there by itself. ``dtype`` is the dtype the
+    (``models.flux_files``); a FLUX transformer file or folder goes there by itself. An SD3 file or built-in goes
+    to ``models.sd3_files`` with ``clip_l`` / ``clip_g`` / ``t5xxl`` / ``vae``; ``vae`` (sd-scripts' option)
+    replaces an SD model's VAE too. ``dtype`` is the dtype the
     weights train in (the VAE's ``vae_dtype``, default ``dtype``; both default fp32): each tensor is cast as it is
     read, so loading holds the modules, not the file beside them.
     """
@@ -54,6 +57,29 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
 
         time.sleep(float(os.environ[LOAD_DELAY_ENV]))
     text = os.fspath(spec)
+    if clip_g or _is_sd3_source(text, family):
+        from sd_scripts_compat.models.sd3_files import load_sd3_model
+
+        return load_sd3_model(text, parts={"clip_l": clip_l, "clip_g": clip_g, "t5xxl": t5xxl, "vae": vae},
+                              t5xxl_tokenizer=t5xxl_tokenizer, family=family, device=device, dtype=dtype,
+                              vae_dtype=vae_dtype)
+    bundle = _load_other(text, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype,
+                         parts={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae, "t5xxl_tokenizer": t5xxl_tokenizer},
+                         vae_dtype=vae_dtype)
+    if vae and str(device) != "meta":
+        from sd_scripts_compat.models.single_file import load_vae_file
+
+        if bundle.family.flow_matching:
+            raise UserError(f"vae = {vae}: {bundle.family.description} takes its autoencoder as ae; rename the key")
+        bundle.vae = load_vae_file(vae, bundle.family, vae_dtype or dtype).to(device)
+    return bundle
+
+
+def _load_other(text: str, *, family: str | None, allow_pickle: bool, device: str | torch.device,
+                dtype: torch.dtype | None, parts: dict[str, str | None], vae_dtype: torch.dtype | None
+                ) -> ModelBundle:
+    """Every model but SD3: FLUX files, built-ins, diffusers folders, SD single files."""
+    clip_l, t5xxl, ae, t5xxl_tokenizer = (parts[k] for k in ("clip_l", "t5xxl", "ae", "t5xxl_tokenizer"))
     if any((clip_l, t5xxl, ae, t5xxl_tokenizer)) or _is_flux_source(text):
         from sd_scripts_compat.models.flux_files import load_flux_model
 
@@ -68,6 +94,19 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
 
     return load_single_file(path, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype,
                             vae_dtype=vae_dtype)
+
+
+def _is_sd3_source(text: str, family: str | None) -> bool:
+    """An SD3 built-in, single file or diffusers folder (its family's ``single_file_layout``, from the header or
+    the configs alone)."""
+    path = Path(text).expanduser()
+    if not (text.startswith(BUILTIN_PREFIX) or path.is_dir()
+            or (path.is_file() and path.suffix.lower() == ".safetensors")):
+        return False
+    try:
+        return detect_family(text, family, stated_by=ENGINE_STATED_BY).single_file_layout == "sd3"
+    except UserError:
+        return False  # the family's own loader says what is wrong, in its words
 
 
 def _is_flux_source(text: str) -> bool:

@@ -78,6 +78,19 @@ def _vae_name_to_original(name: str, config: Mapping[str, Any]) -> str:
     return name
 
 
+def original_vae_state(vae: Any) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKL's tensors under the original VAE names, without ``first_stage_model.`` (the
+    layout of FLUX.1's ae.safetensors and of the VAE inside SD / SD3 single files)."""
+    config = dict(vae.config)
+    out = {}
+    for name, tensor in vae.state_dict().items():
+        original = _vae_name_to_original(name, config)
+        if ".mid.attn_1." in original and original.endswith(".weight") and tensor.ndim == 2:
+            tensor = tensor[:, :, None, None]  # the original VAE attention uses 1x1 convs
+        out[original] = tensor
+    return out
+
+
 def _clip_state(prefix: str, text_encoder: Any) -> dict[str, torch.Tensor]:
     """transformers CLIP text model -> ``<prefix>embeddings...`` (the original SD1 / SDXL-TE1 layout)."""
     out = {}
@@ -143,12 +156,7 @@ def original_state_dict(bundle: ModelBundle, include_placeholders: bool = True) 
     unet_config = dict(bundle.unet.config)
     out = {UNET_PREFIX + diffusers_to_ldm_unet_name(name, unet_config): t
            for name, t in bundle.unet.state_dict().items()}
-    vae_config = dict(bundle.vae.config)
-    for name, tensor in bundle.vae.state_dict().items():
-        original = _vae_name_to_original(name, vae_config)
-        if ".mid.attn_1." in original and original.endswith(".weight") and tensor.ndim == 2:
-            tensor = tensor[:, :, None, None]  # the original VAE attention uses 1x1 convs
-        out[VAE_PREFIX + original] = tensor
+    out.update({VAE_PREFIX + name: tensor for name, tensor in original_vae_state(bundle.vae).items()})
     placeholders: set[str] = set()
     if layout == "sd1":
         out.update(_clip_state(SD1_TE_PREFIX, bundle.text_encoders[0]))
@@ -254,7 +262,8 @@ def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None
 
     A ``FamilySpec`` passed as ``stated`` is the only candidate (custom variants, tests). A stated
     family name that the file contradicts is a UserError naming both. A file of a family sd-scripts trains for us
-    (SD3.5, Lumina 2, HunyuanImage-2.1, Anima: told by its header) is a UserError naming sd-scripts' script.
+    (Lumina 2, HunyuanImage-2.1, Anima: told by its header) is a UserError naming sd-scripts' script; an SD3 file
+    never comes here (``models.sd3_files``).
     """
     from sd_scripts_compat.models.detect import header_marker_candidates
 
@@ -405,6 +414,36 @@ def load_single_file(path: str | os.PathLike[str], *, family: str | FamilySpec |
                        tokenizers=bundle.tokenizers, scheduler_config=dict(spec.scheduler),
                        prediction_type=spec.prediction_type, source=str(path),
                        extra={"format": "single_file", "metadata": checkpoint.metadata})
+
+
+def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: Path, dtype: Any) -> Any:
+    """The family's AutoencoderKL from a VAE's tensors in original or diffusers names (``first_stage_model.``
+    removed), every shape checked; a VAE of another latent width is one line naming the file."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    from sd_scripts_compat.models.build import empty_modules
+
+    conv_out = state.get("encoder.conv_out.weight", state.get("encoder.conv_out.bias"))
+    wanted = 2 * int(family.vae["latent_channels"])  # mean and log-variance
+    if conv_out is not None and conv_out.shape[0] != wanted:
+        raise UserError(f"{path} is a {conv_out.shape[0] // 2}-channel VAE; {family.description} needs a "
+                        f"{wanted // 2}-channel one")
+    diffusers_names = any(k.startswith("decoder.up_blocks.") for k in state)
+    converted = state if diffusers_names else convert_ldm_vae_checkpoint(dict(state), model_config(family.vae))
+    vae = empty_modules(family)[1]
+    _strict_load(vae, converted, "vae", path, dtype)
+    return vae
+
+
+def load_vae_file(path: str | os.PathLike[str], family: FamilySpec, dtype: Any) -> Any:
+    """sd-scripts' ``vae`` option: a VAE file (alone, or inside a checkpoint under ``first_stage_model.``)."""
+    path = Path(path).expanduser()
+    tensors = read_checkpoint(path, dtype_of=lambda key: dtype).tensors
+    if any(k.startswith(VAE_PREFIX) for k in tensors):
+        tensors = {k[len(VAE_PREFIX):]: v for k, v in tensors.items() if k.startswith(VAE_PREFIX)}
+    if not any(k.startswith("decoder.") for k in tensors):
+        raise UserError(f"{path} holds no VAE (no decoder.* tensors); give a VAE file as vae")
+    return vae_from_state(tensors, family, path, dtype)
 
 
 def _empty_bundle(family: FamilySpec) -> ModelBundle:

@@ -158,17 +158,17 @@ def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model
     from sd_scripts_compat.models.loading import load_base_model
     from sd_scripts_compat.models.weight_check import check_finite
 
-    parts = {"clip_l": config.clip_l, "t5xxl": config.t5xxl, "ae": config.ae,  # FLUX.1's separate files
-             "t5xxl_tokenizer": config.t5xxl_tokenizer}
+    parts = {"clip_l": config.clip_l, "clip_g": config.clip_g, "t5xxl": config.t5xxl, "ae": config.ae,
+             "vae": config.vae, "t5xxl_tokenizer": config.t5xxl_tokenizer}  # FLUX.1's and SD3's separate files
     # read straight into the dtypes the modules train in: loading holds the modules, never the file beside them
     bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
                              family=_stated_family(config, sdxl), dtype=process.weight_dtype,
                              vae_dtype=vae_dtype(config, process), **{k: v for k, v in parts.items() if v})
     family = bundle.family
     base = config.pretrained_model_name_or_path
-    encoder_files = [config.clip_l, config.t5xxl] if family.flow_matching else []
-    for index, module in enumerate([bundle.unet, bundle.vae, *bundle.text_encoders]):
-        source = ([base, config.ae or base, *encoder_files][index:index + 1] or [base])[0] or base
+    sources = [base, config.ae or config.vae or base,
+               *(getattr(config, te.file_option or "", None) or base for te in family.text_encoders)]
+    for source, module in zip(sources, [bundle.unet, bundle.vae, *bundle.text_encoders], strict=True):
         check_finite(source, f"the weights of its {type(module).__name__}", module.state_dict().items())
     vae_scale = family.latent_downsample
     if family.flux_model_type and config.model_type != family.flux_model_type:

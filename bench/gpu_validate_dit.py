@@ -1,0 +1,172 @@
+"""The transformer half of ``bench/gpu_validate.py``: measured vs predicted peak VRAM and it/s at the planned swap
+counts, for every DiT family we plan (FLUX.1-dev, Chroma, SD3.5 Medium / Large, Lumina 2, HunyuanImage-2.1, Anima).
+
+For each family and emulated card (``torch.cuda.set_per_process_memory_fraction`` to the tier's size on the real
+GPU) it plans the full-size model with ``autotune.planning.planner`` (the card's own rates, the tier's memory),
+builds its transformer from the family's config with random weights on the host (nothing downloaded; the calibration
+module's ``build_bundle``), stores the Linear weights in fp8 under ``fp8_base``, swaps the planned ``blocks_to_swap``
+with the engine's swapper (``sd_scripts_compat.training.block_swap``, the family's block groups), applies the
+engine's kohya LoRA network and runs warm-up + timed micro-steps at the planned batch, resolution, checkpointing
+and optimizer on random cached latents and text-encoder outputs, with the same forward the memory traces use
+(``autotune.calibration.dit_memtrace.FORWARDS``). Each case writes ``<family>_<tier>gb.json``. For the families
+sd-scripts trains (Lumina 2, HunyuanImage-2.1, Anima) the model and swap are diffusers' and ours, which the memory
+model was calibrated on, not sd-scripts' own code.
+
+``--dry-run`` (any machine) plans every case and prints what it would measure, and runs the very same case code
+for real on the CPU with the tiny twins (tiny-flux, tiny-chroma, tiny-sd3) at 64 px: the full-size models cannot
+step on a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+GIB = 1024**3
+NOT_TENSORS = ("cuda_context", "allocator_overhead", "safety_margin", "swap_buffers")
+TINY_TWINS = {"flux-dev": "tiny-flux", "chroma": "tiny-chroma", "sd3.5-medium": "tiny-sd3",
+              "sd3.5-large": "tiny-sd3"}
+
+
+def make_dit_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
+    from autotune.planning.dataset import nominal_dataset
+    from autotune.planning.planner import plan_training
+    from autotune.planning.request import PlanRequest, gpu_from_spec
+
+    target = gpu_from_spec(spec, vram_gb=tier_gb, name=f"{spec.name} limited to {tier_gb:g} GB")
+    return plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", family=family, gpus=(target,),
+                                     goal=goal, dataset=nominal_dataset(), cpu_physical_cores=8))
+
+
+def planned_row(plan: Any, family: str, tier: float) -> dict[str, Any]:
+    """What the case would measure against: the plan's settings and predictions."""
+    p, s = plan.prediction, plan.settings
+    components = dict(p.components)
+    return {"family": family, "tier_gb": tier, "settings": plan.kohya_values(), "blocks_to_swap": s.blocks_to_swap,
+            "predicted_peak_bytes": p.peak_bytes,
+            "predicted_peak_without_context_bytes": p.peak_bytes - components.get("cuda_context", 0),
+            "predicted_tensor_peak_bytes": sum(v for k, v in components.items() if k not in NOT_TENSORS),
+            "predicted_components": components, "predicted_it_per_s": p.micro_steps_per_s,
+            "predicted_host_ram_bytes": p.ram_peak_bytes, "usable_bytes": p.usable_bytes}
+
+
+def _optimizer(torch: Any, name: str, params: list[Any], cuda: bool) -> Any:
+    if name == "AdamW8bit" and cuda:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-4)
+    if name == "Prodigy":
+        from prodigyopt import Prodigy
+
+        return Prodigy(params, lr=1.0)
+    return torch.optim.AdamW(params, lr=1e-4, fused=cuda)
+
+
+def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int, warmup: int, device: str,
+                 resolution: int | None = None) -> dict[str, Any]:
+    """Train ``family`` at ``settings`` for warmup + steps micro-steps on ``device``; measured peak memory (CUDA)
+    and micro-steps/s. ``resolution`` overrides the planned one (the CPU dry run's tiny twins)."""
+    from autotune.calibration.dit_memtrace import FORWARDS, build_bundle, enable_checkpointing, engine_lora
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
+
+    spec = get_family(family)
+    s, cuda = settings, device == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, tier * GIB / total))
+    bundle = build_bundle(spec, materialize=True)
+    model = bundle.unet
+    if s.fp8_base and cuda:
+        from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+
+        store_frozen_weights_in_fp8(model, torch.bfloat16)
+    swap = enable_flux_block_swap(model, s.blocks_to_swap, device, family=spec)
+    place_except_swapped(model, swap, device, torch.bfloat16)
+    network = engine_lora(bundle, s.network_dim, float(s.network_alpha)).to(device)
+    params = list(network.parameters())
+    if s.gradient_checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    opt = _optimizer(torch, s.optimizer_type, params, cuda)
+    forward, phases = FORWARDS[spec.denoiser_class], SimpleNamespace(phase="")  # no counting: real memory
+    res = resolution or s.resolution[0]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, oom = [], None
+    try:
+        for i in range(warmup + steps):
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.device(device):
+                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens)
+            if (i + 1) % s.gradient_accumulation_steps == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - started)
+    except torch.OutOfMemoryError as error:
+        oom = str(error).splitlines()[0]
+    measured = {"oom": oom is not None, "oom_message": oom, "timed_micro_steps": len(times),
+                "measured_it_per_s": (len(times) / sum(times)) if times else None}
+    if cuda:
+        measured.update({"measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated()})
+    del model, bundle, opt, network, params, swap
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return measured
+
+
+def _dry_row(torch: Any, plan: Any, family: str, tier: float, row: dict[str, Any]) -> None:
+    s = plan.settings
+    row.update({"dry_run": True, "oom": False, "would_measure": (
+        f"{family} {tier:g} GB: blocks_to_swap {s.blocks_to_swap}, micro-batch {s.train_batch_size}, "
+        f"{s.resolution[0]} px, fp8 {s.fp8_base}, predicted {row['predicted_peak_bytes'] / GIB:.2f} GiB peak, "
+        f"{row['predicted_it_per_s']:.3f} micro-steps/s, {row['predicted_host_ram_bytes'] / GIB:.1f} GiB host RAM")})
+    print(row["would_measure"], flush=True)
+    twin = TINY_TWINS.get(family)
+    if twin:  # the same case code for real on the CPU, on the tiny twin (swap capped to its block count)
+        from dataclasses import replace
+
+        from sd_scripts_compat.models.families import get_family
+
+        swap = min(s.blocks_to_swap, get_family(twin).max_blocks_to_swap)
+        tiny = run_dit_case(torch, replace(s, blocks_to_swap=swap, train_batch_size=1, gradient_accumulation_steps=1),
+                            twin, tier, 2, 1, "cpu", resolution=64)
+        row["dry_run_tiny"] = {"family": twin, "blocks_to_swap": swap, **tiny}
+
+
+def dit_rows(torch: Any, spec: Any, families: list[str], tiers: list[float], goal: str, steps: int, warmup: int,
+             dry_run: bool, write: Any, out: Any, budget_left: Any) -> list[dict[str, Any]]:
+    """One row per family and tier: the plan, and (on a GPU) what the run measured against it."""
+    rows = []
+    for family in families:
+        for tier in tiers:
+            if budget_left() <= 0:
+                rows.append({"family": family, "tier_gb": tier, "skipped": "time budget spent"})
+                continue
+            plan = make_dit_plan(family, tier, spec, goal)
+            if not plan.fits:
+                rows.append({"family": family, "tier_gb": tier, "skipped": plan.message, "oom": False})
+                continue
+            row = planned_row(plan, family, tier)
+            started = time.perf_counter()
+            if dry_run:
+                _dry_row(torch, plan, family, tier, row)
+            else:
+                row.update(run_dit_case(torch, plan.settings, family, tier, steps, warmup, "cuda"))
+                if row.get("measured_peak_reserved_bytes"):
+                    row["peak_ratio_measured_over_predicted"] = (row["measured_peak_reserved_bytes"]
+                                                                 / row["predicted_peak_without_context_bytes"])
+                if row.get("measured_it_per_s"):
+                    row["speed_ratio_measured_over_predicted"] = row["measured_it_per_s"] / row["predicted_it_per_s"]
+            row["seconds"] = round(time.perf_counter() - started, 1)
+            write(out / f"{family}_{tier:g}gb.json", row)
+            rows.append(row)
+    return rows
