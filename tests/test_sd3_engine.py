@@ -78,13 +78,62 @@ def test_resume_half_way_and_block_swap_are_bit_identical_to_a_straight_run(tmp_
 
 
 @pytest.mark.parametrize(("changes", "said"), [
-    ({"sample_prompts": "p.txt"}, "remove sample_prompts"),
     ({"blocks_to_swap": 40}, "swaps at most 36"),
     ({"training_shift": 0.0}, "training_shift: must be above 0"),
-    ({"pretrained_model_name_or_path": "builtin:sd3.5-large"}, "is not trained by this engine"),
+    ({"pretrained_model_name_or_path": "builtin:sd3.5-large"}, "for shape-only probes; to train, give the real "
+                                                               "model file"),
+    ({"pretrained_model_name_or_path": "builtin:sd3.5-medium"}, "or use builtin:tiny-sd3 to try"),
     ({"pretrained_model_name_or_path": "builtin:tiny-flux"}, "flux_train_network"),
 ])
 def test_bad_sd3_input_is_one_line(tmp_path, changes, said):
     result = run_engine("sd3_train_network", tmp_path, config(tmp_path, **changes), check=False)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert said in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_sample_sigmas_are_sd_scripts_schedule():
+    """sd3_train_utils.get_all_sigmas with ModelSamplingDiscreteFlow(shift=3.0): 1.0 first, shift(0.001) last,
+    then 0; each a shifted linear timestep."""
+    from sd_scripts_compat.training.sd3_sampling import sd3_sigmas
+
+    sigmas = sd3_sigmas(30)
+    shift = lambda t: 3.0 * t / (1 + 2.0 * t)  # noqa: E731
+    last = shift(0.001)
+    assert sigmas.shape == (31,) and sigmas[0] == 1.0 and sigmas[-1] == 0.0
+    assert abs(float(sigmas[-2]) - shift(last)) < 1e-7  # the linear end is 1000 * sigma_min, shifted once more
+    middle = (1.0 * 1000 + (last * 1000 - 1000) * 15 / 29) / 1000
+    assert abs(float(sigmas[15]) - shift(middle)) < 1e-6
+
+
+@pytest.mark.slow
+def test_samples_are_drawn_with_guidance(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square --n blurry --w 64 --h 80 --s 4 --l 5.0 --d 7\n"
+                       "a red square --n blurry --w 64 --h 80 --s 4 --l 5.0 --d 7\n"
+                       "a red square --n blurry --w 64 --h 80 --s 4 --l 1.0 --d 7\n", encoding="utf-8")
+    values = config(tmp_path, max_train_steps=2, sample_prompts=str(prompts), sample_every_n_steps=2,
+                    sample_at_first=True, apply_t5_attn_mask=True)
+    run_engine("sd3_train_network", tmp_path, values)
+    from PIL import Image
+
+    samples = tmp_path / "out" / "sample"
+    first = [Image.open(samples / f"sd3_e000000_{i:02d}.png") for i in range(3)]
+    last = [Image.open(samples / f"sd3_step00000002_{i:02d}.png") for i in range(3)]
+    assert all(image.size == (64, 80) for image in first + last)
+    assert first[0].tobytes() == first[1].tobytes()  # the same seed draws the same image
+    assert first[0].tobytes() != first[2].tobytes()  # guidance 5 is not guidance 1
+    assert first[0].tobytes() != last[0].tobytes()  # the LoRA moved
+
+
+@pytest.mark.slow
+def test_text_encoder_lora_trains_clip_l_and_clip_g(tmp_path):
+    """Without network_train_unet_only the LoRA holds CLIP-L (lora_te1_) and CLIP-G (lora_te2_) modules as
+    kohya's lora_sd3 does (T5 only with train_t5xxl), and they learn: their lora_up leaves zero."""
+    values = config(tmp_path, network_train_unet_only=False, max_train_steps=3, text_encoder_lr=1e-3)
+    run_engine("sd3_train_network", tmp_path, values)
+    state, metadata = read_lora_file(tmp_path / "out" / "sd3.safetensors")
+    prefixes = {key.split("_text_model")[0] for key in state if key.startswith("lora_te")}
+    assert prefixes == {"lora_te1", "lora_te2"}
+    for prefix in prefixes:
+        assert any(v.abs().sum() > 0 for k, v in state.items() if k.startswith(prefix) and "lora_up" in k), prefix
+    assert metadata["ss_network_module"] == "networks.lora_sd3"

@@ -61,24 +61,12 @@ def render_flux_sample(bundle: Any, encode: Any, prompt: str, *, width: int, hei
 def render_flux_samples(bundle: Any, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
                         name: str, device: Any, dtype: Any) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
-    import torch
+    from sd_scripts_compat.training.sample_files import write_each
 
-    from sd_scripts_compat.atomic import atomic_path
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    step = bundle.family.latent_downsample * 2  # whole 2x2 tokens
-    for index, sample in enumerate(prompts):
-        width, height = max(step, sample.width // step * step), max(step, sample.height // step * step)
+    def render(sample: Any, width: int, height: int, seed: int) -> Any:
         guidance = sample.guidance if getattr(sample, "guidance", None) is not None else guidance_scale
-        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=dtype,
-                                             enabled=dtype != torch.float32):
-            image = render_flux_sample(bundle, encode, sample.prompt, width=width, height=height,
-                                       steps=sample.steps, guidance=guidance,
-                                       seed=sample.seed if sample.seed is not None else index,
-                                       device=device, dtype=dtype)
-        target = out_dir / f"{name}_{index:02d}.png"
-        with atomic_path(target, suffix=".png") as tmp:
-            image.save(tmp)
-        written.append(target)
-    return written
+        return render_flux_sample(bundle, encode, sample.prompt, width=width, height=height, steps=sample.steps,
+                                  guidance=guidance, seed=seed, device=device, dtype=dtype)
+
+    return write_each(prompts, render, step=bundle.family.latent_downsample * 2, out_dir=out_dir, name=name,
+                      device=device, dtype=dtype)  # whole 2x2 tokens

@@ -95,25 +95,18 @@ def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, ou
     """Render each prompt to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     import torch
 
-    from sd_scripts_compat.atomic import atomic_path
+    from sd_scripts_compat.training.sample_files import write_each
 
     pipeline = build_pipeline(bundle, sampler)
     pipeline.set_progress_bar_config(disable=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for index, sample in enumerate(prompts):
-        generator = torch.Generator(device="cpu").manual_seed(sample.seed if sample.seed is not None else index)
-        extra = {"clip_skip": clip_skip - 1} if clip_skip and clip_skip > 1 and not bundle.family.is_sdxl else {}
-        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=dtype,
-                                             enabled=dtype != torch.float32):
-            image = pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None,
-                             width=sample.width, height=sample.height, num_inference_steps=sample.steps,
-                             guidance_scale=sample.guidance_scale, generator=generator, **extra).images[0]
-        target = out_dir / f"{name}_{index:02d}.png"
-        with atomic_path(target, suffix=".png") as tmp:
-            image.save(tmp)
-        written.append(target)
-    return written
+    extra = {"clip_skip": clip_skip - 1} if clip_skip and clip_skip > 1 and not bundle.family.is_sdxl else {}
+
+    def render(sample: SamplePrompt, width: int, height: int, seed: int) -> Any:
+        return pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None, width=width,
+                        height=height, num_inference_steps=sample.steps, guidance_scale=sample.guidance_scale,
+                        generator=torch.Generator(device="cpu").manual_seed(seed), **extra).images[0]
+
+    return write_each(prompts, render, step=8, out_dir=out_dir, name=name, device=device, dtype=dtype)
 
 
 def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: Any, resolution: tuple[int, int], *,
@@ -134,7 +127,12 @@ def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: An
         encoder.to(accelerator.device)
     try:
         with libraries_quiet():  # pipelines warn about their configs: nothing a trainer can act on
-            if conditioner is not None and conditioner.flow_matching:  # FLUX.1
+            if conditioner is not None and bundle.family.kohya_script == "sd3_train_network.py":
+                from sd_scripts_compat.training.sd3_sampling import render_sd3_samples
+
+                render_sd3_samples(bundle, prompts, conditioner.encode, out_dir=out_dir, name=name,
+                                   device=accelerator.device, dtype=dtype)
+            elif conditioner is not None and conditioner.flow_matching:  # FLUX.1
                 from sd_scripts_compat.training.flux_sampling import render_flux_samples
 
                 render_flux_samples(bundle, prompts, conditioner.flux_texts, guidance_scale=config.guidance_scale,
