@@ -14,6 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE.safetensors", help="a kohya-format LoRA file, or a run's folder (its "
                         "LoRA)")
     parser.add_argument("--json", action="store_true", help="print everything as JSON (full metadata included)")
+    parser.add_argument("--diffusers-out", metavar="OUT.safetensors", help="also write a copy under diffusers' "
+                        "peft names, for pipelines that do not read kohya names (diffusers' SD3 pipeline)")
 
 
 def _size(num_bytes: int) -> str:
@@ -75,6 +77,17 @@ def lora_in(path: Path) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime_ns)
 
 
+def _export(info: dict[str, Any], out: str) -> None:
+    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.network.diffusers_export import export_diffusers_file
+
+    if not info["family"]:
+        raise UserError(f"{info['file']}: its model family is not known ({_family_line(info)}), so its modules "
+                        "cannot be named for diffusers")
+    count = export_diffusers_file(info["file"], out, info["family"])
+    print(f"wrote {out}: {count} tensors under diffusers' names (load with pipe.load_lora_weights)")
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -82,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from sd_scripts_compat.network.lora_file import TRAINING_FIELDS, describe_lora_file
 
     info = describe_lora_file(lora_in(Path(args.file)))  # UserError (not a LoRA, corrupt) -> one line, exit 2
+    if args.diffusers_out:
+        _export(info, args.diffusers_out)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=False))
         return 0
