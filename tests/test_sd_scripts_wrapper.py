@@ -297,13 +297,21 @@ def test_cli_run_plans_lumina_and_supervises_the_fakes_lumina_script(tmp_path):
                                           "context_refiner.0.attention.qkv.weight",
                                           *(f"layers.{i}.attention.qkv.weight" for i in range(26))]}, str(model))
     out = tmp_path / "run"
-    done = _cli("run", str(data), "--model", str(model), "--vram", "12", "--engine", f"sd-scripts={FAKE_SCRIPTS}",
-                "--out", str(out), "--save-state-every", "0.2", env=fake_env(tmp_path, "oom_at=5"), cwd=tmp_path)
+    command = ["run", str(data), "--model", str(model), "--vram", "12", "--engine", f"sd-scripts={FAKE_SCRIPTS}",
+               "--out", str(out), "--save-state-every", "0.2"]
+    missing = _cli(*command, env=fake_env(tmp_path), cwd=tmp_path)  # its Gemma2 and AE files, asked for by name
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0, missing.stderr
+    assert "needs its gemma2 file" in missing.stderr and "--gemma2 FILE" in missing.stderr and not out.exists()
+    parts = {name: tmp_path / f"{name}.safetensors" for name in ("gemma2", "ae")}  # the fake reads neither
+    for path in parts.values():
+        save_file({"x": torch.zeros(1)}, str(path))
+    done = _cli(*command, *(f"--{name}={path}" for name, path in parts.items()),
+                env=fake_env(tmp_path, "oom_at=5"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     shown = done.stdout + done.stderr
     assert f"attempt 0: {sys.executable} {FAKE_SCRIPTS / 'lumina_train_network.py'}" in shown
     config = toml.loads((out / "config.toml").read_text())
-    assert config["network_module"] == "networks.lora_lumina" and config["gemma2"].endswith(".safetensors")
+    assert config["network_module"] == "networks.lora_lumina" and config["gemma2"] == str(parts["gemma2"])
     retry = json.loads((out / "logs/retries.json").read_text())[0]
     assert retry["failure"] == "oom" and retry["step"] == 5
     target = json.loads((out / SD_SCRIPTS_LEDGER).read_text())["target_steps"]

@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--allow-pickle", action="store_true",
                         help="allow a .ckpt/.pt model: a pickle can run code when loaded; it is loaded with "
                         "torch.load(weights_only=True), which refuses anything but tensors")
+    from autotune.planning.profiles import model_file_keys
+
+    for key in model_file_keys():  # the separate files sd-scripts' scripts take, by kohya's names
+        parser.add_argument(f"--{key}", dest=f"file_{key}", default=None, metavar="FILE",
+                            help=f"the {key} file, for the families whose script takes one")
     parser.add_argument("--gpu", action="append", default=None, metavar="NAME",
                         help='plan for this catalogue card instead of probing (repeat for several GPUs)')
     parser.add_argument("--vram", action="append", type=finite, default=None, metavar="GB",
@@ -146,7 +151,27 @@ def build_request(args: argparse.Namespace) -> Any:
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
                        cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
                        host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,
-                       measured_device=device, allow_pickle=bool(args.allow_pickle and is_pickle(args.model)))
+                       measured_device=device, allow_pickle=bool(args.allow_pickle and is_pickle(args.model)),
+                       model_files=given_model_files(args))
+
+
+def given_model_files(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``--clip_l FILE`` ... as (key, absolute path); a file that is not there is one line naming the option."""
+    from pathlib import Path
+
+    from autotune.planning.profiles import model_file_keys
+    from sd_scripts_compat.errors import UserError
+
+    out = []
+    for key in model_file_keys():
+        value = getattr(args, f"file_{key}", None)
+        if value is None:
+            continue
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"--{key} {value}: no such file; give the {key} .safetensors file")
+        out.append((key, str(path)))
+    return tuple(out)
 
 
 def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:

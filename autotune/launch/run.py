@@ -85,8 +85,8 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def check_engine_trains(model: str, family: str | None) -> None:
-    """A family our engine does not train (``trained_here`` false: Lumina 2, HunyuanImage-2.1, Anima, and SD3.5
-    until the engine loads its files) is one line naming sd-scripts' script and ``--engine``, before planning."""
+    """A family our engine does not train (``trained_here`` false: Lumina 2, HunyuanImage-2.1, Anima) is one line
+    naming sd-scripts' script and ``--engine``, before planning."""
     from sd_scripts_compat.models.detect import detect_family
 
     spec = detect_family(model, family)
@@ -602,9 +602,22 @@ def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Any]:
     plan = plan_training(build_request(args))
     if not plan.fits:
         raise UserError(f"{args.model}: {plan.message}")
+    _check_model_files(plan)
     render(plan)
     config, dataset = write_plan_files(plan, out, args.format)  # with autotune_plan.json, for the report
     return config, dataset, plan
+
+
+def _check_model_files(plan: Any) -> None:
+    """Every separate model file the plan names exists (a placeholder left by the planner is named with its
+    option), before anything is written."""
+    from autotune.planning.profiles import model_file_keys
+
+    keys = set(model_file_keys())
+    for choice in plan.choices:
+        if choice.key in keys and not Path(str(choice.value)).expanduser().is_file():
+            raise UserError(f"{plan.model} needs its {choice.key} file ({choice.reason}); give it with "
+                            f"--{choice.key} FILE")
 
 
 def _usable_mib(plan: Any) -> float | None:

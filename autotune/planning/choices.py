@@ -15,11 +15,12 @@ from typing import Any
 from autotune.layout import LOGS_DIR
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GoalProfile, learning_rate
-from autotune.planning.profiles import plan_profile
+from autotune.planning.profiles import FP8_FILE_KEY, plan_profile
 from autotune.planning.request import GIB, PlanRequest
 from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.config.settings_space import config_values
+from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec
 
 OPTIMIZER_REASONS = {
@@ -80,6 +81,42 @@ class PlanContext:
         return self.settings.resolution[0]
 
 
+def model_files(req: PlanRequest, profile: Any, text_encoder_fp8: bool) -> dict[str, tuple[str, str]]:
+    """The separate model files the family's script takes (FLUX: CLIP-L, T5-XXL, AE), each the file the user gave
+    or a placeholder to edit; none for a builtin:<id> model, none for a part the model file holds itself."""
+    takes = [key for key in profile.model_files if key != FP8_FILE_KEY]
+    for key, _ in req.model_files:
+        if key not in takes:
+            raise UserError(f"--{key}: {req.model} takes no {key} file"
+                            + (f"; its script takes {', '.join(takes)}" if takes else " (one file holds it all)"))
+    given = {key: (path, "the file you gave") for key, path in req.model_files}
+    if req.model.startswith("builtin:"):
+        return given  # a built-in brings its own parts; a given file replaces one
+    files = dict(profile.model_files)
+    fp8_t5 = files.pop(FP8_FILE_KEY, None)
+    if text_encoder_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
+        files["t5xxl"] = fp8_t5
+    for key in parts_inside(req.model, profile.model_files_inside or {}):
+        files.pop(key, None)
+    files.update(given)
+    return files
+
+
+def parts_inside(model: str, prefixes: dict[str, str]) -> list[str]:
+    """The keys of ``prefixes`` whose part the model file holds (read from its header alone)."""
+    from sd_scripts_compat.safetensors_file import read_entries
+
+    path = Path(model).expanduser()
+    if not prefixes or not path.is_file() or path.suffix.lower() != ".safetensors":
+        return []
+    try:
+        with path.open("rb") as handle:
+            keys = read_entries(handle)[0]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # detection has said what is wrong with the file
+    return [key for key, prefix in prefixes.items() if any(k.startswith(prefix) for k in keys)]
+
+
 def plan_choices(c: PlanContext) -> tuple[Choice, ...]:
     """Every setting in config.toml, with its reason, in the order the file shows them."""
     return (*_model_and_dataset(c), *_network(c), *_optimizer(c), *_training(c), *_saving(c), *_informational(c))
@@ -98,12 +135,8 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
     profile = plan_profile(fam.name)
-    # separate model files (FLUX: CLIP-L, T5-XXL, AE); a builtin:<id> model brings its own
-    files = {} if req.model.startswith("builtin:") else dict(profile.model_files)
-    fp8_t5 = files.pop("t5xxl_fp8", None)
-    if c.text_encoder_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
-        files["t5xxl"] = fp8_t5
-    out += [Choice(key, path, reason) for key, (path, reason) in files.items()]
+    out += [Choice(key, path, reason) for key, (path, reason) in model_files(req, profile,
+                                                                             c.text_encoder_fp8).items()]
     if c.text_encoder_fp8 and profile.te_fp8_flag and not c.te_cpu:
         out.append(Choice(profile.te_fp8_flag, True, "caching the text-encoder outputs with the 16-bit "
                           "Qwen2.5-VL would not fit this card: its weights in fp8 while caching"))

@@ -36,6 +36,8 @@ class PlanProfile:
     te_fp8_flag: str | None = None
     te_fp8_needs_fp8_base: bool = False
     te_cpu_flag: str | None = None  # caching on the CPU where even the fp8 encoders do not fit (text_encoder_cpu)
+    # kohya key -> the prefix under which the model file itself may hold that part (SD3.5's text encoders)
+    model_files_inside: dict[str, str] | None = None
 
     @property
     def has_te_fp8(self) -> bool:
@@ -71,4 +73,16 @@ def plan_profile(family: str) -> PlanProfile:
                                     if "fp8_min_compute_capability" in entry else None),  # type: ignore[arg-type]
         fp8_reason=entry.get("fp8_reason"), te_fp8_flag=entry.get("te_fp8_flag"),
         te_fp8_needs_fp8_base=entry.get("te_fp8_needs_fp8_base", False), te_cpu_flag=entry.get("te_cpu_flag"),
+        model_files_inside=entry.get("model_files_inside"),
     )
+
+
+FP8_FILE_KEY = "t5xxl_fp8"  # the fp8 choice of t5xxl, not an option of its own
+
+
+def model_file_keys() -> tuple[str, ...]:
+    """Every kohya key naming a separate model file in any family (clip_l, t5xxl, ae, clip_g, gemma2, ...): the
+    command line's ``--KEY FILE`` options."""
+    keys = [k for entry in _profiles().values() if isinstance(entry, dict)
+            for k in entry.get("model_files", {}) if k != FP8_FILE_KEY]
+    return tuple(dict.fromkeys(keys))
