@@ -18,9 +18,11 @@ predicted, and any OOM. One JSON per case plus
 ``--dry-run`` runs the same code on the CPU with the tiny twins (tiny-sd15, tiny-sdxl) at 64 px, two
 steps per case: it proves the script end to end on a machine without a GPU (memory is not measured).
 
-FLUX.1-dev (in ``--families`` by default; ``--flux-tiers``, default 8,10,12,16,24 GB;
-``bench/gpu_validate_flux.py``): the full-size transformer at the planned swap counts on emulated cards; under
-``--dry-run`` it only prints the plan of what it would measure.
+The transformer families (``--dit-families``, default FLUX.1-dev, Chroma, SD3.5 Medium / Large, Lumina 2,
+HunyuanImage-2.1, Anima; ``--dit-tiers``, default 8,12,16,24 GB; ``bench/gpu_validate_dit.py``): the full-size
+transformer at the planned swap counts on emulated cards; under ``--dry-run`` it prints the plan of what it would
+measure and runs the same case code on the CPU with the tiny twins. ``--budget`` stops starting cases after so many
+seconds (the rest are listed as skipped): on a 15-minute device lease run the DiT families in a call of their own.
 
     python bench/gpu_validate.py "$OUT"            # on a CUDA machine
     python bench/gpu_validate.py --dry-run /tmp/gv  # anywhere
@@ -50,14 +52,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default=None, help="result folder (default: $OUT or bench/results/...)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models, 2 steps: test the script itself")
-    parser.add_argument("--families", default="sd15,sdxl,flux-dev", help="comma-separated built-in families")
+    parser.add_argument("--families", default="sd15,sdxl", help="comma-separated built-in UNet families")
+    parser.add_argument("--dit-families", default="flux-dev,chroma,sd3.5-medium,sd3.5-large,lumina2,"
+                        "hunyuan-image-2.1,anima", help="comma-separated transformer families ('' for none)")
     parser.add_argument("--tiers", default="8,12,16,24", help="emulated card sizes in GB")
     parser.add_argument("--steps", type=int, default=None, help="timed micro-steps per case (default 8; dry-run 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed micro-steps first (default 3; dry-run 1)")
     parser.add_argument("--budget", type=float, default=420.0, help="stop starting new cases after this many s")
     parser.add_argument("--goal", default="character")
-    parser.add_argument("--flux-tiers", default="8,10,12,16,24",
-                        help="emulated card sizes for FLUX.1-dev (bench/gpu_validate_flux.py)")
+    parser.add_argument("--dit-tiers", default="8,12,16,24",
+                        help="emulated card sizes for the transformer families (bench/gpu_validate_dit.py)")
     return parser.parse_args(argv)
 
 
@@ -266,16 +270,16 @@ def summarize(plan: Any, measured: dict[str, Any], family: str, tier: float) -> 
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'family':6} {'GB':>4} {'mb':>3} {'ga':>3} {'gc':>3} {'res':>5} {'rank':>4} {'opt':>10} "
+    head = (f"{'family':17} {'GB':>4} {'mb':>3} {'ga':>3} {'gc':>3} {'res':>5} {'rank':>4} {'opt':>10} "
             f"{'pred GiB':>8} {'meas GiB':>8} {'ratio':>6} {'pred it/s':>9} {'meas it/s':>9} {'ratio':>6} oom")
     print(head)
     for r in rows:
-        if r.get("skipped") or r.get("dry_run") and r["family"].startswith("flux"):
-            print(f"{r['family']:6} {r['tier_gb']:>4g} {r.get('skipped') or r['would_measure']}")
+        if r.get("skipped") or r.get("would_measure"):
+            print(f"{r['family']:17} {r['tier_gb']:>4g} {r.get('skipped') or r['would_measure']}")
             continue
         s = r["settings"]
         meas = r.get("measured_peak_reserved_bytes")
-        print(f"{r['family']:6} {r['tier_gb']:>4g} {s['train_batch_size']:>3} {s['gradient_accumulation_steps']:>3} "
+        print(f"{r['family']:17} {r['tier_gb']:>4g} {s['train_batch_size']:>3} {s['gradient_accumulation_steps']:>3} "
               f"{'on' if s['gradient_checkpointing'] else 'off':>3} {s['resolution'].split(',')[0]:>5} "
               f"{s['network_dim']:>4} {s['optimizer_type']:>10} "
               f"{r['predicted_peak_without_context_bytes'] / GIB:>8.2f} "
@@ -303,8 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     spec = device_spec(torch, dry)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
-    flux = "flux-dev" in families
-    families = [f for f in families if f != "flux-dev"]
     tiers = [float(t) for t in args.tiers.split(",") if t.strip()]
     began = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -330,11 +332,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             write_json(out / f"{name}.json", row)
             print(f"{name}: {row['seconds']} s, oom={row['oom']}", flush=True)
-    flux_tiers = [float(t) for t in args.flux_tiers.split(",") if t.strip()]
-    if flux and flux_tiers:  # the planned swap counts; a dry run only plans (12 B parameters cannot step on a CPU)
-        from bench.gpu_validate_flux import flux_rows
+    dit_families = [f.strip() for f in args.dit_families.split(",") if f.strip()]
+    dit_tiers = [float(t) for t in args.dit_tiers.split(",") if t.strip()]
+    if dit_families and dit_tiers:  # the planned swap counts; a dry run plans them and steps the tiny twins
+        from bench.gpu_validate_dit import dit_rows
 
-        rows += flux_rows(torch, spec, flux_tiers, args.goal, steps, warmup, dry, write_json, out)
+        rows += dit_rows(torch, spec, dit_families, dit_tiers, args.goal, steps, warmup, dry, write_json, out,
+                         budget_left=lambda: args.budget - (time.perf_counter() - began))
     summary = {"environment": env, "seconds": round(time.perf_counter() - began, 1), "cases": rows}
     write_json(out / "summary.json", summary)
     print_table(rows)

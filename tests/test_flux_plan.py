@@ -127,19 +127,27 @@ def test_sd_scripts_own_parser_accepts_the_flux_config_local_only(tmp_path: Path
     assert f"ACCEPTED {plan.settings.blocks_to_swap} networks.lora_flux True" in done.stdout
 
 
-def test_gpu_validate_dry_run_prints_the_flux_cases_it_would_measure(tmp_path: Path) -> None:
+def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tmp_path: Path) -> None:
+    """bench/gpu_validate.py --dry-run: each transformer family planned on emulated 8 and 24 GB cards, and the
+    GPU case code run for real on the CPU with the tiny twins of the families our engine trains."""
     import json
     import os
     import sys
 
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--dry-run", str(tmp_path),
-                           "--families", "flux-dev", "--flux-tiers", "8,24"], cwd=ROOT,
+                           "--families", "", "--dit-tiers", "8,24"], cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     cases = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["cases"]
-    assert [c["tier_gb"] for c in cases] == [8, 24] and all(c["dry_run"] for c in cases)
-    assert cases[0]["blocks_to_swap"] > cases[1]["blocks_to_swap"] == 0
-    assert "blocks_to_swap" in done.stdout and (tmp_path / "flux-dev_8gb.json").is_file()
+    families = ["flux-dev", "chroma", "sd3.5-medium", "sd3.5-large", "lumina2", "hunyuan-image-2.1", "anima"]
+    assert [(c["family"], c["tier_gb"]) for c in cases] == [(f, t) for f in families for t in (8, 24)]
+    assert all(c["dry_run"] and c["predicted_peak_bytes"] <= c["usable_bytes"] for c in cases)
+    flux = {c["tier_gb"]: c for c in cases if c["family"] == "flux-dev"}
+    assert flux[8]["blocks_to_swap"] > flux[24]["blocks_to_swap"] == 0
+    stepped = [c["dry_run_tiny"] for c in cases if c["family"] in families[:4]]
+    assert len(stepped) == 8 and all(t["timed_micro_steps"] == 2 and not t["oom"] for t in stepped)
+    assert {t["family"] for t in stepped} == {"tiny-flux", "tiny-chroma", "tiny-sd3"}
+    assert "blocks_to_swap" in done.stdout and (tmp_path / "sd3.5-large_8gb.json").is_file()
 
 
 def _sparse_flux_file(path: Path) -> Path:

@@ -222,7 +222,7 @@ def _flow_step(model: Any, counter: LiveBytesCounter, latents: Any, inputs: dict
     noise = torch.randn_like(latents)
     sigma = torch.rand(latents.shape[0], *([1] * (latents.dim() - 1)))
     noisy = (1 - sigma) * latents + sigma * noise
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(latents.device.type, dtype=torch.bfloat16):  # the CPU under traces, CUDA in gpu_validate
         pred = model(hidden_states=pack(noisy.to(torch.bfloat16)), timestep=sigma.flatten() * 1000, **inputs,
                      return_dict=False)[0]
     loss = torch.nn.functional.mse_loss(pred.float().reshape(noise.shape), (noise - latents).float())

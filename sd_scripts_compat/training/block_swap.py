@@ -273,13 +273,17 @@ def check_blocks_to_swap(family: FamilySpec, blocks_to_swap: int) -> tuple[int, 
 
 def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any,
                            family: FamilySpec | None = None) -> BlockSwap | None:
-    """Swap the last blocks of a diffusers FLUX transformer (``transformer_blocks`` then
-    ``single_transformer_blocks``) as ``family``'s rule splits ``blocks_to_swap`` (without a family: the model's
-    own block counts, none kept resident); call it with the model on the CPU and let
-    :func:`place_except_swapped` move the rest, so the swapped blocks never occupy the device at once."""
+    """Swap the last blocks of a diffusers transformer (the family's ``transformer_block_groups``: FLUX's
+    ``transformer_blocks`` then ``single_transformer_blocks``, Lumina's ``layers`` ...) as ``family``'s rule splits
+    ``blocks_to_swap`` (without a family: FLUX's two lists by the model's own counts, none kept resident); call it
+    with the model on the CPU and let :func:`place_except_swapped` move the rest, so the swapped blocks never
+    occupy the device at once."""
     if not blocks_to_swap:
         return None
-    doubles, singles = list(transformer.transformer_blocks), list(getattr(transformer, "single_transformer_blocks", ()))
+    names = [group["modules"] for group in family.transformer_block_groups] if family is not None else \
+        ["transformer_blocks", "single_transformer_blocks"]
+    lists = [list(getattr(transformer, name, ())) for name in names] + [[]]
+    doubles, singles = lists[0], lists[1]
     n_double, n_single = family.swap_split(blocks_to_swap) if family is not None else \
         swap_split(blocks_to_swap, len(doubles), len(singles))
     blocks = doubles + singles
