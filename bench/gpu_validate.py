@@ -274,8 +274,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{'pred GiB':>8} {'meas GiB':>8} {'ratio':>6} {'pred it/s':>9} {'meas it/s':>9} {'ratio':>6} oom")
     print(head)
     for r in rows:
-        if r.get("skipped") or r.get("would_measure"):
-            print(f"{r['family']:17} {r['tier_gb']:>4g} {r.get('skipped') or r['would_measure']}")
+        if r.get("skipped") or r.get("would_measure") or r.get("case"):
+            said = r.get("skipped") or r.get("would_measure") or (
+                f"{r['case']}: predicted {r['predicted_peak_bytes'] / GIB:.2f} GiB peak "
+                f"({r['predicted_peak_without_context_bytes'] / GIB:.2f} without the CUDA context), measured "
+                f"{(r.get('measured_peak_reserved_bytes') or float('nan')) / GIB:.2f} GiB, "
+                f"{r['predicted_it_per_s']:.3g} / {r.get('measured_it_per_s') or float('nan'):.3g} it/s")
+            print(f"{r['family']:17} {r['tier_gb']:>4g} {said}")
             continue
         s = r["settings"]
         meas = r.get("measured_peak_reserved_bytes")

@@ -86,7 +86,11 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
     place_except_swapped(model, swap, device, torch.bfloat16)
     network = engine_lora(bundle, s.network_dim, float(s.network_alpha)).to(device)
     params = list(network.parameters())
-    if s.gradient_checkpointing:
+    if s.gradient_checkpointing and s.cpu_offload_checkpointing:
+        from sd_scripts_compat.training.offload_checkpointing import offloaded_checkpoint
+
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=offloaded_checkpoint)
+    elif s.gradient_checkpointing:
         enable_checkpointing(model)
     model.train()
     opt = _optimizer(torch, s.optimizer_type, params, cuda)
@@ -142,9 +146,38 @@ def _dry_row(torch: Any, plan: Any, family: str, tier: float, row: dict[str, Any
         row["dry_run_tiny"] = {"family": twin, "blocks_to_swap": swap, **tiny}
 
 
+def offload_row(torch: Any, plan: Any, family: str, tier: float, steps: int, warmup: int, spec: Any,
+                dry_run: bool) -> dict[str, Any]:
+    """The plan's settings again with ``cpu_offload_checkpointing``: its own prediction, and on a GPU the
+    measurement (the host copies run only on CUDA)."""
+    from dataclasses import replace
+
+    from autotune.estimate.dit_memory import dit_inputs_for_settings, predict_dit_memory
+    from autotune.estimate.dit_speed import predict_dit_speed
+
+    settings = replace(plan.settings, cpu_offload_checkpointing=True)
+    inputs = dit_inputs_for_settings(family, settings)
+    memory = predict_dit_memory(inputs)
+    row = {"family": family, "tier_gb": tier, "case": "cpu_offload_checkpointing", "settings": plan.kohya_values(),
+           "predicted_peak_bytes": memory.total_bytes,
+           "predicted_peak_without_context_bytes": memory.total_bytes - memory.components["cuda_context"],
+           "predicted_activations_bytes": memory.components["activations"],
+           "predicted_host_ram_bytes": memory.host_ram_bytes,
+           "predicted_it_per_s": predict_dit_speed(inputs, spec).it_per_s, "oom": False}
+    if dry_run:
+        row["dry_run"] = True
+        return row
+    row.update(run_dit_case(torch, settings, family, tier, steps, warmup, "cuda"))
+    if row.get("measured_peak_reserved_bytes"):
+        row["peak_ratio_measured_over_predicted"] = (row["measured_peak_reserved_bytes"]
+                                                     / row["predicted_peak_without_context_bytes"])
+    return row
+
+
 def dit_rows(torch: Any, spec: Any, families: list[str], tiers: list[float], goal: str, steps: int, warmup: int,
-             dry_run: bool, write: Any, out: Any, budget_left: Any) -> list[dict[str, Any]]:
-    """One row per family and tier: the plan, and (on a GPU) what the run measured against it."""
+             dry_run: bool, write: Any, out: Any, budget_left: Any, offload: bool = True) -> list[dict[str, Any]]:
+    """One row per family and tier: the plan, and (on a GPU) what the run measured against it; with ``offload``,
+    the largest tier's checkpointed plan once more with ``cpu_offload_checkpointing``."""
     rows = []
     for family in families:
         for tier in tiers:
@@ -169,4 +202,9 @@ def dit_rows(torch: Any, spec: Any, families: list[str], tiers: list[float], goa
             row["seconds"] = round(time.perf_counter() - started, 1)
             write(out / f"{family}_{tier:g}gb.json", row)
             rows.append(row)
+            if offload and tier == max(tiers) and plan.settings.gradient_checkpointing and \
+                    not plan.settings.blocks_to_swap and budget_left() > 0:
+                extra = offload_row(torch, plan, family, tier, steps, warmup, spec, dry_run)
+                write(out / f"{family}_{tier:g}gb_offload.json", extra)
+                rows.append(extra)
     return rows

@@ -138,7 +138,9 @@ def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tm
                            "--families", "", "--dit-tiers", "8,24"], cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    cases = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["cases"]
+    rows = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["cases"]
+    cases = [row for row in rows if "case" not in row]
+    offloaded = {row["family"]: row for row in rows if row.get("case") == "cpu_offload_checkpointing"}
     families = ["flux-dev", "chroma", "sd3.5-medium", "sd3.5-large", "lumina2", "hunyuan-image-2.1", "anima"]
     assert [(c["family"], c["tier_gb"]) for c in cases] == [(f, t) for f in families for t in (8, 24)]
     assert all(c["dry_run"] and c["predicted_peak_bytes"] <= c["usable_bytes"] for c in cases)
@@ -148,6 +150,11 @@ def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tm
     assert len(stepped) == 8 and all(t["timed_micro_steps"] == 2 and not t["oom"] for t in stepped)
     assert {t["family"] for t in stepped} == {"tiny-flux", "tiny-chroma", "tiny-sd3"}
     assert "blocks_to_swap" in done.stdout and (tmp_path / "sd3.5-large_8gb.json").is_file()
+    # the 24 GB plans that checkpoint without swapping, once more with cpu_offload_checkpointing: less VRAM
+    assert "flux-dev" in offloaded and all(row["tier_gb"] == 24 for row in offloaded.values())
+    for family, row in offloaded.items():
+        planned = next(c for c in cases if c["family"] == family and c["tier_gb"] == 24)
+        assert row["predicted_peak_bytes"] < planned["predicted_peak_bytes"], family
 
 
 def _sparse_flux_file(path: Path) -> Path:

@@ -26,6 +26,11 @@ Training-phase tensor peak = resident transformer weights + LoRA params + grads 
   tokens (side / 16)^2 + 512 T5 tokens (the family's text length; none for a cross-attention transformer:
   ``activation_tokens``); attention is flash / memory-efficient (O(tokens)). ``fp8_extra``: the
   traced difference under fp8_base.
+- ``cpu_offload_checkpointing`` (sd-scripts' option, our engine's ``training.offload_checkpointing``): with
+  checkpointing, each block's saved input (bf16, its tokens x the hidden width) waits on the host but the one in
+  flight, so the checkpointed activations lose ``(blocks - 1) x 2 x hidden x tokens x batch`` bytes (analytic: a
+  fake-tensor trace runs on one device and cannot tell the host from the card) and host RAM gains them; the
+  copies cross the host link twice per micro-step (``dit_speed.offload_seconds``).
 - Text encoders resident (outputs not cached): CLIP-L bf16 + T5-XXL bf16 or fp8; the AE when latents are not
   cached (its encode transient uses the SD VAE encoder's traced bytes per pixel: the same encoder blocks).
 
@@ -96,6 +101,7 @@ class DitMemoryInputs:
     optimizer: str = "AdamW8bit"
     fp8_base: bool = True
     blocks_to_swap: int = 0
+    cpu_offload_checkpointing: bool = False  # the checkpointed block inputs wait on the host (with checkpointing)
     cache_text_encoder_outputs: bool = True
     cache_latents: bool = True
     t5_fp8: bool = False  # the T5-XXL file is float8 (t5xxl_fp8_e4m3fn): half the caching-phase weights
@@ -120,6 +126,7 @@ def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: boo
         batch_size=settings.train_batch_size, rank=settings.network_dim,
         gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
         fp8_base=settings.fp8_base, blocks_to_swap=settings.blocks_to_swap,
+        cpu_offload_checkpointing=settings.cpu_offload_checkpointing and settings.gradient_checkpointing,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs, cache_latents=settings.cache_latents,
         t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
         **overrides)
@@ -218,6 +225,17 @@ def activation_tokens(arch: dict[str, Any], family: str, resolution: int, height
     return get_family(family).image_tokens(resolution, height) + (arch["text_tokens"] if joint else 0)
 
 
+def offloaded_checkpoint_bytes(cal: dict[str, Any], i: DitMemoryInputs) -> int:
+    """Bytes ``cpu_offload_checkpointing`` keeps on the host instead of the device: every checkpointed block's
+    bf16 input (its tokens x the hidden width) but the one in flight (0 without offload or checkpointing)."""
+    if not (i.cpu_offload_checkpointing and i.gradient_checkpointing):
+        return 0
+    arch = cal["architecture"]
+    blocks = sum(group["count"] for group in arch["block_groups"])
+    tokens = activation_tokens(arch, i.family, i.resolution, i.height)
+    return 2 * (blocks - 1) * int(arch["hidden"]) * tokens * i.batch_size
+
+
 def _activations(cal: dict[str, Any], i: DitMemoryInputs) -> int:
     gc = "gc" if i.gradient_checkpointing else "no_gc"
     coef = cal["activations"][gc]
@@ -226,6 +244,7 @@ def _activations(cal: dict[str, Any], i: DitMemoryInputs) -> int:
     act = coef["c0"] + coef["c1"] * i.rank + i.batch_size * per_sample
     if i.fp8_base:
         act += cal["fp8_extra"][gc]
+    act = max(0.0, act - offloaded_checkpoint_bytes(cal, i))
     if not i.cache_latents:
         act = max(act, cal["ae_encode_per_image_pixel"] * i.batch_size * i.resolution * (i.height or i.resolution))
     return int(round(act))
@@ -277,7 +296,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
     return DitMemoryEstimate(
         inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
-        host_ram_bytes=host + parked + host_base, host_ram_loading_bytes=loading + encoders + ae + host_base,
+        host_ram_bytes=host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs),
+        host_ram_loading_bytes=loading + encoders + ae + host_base,
         swapped_bytes=host)
 
 

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimate.dit_memory import DitMemoryInputs, dit_family_calibration, transformer_bytes
+from autotune.estimate.dit_memory import (
+    DitMemoryInputs,
+    dit_family_calibration,
+    offloaded_checkpoint_bytes,
+    transformer_bytes,
+)
 from autotune.estimate.speed_model import EFFICIENCY_HALF_TFLOP, SpeedEstimate, card_rate_tflops
 from sd_scripts_compat.models.families import get_family
 
@@ -66,6 +71,14 @@ def swap_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] 
     return 4.0 * host / (link * 1e9 * cal["speed"]["link_efficiency"])
 
 
+def offload_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+    """Seconds per micro-step that ``cpu_offload_checkpointing``'s block inputs spend on the host link (down in
+    the forward, up in the backward; 0 without it)."""
+    cal = dit_family_calibration(inputs.family, calibration)
+    link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
+    return 2.0 * offloaded_checkpoint_bytes(cal, inputs) / (link * 1e9 * cal["speed"]["link_efficiency"])
+
+
 def predict_dit_speed(inputs: DitMemoryInputs, gpu: Any = None, *, steps: int = 1,
                        gradient_accumulation_steps: int = 1, cpu_cores: int | None = None,
                        calibration: dict[str, Any] | None = None) -> SpeedEstimate:
@@ -82,7 +95,8 @@ def predict_dit_speed(inputs: DitMemoryInputs, gpu: Any = None, *, steps: int = 
         eff = 1.0
         device = f"cpu x{cpu_cores or 1}"
     compute = flops / (rate * eff * 1e12)
-    micro = max(compute, swap_seconds(inputs, gpu, cal) if gpu is not None else 0.0)
+    link = swap_seconds(inputs, gpu, cal) + offload_seconds(inputs, gpu, cal) if gpu is not None else 0.0
+    micro = max(compute, link)
     per_step = micro * max(1, gradient_accumulation_steps)
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
                          steps=steps, flops_per_micro_step=flops, efficiency=eff, peak_tflops=rate,

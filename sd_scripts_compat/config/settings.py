@@ -17,7 +17,8 @@ from typing import Any
 from sd_scripts_compat.config.kohya_toml import parse_resolution
 
 # fields added after events were first stored: a block written before them reads as their defaults
-_LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": ()}
+_LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": (),
+                                  "cpu_offload_checkpointing": False}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class TrainSettings:
     full_fp16: bool = False
     full_bf16: bool = False
     blocks_to_swap: int = 0  # FLUX: transformer blocks kept in host memory and copied in around their use
+    cpu_offload_checkpointing: bool = False  # a transformer's checkpointed block inputs wait in host memory
     network_module: str = "networks.lora"  # "lycoris.kohya": LyCORIS, its algorithm in network_args
     network_args: tuple[str, ...] = ()  # kohya's "key=value" entries, as written
 
@@ -116,6 +118,7 @@ class TrainSettings:
         data["lr_warmup_steps"] = warmup if isinstance(warmup, int) else float(warmup)
         data["network_module"] = str(data["network_module"])
         data["network_args"] = tuple(str(entry) for entry in data["network_args"])
+        data["cpu_offload_checkpointing"] = bool(data["cpu_offload_checkpointing"])
         return cls(**data)
 
     def describe(self) -> str:
@@ -131,6 +134,8 @@ class TrainSettings:
             parts.append("fp8 base")
         if self.blocks_to_swap:
             parts.append(f"{self.blocks_to_swap} blocks swapped")
+        if self.cpu_offload_checkpointing:
+            parts.append("checkpoints offloaded to the CPU")
         parts.append(f"lr {self.learning_rate:g}")
         if self.lr_warmup_steps:
             parts.append(f"warm-up {self.lr_warmup_steps:g}")

@@ -66,6 +66,8 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["xformers"] = True
     if s.blocks_to_swap:
         values["blocks_to_swap"] = s.blocks_to_swap
+    if s.cpu_offload_checkpointing:
+        values["cpu_offload_checkpointing"] = True
     values.update({"learning_rate": s.learning_rate, "lr_scheduler": s.lr_scheduler,
                    "lr_warmup_steps": s.lr_warmup_steps, "max_grad_norm": s.max_grad_norm,
                    "full_fp16": s.full_fp16, "full_bf16": s.full_bf16})
@@ -147,6 +149,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         full_fp16=bool(values.get("full_fp16", False)),
         full_bf16=bool(values.get("full_bf16", False)),
         blocks_to_swap=int(values.get("blocks_to_swap") or 0),
+        cpu_offload_checkpointing=bool(values.get("cpu_offload_checkpointing", False)),
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
     )
@@ -169,7 +172,7 @@ _CONFIG_KEYS = ("gradient_accumulation_steps", "gradient_checkpointing", "optimi
                 "network_alpha", "network_train_unet_only", "mixed_precision", "fp8_base", "fp8_base_unet",
                 "cache_latents", "cache_text_encoder_outputs", "xformers", "learning_rate", "unet_lr",
                 "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "max_grad_norm", "full_fp16", "full_bf16",
-                "blocks_to_swap", "network_module")
+                "blocks_to_swap", "cpu_offload_checkpointing", "network_module")
 
 
 def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:

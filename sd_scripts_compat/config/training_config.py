@@ -131,6 +131,7 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
     "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift", "weighting_scheme",
     "logit_mean", "logit_std", "mode_scale", "blocks_to_swap", "model_type", "split_mode",
+    "cpu_offload_checkpointing",
     # SD3 / SD3.5 (sd3_train_network): its CLIP-G file, the CLIP masks, the timestep shift; a VAE file (all)
     "clip_g", "apply_lg_attn_mask", "training_shift", "vae",
 })
@@ -315,6 +316,7 @@ class TrainingConfig:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     blocks_to_swap: int = 0  # kohya's None is 0 here
+    cpu_offload_checkpointing: bool = False  # FLUX / SD3 / Anima: checkpointed block inputs on the host
     model_type: str = "flux"
     split_mode: bool = False  # deprecated in sd-scripts: blocks_to_swap = 18
     # SD3 / SD3.5 (sd3_train_network only), and the VAE file every script takes
@@ -614,6 +616,7 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
         raise UserError(f"{where('cache_text_encoder_outputs')}: cached text encoder outputs leave nothing to "
                         "train in the text encoders; also set network_train_unet_only = true")
     out["blocks_to_swap"] = out["blocks_to_swap"] or 0  # kohya's None
+    _normalize_offload(out, where, warnings)
     if script == "flux_train_network":
         _normalize_flux(out, where, warnings)
     elif script == "sd3_train_network":
@@ -653,6 +656,19 @@ def most_blocks_to_swap(script: str) -> int:
 
     return max((get_family(name).max_blocks_to_swap for name in family_names()
                 if get_family(name).kohya_script == f"{script}.py"), default=0)
+
+
+def _normalize_offload(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+    """cpu_offload_checkpointing as sd-scripts' transformer scripts take it: it turns gradient checkpointing on
+    (said), and block swap cannot go with it."""
+    if not out["cpu_offload_checkpointing"]:
+        return
+    if out["blocks_to_swap"]:
+        raise UserError(f"{where('cpu_offload_checkpointing')}: blocks_to_swap cannot go with it (as in sd-scripts); "
+                        "remove one of them")
+    if not out["gradient_checkpointing"]:
+        out["gradient_checkpointing"] = True
+        warnings.append("cpu_offload_checkpointing turns gradient_checkpointing on (as in sd-scripts)")
 
 
 def _normalize_sd3(out: dict[str, Any], where: Any, warnings: list[str]) -> None:

@@ -339,7 +339,11 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
         place(unet, process.device, process.weight_dtype)
         if use_fp8:
             store_frozen_weights_in_fp8(unet, process.weight_dtype)
-    if config.gradient_checkpointing:
+    if config.gradient_checkpointing and config.cpu_offload_checkpointing and model.family.is_transformer:
+        from sd_scripts_compat.training.offload_checkpointing import offloaded_checkpoint
+
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=offloaded_checkpoint)
+    elif config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if model.train_text_encoder:
             for encoder in model.bundle.text_encoders:
