@@ -556,6 +556,27 @@ def flux(root: Path, **overrides: object) -> list[str]:
     return ["sd_scripts_compat.flux_train_network", "--config_file", str(config(root, **values))]
 
 
+def sd3(root: Path, **overrides: object) -> list[str]:
+    values: dict[str, object] = {"pretrained_model_name_or_path": "builtin:tiny-sd3", "t5xxl_max_token_length": 16,
+                                 "network_train_unet_only": True, "network_module": "networks.lora_sd3", **overrides}
+    return ["sd_scripts_compat.sd3_train_network", "--config_file", str(config(root, **values))]
+
+
+def sd3_lora(root: Path) -> Path:
+    """A tiny-sd3 LoRA file as our engine writes it (kohya names, SD3.5 Medium metadata)."""
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.network.lora import create_network
+    from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, save_lora_file
+
+    bundle = build_modules(get_family("tiny-sd3"))
+    facts = TrainingFacts(output_name="lora", network_dim=4, network_alpha=4.0, learning_rate=1e-4,
+                          optimizer="AdamW", resolution=(64, 64), training_started_at=1.7e9, session_id=1, steps=1)
+    path = root / "lora.safetensors"
+    save_lora_file(path, create_network(bundle, network_dim=4).kohya_state_dict(), build_metadata(bundle.family, facts))
+    return path
+
+
 def huge_header(path: Path) -> Path:
     """A .safetensors whose header claims to be 2**60 bytes long."""
     path.write_bytes((2**60).to_bytes(8, "little") + b"{}")
@@ -675,6 +696,20 @@ MORE = [
     Case("flux-t5-max-length-zero", lambda t: flux(t, t5xxl_max_token_length=0), "t5xxl_max_token_length"),
     Case("flux-discrete-flow-shift-inf", lambda t: flux(t, discrete_flow_shift=float("inf")), "discrete_flow_shift"),
     Case("flux-on-an-sd15-model", lambda t: flux(t, pretrained_model_name_or_path=TINY), "train_network"),
+    Case("flux-offload-with-block-swap", lambda t: flux(t, cpu_offload_checkpointing=True, blocks_to_swap=2),
+         "blocks_to_swap cannot go with it"),
+    Case("sd3-clip-g-is-a-t5-file", lambda t: sd3(t, clip_g=str(safetensors_file(
+        t / "t5.safetensors", {"encoder.block.0.layer.0.SelfAttention.q.weight": np.zeros((2, 2), np.float32)}))),
+         "holds a T5 encoder, not what clip_g needs"),
+    Case("sd3-clip-g-on-flux", lambda t: flux(t, clip_g=str(a_file(t / "g.safetensors"))), "clip_g"),
+    Case("run-clip-g-file-missing", lambda t: ["autotune", "run", str(dataset(t)), "--model", "builtin:tiny-sd3",
+                                               "--clip_g", str(t / "nope.safetensors"), "--out", str(t / "o")],
+         "--clip_g"),
+    Case("plan-gemma2-for-sd3", lambda t: ["autotune", "plan", str(dataset(t)), "--model", "builtin:tiny-sd3",
+                                           "--gemma2", str(a_file(t / "g.safetensors"))], "takes no gemma2 file"),
+    Case("inspect-diffusers-out-over-the-lora", lambda t: ["autotune", "inspect", str(sd3_lora(t)),
+                                                           "--diffusers-out", str(t / "lora.safetensors")],
+         "would overwrite the LoRA"),
     Case("dataset-toml-resolution-garbage", lambda t: engine(t, "--dataset_config", str(text_file(
         t / "d.toml", f'[[datasets]]\nresolution = "big"\n[[datasets.subsets]]\nimage_dir = "{dataset(t)}"\n')),
         train_data_dir=None), "resolution"),
@@ -714,7 +749,8 @@ def check_one_line(done: subprocess.CompletedProcess, code: int, needle: str) ->
     assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
     assert len(lines) == 1, f"{len(lines)} stderr lines:\n{done.stderr[-3000:]}"
     line = lines[0]
-    assert line.startswith(("autotune", "train_network: ", "sdxl_train_network: ", "flux_train_network: ")), line
+    assert line.startswith(("autotune", "train_network: ", "sdxl_train_network: ", "flux_train_network: ",
+                            "sd3_train_network: ")), line
     assert needle in line, line
     assert not LIBRARY_WARNING.search(done.stderr + done.stdout), (done.stdout + done.stderr)[-2000:]
     return line
