@@ -346,3 +346,21 @@ def test_cli_train_runs_the_config_in_the_users_sd_scripts(tmp_path):
     assert meta["ss_steps"] == "3" and w == pytest.approx(expected_w(3))
     lacking = _cli("train", str(config), "--engine", f"sd-scripts={FAKE}", "--no_such_flag", env=env, cwd=tmp_path)
     assert lacking.returncode == 2 and "has no --no_such_flag" in lacking.stderr
+
+
+def test_sd3_tokenizer_cache_holds_clip_l_clip_g_and_t5(tmp_path):
+    """sd3_train_network loads three tokenizers by hub name (library/strategy_sd3.py); the cache we hand it holds
+    CLIP-L and CLIP-G from our shipped vocabulary and T5 from the tokenizer we were given, each readable by
+    transformers as sd-scripts reads it (from_pretrained on the folder)."""
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    from autotune.recovery.sd_scripts import tokenizer_cache
+    from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR
+
+    cache = tokenizer_cache(tmp_path, "sd3", ("<|endoftext|>", "!"), Path(TINY_T5_TOKENIZER_DIR))
+    clip_g = CLIPTokenizer.from_pretrained(cache / "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
+    assert clip_g.pad_token == "!" and CLIPTokenizer.from_pretrained(cache / "openai_clip-vit-large-patch14")
+    t5 = T5TokenizerFast.from_pretrained(cache / "google_t5-v1_1-xxl")
+    assert t5("a toy").input_ids[-1] == t5.eos_token_id
+    without = tokenizer_cache(tmp_path / "none", "sd3", ("<|endoftext|>", "!"))  # no T5 tokenizer: sd-scripts fetches
+    assert not (without / "google_t5-v1_1-xxl").exists()

@@ -78,7 +78,10 @@ REQUIRED_OPTIONS = ("config_file", "dataset_config", "save_state", "save_every_n
 # ASSUMED (sd-scripts library/train_util.py, sdxl_train_util.py): the hub names of its tokenizers; with
 # --tokenizer_cache_dir it loads CACHE/<name with "/" -> "_"> when that folder exists, else downloads
 TOKENIZER_HUB_NAMES = {"sd1": ("openai/clip-vit-large-patch14",), "sd2": ("stabilityai/stable-diffusion-2",),
-                       "sdxl": ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k")}
+                       "sdxl": ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"),
+                       # ASSUMED (library/strategy_sd3.py): CLIP_L / CLIP_G / T5_XXL_TOKENIZER_ID
+                       "sd3": ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k",
+                               "google/t5-v1_1-xxl")}
 DEFAULT_IT_PER_S = 1.0  # when neither a plan nor a measurement says: 1 step/s (saves more often than needed)
 COUNTER_LAG = 2  # steps our reading of the bar can trail sd-scripts' own save (see Ledger.observe)
 
@@ -333,14 +336,24 @@ def _without(document: Mapping[str, Any], keys: set[str]) -> dict[str, Any]:
     return out
 
 
-def tokenizer_cache(out: Path, layout: str, pad_tokens: tuple[str, ...]) -> Path:
-    """A ``--tokenizer_cache_dir`` holding the CLIP tokenizer(s) sd-scripts would download, from the BPE
-    vocabulary we ship, so it runs offline (it has no other way to be given a tokenizer)."""
+def tokenizer_cache(out: Path, layout: str, pad_tokens: tuple[str, ...], t5: Path | None = None) -> Path:
+    """A ``--tokenizer_cache_dir`` holding the tokenizers sd-scripts would download: CLIP's from the BPE vocabulary
+    we ship, T5's (SD3) copied from ``t5`` when there is one (else sd-scripts downloads it), so it runs offline
+    (it has no other way to be given a tokenizer)."""
+    import shutil
+
     from sd_scripts_compat.models.families import CLIP_TOKENIZER_DIR
 
     cache = out / TOKENIZER_DIR
     for index, hub_name in enumerate(TOKENIZER_HUB_NAMES[layout]):
         folder = cache / hub_name.replace("/", "_")
+        if "t5" in hub_name:
+            if t5 is not None and t5.is_dir() and not folder.exists():
+                shutil.copytree(t5, folder)
+            elif t5 is not None and not folder.exists():  # a lone tokenizer.json
+                folder.mkdir(parents=True)
+                shutil.copy(t5, folder / "tokenizer.json")
+            continue
         folder.mkdir(parents=True, exist_ok=True)
         for name in ("vocab.json", "merges.txt"):
             write_text_atomic(folder / name, (CLIP_TOKENIZER_DIR / name).read_text(encoding="utf-8"))
@@ -722,6 +735,23 @@ def early_check(engine: str, python: str | None, model: str | None) -> Install:
     return install
 
 
+def _t5_tokenizer(family: Any, config: Path) -> Path | None:
+    """The T5 tokenizer to hand sd-scripts: a tiny family's shipped one, else one beside the config's t5xxl file."""
+    from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR, find_t5_tokenizer
+
+    if not any(te.tokenizer_kind == "t5" for te in family.text_encoders):
+        return None
+    if family.tiny:
+        return Path(TINY_T5_TOKENIZER_DIR)
+    import toml
+
+    try:
+        t5xxl = toml.loads(config.read_text(encoding="utf-8")).get("t5xxl")
+    except (OSError, toml.TomlDecodeError):
+        return None
+    return find_t5_tokenizer(None, t5xxl) if t5xxl else None
+
+
 def prepare(engine: str, python: str | None, *, family: Any, config: Path, output_dir: Path, states_dir: Path,
             save_every_s: float, env: Mapping[str, str], planned_it_per_s: float | None = None,
             extra_args: list[str] | None = None) -> SdScriptsEngine:
@@ -737,7 +767,7 @@ def prepare(engine: str, python: str | None, *, family: Any, config: Path, outpu
     tokenizers = None
     if "tokenizer_cache_dir" in options.names and family.single_file_layout in TOKENIZER_HUB_NAMES:
         pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders)
-        tokenizers = tokenizer_cache(output_dir, family.single_file_layout, pads)
+        tokenizers = tokenizer_cache(output_dir, family.single_file_layout, pads, _t5_tokenizer(family, config))
     result = SdScriptsEngine(install, options, output_dir, states_dir, save_every_s, planned_it_per_s, tokenizers,
                              list(extra_args or []))
     check_config(config, options)
