@@ -364,3 +364,27 @@ def test_sd3_tokenizer_cache_holds_clip_l_clip_g_and_t5(tmp_path):
     assert t5("a toy").input_ids[-1] == t5.eos_token_id
     without = tokenizer_cache(tmp_path / "none", "sd3", ("<|endoftext|>", "!"))  # no T5 tokenizer: sd-scripts fetches
     assert not (without / "google_t5-v1_1-xxl").exists()
+
+
+def test_fake_kohya_counter_after_resume_still_ends_at_the_target_with_the_right_data(tmp_path):
+    """sd-scripts' own resume (its train_network.py read by hand, the fake's ``counter=kohya``): its counter
+    restarts at the remainder within an epoch and its epoch count bounds the run. Its first save after the
+    resume shows the offset; the run is relaunched, stops at its epoch bound short of the target, is continued
+    from its end state (whose bar total can equal max_train_steps: still counted from the resume step) and ends
+    at exactly step 20 with the data drawn in order, as sd-scripts itself did by hand (SD3, 400 steps).
+    With gradient accumulation above 1 its skip mixes micro-batches and optimizer steps (``initial_step *=
+    gradient_accumulation_steps`` then divided by optimizer steps per epoch): it resumes at another data position,
+    which the fake reproduces and no wrapper argument can correct."""
+    job = make_job(tmp_path, "counter=kohya,stall_at=8,step_s=0.1", save_every_s=0.5, stall_timeout_s=1.5)
+    result = supervise(job)  # a stall retries the same settings: accumulation stays 1 (see the note below)
+    assert result.ok, result.message
+    assert result.retries[0]["failure"] == "stall" and result.retries[0]["resume_step"] == 7
+    # relaunched to stop at 20, it stops at its epoch bound (15, epochs of 3 steps); continued from there its
+    # counter starts at 0 and it cannot be told to stop at 20 (max_train_steps must exceed the start step), so it
+    # ends with its last epoch at 21: one step past, said in the log, every step's data in order
+    assert [r["failure"] for r in result.retries] == ["stall", "continue", "continue"]
+    w, meta = read_fake_lora(result.output_file)
+    assert meta["fake_true_steps"] == str(STEPS + 1) and w == pytest.approx(expected_w(STEPS + 1))
+    assert "trained 1 step(s) past the target 20" in (job.output_dir / DECISIONS_LOG).read_text()
+    ledger = json.loads((job.output_dir / SD_SCRIPTS_LEDGER).read_text())
+    assert ledger["target_steps"] == STEPS and ledger["states"]["lora-state"]["step"] == STEPS + 1

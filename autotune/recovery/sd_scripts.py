@@ -350,6 +350,7 @@ def tokenizer_cache(out: Path, layout: str, pad_tokens: tuple[str, ...], t5: Pat
         if "t5" in hub_name:
             if t5 is not None and t5.is_dir() and not folder.exists():
                 shutil.copytree(t5, folder)
+                _older_transformers_config(folder / "tokenizer_config.json")
             elif t5 is not None and not folder.exists():  # a lone tokenizer.json
                 folder.mkdir(parents=True)
                 shutil.copy(t5, folder / "tokenizer.json")
@@ -475,9 +476,11 @@ class AttemptWatch:
     def _on_steps(self, bar: Bar) -> None:
         ledger = self.engine.ledger
         if self.bar_offset is None:
-            # ASSUMED: the bar is tqdm(range(max_train_steps - initial_step)) counting from 0; a version whose
-            # bar shows the global count (total == max_train_steps) is read as such
-            counts_globally = self.resume_step > 0 and bar.total == self.pinned_max
+            # sd-scripts' bar is tqdm(range(max_train_steps - initial_step)) counting from 0, its first redraw
+            # 0/N (train_network.py, read by hand at main 48d368fa; after a resume its total is max_train_steps
+            # less the start step's remainder within an epoch, which can equal max_train_steps); a version whose
+            # bar counts globally would start at the resume step
+            counts_globally = self.resume_step > 0 and bar.n >= self.resume_step
             self.bar_offset = 0 if counts_globally else self.resume_step
             if ledger.target_steps is None and self.resume_step == 0:
                 ledger.target_steps = bar.total
@@ -733,6 +736,20 @@ def early_check(engine: str, python: str | None, model: str | None) -> Install:
         raise UserError(f"--model {model}: a built-in test model only autotune's engine can load; give sd-scripts "
                         "a .safetensors checkpoint or a diffusers folder")
     return install
+
+
+def _older_transformers_config(path: Path) -> None:
+    """transformers 5 writes ``extra_special_tokens`` as a list, which the 4.x sd-scripts pins cannot read (it wants
+    a mapping): the same tokens as 4.x spells them (``additional_special_tokens``)."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, list):
+        config["extra_special_tokens"] = {}
+        if extra:
+            config["additional_special_tokens"] = extra
+        write_json_atomic(path, config)
 
 
 def _t5_tokenizer(family: Any, config: Path) -> Path | None:
