@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "autotune.commands.train", "train with a kohya config.toml (sd-scripts' train_network flags)"),
     ("bench", "autotune.commands.bench", "measure it/s, images/s and peak memory with short real runs (a sweep)"),
     ("report", "autotune.commands.report", "where a run's time and memory went, and its bottleneck with the fix"),
+    ("ui", "autotune.commands.ui", "the planner, doctor, runs and reports in the browser (a local web app)"),
 ]
 
 

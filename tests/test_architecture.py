@@ -221,7 +221,7 @@ def test_no_tracked_file_names_a_machine_path():
 # Lowest first: a folder may import only folders listed before it (and the engine). ``cli.py`` sits on top and
 # reaches the commands by name only.
 TUNER_LAYERS = ("hardware", "estimate", "calibration", "measure", "planning", "doctor", "recovery", "report",
-                "launch", "wizard", "commands")
+                "launch", "wizard", "ui", "commands")
 ENGINE_LAYERS = ("data", "models", "config", "dataset", "caching", "network", "training")
 
 

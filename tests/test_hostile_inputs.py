@@ -696,6 +696,9 @@ MORE = [
     Case("flux-t5-max-length-zero", lambda t: flux(t, t5xxl_max_token_length=0), "t5xxl_max_token_length"),
     Case("flux-discrete-flow-shift-inf", lambda t: flux(t, discrete_flow_shift=float("inf")), "discrete_flow_shift"),
     Case("flux-on-an-sd15-model", lambda t: flux(t, pretrained_model_name_or_path=TINY), "train_network"),
+    Case("ui-port-zero", lambda t: ["autotune", "ui", "--port", "0"], "--port 0"),
+    Case("ui-allow-dir-missing", lambda t: ["autotune", "ui", "--allow-dir", str(t / "nope")], "--allow-dir"),
+    Case("ui-runs-is-a-file", lambda t: ["autotune", "ui", "--runs", str(a_file(t / "runs"))], "--runs"),
     Case("flux-offload-with-block-swap", lambda t: flux(t, cpu_offload_checkpointing=True, blocks_to_swap=2),
          "blocks_to_swap cannot go with it"),
     Case("sd3-clip-g-is-a-t5-file", lambda t: sd3(t, clip_g=str(safetensors_file(

@@ -52,26 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from autotune.doctor import diagnose
-    from autotune.doctor.diagnose import options_from_config
     from sd_scripts_compat.atomic import refuse_non_regular
 
     if args.html:  # said before the images are read, not after
         refuse_non_regular(Path(args.html))
+    from autotune.doctor.diagnose import diagnose_options
 
-    given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch,
-                                "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
-    if args.config:
-        configured = options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
-                                         dataset_dir=args.dataset)
-        if args.resolution is None:  # the config's bucketing, unless --resolution asks for the planner's
-            given["buckets"] = configured["buckets"]
-        given = {key: value if value is not None else configured[key] for key, value in given.items()}
-    elif args.dataset_config:
-        from sd_scripts_compat.errors import UserError
-
-        raise UserError("--dataset-config needs --config (the training config it belongs to)")
-    report = diagnose(args.dataset, model=args.model, family=args.family, **given)
+    report = diagnose_options(args)
     written = None
     if args.html:
         from autotune.doctor.render_html import write_html

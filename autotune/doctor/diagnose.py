@@ -8,6 +8,7 @@ fix before anything can be said (a missing folder, a bad --resolution/--batch) i
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections import Counter
 from dataclasses import replace
@@ -161,3 +162,18 @@ def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | N
         raise UserError(f"{Path(report.root) / first.file}: {first.message}{more}; run `autotune doctor "
                         f"{report.root}` for every problem and its fix, or pass --skip-doctor")
     return brief(report)
+
+
+def diagnose_options(args: argparse.Namespace) -> DoctorReport:
+    """The report for ``autotune doctor``'s parsed options (the CLI and the web app's ``POST /api/doctor``)."""
+    given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch,
+                                "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
+    if args.config:
+        configured = options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
+                                         dataset_dir=args.dataset)
+        if args.resolution is None:  # the config's bucketing, unless --resolution asks for the planner's
+            given["buckets"] = configured["buckets"]
+        given = {key: value if value is not None else configured[key] for key, value in given.items()}
+    elif args.dataset_config:
+        raise UserError("--dataset-config needs --config (the training config it belongs to)")
+    return diagnose(args.dataset, model=args.model, family=args.family, **given)

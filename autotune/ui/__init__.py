@@ -1,0 +1,1 @@
+"""``autotune ui``: the planner, the doctor, runs and reports as a local web app (FastAPI + uvicorn)."""

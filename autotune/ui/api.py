@@ -1,0 +1,184 @@
+"""The web app's HTTP API: the CLI's commands behind JSON, with the field names their ``--json`` outputs use.
+
+A request body is the command's own options by their long names (``{"dataset": "...", "model": "builtin:tiny-sd15",
+"vram": 12, "rank": 16}`` is ``autotune plan DATASET --model builtin:tiny-sd15 --vram 12 --rank 16``), read by the
+command's own parser, so the API and the CLI cannot drift apart. Every refusal is one JSON line
+``{"error": "..."}`` with a 4xx status: 400 bad input, 401 no token, 403 refused (origin, a path outside the allowed
+folders), 404 unknown, 422 a plan that does not fit; nothing is written by a refused request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request  # at module level: FastAPI reads the handlers' annotations by name
+
+from autotune.ui.security import AccessPolicy, Refused
+
+PATH_OPTIONS = ("dataset", "model", "config", "dataset_config")  # body keys naming a file or folder
+BUILTIN = "builtin:"
+
+
+class BadRequest(Exception):
+    """Input the command refuses: 400 (or ``status``) with its one line."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> argparse.Namespace:
+    """``body`` as the command line of ``autotune COMMAND`` (paths checked against the allowed folders first)."""
+    from autotune.cli import build_parser
+
+    argv = [command]
+    for key, value in body.items():
+        if key in PATH_OPTIONS and isinstance(value, str) and not value.startswith(BUILTIN):
+            value = str(policy.resolve(value, key))
+        if key == "dataset":
+            argv.insert(1, str(value))
+            continue
+        flag = "--" + key.replace("_", "-") if key not in ("clip_l", "clip_g", "t5xxl") else f"--{key}"
+        for item in value if isinstance(value, list) else [value]:
+            if item is True:
+                argv.append(flag)
+            elif item is not False and item is not None:
+                argv += [flag, str(item)]
+    parser = build_parser(command)
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+
+    def refuse(message: str) -> None:
+        raise BadRequest(f"{message}; see autotune {command} --help for the options")
+
+    sub.error = refuse  # type: ignore[method-assign]
+    parser.error = refuse  # type: ignore[method-assign]
+    return parser.parse_args(argv)
+
+
+def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
+    from fastapi.responses import JSONResponse
+
+    from autotune import __version__
+
+    app = FastAPI(title="lora-autotune", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        try:
+            policy.check_token(request.headers.get("authorization"), request.query_params.get("token"))
+            if request.method not in ("GET", "HEAD"):
+                if request.method != "POST":
+                    raise Refused(405, f"{request.method} is not used here; state changes are POSTs")
+                policy.check_origin(request.headers.get("origin"), request.headers.get("host"))
+            return await call_next(request)
+        except Refused as refused:
+            return JSONResponse({"error": str(refused)}, status_code=refused.status)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
+        return JSONResponse({"error": str(error)}, status_code=error.status)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, error: Refused) -> JSONResponse:
+        return JSONResponse({"error": str(error)}, status_code=error.status)
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "version": __version__, "runs_dir": str(runs_dir),
+                "allowed_roots": [str(root) for root in policy.allowed_roots]}
+
+    @app.get("/api/probe")
+    def probe() -> dict[str, Any]:
+        from autotune.hardware.probe import probe_system
+
+        return json.loads(probe_system(output_dir=str(runs_dir)).to_json())
+
+    @app.get("/api/browse")
+    def browse(path: str | None = None) -> dict[str, Any]:
+        return browse_folder(policy, path)
+
+    @app.post("/api/doctor")
+    async def doctor(request: Request) -> dict[str, Any]:
+        args = parse_command("doctor", await json_body(request), policy)
+        return await _in_thread(run_doctor, args)
+
+    @app.post("/api/plan")
+    async def plan(request: Request) -> Any:
+        args = parse_command("plan", await json_body(request), policy)
+        return await _in_thread(run_plan, args)
+
+    return app
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, or 400 saying what is wrong with it."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError) as error:
+        raise BadRequest(f"the request body is not JSON ({error}); send one JSON object") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be one JSON object of the command's options")
+    return body
+
+
+async def _in_thread(function: Any, *args: Any) -> Any:
+    """A command's work (plans, dataset scans) off the event loop; its UserError becomes a 400."""
+    from starlette.concurrency import run_in_threadpool
+
+    from sd_scripts_compat.errors import UserError, one_line
+
+    try:
+        return await run_in_threadpool(function, *args)
+    except UserError as error:
+        raise BadRequest(one_line(error)) from None
+
+
+def run_doctor(args: argparse.Namespace) -> dict[str, Any]:
+    """``autotune doctor DATASET --json`` as a dict (format lora-autotune-doctor/1)."""
+    from autotune.doctor.diagnose import diagnose_options
+    from autotune.doctor.render_json import to_json
+
+    return json.loads(to_json(diagnose_options(args)))
+
+
+def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """``autotune plan ... --json`` as a dict; a plan that cannot fit is 422 with its reason."""
+    from autotune.launch.plan_options import accept_pickle, build_request
+    from autotune.planning.planner import plan_training
+
+    if getattr(args, "out", None):
+        raise BadRequest("out: the API plans without writing; start a run to write its configs")
+    accept_pickle(args, "plan")
+    plan = plan_training(build_request(args))
+    if not plan.fits:
+        raise BadRequest(plan.message, status=422)
+    return plan.to_dict()
+
+
+def browse_folder(policy: AccessPolicy, path: str | None) -> dict[str, Any]:
+    """One folder's subfolders and model files (the new-training page's picker), inside the allowed roots."""
+    if path is None:
+        return {"path": None, "folders": [str(root) for root in policy.allowed_roots], "files": []}
+    folder = policy.resolve(path, "folder")
+    if not folder.is_dir():
+        raise BadRequest(f"folder {path}: not a folder", status=404)
+    folders, files = [], []
+    try:
+        entries = sorted(folder.iterdir(), key=lambda p: p.name.lower())
+    except OSError as error:
+        raise BadRequest(f"folder {path}: cannot list it ({error.strerror})", status=403) from None
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            folders.append(entry.name)
+        elif entry.suffix.lower() in (".safetensors", ".ckpt", ".pt"):
+            files.append(entry.name)
+    parent = folder.parent
+    allowed_parent = any(parent == root or root in parent.parents for root in policy.allowed_roots)
+    return {"path": str(folder), "parent": str(parent) if allowed_parent else None, "folders": folders,
+            "files": files}

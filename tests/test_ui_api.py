@@ -1,0 +1,171 @@
+"""``autotune ui``'s HTTP API against a real server: ``python -m autotune ui`` in a subprocess on a free port, spoken
+to over HTTP. Every endpoint, bad input as one 4xx JSON line with nothing written, and the security rules: a token
+off loopback, no cross-origin POSTs, no path outside the allowed folders (``..`` and symlinks included)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "examples" / "dataset"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``autotune ui`` running in a subprocess; ``call`` speaks to it, ``url`` is what it printed."""
+
+    def __init__(self, tmp: Path, *extra: str, host: str = "127.0.0.1") -> None:
+        self.port, self.runs = free_port(), tmp / "runs"
+        command = [sys.executable, "-m", "autotune", "ui", "--host", host, "--port", str(self.port),
+                   "--runs", str(self.runs), "--allow-dir", str(ROOT / "examples"), "--allow-dir", str(tmp), *extra]
+        started = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        cwd=tmp, env=ENV)
+        self.url = self.process.stdout.readline().strip()  # the line it prints once it listens
+        self.token = self.url.split("?token=")[1].split()[0] if "?token=" in self.url else None
+        self.start_seconds = time.monotonic() - started
+
+    def call(self, method: str, path: str, body: object = None, *, raw: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, dict]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
+                                         headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def stop(self) -> str:
+        self.process.terminate()
+        _, stderr = self.process.communicate(timeout=30)
+        return stderr
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ui")
+    running = Server(tmp)
+    yield running
+    assert "Traceback" not in running.stop()
+
+
+def test_it_prints_its_url_and_answers_at_once(server):
+    assert server.url == f"autotune ui: http://127.0.0.1:{server.port}/"
+    assert server.start_seconds < 10  # measured by the closing note; CI machines vary
+    status, health = server.call("GET", "/api/health")
+    assert status == 200 and health["ok"] and health["runs_dir"] == str(server.runs)
+
+
+def test_probe_doctor_and_plan_answer_with_the_clis_json(server):
+    status, probe = server.call("GET", "/api/probe")
+    assert status == 200 and "cpu" in probe and "gpus" in probe
+    status, doctor = server.call("POST", "/api/doctor", {"dataset": str(DATASET)})
+    assert status == 200 and doctor["format"] == "lora-autotune-doctor/1" and doctor["summary"]["images"] == 12
+    cli = subprocess.run([sys.executable, "-m", "autotune", "doctor", str(DATASET), "--json"], capture_output=True,
+                         text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert set(json.loads(cli.stdout)) == set(doctor)  # the same fields as the command's --json
+    status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15",
+                                                     "rank": 8, "batch": 2})
+    assert status == 200 and plan["fits"] and plan["settings"]["network_dim"] == 8
+    assert plan["settings"]["train_batch_size"] == 2 and plan["family"] == "tiny-sd15"
+    assert {"choices", "prediction", "dataset"} <= set(plan)
+
+
+def test_folder_browser_lists_folders_and_model_files(server, tmp_path):
+    status, roots = server.call("GET", "/api/browse")
+    assert status == 200 and str(ROOT / "examples") in roots["folders"]
+    status, listing = server.call("GET", f"/api/browse?path={ROOT / 'examples'}")
+    assert status == 200 and listing["folders"] == ["dataset"] and listing["parent"] is None
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "said"), [
+    ("POST", "/api/plan", {"dataset": "/etc", "model": "builtin:tiny-sd15"}, 403, "outside the folders"),
+    ("POST", "/api/plan", {"dataset": str(DATASET), "model": "/etc/passwd"}, 403, "model /etc/passwd: outside"),
+    ("POST", "/api/doctor", {"dataset": str(DATASET / ".." / ".." / ".." / "sd_scripts_compat")}, 403, "outside"),
+    ("GET", "/api/browse?path=/", None, 403, "outside the folders"),
+    ("POST", "/api/plan", {"dataset": str(DATASET), "model": str(ROOT / "examples" / "nope.safetensors")}, 400,
+     "not found"),
+    ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:sdxl", "vram": 2}, 422, "needs"),
+    ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "rank": "many"}, 400,
+     "invalid int value"),
+    ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "out": "x"}, 400,
+     "plans without writing"),
+    ("POST", "/api/plan", [1, 2], 400, "one JSON object"),
+    ("GET", "/api/browse?path=" + str(ROOT / "examples" / "missing"), None, 404, "not a folder"),
+])
+def test_bad_input_is_one_json_line_and_writes_nothing(server, method, path, body, status, said):
+    before = set(server.runs.parent.rglob("*"))
+    got, answer = server.call(method, path, body)
+    assert got == status and said in answer["error"] and "\n" not in answer["error"], answer
+    assert set(server.runs.parent.rglob("*")) == before
+
+
+def test_malformed_json_and_other_methods_are_refused(server):
+    status, answer = server.call("POST", "/api/plan", raw=b"{bad")
+    assert status == 400 and "not JSON" in answer["error"]
+    status, answer = server.call("DELETE", "/api/health")
+    assert status == 405
+
+
+def test_cross_origin_post_is_refused_and_same_origin_is_not(server):
+    body = {"dataset": str(DATASET)}
+    status, answer = server.call("POST", "/api/doctor", body, headers={"Origin": "http://evil.example"})
+    assert status == 403 and "cross-origin" in answer["error"]
+    status, _ = server.call("POST", "/api/doctor", body, headers={"Origin": f"http://127.0.0.1:{server.port}"})
+    assert status == 200
+
+
+def test_symlink_out_of_the_allowed_folders_is_refused(server, tmp_path):
+    # tmp_path is not allowed (the server allows its own module folder): a link inside an allowed folder
+    # pointing out is followed before the check
+    allowed = server.runs.parent
+    link = allowed / "escape"
+    link.symlink_to("/etc")
+    status, answer = server.call("GET", f"/api/browse?path={link}")
+    assert status == 403 and "outside" in answer["error"]
+
+
+def test_off_loopback_every_endpoint_needs_the_token(tmp_path):
+    running = Server(tmp_path, host="0.0.0.0")
+    try:
+        assert running.token and f"?token={running.token}" in running.url
+        for method, path, body in (("GET", "/api/health", None), ("GET", "/api/probe", None),
+                                   ("GET", "/api/browse", None), ("POST", "/api/doctor", {"dataset": str(DATASET)}),
+                                   ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15"})):
+            status, answer = running.call(method, path, body)
+            assert status == 401 and "token" in answer["error"], (path, answer)
+            status, _ = running.call(method, path, body, headers={"Authorization": "Bearer wrong"})
+            assert status == 401
+        status, _ = running.call("GET", "/api/health", headers={"Authorization": f"Bearer {running.token}"})
+        assert status == 200
+        status, _ = running.call("GET", f"/api/health?token={running.token}")
+        assert status == 200
+    finally:
+        running.stop()
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "autotune", "ui", "--port", str(port)], capture_output=True,
+                              text=True, env=ENV, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "choose another --port" in done.stderr
