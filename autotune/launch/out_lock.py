@@ -56,3 +56,25 @@ def locked_output(out: Path) -> Iterator[None]:
         raise
     finally:
         os.close(fd)  # the lock goes with the descriptor
+
+
+def lock_holder(out: Path) -> int | None:
+    """The PID of the live ``autotune run`` holding ``out``'s lock, else None (never creates the lock file)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(Path(out) / LOCK_FILE, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(fd, 32).decode("ascii", "replace").strip()
+            return int(text) if text.isdigit() else -1
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

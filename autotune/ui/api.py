@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,8 @@ class BadRequest(Exception):
         self.status = status
 
 
-def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> argparse.Namespace:
-    """``body`` as the command line of ``autotune COMMAND`` (paths checked against the allowed folders first)."""
-    from autotune.cli import build_parser
-
+def command_argv(command: str, body: dict[str, Any], policy: AccessPolicy) -> list[str]:
+    """``body`` as the arguments of ``autotune COMMAND`` (paths checked against the allowed folders first)."""
     argv = [command]
     for key, value in body.items():
         if key in PATH_OPTIONS and isinstance(value, str) and not value.startswith(BUILTIN):
@@ -47,6 +46,13 @@ def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> a
                 argv.append(flag)
             elif item is not False and item is not None:
                 argv += [flag, str(item)]
+    return argv
+
+
+def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> argparse.Namespace:
+    """``body`` read by ``autotune COMMAND``'s own parser; its complaint is a 400 naming the option."""
+    from autotune.cli import build_parser
+
     parser = build_parser(command)
     sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
 
@@ -55,7 +61,7 @@ def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> a
 
     sub.error = refuse  # type: ignore[method-assign]
     parser.error = refuse  # type: ignore[method-assign]
-    return parser.parse_args(argv)
+    return parser.parse_args(command_argv(command, body, policy))
 
 
 def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
@@ -110,7 +116,80 @@ def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
         args = parse_command("plan", await json_body(request), policy)
         return await _in_thread(run_plan, args)
 
+    add_run_routes(app, policy, runs_dir)
     return app
+
+
+NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs",
+                     "resume": "resume a run with POST /api/runs/{id}/resume",
+                     "engine": "the web app trains with autotune's engine (--engine is the CLI's)",
+                     "python": "the web app trains with autotune's engine (--python is the CLI's)"}
+
+
+def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path) -> None:
+    """Runs: list, start or queue, one run, its live events, stop, resume, its report."""
+    import threading
+
+    from fastapi.responses import StreamingResponse
+
+    from autotune.ui.runs import RunStore
+
+    store = RunStore(runs_dir, policy)
+
+    def serve_queue() -> None:  # a restarted server keeps serving the queue it finds
+        while True:
+            try:
+                store.tick()
+            except OSError:
+                pass
+            time.sleep(1.0)
+
+    threading.Thread(target=serve_queue, name="run-queue", daemon=True).start()
+
+    @app.get("/api/runs")
+    def runs() -> dict[str, Any]:
+        return {"runs": [store.info(run_id) for run_id in store.ids()], "queue": store.queue()}
+
+    @app.post("/api/runs", status_code=201)
+    async def start(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        for key, why in NOT_FROM_THE_PAGE.items():
+            if key in body:
+                raise BadRequest(f"{key}: {why}")
+        name = body.pop("name", None)
+        if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
+            raise BadRequest("name: a folder name for the run (letters, digits, - and _)")
+        args = parse_command("run", body, policy)  # refused here, as the CLI refuses it, before any folder
+        argv = command_argv("run", body, policy)
+        return await _in_thread(store.start, argv, args.dataset, args.model, name)
+
+    @app.get("/api/runs/{run_id}")
+    def one(run_id: str) -> dict[str, Any]:
+        return store.info(run_id)
+
+    @app.post("/api/runs/{run_id}/stop")
+    def stop(run_id: str) -> dict[str, Any]:
+        return store.stop(run_id)
+
+    @app.post("/api/runs/{run_id}/resume")
+    def resume(run_id: str) -> dict[str, Any]:
+        return store.resume(run_id)
+
+    @app.get("/api/runs/{run_id}/report")
+    def report(run_id: str) -> Any:
+        from autotune.report.run_report import report_for
+
+        folder = store.folder(run_id)
+        text, _ = report_for(folder, as_json=True, html_path=None)
+        return json.loads(text)
+
+    @app.get("/api/runs/{run_id}/events")
+    def events(run_id: str) -> StreamingResponse:
+        from autotune.ui.events import run_events
+
+        store.folder(run_id)
+        return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
 
 async def json_body(request: Request) -> dict[str, Any]:
