@@ -117,7 +117,23 @@ def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
         return await _in_thread(run_plan, args)
 
     add_run_routes(app, policy, runs_dir)
+    add_pages(app)
     return app
+
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+def add_pages(app: FastAPI) -> None:
+    """The pages: one HTML file and its script and style, shipped in the package (nothing from a CDN)."""
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/")
+    def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
 
 
 NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs",
@@ -182,6 +198,17 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path) -> None:
         folder = store.folder(run_id)
         text, _ = report_for(folder, as_json=True, html_path=None)
         return json.loads(text)
+
+    @app.get("/api/runs/{run_id}/files/{name:path}")
+    def run_file(run_id: str, name: str) -> Any:
+        """A file of the run (its samples, its LoRA), never one outside its folder."""
+        from fastapi.responses import FileResponse
+
+        folder = store.folder(run_id)
+        path = (folder / name).resolve()
+        if folder not in path.parents or not path.is_file():
+            raise BadRequest(f"run {run_id}: no file {name} in it", status=404)
+        return FileResponse(path)
 
     @app.get("/api/runs/{run_id}/events")
     def events(run_id: str) -> StreamingResponse:

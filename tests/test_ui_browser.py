@@ -1,0 +1,103 @@
+"""The web app's pages in a real headless Chromium (Debian's ``chromium`` + ``chromium-driver``, driven by
+Selenium; ``.ci/run`` installs them): the whole new-training flow on ``examples/dataset`` with ``builtin:tiny-sd15``.
+Pick the folder in the folder browser, check and plan, change a value and see it predicted again, start, watch
+progress arrive, stop, resume, finish, read the report, and find the run on the runs page. A screenshot of each
+page goes to ``$AUTOTUNE_UI_SCREENSHOTS`` (default: the test's own folder)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from test_ui_api import ROOT, Server
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not (shutil.which("chromium") and shutil.which("chromedriver")),
+    reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")]
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1600"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_new_training_flow_from_folder_to_report(tmp_path, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    shots = Path(os.environ.get("AUTOTUNE_UI_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    server = Server(tmp_path)
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    # the pages replace what they show (a re-predicted plan, a re-rendered run): an element read mid-swap is retried
+    wait = WebDriverWait(browser, 300, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+    def text(css: str) -> str:
+        return browser.find_element(By.CSS_SELECTOR, css).text
+
+    try:
+        browser.get(f"http://127.0.0.1:{server.port}/")
+        browser.find_element(By.ID, "browse").click()  # the allowed roots, then down to the dataset
+        wait.until(seen.element_to_be_clickable((By.XPATH, f"//li[text()='\U0001F4C1 {ROOT / 'examples'}']"))).click()
+        wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, "li[data-folder='dataset']"))).click()
+        wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#browser[data-path$='/dataset']")))
+        browser.find_element(By.ID, "use-folder").click()
+        assert browser.find_element(By.ID, "in-dataset").get_attribute("value") == str(ROOT / "examples" / "dataset")
+        browser.find_element(By.ID, "check").click()
+        wait.until(seen.presence_of_element_located((By.ID, "plan-table")))
+        assert "12 images" in text("#doctor-summary") and text("#buckets")
+        first_plan = text("#plan-message")
+        browser.save_screenshot(str(shots / "1-new-training.png"))
+
+        def edit(key: str, value: str) -> None:  # select the value, type another, leave the field: one change
+            field = browser.find_element(By.CSS_SELECTOR, f"input[data-key='{key}']")
+            field.send_keys(Keys.CONTROL, "a")
+            field.send_keys(value, Keys.TAB)
+
+        edit("network_dim", "4")
+        wait.until(lambda b: "rank 4" in text("#plan-message") or
+                   b.find_element(By.CSS_SELECTOR, "input[data-key='network_dim']").get_attribute("value") == "4")
+        edit("train_batch_size", "1")  # a second value, predicted again (the peak falls with the batch)
+        wait.until(lambda b: "micro-batch 1" in text("#plan-message"))
+        assert text("#plan-message") != first_plan
+        browser.save_screenshot(str(shots / "2-plan-changed.png"))
+
+        browser.find_element(By.ID, "start").click()
+        wait.until(lambda b: "#/run/" in b.current_url)
+        wait.until(lambda b: text("#run-state") in ("running", "stepping down") and "step" in text("#run-status")
+                   and not text("#run-status").startswith(text("#run-state") + " step -"))
+        wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#decisions li[data-event='start']")))
+        browser.save_screenshot(str(shots / "3-run-training.png"))
+        browser.find_element(By.ID, "stop").click()
+        wait.until(lambda b: text("#run-state") == "interrupted")
+        browser.find_element(By.ID, "resume").click()
+        wait.until(lambda b: text("#run-state") == "done")
+        wait.until(seen.presence_of_element_located((By.ID, "bottleneck")))
+        assert text("#bottleneck") and browser.find_element(By.CSS_SELECTOR, "#loss-curve svg")
+        run_id = browser.current_url.rsplit("#/run/", 1)[1]
+        info = server.call("GET", f"/api/runs/{run_id}")[1]
+        assert info["step"] == info["max_train_steps"] > 0  # stopped, resumed, ended at the planned step
+        browser.save_screenshot(str(shots / "4-run-report.png"))
+
+        browser.find_element(By.ID, "nav-runs").click()
+        wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#runs tr[data-run]")))
+        assert "done" in text("#runs tr[data-run] .state")
+        browser.save_screenshot(str(shots / "5-runs.png"))
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()
