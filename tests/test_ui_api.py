@@ -169,3 +169,12 @@ def test_a_port_in_use_is_one_line(tmp_path):
         done = subprocess.run([sys.executable, "-m", "autotune", "ui", "--port", str(port)], capture_output=True,
                               text=True, env=ENV, cwd=tmp_path, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "choose another --port" in done.stderr
+
+
+def test_model_files_take_kohyas_option_names_and_the_allowed_folders(server):
+    """``{"clip_g": FILE}`` is ``--clip_g FILE`` (kohya's spelling), and its path is checked like the others."""
+    body = {"dataset": str(DATASET), "model": "builtin:tiny-sd3", "clip_g": "/etc/passwd"}
+    status, answer = server.call("POST", "/api/plan", body)
+    assert status == 403 and "clip_g /etc/passwd: outside" in answer["error"]
+    status, answer = server.call("POST", "/api/plan", {**body, "clip_g": str(DATASET / "missing.safetensors")})
+    assert status == 400 and "--clip_g" in answer["error"] and "no such file" in answer["error"]

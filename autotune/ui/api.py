@@ -19,7 +19,8 @@ from fastapi import FastAPI, Request  # at module level: FastAPI reads the handl
 
 from autotune.ui.security import AccessPolicy, Refused
 
-PATH_OPTIONS = ("dataset", "model", "config", "dataset_config")  # body keys naming a file or folder
+PATH_OPTIONS = ("dataset", "model", "config", "dataset_config")  # body keys naming a file or folder (and the
+# model-file keys: clip_l, t5xxl, ...)
 BUILTIN = "builtin:"
 
 
@@ -33,14 +34,17 @@ class BadRequest(Exception):
 
 def command_argv(command: str, body: dict[str, Any], policy: AccessPolicy) -> list[str]:
     """``body`` as the arguments of ``autotune COMMAND`` (paths checked against the allowed folders first)."""
+    from autotune.planning.profiles import model_file_keys
+
+    model_files = set(model_file_keys())
     argv = [command]
     for key, value in body.items():
-        if key in PATH_OPTIONS and isinstance(value, str) and not value.startswith(BUILTIN):
+        if (key in PATH_OPTIONS or key in model_files) and isinstance(value, str) and not value.startswith(BUILTIN):
             value = str(policy.resolve(value, key))
         if key == "dataset":
             argv.insert(1, str(value))
             continue
-        flag = "--" + key.replace("_", "-") if key not in ("clip_l", "clip_g", "t5xxl") else f"--{key}"
+        flag = f"--{key}" if key in model_files else "--" + key.replace("_", "-")  # --clip_l, --t5xxl: kohya's
         for item in value if isinstance(value, list) else [value]:
             if item is True:
                 argv.append(flag)
