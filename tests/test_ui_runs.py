@@ -1,6 +1,7 @@
 """Runs through ``autotune ui``'s API against a real server and real training (builtin:tiny-sd15 on
-examples/dataset): start, live events, the report, a queue of two, and a server killed and restarted while a run
-trains (the run goes on, the new server finds it). Stop and resume to the planned step: tests/test_ui_browser.py."""
+examples/dataset): a queue of two with the first one's live events and report, and a server killed and restarted
+while a run trains (the run goes on, the new server finds it). Stop and resume to the planned step are driven in
+the browser (tests/test_ui_browser.py)."""
 
 from __future__ import annotations
 
@@ -42,36 +43,23 @@ def events_of(server: Server, run_id: str) -> list[tuple[str, dict]]:
     return out
 
 
-def test_a_run_starts_streams_its_events_and_reports(tmp_path):
-    server = Server(tmp_path)
-    try:
-        status, info = server.call("POST", "/api/runs", {**RUN, "steps": 6, "name": "first"})
-        assert status == 201 and info["id"] == "first" and info["state"] in ("running", "queued")
-        events = events_of(server, "first")
-        names = [name for name, _ in events]
-        assert names[-1] == "end" and events[-1][1]["state"] == "done", events[-3:]
-        assert "progress" in names and any(d.get("event") == "start" for n, d in events if n == "decision")
-        assert any(d.get("event") == "done" for n, d in events if n == "decision")
-        info = wait_for(server, "first", ("done",))
-        assert info["step"] == info["max_train_steps"] == 6
-        status, report = server.call("GET", "/api/runs/first/report")
-        assert status == 200 and report["steps"] == 6 and report["outcome"] == "done", report
-        status, listing = server.call("GET", "/api/runs")
-        assert [run["id"] for run in listing["runs"]] == ["first"] and listing["queue"] == []
-        status, answer = server.call("POST", "/api/runs/first/resume")
-        assert status == 409 and "only an interrupted or failed run resumes" in answer["error"]
-    finally:
-        server.stop()
-
-
-def test_two_runs_queue_and_train_one_after_the_other(tmp_path):
+def test_two_runs_queue_and_train_one_after_the_other_with_events_and_report(tmp_path):
     server = Server(tmp_path)
     try:
         server.call("POST", "/api/runs", {**RUN, "steps": 8, "name": "a"})
         status, second = server.call("POST", "/api/runs", {**RUN, "steps": 6, "name": "b"})
         assert status == 201 and second["state"] == "queued"
         assert server.call("GET", "/api/runs")[1]["queue"] == ["b"]
-        wait_for(server, "a", ("done",))
+        events = events_of(server, "a")  # the whole stream of the first run, which ends with it
+        names = [name for name, _ in events]
+        assert names[-1] == "end" and events[-1][1]["state"] == "done", events[-3:]
+        assert "progress" in names and any(d.get("event") == "start" for n, d in events if n == "decision")
+        info = wait_for(server, "a", ("done",))
+        assert info["step"] == info["max_train_steps"] == 8
+        status, report = server.call("GET", "/api/runs/a/report")
+        assert status == 200 and report["steps"] == 8 and report["outcome"] == "done", report
+        status, answer = server.call("POST", "/api/runs/a/resume")
+        assert status == 409 and "only an interrupted or failed run resumes" in answer["error"]
         wait_for(server, "b", ("done",))
         a_done = [json.loads(x) for x in (server.runs / "a" / "logs" / "decisions.jsonl").read_text().splitlines()]
         b_start = [json.loads(x) for x in (server.runs / "b" / "logs" / "decisions.jsonl").read_text().splitlines()]
