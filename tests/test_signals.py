@@ -25,10 +25,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import toml
 import torch
+from fixtures.engine_runs import toy_dataset
 from PIL import Image
 
 from sd_scripts_compat.network.lora_file import read_lora_file
@@ -40,13 +40,7 @@ STEPS = 40  # 2 optimizer steps per epoch: 20 epochs, so stops land in many epoc
 
 
 def make_dataset(root: Path, images: int = 4) -> Path:
-    folder = root / "data" / "1_toy"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for i in range(images):
-        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
-    return folder.parent
+    return toy_dataset(root, images=images, repeats=1)
 
 
 def write_config(path: Path, data: Path, out: Path, **overrides: object) -> Path:
