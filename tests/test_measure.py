@@ -162,7 +162,7 @@ def test_bench_then_plan_uses_the_measured_figure_then_a_run_is_stored_too(tmp_p
     assert json.loads(_autotune("plan", dataset, "--model", "builtin:tiny-sd15", "--json",
                                 "--no-learn").stdout)["prediction"]["speed_source"] == "model"
 
-    run = _autotune("run", dataset, "--model", "builtin:tiny-sd15", "--out", str(tmp_path / "run"))
+    run = _autotune("run", dataset, "--model", "builtin:tiny-sd15", "--steps", "8", "--out", str(tmp_path / "run"))
     assert run.returncode == 0, run.stderr[-2000:]
     (newest,) = load_measurements()
     if "this run's speed is not kept for future plans" in run.stdout:  # the other test worker took the CPU

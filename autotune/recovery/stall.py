@@ -11,12 +11,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 SLOW_DISK_BYTES_PER_S = 16 * 2**20
 STEP_FACTOR = 10.0
 TRAINING_FLOOR_S = 60.0
+TEST_TRAINING_FLOOR_ENV = "SD_COMPAT_TEST_TRAINING_FLOOR_S"  # test hook: a shorter floor (stall tests in seconds)
+
+
+def training_floor_s() -> float:
+    return float(os.environ.get(TEST_TRAINING_FLOOR_ENV) or TRAINING_FLOOR_S)
 
 
 def stall_limit(phase: Mapping[str, Any] | None, progress: Mapping[str, Any] | None, base_s: float) -> float:
@@ -28,7 +34,7 @@ def stall_limit(phase: Mapping[str, Any] | None, progress: Mapping[str, Any] | N
     if name == "training":
         rate = (progress or {}).get("it_per_s")
         if isinstance(rate, (int, float)) and rate > 0:
-            return max(STEP_FACTOR / rate, min(base_s, TRAINING_FLOOR_S))
+            return max(STEP_FACTOR / rate, min(base_s, training_floor_s()))
     return base_s
 
 

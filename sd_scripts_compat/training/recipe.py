@@ -201,12 +201,13 @@ class Data:
         return [d for d in (self.train, self.validation) if d is not None]
 
 
-def build_data(config: TrainingConfig, process: Process, model: Model) -> Data:
+def build_data(config: TrainingConfig, process: Process, family: FamilySpec) -> Data:
+    """The datasets (image sizes read, buckets assigned; nothing decoded yet), for the model's family."""
     from sd_scripts_compat.config.training_config import single_dataset
     from sd_scripts_compat.dataset.train_dataset import build_dataset, build_validation_dataset
 
-    spec = single_dataset(config, default_resolution=(model.family.resolution, model.family.resolution))
-    _check_size_steps(spec, model.family)
+    spec = single_dataset(config, default_resolution=(family.resolution, family.resolution))
+    _check_size_steps(spec, family)
     train = build_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight)
     validation = build_validation_dataset(spec, seed=process.seed, prior_loss_weight=config.prior_loss_weight) \
         if spec.validation_split > 0 else None
@@ -638,8 +639,11 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
                                                        config.t5xxl, config.ae, config.network_weights]))
     phases = PhaseTimer(process.device.type, elapsed_before=time.time() - process.started,
                         on_event=reporter.timer_event)
+    family = _family_from_headers(config, sdxl)
+    data = build_data(config, process, family) if family else None  # kohya's order: a bad dataset is found first
     model = load_model(config, process, sdxl=sdxl)
-    data = build_data(config, process, model)
+    if data is None or family != model.family:
+        data = build_data(config, process, model.family)
     with phases.event("caching"):
         reporter.enter("caching", total=sum(len(d.records) for d in data.all))
         inputs = cache_inputs(config, process, model, data, reporter.advance)
@@ -878,7 +882,8 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
     if events_dir and r.process.is_main:
         write_event(events_dir, PROGRESS, {
             "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
-            "time": now, "it_per_s": rate, "loss": mean_loss})
+            "time": now, "it_per_s": rate, "loss": mean_loss, "lr": unet_lr,
+            "peak_memory_mib": loop.peak_memory_mib})
     loop.last_report = now
 
 
@@ -1002,6 +1007,22 @@ def _script(config: TrainingConfig, sdxl: bool) -> str:
     if getattr(config, "script", None) in ("flux_train_network", "sd3_train_network"):
         return config.script
     return "sdxl_train_network" if sdxl else "train_network"
+
+
+def _family_from_headers(config: TrainingConfig, sdxl: bool) -> FamilySpec | None:
+    """The model's family from its headers or configs alone (a built-in, a folder, a .safetensors file), so the
+    datasets are read before the weights, as sd-scripts does; None when only loading can tell (the loader then
+    says what is wrong, in its words)."""
+    from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family
+
+    model = str(config.pretrained_model_name_or_path or "")
+    path = Path(model).expanduser()
+    if not (model.startswith(BUILTIN_PREFIX) or path.is_dir() or path.suffix.lower() == ".safetensors"):
+        return None
+    try:
+        return detect_family(model, _stated_family(config, sdxl), stated_by=ENGINE_STATED_BY)
+    except UserError:
+        return None
 
 
 def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
