@@ -7,8 +7,10 @@ messages mean "out of memory". An engine that follows this module (ours, or a wr
 user's sd-scripts) can be supervised.
 
 Events (each written atomically, so a reader never sees half a file):
-- ``progress.json``: ``step, epoch, max_train_steps, time, it_per_s, loss``, rewritten every few seconds;
-  the watchdog's stall detector watches its modification time.
+- ``progress.json``: ``step, epoch, max_train_steps, time, it_per_s, loss``, and from our engine ``lr`` and
+  ``peak_memory_mib``, rewritten every few seconds; the watchdog's stall detector watches its modification time.
+  Each one is also appended as a line to ``progress.jsonl`` (kept across a run's attempts, like ``monitor.jsonl``):
+  the curves of the web app's run page.
 - ``phase.json``: ``phase`` (one of :data:`ENGINE_PHASES`), ``done`` and ``total`` (items of the phase, when
   counted), ``bytes`` (what a loading phase reads), ``time``; rewritten when a phase begins and as it advances
   (at most every second). The stall detector's limit depends on the phase (``autotune.recovery.stall``).
@@ -87,6 +89,7 @@ RETRY_LOG_FLAG = "--autotune_retry_log"
 STATE_DIR_FLAG = "--autotune_state_dir"  # state folders go here instead of output_dir
 MONITOR_FLAG = "--autotune_monitor_seconds"
 MONITOR_FILE = "monitor.jsonl"  # in the events folder, beside the events
+PROGRESS_LOG = "progress.jsonl"  # every progress event, one line each, beside the events
 
 STATE_FILE = "train_state.json"  # inside each state folder (ours and kohya's)
 
@@ -100,7 +103,11 @@ def event_path(events_dir: str | Path, kind: str) -> Path:
 def write_event(events_dir: str | Path, kind: str, payload: dict[str, Any]) -> Path:
     """Write one event atomically, stamped with its kind and the schema version."""
     path = event_path(events_dir, kind)
-    write_json_atomic(path, {**payload, "schema": SCHEMA_VERSION, "event": kind})
+    event = {**payload, "schema": SCHEMA_VERSION, "event": kind}
+    write_json_atomic(path, event)
+    if kind == PROGRESS:  # whole lines under one write: a reader sees a line complete or not at all
+        with open(Path(events_dir) / PROGRESS_LOG, "a", encoding="utf-8") as log:
+            log.write(json.dumps(event, separators=(",", ":")) + "\n")
     return path
 
 

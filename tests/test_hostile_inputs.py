@@ -699,6 +699,9 @@ MORE = [
     Case("ui-port-zero", lambda t: ["autotune", "ui", "--port", "0"], "--port 0"),
     Case("ui-allow-dir-missing", lambda t: ["autotune", "ui", "--allow-dir", str(t / "nope")], "--allow-dir"),
     Case("ui-runs-is-a-file", lambda t: ["autotune", "ui", "--runs", str(a_file(t / "runs"))], "--runs"),
+    Case("ui-engine-not-sd-scripts", lambda t: ["autotune", "ui", "--engine", f"sd-scripts={t}"], "not sd-scripts"),
+    Case("ui-engine-unknown-kind", lambda t: ["autotune", "ui", "--engine", "musubi=/x"], "expected sd-scripts=PATH"),
+    Case("ui-python-without-engine", lambda t: ["autotune", "ui", "--python", sys.executable], "only with --engine"),
     Case("flux-offload-with-block-swap", lambda t: flux(t, cpu_offload_checkpointing=True, blocks_to_swap=2),
          "blocks_to_swap cannot go with it"),
     Case("sd3-clip-g-is-a-t5-file", lambda t: sd3(t, clip_g=str(safetensors_file(

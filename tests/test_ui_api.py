@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from email.message import Message
 from pathlib import Path
 
 import pytest
+import toml
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
@@ -30,13 +33,13 @@ def free_port() -> int:
 class Server:
     """``autotune ui`` running in a subprocess; ``call`` speaks to it, ``url`` is what it printed."""
 
-    def __init__(self, tmp: Path, *extra: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, tmp: Path, *extra: str, host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:
         self.port, self.runs = free_port(), tmp / "runs"
         command = [sys.executable, "-m", "autotune", "ui", "--host", host, "--port", str(self.port),
                    "--runs", str(self.runs), "--allow-dir", str(ROOT / "examples"), "--allow-dir", str(tmp), *extra]
         started = time.monotonic()
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        cwd=tmp, env=ENV)
+                                        cwd=tmp, env=env or ENV)
         self.url = self.process.stdout.readline().strip()  # the line it prints once it listens
         self.token = self.url.split("?token=")[1].split()[0] if "?token=" in self.url else None
         self.start_seconds = time.monotonic() - started
@@ -51,6 +54,14 @@ class Server:
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read())
+
+    def fetch(self, path: str) -> tuple[int, bytes, Message]:
+        """A GET whose answer is not JSON (an image, a file): status, bytes, headers (case-insensitive)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=60) as response:
+                return response.status, response.read(), response.headers
+        except urllib.error.HTTPError as error:
+            return error.code, error.read(), error.headers
 
     def stop(self) -> str:
         self.process.terminate()
@@ -86,6 +97,40 @@ def test_probe_doctor_and_plan_answer_with_the_clis_json(server):
     assert status == 200 and plan["fits"] and plan["settings"]["network_dim"] == 8
     assert plan["settings"]["train_batch_size"] == 2 and plan["family"] == "tiny-sd15"
     assert {"choices", "prediction", "dataset"} <= set(plan)
+    config = toml.loads(plan["configs"]["config.toml"])  # what plan --out would write, for the page to show
+    assert config["network_dim"] == 8 and config["train_batch_size"] == 2
+    dataset = toml.loads(plan["configs"]["dataset.toml"])
+    assert len(dataset["datasets"][0]["subsets"]) == 3
+
+
+def test_a_pinned_value_that_does_not_fit_is_planned_down_and_said(server):
+    """The page flags an edited value the plan could not keep: the plan says what fits instead."""
+    status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:sdxl", "vram": 8,
+                                                     "batch": 32, "resolution": 1024})
+    assert status == 200 and plan["settings"]["train_batch_size"] < 32
+    assert any("micro-batch 32" in line and "does not fit" in line for line in plan["fallbacks"])
+
+
+def test_thumbnails_are_cropped_as_the_engine_crops(server):
+    """320 x 192 and 288 x 224 at 256 px (tiny-sd15, bucket_no_upscale): buckets 320 x 192 and 256 x 192."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    for name, bucket in (("10_square shape/square_02.png", [320, 192]), ("10_square shape/square_03.jpg", [256, 192])):
+        query = urllib.parse.urlencode({"dataset": str(DATASET), "file": name, "model": "builtin:tiny-sd15",
+                                        "resolution": 256})
+        status, png, headers = server.fetch(f"/api/thumbnail?{query}")
+        crop = json.loads(headers["X-Autotune-Crop"])
+        assert status == 200 and crop["bucket"] == bucket, crop
+        image = Image.open(BytesIO(png))
+        assert image.format == "PNG" and max(image.size) == 192
+        assert abs(image.size[0] / image.size[1] - bucket[0] / bucket[1]) < 0.02
+    for file, code in (("../../pyproject.toml", 403), ("10_square shape/missing.png", 404),
+                       ("10_square shape/square_02.txt", 400)):
+        query = urllib.parse.urlencode({"dataset": str(DATASET), "file": file})
+        status, body, _ = server.fetch(f"/api/thumbnail?{query}")
+        assert status == code and "\n" not in json.loads(body)["error"], (file, body)
 
 
 def test_folder_browser_lists_folders_and_model_files(server, tmp_path):
@@ -159,6 +204,18 @@ def test_off_loopback_every_endpoint_needs_the_token(tmp_path):
         assert status == 200
     finally:
         running.stop()
+
+
+def test_engines_are_fixed_by_the_server_not_the_page(server, tmp_path):
+    status, health = server.call("GET", "/api/health")
+    assert health["engines"] == ["autotune"]
+    body = {"dataset": str(DATASET), "model": "builtin:tiny-sd15"}
+    for extra, said in (({"engine": "sd-scripts"}, "offers autotune"), ({"python": "/bin/sh"}, "fixed when")):
+        status, answer = server.call("POST", "/api/runs", {**body, **extra})
+        assert status == 400 and said in answer["error"], answer
+    done = subprocess.run([sys.executable, "-m", "autotune", "ui", "--engine", f"sd-scripts={tmp_path}"],
+                          capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "not sd-scripts" in done.stderr
 
 
 def test_a_port_in_use_is_one_line(tmp_path):

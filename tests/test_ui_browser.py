@@ -60,6 +60,10 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
         browser.find_element(By.ID, "check").click()
         wait.until(seen.presence_of_element_located((By.ID, "plan-table")))
         assert "12 images" in text("#doctor-summary") and text("#buckets")
+        # each problem image as the engine crops it to its bucket (examples/dataset has small ones)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#problems img.thumb") and all(
+            b.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", img)
+            for img in b.find_elements(By.CSS_SELECTOR, "#problems img.thumb")))
         first_plan = text("#plan-message")
         browser.save_screenshot(str(shots / "1-new-training.png"))
 
@@ -70,9 +74,17 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
 
         edit("network_dim", "4")
         wait.until(lambda b: "rank 4" in text("#plan-message"))  # the new plan is in: its table is the new one
+        edit("train_batch_size", "100000")  # cannot fit any machine: flagged, with the split that fits
+        wait.until(lambda b: "100000 does not fit" in text("[data-flag='train_batch_size']"))
+        assert "does not fit" in text("#fallbacks")
+        browser.save_screenshot(str(shots / "2-plan-flagged.png"))
         edit("train_batch_size", "1")  # a second value, predicted again (the peak falls with the batch)
-        wait.until(lambda b: "micro-batch 1" in text("#plan-message"))
-        assert text("#plan-message") != first_plan
+        wait.until(lambda b: "micro-batch 1 x" in text("#plan-message"))  # not the 1024 x ... of the last plan
+        assert text("#plan-message") != first_plan and not browser.find_elements(By.CSS_SELECTOR, ".flag")
+        browser.find_element(By.ID, "show-configs").click()  # the configs sd-scripts reads, shown and downloadable
+        assert "network_dim = 4" in text("pre[data-config='config.toml']")
+        link = browser.find_element(By.CSS_SELECTOR, "a[data-file='dataset.toml']")
+        assert link.get_attribute("href").startswith("blob:") and link.get_attribute("download") == "dataset.toml"
         browser.save_screenshot(str(shots / "2-plan-changed.png"))
 
         browser.find_element(By.ID, "start").click()
@@ -85,11 +97,16 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
         wait.until(lambda b: text("#run-state") == "interrupted")
         browser.find_element(By.ID, "resume").click()
         wait.until(lambda b: text("#run-state") == "done")
-        wait.until(seen.presence_of_element_located((By.ID, "bottleneck")))
+        wait.until(seen.presence_of_element_located((By.ID, "lora-table")))
         assert text("#bottleneck") and browser.find_element(By.CSS_SELECTOR, "#loss-curve svg")
+        assert browser.find_element(By.CSS_SELECTOR, "#lr-curve svg") and "peak so far" in text("#memory")
         run_id = browser.current_url.rsplit("#/run/", 1)[1]
         info = server.call("GET", f"/api/runs/{run_id}")[1]
         assert info["step"] == info["max_train_steps"] > 0  # stopped, resumed, ended at the planned step
+        assert "rank(s)" in text("#lora-table") and "4 (" in text("#lora-table")
+        href = browser.find_element(By.ID, "lora-download").get_attribute("href")
+        status, data, _ = server.fetch(href.split(str(server.port), 1)[1])
+        assert status == 200 and data[:8] and href.endswith(".safetensors")
         browser.save_screenshot(str(shots / "4-run-report.png"))
 
         browser.find_element(By.ID, "nav-runs").click()

@@ -9,6 +9,7 @@ import json
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from test_ui_api import DATASET, Server
@@ -53,9 +54,20 @@ def test_two_runs_queue_and_train_one_after_the_other_with_events_and_report(tmp
         events = events_of(server, "a")  # the whole stream of the first run, which ends with it
         names = [name for name, _ in events]
         assert names[-1] == "end" and events[-1][1]["state"] == "done", events[-3:]
-        assert "progress" in names and any(d.get("event") == "start" for n, d in events if n == "decision")
+        assert any(d.get("event") == "start" for n, d in events if n == "decision")
+        progress = [d for n, d in events if n == "progress"]  # every report from the first step: whole curves
+        assert progress[0]["step"] == 1 and progress[-1]["step"] == 8, progress
+        assert all(p["lr"] >= 0 and p["peak_memory_mib"] > 0 and p["loss"] is not None for p in progress)
+        assert progress[0]["lr"] > progress[-1]["lr"]  # the schedule's curve (cosine, to 0 at the end)
+        late = events_of(server, "a")  # a page opened after the run still gets its whole history
+        assert [d for n, d in late if n == "progress"] == progress
         info = wait_for(server, "a", ("done",))
-        assert info["step"] == info["max_train_steps"] == 8
+        assert info["step"] == info["max_train_steps"] == 8 and info["engine"] == "autotune"
+        assert info["planned"]["usable_bytes"] > info["planned"]["peak_bytes"] > 0
+        status, lora = server.call("GET", "/api/runs/a/lora")  # autotune inspect's view, and the file to download
+        assert status == 200 and lora["ranks"] == {"4": lora["modules"]["total"]}, lora
+        status, data, _ = server.fetch(lora["download"])
+        assert status == 200 and data == Path(lora["file"]).read_bytes() and lora["file"].endswith(".safetensors")
         status, report = server.call("GET", "/api/runs/a/report")
         assert status == 200 and report["steps"] == 8 and report["outcome"] == "done", report
         status, answer = server.call("POST", "/api/runs/a/resume")
@@ -90,17 +102,46 @@ def test_a_run_refused_by_the_cli_is_refused_here_first(tmp_path):
     server = Server(tmp_path)
     try:
         for body, said in (({**RUN, "out": "x"}, "names each run's folder"),
-                           ({**RUN, "engine": "sd-scripts=/x"}, "autotune's engine"),
+                           ({**RUN, "engine": "sd-scripts=/x"}, "this server offers autotune"),
                            ({**RUN, "name": "../up"}, "a folder name")):
             status, answer = server.call("POST", "/api/runs", body)
             assert status == 400 and said in answer["error"], answer
         assert not server.runs.exists() or not any(server.runs.iterdir())
         status, answer = server.call("GET", "/api/runs/nope")
         assert status == 404
+        status, answer = server.call("GET", "/api/runs/nope/lora")
+        assert status == 404
         # what only planning finds is the run's own one line, as the CLI prints it
         status, _ = server.call("POST", "/api/runs", {**RUN, "steps": 0, "name": "zero"})
         assert status == 201
         failed = wait_for(server, "zero", ("failed",))
         assert "--steps 0: must be 1 or more" in failed["message"], failed
+    finally:
+        server.stop()
+
+
+def test_the_users_sd_scripts_runs_from_the_page_when_the_server_offers_it(tmp_path):
+    """``autotune ui --engine sd-scripts=PATH``: the page may choose it; the run is ``autotune run --engine ...``
+    under the same watchdog. Against the FAKE sd-scripts of the wrapper tests (sd-scripts cannot be fetched in
+    CI), which OOMs once at step 5: stepped down, resumed, done at the planned step."""
+    from test_sd_scripts_wrapper import FAKE_SCRIPTS, diffusers_folder, fake_env, make_dataset, read_fake_lora
+
+    data, model = make_dataset(tmp_path, pngs=True), diffusers_folder(tmp_path)
+    env = {**fake_env(tmp_path, "oom_at=5"), "HF_HUB_OFFLINE": "1"}
+    server = Server(tmp_path, "--engine", f"sd-scripts={FAKE_SCRIPTS}", env=env)
+    try:
+        assert server.call("GET", "/api/health")[1]["engines"] == ["autotune", "sd-scripts"]
+        body = {"dataset": str(data), "model": "builtin:tiny-sd15", "engine": "sd-scripts"}
+        status, answer = server.call("POST", "/api/runs", body)  # sd-scripts cannot load a built-in: refused first
+        assert status == 400 and "only autotune's engine can load" in answer["error"], answer
+        status, run = server.call("POST", "/api/runs", {**body, "model": str(model), "save_state_every": 0.2,
+                                                        "name": "kohya"})
+        assert status == 201, run
+        info = wait_for(server, "kohya", ("done", "failed"), timeout=300)
+        assert info["state"] == "done" and info["engine"] == "sd-scripts", info
+        retry = json.loads((server.runs / "kohya" / "logs" / "retries.json").read_text())[0]
+        assert retry["failure"] == "oom" and retry["step"] == 5
+        _, meta = read_fake_lora(server.runs / "kohya" / "data-tiny-sd15.safetensors")
+        assert meta["fake_true_steps"] == str(info["max_train_steps"]) == str(info["step"])
     finally:
         server.stop()

@@ -57,26 +57,6 @@ def _tag_summary(raw: str) -> str:
     return f"{len(tags)} tags; top: " + ", ".join(f"{tag} ({count})" for tag, count in top) if tags else "-"
 
 
-def lora_in(path: Path) -> Path:
-    """A file as it is; a run folder (``autotune run --out``): the LoRA its done.json names, else its newest LoRA
-    (state folders and cache files left out)."""
-    if not path.is_dir():
-        return path
-    from autotune.layout import EVENTS_DIR
-    from autotune.report.load import run_folder
-    from sd_scripts_compat.contract import DONE, read_event
-
-    done = read_event(run_folder(path) / EVENTS_DIR, DONE) or read_event(path, DONE) or {}
-    if done.get("output_file") and Path(done["output_file"]).is_file():
-        return Path(done["output_file"])
-    found = [p for pattern in ("*.safetensors", "*/*.safetensors") for p in path.glob(pattern)
-             if not p.parent.name.endswith("-state") and not p.name.endswith((".latents.safetensors",
-                                                                                ".te.safetensors"))]
-    if not found:
-        return path  # describe_lora_file says it is no file
-    return max(found, key=lambda p: p.stat().st_mtime_ns)
-
-
 def _export(info: dict[str, Any], out: str) -> None:
     from sd_scripts_compat.errors import UserError
     from sd_scripts_compat.network.diffusers_export import export_diffusers_file
@@ -92,9 +72,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from autotune.report.load import run_lora
     from sd_scripts_compat.network.lora_file import TRAINING_FIELDS, describe_lora_file
 
-    info = describe_lora_file(lora_in(Path(args.file)))  # UserError (not a LoRA, corrupt) -> one line, exit 2
+    info = describe_lora_file(run_lora(Path(args.file)))  # UserError (not a LoRA, corrupt) -> one line, exit 2
     if args.diffusers_out:
         _export(info, args.diffusers_out)
     if args.json:

@@ -3,6 +3,7 @@
     autotune ui                                  # http://127.0.0.1:28000/, runs under ./output
     autotune ui --runs ~/loras --allow-dir /data # another runs folder, one more folder datasets may come from
     autotune ui --host 0.0.0.0 --port 28000      # other machines: every request then needs the printed token
+    autotune ui --engine sd-scripts=~/sd-scripts # the page may also start runs in your own sd-scripts
 
 It binds 127.0.0.1 unless told otherwise; bound elsewhere it refuses every request without its token (generated
 and printed with the URL, or --token). Dataset folders and model files must lie under the allowed folders
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-dir", action="append", default=None, metavar="DIR",
                         help="a folder datasets and models may come from (repeat it; default: home and current)")
     parser.add_argument("--token", default=None, help="the access token (default: generated when not on loopback)")
+    parser.add_argument("--engine", metavar="sd-scripts=PATH", default=None,
+                        help="offer your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) as a "
+                             "second engine on the new-training page; the path is fixed here, never sent by a page")
+    parser.add_argument("--python", default=None, help="with --engine: the Python that runs sd-scripts")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,11 +52,32 @@ def run(args: argparse.Namespace) -> int:
     if runs.exists() and not runs.is_dir():
         raise UserError(f"--runs {args.runs}: a file, not a folder; give the folder runs go to")
     policy = AccessPolicy.for_server(args.host, args.port, args.token, args.allow_dir)
-    serve(policy, runs)
+    serve(policy, runs, engines(args.engine, args.python))
     return 0
 
 
-def serve(policy: AccessPolicy, runs: Path) -> None:
+def engines(engine: str | None, python: str | None) -> dict[str, list[str]]:
+    """The engines the page may choose: autotune's, and the user's sd-scripts when ``--engine`` names one (checked
+    now, with absolute paths: runs start in the runs folder), each as the ``autotune run`` options it adds."""
+    from pathlib import Path
+
+    from autotune.recovery.sd_scripts import ENGINE_NAME, early_check, parse_engine
+
+    offered: dict[str, list[str]] = {"autotune": []}
+    if engine is None:
+        if python:
+            from sd_scripts_compat.errors import UserError
+
+            raise UserError("--python: only with --engine sd-scripts=PATH (autotune's engine runs in this Python)")
+        return offered
+    install = early_check(engine, python, None)  # not sd-scripts, a --python that does not run: one line
+    root = parse_engine(engine)
+    assert root is not None  # early_check refuses "autotune"
+    offered[ENGINE_NAME] = ["--engine", f"{ENGINE_NAME}={Path(root).resolve()}", "--python", str(install.python)]
+    return offered
+
+
+def serve(policy: AccessPolicy, runs: Path, offered: dict[str, list[str]] | None = None) -> None:
     """Bind first (a port in use is one line), then print the URL and serve until Ctrl-C."""
     import socket
 
@@ -73,5 +99,7 @@ def serve(policy: AccessPolicy, runs: Path) -> None:
     url = f"http://{host}:{policy.port}/"
     print(f"autotune ui: {url}" + (f"?token={policy.token}  (token: {policy.token})" if policy.token else ""),
           flush=True)
-    config = uvicorn.Config(create_app(policy, runs), log_level="warning", access_log=False, lifespan="off")
+    if offered and len(offered) > 1:
+        print("engines: " + ", ".join(offered), flush=True)
+    config = uvicorn.Config(create_app(policy, runs, offered), log_level="warning", access_log=False, lifespan="off")
     uvicorn.Server(config).run(sockets=[sock])

@@ -79,3 +79,21 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def run_lora(path: Path) -> Path:
+    """A file as it is; a run folder (``autotune run --out``): the LoRA its done.json names, else its newest LoRA
+    (state folders and cache files left out)."""
+    if not path.is_dir():
+        return path
+    from sd_scripts_compat.contract import DONE, read_event
+
+    done = read_event(run_folder(path) / EVENTS_DIR, DONE) or read_event(path, DONE) or {}
+    if done.get("output_file") and Path(done["output_file"]).is_file():
+        return Path(done["output_file"])
+    found = [p for pattern in ("*.safetensors", "*/*.safetensors") for p in path.glob(pattern)
+             if not p.parent.name.endswith("-state") and not p.name.endswith((".latents.safetensors",
+                                                                                ".te.safetensors"))]
+    if not found:
+        return path  # describe_lora_file says it is no file
+    return max(found, key=lambda p: p.stat().st_mtime_ns)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,14 @@ def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> a
     return parser.parse_args(command_argv(command, body, policy))
 
 
-def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
+def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]] | None = None) -> FastAPI:
+    """The app; ``engines``: the engine names a page may choose, each with the ``autotune run`` options it adds
+    (``autotune ui --engine``); autotune's own alone by default."""
     from fastapi.responses import JSONResponse
 
     from autotune import __version__
 
+    offered = engines or {"autotune": []}
     app = FastAPI(title="lora-autotune", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -98,7 +102,7 @@ def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
     @app.get("/api/health")
     def health() -> dict[str, Any]:
         return {"ok": True, "version": __version__, "runs_dir": str(runs_dir),
-                "allowed_roots": [str(root) for root in policy.allowed_roots]}
+                "allowed_roots": [str(root) for root in policy.allowed_roots], "engines": list(offered)}
 
     @app.get("/api/probe")
     def probe() -> dict[str, Any]:
@@ -120,9 +124,32 @@ def create_app(policy: AccessPolicy, runs_dir: Path) -> FastAPI:
         args = parse_command("plan", await json_body(request), policy)
         return await _in_thread(run_plan, args)
 
-    add_run_routes(app, policy, runs_dir)
+    @app.get("/api/thumbnail")
+    async def thumbnail(dataset: str, file: str, model: str | None = None, resolution: int | None = None) -> Any:
+        from fastapi.responses import Response
+
+        image = dataset_file(policy, dataset, file)
+        if model and not model.startswith(BUILTIN):
+            model = str(policy.resolve(model, "model"))
+        png, crop = await _in_thread(crop_or_refuse, image, model, resolution)
+        return Response(png, media_type="image/png", headers={"X-Autotune-Crop": json.dumps(crop),
+                                                              "Cache-Control": "no-cache"})
+
+    add_run_routes(app, policy, runs_dir, offered)
     add_pages(app)
+    threading.Thread(target=warm_up, name="warm-up", daemon=True).start()
     return app
+
+
+def warm_up() -> None:
+    """Import what the first doctor request needs (transformers and the shipped CLIP tokenizer, ~1.5 s) while the
+    user picks a dataset, so the new-training page answers in well under a second."""
+    from autotune.doctor.captions import shipped_token_counter
+
+    try:
+        shipped_token_counter()
+    except Exception:  # noqa: BLE001 (a warm-up only: the request itself says what is wrong)
+        pass
 
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -142,14 +169,11 @@ def add_pages(app: FastAPI) -> None:
 
 NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs",
                      "resume": "resume a run with POST /api/runs/{id}/resume",
-                     "engine": "the web app trains with autotune's engine (--engine is the CLI's)",
-                     "python": "the web app trains with autotune's engine (--python is the CLI's)"}
+                     "python": "the engines' Pythons are fixed when autotune ui starts (its --engine, --python)"}
 
 
-def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path) -> None:
+def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]]) -> None:
     """Runs: list, start or queue, one run, its live events, stop, resume, its report."""
-    import threading
-
     from fastapi.responses import StreamingResponse
 
     from autotune.ui.runs import RunStore
@@ -176,11 +200,17 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path) -> None:
         for key, why in NOT_FROM_THE_PAGE.items():
             if key in body:
                 raise BadRequest(f"{key}: {why}")
+        engine = body.pop("engine", "autotune")
+        if engine not in engines:
+            raise BadRequest(f"engine {engine}: this server offers {', '.join(engines)} (autotune ui --engine "
+                             "sd-scripts=PATH adds your sd-scripts)")
         name = body.pop("name", None)
         if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
             raise BadRequest("name: a folder name for the run (letters, digits, - and _)")
         args = parse_command("run", body, policy)  # refused here, as the CLI refuses it, before any folder
-        argv = command_argv("run", body, policy)
+        argv = [*command_argv("run", body, policy), *engines[engine]]
+        if engines[engine]:  # the user's sd-scripts refuses what it cannot load (a built-in model) before any folder
+            await _in_thread(check_engine, engines[engine], args.model)
         return await _in_thread(store.start, argv, args.dataset, args.model, name)
 
     @app.get("/api/runs/{run_id}")
@@ -203,6 +233,11 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path) -> None:
         text, _ = report_for(folder, as_json=True, html_path=None)
         return json.loads(text)
 
+    @app.get("/api/runs/{run_id}/lora")
+    def lora(run_id: str) -> dict[str, Any]:
+        """``autotune inspect RUN --json`` of the run's LoRA, with ``download``: its path under /files/."""
+        return inspect_run(store.folder(run_id), run_id)
+
     @app.get("/api/runs/{run_id}/files/{name:path}")
     def run_file(run_id: str, name: str) -> Any:
         """A file of the run (its samples, its LoRA), never one outside its folder."""
@@ -221,6 +256,28 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path) -> None:
         store.folder(run_id)
         return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+
+def check_engine(options: list[str], model: str) -> None:
+    from autotune.recovery.sd_scripts import early_check
+
+    values = dict(zip(options[::2], options[1::2], strict=True))
+    early_check(values["--engine"], values.get("--python"), model)
+
+
+def inspect_run(folder: Path, run_id: str) -> dict[str, Any]:
+    from autotune.report.load import run_lora
+    from sd_scripts_compat.errors import UserError, one_line
+    from sd_scripts_compat.network.lora_file import describe_lora_file
+
+    path = run_lora(folder)
+    if path == folder or folder not in path.resolve().parents:
+        raise BadRequest(f"run {run_id}: no LoRA written yet", status=404)
+    try:
+        info = describe_lora_file(path)
+    except UserError as error:
+        raise BadRequest(one_line(error), status=409) from None
+    return {**info, "download": f"/api/runs/{run_id}/files/{path.resolve().relative_to(folder).as_posix()}"}
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -266,7 +323,35 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_training(build_request(args))
     if not plan.fits:
         raise BadRequest(plan.message, status=422)
-    return plan.to_dict()
+    return {**plan.to_dict(), "configs": plan_configs(plan, args.format)}
+
+
+def plan_configs(plan: Any, fmt: str) -> dict[str, str]:
+    """The files ``autotune plan --out`` would write, as text (the page shows them and offers them as downloads)."""
+    from autotune.layout import CONFIG, DATASET_CONFIG
+    from autotune.planning.toml_writer import render_config, render_dataset
+
+    return {CONFIG: render_config(plan, fmt), DATASET_CONFIG: render_dataset(plan)}
+
+
+def dataset_file(policy: AccessPolicy, dataset: str, name: str) -> Path:
+    """A file inside the dataset folder (which must be inside the allowed roots), else 403 / 404."""
+    folder = policy.resolve(dataset, "dataset")
+    path = (folder / name).resolve()
+    if folder not in path.parents:
+        raise Refused(403, f"file {name}: not inside the dataset folder {dataset}")
+    if not path.is_file():
+        raise BadRequest(f"file {name}: not in {dataset}", status=404)
+    return path
+
+
+def crop_or_refuse(image: Path, model: str | None, resolution: int | None) -> tuple[bytes, dict[str, Any]]:
+    from autotune.ui.thumbnails import cropped_thumbnail
+
+    try:
+        return cropped_thumbnail(image, model, resolution)
+    except ValueError as error:  # smaller than one bucket step: the doctor's "too-small" problem
+        raise BadRequest(f"{image.name}: fits no bucket ({error})", status=422) from None
 
 
 def browse_folder(policy: AccessPolicy, path: str | None) -> dict[str, Any]:

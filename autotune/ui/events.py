@@ -1,10 +1,11 @@
 """A run's live events as server-sent events: what the run's files say, as they change.
 
 Polled from the folder twice a second (the run is another process; its files are the only channel, and the same
-ones the report reads): ``progress`` (the engine's progress.json: step, it/s, loss, the learning rate when it
-reports one), ``decision`` (each new line of logs/decisions.jsonl: step-downs, rollbacks, resumes, each with its
-reason), ``sample`` (each new image under sample/), ``state`` (queued, running, ... done). The stream ends with
-``end`` once the run is in a final state and everything was sent.
+ones the report reads): ``progress`` (each line of the engine's progress.jsonl from the run's first step, so a page
+opened late still draws whole curves: step, it/s, loss, and from our engine the learning rate and peak memory; a
+run whose engine wrote only progress.json sends that), ``decision`` (each new line of logs/decisions.jsonl:
+step-downs, rollbacks, resumes, each with its reason), ``sample`` (each new image under sample/), ``state`` (queued,
+running, ... done). The stream ends with ``end`` once the run is in a final state and everything was sent.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from autotune.layout import DECISIONS_JSONL, EVENTS_DIR
+from sd_scripts_compat.contract import PROGRESS_LOG
 
 POLL_S = 0.5
 FINAL = ("done", "failed", "interrupted")
@@ -27,33 +30,28 @@ def _event(name: str, data: Any) -> str:
 
 def run_events(store: Any, run_id: str) -> Iterator[str]:
     folder = store.runs_dir / run_id
-    sent_lines, sent_samples, last_progress, last_state = 0, set(), None, None
+    sent_samples, last_progress, last_state = set(), None, None
+    progress_log, decisions = JsonLines(folder / EVENTS_DIR / PROGRESS_LOG), JsonLines(folder / DECISIONS_JSONL)
     began = time.monotonic()
     while time.monotonic() - began < MAX_SECONDS:
         state = store.state(run_id)
         if state != last_state:
             yield _event("state", {"state": state[0], "message": state[1]})
             last_state = state
-        progress_file = folder / EVENTS_DIR / "progress.json"
-        try:
-            progress = progress_file.read_text(encoding="utf-8")
-        except OSError:
-            progress = None
-        if progress and progress != last_progress:
-            try:
-                yield _event("progress", json.loads(progress))
-            except ValueError:
-                pass  # caught mid-write: the next poll has it
-            last_progress = progress
-        decisions = folder / DECISIONS_JSONL
-        if decisions.is_file():
-            lines = decisions.read_text(encoding="utf-8", errors="replace").splitlines()
-            for line in lines[sent_lines:]:
+        progress_log.poll()
+        for line in progress_log.lines:
+            yield _event("progress", line)
+        if not progress_log.seen:  # an engine without the log: its latest progress.json
+            latest = _read_text(folder / EVENTS_DIR / "progress.json")
+            if latest and latest != last_progress:
                 try:
-                    yield _event("decision", json.loads(line))
+                    yield _event("progress", json.loads(latest))
                 except ValueError:
-                    break  # a line being written: again next poll
-                sent_lines += 1
+                    pass  # caught mid-write: the next poll has it
+                last_progress = latest
+        decisions.poll()
+        for line in decisions.lines:
+            yield _event("decision", line)
         samples = folder / "sample"
         if samples.is_dir():
             for image in sorted(samples.glob("*.png")):
@@ -64,3 +62,34 @@ def run_events(store: Any, run_id: str) -> Iterator[str]:
             yield _event("end", {"state": state[0]})
             return
         time.sleep(POLL_S)
+
+
+class JsonLines:
+    """A growing JSON-lines file read from where the last poll stopped; ``lines`` are the new whole lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.seen, self.lines = path, 0, False, []
+
+    def poll(self) -> None:
+        self.lines = []
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self.offset)
+                chunk = file.read()
+        except OSError:
+            return
+        self.seen = True
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self.offset += end
+        for raw in chunk[:end].splitlines():
+            try:
+                self.lines.append(json.loads(raw))
+            except ValueError:
+                continue
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.layout import DECISIONS_JSONL, EVENTS_DIR, MARKERS, run_name
+from autotune.layout import DECISIONS_JSONL, EVENTS_DIR, MARKERS, PLAN_FILE, run_name
 from autotune.ui.security import AccessPolicy
 
 UI_DIR = ".autotune-ui"  # in the runs folder: the queue, each started run's command and console output
@@ -68,10 +68,13 @@ class RunStore:
         step, total, rate = progress.get("step"), progress.get("max_train_steps"), progress.get("it_per_s")
         eta = (total - step) / rate if rate and step is not None and total else None
         state, message = self.state(run_id)
+        argv = record.get("argv") or []
         return {"id": run_id, "folder": str(folder), "state": state, "message": message, "step": step,
                 "max_train_steps": total, "it_per_s": rate, "eta_s": eta, "loss": progress.get("loss"),
+                "lr": progress.get("lr"), "peak_memory_mib": progress.get("peak_memory_mib"),
                 "dataset": record.get("dataset"), "model": record.get("model"),
-                "started_here": bool(record)}
+                "engine": "sd-scripts" if "--engine" in argv else "autotune", "started_here": bool(record),
+                "planned": _planned(folder)}
 
     def state(self, run_id: str) -> tuple[str, str | None]:
         from autotune.launch.out_lock import lock_holder
@@ -187,6 +190,17 @@ class RunStore:
 
     def _record(self, run_id: str) -> dict[str, Any]:
         return _read_json(self.ui_dir / f"{run_id}.json") or {}
+
+
+def _planned(folder: Path) -> dict[str, Any] | None:
+    """What the run's plan predicted and for which card (the run page draws memory against it)."""
+    plan = _read_json(folder / PLAN_FILE)
+    if not isinstance(plan, dict):
+        return None
+    prediction = plan.get("prediction") or {}
+    return {"device": plan.get("device"), "peak_bytes": prediction.get("peak_bytes"),
+            "usable_bytes": prediction.get("usable_bytes"), "ram_peak_bytes": prediction.get("ram_peak_bytes"),
+            "ram_usable_bytes": prediction.get("ram_usable_bytes")}
 
 
 def _is_run(folder: Path) -> bool:

@@ -4,8 +4,10 @@
 
 const TOKEN = new URLSearchParams(location.search).get("token");
 const view = document.getElementById("view");
-const form = {dataset: "", model: "builtin:tiny-sd15", vram: "", gpu: "", goal: "character", priority: "balanced"};
+const form = {dataset: "", model: "builtin:tiny-sd15", vram: "", gpu: "", goal: "character", priority: "balanced",
+  engine: "autotune"};
 let overrides = {};
+let engines = ["autotune"];
 let stream = null;
 
 function withToken(path) {
@@ -36,6 +38,13 @@ function el(tag, attrs, ...children) {
 }
 
 function gib(bytes) { return (bytes / 2 ** 30).toFixed(2) + " GiB"; }
+
+function size(bytes) {
+  const units = ["bytes", "KiB", "MiB", "GiB"];
+  let unit = 0;
+  while (bytes >= 1024 && unit < units.length - 1) { bytes /= 1024; unit++; }
+  return (unit ? bytes.toFixed(1) : bytes) + " " + units[unit];
+}
 
 function duration(seconds) {
   if (seconds == null || !isFinite(seconds)) return "-";
@@ -83,12 +92,22 @@ async function showBrowser(box, path) {
   box.append(list);
 }
 
+const IMAGE = /\.(png|jpe?g|webp|bmp)$/i;
+
+function thumbnail(report, file) {
+  if (!IMAGE.test(file || "")) return "";
+  const query = new URLSearchParams({dataset: report.dataset, file, resolution: report.settings.resolution});
+  if (form.model) query.set("model", form.model);
+  return el("img", {class: "thumb", loading: "lazy", alt: "as trained: " + file,
+    src: withToken("/api/thumbnail?" + query)});
+}
+
 function doctorView(report) {
   const s = report.summary;
   const problems = el("table", {id: "problems"}, el("tr", {}, el("th", {}, "severity"), el("th", {}, "file"),
-    el("th", {}, "problem"), el("th", {}, "fix")),
+    el("th", {}, "as trained"), el("th", {}, "problem"), el("th", {}, "fix")),
     ...report.problems.map(p => el("tr", {}, el("td", {}, p.severity), el("td", {}, p.file),
-      el("td", {}, p.message), el("td", {}, p.fix))));
+      el("td", {}, thumbnail(report, p.file)), el("td", {}, p.message), el("td", {}, p.fix))));
   const most = Math.max(1, ...report.buckets.map(b => b.views));
   const buckets = el("table", {id: "buckets"}, ...report.buckets.map(b => el("tr", {},
     el("td", {}, `${b.width} x ${b.height}`), el("td", {}, `${b.images} images`),
@@ -102,15 +121,42 @@ const EDITABLE = {train_batch_size: "batch", gradient_accumulation_steps: "accum
   network_alpha: "alpha", learning_rate: "lr", max_train_steps: "steps", max_train_epochs: "epochs",
   optimizer_type: "optimizer", resolution: "resolution"};
 
+function same(asked, planned) {
+  const a = String(asked).trim(), p = String(planned);
+  if (a === p || `${a},${a}` === p) return true;
+  return a !== "" && !isNaN(Number(a)) && Number(a) === Number(p);
+}
+
+function planRow(c) {
+  const pin = EDITABLE[c.key];
+  const value = pin ? el("input", {type: "text", "data-key": c.key, value: String(c.value),
+    onchange: e => { overrides[pin] = e.target.value; repredict(); }}) : String(c.value);
+  const asked = pin && pin in overrides && !same(overrides[pin], c.value) ? overrides[pin] : null;
+  const reason = el("td", {class: "reason"}, c.reason);
+  if (asked !== null) {
+    reason.prepend(el("div", {class: "flag", "data-flag": c.key},
+      `${asked} does not fit this card: ${c.value} does (predicted with it below)`));
+  }
+  return el("tr", asked !== null ? {class: "adjusted"} : {}, el("td", {}, c.key), el("td", {}, value), reason);
+}
+
+function download(name, text) {
+  const url = URL.createObjectURL(new Blob([text], {type: "application/toml"}));
+  return el("a", {href: url, download: name, "data-file": name}, "download " + name);
+}
+
+function configsView(configs) {
+  return el("div", {id: "configs"}, el("h3", {}, "Configs for sd-scripts / lora-scripts"),
+    ...Object.entries(configs).flatMap(([name, text]) => [el("h4", {}, name, " ", download(name, text)),
+      el("pre", {"data-config": name}, text)]));
+}
+
 function planView(plan) {
   const p = plan.prediction || {};
   const usable = p.usable_bytes || 1, peak = p.peak_bytes || 0;
-  const rows = plan.choices.filter(c => c.kohya !== false).map(c => {
-    const pin = EDITABLE[c.key];
-    const value = pin ? el("input", {type: "text", "data-key": c.key, value: String(c.value),
-      onchange: e => { overrides[pin] = e.target.value; repredict(); }}) : String(c.value);
-    return el("tr", {}, el("td", {}, c.key), el("td", {}, value), el("td", {class: "reason"}, c.reason));
-  });
+  const rows = plan.choices.filter(c => c.kohya !== false).map(planRow);
+  const configsBox = el("div", {id: "configs-box"});
+  const engineChoice = engines.length > 1 ? choice("engine", "engine", engines) : "";
   return el("div", {id: "plan"}, el("h3", {}, "Plan"),
     el("p", {id: "plan-message"}, plan.message),
     el("div", {}, "predicted VRAM ", gib(peak), " of ", gib(usable),
@@ -118,8 +164,11 @@ function planView(plan) {
         el("span", {style: `width:${Math.min(100, 100 * peak / usable)}%`}))),
     el("p", {}, "host RAM ", p.ram_peak_bytes ? gib(p.ram_peak_bytes) : "-", ", time ",
       duration(p.total_seconds)),
+    plan.fallbacks.length ? el("p", {id: "fallbacks"}, "to fit: " + plan.fallbacks.join("; ")) : "",
     el("table", {id: "plan-table"}, ...rows),
-    el("button", {id: "start", onclick: start}, "Start training"));
+    el("button", {id: "show-configs", onclick: () => configsBox.replaceChildren(configsView(plan.configs))},
+      "Write configs"), engineChoice,
+    el("button", {id: "start", onclick: start}, "Start training"), configsBox);
 }
 
 async function repredict() {
@@ -134,12 +183,14 @@ async function repredict() {
 async function check() {
   overrides = {};
   const doctorBox = document.getElementById("doctor-box");
-  doctorBox.replaceChildren(doctorView(await api("POST", "/api/doctor", {dataset: form.dataset})));
+  const body = {dataset: form.dataset};
+  if (form.model) body.model = form.model;
+  doctorBox.replaceChildren(doctorView(await api("POST", "/api/doctor", body)));
   await repredict();
 }
 
 async function start() {
-  const run = await api("POST", "/api/runs", planBody());
+  const run = await api("POST", "/api/runs", {...planBody(), engine: form.engine});
   location.hash = "#/run/" + encodeURIComponent(run.id);
 }
 
@@ -186,33 +237,78 @@ function curve(id, points, label) {
   return el("div", {id}, `${label} (${y0.toPrecision(3)} .. ${y1.toPrecision(3)})`, svg);
 }
 
+function series(map) { return [...map.entries()].sort((a, b) => a[0] - b[0]); }
+
+function memoryView(info, peakMib) {
+  const planned = info.planned || {};
+  const usable = planned.usable_bytes, predicted = planned.peak_bytes;
+  if (!usable) return el("p", {id: "memory"}, "memory: no plan in this run's folder");
+  const used = peakMib == null ? null : peakMib * 2 ** 20;
+  return el("div", {id: "memory"}, `memory on ${planned.device || "the device"}: peak so far `,
+    used == null ? "-" : gib(used), ` of ${gib(usable)} usable, predicted ${predicted ? gib(predicted) : "-"}`,
+    el("div", {class: "bar" + (used > usable ? " over" : "")},
+      el("span", {style: `width:${used == null ? 0 : Math.min(100, 100 * used / usable)}%`}),
+      predicted ? el("i", {class: "mark", title: "predicted peak",
+        style: `left:${Math.min(100, 100 * predicted / usable)}%`}) : ""));
+}
+
+function loraView(lora, id) {
+  const m = lora.modules, counts = o => Object.entries(o || {}).map(([k, v]) => `${k} (${v})`).join(", ") || "-";
+  const rows = [["family", lora.family || lora.family_label || "-"], ["modules", `${m.total} (UNet ${m.unet})`],
+    ["rank(s)", counts(lora.ranks)], ["alpha(s)", counts(lora.alphas)], ["precision", counts(lora.precision)],
+    ["parameters", lora.parameters.toLocaleString()], ["file size", size(lora.file_size)],
+    ["network module", lora.network_module || "-"],
+    ...Object.entries(lora.training || {}).map(([k, v]) => [k, String(v)])];
+  return el("div", {id: "lora"}, el("h3", {}, "LoRA"),
+    el("a", {id: "lora-download", href: withToken(lora.download), download: ""}, "download " +
+      lora.download.split("/").pop()),
+    el("table", {id: "lora-table"}, ...rows.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))));
+}
+
+async function showEnd(id, report) {
+  const r = await api("GET", `/api/runs/${encodeURIComponent(id)}/report`);
+  const lora = await api("GET", `/api/runs/${encodeURIComponent(id)}/lora`);
+  report.replaceChildren(el("h3", {}, "Report"),
+    el("p", {id: "bottleneck"}, r.bottleneck ? `${r.bottleneck.message}; ${r.bottleneck.fix}` : ""),
+    el("p", {}, `${r.steps} steps, outcome ${r.outcome}`), loraView(lora, id));
+}
+
 async function renderRun(id) {
   const info = await api("GET", "/api/runs/" + encodeURIComponent(id));
-  const losses = [], rates = [];
+  const losses = new Map(), rates = new Map(), lrs = new Map(), memory = new Map();
   const status = el("p", {id: "run-status"});
   const charts = el("div", {id: "charts"});
+  const memoryBox = el("div", {}, memoryView(info, info.peak_memory_mib));
   const decisions = el("ol", {id: "decisions"});
   const samples = el("div", {class: "samples", id: "samples"});
   const report = el("div", {id: "report"});
   const show = (state, step, total, rate) => status.replaceChildren(el("span", {class: "state", id: "run-state"},
     state), ` step ${step ?? "-"} / ${total ?? "-"}, ${rate ? rate.toFixed(2) + " it/s" : "-"}`);
   show(info.state, info.step, info.max_train_steps, info.it_per_s);
-  view.replaceChildren(el("h2", {}, "Run ", id), status,
+  view.replaceChildren(el("h2", {}, "Run ", id), el("p", {}, `engine ${info.engine}`), status,
     el("button", {id: "stop", onclick: () => api("POST", `/api/runs/${id}/stop`)}, "Stop (state saved)"),
     el("button", {id: "resume", onclick: async () => { await api("POST", `/api/runs/${id}/resume`); renderRun(id); }},
       "Resume"),
-    charts, el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples, report);
+    memoryBox, charts, el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples, report);
   if (stream) stream.close();
   stream = new EventSource(withToken(`/api/runs/${encodeURIComponent(id)}/events`));
-  let last = {};
+  let last = {}, drawing = false, peak = info.peak_memory_mib;
+  const draw = () => {
+    drawing = false;
+    charts.replaceChildren(curve("loss-curve", series(losses), "loss"), curve("lr-curve", series(lrs), "learning rate"),
+      curve("speed-curve", series(rates), "it/s"), curve("memory-curve", series(memory), "peak memory MiB"));
+    memoryBox.replaceChildren(memoryView(info, peak));
+  };
   stream.addEventListener("state", e => { last.state = JSON.parse(e.data).state; show(last.state, last.step, last.total, last.rate); });
   stream.addEventListener("progress", e => {
     const p = JSON.parse(e.data);
     Object.assign(last, {step: p.step, total: p.max_train_steps, rate: p.it_per_s});
     show(last.state || info.state, p.step, p.max_train_steps, p.it_per_s);
-    if (p.loss != null) losses.push([p.step, p.loss]);
-    if (p.it_per_s != null) rates.push([p.step, p.it_per_s]);
-    charts.replaceChildren(curve("loss-curve", losses, "loss"), curve("speed-curve", rates, "it/s"));
+    if (p.loss != null) losses.set(p.step, p.loss);
+    if (p.it_per_s != null) rates.set(p.step, p.it_per_s);
+    if (p.lr != null) lrs.set(p.step, p.lr);
+    if (p.peak_memory_mib != null) { memory.set(p.step, p.peak_memory_mib); peak = p.peak_memory_mib; }
+    if (!drawing) { drawing = true; requestAnimationFrame(draw); }  // a replayed history draws once a frame
   });
   stream.addEventListener("decision", e => {
     const d = JSON.parse(e.data);
@@ -222,12 +318,9 @@ async function renderRun(id) {
     const s = JSON.parse(e.data);
     samples.append(el("img", {src: withToken(`/api/runs/${encodeURIComponent(id)}/files/${s.file}`), alt: s.file}));
   });
-  stream.addEventListener("end", async e => {
+  stream.addEventListener("end", e => {
     stream.close();
-    if (JSON.parse(e.data).state !== "done") return;
-    const r = await api("GET", `/api/runs/${encodeURIComponent(id)}/report`);
-    report.replaceChildren(el("h3", {}, "Report"), el("p", {id: "bottleneck"}, r.bottleneck ? `${r.bottleneck.message}; ${r.bottleneck.fix}` : ""),
-      el("p", {}, `${r.steps} steps, outcome ${r.outcome}`));
+    if (JSON.parse(e.data).state === "done") showEnd(id, report);
   });
 }
 
@@ -243,3 +336,4 @@ function render() {
 
 window.addEventListener("hashchange", render);
 render();
+api("GET", "/api/health").then(health => { engines = health.engines; });  // the plan's engine choice
