@@ -114,9 +114,12 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     def browse(path: str | None = None) -> dict[str, Any]:
         return browse_folder(policy, path)
 
+    warmed = threading.Event()
+
     @app.post("/api/doctor")
     async def doctor(request: Request) -> dict[str, Any]:
         args = parse_command("doctor", await json_body(request), policy)
+        await _in_thread(warmed.wait)
         return await _in_thread(run_doctor, args)
 
     @app.post("/api/plan")
@@ -137,19 +140,22 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
 
     add_run_routes(app, policy, runs_dir, offered)
     add_pages(app)
-    threading.Thread(target=warm_up, name="warm-up", daemon=True).start()
+    threading.Thread(target=warm_up, args=(warmed,), name="warm-up", daemon=True).start()
     return app
 
 
-def warm_up() -> None:
+def warm_up(done: threading.Event) -> None:
     """Import what the first doctor request needs (transformers and the shipped CLIP tokenizer, ~1.5 s) while the
-    user picks a dataset, so the new-training page answers in well under a second."""
+    user picks a dataset, so the new-training page answers in well under a second. The doctor waits for ``done``:
+    transformers' lazy imports are not safe to race from two threads."""
     from autotune.doctor.captions import shipped_token_counter
 
     try:
         shipped_token_counter()
-    except Exception:  # noqa: BLE001 (a warm-up only: the request itself says what is wrong)
+    except Exception:  # noqa: BLE001, S110 (a warm-up only: the request itself says what is wrong)
         pass
+    finally:
+        done.set()
 
 
 STATIC = Path(__file__).resolve().parent / "static"
