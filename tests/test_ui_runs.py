@@ -80,9 +80,34 @@ def test_two_runs_queue_and_train_one_after_the_other_with_events_and_report(tmp
         server.stop()
 
 
-def test_runs_outlive_the_server_and_a_new_server_finds_them(tmp_path):
+def sampled_run(tmp: Path) -> dict:
+    """A small run of its own (4 images of 64 px, 4 steps) whose kohya config samples an image every 2 steps."""
+    import numpy as np
+    import toml
+    from PIL import Image
+
+    folder = tmp / "toy" / "1_toy"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
+    (tmp / "prompts.txt").write_text("a toy --w 64 --h 64 --s 2 --d 1\n", encoding="utf-8")
+    config = tmp / "sampled.toml"
+    config.write_text(toml.dumps({"max_train_steps": 4, "resolution": "64,64", "network_dim": 4,
+                                  "learning_rate": 1e-4, "max_data_loader_n_workers": 0, "caption_extension": ".txt",
+                                  "output_name": "lora", "sample_prompts": str(tmp / "prompts.txt"),
+                                  "sample_every_n_steps": 2}))
+    return {"dataset": str(folder.parent), "model": "builtin:tiny-sd15", "config": str(config), "name": "sampled"}
+
+
+def test_runs_and_the_queue_outlive_the_server_and_a_new_server_serves_them(tmp_path):
+    """The server is killed while one run trains and another waits: the run goes on, the new server finds it,
+    then starts the queued one from the queue file; that one's samples arrive as events and are served."""
     first = Server(tmp_path)
     first.call("POST", "/api/runs", {**RUN, "steps": 24, "name": "outlives"})
+    status, queued = first.call("POST", "/api/runs", sampled_run(tmp_path))
+    assert status == 201 and queued["state"] == "queued", queued
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (first.call("GET", "/api/runs/outlives")[1]["step"] or 0):
         time.sleep(0.3)
@@ -90,10 +115,18 @@ def test_runs_outlive_the_server_and_a_new_server_finds_them(tmp_path):
     first.process.wait(timeout=30)
     second = Server(tmp_path)
     try:
-        info = second.call("GET", "/api/runs/outlives")[1]
-        assert info["state"] == "running", info
+        assert second.call("GET", "/api/runs/outlives")[1]["state"] == "running"
+        assert second.call("GET", "/api/runs")[1]["queue"] == ["sampled"]
         done = wait_for(second, "outlives", ("done",), timeout=600)
         assert done["step"] == 24
+        events = events_of(second, "sampled")  # started by the new server once the first was done
+        assert events[-1] == ("end", {"state": "done"}), events[-3:]
+        samples = [data["file"] for name, data in events if name == "sample"]
+        assert len(samples) == 2 and all(f.startswith("sample/lora_step") for f in samples), samples
+        status, png, headers = second.fetch(f"/api/runs/sampled/files/{samples[0]}")
+        assert status == 200 and png[:8] == b"\x89PNG\r\n\x1a\n" and headers["content-type"] == "image/png"
+        status, _, _ = second.fetch("/api/runs/sampled/files/../outlives/config.toml")
+        assert status == 404
     finally:
         second.stop()
 

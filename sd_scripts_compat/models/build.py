@@ -102,6 +102,20 @@ def empty_modules(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
                 [build_text_encoder(te.config) for te in family.text_encoders])
 
 
+def check_trainable(family: FamilySpec, *, builtin: bool) -> None:
+    """Our engine trains this family (else one line naming sd-scripts' script for it), and a built-in is more than
+    a shape-only full-size stand-in."""
+    from sd_scripts_compat.errors import UserError
+
+    if not family.trained_here:
+        raise UserError(f"{family.name}: {family.description} is not trained by this engine; train it with "
+                        f"sd-scripts' {family.kohya_script} (autotune run --engine sd-scripts=PATH supervises it)")
+    if builtin and family.builtin_meta_only:
+        raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
+                        "to train, give the real model file as pretrained_model_name_or_path (or use "
+                        f"builtin:{tiny_twin(family).name} to try)")
+
+
 def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                   seed: int | None = 0, builtin: bool = False, vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """Build a family's denoiser, VAE and text encoders from its configs with random weights.
@@ -115,15 +129,8 @@ def build_modules(family: FamilySpec, device: str | torch.device = "cpu", dtype:
     import diffusers
     import torch
 
-    from sd_scripts_compat.errors import UserError
-
-    if not family.trained_here and str(device) != "meta":
-        raise UserError(f"{family.name}: {family.description} is not trained by this engine; train it with "
-                        f"sd-scripts' {family.kohya_script} (autotune run --engine sd-scripts=PATH supervises it)")
-    if builtin and family.builtin_meta_only and str(device) != "meta":
-        raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
-                        "to train, give the real model file as pretrained_model_name_or_path (or use "
-                        f"builtin:{tiny_twin(family).name} to try)")
+    if str(device) != "meta":
+        check_trainable(family, builtin=builtin)
 
     # the weights come from their own seed, leaving the caller's random stream as it was: a run from builtin:ID
     # draws its LoRA and noise exactly as a run from the same weights saved as files

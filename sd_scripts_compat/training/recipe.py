@@ -1013,6 +1013,7 @@ def _family_from_headers(config: TrainingConfig, sdxl: bool) -> FamilySpec | Non
     """The model's family from its headers or configs alone (a built-in, a folder, a .safetensors file), so the
     datasets are read before the weights, as sd-scripts does; None when only loading can tell (the loader then
     says what is wrong, in its words)."""
+    from sd_scripts_compat.models.build import check_trainable
     from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family
 
     model = str(config.pretrained_model_name_or_path or "")
@@ -1020,9 +1021,11 @@ def _family_from_headers(config: TrainingConfig, sdxl: bool) -> FamilySpec | Non
     if not (model.startswith(BUILTIN_PREFIX) or path.is_dir() or path.suffix.lower() == ".safetensors"):
         return None
     try:
-        return detect_family(model, _stated_family(config, sdxl), stated_by=ENGINE_STATED_BY)
+        family = detect_family(model, _stated_family(config, sdxl), stated_by=ENGINE_STATED_BY)
     except UserError:
         return None
+    check_trainable(family, builtin=model.startswith(BUILTIN_PREFIX))  # what we cannot train is said first
+    return family
 
 
 def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
