@@ -1,10 +1,12 @@
-"""The hostile-input corpus: bad input a new user gives, each through a real subprocess, as the user runs it.
+"""The hostile-input corpus: bad input a new user gives, each through its own process, as the user runs it.
 
 One row per case: a builder that makes the bad input in the test's own folder and returns the command line,
 the exit code, and a substring the stderr line must contain. Every case must end with a non-zero exit,
 exactly one non-empty line on stderr (progress may go to stdout), no traceback and no library warning
 anywhere, and no new file under the test's folder (no partial output: output folders, caches, configs).
-Most cases fail before any model loads; the few that need one use builtin:tiny-sd15 at 64 px.
+Most cases fail before any model loads; the few that need one use builtin:tiny-sd15 at 64 px. The corpus runs in
+forked children of a process that imported the libraries once (tests/fixtures/fork_server.py: 5-7 s less per
+case); the commands that start engines (``autotune run``, ``train``, ``bench``) start them as real interpreters.
 """
 
 from __future__ import annotations
@@ -767,12 +769,20 @@ def test_the_corpus_is_large_and_its_ids_unique():
     assert len(ids) == len(set(ids)) and len(ids) >= 60, len(ids)
 
 
+@pytest.fixture(scope="module")
+def forked():
+    from fixtures.fork_server import ForkServer
+
+    server = ForkServer(ENV)
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize("case", CORPUS, ids=lambda case: case.id)
-def test_hostile_input_is_one_line_no_traceback_no_output(case: Case, tmp_path: Path):
+def test_hostile_input_is_one_line_no_traceback_no_output(case: Case, tmp_path: Path, forked):
     argv = case.build(tmp_path)
     before = files_under(tmp_path)
-    done = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = forked.run(argv, cwd=tmp_path, env=ENV, timeout=300)
     check_one_line(done, case.code, case.needle)
     assert files_under(tmp_path) == before, sorted(files_under(tmp_path) - before)
 
