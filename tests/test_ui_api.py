@@ -191,13 +191,31 @@ def test_off_loopback_every_endpoint_needs_the_token(tmp_path):
     running = Server(tmp_path, host="0.0.0.0")
     try:
         assert running.token and f"?token={running.token}" in running.url
+        run = {"dataset": str(DATASET), "model": "builtin:tiny-sd15"}
         for method, path, body in (("GET", "/api/health", None), ("GET", "/api/probe", None),
                                    ("GET", "/api/browse", None), ("POST", "/api/doctor", {"dataset": str(DATASET)}),
-                                   ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15"})):
+                                   ("POST", "/api/plan", run), ("GET", "/api/runs", None), ("POST", "/api/runs", run),
+                                   ("GET", "/api/runs/x", None), ("GET", "/api/runs/x/events", None),
+                                   ("POST", "/api/runs/x/stop", None), ("POST", "/api/runs/x/resume", None),
+                                   ("GET", "/api/runs/x/report", None), ("GET", "/api/runs/x/lora", None),
+                                   ("GET", "/api/runs/x/files/a.png", None), ("GET", "/", None),
+                                   ("GET", "/static/app.js", None),
+                                   ("GET", f"/api/thumbnail?dataset={DATASET}&file=x.png", None)):
             status, answer = running.call(method, path, body)
             assert status == 401 and "token" in answer["error"], (path, answer)
             status, _ = running.call(method, path, body, headers={"Authorization": "Bearer wrong"})
             assert status == 401
+            status, _ = running.call(method, path, body, headers={"Cookie": "autotune_token=wrong"})
+            assert status == 401
+        assert not running.runs.exists()  # nothing was started or written
+        # the page opened with its token: the cookie it gets back lets its script and style load
+        status, page, headers = running.fetch(f"/?token={running.token}")
+        cookie = headers["set-cookie"]
+        assert status == 200 and b"app.js" in page and "HttpOnly" in cookie and "SameSite=strict" in cookie
+        request = urllib.request.Request(f"http://127.0.0.1:{running.port}/static/app.js",
+                                         headers={"Cookie": cookie.split(";")[0]})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200
         status, _ = running.call("GET", "/api/health", headers={"Authorization": f"Bearer {running.token}"})
         assert status == 200
         status, _ = running.call("GET", f"/api/health?token={running.token}")

@@ -117,3 +117,22 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
         assert errors == [], errors
     finally:
         server.stop()
+
+
+def test_off_loopback_the_page_opened_with_its_token_loads_and_answers(tmp_path, browser):
+    """Bound to 0.0.0.0, the printed URL (with ?token=) opens a working page: its script and style come with the
+    cookie the first answer set, its API calls with the token; the same page without the token gets nothing."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = Server(tmp_path, host="0.0.0.0")
+    try:
+        browser.get(f"http://127.0.0.1:{server.port}/")
+        assert "token" in browser.find_element(By.TAG_NAME, "body").text  # the 401 line, not the page
+        browser.get(f"http://127.0.0.1:{server.port}/?token={server.token}")
+        WebDriverWait(browser, 60).until(seen.element_to_be_clickable((By.ID, "browse"))).click()
+        WebDriverWait(browser, 60).until(seen.presence_of_element_located((By.CSS_SELECTOR, "#browser li")))
+        assert browser.find_element(By.ID, "error").text == ""
+    finally:
+        server.stop()

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # at module level: FastAPI reads the handlers' annotations by name
 
-from autotune.ui.security import AccessPolicy, Refused
+from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
 
 PATH_OPTIONS = ("dataset", "model", "config", "dataset_config")  # body keys naming a file or folder (and the
 # model-file keys: clip_l, t5xxl, ...)
@@ -82,14 +82,18 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
         try:
-            policy.check_token(request.headers.get("authorization"), request.query_params.get("token"))
+            given = request.query_params.get("token")
+            policy.check_token(request.headers.get("authorization"), given, request.cookies.get(TOKEN_COOKIE))
             if request.method not in ("GET", "HEAD"):
                 if request.method != "POST":
                     raise Refused(405, f"{request.method} is not used here; state changes are POSTs")
                 policy.check_origin(request.headers.get("origin"), request.headers.get("host"))
-            return await call_next(request)
+            response = await call_next(request)
         except Refused as refused:
             return JSONResponse({"error": str(refused)}, status_code=refused.status)
+        if policy.token and given:  # the page's own script, style and images then carry it (security.py)
+            response.set_cookie(TOKEN_COOKIE, policy.token, httponly=True, samesite="strict")
+        return response
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, error: BadRequest) -> JSONResponse:

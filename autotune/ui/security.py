@@ -2,7 +2,9 @@
 
 - Bound to a loopback address (127.0.0.1, ::1, localhost) it answers anyone on this machine; bound to any other
   address every request needs the token (``Authorization: Bearer TOKEN``, or ``?token=TOKEN`` for the pages and
-  the event stream, which a browser cannot give a header), else 401.
+  the event stream, which a browser cannot give a header), else 401. A request that brought a good token in its
+  URL gets it back as a cookie (HttpOnly, SameSite=Strict), which the page's own script, style and image requests
+  then carry; no other site's page can make the browser send it.
 - A state-changing request is a POST whose ``Origin``, when a browser sends one, is the app's own (a page on
   another site cannot start or stop a run through this user's browser), else 403.
 - Paths (dataset folders, model files, the folder browser) must resolve, symlinks followed and ``..`` collapsed,
@@ -27,6 +29,9 @@ class Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+TOKEN_COOKIE = "autotune_token"
 
 
 def is_loopback(host: str) -> bool:
@@ -58,10 +63,10 @@ class AccessPolicy:
         return cls(host=host, port=port, token=token,
                    allowed_roots=tuple(dict.fromkeys(root.expanduser().resolve() for root in roots)))
 
-    def check_token(self, header: str | None, query: str | None) -> None:
+    def check_token(self, header: str | None, query: str | None, cookie: str | None = None) -> None:
         if self.token is None:
             return
-        given = (header or "").removeprefix("Bearer ").strip() or (query or "")
+        given = (header or "").removeprefix("Bearer ").strip() or (query or "") or (cookie or "")
         if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
             raise Refused(401, "this server needs its token: send Authorization: Bearer TOKEN (printed by "
                           "autotune ui with its URL)")
