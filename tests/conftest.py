@@ -37,6 +37,4 @@ WAITING_TESTS = ("tests/test_stalls.py::",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Waiting tests first, then the slow ones, then the quick ones (stable: each group keeps its order): the two
-    workers end together on quick tests instead of one waiting for the other's long last test."""
-    items.sort(key=lambda item: (not item.nodeid.startswith(WAITING_TESTS), item.get_closest_marker("slow") is None))
+    items.sort(key=lambda item: not item.nodeid.startswith(WAITING_TESTS))  # stable: the rest keep their order
