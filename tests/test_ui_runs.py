@@ -82,23 +82,17 @@ def test_two_runs_queue_and_train_one_after_the_other_with_events_and_report(tmp
 
 def sampled_run(tmp: Path) -> dict:
     """A small run of its own (4 images of 64 px, 4 steps) whose kohya config samples an image every 2 steps."""
-    import numpy as np
     import toml
-    from PIL import Image
+    from fixtures.engine_runs import toy_dataset
 
-    folder = tmp / "toy" / "1_toy"
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
-        (folder / f"img{i}.txt").write_text(f"toy, picture {i}", encoding="utf-8")
+    data = toy_dataset(tmp / "toy", images=4, repeats=1)
     (tmp / "prompts.txt").write_text("a toy --w 64 --h 64 --s 2 --d 1\n", encoding="utf-8")
     config = tmp / "sampled.toml"
     config.write_text(toml.dumps({"max_train_steps": 4, "resolution": "64,64", "network_dim": 4,
                                   "learning_rate": 1e-4, "max_data_loader_n_workers": 0, "caption_extension": ".txt",
                                   "output_name": "lora", "sample_prompts": str(tmp / "prompts.txt"),
                                   "sample_every_n_steps": 2}))
-    return {"dataset": str(folder.parent), "model": "builtin:tiny-sd15", "config": str(config), "name": "sampled"}
+    return {"dataset": str(data), "model": "builtin:tiny-sd15", "config": str(config), "name": "sampled"}
 
 
 def test_runs_and_the_queue_outlive_the_server_and_a_new_server_serves_them(tmp_path):
