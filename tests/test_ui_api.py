@@ -131,6 +131,10 @@ def test_thumbnails_are_cropped_as_the_engine_crops(server):
         query = urllib.parse.urlencode({"dataset": str(DATASET), "file": file})
         status, body, _ = server.fetch(f"/api/thumbnail?{query}")
         assert status == code and "\n" not in json.loads(body)["error"], (file, body)
+    for query, said in ((f"dataset={DATASET}", "file: Field required"),
+                        (f"dataset={DATASET}&file=x.png&resolution=big", "resolution: ")):
+        status, body, _ = server.fetch(f"/api/thumbnail?{query}")
+        assert status == 400 and json.loads(body)["error"].startswith(said), body
 
 
 def test_folder_browser_lists_folders_and_model_files(server, tmp_path):

@@ -72,6 +72,7 @@ def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> a
 def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]] | None = None) -> FastAPI:
     """The app; ``engines``: the engine names a page may choose, each with the ``autotune run`` options it adds
     (``autotune ui --engine``); autotune's own alone by default."""
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     from autotune import __version__
@@ -102,6 +103,12 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     @app.exception_handler(Refused)
     async def refused(_: Request, error: Refused) -> JSONResponse:
         return JSONResponse({"error": str(error)}, status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]  # FastAPI's own check of a query parameter: its one line in our form
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "request"
+        return JSONResponse({"error": f"{where}: {first.get('msg', 'invalid')}"}, status_code=400)
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:
