@@ -208,16 +208,11 @@ def _is_run(folder: Path) -> bool:
 
 
 def _decisions(folder: Path) -> list[dict[str, Any]]:
-    path = folder / DECISIONS_JSONL
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
+    from autotune.ui.events import JsonLines
+
+    decisions = JsonLines(folder / DECISIONS_JSONL)  # whole lines only: one being written is left for later
+    decisions.poll()
+    return decisions.lines
 
 
 def _read_json(path: Path) -> Any:
