@@ -1,13 +1,14 @@
 """Keep known-harmless library messages off the user's screen.
 
 The screen should show our messages. Two libraries log warnings on every run that say nothing to a
-LoRA trainer: bitsandbytes (CPU build) cannot fetch an optional 4-bit GEMM kernel from a model hub it
-must not reach anyway, and diffusers warns about keeping float32 modules when a VAE without any such
-modules (the list it prints is empty) is cast, and diffusers' Chroma model imports a deprecated alias of
-its own. Each filter matches one message exactly; anything else
-those loggers say still shows. Around sampling (diffusers' pipelines: a scheduler-config deprecation dumped
-with the whole config, transformers' image-processor notice) :func:`libraries_quiet` drops the libraries'
-warnings altogether. ``LORA_AUTOTUNE_VERBOSE=1`` (``autotune run --verbose``) keeps everything.
+LoRA trainer: bitsandbytes (CPU build, on CPUs with AVX512-BF16) cannot fetch an optional 4-bit GEMM kernel
+from a model hub it must not reach anyway (and the ``kernels`` package it asks says so too when offline);
+diffusers warns about keeping float32 modules when a VAE without any such modules (the list it prints is
+empty) is cast, and diffusers' Chroma model imports a deprecated alias of its own. Each filter matches one
+message exactly; anything else those loggers say still shows. Around sampling (diffusers' pipelines: a
+scheduler-config deprecation dumped with the whole config, transformers' image-processor notice)
+:func:`libraries_quiet` drops the libraries' warnings altogether. ``LORA_AUTOTUNE_VERBOSE=1``
+(``autotune run --verbose``) keeps everything.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def verbose() -> bool:
 # logger name -> messages (regular expressions on the formatted message) that are dropped
 HARMLESS: dict[str, tuple[str, ...]] = {
     "bitsandbytes.backends.cpu.ops": (r"^Failed to load CPU gemm_4bit_forward from kernels-community",),
+    "kernels._internals.hf_hub": (
+        r"^Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging Face Hub "
+        r"is in offline mode\.$",
+    ),
     "diffusers.models.modeling_utils": (r"^There are modules in \w+ that should be kept in float32: \[\]\.",),
 }
 
