@@ -8,12 +8,18 @@ when they are absent):
 
 It writes one random-weight SD1.5 single file (fp16, kohya's original layout; ``--family sdxl`` for SDXL at a
 small ``--resolution``), one config.toml both engines read unchanged (batch 1, rank 8, UNet only, AdamW, cached
-latents, SDPA) and runs the two alternately, ``--pairs`` times per precision, each run waiting for a quiet
-machine first (1-minute load average under ``--quiet-load``). Both run under the same launcher, which registers
-torch's global optimizer-step hook: a step's time is the gap between two optimizer steps' ends, steps 3..N timed.
-Whole-run wall time and peak RSS (``ru_maxrss``) come from the same launcher. The table gives each side's median
-s/step, the median of the paired per-pair ratios (ours / sd-scripts), and the wall-time and RSS ratios; it then
-checks that both LoRA files hold the same modules (key names and shapes).
+latents, SDPA) and runs the sides in rounds, ``--pairs`` rounds per precision, each side leading in turn and each
+run waiting for a quiet machine first (1-minute load average under ``--quiet-load``). The sides: ``ours``,
+``sd-scripts`` and ``bare``, the bare loop of ``bench/bare_step.py`` (the same model file and 192 adapters, forward
++ backward + optimizer step and nothing else: the floor). All run under the same launcher, which registers torch's
+global optimizer-step hook: a step's time is the gap between two optimizer steps' ends, steps 3..N timed. Whole-run
+wall time, peak RSS (``ru_maxrss``) and page faults per step come from the same launcher. The table gives each
+side's median s/step, the median of the per-round ratios (ours / sd-scripts, ours / bare), and the wall-time and
+RSS ratios; it then checks that both LoRA files hold the same modules (key names and shapes).
+
+``--profile N`` adds one run per side that profiles N steps after the warm-up with torch's profiler (CPU
+activities) and prints the operators side by side: self CPU ms and calls per step, the largest first.
+``--sides ours,bare`` needs no sd-scripts.
 """
 
 from __future__ import annotations
@@ -37,11 +43,24 @@ TIMED_FROM = 2  # steps 1 and 2 warm up; step 3 onwards is timed
 LAUNCHER = """
 import atexit, json, os, resource, runpy, sys, time
 from torch.optim.optimizer import register_optimizer_step_post_hook
-began, ends = time.perf_counter(), []
-register_optimizer_step_post_hook(lambda *_: ends.append(time.perf_counter()))
+began, ends, faults, profiled = time.perf_counter(), [], [], {}
+profile_from, profile_steps = map(int, os.environ.get("VS_PROFILE", "0,0").split(","))
+def step_ended(*_):
+    ends.append(time.perf_counter())
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+    if profile_steps and len(ends) == profile_from:
+        import torch.profiler
+        profiled["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiled["profiler"].start()
+    elif profile_steps and len(ends) == profile_from + profile_steps:
+        profiled["profiler"].stop()
+        profiled["ops"] = [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3 / profile_steps,
+                            "calls": e.count / profile_steps} for e in profiled.pop("profiler").key_averages()]
+        profiled["step_s"] = (ends[-1] - ends[-1 - profile_steps]) / profile_steps
+register_optimizer_step_post_hook(step_ended)
 def dump():
     with open(os.environ["VS_TIMES"], "w") as f:
-        json.dump({"ends": ends, "wall": time.perf_counter() - began,
+        json.dump({"ends": ends, "faults": faults, "wall": time.perf_counter() - began, "profile": profiled,
                    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
 atexit.register(dump)
 target, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
@@ -51,7 +70,6 @@ if target.endswith(".py"):
 else:
     runpy.run_module(target, run_name="__main__", alter_sys=True)
 """
-
 
 def write_model(family_name: str, path: Path) -> Path:
     """A random-weight model of the family as one fp16 single file (kept between invocations with ``--work``)."""
@@ -94,26 +112,31 @@ def wait_for_quiet(limit: float, timeout_s: float = 300.0) -> float:
     return os.getloadavg()[0]
 
 
-def run_side(side: str, config: Path, out: Path, install: dict[str, str], tokenizers: Path | None) -> dict:
-    """One run of ``side`` (ours or sd-scripts) under the launcher; its step times, wall time, peak RSS, LoRA."""
+def run_side(side: str, config: Path, out: Path, install: dict[str, str], tokenizers: Path | None,
+             profile: str | None = None) -> dict:
+    """One run of ``side`` (ours, sd-scripts or the bare loop) under the launcher; its step times, wall time, peak
+    RSS, LoRA file and, with ``profile`` ("FIRST,COUNT"), the operators of steps FIRST+1..FIRST+COUNT."""
     times = out / "times.json"
-    if side == "ours":
-        command = [sys.executable, "-c", LAUNCHER, "sd_scripts_compat.train_network"]
-        cwd = ROOT
-    else:
+    if side == "sd-scripts":
         command = [install["python"], "-c", LAUNCHER, str(Path(install["scripts"]) / "train_network.py")]
         cwd = Path(install["scripts"])
+    else:
+        target = "sd_scripts_compat.train_network" if side == "ours" else str(ROOT / "bench" / "bare_step.py")
+        command, cwd = [sys.executable, "-c", LAUNCHER, target], ROOT
     command += ["--config_file", str(config), "--output_dir", str(out)]
     if side == "sd-scripts" and tokenizers is not None:
         command += ["--tokenizer_cache_dir", str(tokenizers)]
-    env = {**os.environ, "VS_TIMES": str(times), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "VS_TIMES": str(times), "HF_HUB_OFFLINE": "1", **({"VS_PROFILE": profile} if profile else {})}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or not times.is_file():
         raise SystemExit(f"{side} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     record = json.loads(times.read_text())
     ends = record["ends"]
+    faults = record["faults"]
     return {"step_seconds": [b - a for a, b in zip(ends[TIMED_FROM - 1:], ends[TIMED_FROM:])],
-            "wall_s": record["wall"], "peak_rss_mib": record["peak_rss_mib"], "lora": str(out / "lora.safetensors")}
+            "page_faults_per_step": (faults[-1] - faults[TIMED_FROM - 1]) / max(1, len(faults) - TIMED_FROM),
+            "wall_s": record["wall"], "peak_rss_mib": record["peak_rss_mib"], "lora": str(out / "lora.safetensors"),
+            "profile": record["profile"]}
 
 
 def modules(path: str) -> dict[str, list[int]]:
@@ -123,28 +146,62 @@ def modules(path: str) -> dict[str, list[int]]:
         return {key: list(file.get_slice(key).get_shape()) for key in file.keys()}
 
 
-def compare(precision: str, pairs: list[tuple[dict, dict]]) -> dict:
-    ours = [statistics.median(o["step_seconds"]) for o, _ in pairs]
-    theirs = [statistics.median(k["step_seconds"]) for _, k in pairs]
-    same = modules(pairs[0][0]["lora"]) == modules(pairs[0][1]["lora"])
-    return {"precision": precision, "ours_s": statistics.median(ours), "sd_scripts_s": statistics.median(theirs),
-            "step_ratio": statistics.median(o / k for o, k in zip(ours, theirs)),
-            "wall_ratio": statistics.median(o["wall_s"] / k["wall_s"] for o, k in pairs),
-            "rss_ratio": statistics.median(o["peak_rss_mib"] / k["peak_rss_mib"] for o, k in pairs),
-            "pairs": len(pairs), "same_modules": same, "modules": len(modules(pairs[0][0]["lora"])),
-            "runs": [{"ours": o, "sd_scripts": k} for o, k in pairs]}
+def compare(precision: str, rounds: list[dict[str, dict]]) -> dict:
+    """The paired figures of one precision: each side's median s/step, and ours / sd-scripts (and ours / bare
+    loop) per round, medians over rounds."""
+    def per_step(side: str) -> list[float]:
+        return [statistics.median(r[side]["step_seconds"]) for r in rounds]
+
+    ours, theirs = per_step("ours"), per_step("sd-scripts")
+    first = rounds[0]
+    row = {"precision": precision, "ours_s": statistics.median(ours), "sd_scripts_s": statistics.median(theirs),
+           "step_ratio": statistics.median(o / k for o, k in zip(ours, theirs)),
+           "step_ratios": [o / k for o, k in zip(ours, theirs)],
+           "wall_ratio": statistics.median(r["ours"]["wall_s"] / r["sd-scripts"]["wall_s"] for r in rounds),
+           "rss_ratio": statistics.median(r["ours"]["peak_rss_mib"] / r["sd-scripts"]["peak_rss_mib"] for r in rounds),
+           "pairs": len(rounds), "same_modules": modules(first["ours"]["lora"]) == modules(first["sd-scripts"]["lora"]),
+           "modules": len(modules(first["ours"]["lora"])), "runs": rounds}
+    if "bare" in first:
+        bare = per_step("bare")
+        row |= {"bare_s": statistics.median(bare), "bare_ratio": statistics.median(o / b for o, b in zip(ours, bare))}
+    return row
 
 
 def print_rows(rows: list[dict], family: str, resolution: int, steps: int) -> None:
+    bare = "bare_s" in rows[0]
     print(f"\n{family} random weights, {resolution} px, batch 1, rank 8, UNet only, AdamW, cached latents; "
-          f"steps {TIMED_FROM + 1}..{steps} timed; ratios are the median of the alternating pairs' ours / sd-scripts")
-    print("| precision | pairs | ours s/step | sd-scripts s/step | step ratio | wall ratio | peak RSS ratio | "
-          "same modules |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"steps {TIMED_FROM + 1}..{steps} timed; ratios are the median of the alternating rounds' ours / other")
+    print("| precision | rounds | ours s/step | sd-scripts s/step | step ratio (per round) |"
+          + (" bare loop s/step | ours / bare |" if bare else "") + " wall ratio | peak RSS ratio | same modules |")
+    print("|---|---|---|---|---|" + ("---|---|" if bare else "") + "---|---|---|")
     for r in rows:
+        rounds = " ".join(f"{x:.2f}" for x in r["step_ratios"])
         print(f"| {r['precision']} | {r['pairs']} | {r['ours_s']:.3f} | {r['sd_scripts_s']:.3f} | "
-              f"{r['step_ratio']:.2f} | {r['wall_ratio']:.2f} | {r['rss_ratio']:.2f} | "
+              f"**{r['step_ratio']:.2f}** ({rounds}) | "
+              + (f"{r['bare_s']:.3f} | {r['bare_ratio']:.2f} | " if bare else "")
+              + f"{r['wall_ratio']:.2f} | {r['rss_ratio']:.2f} | "
               f"{'yes' if r['same_modules'] else 'NO'} ({r['modules']} tensors) |")
+
+
+def print_profiles(precision: str, profiles: dict[str, dict], top: int) -> None:
+    """The operators of the profiled steps side by side: self CPU ms per step and calls per step, the ``top``
+    largest on any side, then everything else and the whole step."""
+    sides = list(profiles)
+    table = {side: {op["op"]: op for op in profiles[side]["ops"]} for side in sides}
+    names = sorted({name for ops in table.values() for name in ops},
+                   key=lambda name: -max(table[s].get(name, {"self_ms": 0})["self_ms"] for s in sides))
+    print(f"\n{precision}: self CPU ms per step (calls per step), the profiled steps of one run per side")
+    print("| operator | " + " | ".join(sides) + " |")
+    print("|---|" + "---|" * len(sides))
+    for name in names[:top]:
+        cells = [f"{table[s][name]['self_ms']:.1f} ({table[s][name]['calls']:g})" if name in table[s] else "-"
+                 for s in sides]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    rest = [sum(op["self_ms"] for n, op in table[s].items() if n not in names[:top]) for s in sides]
+    print("| everything else | " + " | ".join(f"{r:.1f}" for r in rest) + " |")
+    print("| operators, all | " + " | ".join(f"{sum(op['self_ms'] for op in table[s].values()):.1f} "
+                                         f"({sum(op['calls'] for op in table[s].values()):g})" for s in sides) + " |")
+    print("| step (profiled, wall) | " + " | ".join(f"{profiles[s]['step_s'] * 1e3:.1f}" for s in sides) + " |")
 
 
 def main() -> int:
@@ -152,22 +209,30 @@ def main() -> int:
     parser.add_argument("--family", default="sd15", help="sd15 (default) or sdxl")
     parser.add_argument("--resolution", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (the first two warm up)")
-    parser.add_argument("--pairs", type=int, default=5, help="alternating runs per side and precision")
+    parser.add_argument("--pairs", type=int, default=5, help="rounds (one run of each side, alternating order)")
+    parser.add_argument("--sides", default="ours,sd-scripts,bare",
+                        help="ours, sd-scripts, bare (the bare loop, bench/bare_step.py), comma-separated")
     parser.add_argument("--precision", default="no,bf16", help="mixed_precision values, comma-separated")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the rounds, one more run per side profiling STEPS steps after the warm-up")
+    parser.add_argument("--top", type=int, default=25, help="operators in the profile table")
     parser.add_argument("--quiet-load", type=float, default=0.5, help="wait until the 1-minute load is below this")
     parser.add_argument("--work", help="keep the model file and runs here (default: a temporary folder)")
     parser.add_argument("--json", help="also write every figure to this file")
     args = parser.parse_args()
+    sides = [side.strip() for side in args.sides.split(",") if side.strip()]
     scripts = os.environ.get(SCRIPTS_ENV)
-    if not scripts:
+    if "sd-scripts" in sides and not scripts:
         print(f"{SCRIPTS_ENV} is not set: point it at an sd-scripts checkout (and {PYTHON_ENV} at its Python) to "
-              "compare; nothing was run", file=sys.stderr)
+              "compare, or leave sd-scripts out of --sides; nothing was run", file=sys.stderr)
         return 0
     from autotune.recovery.sd_scripts import find_install, tokenizer_cache
     from sd_scripts_compat.models.families import get_family
 
-    found = find_install(Path(scripts).expanduser(), os.environ.get(PYTHON_ENV))
-    install = {"scripts": str(found.scripts_dir), "python": str(found.python)}
+    install = {}
+    if "sd-scripts" in sides:
+        found = find_install(Path(scripts).expanduser(), os.environ.get(PYTHON_ENV))
+        install = {"scripts": str(found.scripts_dir), "python": str(found.python)}
     work = Path(args.work).expanduser() if args.work else Path(tempfile.mkdtemp(prefix="vs-sd-scripts-"))
     work.mkdir(parents=True, exist_ok=True)
     family = get_family(args.family)
@@ -176,20 +241,32 @@ def main() -> int:
     tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
     rows = []
     for precision in args.precision.split(","):
-        config, _ = write_config(work, model, args.resolution, args.steps, precision)
-        pairs = []
-        for pair in range(args.pairs):
-            order = ("ours", "sd-scripts") if pair % 2 == 0 else ("sd-scripts", "ours")
+        config, _ = write_config(work, model, args.resolution, max(args.steps, TIMED_FROM + 1 + args.profile),
+                                 precision)
+        rounds = []
+        for index in range(args.pairs):
             result = {}
-            for side in order:
+            for side in sides[index % len(sides):] + sides[:index % len(sides)]:  # each side leads in turn
                 load = wait_for_quiet(args.quiet_load)
-                result[side] = run_side(side, config, work / f"{precision}-{pair}-{side}", install, tokenizers)
-                print(f"{precision} pair {pair + 1} {side}: {statistics.median(result[side]['step_seconds']):.3f} "
-                      f"s/step, {result[side]['wall_s']:.0f} s wall (load before {load:.2f})", file=sys.stderr,
+                result[side] = run_side(side, config, work / f"{precision}-{index}-{side}", install, tokenizers)
+                print(f"{precision} round {index + 1} {side}: {statistics.median(result[side]['step_seconds']):.3f} "
+                      f"s/step, {result[side]['page_faults_per_step']:.0f} page faults/step, "
+                      f"{result[side]['wall_s']:.0f} s wall (load before {load:.2f})", file=sys.stderr,
                       flush=True)
-            pairs.append((result["ours"], result["sd-scripts"]))
-        rows.append(compare(precision, pairs))
-    print_rows(rows, args.family, args.resolution, args.steps)
+            rounds.append(result)
+        if "ours" in sides and "sd-scripts" in sides:
+            rows.append(compare(precision, rounds))
+        else:
+            rows.append({"precision": precision, "runs": rounds, "median_s": {
+                side: statistics.median(statistics.median(r[side]["step_seconds"]) for r in rounds) for side in sides}})
+            print(f"{precision}: median s/step " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1]["median_s"].items()))
+        if args.profile:
+            profiles = {side: run_side(side, config, work / f"{precision}-profile-{side}", install, tokenizers,
+                                       profile=f"{TIMED_FROM + 1},{args.profile}")["profile"] for side in sides}
+            rows[-1]["profiles"] = profiles
+            print_profiles(precision, profiles, args.top)
+    if "step_ratio" in rows[0]:
+        print_rows(rows, args.family, args.resolution, args.steps)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
