@@ -67,7 +67,9 @@ def main() -> int:
     from diffusers import DDPMScheduler
 
     from sd_scripts_compat.models.single_file import load_single_file
+    from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
 
+    keep_freed_host_memory()  # as our engine does on the CPU: page faults are no part of the model's cost
     config = toml.loads(Path(args.config_file).read_text())
     dataset = toml.loads(Path(config["dataset_config"]).read_text())
     resolution = int(dataset["datasets"][0]["resolution"])

@@ -116,6 +116,7 @@ def run_side(side: str, config: Path, out: Path, install: dict[str, str], tokeni
              profile: str | None = None) -> dict:
     """One run of ``side`` (ours, sd-scripts or the bare loop) under the launcher; its step times, wall time, peak
     RSS, LoRA file and, with ``profile`` ("FIRST,COUNT"), the operators of steps FIRST+1..FIRST+COUNT."""
+    out.mkdir(parents=True, exist_ok=True)
     times = out / "times.json"
     if side == "sd-scripts":
         command = [install["python"], "-c", LAUNCHER, str(Path(install["scripts"]) / "train_network.py")]

@@ -116,6 +116,7 @@ def setup_process(config: TrainingConfig) -> Process:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
     from sd_scripts_compat.training.optim import check_optimizer_settings
     from sd_scripts_compat.training.sampling import read_sample_prompts
 
@@ -131,6 +132,8 @@ def setup_process(config: TrainingConfig) -> Process:
         log_with=config.log_with if config.logging_dir else None,
         project_dir=config.logging_dir,
     )
+    if accelerator.device.type == "cpu":  # the step's activations are host memory: reuse, not fault in, each step
+        keep_freed_host_memory()
     seed = config.seed if config.seed is not None else 42
     set_seed(seed)
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
