@@ -100,6 +100,7 @@ IMPLEMENTED: frozenset[str] = frozenset({
     # precision, memory, attention
     "mixed_precision", "full_fp16", "full_bf16", "fp8_base", "fp8_base_unet",
     "gradient_checkpointing", "gradient_accumulation_steps", "max_grad_norm", "sdpa", "xformers",
+    "torch_compile", "dynamo_backend",
     # noise and loss
     "noise_offset", "min_snr_gamma", "clip_skip", "max_token_length",
     # network
@@ -233,6 +234,8 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     sdpa: bool = False
     xformers: bool = False
+    torch_compile: bool = False  # each repeated block compiled (training.compiled_blocks), not the whole model
+    dynamo_backend: str = "inductor"
     # noise and loss
     noise_offset: float | None = None
     min_snr_gamma: float | None = None

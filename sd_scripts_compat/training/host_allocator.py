@@ -15,7 +15,10 @@ import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling on 64-bit systems: larger blocks are always mapped afresh
-TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: free space above 2 GiB at the heap's top still goes back
+# -1: never trim (glibc's documented value). A finite one fails where it matters: mallopt takes an int, and a
+# step's activations (1.8 GiB for SD1.5 at 256 px) freed at the heap's top crossed its 2 GiB ceiling in one run of
+# five, which then faulted 470 thousand pages a step
+TRIM_NEVER = -1
 
 
 def keep_freed_host_memory() -> bool:
@@ -25,4 +28,4 @@ def keep_freed_host_memory() -> bool:
     import ctypes
 
     mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_NEVER) == 1

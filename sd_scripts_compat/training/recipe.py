@@ -39,6 +39,7 @@ from sd_scripts_compat.contract import (
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
+from sd_scripts_compat.training.compiled_blocks import CompiledBlocks, compile_blocks, compile_summary
 from sd_scripts_compat.training.conditioning import Conditioner
 from sd_scripts_compat.training.devices import (
     average_gradients,
@@ -325,6 +326,7 @@ class Network:
     network: LoRANetwork  # hooked into the UNet (and text encoders)
     trainable: list[torch.nn.Parameter] = field(default_factory=list)
     block_swap: BlockSwap | None = None  # when blocks_to_swap (FLUX.1)
+    compiled: CompiledBlocks | None = None  # when torch_compile
 
 
 def build_network(config: TrainingConfig, process: Process, model: Model) -> Network:
@@ -360,8 +362,10 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)
     network.train()
+    # after the LoRA modules are in place: each block is traced with its adapters
+    compiled = compile_blocks(unet, config.dynamo_backend) if config.torch_compile else None
     return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad],
-                   block_swap=block_swap)
+                   block_swap=block_swap, compiled=compiled)
 
 
 def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8: bool) -> BlockSwap | None:
@@ -971,7 +975,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
                 "memory": memory_figures(),  # CUDA max allocated / reserved, peak RSS (autotune bench, plans)
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
-                "family": r.model.family.name})
+                "family": r.model.family.name, "torch_compile": compile_summary(r.network.compiled)})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
               f"LoRA written to {output_file}")
     process.accelerator.end_training()

@@ -1,0 +1,112 @@
+"""``torch_compile``: each repeated block of the denoiser compiled on its own, eager again if compiling fails.
+
+sd-scripts' ``--torch_compile`` / ``--dynamo_backend`` hand the whole UNet to accelerate, which compiles it as one
+graph: minutes of compile time, and a new compile for every new bucket size. Compiling each repeated block
+instead (UNet down / mid / up blocks, DiT transformer blocks) keeps each graph small, so the compile is short and
+blocks of the same shape share their compiled code; a second bucket size recompiles a block once with dynamic
+sizes (torch's automatic dynamic shapes), not once per size. The LoRA modules are plain modules inside the
+blocks, so they are traced with them; gradient checkpointing and block swap work on the compiled blocks as on
+eager ones. A block whose compile fails (dynamo cannot trace it, the backend raises) says so in one line, and
+every block runs eager from then on; the step that hit the failure runs its block eagerly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+BLOCK_LISTS = ("down_blocks", "up_blocks", "transformer_blocks", "single_transformer_blocks", "joint_blocks")
+SINGLE_BLOCKS = ("mid_block",)
+
+
+def repeated_blocks(denoiser: Any) -> list[tuple[str, Any]]:
+    """The denoiser's repeated blocks by their module names, in forward order."""
+    blocks = []
+    for name in BLOCK_LISTS + SINGLE_BLOCKS:
+        found = getattr(denoiser, name, None)
+        if found is None:
+            continue
+        children = list(found) if name in BLOCK_LISTS else [found]
+        blocks += [(f"{name}.{i}" if name in BLOCK_LISTS else name, block) for i, block in enumerate(children)]
+    return blocks
+
+
+@dataclass
+class CompiledBlocks:
+    """The compiled blocks of one run: how many, with which backend, and whether they fell back to eager."""
+
+    backend: str
+    blocks: list[tuple[str, Any]] = field(default_factory=list)
+    failure: str | None = None
+
+    def fall_back(self, block_name: str, error: BaseException) -> None:
+        """Every block eager from now on; one line says which block failed and why."""
+        if self.failure is not None:
+            return
+        self.failure = f"{block_name}: {type(error).__name__}: {_first_line(error)}"
+        for _, block in self.blocks:
+            block._compiled_call_impl = None
+        warnings.warn(f"torch_compile ({self.backend}) failed on {self.failure}; training continues eager (remove "
+                      "torch_compile to skip the attempt)", stacklevel=2)
+
+
+def compile_blocks(denoiser: Any, backend: str) -> CompiledBlocks:
+    """Compile each repeated block of ``denoiser`` lazily (at its first call) with ``backend``."""
+    compiled = CompiledBlocks(backend=backend, blocks=repeated_blocks(denoiser))
+    for name, block in compiled.blocks:
+        try:
+            block.compile(backend=backend)
+        except Exception as error:  # noqa: BLE001 - a backend that cannot be set up: eager, one line
+            if not is_compile_failure(error):
+                raise
+            compiled.fall_back(name, error)
+            break
+        block._compiled_call_impl = _guarded(name, block, block._compiled_call_impl, compiled)
+    return compiled
+
+
+def _guarded(name: str, block: Any, compiled_call: Any, compiled: CompiledBlocks) -> Any:
+    """The block's compiled call; a compile failure switches every block to eager and runs this one eagerly."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compiled_call(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - compile failures fall back; everything else re-raises
+            if not is_compile_failure(error):
+                raise
+            compiled.fall_back(name, error)
+            return block._call_impl(*args, **kwargs)
+
+    return call
+
+
+def is_compile_failure(error: BaseException) -> bool:
+    """dynamo could not trace the block or the backend failed on its graph (inductor's errors arrive wrapped in
+    ``BackendCompilerFailed``); an out-of-memory error is never one."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from sd_scripts_compat.contract import is_oom_error
+
+    return isinstance(error, TorchDynamoException) and not is_oom_error(error)
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (a block's first compile and each recompile count one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return " ".join(text[0].split())[:200] if text else ""
+
+
+def compile_summary(compiled: CompiledBlocks | None) -> dict[str, Any] | None:
+    """done.json's ``torch_compile``: the backend, blocks compiled, graphs compiled in all (recompiles included),
+    and the failure that sent the blocks back to eager, if one did."""
+    if compiled is None:
+        return None
+    return {"backend": compiled.backend, "blocks": len(compiled.blocks), "graphs": graphs_compiled(),
+            "failure": compiled.failure}

@@ -1,0 +1,94 @@
+"""torch_compile: each repeated block compiled on its own, trained like eager, eager again when compiling fails.
+
+Real compiles on this CPU with dynamo's ``aot_eager`` backend (dynamo traces each block with its LoRA modules,
+AOTAutograd splits forward and backward; no code generation, so the test is quick and its numbers are eager's).
+Inductor itself is measured in bench/, not here: its CPU compile takes minutes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.engine_runs import run_engine
+
+from sd_scripts_compat.network.lora_file import read_lora_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = ROOT / "examples" / "dataset"
+
+
+def config(tmp_path: Path, name: str, **overrides) -> dict:
+    """tiny-sd15 at 128 px with buckets in steps of 32: the example images fall into several bucket sizes."""
+    return {"pretrained_model_name_or_path": "builtin:tiny-sd15", "train_data_dir": str(DATASET),
+            "output_dir": str(tmp_path / name), "output_name": "lora", "resolution": "128,128",
+            "enable_bucket": True, "bucket_reso_steps": 32, "min_bucket_reso": 64, "max_bucket_reso": 256,
+            "caption_extension": ".txt", "train_batch_size": 1, "max_train_steps": 6, "network_dim": 4,
+            "network_alpha": 4, "learning_rate": 1e-3, "seed": 3, "cache_latents": True,
+            "max_data_loader_n_workers": 0, **overrides}
+
+
+def train(tmp_path: Path, name: str, **overrides) -> tuple[dict, dict, str]:
+    events = tmp_path / f"{name}-events"
+    done = run_engine("train_network", tmp_path, config(tmp_path, name, **overrides), "--autotune_events_dir",
+                      str(events), name=f"{name}.toml")
+    lora = read_lora_file(tmp_path / name / "lora.safetensors")[0]
+    return json.loads((events / "done.json").read_text()), lora, done.stderr
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_as_eager_across_bucket_sizes_without_a_compile_per_size(tmp_path):
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.training.compiled_blocks import repeated_blocks
+
+    _, eager, _ = train(tmp_path, "eager")
+    done, compiled, stderr = train(tmp_path, "compiled", torch_compile=True, dynamo_backend="aot_eager")
+    blocks = len(repeated_blocks(build_modules(get_family("tiny-sd15"), device="meta", seed=None).unet))
+    summary = done["torch_compile"]
+    assert summary["backend"] == "aot_eager" and summary["failure"] is None and summary["blocks"] == blocks
+    # six steps over several bucket sizes: each block compiles once, then at most once more with dynamic sizes
+    assert blocks <= summary["graphs"] <= 2 * blocks, summary
+    assert "warning" not in stderr, stderr
+    assert eager.keys() == compiled.keys()
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
+    _, checkpointed, _ = train(tmp_path, "checkpointed", torch_compile=True, dynamo_backend="aot_eager",
+                               gradient_checkpointing=True)
+    for key in eager:
+        torch.testing.assert_close(checkpointed[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(("backend", "when"), [("onnxrt", "not a backend this torch has: refused at setup"),
+                                               ("tvm", "registered, but tvm is not installed: fails at first call")])
+def test_a_backend_that_cannot_compile_falls_back_to_eager_with_one_line(tmp_path, backend, when):
+    done, _, stderr = train(tmp_path, "fallback", torch_compile=True, dynamo_backend=backend, max_train_steps=2)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"torch_compile ({backend}) failed on " in lines[0], (when, stderr)
+    assert "training continues eager" in lines[0]
+    assert done["steps"] == 2 and done["torch_compile"]["failure"], done["torch_compile"]
+
+
+FLUX = {"pretrained_model_name_or_path": "builtin:tiny-flux", "train_data_dir": str(DATASET), "output_name": "lora",
+        "resolution": "64,64", "caption_extension": ".txt", "train_batch_size": 2, "max_train_steps": 4,
+        "network_dim": 4, "network_alpha": 4, "learning_rate": 1e-3, "seed": 3, "max_data_loader_n_workers": 0,
+        "network_train_unet_only": True, "t5xxl_max_token_length": 16, "model_prediction_type": "raw",
+        "timestep_sampling": "shift", "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "blocks_to_swap": 1}
+
+
+@pytest.mark.slow
+def test_compiled_flux_blocks_with_block_swap_train_as_eager(tmp_path):
+    """FLUX.1's double and single transformer blocks compiled one by one, one of them swapped to the host."""
+    loras = {}
+    for name, extra in (("eager", {}), ("compiled", {"torch_compile": True, "dynamo_backend": "aot_eager"})):
+        events = tmp_path / f"{name}-events"
+        run_engine("flux_train_network", tmp_path, {**FLUX, "output_dir": str(tmp_path / name), **extra},
+                   "--autotune_events_dir", str(events), name=f"{name}.toml")
+        loras[name] = read_lora_file(tmp_path / name / "lora.safetensors")[0]
+        done = json.loads((events / "done.json").read_text())
+    summary = done["torch_compile"]
+    assert summary["failure"] is None and summary["blocks"] >= 2 and summary["graphs"] >= 2, summary
+    for key, tensor in loras["eager"].items():
+        torch.testing.assert_close(loras["compiled"][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
