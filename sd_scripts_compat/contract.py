@@ -80,7 +80,7 @@ DONE = "done"
 DIVERGED = "diverged"
 PHASE = "phase"
 EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED, PHASE)
-ENGINE_PHASES = ("loading", "caching", "training", "validating", "saving", "sampling")
+ENGINE_PHASES = ("loading", "caching", "training", "compiling", "validating", "saving", "sampling")
 
 # the engine's extension flags (command line only; never written into kohya configs)
 EVENTS_DIR_FLAG = "--autotune_events_dir"

@@ -92,3 +92,51 @@ def test_compiled_flux_blocks_with_block_swap_train_as_eager(tmp_path):
     assert summary["failure"] is None and summary["blocks"] >= 2 and summary["graphs"] >= 2, summary
     for key, tensor in loras["eager"].items():
         torch.testing.assert_close(loras["compiled"][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+
+
+COMPILE_TWO_BLOCKS = """
+import json, sys, torch
+from pathlib import Path
+from sd_scripts_compat.training.compiled_blocks import compile_blocks, report_compiles
+from sd_scripts_compat.training.phase_report import PhaseReporter
+events, seen = Path(sys.argv[1]), []
+reporter = PhaseReporter(events)
+reporter.enter("training")
+def listen(begun):
+    reporter.compiling(begun)
+    seen.append(json.loads((events / "phase.json").read_text())["phase"])
+report_compiles(listen)
+class Block(torch.nn.Module):  # a block of our own: dynamo leaves torch's own modules (Linear) to eager
+    def __init__(self, a, b):
+        super().__init__()
+        self.linear = torch.nn.Linear(a, b)
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.linear(x))
+model = torch.nn.Module()
+model.down_blocks = torch.nn.ModuleList([Block(4, 8), Block(8, 2)])
+compiled = compile_blocks(model, "aot_eager")
+x = torch.randn(3, 4)
+for block in model.down_blocks:
+    x = block(x)
+x.sum().backward()
+print(json.dumps({"seen": seen, "blocks": len(compiled.blocks)}))
+"""
+
+
+def test_the_engine_says_compiling_while_dynamo_compiles_then_training_again(tmp_path):
+    """phase.json reads "compiling" for as long as dynamo compiles a block: the watchdog's stall limit for a
+    training step (ten steps, at least a minute) does not cut a compile short (in a child: dynamo's compile
+    callbacks are the process's)."""
+    import subprocess
+    import sys
+
+    from autotune.recovery.stall import stall_limit
+
+    done = subprocess.run([sys.executable, "-c", COMPILE_TWO_BLOCKS, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = result["seen"]
+    # each compile (a first one per block, recompiles for the second block's sizes) is "compiling" until it ends
+    assert result["blocks"] == 2 and len(seen) >= 4 and seen == ["compiling", "training"] * (len(seen) // 2), seen
+    assert stall_limit({"phase": "compiling"}, {"it_per_s": 10.0}, 600.0) == 600.0
+    assert stall_limit({"phase": "training"}, {"it_per_s": 10.0}, 600.0) == 60.0

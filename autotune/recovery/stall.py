@@ -2,7 +2,8 @@
 ``phase.json`` and ``progress.json``, see ``sd_scripts_compat.contract``).
 
 - before the engine names a phase (Python starting, torch importing) and in phases with items (caching, whose
-  clock restarts with each image) or without (validating, saving, sampling): the base limit (``--stall-timeout``);
+  clock restarts with each image) or without (compiling a block for ``torch_compile``, validating, saving,
+  sampling): the base limit (``--stall-timeout``);
 - loading: the base plus the time to read its bytes at :data:`SLOW_DISK_BYTES_PER_S` (a 24 GB file on a network
   mount is not a stall at 20 minutes);
 - training, once a step time is known: :data:`STEP_FACTOR` times the usual step (``1 / it_per_s``), at least

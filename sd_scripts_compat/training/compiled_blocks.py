@@ -13,6 +13,7 @@ every block runs eager from then on; the step that hit the failure runs its bloc
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,15 @@ def compile_blocks(denoiser: Any, backend: str) -> CompiledBlocks:
             break
         block._compiled_call_impl = _guarded(name, block, block._compiled_call_impl, compiled)
     return compiled
+
+
+def report_compiles(listener: Callable[[bool], None]) -> None:
+    """Call ``listener(True)`` when dynamo starts compiling a graph and ``listener(False)`` when it ends: the engine
+    says "compiling" to its watchdog, whose stall limit for a training step is far shorter than a compile."""
+    from torch._dynamo.callback import on_compile_end, on_compile_start
+
+    on_compile_start(lambda *_: listener(True))
+    on_compile_end(lambda *_: listener(False))
 
 
 def _guarded(name: str, block: Any, compiled_call: Any, compiled: CompiledBlocks) -> Any:

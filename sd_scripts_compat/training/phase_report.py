@@ -43,6 +43,12 @@ class PhaseReporter:
         if name in _TIMER_EVENTS:
             self.enter(_TIMER_EVENTS[name] if begun else "training")
 
+    def compiling(self, begun: bool) -> None:
+        """``torch_compile``'s listener: dynamo compiles a block (a first compile, or a recompile for a new size)
+        inside a training step, for as long as it takes; back to training when that compile ends."""
+        if self.phase in ("training", "compiling"):
+            self.enter("compiling" if begun else "training")
+
     def _write(self) -> None:
         if self.events_dir is None or self.phase is None:
             return

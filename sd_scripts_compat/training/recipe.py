@@ -39,7 +39,12 @@ from sd_scripts_compat.contract import (
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
-from sd_scripts_compat.training.compiled_blocks import CompiledBlocks, compile_blocks, compile_summary
+from sd_scripts_compat.training.compiled_blocks import (
+    CompiledBlocks,
+    compile_blocks,
+    compile_summary,
+    report_compiles,
+)
 from sd_scripts_compat.training.conditioning import Conditioner
 from sd_scripts_compat.training.devices import (
     average_gradients,
@@ -655,6 +660,8 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
         reporter.enter("caching", total=sum(len(d.records) for d in data.all))
         inputs = cache_inputs(config, process, model, data, reporter.advance)
     network = build_network(config, process, model)
+    if network.compiled is not None:
+        report_compiles(reporter.compiling)
     optimization = build_optimization(config, process, network, data)
     objective = build_objective(config, process, model)
     counters = resume(config, process, network, optimization, data)
