@@ -168,10 +168,11 @@ def _stamped(item: Measurement) -> Measurement:
 
 def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source: str) -> Measurement | None:
     """A record from the engine's done.json (None without a steady-state timing: too few steps); its time is
-    the median step (:func:`steady_seconds_per_step`)."""
+    the median step (:func:`steady_seconds_per_step`). None for a ``torch_compile`` run: the key has no field for
+    compiled blocks, whose speed and memory are not the eager settings' the key names."""
     settings = done.get("settings")
     seconds = steady_seconds_per_step(done)
-    if not isinstance(settings, dict) or seconds is None:
+    if not isinstance(settings, dict) or seconds is None or done.get("torch_compile"):
         return None
     memory = done.get("memory") if isinstance(done.get("memory"), dict) else {}
     return Measurement(device=device, family=family, settings=settings, outcome=Outcome.DONE, source=source,
