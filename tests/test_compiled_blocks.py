@@ -149,3 +149,34 @@ def test_a_compiled_run_teaches_plans_nothing_about_the_eager_settings():
     assert from_done_event(done, device="cpu:x", family="tiny-sd15", source="run") is not None
     compiled = {**done, "torch_compile": {"backend": "inductor", "blocks": 5, "graphs": 5, "failure": None}}
     assert from_done_event(compiled, device="cpu:x", family="tiny-sd15", source="run") is None
+
+
+TWELVE_BLOCKS_OF_ONE_CLASS = """
+import json, torch
+from torch._dynamo.utils import counters
+from sd_scripts_compat.training.compiled_blocks import compile_blocks
+class Block(torch.nn.Module):
+    def __init__(self, a, b):
+        super().__init__()
+        self.linear = torch.nn.Linear(a, b)
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.linear(x))
+model = torch.nn.Module()
+model.down_blocks = torch.nn.ModuleList([Block(4 + i, 5 + i) for i in range(12)])
+compiled = compile_blocks(model, "eager")
+for i, block in enumerate(model.down_blocks):
+    block(torch.randn(2, 4 + i))
+print(json.dumps({"graphs": counters["stats"]["unique_graphs"], "failure": compiled.failure}))
+"""
+
+
+def test_more_blocks_of_one_class_than_dynamos_default_limit_all_compile_quietly():
+    """Blocks of one class share their forward's code object, and dynamo keeps 8 compiled versions per code object
+    by default: without a raised limit the 9th of these twelve differently sized blocks ran eager with a warning."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TWELVE_BLOCKS_OF_ONE_CLASS], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"graphs": 12, "failure": None}
+    assert done.stderr.strip() == "", done.stderr

@@ -54,7 +54,13 @@ class CompiledBlocks:
 
 def compile_blocks(denoiser: Any, backend: str) -> CompiledBlocks:
     """Compile each repeated block of ``denoiser`` lazily (at its first call) with ``backend``."""
+    import torch._dynamo
+
     compiled = CompiledBlocks(backend=backend, blocks=repeated_blocks(denoiser))
+    # dynamo's limit of 8 compiled versions is per code object, and blocks of one class share their forward's: an
+    # SD1.5 UNet's 9 blocks, or a second bucket size, would leave blocks past the 8th eager with a log warning
+    limit = 2 * len(compiled.blocks) + 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     for name, block in compiled.blocks:
         try:
             block.compile(backend=backend)
