@@ -39,13 +39,15 @@ def train(tmp_path: Path, name: str, **overrides) -> tuple[dict, dict, str]:
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_as_eager_across_bucket_sizes_without_a_compile_per_size(tmp_path):
+def test_compiled_checkpointed_blocks_train_as_eager_across_bucket_sizes_without_a_compile_per_size(tmp_path):
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.training.compiled_blocks import repeated_blocks
 
     _, eager, _ = train(tmp_path, "eager")
-    done, compiled, stderr = train(tmp_path, "compiled", torch_compile=True, dynamo_backend="aot_eager")
+    # compiled and checkpointed at once: the blocks' recompute in backward runs the compiled code too
+    done, compiled, stderr = train(tmp_path, "compiled", torch_compile=True, dynamo_backend="aot_eager",
+                                   gradient_checkpointing=True)
     blocks = len(repeated_blocks(build_modules(get_family("tiny-sd15"), device="meta", seed=None).unet))
     summary = done["torch_compile"]
     assert summary["backend"] == "aot_eager" and summary["failure"] is None and summary["blocks"] == blocks
@@ -55,10 +57,6 @@ def test_compiled_blocks_train_as_eager_across_bucket_sizes_without_a_compile_pe
     assert eager.keys() == compiled.keys()
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
-    _, checkpointed, _ = train(tmp_path, "checkpointed", torch_compile=True, dynamo_backend="aot_eager",
-                               gradient_checkpointing=True)
-    for key in eager:
-        torch.testing.assert_close(checkpointed[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize(("backend", "when"), [("onnxrt", "not a backend this torch has: refused at setup"),
