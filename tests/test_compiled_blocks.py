@@ -92,6 +92,16 @@ def test_compiled_flux_blocks_with_block_swap_train_as_eager(tmp_path):
         torch.testing.assert_close(loras["compiled"][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
 
 
+# a block of our own (dynamo leaves torch's own modules, such as Linear, to eager), for the child scripts below
+BLOCK = """
+class Block(torch.nn.Module):
+    def __init__(self, a, b):
+        super().__init__()
+        self.linear = torch.nn.Linear(a, b)
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.linear(x))
+"""
+
 COMPILE_TWO_BLOCKS = """
 import json, sys, torch
 from pathlib import Path
@@ -104,12 +114,7 @@ def listen(begun):
     reporter.compiling(begun)
     seen.append(json.loads((events / "phase.json").read_text())["phase"])
 report_compiles(listen)
-class Block(torch.nn.Module):  # a block of our own: dynamo leaves torch's own modules (Linear) to eager
-    def __init__(self, a, b):
-        super().__init__()
-        self.linear = torch.nn.Linear(a, b)
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.linear(x))
+""" + BLOCK + """
 model = torch.nn.Module()
 model.down_blocks = torch.nn.ModuleList([Block(4, 8), Block(8, 2)])
 compiled = compile_blocks(model, "aot_eager")
@@ -153,12 +158,7 @@ TWELVE_BLOCKS_OF_ONE_CLASS = """
 import json, torch
 from torch._dynamo.utils import counters
 from sd_scripts_compat.training.compiled_blocks import compile_blocks
-class Block(torch.nn.Module):
-    def __init__(self, a, b):
-        super().__init__()
-        self.linear = torch.nn.Linear(a, b)
-    def forward(self, x):
-        return torch.nn.functional.gelu(self.linear(x))
+""" + BLOCK + """
 model = torch.nn.Module()
 model.down_blocks = torch.nn.ModuleList([Block(4 + i, 5 + i) for i in range(12)])
 compiled = compile_blocks(model, "eager")

@@ -671,6 +671,8 @@ MORE = [
     Case("engine-lr-scheduler-unknown", lambda t: engine(t, lr_scheduler="sometimes"), "sometimes"),
     Case("engine-mixed-precision-unknown", lambda t: engine(t, mixed_precision="fp8"), "mixed_precision"),
     Case("engine-save-precision-unknown", lambda t: engine(t, save_precision="int4"), "save_precision"),
+    Case("engine-dynamo-backend-unknown", lambda t: engine(t, torch_compile=True, dynamo_backend="warp"),
+         "dynamo_backend"),
     Case("engine-caption-dropout-above-one", lambda t: engine(t, caption_dropout_rate=1.5), "caption_dropout_rate"),
     Case("engine-noise-offset-nan", lambda t: engine(t, noise_offset=float("nan")), "noise_offset"),
     Case("engine-min-snr-gamma-negative", lambda t: engine(t, min_snr_gamma=-5.0), "min_snr_gamma"),
