@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
 SCRIPTS_ENV, PYTHON_ENV = "LORA_AUTOTUNE_SD_SCRIPTS", "LORA_AUTOTUNE_SD_SCRIPTS_PYTHON"
 TIMED_FROM = 2  # steps 1 and 2 warm up; step 3 onwards is timed
-# The launcher both engines run under: torch's global optimizer-step hook stamps each step's end; the stamps,
-# the wall time and the peak RSS go to $VS_TIMES when the process exits.
+# The launcher every side runs under: torch's global optimizer-step hook stamps each step's end and its page-fault
+# count, and with $VS_PROFILE ("FIRST,COUNT") profiles COUNT steps after step FIRST; the stamps, faults, profile,
+# wall time and peak RSS go to $VS_TIMES when the process exits.
 LAUNCHER = """
 import atexit, json, os, resource, runpy, sys, time
 from torch.optim.optimizer import register_optimizer_step_post_hook

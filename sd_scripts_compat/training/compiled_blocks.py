@@ -17,20 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sd_scripts_compat.contract import is_oom_error
+
 BLOCK_LISTS = ("down_blocks", "up_blocks", "transformer_blocks", "single_transformer_blocks", "joint_blocks")
 SINGLE_BLOCKS = ("mid_block",)
 
 
 def repeated_blocks(denoiser: Any) -> list[tuple[str, Any]]:
-    """The denoiser's repeated blocks by their module names, in forward order."""
-    blocks = []
-    for name in BLOCK_LISTS + SINGLE_BLOCKS:
-        found = getattr(denoiser, name, None)
-        if found is None:
-            continue
-        children = list(found) if name in BLOCK_LISTS else [found]
-        blocks += [(f"{name}.{i}" if name in BLOCK_LISTS else name, block) for i, block in enumerate(children)]
-    return blocks
+    """The denoiser's repeated blocks, each with its module name (``down_blocks.0``, ``mid_block``, ...)."""
+    blocks = [(f"{name}.{i}", block) for name in BLOCK_LISTS for i, block in enumerate(getattr(denoiser, name, ()))]
+    return blocks + [(name, getattr(denoiser, name)) for name in SINGLE_BLOCKS
+                     if getattr(denoiser, name, None) is not None]
 
 
 @dataclass
@@ -101,8 +98,6 @@ def is_compile_failure(error: BaseException) -> bool:
     """dynamo could not trace the block or the backend failed on its graph (inductor's errors arrive wrapped in
     ``BackendCompilerFailed``); an out-of-memory error is never one."""
     from torch._dynamo.exc import TorchDynamoException
-
-    from sd_scripts_compat.contract import is_oom_error
 
     return isinstance(error, TorchDynamoException) and not is_oom_error(error)
 

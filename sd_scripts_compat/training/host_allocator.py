@@ -2,10 +2,10 @@
 
 On a CPU a step's activations are host memory. glibc gives memory freed at the top of its heap back to the
 kernel and serves large blocks with fresh mappings, so every step faults in and zeroes its activations again:
-measured on the SD1.5 UNet at 256 px on a 2-core CPU, 490-580 thousand page faults a step and a quarter of the
-step's time. Fixed trim and mmap thresholds (``mallopt``) keep that memory in the heap for reuse, as a GPU's
-caching allocator keeps device memory; the step's result is the same. Hand-written: torch has no caching
-allocator for ordinary host tensors and no maintained library wraps ``mallopt``.
+measured on the SD1.5 UNet at 256 px on a 2-core CPU, 490-580 thousand page faults a step and a quarter to a
+third of the step's time. A fixed mmap threshold and no trimming (``mallopt``) keep that memory in the heap for
+reuse, as a GPU's caching allocator keeps device memory; the step's result is the same. Hand-written: torch has
+no caching allocator for ordinary host tensors and no maintained library wraps ``mallopt``.
 """
 
 from __future__ import annotations
