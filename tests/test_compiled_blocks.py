@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from fixtures.engine_runs import run_engine
 
 from sd_scripts_compat.network.lora_file import read_lora_file
@@ -38,6 +37,16 @@ def train(tmp_path: Path, name: str, **overrides) -> tuple[dict, dict, str]:
     return json.loads((events / "done.json").read_text()), lora, done.stderr
 
 
+def assert_trained_alike(compiled: dict, eager: dict) -> None:
+    """Each trained tensor within 1% of eager's (relative L2). Not element by element: compiled graphs may sum in
+    another order (CI's AVX-512 kernels did), and AdamW turns a rounding difference in a near-zero gradient into a
+    whole learning-rate step for that one element."""
+    assert eager.keys() == compiled.keys()
+    for key, tensor in eager.items():
+        assert tensor.norm() > 0, key
+        assert (compiled[key] - tensor).norm() <= 0.01 * tensor.norm(), key
+
+
 @pytest.mark.slow
 def test_compiled_checkpointed_blocks_train_as_eager_across_bucket_sizes_without_a_compile_per_size(tmp_path):
     from sd_scripts_compat.models.build import build_modules
@@ -54,9 +63,7 @@ def test_compiled_checkpointed_blocks_train_as_eager_across_bucket_sizes_without
     # six steps over several bucket sizes: each block compiles once, then at most once more with dynamic sizes
     assert blocks <= summary["graphs"] <= 2 * blocks, summary
     assert "warning" not in stderr, stderr
-    assert eager.keys() == compiled.keys()
-    for key in eager:
-        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert_trained_alike(compiled, eager)
 
 
 @pytest.mark.parametrize(("backend", "when"), [("onnxrt", "not a backend this torch has: refused at setup"),
@@ -88,8 +95,7 @@ def test_compiled_flux_blocks_with_block_swap_train_as_eager(tmp_path):
         done = json.loads((events / "done.json").read_text())
     summary = done["torch_compile"]
     assert summary["failure"] is None and summary["blocks"] >= 2 and summary["graphs"] >= 2, summary
-    for key, tensor in loras["eager"].items():
-        torch.testing.assert_close(loras["compiled"][key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+    assert_trained_alike(loras["compiled"], loras["eager"])
 
 
 # a block of our own (dynamo leaves torch's own modules, such as Linear, to eager), for the child scripts below

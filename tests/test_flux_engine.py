@@ -46,8 +46,7 @@ def run_flux(tmp_path: Path, values: dict, *extra: str, name: str = "config.toml
     return run_engine("flux_train_network", tmp_path, values, *extra, name=name, check=check)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["tiny-flux", pytest.param("tiny-chroma", marks=pytest.mark.slow)])
 def test_tiny_flux_learns_and_writes_a_kohya_lora(tmp_path, family):
     events = tmp_path / "events"
     prompts = tmp_path / "prompts.txt"

@@ -130,7 +130,6 @@ VARIANTS = {"tiny-double-blocks": {"num_single_layers": 0},
                                        "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]}}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_diffusers_flux_pipeline_loads_our_lora(tmp_path, variant):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
@@ -182,7 +181,6 @@ def test_lora_of_another_family_is_refused_in_one_line(flux_lora):
         create_network_from_weights(bundle, sd_lora)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_diffusers_chroma_pipeline_loads_our_lora(tmp_path, variant):
     """diffusers' ChromaPipeline (its kohya-FLUX LoRA converter) takes our Chroma LoRA: every key used, the

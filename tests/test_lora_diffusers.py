@@ -51,7 +51,6 @@ def _pipeline(bundle):
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("family", "conv_dim"), [("tiny-sd15", None), ("tiny-sd15", 2), ("tiny-sdxl", 2)])
 def test_diffusers_load_lora_weights_matches_our_network(tmp_path, family, conv_dim):
     from peft.tuners.lora import LoraLayer

@@ -76,7 +76,6 @@ def test_a_starved_loader_is_data_bound_and_the_same_run_with_cached_latents_is_
     assert fast["findings"] == []
 
 
-@pytest.mark.slow
 def test_autotune_report_prints_text_and_json_and_writes_a_self_contained_html_page(tmp_path):
     events = train(tmp_path, delay=DELAY)
     command = [sys.executable, "-m", "autotune", "report", str(events)]
@@ -242,6 +241,7 @@ def test_a_run_beside_a_cpu_burner_is_reported_as_contention_not_compute_bound(t
     assert row["busy_percent"] < 70 and row["other_processes_cores"] >= 0.5
 
 
+@pytest.mark.slow
 def test_a_contended_run_teaches_plans_nothing_about_speed(tmp_path):
     """`autotune run` beside CPU burners: its speed is the burners' leftovers, so it stays out of the
     measurement store (a later plan still predicts from the model) and the run says why. (A quickstart run beside

@@ -154,6 +154,7 @@ def test_injected_oom_resume_matches_uninterrupted_run_exactly(tmp_path, referen
     check_outputs_whole(job)
 
 
+@pytest.mark.slow
 def test_random_injected_ooms_finish_with_exact_steps(tmp_path, reference):
     """OOMs at seeded random steps (1-5 of them; this seed gives 2), from micro-batch 4: exact step count,
     effective batch kept, a valid LoRA close to the reference run at the last settings."""
@@ -254,6 +255,7 @@ def test_cli_bad_dataset_is_one_line(tmp_path):
     assert done.stderr.strip().count("\n") == 0 and "N_name" in done.stderr
 
 
+@pytest.mark.slow
 def test_dataset_toml_batch_survives_an_oom_step_down(tmp_path):
     """The batch a dataset.toml sets (batch_size = 4, config.toml silent) is the batch the ladder steps down
     from: after an OOM at step 1 the effective batch stays 4 (2 x 2), and the engine reported what it ran."""

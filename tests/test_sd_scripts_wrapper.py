@@ -283,6 +283,7 @@ def test_cli_run_plans_then_supervises_the_fake_from_a_lora_scripts_folder(tmp_p
     assert (out / "state" / "sd_scripts_tokenizers" / "openai_clip-vit-large-patch14" / "vocab.json").is_file()
 
 
+@pytest.mark.slow
 def test_cli_run_plans_lumina_and_supervises_the_fakes_lumina_script(tmp_path):
     """A family our engine does not train (Lumina 2, told by its file's header) is planned for the card and run
     by sd-scripts' own script for it: the fake's lumina_train_network.py, which takes only that script's

@@ -182,7 +182,6 @@ def test_sigkill_while_saving_leaves_the_previous_lora_and_state_whole(tmp_path)
     assert read_lora_file(lora)[1]["ss_steps"] == "8" and load_train_state(state).counters.global_step == 8
 
 
-@pytest.mark.slow
 def test_autotune_run_forwards_sigterm_waits_for_the_state_and_resumes(tmp_path):
     data, out = make_dataset(tmp_path), tmp_path / "run"
     command = [sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15", "--out", str(out),
@@ -441,8 +440,8 @@ def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
     assert state["resumed_changed"] and state["resumed_changed"][0].startswith("the dataset")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("phase", ["loading", "caching", "training"])
+@pytest.mark.parametrize("phase", [pytest.param("loading", marks=pytest.mark.slow),
+                                   pytest.param("caching", marks=pytest.mark.slow), "training"])
 def test_sigkill_of_the_supervisor_leaves_no_trainer_in_any_phase(tmp_path, phase):
     """`autotune run` killed with SIGKILL (no clean-up of ours runs) while its trainer loads the model (held by the
     slow-loader test hook), writes a latent cache file (held by the atomic-write test hook) or trains: the kernel

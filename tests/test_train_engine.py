@@ -55,7 +55,6 @@ def lora_tensors(path: Path) -> dict[str, torch.Tensor]:
     return read_lora_file(path)[0]
 
 
-@pytest.mark.slow
 def test_tiny_sd15_flat_config_trains_learns_and_writes_a_kohya_lora(tmp_path):
     config = write_config(tmp_path / "config.toml", base_config(
         tmp_path, train_batch_size=4, max_train_steps=24, network_dim=8, network_alpha=8, learning_rate=1e-2,
@@ -136,8 +135,7 @@ def test_tiny_sdxl_lora_scripts_sections_and_dataset_config_train_sample_and_log
     assert {"phases/data", "phases/backward", "phases/other"} <= set(accumulator.Tags()["scalars"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cache_latents", [True, False])
+@pytest.mark.parametrize("cache_latents", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_resume_from_the_half_way_state_is_bit_identical_to_a_straight_run(tmp_path, cache_latents):
     """N steps straight vs N/2, stop, resume N/2: the same LoRA bit for bit (CPU, fp32)."""
     values = base_config(tmp_path, max_train_steps=6, save_every_n_steps=3, save_state=True,
@@ -159,7 +157,6 @@ def test_resume_from_the_half_way_state_is_bit_identical_to_a_straight_run(tmp_p
     assert any(v.abs().sum() > 0 for k, v in straight.items() if "lora_up" in k)  # it did train
 
 
-@pytest.mark.slow
 def test_ctrl_c_saves_state_and_the_run_resumes_to_the_exact_step_count(tmp_path):
     values = base_config(tmp_path, max_train_steps=400, cache_latents=True)
     config = write_config(tmp_path / "config.toml", values)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_ui_api import ROOT, Server
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not (shutil.which("chromium") and shutil.which("chromedriver")),
     reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")]
 
@@ -32,6 +32,7 @@ def browser():
     driver.quit()
 
 
+@pytest.mark.slow
 def test_new_training_flow_from_folder_to_report(tmp_path, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from test_ui_api import DATASET, Server
 
-pytestmark = pytest.mark.slow
-
 RUN = {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "rank": 4, "batch": 1, "save_state_every": 1}
 
 
@@ -44,6 +42,7 @@ def events_of(server: Server, run_id: str) -> list[tuple[str, dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_two_runs_queue_and_train_one_after_the_other_with_events_and_report(tmp_path):
     server = Server(tmp_path)
     try:
@@ -95,6 +94,7 @@ def sampled_run(tmp: Path) -> dict:
     return {"dataset": str(data), "model": "builtin:tiny-sd15", "config": str(config), "name": "sampled"}
 
 
+@pytest.mark.slow
 def test_runs_and_the_queue_outlive_the_server_and_a_new_server_serves_them(tmp_path):
     """The server is killed while one run trains and another waits: the run goes on, the new server finds it,
     then starts the queued one from the queue file; that one's samples arrive as events and are served."""
