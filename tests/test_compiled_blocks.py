@@ -151,15 +151,6 @@ def test_the_engine_says_compiling_while_dynamo_compiles_then_training_again(tmp
     assert stall_limit({"phase": "training"}, {"it_per_s": 10.0}, 600.0) == 60.0
 
 
-def test_a_compiled_run_teaches_plans_nothing_about_the_eager_settings():
-    from autotune.measure.store import from_done_event
-
-    done = {"settings": {"train_batch_size": 1, "resolution": [64, 64]}, "step_seconds": [0.5] * 4}
-    assert from_done_event(done, device="cpu:x", family="tiny-sd15", source="run") is not None
-    compiled = {**done, "torch_compile": {"backend": "inductor", "blocks": 5, "graphs": 5, "failure": None}}
-    assert from_done_event(compiled, device="cpu:x", family="tiny-sd15", source="run") is None
-
-
 TWELVE_BLOCKS_OF_ONE_CLASS = """
 import json, torch
 from torch._dynamo.utils import counters

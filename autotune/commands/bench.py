@@ -9,7 +9,9 @@ Each point trains `--warmup` untimed steps (default 6), then `--steps` timed one
 process, and reports it/s (from the median timed step), images/s, peak memory (CUDA max allocated /
 reserved; on a CPU the peak resident memory) and, where the engine writes one, the per-phase time
 breakdown; the fastest point that fits is marked. Sweep keys: batch (the effective batch is kept:
-accumulation follows), resolution, rank, checkpointing (off,on), precision (no,fp16,bf16), optimizer.
+accumulation follows), resolution, rank, checkpointing (off,on), precision (no,fp16,bf16), optimizer, compile
+(off,on: each repeated block compiled with inductor; or a dynamo backend's name). A compiled point's compile time
+is printed and stored beside its step time: plans compile only where the saving over their steps exceeds it.
 The figures are stored for this device (see `autotune plan`: plans use them) unless
 `--no-store`. Without DATASET a small synthetic dataset is used.
 """
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "builds kernels and runs slow")
     parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                         help="measure each value (repeat for a grid): batch, resolution, rank, checkpointing, "
-                             "precision, optimizer")
+                             "precision, optimizer, compile (off,on or a dynamo backend)")
     parser.add_argument("--no-store", action="store_true",
                         help="do not keep the figures for this machine's plans")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR and keep its configs and logs (default: a "
@@ -243,8 +245,19 @@ def render(results: list[Any], cuda: bool) -> None:
         line = phase_line(p.phases, p.seconds_per_step)
         if line:
             console.print(f"{p.label}: {line}")
+        compiled = (p.done_event or {}).get("torch_compile")
+        if isinstance(compiled, dict):
+            console.print(f"{p.label}: {compile_line(compiled)}")
         if p.outcome not in (Outcome.DONE, Outcome.OOM):
             console.print(f"{p.label}: {p.outcome}: {p.message[:200]}")
+
+
+def compile_line(compiled: dict[str, Any]) -> str:
+    """done.json's ``torch_compile`` in one line: what compiled in how long, or why it ran eager."""
+    if compiled.get("failure"):
+        return f"torch_compile ({compiled.get('backend')}) failed, ran eager: {compiled['failure']}"
+    return (f"{compiled.get('blocks')} blocks compiled ({compiled.get('backend')}, {compiled.get('graphs')} graphs) "
+            f"in {float(compiled.get('seconds') or 0):.1f} s")
 
 
 def phase_line(phases: dict[str, Any] | None, seconds_per_step: float | None = None) -> str:

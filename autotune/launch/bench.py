@@ -34,7 +34,7 @@ _NOT_IN_A_BENCH = ("max_train_epochs", "save_every_n_epochs", "save_every_n_step
                    "save_last_n_steps", "save_state", "save_state_on_train_end", "sample_every_n_steps",
                    "sample_every_n_epochs", "sample_prompts", "log_with", "logging_dir", "resume",
                    "validate_every_n_steps", "validate_every_n_epochs", "validation_split")
-SWEEP_KEYS = ("batch", "resolution", "rank", "checkpointing", "precision", "optimizer")
+SWEEP_KEYS = ("batch", "resolution", "rank", "checkpointing", "precision", "optimizer", "compile")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class BenchPoint:
                 "images_per_s": self.images_per_s, "timed_steps": len(self.step_seconds),
                 "step_seconds": list(self.step_seconds),
                 "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "phases": self.phases,
-                "fastest": self.fastest}
+                "torch_compile": (self.done_event or {}).get("torch_compile"), "fastest": self.fastest}
 
 
 def _on_off(text: str, option: str) -> bool:
@@ -111,6 +111,12 @@ def apply_sweep_value(base: TrainSettings, key: str, text: str, option: str) -> 
         return replace(base, mixed_precision=value)
     if key == "optimizer":
         return replace(base, optimizer_type=text.strip())
+    if key == "compile":  # off, on (inductor) or a dynamo backend's name
+        value = text.strip()
+        if value.lower() in ("0", "off", "false", "no"):
+            return replace(base, torch_compile=False)
+        return replace(base, torch_compile=True,
+                       dynamo_backend="inductor" if value.lower() in ("1", "on", "true", "yes") else value)
     raise UserError(f"{option}: unknown setting {key!r}; sweep one of {', '.join(SWEEP_KEYS)}")
 
 

@@ -286,7 +286,8 @@ def render(plan: Any) -> None:
     console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
                   f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] ({p.micro_steps_per_s:.3g} micro-steps/s per "
                   f"device), {p.samples_per_s:.3g} "
-                  f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]")
+                  f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]"
+                  + (f" (with {human_seconds(p.compile_seconds)} compiling)" if p.compile_seconds else ""))
     console.print(f"speed: [bold]{p.speed_source}[/bold] ({p.speed_basis}); memory: {p.memory_source}")
     for line in plan.learned:
         console.print(f"learned: {line}")

@@ -7,6 +7,9 @@ of memory on this device.
   the closest batch, resolution and rank) is scaled by the speed model's ratio between the two settings
   (source ``"measured-scaled"``): the model's error on this machine mostly cancels in the ratio.
 - **Model** otherwise (source ``"model"``).
+- **Compiled** (``torch_compile``): a compiled record answers only a compiled candidate, exactly or scaled from
+  another compiled one, never an eager one; :meth:`LearnedFigures.compiled` gives the planner the compiled run of
+  its chosen settings (planning.compile_choice weighs it against the compile time).
 - **OOM**: a candidate at least as heavy as one that ran out of memory here (same categorical settings; batch,
   resolution and rank no smaller; checkpointing not added; no smaller memory to fit in) is not proposed.
 """
@@ -24,7 +27,7 @@ from sd_scripts_compat.contract import Outcome
 
 # fields compared by equality when judging "at least as heavy" (the rest are ordered: batch, size, rank, gc)
 _CATEGORICAL = ("optimizer_type", "network_train_unet_only", "mixed_precision", "fp8_base", "cache_latents",
-                "cache_text_encoder_outputs", "xformers", "blocks_to_swap")
+                "cache_text_encoder_outputs", "xformers", "blocks_to_swap", "torch_compile")
 
 
 def short_settings(s: TrainSettings) -> str:
@@ -35,6 +38,8 @@ def short_settings(s: TrainSettings) -> str:
         parts.append("checkpointing")
     if s.fp8_base:
         parts.append("fp8 base")
+    if s.torch_compile:
+        parts.append(f"compiled ({s.dynamo_backend})")
     return ", ".join(parts)
 
 
@@ -71,7 +76,7 @@ def _distance(a: dict[str, Any], b: dict[str, Any]) -> tuple[int, float]:
     return differing, spread
 
 
-def _when(m: Measurement) -> str:
+def when_measured(m: Measurement) -> str:
     import time
 
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(m.measured_at)) if m.measured_at else "earlier"
@@ -96,10 +101,15 @@ class LearnedFigures:
                 continue  # it ran out of a smaller budget than this plan has
             if heavier_or_equal(key, record.key):
                 k = record.key
-                return (f"ran out of memory on {self.device} ({record.source}, {_when(record)}) at micro-batch "
+                return (f"ran out of memory on {self.device} ({record.source}, {when_measured(record)}) at micro-batch "
                         f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}, "
                         f"checkpointing {'on' if k['gradient_checkpointing'] else 'off'}")
         return None
+
+    def compiled(self, settings: dict[str, Any]) -> Measurement | None:
+        """The newest finished run of ``settings`` with its blocks compiled (any backend), on this device."""
+        key = {**settings_key(settings), "torch_compile": True}
+        return next((r for r in reversed(self.done) if r.key == key), None)
 
     def speed(self, settings: dict[str, Any], model_rate: Callable[[dict[str, Any]], float]) -> Learned:
         """The measured (or scaled) micro-steps/s of ``settings``; ``model_rate`` predicts a settings block."""
@@ -108,14 +118,15 @@ class LearnedFigures:
         if exact is not None:
             reserved = exact.memory.get("cuda_max_reserved_mib") if not self.device.startswith("cpu:") else None
             return Learned(exact.micro_steps_per_s, "measured",
-                           f"{exact.source} on {self.device}, {_when(exact)}: {exact.seconds_per_step:.4g} s per "
-                           f"step over {exact.steps} steps", peak_mib=reserved)
-        if not self.done:
+                           f"{exact.source} on {self.device}, {when_measured(exact)}: "
+                           f"{exact.seconds_per_step:.4g} s per step over {exact.steps} steps", peak_mib=reserved)
+        alike = [r for r in self.done if r.key["torch_compile"] == key["torch_compile"]]  # never scaled across
+        if not alike:
             return Learned(None, "model", "speed model")
-        nearest = min(self.done, key=lambda r: _distance(key, r.key))
+        nearest = min(alike, key=lambda r: _distance(key, r.key))
         ratio = model_rate(settings) / model_rate(nearest.settings)
         k = nearest.key
         return Learned(nearest.micro_steps_per_s * ratio, "measured-scaled",
-                       f"{nearest.source} on {self.device}, {_when(nearest)} (micro-batch {k['train_batch_size']}, "
-                       f"{k['resolution'][0]} px, rank {k['network_dim']}, {k['mixed_precision']}) x the speed "
-                       f"model's ratio {ratio:.3g}")
+                       f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
+                       f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}, "
+                       f"{k['mixed_precision']}) x the speed model's ratio {ratio:.3g}")

@@ -30,9 +30,9 @@ MAX_RECORDS = 1000  # oldest dropped first; a record is ~1 KB
 KEY_FIELDS = ("train_batch_size", "gradient_accumulation_steps", "resolution", "gradient_checkpointing",
               "optimizer_type", "network_dim", "network_train_unet_only", "mixed_precision", "fp8_base",
               "cache_latents", "cache_text_encoder_outputs", "xformers", "blocks_to_swap", "network_module",
-              "network_args")
-# key fields a record stored before they existed is read with (its run trained a plain LoRA)
-KEY_DEFAULTS = {"network_module": "networks.lora", "network_args": []}
+              "network_args", "torch_compile")
+# key fields a record stored before they existed is read with (its run trained a plain LoRA, eager)
+KEY_DEFAULTS = {"network_module": "networks.lora", "network_args": [], "torch_compile": False}
 
 
 def cache_dir() -> Path:
@@ -84,6 +84,7 @@ class Measurement:
     budget_mib: float | None = None  # oom: the memory it had to fit in (None: the whole device)
     steps: int = 0  # how many timed steps the figure is the mean of
     measured_at: float = 0.0  # unix time
+    compile_seconds: float | None = None  # torch_compile: the seconds its blocks took to compile (a one-off cost)
 
     @property
     def key(self) -> dict[str, Any]:
@@ -99,7 +100,7 @@ class Measurement:
         return {"device": self.device, "family": self.family, "settings": self.settings, "outcome": self.outcome,
                 "source": self.source, "seconds_per_step": self.seconds_per_step,
                 "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "budget_mib": self.budget_mib,
-                "steps": self.steps, "measured_at": self.measured_at}
+                "steps": self.steps, "measured_at": self.measured_at, "compile_seconds": self.compile_seconds}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> Measurement:
@@ -108,7 +109,8 @@ class Measurement:
                    seconds_per_step=_number(value.get("seconds_per_step")),
                    peak_memory_mib=_number(value.get("peak_memory_mib")), memory=dict(value.get("memory") or {}),
                    budget_mib=_number(value.get("budget_mib")), steps=int(value.get("steps") or 0),
-                   measured_at=float(value.get("measured_at") or 0.0))
+                   measured_at=float(value.get("measured_at") or 0.0),
+                   compile_seconds=_number(value.get("compile_seconds")))
 
 
 def _number(value: Any) -> float | None:
@@ -168,17 +170,19 @@ def _stamped(item: Measurement) -> Measurement:
 
 def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source: str) -> Measurement | None:
     """A record from the engine's done.json (None without a steady-state timing: too few steps); its time is
-    the median step (:func:`steady_seconds_per_step`). None for a ``torch_compile`` run: the key has no field for
-    compiled blocks, whose speed and memory are not the eager settings' the key names."""
+    the median step (:func:`steady_seconds_per_step`). A ``torch_compile`` run is keyed as compiled and keeps its
+    compile time; one whose compile failed is None (it trained eager under a compiled key)."""
     settings = done.get("settings")
     seconds = steady_seconds_per_step(done)
-    if not isinstance(settings, dict) or seconds is None or done.get("torch_compile"):
+    compiled = done.get("torch_compile") if isinstance(done.get("torch_compile"), dict) else None
+    if not isinstance(settings, dict) or seconds is None or (compiled is not None and compiled.get("failure")):
         return None
     memory = done.get("memory") if isinstance(done.get("memory"), dict) else {}
     return Measurement(device=device, family=family, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
                        peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
-                       steps=len(done.get("step_seconds") or []))
+                       steps=len(done.get("step_seconds") or []),
+                       compile_seconds=_number(compiled.get("seconds")) if compiled is not None else None)
 
 
 def steady_seconds_per_step(done: Mapping[str, Any]) -> float | None:

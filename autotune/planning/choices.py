@@ -15,6 +15,7 @@ from typing import Any
 from autotune.layout import LOGS_DIR
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GoalProfile, learning_rate
+from autotune.planning.host_ram import default_workers
 from autotune.planning.profiles import FP8_FILE_KEY, plan_profile
 from autotune.planning.request import GIB, PlanRequest
 from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
@@ -64,6 +65,7 @@ class PlanContext:
     t5_fp8: bool = False  # FLUX: plan an fp8 T5-XXL file (caching would not fit with the 16-bit one)
     host_ram: int = 0
     te_cpu: bool = False  # HunyuanImage: cache on the CPU (even the fp8 encoders do not fit)
+    compile_reason: str = "eager"  # why torch_compile is on or off (planning.compile_choice)
 
     @property
     def values(self) -> dict[str, Any]:
@@ -169,10 +171,12 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
                           (profile.cache_text_encoder_outputs_reason
                            or "text encoders run once and leave VRAM (SDXL UNet-only training)")
                           + "; captions cannot be shuffled"))
-    default = req.preferences.workers if req.preferences.workers is not None else min(2, req.cpu_physical_cores // 2)
+    default = default_workers(req)
     workers = default if c.workers is None else c.workers
     reason = (f"lowered from {default}: host RAM (each worker is a process with its own pages and batches)"
               if workers < default else "your --workers" if req.preferences.workers is not None
+              else "training on the CPU: the step's threads use every core, and a batch of cached latents loads "
+                   "in the main process, so no worker takes a core from the step" if not req.gpus
               else f"{req.cpu_physical_cores} physical cores; cached latents make a batch cheap to load, "
               "so 0-2 workers")
     out.append(Choice("max_data_loader_n_workers", workers, reason))
@@ -256,7 +260,10 @@ def _training(c: PlanContext) -> list[Choice]:
                "needed to fit: recomputes activations in backward (~30% slower, far less memory)"
                if s.gradient_checkpointing else "off: everything fits without recomputing activations (faster)"),
         Choice("mixed_precision", c.values["mixed_precision"], c.precision_reason),
+        Choice("torch_compile", s.torch_compile, c.compile_reason),
     ]
+    if s.torch_compile:
+        out.append(Choice("dynamo_backend", s.dynamo_backend, "the backend of the measured compiled run"))
     profile = plan_profile(fam.name)
     if s.fp8_base and fam.fp8_option:
         out.append(Choice(fam.fp8_option, True, "nothing fit with 16-bit weights: " + (profile.fp8_reason or (

@@ -37,8 +37,13 @@ Decision rules (each chosen value carries its rule as a reason string):
   When even the last point does not fit, the plan says so and what that smallest configuration needs.
 - **Several GPUs** (data parallel): every device gets the same settings, the smallest usable VRAM decides them,
   the slowest card sets the pace; throughput = devices x per-device rate x 0.9 (gradient all-reduce).
+- **Compiled blocks** (``torch_compile``, ``autotune.planning.compile_choice``): on only where this device has
+  measured a compiled run of the chosen settings (``autotune bench --sweep compile=off,on``) and the time it saves
+  over the plan's steps exceeds its measured compile time; the prediction then uses the compiled step and adds the
+  compile. Otherwise eager, with the reason.
 - **Workers.** ``max_data_loader_n_workers`` = min(2, physical cores // 2) with cached latents (a batch is
-  a few small arrays), else min(8, physical cores - 1).
+  a few small arrays); 0 when training on the CPU (the step's threads use every core; torch's own default is
+  the physical cores this process may run on), fewer where host RAM is short.
 - **Amount of training.** target image-views = clamp(views_per_image(goal) x images, min, max) x priority scale;
   epochs = max(1, round(target / views per epoch)), where views per epoch = sum(images x repeats) over the
   ``N_name`` folders; optimizer steps = epochs x ceil(views per epoch / effective batch).
@@ -70,6 +75,7 @@ from typing import Any
 
 from autotune import __version__
 from autotune.planning.choices import Choice, PlanContext, plan_choices
+from autotune.planning.compile_choice import CompileDecision, decide_compile
 from autotune.planning.dataset import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
@@ -144,6 +150,7 @@ class Prediction:
     ram_peak_bytes: int = 0  # predicted peak host RAM (autotune.estimate.ram_model)
     ram_usable_bytes: int | None = None  # host RAM the run may use; None: not known, not checked
     ram_components: tuple[tuple[str, int], ...] = ()
+    compile_seconds: float = 0.0  # torch_compile: the measured compile, counted in total_seconds
 
 
 @dataclass(frozen=True)
@@ -249,9 +256,9 @@ def plan_training(request: PlanRequest) -> Plan:
                         attention=prefs.attention, network=network_choice(prefs, family))
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
+    measured = learned_for(request, family.name, devices)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, te_cpu=te_cpu,
-                          cpu_bf16=request.cpu_bf16,
-                          learned=learned_for(request, family.name, devices), usable=usable)
+                          cpu_bf16=request.cpu_bf16, learned=measured, usable=usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
@@ -292,12 +299,16 @@ def plan_training(request: PlanRequest) -> Plan:
         optimizer_steps=length.steps, ram_peak_bytes=ram.estimate.peak_bytes, ram_usable_bytes=ram.usable_bytes,
         ram_components=tuple(ram.estimate.components.items()), **_sources(predictor.predict(s)),
     )
+    compiling = decide_compile(measured, s, seconds_per_step, length.steps, usable / 2**20 if gpus else None)
+    if compiling.on:
+        s, prediction = replace(s, torch_compile=True, dynamo_backend=compiling.backend), compiled(prediction,
+                                                                                                   compiling)
     context = PlanContext(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
                           target_views=length.target_views, precision_reason=precision_reason,
                           fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
                           workers=ram.workers, t5_fp8=t5_fp8, te_cpu=te_cpu,
-                          host_ram=chosen.host_ram)
+                          host_ram=chosen.host_ram, compile_reason=compiling.reason)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "
@@ -307,6 +318,17 @@ def plan_training(request: PlanRequest) -> Plan:
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,
                 launch_command=launch_command(family, devices, precision, request.output_dir), **common)
+
+
+def compiled(prediction: Prediction, compiling: CompileDecision) -> Prediction:
+    """The prediction with the measured compiled step, and the compile counted once in the run's time."""
+    step = compiling.seconds_per_step
+    faster = prediction.seconds_per_step / step
+    return replace(prediction, seconds_per_step=step, it_per_s=1.0 / step,
+                   micro_steps_per_s=prediction.micro_steps_per_s * faster,
+                   samples_per_s=prediction.samples_per_s * faster,
+                   total_seconds=prediction.optimizer_steps * step + compiling.compile_seconds,
+                   compile_seconds=compiling.compile_seconds, speed_source="measured", speed_basis=compiling.basis)
 
 
 def _pinned_split(prefs: Any, effective: int, devices: int) -> tuple[int, int] | None:

@@ -48,6 +48,7 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
                              "lr_scheduler", "lr_warmup_steps", "lr_scheduler_num_cycles", "max_grad_norm")),
     ("training_arguments", ("train_batch_size", "gradient_accumulation_steps", "gradient_checkpointing",
                             "mixed_precision", "fp8_base", "full_fp16", "full_bf16", "sdpa", "xformers",
+                            "torch_compile", "dynamo_backend",
                             "max_train_epochs", "max_train_steps", "seed", "clip_skip", "noise_offset",
                             "min_snr_gamma", "blocks_to_swap", "timestep_sampling", "model_prediction_type",
                             "guidance_scale", "discrete_flow_shift")),
@@ -99,7 +100,8 @@ def header_lines(plan: Plan, what: str) -> list[str]:
             f"predicted memory by part (GiB): {parts}",
             f"predicted speed: {p.it_per_s:.3g} it/s (optimizer steps, kohya's progress bar), "
             f"{p.micro_steps_per_s:.3g} micro-steps/s per device, {p.samples_per_s:.3g} samples/s",
-            f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}",
+            f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}"
+            + (f" (with {human_seconds(p.compile_seconds)} compiling)" if p.compile_seconds else ""),
         ]
         if p.ram_peak_bytes:
             lines.append(f"predicted peak host RAM: {p.ram_peak_bytes / GIB:.1f} GiB ("

@@ -18,7 +18,8 @@ from sd_scripts_compat.config.kohya_toml import parse_resolution
 
 # fields added after events were first stored: a block written before them reads as their defaults
 _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": (),
-                                  "cpu_offload_checkpointing": False}
+                                  "cpu_offload_checkpointing": False, "torch_compile": False,
+                                  "dynamo_backend": "inductor"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class TrainSettings:
     cpu_offload_checkpointing: bool = False  # a transformer's checkpointed block inputs wait in host memory
     network_module: str = "networks.lora"  # "lycoris.kohya": LyCORIS, its algorithm in network_args
     network_args: tuple[str, ...] = ()  # kohya's "key=value" entries, as written
+    torch_compile: bool = False  # each repeated block of the denoiser compiled (training.compiled_blocks)
+    dynamo_backend: str = "inductor"  # the compiler torch_compile uses (kohya's option)
 
     @property
     def effective_batch(self) -> int:
@@ -119,6 +122,7 @@ class TrainSettings:
         data["network_module"] = str(data["network_module"])
         data["network_args"] = tuple(str(entry) for entry in data["network_args"])
         data["cpu_offload_checkpointing"] = bool(data["cpu_offload_checkpointing"])
+        data["torch_compile"], data["dynamo_backend"] = bool(data["torch_compile"]), str(data["dynamo_backend"])
         return cls(**data)
 
     def describe(self) -> str:
@@ -136,6 +140,8 @@ class TrainSettings:
             parts.append(f"{self.blocks_to_swap} blocks swapped")
         if self.cpu_offload_checkpointing:
             parts.append("checkpoints offloaded to the CPU")
+        if self.torch_compile:
+            parts.append(f"blocks compiled ({self.dynamo_backend})")
         parts.append(f"lr {self.learning_rate:g}")
         if self.lr_warmup_steps:
             parts.append(f"warm-up {self.lr_warmup_steps:g}")

@@ -68,6 +68,9 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["blocks_to_swap"] = s.blocks_to_swap
     if s.cpu_offload_checkpointing:
         values["cpu_offload_checkpointing"] = True
+    values["torch_compile"] = s.torch_compile  # always: the plan writes why it is on or off
+    if s.torch_compile:
+        values["dynamo_backend"] = s.dynamo_backend
     values.update({"learning_rate": s.learning_rate, "lr_scheduler": s.lr_scheduler,
                    "lr_warmup_steps": s.lr_warmup_steps, "max_grad_norm": s.max_grad_norm,
                    "full_fp16": s.full_fp16, "full_bf16": s.full_bf16})
@@ -152,6 +155,8 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         cpu_offload_checkpointing=bool(values.get("cpu_offload_checkpointing", False)),
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
+        torch_compile=bool(values.get("torch_compile", False)),
+        dynamo_backend=str(values.get("dynamo_backend") or defaults.dynamo_backend),
     )
 
 
@@ -172,7 +177,7 @@ _CONFIG_KEYS = ("gradient_accumulation_steps", "gradient_checkpointing", "optimi
                 "network_alpha", "network_train_unet_only", "mixed_precision", "fp8_base", "fp8_base_unet",
                 "cache_latents", "cache_text_encoder_outputs", "xformers", "learning_rate", "unet_lr",
                 "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "max_grad_norm", "full_fp16", "full_bf16",
-                "blocks_to_swap", "cpu_offload_checkpointing", "network_module")
+                "blocks_to_swap", "cpu_offload_checkpointing", "network_module", "torch_compile", "dynamo_backend")
 
 
 def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:

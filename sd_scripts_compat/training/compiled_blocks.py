@@ -12,6 +12,7 @@ every block runs eager from then on; the step that hit the failure runs its bloc
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,11 +33,30 @@ def repeated_blocks(denoiser: Any) -> list[tuple[str, Any]]:
 
 @dataclass
 class CompiledBlocks:
-    """The compiled blocks of one run: how many, with which backend, and whether they fell back to eager."""
+    """The compiled blocks of one run: how many, with which backend, the seconds spent compiling them (recompiles
+    included), and whether they fell back to eager."""
 
     backend: str
     blocks: list[tuple[str, Any]] = field(default_factory=list)
     failure: str | None = None
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each compile, host clock
+    _open: list[float] = field(default_factory=list)  # the start of the compile under way (nested ones inside it)
+
+    @property
+    def seconds(self) -> float:
+        return sum(end - start for start, end in self.spans)
+
+    def compile_begun(self, *_: Any) -> None:
+        self._open.append(time.time())
+
+    def compile_ended(self, *_: Any) -> None:
+        began = self._open.pop() if self._open else None
+        if began is not None and not self._open:
+            self.spans.append((began, time.time()))
+
+    def compiled_between(self, start: float, end: float) -> bool:
+        """Whether a compile ran in [start, end] (a step that compiled is no measure of the compiled step)."""
+        return any(began < end and ended > start for began, ended in self.spans)
 
     def fall_back(self, block_name: str, error: BaseException) -> None:
         """Every block eager from now on; one line says which block failed and why."""
@@ -52,8 +72,11 @@ class CompiledBlocks:
 def compile_blocks(denoiser: Any, backend: str) -> CompiledBlocks:
     """Compile each repeated block of ``denoiser`` lazily (at its first call) with ``backend``."""
     import torch._dynamo
+    from torch._dynamo.callback import on_compile_end, on_compile_start
 
     compiled = CompiledBlocks(backend=backend, blocks=repeated_blocks(denoiser))
+    on_compile_start(compiled.compile_begun)
+    on_compile_end(compiled.compile_ended)
     # dynamo's limit of 8 compiled versions is per code object, and blocks of one class share their forward's: an
     # SD1.5 UNet's 9 blocks, or a second bucket size, would leave blocks past the 8th eager with a log warning
     limit = 2 * len(compiled.blocks) + 8
@@ -116,8 +139,8 @@ def _first_line(error: BaseException) -> str:
 
 def compile_summary(compiled: CompiledBlocks | None) -> dict[str, Any] | None:
     """done.json's ``torch_compile``: the backend, blocks compiled, graphs compiled in all (recompiles included),
-    and the failure that sent the blocks back to eager, if one did."""
+    seconds spent compiling them, and the failure that sent the blocks back to eager, if one did."""
     if compiled is None:
         return None
     return {"backend": compiled.backend, "blocks": len(compiled.blocks), "graphs": graphs_compiled(),
-            "failure": compiled.failure}
+            "seconds": round(compiled.seconds, 3), "failure": compiled.failure}

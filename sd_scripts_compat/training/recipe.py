@@ -970,9 +970,11 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     process.accelerator.log(tensorboard_scalars(phases), step=counters.global_step)
     peak_memory = max(loop.peak_memory_mib, peak_memory_mib(process.device))
     seconds = time.time() - process.started
-    # steady state: after the first steps (allocator, caches); one duration per optimizer step
-    ended = loop.step_ended_at
-    step_seconds = [b - a for a, b in zip(ended[TIMING_WARMUP_STEPS - 1:], ended[TIMING_WARMUP_STEPS:])]
+    # steady state: after the first steps (allocator, caches), and without the steps that compiled a block (their
+    # time is torch_compile's seconds); one duration per optimizer step
+    ended, compiled = loop.step_ended_at, r.network.compiled
+    step_seconds = [b - a for a, b in zip(ended[TIMING_WARMUP_STEPS - 1:], ended[TIMING_WARMUP_STEPS:])
+                    if compiled is None or not compiled.compiled_between(a, b)]
     seconds_per_step = sum(step_seconds) / len(step_seconds) if step_seconds else None
     if process.is_main:
         if process.paths.events_dir:
