@@ -598,6 +598,7 @@ MORE = [
     Case("bench-sweep-resolution-off-step", lambda t: bench(t, "--sweep", "resolution=70"), "70"),
     Case("bench-sweep-checkpointing-maybe", lambda t: bench(t, "--sweep", "checkpointing=maybe"), "maybe"),
     Case("bench-sweep-optimizer-unknown", lambda t: bench(t, "--sweep", "optimizer=SuperAdam"), "SuperAdam"),
+    Case("bench-sweep-compile-backend-unknown", lambda t: bench(t, "--sweep", "compile=warp"), "warp"),
     Case("bench-stall-timeout-inf", lambda t: bench(t, "--stall-timeout", "inf"), "--stall-timeout"),
     Case("bench-memory-limit-nan", lambda t: bench(t, "--memory-limit", "nan"), "--memory-limit"),
     Case("bench-model-missing", lambda t: bench(t, model=str(t / "nope.safetensors")), "nope.safetensors"),

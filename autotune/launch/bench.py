@@ -112,12 +112,21 @@ def apply_sweep_value(base: TrainSettings, key: str, text: str, option: str) -> 
     if key == "optimizer":
         return replace(base, optimizer_type=text.strip())
     if key == "compile":  # off, on (inductor) or a dynamo backend's name
-        value = text.strip()
-        if value.lower() in ("0", "off", "false", "no"):
-            return replace(base, torch_compile=False)
-        return replace(base, torch_compile=True,
-                       dynamo_backend="inductor" if value.lower() in ("1", "on", "true", "yes") else value)
+        return _compiled(base, text.strip(), option)
     raise UserError(f"{option}: unknown setting {key!r}; sweep one of {', '.join(SWEEP_KEYS)}")
+
+
+def _compiled(base: TrainSettings, value: str, option: str) -> TrainSettings:
+    """A compile sweep value: off, on (inductor), or one of sd-scripts' dynamo_backend choices."""
+    from sd_scripts_compat.config.kohya_args import arg_specs
+
+    if value.lower() in ("0", "off", "false", "no"):
+        return replace(base, torch_compile=False)
+    backend = "inductor" if value.lower() in ("1", "on", "true", "yes") else value
+    choices = arg_specs()["dynamo_backend"].choices or ()
+    if backend not in choices:
+        raise UserError(f"{option}: {value!r} is neither off/on nor a dynamo_backend ({', '.join(choices)})")
+    return replace(base, torch_compile=True, dynamo_backend=backend)
 
 
 def parse_sweeps(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
