@@ -38,8 +38,8 @@ class HostRamPlan:
 
 def default_workers(request: PlanRequest) -> int:
     """Pinned ``--workers``; else none when training on the CPU (the step's threads use every core, and a batch of
-    cached latents loads in the main process in well under a millisecond); else min(2, physical cores // 2):
-    cached latents make a batch cheap to load."""
+    cached latents loads in the main process: ~1.5 ms of a 0.8 s step, tiny-sd15 at batch 4 on 2 cores); else
+    min(2, physical cores // 2): cached latents make a batch cheap to load."""
     if request.preferences.workers is not None:
         return request.preferences.workers
     return min(2, request.cpu_physical_cores // 2) if request.gpus else 0
