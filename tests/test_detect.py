@@ -157,7 +157,12 @@ def test_family_facts_are_consistent():
                            "SD3Transformer2DModel": "sd3_train_network.py",
                            "Lumina2Transformer2DModel": "lumina_train_network.py",
                            "HunyuanImageTransformer2DModel": "hunyuan_image_train_network.py",
-                           "CosmosTransformer3DModel": "anima_train_network.py"}
+                           "CosmosTransformer3DModel": "anima_train_network.py",
+                           # musubi-tuner's scripts (it trains these; their files are its own layout)
+                           "QwenImageTransformer2DModel": "qwen_image_train_network.py",
+                           "Flux2Transformer2DModel": "flux_2_train_network.py",
+                           "WanTransformer3DModel": "wan_train_network.py",
+                           "ZImageTransformer2DModel": "zimage_train_network.py"}
     for name in family_names():
         f = get_family(name)
         script = transformer_scripts[f.denoiser_class] if f.is_transformer else (
@@ -169,8 +174,8 @@ def test_family_facts_are_consistent():
         assert f.v2 == f.ss_base_model_version.startswith("sd_v2"), name
         own_layouts = {"sd3_train_network.py": "sd3", "lumina_train_network.py": "lumina2",
                        "hunyuan_image_train_network.py": "hunyuan_image", "anima_train_network.py": "anima"}
-        layout = (own_layouts.get(f.kohya_script, "flux") if f.is_transformer else "sdxl" if f.is_sdxl
-                  else "sd2" if f.v2 else "sd1")
+        layout = ("musubi" if f.trainer == "musubi-tuner" else own_layouts.get(f.kohya_script, "flux")
+                  if f.is_transformer else "sdxl" if f.is_sdxl else "sd2" if f.v2 else "sd1")
         assert f.single_file_layout == layout, name
         if "block_out_channels" in f.vae and "spatial_compression_ratio" not in f.vae:
             assert f.latent_downsample == 2 ** (len(f.vae["block_out_channels"]) - 1)

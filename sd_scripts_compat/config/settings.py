@@ -19,7 +19,7 @@ from sd_scripts_compat.config.kohya_toml import parse_resolution
 # fields added after events were first stored: a block written before them reads as their defaults
 _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": (),
                                   "cpu_offload_checkpointing": False, "torch_compile": False,
-                                  "dynamo_backend": "inductor"}
+                                  "dynamo_backend": "inductor", "frames": 1}
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class TrainSettings:
     network_args: tuple[str, ...] = ()  # kohya's "key=value" entries, as written
     torch_compile: bool = False  # each repeated block of the denoiser compiled (training.compiled_blocks)
     dynamo_backend: str = "inductor"  # the compiler torch_compile uses (kohya's option)
+    frames: int = 1  # video frames of one sample (musubi-tuner's target_frames for Wan); 1: images
 
     @property
     def effective_batch(self) -> int:
@@ -123,11 +124,13 @@ class TrainSettings:
         data["network_args"] = tuple(str(entry) for entry in data["network_args"])
         data["cpu_offload_checkpointing"] = bool(data["cpu_offload_checkpointing"])
         data["torch_compile"], data["dynamo_backend"] = bool(data["torch_compile"]), str(data["dynamo_backend"])
+        data["frames"] = int(data["frames"])
         return cls(**data)
 
     def describe(self) -> str:
         parts = [f"micro-batch {self.train_batch_size} x accum {self.gradient_accumulation_steps}",
-                 f"{self.resolution[0]}x{self.resolution[1]}", f"rank {self.network_dim}", self.optimizer_type]
+                 f"{self.resolution[0]}x{self.resolution[1]}" + (f"x{self.frames} frames" if self.frames > 1 else ""),
+                 f"rank {self.network_dim}", self.optimizer_type]
         if self.gradient_checkpointing:
             parts.append("grad-checkpointing")
         if self.cache_text_encoder_outputs:

@@ -107,6 +107,9 @@ def check_trainable(family: FamilySpec, *, builtin: bool) -> None:
     a shape-only full-size stand-in."""
     from sd_scripts_compat.errors import UserError
 
+    if family.trainer == "musubi-tuner":
+        raise UserError(f"{family.name}: {family.description} is not trained by this engine; musubi-tuner's "
+                        f"{family.kohya_script} trains it (autotune plan --out DIR writes its files)")
     if not family.trained_here:
         raise UserError(f"{family.name}: {family.description} is not trained by this engine; train it with "
                         f"sd-scripts' {family.kohya_script} (autotune run --engine sd-scripts=PATH supervises it)")

@@ -34,9 +34,11 @@ V_PRED_KEY = "v_pred"  # an empty tensor some tools (sd-scripts, ComfyUI) use to
 V_PREDICTION_NAMES = ("v", "v_prediction", "v-prediction")  # modelspec.prediction_type values meaning v
 # UNet config keys that tell the families apart (a real diffusers config has both; others may differ in form)
 UNET_DISTINGUISHING_KEYS = ("cross_attention_dim", "block_out_channels")
-# the same for a transformer denoiser (FLUX): widths, depths, and dev's guidance embedder
+# the same for a transformer denoiser (FLUX): widths, depths, and dev's guidance embedder (Wan's ffn_dim; Z-Image
+# names its widths and depth its own way)
 TRANSFORMER_DISTINGUISHING_KEYS = ("num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
-                                   "joint_attention_dim", "guidance_embeds")
+                                   "joint_attention_dim", "guidance_embeds", "ffn_dim", "n_layers", "dim", "n_heads",
+                                   "cap_feat_dim")
 DENOISER_FOLDERS = ("unet", "transformer")  # where a diffusers pipeline keeps its denoiser's config
 ENGINE_STATED_BY = "the family option"  # how the engine's loaders name a stated family in their errors
 

@@ -93,6 +93,16 @@ class FamilySpec:
     # Anima's "net." prefix), as kohya's model code names them: how a header tells SD3 / Lumina / HunyuanImage /
     # Anima files apart (with the first block list's count from ``lora_layout``)
     header_markers: tuple[str, ...] = ()
+    # who trains a family our engine does not: "sd-scripts" (its ``kohya_script``) or "musubi-tuner" (kohya's
+    # second trainer, for Qwen-Image, FLUX.2, Wan and Z-Image; ``musubi`` holds its script facts)
+    trainer: str = "sd-scripts"
+    # how ``blocks_to_swap`` splits over two block lists: "kohya" (sd-scripts' n // 2 double, (n - n // 2) * 2
+    # single) or "musubi_flux2" (musubi's FLUX.2 ratio rule, ``Flux2.enable_block_swap``)
+    swap_rule: str = "kohya"
+    swap_count_keys: tuple[str, ...] = ("num_layers", "num_single_layers")  # denoiser config keys of the lists
+    # musubi-tuner's facts for the family: the cache file's arch tag, its caching scripts, the options that pick
+    # the model version, the text-encoder file option and its fp8 flag, fp8_scaled support, video or image
+    musubi: dict[str, Any] | None = None
 
     @property
     def denoiser_class(self) -> str:
@@ -149,15 +159,20 @@ class FamilySpec:
         single-stream count."""
         if not self.is_transformer:
             return 0, 0
-        return int(self.unet.get("num_layers", 0)), int(self.unet.get("num_single_layers", 0))
+        counts = [int(self.unet.get(key, 0)) for key in self.swap_count_keys]
+        return counts[0], (counts[1] if len(counts) > 1 else 0)
 
     @property
     def max_blocks_to_swap(self) -> int:
         """The most blocks this family swaps (FLUX.1: 35, as sd-scripts; 0: it cannot swap)."""
+        if self.swap_rule == "musubi_flux2":
+            return max_musubi_flux2_swap(*self.swap_block_counts)
         return max_blocks_to_swap(*self.swap_block_counts, resident=self.swap_resident_blocks)
 
     def swap_split(self, blocks_to_swap: int) -> tuple[int, int]:
         """(double, single) blocks swapped for ``blocks_to_swap``; more than the family allows is a UserError."""
+        if self.swap_rule == "musubi_flux2":
+            return musubi_flux2_split(blocks_to_swap, *self.swap_block_counts, model=self.name)
         return swap_split(blocks_to_swap, *self.swap_block_counts, resident=self.swap_resident_blocks,
                           model=self.name)
 
@@ -204,6 +219,47 @@ def max_blocks_to_swap(num_double: int, num_single: int, *, resident: int = 0) -
     return n
 
 
+def _flux2_raw_split(n: int, num_double: int, num_single: int) -> tuple[int, int]:
+    """musubi-tuner's FLUX.2 split before its bounds check (``Flux2.enable_block_swap``): doubles by the
+    single/double ratio, a double counting as two singles, moved to the other list while one runs short."""
+    if n <= 0:
+        return 0, 0
+    ratio = num_single / num_double
+    double = int(round(n / (1.0 + ratio / 2.0)))
+    single = int(round(double * ratio))
+    if num_double * 2 < num_single:
+        while double >= 1 and double > num_double - 2:
+            double, single = double - 1, single + 2
+    else:
+        while single >= 2 and single > num_single - 2:
+            single, double = single - 2, double + 1
+    if double == 0 and single == 0:
+        return (0, 1) if num_single >= num_double else (1, 0)
+    return double, single
+
+
+def musubi_flux2_split(blocks_to_swap: int, num_double: int, num_single: int, *, model: str = "this model"
+                       ) -> tuple[int, int]:
+    """(double, single) blocks musubi-tuner swaps on FLUX.2 for ``blocks_to_swap``, keeping two of each list on
+    the device (its assert); too many is one line."""
+    double, single = _flux2_raw_split(blocks_to_swap, num_double, num_single)
+    if blocks_to_swap < 0 or double > num_double - 2 or single > num_single - 2:
+        most = max_musubi_flux2_swap(num_double, num_single)
+        raise UserError(f"blocks_to_swap = {blocks_to_swap}: {model} ({num_double} double, {num_single} single "
+                        f"blocks) swaps at most {most} in musubi-tuner; use 0-{most}")
+    return double, single
+
+
+def max_musubi_flux2_swap(num_double: int, num_single: int) -> int:
+    """The largest ``blocks_to_swap`` musubi's FLUX.2 rule accepts (dev 29, klein 4B 13, klein 9B 16)."""
+    n = 0
+    while True:
+        double, single = _flux2_raw_split(n + 1, num_double, num_single)
+        if double > num_double - 2 or single > num_single - 2:
+            return n
+        n += 1
+
+
 def family_names() -> list[str]:
     return sorted(path.stem for path in FAMILY_DIR.glob("*.json"))
 
@@ -217,6 +273,8 @@ def get_family(name: str) -> FamilySpec:
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])
     for key in ("transformer_block_groups", "lora_layout", "denoiser_extras", "header_markers"):
         raw[key] = tuple(raw.get(key, ()))
+    if "swap_count_keys" in raw:
+        raw["swap_count_keys"] = tuple(raw["swap_count_keys"])
     return FamilySpec(**raw)
 
 
