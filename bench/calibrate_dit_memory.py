@@ -20,7 +20,10 @@ Every other transformer family (SD3.5 Medium / Large, Chroma, Lumina 2, HunyuanI
 checkpointing, and batch 2 at native / 2: a per-sample constant ``d`` for what one more sample costs beside its
 tokens, e.g. Anima's cross-attended text), an fp8 pair where the family stores fp8 (Anima does not), and 8
 held-out traces with swap counts up to the family's maximum; its text-encoder caching transient is traced with
-its own encoders.
+its own encoders. A family musubi-tuner trains adds batch 2 at native size, an fp8 pair at half size too
+(``fp8_extra`` is the larger difference: the upcast weight's transient hides under a larger peak) and, for video,
+clips of 49 frames at half size and 17 at native (x rank 16 / 64 x checkpointing), so the held-out clips of
+17-81 frames stay inside the fitted token range.
 """
 
 from __future__ import annotations
@@ -75,8 +78,16 @@ def family_fit(family: str) -> list[dict]:
            for k in (16, 64)]
     out += [dict(resolution=native // 2, batch_size=2, rank=16, gradient_checkpointing=gc, optimizer="AdamW8bit",
                  fp8_base=False, blocks_to_swap=0) for gc in (True, False)]  # what one more sample costs
-    return out + ([dict(resolution=native, batch_size=1, rank=16, gradient_checkpointing=gc, optimizer="AdamW8bit",
-                        fp8_base=True, blocks_to_swap=0) for gc in (True, False)] if fp8 else [])
+    if spec.trainer == "musubi-tuner":  # batch 2 at native size too (the sample cost grows with its tokens)
+        out += [dict(resolution=native, batch_size=2, rank=16, gradient_checkpointing=gc, optimizer="AdamW8bit",
+                     fp8_base=False, blocks_to_swap=0) for gc in (True, False)]
+    if (spec.musubi or {}).get("video"):  # clips of 49 frames at half size and 17 at native: 4-5x the tokens
+        out += [dict(resolution=r, batch_size=1, rank=k, gradient_checkpointing=gc, optimizer="AdamW8bit",
+                     fp8_base=False, blocks_to_swap=0, frames=f) for gc in (True, False)
+                for r, f in ((native // 2, 49), (native, 17)) for k in (16, 64)]
+    sizes = (native, native // 2) if spec.trainer == "musubi-tuner" else (native,)  # fp8's upcast transient
+    return out + ([dict(resolution=r, batch_size=1, rank=16, gradient_checkpointing=gc, optimizer="AdamW8bit",
+                        fp8_base=True, blocks_to_swap=0) for gc in (True, False) for r in sizes] if fp8 else [])
 
 
 def family_validation(family: str) -> list[dict]:
@@ -88,8 +99,16 @@ def family_validation(family: str) -> list[dict]:
             (n, 1, 16, False, "AdamW8bit", False, 0), (n // 2, 1, 32, False, "Adafactor", True, min(8, most)),
             (n, 1, 32, True, "Prodigy", False, most * 2 // 3), (n * 3 // 4, 1, 16, True, "AdamW8bit", True, most),
             (n // 2, 2, 16, False, "AdamW8bit", False, most // 3), (n, 2, 8, False, "AdamW8bit", True, 4)]
-    return [dict(resolution=r, batch_size=b, rank=k, gradient_checkpointing=gc, optimizer=o, fp8_base=f and fp8,
-                 blocks_to_swap=s) for r, b, k, gc, o, f, s in rows]
+    out = [dict(resolution=r, batch_size=b, rank=k, gradient_checkpointing=gc, optimizer=o, fp8_base=f and fp8,
+                blocks_to_swap=s) for r, b, k, gc, o, f, s in rows]
+    if (spec.musubi or {}).get("video"):  # clips: 17, 33 and 81 frames (5, 9 and 21 latent frames)
+        out += [dict(resolution=n // 2, batch_size=1, rank=32, gradient_checkpointing=True, optimizer="AdamW8bit",
+                     fp8_base=fp8, blocks_to_swap=most // 2, frames=81),
+                dict(resolution=n * 3 // 4, batch_size=1, rank=16, gradient_checkpointing=True, optimizer="AdamW",
+                     fp8_base=fp8, blocks_to_swap=most, frames=33),
+                dict(resolution=n // 2, batch_size=2, rank=16, gradient_checkpointing=False, optimizer="AdamW8bit",
+                     fp8_base=False, blocks_to_swap=0, frames=17)]
+    return out
 
 
 def _key(cfg: dict) -> str:
@@ -147,36 +166,36 @@ def fit(traces: dict[str, dict], architecture: dict, configs: list[dict] | None 
         rows, rhs = [], []
         for cfg in chosen:
             batch = cfg["batch_size"]
-            tokens = batch * activation_tokens(architecture, family, cfg["resolution"])
+            tokens = batch * activation_tokens(architecture, family, cfg["resolution"], frames=cfg.get("frames", 1))
             rows.append([1.0, cfg["rank"], tokens, tokens * cfg["rank"]] + ([batch] if per_sample else []))
             rhs.append(traces[_key(cfg)]["activations_peak_bytes"])
         c0, c1, a, b, *d = _solve(rows, rhs)
         out["activations"][name] = {"c0": c0, "c1": c1, "a": a, "b": b, **({"d": d[0]} if d else {})}
-        fp8 = next((c for c in configs or FIT if c["gradient_checkpointing"] == gc and c["fp8_base"]), None)
-        if fp8 is None:
-            out["fp8_extra"][name] = 0
-            continue
-        plain = dict(fp8, fp8_base=False)
-        out["fp8_extra"][name] = (traces[_key(fp8)]["activations_peak_bytes"]
-                                  - traces[_key(plain)]["activations_peak_bytes"])
+        # the largest traced difference: the upcast weight shows where it is not hidden under a larger peak
+        out["fp8_extra"][name] = max((traces[_key(c)]["activations_peak_bytes"]
+                                      - traces[_key(dict(c, fp8_base=False))]["activations_peak_bytes"]
+                                      for c in configs or FIT if c["gradient_checkpointing"] == gc and c["fp8_base"]),
+                                     default=0)
     return out
 
 
 def inputs_of(cfg: dict, family: str = "flux-dev") -> DitMemoryInputs:
     return DitMemoryInputs(family=family, resolution=cfg["resolution"], batch_size=cfg["batch_size"], rank=cfg["rank"],
                             gradient_checkpointing=cfg["gradient_checkpointing"], optimizer=cfg["optimizer"],
-                            fp8_base=cfg["fp8_base"], blocks_to_swap=cfg["blocks_to_swap"])
+                            fp8_base=cfg["fp8_base"], blocks_to_swap=cfg["blocks_to_swap"], frames=cfg.get("frames", 1))
 
 
 def table(traces: dict[str, dict], calibration: dict | None = None, family: str = "flux-dev",
           configs: list[dict] | None = None) -> list[str]:
     """Markdown rows: every validation trace against the model's tensor peak (the tracer's quantity)."""
-    lines = ["| family | px | batch | rank | GC | optimizer | fp8 | swap | traced GiB | model GiB | model/trace |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| family | px | frames | batch | rank | GC | optimizer | fp8 | swap | traced GiB | model GiB "
+             "| model/trace |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cfg in configs or VALIDATION:
         traced = traces[_key(cfg)]["peak_bytes"]
         model = predict_dit_memory(inputs_of(cfg, family), calibration).tensor_peak_bytes
-        lines.append(f"| {family} | {cfg['resolution']} | {cfg['batch_size']} | {cfg['rank']} | "
+        lines.append(f"| {family} | {cfg['resolution']} | {cfg.get('frames', 1)} | {cfg['batch_size']} | "
+                     f"{cfg['rank']} | "
                      f"{'on' if cfg['gradient_checkpointing'] else 'off'} | {cfg['optimizer']} | "
                      f"{'on' if cfg['fp8_base'] else 'off'} | {cfg['blocks_to_swap']} | {traced / GIB:.2f} | "
                      f"{model / GIB:.2f} | {model / traced:.3f} |")

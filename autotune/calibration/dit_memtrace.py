@@ -32,7 +32,7 @@ from autotune.calibration.memtrace import (
     fakeify,
     steady_state_optimizer,
 )
-from sd_scripts_compat.models.families import FamilySpec, get_family, model_config, swap_split
+from sd_scripts_compat.models.families import FamilySpec, get_family, model_config
 
 DEFAULT_FAMILY = "flux-dev"
 
@@ -99,8 +99,7 @@ def swapped_weights(model: Any, spec: FamilySpec, blocks_to_swap: int) -> list[A
     import torch
 
     lists = block_lists(model, spec)
-    counts = [len(blocks) for blocks in lists]
-    split = swap_split(blocks_to_swap, counts[0], counts[1] if len(counts) > 1 else 0)
+    split = spec.swap_split(blocks_to_swap)
     out = []
     for count, blocks in zip(split, lists):
         for block in blocks[len(blocks) - count:] if count else []:
@@ -129,6 +128,7 @@ class DitTraceResult:
     lora_params: int
     peak_phase: str
     seconds: float
+    frames: int = 1  # video frames of one sample (Wan); 1 for an image
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,7 +153,7 @@ class _SwapAwareCounter(LiveBytesCounter):
 def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int, batch_size: int = 1,
                    rank: int = 16, gradient_checkpointing: bool = True, optimizer: str = "AdamW8bit",
                    fp8_base: bool = False, blocks_to_swap: int = 0, config: dict[str, Any] | None = None,
-                   text_tokens: int | None = None, fake: bool = True) -> DitTraceResult:
+                   text_tokens: int | None = None, frames: int = 1, fake: bool = True) -> DitTraceResult:
     """One LoRA step of ``family`` (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
     ``config``: another denoiser config (tests use a tiny one); ``text_tokens``: the text length (default: the
@@ -191,7 +191,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         counter.reset_peak()
         with counter.mode():
             FORWARDS[spec.denoiser_class](model, counter, spec, batch_size, resolution,
-                                          text_tokens or spec.denoiser_text_tokens)
+                                          text_tokens or spec.denoiser_text_tokens,
+                                          **({"frames": frames} if frames > 1 else {}))
             grad_bytes = _storage_bytes([p.grad for p in lora_params if p.grad is not None])
             counter.phase = "optimizer"
             opt.step()
@@ -209,7 +210,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         weights_bytes=weights_bytes, swapped_weight_bytes=swapped_bytes, lora_param_bytes=_storage_bytes(lora_params),
         lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
-        peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2))
+        peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames)
 
 
 def _flow_step(model: Any, counter: LiveBytesCounter, latents: Any, inputs: dict[str, Any], *,
@@ -350,6 +351,80 @@ def _cosmos_forward_backward(model: Any, counter: LiveBytesCounter, spec: Family
     _flow_step(model, counter, latents, inputs)
 
 
+def _qwen_image_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                                 resolution: int, text_tokens: int) -> None:
+    """Qwen-Image (musubi-tuner): 2x2-packed 16-channel latents (64 per token), the cached Qwen2.5-VL states with
+    their mask, and the latent grid each sample's rotary table is built for."""
+    import torch
+
+    counter.phase = "inputs"
+    side = resolution // spec.bucket_step
+    latents = torch.empty(batch_size, side * side, model.config.in_channels, dtype=torch.float32)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.joint_attention_dim),
+              "encoder_hidden_states_mask": _host_ones(batch_size, text_tokens),
+              "img_shapes": [[(1, side, side)]] * batch_size}
+    rope = model.pos_embed  # its frequency tables are plain attributes, built on meta: rebuilt on the host
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.device("cpu"):
+        model.pos_embed = type(rope)(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
+    try:
+        _flow_step(model, counter, latents, inputs)
+    finally:
+        model.pos_embed = rope
+
+
+def _flux2_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                            resolution: int, text_tokens: int) -> None:
+    """FLUX.2 (musubi-tuner): 2x2-packed 32-channel AE latents (128 per token), the cached Mistral 3 / Qwen3
+    states, 4-axis position ids, and guidance for dev (klein has no guidance embedder)."""
+    import torch
+
+    counter.phase = "inputs"
+    side = resolution // spec.bucket_step
+    latents = torch.empty(batch_size, side * side, model.config.in_channels, dtype=torch.float32)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.joint_attention_dim),
+              "img_ids": torch.zeros(batch_size, side * side, 4), "txt_ids": torch.zeros(batch_size, text_tokens, 4)}
+    if model.config.get("guidance_embeds"):
+        inputs["guidance"] = torch.full((batch_size,), 4.0)
+    _flow_step(model, counter, latents, inputs)
+
+
+def _wan_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                          resolution: int, text_tokens: int, frames: int = 1) -> None:
+    """Wan (musubi-tuner): video latents [B, 16, 1 + (frames - 1) / 4, side / 8, side / 8] of the causal VAE
+    and the cached UMT5 states the blocks cross-attend to (512 tokens)."""
+    import torch
+
+    counter.phase = "inputs"
+    side = resolution // spec.latent_downsample
+    latent_frames = 1 + (frames - 1) // int(spec.vae.get("scale_factor_temporal", 4))
+    latents = torch.empty(batch_size, model.config.in_channels, latent_frames, side, side, dtype=torch.float32)
+    inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.text_dim)}
+    _flow_step(model, counter, latents, inputs)
+
+
+def _zimage_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+                             resolution: int, text_tokens: int) -> None:
+    """Z-Image (musubi-tuner): per-sample lists of [16, 1, side / 8, side / 8] latents and [tokens, 2560] Qwen3
+    states (the model pads and joins them into one sequence itself); ``t`` in 0-1."""
+    import torch
+
+    counter.phase = "forward"
+    side = resolution // spec.latent_downsample
+    latents = torch.empty(batch_size, model.config.in_channels, 1, side, side, dtype=torch.float32)
+    noise = torch.randn_like(latents)
+    sigma = torch.rand(batch_size, 1, 1, 1, 1)
+    noisy = ((1 - sigma) * latents + sigma * noise).to(torch.bfloat16)
+    with torch.autocast(latents.device.type, dtype=torch.bfloat16):
+        pred = model(x=list(noisy.unbind(0)), t=sigma.flatten(),
+                     cap_feats=list(_text(batch_size, text_tokens, model.config.cap_feat_dim).unbind(0)),
+                     return_dict=False)[0]
+    loss = torch.nn.functional.mse_loss(torch.stack(pred).float().reshape(noise.shape), (noise - latents).float())
+    del pred, noisy, noise, latents
+    counter.phase = "backward"
+    loss.backward()
+    del loss
+
+
 def _host_ones(batch_size: int, tokens: int) -> Any:
     """An all-ones attention mask made outside the fake mode (the model reads it on the host)."""
     import torch
@@ -432,7 +507,7 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
         "text_encoders": {te.file_option or te.lora_prefix: sum(p.numel() for p in encoder.parameters())
                           for te, encoder in zip(spec.text_encoders, bundle.text_encoders)},
         "ae_elements": sum(p.numel() for p in bundle.vae.parameters()),
-        "hidden": int(cfg.get("hidden_size") or cfg.num_attention_heads * cfg.attention_head_dim),
+        "hidden": int(cfg.get("hidden_size") or cfg.get("dim") or cfg.num_attention_heads * cfg.attention_head_dim),
         "text_tokens": spec.denoiser_text_tokens,
         "latent_downsample": spec.latent_downsample,
     }
@@ -481,4 +556,8 @@ FORWARDS: dict[str, Callable[[Any, LiveBytesCounter, FamilySpec, int, int, int],
     "Lumina2Transformer2DModel": _lumina_forward_backward,
     "HunyuanImageTransformer2DModel": _hunyuan_image_forward_backward,
     "CosmosTransformer3DModel": _cosmos_forward_backward,
+    "QwenImageTransformer2DModel": _qwen_image_forward_backward,
+    "Flux2Transformer2DModel": _flux2_forward_backward,
+    "WanTransformer3DModel": _wan_forward_backward,
+    "ZImageTransformer2DModel": _zimage_forward_backward,
 }

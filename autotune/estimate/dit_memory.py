@@ -25,7 +25,8 @@ Training-phase tensor peak = resident transformer weights + LoRA params + grads 
   beside its tokens, fitted where batch-2 traces were; 0 for FLUX.1), tokens = packed image
   tokens (side / 16)^2 + 512 T5 tokens (the family's text length; none for a cross-attention transformer:
   ``activation_tokens``); attention is flash / memory-efficient (O(tokens)). ``fp8_extra``: the
-  traced difference under fp8_base.
+  traced difference under fp8_base. With AdamW at least one parameter-sized temporary (foreach AdamW's, the
+  SD model's rule): a small checkpointed step peaks in the optimizer.
 - ``cpu_offload_checkpointing`` (sd-scripts' option, our engine's ``training.offload_checkpointing``): with
   checkpointing, each block's saved input (bf16, its tokens x the hidden width) waits on the host but the one in
   flight, so the checkpointed activations lose ``(blocks - 1) x 2 x hidden x tokens x batch`` bytes (analytic: a
@@ -106,6 +107,8 @@ class DitMemoryInputs:
     cache_latents: bool = True
     t5_fp8: bool = False  # the T5-XXL file is float8 (t5xxl_fp8_e4m3fn): half the caching-phase weights
     text_encoders_on_cpu: bool = False  # caching runs the encoders on the CPU (HunyuanImage's text_encoder_cpu)
+    frames: int = 1  # video frames of one sample (Wan's target_frames, N*4+1); 1 for an image
+    pinned_block_swap: bool = False  # musubi's use_pinned_memory_for_block_swap: the swapped weights get pinned
     lora_dtype: str = "fp32"
     height: int | None = None
     family: str = "flux-dev"
@@ -129,6 +132,7 @@ def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: boo
         cpu_offload_checkpointing=settings.cpu_offload_checkpointing and settings.gradient_checkpointing,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs, cache_latents=settings.cache_latents,
         t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
+        frames=settings.frames,
         **overrides)
 
 
@@ -139,6 +143,7 @@ class DitMemoryEstimate(MemoryEstimate):
     TENSOR_PARTS = ("weights_transformer", "weights_text_encoders", "weights_vae", "lora_params", "lora_grads",
                     "optimizer_state", "activations")
     caching_peak: int = 0  # text-encoder caching phase: tensors + context + allocator slack
+    pinned_host_bytes: int = 0  # of host_ram_bytes, page-locked (musubi's swap staging or pinned swapped blocks)
     host_ram_bytes: int = 0  # while training
     host_ram_loading_bytes: int = 0  # while loading (the transformer passes through RAM)
     swapped_bytes: int = 0  # weight bytes of the swapped blocks (moved twice each way per step)
@@ -218,11 +223,21 @@ def encoder_bytes(arch: dict[str, Any], t5_fp8: bool) -> int:
     return 2 * sum(sizes) - (max(sizes) if t5_fp8 and sizes else 0)
 
 
-def activation_tokens(arch: dict[str, Any], family: str, resolution: int, height: int | None = None) -> int:
-    """Tokens one sample's activations grow with: its image tokens, plus the text tokens where they join the
-    sequence (joint attention); a cross-attention transformer (Anima) keeps the text beside it."""
+def latent_frames(family: str, frames: int) -> int:
+    """Latent frames of a ``frames``-long clip: the first frame, then one per temporal stride (Wan's VAE: 4)."""
+    if frames <= 1:
+        return 1
+    return 1 + (frames - 1) // int(get_family(family).vae.get("scale_factor_temporal", 4))
+
+
+def activation_tokens(arch: dict[str, Any], family: str, resolution: int, height: int | None = None,
+                      frames: int = 1) -> int:
+    """Tokens one sample's activations grow with: its image tokens (times its latent frames for a video),
+    plus the text tokens where they join the sequence (joint attention); a cross-attention transformer (Anima,
+    Wan) keeps the text beside it."""
     joint = any(group.get("attention") != "cross" for group in arch["block_groups"])
-    return get_family(family).image_tokens(resolution, height) + (arch["text_tokens"] if joint else 0)
+    image = get_family(family).image_tokens(resolution, height) * latent_frames(family, frames)
+    return image + (arch["text_tokens"] if joint else 0)
 
 
 def offloaded_checkpoint_bytes(cal: dict[str, Any], i: DitMemoryInputs) -> int:
@@ -232,19 +247,21 @@ def offloaded_checkpoint_bytes(cal: dict[str, Any], i: DitMemoryInputs) -> int:
         return 0
     arch = cal["architecture"]
     blocks = sum(group["count"] for group in arch["block_groups"])
-    tokens = activation_tokens(arch, i.family, i.resolution, i.height)
+    tokens = activation_tokens(arch, i.family, i.resolution, i.height, i.frames)
     return 2 * (blocks - 1) * int(arch["hidden"]) * tokens * i.batch_size
 
 
-def _activations(cal: dict[str, Any], i: DitMemoryInputs) -> int:
+def _activations(cal: dict[str, Any], i: DitMemoryInputs, lora_grad_bytes: int) -> int:
     gc = "gc" if i.gradient_checkpointing else "no_gc"
     coef = cal["activations"][gc]
-    tokens = activation_tokens(cal["architecture"], i.family, i.resolution, i.height)
+    tokens = activation_tokens(cal["architecture"], i.family, i.resolution, i.height, i.frames)
     per_sample = coef.get("d", 0.0) + tokens * (coef["a"] + coef["b"] * i.rank)
     act = coef["c0"] + coef["c1"] * i.rank + i.batch_size * per_sample
     if i.fp8_base:
         act += cal["fp8_extra"][gc]
     act = max(0.0, act - offloaded_checkpoint_bytes(cal, i))
+    if i.optimizer == "AdamW":  # foreach AdamW holds one parameter-sized temporary beside the gradients (traced:
+        act = max(act, lora_grad_bytes)  # a small checkpointed step at rank 32 peaks in the optimizer)
     if not i.cache_latents:
         act = max(act, cal["ae_encode_per_image_pixel"] * i.batch_size * i.resolution * (i.height or i.resolution))
     return int(round(act))
@@ -273,7 +290,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         "lora_params": param_bytes * n_params,
         "lora_grads": param_bytes * n_params,
         "optimizer_state": optimizer_state_bytes(inputs.optimizer, sizes, inputs.rank, param_bytes),
-        "activations": _activations(cal, inputs),
+        "activations": _activations(cal, inputs, param_bytes * n_params),
     }
     tensor_peak = sum(components.values())
     # our engine's swapper needs its buffers; a family only sd-scripts trains swaps into the evicted storage
@@ -292,13 +309,28 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
             notes.append(f"peak is the text-encoder caching ({'fp8' if inputs.t5_fp8 else 'bf16'} largest text "
                          "encoder on the GPU)")
     host_base = int(cal["host_ram_baseline_gib"] * GIB)
-    parked = ae + (encoders if inputs.cache_text_encoder_outputs else 0)
+    # sd-scripts parks the encoders and AE on the host; musubi-tuner caches in separate processes and trains
+    # without them
+    parked = 0 if family.trainer == "musubi-tuner" else ae + (encoders if inputs.cache_text_encoder_outputs else 0)
+    pinned = musubi_pinned_bytes(arch, inputs, split, host) if family.trainer == "musubi-tuner" else 0
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
     return DitMemoryEstimate(
         inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
-        host_ram_bytes=host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs),
-        host_ram_loading_bytes=loading + encoders + ae + host_base,
+        pinned_host_bytes=pinned,  # the staging copies add to the host; pinned swapped blocks replace theirs
+        host_ram_bytes=host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
+        + (pinned - host if inputs.pinned_block_swap else pinned),
+        host_ram_loading_bytes=loading + host_base + (0 if family.trainer == "musubi-tuner" else encoders + ae),
         swapped_bytes=host)
+
+
+def musubi_pinned_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, split: tuple[int, ...], host: int) -> int:
+    """Page-locked host bytes of musubi-tuner's block swap (``custom_offloading_utils.Offloader``): two staging
+    copies of one block's weights (GPU->host and host->GPU) by default; with ``use_pinned_memory_for_block_swap``
+    every swapped weight becomes pinned after its first round trip, plus one block's spare buffers."""
+    sizes = [_block_bytes(block, inputs.fp8_base)[1] for block in _swapped_blocks(arch, split)]
+    if not sizes:
+        return 0
+    return host + max(sizes) if inputs.pinned_block_swap else 2 * max(sizes)
 
 
 def _all_elements(arch: dict[str, Any]) -> int:
