@@ -1,14 +1,18 @@
-"""Transformer-family plans for 8-24 GB cards beside sd-scripts' published VRAM figures; prints a table.
+"""Transformer-family plans for 8-32 GB cards beside sd-scripts' and musubi-tuner's published VRAM figures.
 
     python bench/dit_tiers.py                                  # every DiT family sd-scripts trains
     python bench/dit_tiers.py --family flux-dev --rank 16 --gpu "RTX 3090"
+    python bench/dit_tiers.py --musubi [--resolution 1024 --rank 16]   # the families musubi-tuner trains
 
 Each row: the planner's choice for a card of that size with the named card's rates (resolution, micro-batch x
 accumulation, rank, fp8 and its key, the text encoder's form while caching, swapped blocks) and its predictions
 (peak VRAM, host RAM while training, seconds per micro-step, the swap's host-link seconds). Published figures
 (sd-scripts' docs at the snapshot in ../shared/reference): FLUX.1 docs/flux_train_network.md 6.1 (all with
 --fp8_base, cached text-encoder outputs, checkpointing); HunyuanImage-2.1 docs/hunyuan_image_train_network.md;
-the SD3 doc's example swaps 32 blocks (no card named); Chroma, Lumina 2 and Anima publish none.
+the SD3 doc's example swaps 32 blocks (no card named); Chroma, Lumina 2 and Anima publish none. musubi-tuner
+(docs at ../shared/reference's snapshot): docs/qwen_image.md's table (1024 px, batch 1, checkpointing), the FLUX.2
+and Wan swap maxima and docs/wan.md's 24 GB sentence, README's 12 GB image / 24 GB video floors; the musubi
+families plan 12-32 GB plus the sizes musubi publishes a figure for.
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FAMILIES = ("flux-dev", "chroma", "sd3.5-medium", "sd3.5-large", "lumina2", "hunyuan-image-2.1", "anima")
 TIERS = (8, 10, 12, 16, 24)
+MUSUBI_FAMILIES = ("qwen-image", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "wan2.2-t2v-a14b",
+                   "wan2.1-t2v-1.3b", "z-image")
+MUSUBI_TIERS = (12, 16, 24, 32)
 PUBLISHED = {
+    "qwen-image": {42: "1024 px: no options", 30: "1024 px: fp8_base + fp8_scaled", 24: "1024 px: fp8 scaled, swap 16",
+                   12: "1024 px: fp8 scaled, swap 45"},
+    "flux2-dev": {12: "swap at most 29 (docs)"}, "flux2-klein-4b": {12: "swap at most 13 (docs)"},
+    "flux2-klein-9b": {12: "swap at most 16 (docs)"},
+    "wan2.2-t2v-a14b": {24: "720x1280 images with fp8 + swap (docs, no count)"},
+    "wan2.1-t2v-1.3b": {12: "README: 12 GB+ for images"}, "z-image": {12: "swap at most 28 (docs)"},
     "flux-dev": {24: "batch 2, no swap", 16: "batch 1 + some swap", 12: "swap 16, AdamW8bit",
                  10: "swap 22, fp8 T5", 8: "swap 28, fp8 T5"},
     "hunyuan-image-2.1": {24: "fp8_scaled, swap 9", 12: "fp8_scaled, swap 32", 8: "fp8_scaled, swap 37"},
@@ -38,7 +51,7 @@ def _text_encoders(values: dict) -> str:
     return "16-bit"
 
 
-def rows(families: list[str], rank: int | None, gpu_name: str) -> list[str]:
+def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int | None = None) -> list[str]:
     from autotune.estimate.dit_memory import dit_inputs_for_settings
     from autotune.estimate.dit_speed import swap_seconds
     from autotune.hardware.gpu_catalog import lookup_gpu
@@ -47,14 +60,17 @@ def rows(families: list[str], rank: int | None, gpu_name: str) -> list[str]:
     from autotune.planning.request import gpu_from_spec
 
     spec = lookup_gpu(gpu_name)
-    out = ["| family | GB | sd-scripts publishes | px | batch x accum | rank | fp8 | text encoders | swap "
+    out = ["| family | GB | published | px | batch x accum | rank | fp8 | text encoders | swap "
            "| peak GiB | host RAM GiB | s / micro-step | swap link s |", "|" + "---|" * 13]
     for family in families:
-        for tier in TIERS:
+        musubi = family in MUSUBI_FAMILIES
+        tiers = sorted(set(MUSUBI_TIERS) | set(PUBLISHED.get(family, {}))) if musubi else TIERS
+        for tier in tiers:
             published = PUBLISHED.get(family, {}).get(tier, "")
             plan = plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors", family=family,
                                              gpus=(gpu_from_spec(spec, vram_gb=tier),), dataset=nominal_dataset(),
-                                             cpu_physical_cores=8, preferences=Preferences(rank=rank)))
+                                             cpu_physical_cores=8,
+                                             preferences=Preferences(rank=rank, resolution=resolution)))
             if not plan.fits:
                 out.append(f"| {family} | {tier} | {published} | does not fit | | | | | | | | | |")
                 continue
@@ -72,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", action="append", help="a DiT family (repeatable; default: all of them)")
     parser.add_argument("--rank", type=int, default=None, help="pin the rank (sd-scripts' examples use 16)")
+    parser.add_argument("--resolution", type=int, default=None, help="pin the resolution (musubi's Qwen table: 1024)")
+    parser.add_argument("--musubi", action="store_true", help="the families musubi-tuner trains")
     parser.add_argument("--gpu", default="RTX 3090", help="catalogue card whose rates the tiers use")
     args = parser.parse_args(argv)
-    print("\n".join(rows(args.family or list(FAMILIES), args.rank, args.gpu)))
+    families = args.family or list(MUSUBI_FAMILIES if args.musubi else FAMILIES)
+    print("\n".join(rows(families, args.rank, args.gpu, args.resolution)))
     return 0
 
 

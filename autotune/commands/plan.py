@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
     from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.models.families import get_family
 
     accept_pickle(args, "plan")
     request = build_request(args)
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     render(plan)
     if written:
-        print(f"wrote {written[0]} and {written[1]} ({args.format} format)")
+        trainer = get_family(plan.family).trainer
+        print(f"wrote {written[0]} and {written[1]} "
+              f"({'musubi-tuner' if trainer == 'musubi-tuner' else args.format} format)")
     else:
         print("add --out DIR to write config.toml and dataset.toml", file=sys.stderr)
     return 0

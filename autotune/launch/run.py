@@ -90,10 +90,24 @@ def check_engine_trains(model: str, family: str | None) -> None:
     from sd_scripts_compat.models.detect import detect_family
 
     spec = detect_family(model, family)
+    if spec.trainer == "musubi-tuner":
+        raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by musubi-tuner's "
+                        f"{spec.kohya_script}, which autotune run does not supervise yet; write its files with "
+                        "autotune plan --out DIR and run DIR/musubi_train.sh")
     if not spec.trained_here:
         raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by sd-scripts' "
                         f"{spec.kohya_script}; add --engine sd-scripts=PATH (your sd-scripts checkout), or write "
                         "the configs with autotune plan --out")
+
+
+def refuse_musubi_family(model: str, family: str | None) -> None:
+    """sd-scripts has no script for a family musubi-tuner trains: one line before anything runs."""
+    from sd_scripts_compat.models.detect import detect_family
+
+    spec = detect_family(model, family)
+    if spec.trainer == "musubi-tuner":
+        raise UserError(f"{model}: {spec.description} is trained by musubi-tuner, not sd-scripts; write its files "
+                        "with autotune plan --out DIR and run DIR/musubi_train.sh")
 
 
 def dataset_folder(path: str) -> Path:
@@ -203,6 +217,8 @@ def start_run(args: argparse.Namespace) -> int:
         from autotune.recovery.sd_scripts import early_check
 
         early_check(args.engine, args.python, args.model)
+        if args.model and not str(args.model).startswith("builtin:"):
+            refuse_musubi_family(args.model, args.family)
     elif args.model:
         check_engine_trains(args.model, args.family)
     scan = check_dataset(dataset_dir)

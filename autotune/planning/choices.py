@@ -141,10 +141,10 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
                                                                              c.text_encoder_fp8).items()]
     if c.text_encoder_fp8 and profile.te_fp8_flag and not c.te_cpu:
         out.append(Choice(profile.te_fp8_flag, True, "caching the text-encoder outputs with the 16-bit "
-                          "Qwen2.5-VL would not fit this card: its weights in fp8 while caching"))
+                          "text encoder would not fit this card: its weights in fp8 while caching"))
     if c.te_cpu and profile.te_cpu_flag:
-        out.append(Choice(profile.te_cpu_flag, True, "even the fp8 text encoders do not fit this card beside "
-                          "CUDA: they cache on the CPU (slow: minutes per caption, once)"))
+        out.append(Choice(profile.te_cpu_flag, True, "the text encoder does not fit this card beside CUDA even "
+                          "in its smallest dtype: it caches on the CPU (slow: minutes per caption, once)"))
     here = req.output_dir is not None
     out.append(Choice("dataset_config", str(Path(req.output_dir).expanduser().resolve() / "dataset.toml")
                       if here else "dataset.toml",
@@ -163,6 +163,11 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
                "shape"),
         Choice("bucket_reso_steps", step, bucket_step_reason(step)),
         Choice("bucket_no_upscale", True, "small images are not blown up past their own size"),
+        *([Choice("target_frames", c.settings.frames,
+                  f"your --frames: {c.settings.frames} frames per clip ({1 + (c.settings.frames - 1) // 4} latent "
+                  "frames); activation memory grows with them", kohya=False)] if c.settings.frames > 1 else
+          [Choice("target_frames", 1, "images (one frame); --frames N trains clips", kohya=False)]
+          if (fam.musubi or {}).get("video") else []),
         Choice("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder"),
         Choice("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (files next to the images)"),
     ]

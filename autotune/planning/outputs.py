@@ -39,8 +39,12 @@ def dataset_config(settings: TrainSettings, dataset: DatasetSummary, family: Fam
 
 
 def launch_command(family: FamilySpec, devices: int, precision: str, output_dir: str | None) -> tuple[str, ...]:
-    """The sd-scripts command line for this plan (our engine takes the same --config_file)."""
-    config = "config.toml" if output_dir is None else str(Path(output_dir).expanduser().resolve() / "config.toml")
+    """The sd-scripts command line for this plan (our engine takes the same --config_file); for a family
+    musubi-tuner trains, the script that caches and trains (``planning.musubi_writer``)."""
+    folder = Path(output_dir).expanduser().resolve() if output_dir is not None else None
+    if family.trainer == "musubi-tuner":
+        return ("bash", "musubi_train.sh" if folder is None else str(folder / "musubi_train.sh"))
+    config = "config.toml" if folder is None else str(folder / "config.toml")
     cmd = ["accelerate", "launch", "--num_processes", str(devices)]
     if devices > 1:
         cmd.append("--multi_gpu")

@@ -108,6 +108,8 @@ from autotune.planning.request import (
     gpu_from_spec,
     gpu_from_vram,
     network_choice,
+    validate_frames,
+    validate_frames_dataset,
     validate_request,
     validate_resolution,
 )
@@ -236,6 +238,8 @@ def plan_training(request: PlanRequest) -> Plan:
     validate_request(request)
     family = detect_family(request.model, request.family)
     validate_resolution(request.preferences.resolution, family)
+    validate_frames(request.preferences.frames, family)
+    validate_frames_dataset(request.preferences.frames, request.dataset_dir)
     dataset = request.dataset or (scan_dataset(request.dataset_dir) if request.dataset_dir else nominal_dataset())
     goal = GOAL_PROFILES[request.goal]
     prefs, gpus = request.preferences, request.gpus
@@ -249,11 +253,13 @@ def plan_training(request: PlanRequest) -> Plan:
     profile = plan_profile(family.name)
     train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else (
         profile.train_text_encoder if profile.train_text_encoder is not None else not family.is_sdxl)
-    t5_fp8 = profile.has_te_fp8 and caching_needs_fp8_t5(family.name, usable)
+    # fp8 text encoder while caching where the trainer has it (musubi's FLUX.2 dev: Mistral 3 has no fp8 mode)
+    te_fp8_offered = (family.musubi or {}).get("text_encoder_fp8", True) is not None
+    t5_fp8 = profile.has_te_fp8 and te_fp8_offered and caching_needs_fp8_t5(family.name, usable)
     te_cpu = bool(profile.te_cpu_flag) and bool(gpus) and caching_needs_fp8_t5(family.name, usable, t5_fp8)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
-                        attention=prefs.attention, network=network_choice(prefs, family))
+                        attention=prefs.attention, network=network_choice(prefs, family), frames=prefs.frames or 1)
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
     measured = learned_for(request, family.name, devices)

@@ -82,6 +82,7 @@ class Preferences:
     learning_rate: float | None = None  # the UNet's rate (the text encoders' is half of it, as planned)
     alpha: float | None = None  # network_alpha
     steps: int | None = None  # max_train_steps (instead of the goal's epochs)
+    frames: int | None = None  # video frames per sample (a video family's target_frames, N*4+1); None: images
 
 
 @dataclass(frozen=True)
@@ -188,3 +189,22 @@ def validate_resolution(resolution: int | None, family: FamilySpec) -> None:
     problem = family.resolution_problem(resolution, resolution)
     if problem is not None:
         raise UserError(f"--resolution {resolution}: {problem}; e.g. --resolution {family.resolution}")
+
+
+def validate_frames(frames: int | None, family: FamilySpec) -> None:
+    """``--frames`` only for a video family, as its VAE takes them: 1 + 4k (musubi's target_frames for Wan)."""
+    if frames is None or frames == 1:
+        return
+    if not (family.musubi or {}).get("video"):
+        raise UserError(f"--frames {frames}: {family.name} trains on images; drop --frames")
+    stride = int(family.vae.get("scale_factor_temporal", 4))
+    if frames < 1 or (frames - 1) % stride:
+        raise UserError(f"--frames {frames}: {family.name} takes 1 + {stride}k frames (e.g. 17, 33, 81)")
+
+
+def validate_frames_dataset(frames: int | None, dataset_dir: str | None) -> None:
+    """Clips need a folder of videos; the dataset scan reads images only so far, so a planned clip length goes
+    with the nominal dataset (no folder), never onto a folder of images as if they were videos."""
+    if frames and frames > 1 and dataset_dir:
+        raise UserError(f"--frames {frames}: {dataset_dir} is read as a folder of images (video datasets are not "
+                        "read yet); plan its images with --frames 1, or plan clips without a dataset folder")

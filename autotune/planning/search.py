@@ -26,7 +26,8 @@ DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs 
 
 
 def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, precision: str, train_te: bool,
-                effective: int, attention: str, network: tuple[str, tuple[str, ...]] | None = None) -> TrainSettings:
+                effective: int, attention: str, network: tuple[str, tuple[str, ...]] | None = None,
+                frames: int = 1) -> TrainSettings:
     """The preferred settings before anything is given up (latents always cached; text-encoder outputs as the
     family's plan profile says, else cached for SDXL UNet-only training)."""
     cache_te = plan_profile(family.name).cache_text_encoder_outputs
@@ -37,6 +38,7 @@ def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, pre
         cache_text_encoder_outputs=cache_te if cache_te is not None else family.is_sdxl and not train_te,
         max_bucket_reso=side * 2, xformers=attention == "xformers",
         network_module=network[0] if network else family.network_module, network_args=network[1] if network else (),
+        frames=frames,
     )
 
 

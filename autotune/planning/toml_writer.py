@@ -183,8 +183,14 @@ def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "ko
 
     Every text is rendered (and checked) before any file is touched.
     """
-    config_text = render_config(plan, fmt)
-    dataset_text = render_dataset(plan)
+    from autotune.planning.musubi_writer import MUSUBI_SCRIPT, is_musubi_plan, render_musubi_files
+
+    script_text = None
+    if is_musubi_plan(plan):  # musubi-tuner's dataset TOML, --config_file and its three commands
+        musubi = render_musubi_files(plan)
+        config_text, dataset_text, script_text = musubi.config, musubi.dataset, musubi.script
+    else:
+        config_text, dataset_text = render_config(plan, fmt), render_dataset(plan)
     plan_text = json.dumps(plan.to_dict(), indent=1, sort_keys=True, default=str)
     out = Path(out_dir).expanduser()
     try:
@@ -192,6 +198,9 @@ def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "ko
         config_path, dataset_path = out / CONFIG, out / DATASET_CONFIG
         write_text_atomic(dataset_path, dataset_text)
         write_text_atomic(out / PLAN_FILE, plan_text)
+        if script_text is not None:
+            write_text_atomic(out / MUSUBI_SCRIPT, script_text)
+            (out / MUSUBI_SCRIPT).chmod(0o755)
         write_text_atomic(config_path, config_text)
     except OSError as error:
         raise UserError(f"--out {out_dir}: cannot write there ({error.strerror or error}); "

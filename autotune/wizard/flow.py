@@ -112,6 +112,10 @@ def write_all(data: steps.DatasetChoice, plan: Any, output: steps.OutputChoice) 
 
 def commands(plan: Any, output: steps.OutputChoice, config: Path) -> list[str]:
     """The exact command lines that train with the written files."""
+    if plan.launch_command and plan.launch_command[-1].endswith("musubi_train.sh"):
+        return ["Cache and train with musubi-tuner (the script names the model files it needs):",
+                "  " + shlex.join(["env", "MUSUBI_TUNER=PATH", *plan.launch_command]),
+                "  (PATH: your musubi-tuner checkout, with its venv active)"]
     words = [str(config) if w.endswith("config.toml") else w for w in plan.launch_command]
     lines = ["Train with sd-scripts (run it in your sd-scripts folder):", "  " + shlex.join(words)]
     if output.fmt == "lora-scripts":
@@ -151,6 +155,10 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
     from sd_scripts_compat.models.families import get_family
 
     family = get_family(model.family)
+    if family.trainer == "musubi-tuner":  # the written script caches and trains; no supervised run yet
+        asker.say("musubi-tuner trains this family: run the command above (autotune run does not supervise "
+                  "musubi-tuner yet)")
+        return 0
     if not family.trained_here:  # sd-scripts trains it; autotune run supervises sd-scripts
         asker.say(f"Train here under lora-autotune's watchdog with your sd-scripts ({family.kohya_script}):")
         asker.say("  " + env + shlex.join(["autotune", *argv, "--engine", "sd-scripts=PATH"]), soft_wrap=True)
