@@ -59,11 +59,11 @@ class DatasetSummary:
                 f"epoch; {captioned} of {self.num_images} images captioned ({self.caption_extension})")
 
 
-def scan_dataset(path: str | os.PathLike[str]) -> DatasetSummary:
+def scan_dataset(path: str | os.PathLike[str], media: tuple[str, ...] = IMAGE_EXTENSIONS) -> DatasetSummary:
     """Count images and repeats the way sd-scripts reads ``--train_data_dir`` (plus images directly in the
     folder as one subset with 1 repeat, since a dataset.toml can point at any folder). A missing folder or
-    one without images is a one-line UserError."""
-    return summarise(require_images(scan_dataset_folder(path)))
+    one without images is a one-line UserError. ``media=VIDEO_EXTENSIONS``: a clip dataset's videos."""
+    return summarise(require_images(scan_dataset_folder(path, media=media), media))
 
 
 def summarise(scan: DatasetScan) -> DatasetSummary:

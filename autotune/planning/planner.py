@@ -109,7 +109,6 @@ from autotune.planning.request import (
     gpu_from_vram,
     network_choice,
     validate_frames,
-    validate_frames_dataset,
     validate_request,
     validate_resolution,
 )
@@ -122,6 +121,7 @@ from autotune.planning.resolution import (
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, search, start_point
 from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.dataset.scan import VIDEO_EXTENSIONS
 from sd_scripts_compat.models.detect import detect_family
 
 __all__ = [
@@ -239,8 +239,9 @@ def plan_training(request: PlanRequest) -> Plan:
     family = detect_family(request.model, request.family)
     validate_resolution(request.preferences.resolution, family)
     validate_frames(request.preferences.frames, family)
-    validate_frames_dataset(request.preferences.frames, request.dataset_dir)
-    dataset = request.dataset or (scan_dataset(request.dataset_dir) if request.dataset_dir else nominal_dataset())
+    media = VIDEO_EXTENSIONS if (request.preferences.frames or 1) > 1 else IMAGE_EXTENSIONS  # clips: its videos
+    dataset = request.dataset or (scan_dataset(request.dataset_dir, media) if request.dataset_dir
+                                  else nominal_dataset())
     goal = GOAL_PROFILES[request.goal]
     prefs, gpus = request.preferences, request.gpus
     devices = max(1, len(gpus))

@@ -200,11 +200,3 @@ def validate_frames(frames: int | None, family: FamilySpec) -> None:
     stride = int(family.vae.get("scale_factor_temporal", 4))
     if frames < 1 or (frames - 1) % stride:
         raise UserError(f"--frames {frames}: {family.name} takes 1 + {stride}k frames (e.g. 17, 33, 81)")
-
-
-def validate_frames_dataset(frames: int | None, dataset_dir: str | None) -> None:
-    """Clips need a folder of videos; the dataset scan reads images only so far, so a planned clip length goes
-    with the nominal dataset (no folder), never onto a folder of images as if they were videos."""
-    if frames and frames > 1 and dataset_dir:
-        raise UserError(f"--frames {frames}: {dataset_dir} is read as a folder of images (video datasets are not "
-                        "read yet); plan its images with --frames 1, or plan clips without a dataset folder")

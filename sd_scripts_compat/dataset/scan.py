@@ -19,6 +19,9 @@ The rules (sd-scripts'):
 ``N_name`` subfolders, form one subset with 1 repeat, or with the folder's own repeats and class tokens when
 it is itself an ``N_name`` folder (a dataset.toml can point at any folder; sd-scripts' ``train_data_dir``
 cannot, so ``DatasetScan.top_level`` says when that is the case).
+
+A clip dataset (a video family's, musubi-tuner's ``video_directory``) is the same scan over videos:
+``media=VIDEO_EXTENSIONS``, musubi-tuner's list as it globs it (exact letter case: ``.mp4`` and ``.MP4``).
 """
 
 from __future__ import annotations
@@ -33,21 +36,30 @@ from sd_scripts_compat.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 CAPTION_EXTENSIONS = (".txt", ".caption")  # lora-scripts' default first, then sd-scripts' argparse default
+# musubi-tuner's dataset/media_utils.VIDEO_EXTENSIONS: it globs each, so only these exact suffixes are read
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".avi", ".mkv", ".mov", ".flv", ".wmv", ".m4v", ".mpg", ".mpeg",
+                    ".MP4", ".WEBM", ".AVI", ".MKV", ".MOV", ".FLV", ".WMV", ".M4V", ".MPG", ".MPEG")
 
 
-def is_image(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_EXTENSIONS
+def listed(media: tuple[str, ...]) -> str:
+    """The extensions for a message, once each in lower case."""
+    return ", ".join(dict.fromkeys(m.lower() for m in media))
 
 
-def list_images(folder: Path) -> list[Path]:
-    """The images directly in ``folder``, sorted by name (so runs never depend on the listing order); hidden
-    files are not images, as in sd-scripts."""
-    return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file() and is_image(p))
+def is_image(path: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> bool:
+    """An image (any letter case), or with ``media=VIDEO_EXTENSIONS`` a video as musubi-tuner globs them."""
+    return (path.suffix if media is VIDEO_EXTENSIONS else path.suffix.lower()) in media
 
 
-def hidden_images(folder: Path) -> int:
+def list_images(folder: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> list[Path]:
+    """The images (or videos) directly in ``folder``, sorted by name (so runs never depend on the listing order);
+    hidden files are not images, as in sd-scripts."""
+    return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file() and is_image(p, media))
+
+
+def hidden_images(folder: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> int:
     """Image-named files that ``list_images`` passes over because their name starts with a dot."""
-    return sum(1 for p in folder.iterdir() if p.name.startswith(".") and is_image(p) and p.is_file())
+    return sum(1 for p in folder.iterdir() if p.name.startswith(".") and is_image(p, media) and p.is_file())
 
 
 @dataclass(frozen=True)
@@ -144,14 +156,16 @@ def _subset(folder: Path, repeats: int, tokens: str | None, images: list[Path],
                       caption_files=captions)
 
 
-def scan_dataset_folder(path: str | os.PathLike[str],
-                        caption_extensions: tuple[str, ...] = CAPTION_EXTENSIONS) -> DatasetScan:
+def scan_dataset_folder(path: str | os.PathLike[str], caption_extensions: tuple[str, ...] = CAPTION_EXTENSIONS,
+                        media: tuple[str, ...] = IMAGE_EXTENSIONS) -> DatasetScan:
     """Scan a dataset folder the way sd-scripts reads ``--train_data_dir`` (see the module docstring).
 
     Subfolders are taken in sorted order; hidden ones (``.name``) are passed over silently. A missing
     folder is a one-line UserError; a folder without usable images is not (``subsets`` is empty and
-    ``warnings`` say why), so a caller can report everything at once.
+    ``warnings`` say why), so a caller can report everything at once. ``media``: the files a sample is (videos
+    for a clip dataset).
     """
+    noun = "videos" if media is VIDEO_EXTENSIONS else "images"
     try:
         root = Path(path).expanduser().resolve()
     except (OSError, RuntimeError) as error:  # a symlink loop (RuntimeError before Python 3.13)
@@ -175,24 +189,24 @@ def scan_dataset_folder(path: str | os.PathLike[str],
             warnings.append(f"{folder.name}/ skipped: {repeats} repeats means its images are seen 0 times "
                             "(sd-scripts skips it); name it e.g. 1_" + (tokens or "name"))
             continue
-        images = list_images(folder)
-        hidden += hidden_images(folder)
+        images = list_images(folder, media)
+        hidden += hidden_images(folder, media)
         if not images:
-            warnings.append(f"{folder.name}/ holds no images ({', '.join(IMAGE_EXTENSIONS)}); skipped")
+            warnings.append(f"{folder.name}/ holds no {noun} ({listed(media)}); skipped")
             continue
         subsets.append(_subset(folder, repeats, tokens or None, images, caption_extensions))
-    top = list_images(root)
+    top = list_images(root, media)
     if top and repeat_folders:
-        warnings.append(f"{len(top)} image(s) directly in {root.name}/ not used: with N_name subfolders, "
-                        "only their images are read")
+        warnings.append(f"{len(top)} {noun[:-1]}(s) directly in {root.name}/ not used: with N_name subfolders, "
+                        f"only their {noun} are read")
     top_level = bool(top) and not repeat_folders
     if top_level:
-        hidden += hidden_images(root)
+        hidden += hidden_images(root, media)
         repeats, tokens = _own_repeats(root)
         subsets.append(_subset(root, repeats, tokens, top, caption_extensions))
     if hidden:
-        warnings.append(f"{hidden} hidden image file(s) skipped (names starting with '.', such as macOS ._ files), "
-                        "as sd-scripts skips them")
+        warnings.append(f"{hidden} hidden {noun[:-1]} file(s) skipped (names starting with '.', such as macOS ._ "
+                        "files), as sd-scripts skips them")
     return DatasetScan(root=root, subsets=tuple(subsets), warnings=tuple(warnings), top_level=top_level)
 
 
@@ -204,10 +218,11 @@ def _own_repeats(folder: Path) -> tuple[int, str | None]:
     return parsed[0], parsed[1] or None
 
 
-def require_images(scan: DatasetScan) -> DatasetScan:
-    """``scan`` itself, or a one-line UserError when it found no images to train on."""
+def require_images(scan: DatasetScan, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> DatasetScan:
+    """``scan`` itself, or a one-line UserError when it found no images (videos) to train on."""
     if scan.subsets:
         return scan
+    noun = "videos" if media is VIDEO_EXTENSIONS else "images"
     why = f" ({'; '.join(scan.warnings)})" if scan.warnings else ""
-    raise UserError(f"dataset folder {scan.root} holds no images in N_name subfolders{why}; put images "
-                    f"({', '.join(IMAGE_EXTENSIONS)}) in e.g. {scan.root / '10_mychar'}")
+    raise UserError(f"dataset folder {scan.root} holds no {noun} in N_name subfolders{why}; put {noun} "
+                    f"({listed(media)}) in e.g. {scan.root / '10_mychar'}")
