@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resolution", type=int, default=None,
                         help="training resolution in px (default: the model's native size, else 512)")
     parser.add_argument("--batch", type=int, default=None, help="train batch size (default 1)")
+    parser.add_argument("--frames", type=int, default=None,
+                        help="a video family's clip length (e.g. 33): check the folders' videos, their frame counts "
+                        "and lengths, for clips of this many frames")
     parser.add_argument("--caption-extension", default=None,
                         help="caption file extension (default: the one most captions use, as `autotune plan` picks)")
     parser.add_argument("--max-token-length", type=int, choices=(75, 150, 225), default=None,

@@ -20,9 +20,16 @@ from autotune.doctor.duplicates import duplicate_problems
 from autotune.doctor.folders import scan_problems, unsupported_files
 from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck, check_image
 from autotune.doctor.report import ERROR, DoctorReport, DoctorSettings, Problem, SubsetFacts, sort_problems
+from autotune.doctor.videos import check_video, clip_summary
 from sd_scripts_compat.config.dataset_spec import normalize_caption_extension
 from sd_scripts_compat.dataset.buckets import BucketConfig
-from sd_scripts_compat.dataset.scan import DatasetScan, SubsetScan, scan_dataset_folder
+from sd_scripts_compat.dataset.scan import (
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
+    DatasetScan,
+    SubsetScan,
+    scan_dataset_folder,
+)
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec
 
@@ -41,21 +48,23 @@ def resolve_family(model: str | None, family: str | None) -> FamilySpec | None:
 def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, family: str | None = None,
              resolution: int | None = None, batch: int | None = None, caption_extension: str | None = None,
              max_token_length: int | None = None, count_tokens: TokenCounter | None = None,
-             buckets: BucketConfig | None = None) -> DoctorReport:
+             buckets: BucketConfig | None = None, frames: int | None = None) -> DoctorReport:
     """Check a dataset folder for everything that would silently shrink it, crash the run or train garbage.
 
     ``model``/``family`` pick the bucket rules and the default resolution (the family's native size, else
     512 px); ``batch`` (default 1) decides which buckets are smaller than a batch; ``caption_extension``
     defaults to the planner's choice; ``max_token_length`` is kohya's (None = 75). ``count_tokens`` replaces
     the shipped CLIP tokenizer (callers that check many datasets load it once). ``buckets``: a config's own
-    bucketing keys (``options_from_config``) instead of the planner's for the resolution.
+    bucketing keys (``options_from_config``) instead of the planner's for the resolution. ``frames`` above 1: a
+    clip dataset of a video family, its videos checked instead (``videos.check_video``).
     """
     from autotune.planning.dataset import summarise
     from sd_scripts_compat.models.detect import known_family
     from sd_scripts_compat.models.text_encoding import check_max_token_length
 
-    scan = scan_dataset_folder(dataset_dir)
     spec = resolve_family(model, family)
+    frames = _clip_frames(frames, spec)
+    scan = scan_dataset_folder(dataset_dir, media=VIDEO_EXTENSIONS if frames > 1 else IMAGE_EXTENSIONS)
     side = resolution if resolution is not None else (spec.resolution if spec else DEFAULT_RESOLUTION)
     if side <= 0:
         raise UserError(f"--resolution {side}: must be a positive number of pixels (e.g. 512)")
@@ -71,9 +80,14 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
                               bucket_reso_steps=config.bucket_reso_steps, min_bucket_reso=config.min_bucket_reso,
                               max_bucket_reso=config.max_bucket_reso, bucket_no_upscale=config.bucket_no_upscale,
                               caption_extension=extension, max_token_length=limit,
-                              bomb_limit_pixels=BOMB_LIMIT_PIXELS)
+                              bomb_limit_pixels=BOMB_LIMIT_PIXELS, frames=frames)
     problems: list[Problem] = scan_problems(scan)
-    checks = {image: check_image(image, _rel(image, scan.root)) for s in scan.subsets for image in s.images}
+    clips = {}
+    if frames > 1:
+        stride = int(spec.vae.get("scale_factor_temporal", 4)) if spec else 4
+        clips = {v: check_video(v, _rel(v, scan.root), frames, stride) for s in scan.subsets for v in s.images}
+    checks = {v: check for v, (check, _) in clips.items()} or \
+        {image: check_image(image, _rel(image, scan.root)) for s in scan.subsets for image in s.images}
     counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))
     subsets, items = [], []
     for subset in scan.subsets:
@@ -86,11 +100,25 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     rows, bucket_problems, steps = plan_buckets(items, config, batch)
     problems += bucket_problems
     failed = {p.file for p in problems if p.severity == ERROR}
-    subsets = [replace(facts, usable_images=sum(_rel(i, scan.root) not in failed for i in subset.images))
+    subsets = [replace(facts, usable_images=sum(_rel(i, scan.root) not in failed for i in subset.images),
+                       clips=clip_summary([f for v in subset.images if (f := clips[v][1])]) if clips else None)
                for facts, subset in zip(subsets, scan.subsets)]
     return DoctorReport(root=str(scan.root), settings=settings, subsets=tuple(subsets), buckets=rows,
                         steps_per_epoch=steps, views_per_epoch=sum(r.views for r in rows),
                         problems=sort_problems(problems))
+
+
+def _clip_frames(frames: int | None, spec: FamilySpec | None) -> int:
+    """The clip length to check for: ``frames`` where given (only for a video family), else 1 (images)."""
+    if frames is None or frames == 1:
+        return 1
+    if spec is None or not (spec.musubi or {}).get("video"):
+        raise UserError(f"--frames {frames}: clips are for a video family; add --model builtin:wan2.1-t2v-1.3b "
+                        "(or your Wan file), or drop --frames")
+    from autotune.planning.request import validate_frames
+
+    validate_frames(frames, spec)
+    return frames
 
 
 def _rel(path: Path, root: Path) -> str:
@@ -166,14 +194,14 @@ def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | N
 
 def diagnose_options(args: argparse.Namespace) -> DoctorReport:
     """The report for ``autotune doctor``'s parsed options (the CLI and the web app's ``POST /api/doctor``)."""
-    given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch,
+    given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch, "frames": args.frames,
                                 "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
     if args.config:
         configured = options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
                                          dataset_dir=args.dataset)
         if args.resolution is None:  # the config's bucketing, unless --resolution asks for the planner's
             given["buckets"] = configured["buckets"]
-        given = {key: value if value is not None else configured[key] for key, value in given.items()}
+        given = {key: value if value is not None else configured.get(key) for key, value in given.items()}
     elif args.dataset_config:
         raise UserError("--dataset-config needs --config (the training config it belongs to)")
     return diagnose(args.dataset, model=args.model, family=args.family, **given)

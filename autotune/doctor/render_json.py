@@ -43,7 +43,8 @@ def report_dict(report: DoctorReport) -> dict[str, Any]:
                 "usable_images": s.usable_images,
                 "captions": {"found": s.captions_found, "missing": s.captions_missing,
                              "orphaned": s.captions_orphaned, "empty": s.captions_empty},
-                "modes": dict(s.modes), "top_tags": [list(tag) for tag in s.top_tags]} for s in report.subsets]
+                "modes": dict(s.modes), "top_tags": [list(tag) for tag in s.top_tags],
+                **({"clips": s.clips} if s.clips else {})} for s in report.subsets]
     return {
         "format": FORMAT,
         "dataset": report.root,

@@ -53,8 +53,9 @@ def _subsets_table(report: DoctorReport) -> Any:
 
 
 def tag_lines(report: DoctorReport, count: int = 5) -> list[str]:
-    return [f"top tags {s.folder}: " + ", ".join(f"{tag} ({n})" for tag, n in s.top_tags[:count])
-            for s in report.subsets if s.top_tags]
+    clips = [f"videos {s.folder}: {s.clips}" for s in report.subsets if s.clips]
+    return clips + [f"top tags {s.folder}: " + ", ".join(f"{tag} ({n})" for tag, n in s.top_tags[:count])
+                    for s in report.subsets if s.top_tags]
 
 
 def _buckets_table(report: DoctorReport) -> Any:

@@ -42,6 +42,7 @@ class SubsetFacts:
     captions_empty: int  # caption files that are empty or whose first line is blank
     modes: tuple[tuple[str, int], ...]  # PIL mode -> images, as they are stored on disk
     top_tags: tuple[tuple[str, int], ...]  # the engine's tag frequency (comma-split, lower-cased), top N
+    clips: str | None = None  # a clip dataset's folder: its videos, frame counts and length (videos.clip_summary)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class DoctorSettings:
     caption_extension: str
     max_token_length: int
     bomb_limit_pixels: int
+    frames: int = 1  # the planned clip length of a video family (musubi's target_frames); 1: images
 
 
 @dataclass(frozen=True)
