@@ -46,39 +46,46 @@ GIB = 2**30
 def _text_encoders(values: dict) -> str:
     if values.get("text_encoder_cpu"):
         return "on the CPU"
-    if values.get("fp8_vl") or "fp8" in str(values.get("t5xxl", "")):
+    if any(values.get(flag) for flag in ("fp8_vl", "fp8_t5", "fp8_llm", "fp8_text_encoder")) \
+            or "fp8" in str(values.get("t5xxl", "")):  # sd-scripts' and musubi's fp8 text-encoder flags
         return "fp8"
     return "16-bit"
 
 
-def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int | None = None) -> list[str]:
+def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int | None = None,
+         frames: int | None = None) -> list[str]:
     from autotune.estimate.dit_memory import dit_inputs_for_settings
     from autotune.estimate.dit_speed import swap_seconds
     from autotune.hardware.gpu_catalog import lookup_gpu
     from autotune.planning.dataset import nominal_dataset
     from autotune.planning.planner import PlanRequest, Preferences, plan_training
     from autotune.planning.request import gpu_from_spec
+    from sd_scripts_compat.models.families import get_family
 
     spec = lookup_gpu(gpu_name)
-    out = ["| family | GB | published | px | batch x accum | rank | fp8 | text encoders | swap "
-           "| peak GiB | host RAM GiB | s / micro-step | swap link s |", "|" + "---|" * 13]
+    out = ["| family | GB | published | px | batch x accum | rank | GC | fp8 | text encoders | swap "
+           "| peak GiB | host RAM GiB | s / micro-step | swap link s |", "|" + "---|" * 14]
     for family in families:
         musubi = family in MUSUBI_FAMILIES
+        video = bool((get_family(family).musubi or {}).get("video"))
         tiers = sorted(set(MUSUBI_TIERS) | set(PUBLISHED.get(family, {}))) if musubi else TIERS
         for tier in tiers:
             published = PUBLISHED.get(family, {}).get(tier, "")
             plan = plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors", family=family,
                                              gpus=(gpu_from_spec(spec, vram_gb=tier),), dataset=nominal_dataset(),
                                              cpu_physical_cores=8,
-                                             preferences=Preferences(rank=rank, resolution=resolution)))
+                                             preferences=Preferences(rank=rank, resolution=resolution,
+                                                                     frames=frames if video else None)))
             if not plan.fits:
-                out.append(f"| {family} | {tier} | {published} | does not fit | | | | | | | | | |")
+                out.append(f"| {family} | {tier} | {published} | does not fit | | | | | | | | | | |")
                 continue
             s, p, values = plan.settings, plan.prediction, plan.kohya_values()
             fp8 = next((k for k in ("fp8_base", "fp8_scaled") if values.get(k)), "no")
             inputs = dit_inputs_for_settings(family, s, t5_fp8=_text_encoders(values) == "fp8")
-            out.append(f"| {family} | {tier} | {published} | {s.resolution[0]} | {s.train_batch_size} x "
-                       f"{s.gradient_accumulation_steps} | {s.network_dim} | {fp8} | {_text_encoders(values)} | "
+            size = f"{s.resolution[0]}" + (f" x {s.frames} frames" if s.frames > 1 else "")
+            out.append(f"| {family} | {tier} | {published} | {size} | {s.train_batch_size} x "
+                       f"{s.gradient_accumulation_steps} | {s.network_dim} | "
+                       f"{'on' if s.gradient_checkpointing else 'off'} | {fp8} | {_text_encoders(values)} | "
                        f"{s.blocks_to_swap} | {p.peak_bytes / GIB:.2f} | {p.ram_peak_bytes / GIB:.1f} | "
                        f"{1 / p.micro_steps_per_s:.2f} | {swap_seconds(inputs, spec):.2f} |")
     return out
@@ -90,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=None, help="pin the rank (sd-scripts' examples use 16)")
     parser.add_argument("--resolution", type=int, default=None, help="pin the resolution (musubi's Qwen table: 1024)")
     parser.add_argument("--musubi", action="store_true", help="the families musubi-tuner trains")
+    parser.add_argument("--frames", type=int, default=None, help="clips of this many frames for the video families")
     parser.add_argument("--gpu", default="RTX 3090", help="catalogue card whose rates the tiers use")
     args = parser.parse_args(argv)
     families = args.family or list(MUSUBI_FAMILIES if args.musubi else FAMILIES)
-    print("\n".join(rows(families, args.rank, args.gpu, args.resolution)))
+    print("\n".join(rows(families, args.rank, args.gpu, args.resolution, args.frames)))
     return 0
 
 
