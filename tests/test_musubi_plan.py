@@ -177,3 +177,23 @@ def test_flux2_dev_caches_its_text_encoder_on_the_cpu_where_the_card_cannot_hold
     assert small.fits and small.kohya_values().get("text_encoder_cpu") and "fp8_text_encoder" not in \
         small.kohya_values()
     assert not large.kohya_values().get("text_encoder_cpu")
+
+
+def test_musubi_fp8_scaled_keeps_the_dequantized_copies_autograd_saves() -> None:
+    """musubi's fp8_scaled hands F.linear a bf16 copy of each weight, which autograd keeps for the backward: traced
+    on FLUX.2 klein 4B, without checkpointing the step holds about every block's bf16 weights more than in bf16
+    (fp8 saves nothing there), with checkpointing only about one block's; the model carries both."""
+    from autotune.calibration.dit_memtrace import trace_dit_step
+
+    def act(gc: bool, fp8: bool) -> int:
+        return trace_dit_step("flux2-klein-4b", resolution=256, rank=8, gradient_checkpointing=gc,
+                              fp8_base=fp8).activations_peak_bytes
+
+    arch = load_dit_calibration()["variants"]["flux2-klein-4b"]["architecture"]
+    block_weights = [2 * g["fp8_elements"] for g in arch["block_groups"]]
+    all_blocks = sum(size * g["count"] for size, g in zip(block_weights, arch["block_groups"]))
+    no_gc, gc = act(False, True) - act(False, False), act(True, True) - act(True, False)
+    assert 0.95 * all_blocks <= no_gc <= 1.05 * all_blocks
+    assert 0 < gc <= 3 * max(block_weights)
+    extra = load_dit_calibration()["variants"]["flux2-klein-4b"]["fp8_extra"]
+    assert extra["no_gc"] >= 0.95 * all_blocks and 0 < extra["gc"] < extra["no_gc"] / 4

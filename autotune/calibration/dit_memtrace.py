@@ -168,7 +168,9 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     spec = trace_family(family, config)
     bundle = build_bundle(spec, materialize=not fake)
     model = bundle.unet
-    if fp8_base:
+    if fp8_base and spec.trainer == "musubi-tuner":
+        musubi_fp8_scaled(model)
+    elif fp8_base:
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
         store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
@@ -211,6 +213,32 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames)
+
+
+def musubi_fp8_scaled(model: Any) -> int:
+    """musubi-tuner's ``--fp8_base --fp8_scaled`` as it runs (``modules/fp8_optimization_utils``): each frozen
+    Linear weight stored in float8 with a per-channel scale, dequantized to bf16 in every forward
+    (``fp8_linear_forward_patch``: ``weight.to(bf16) * scale_weight``) and handed to ``F.linear``, which keeps that
+    bf16 copy for the backward; our engine's upcast (``training/precision``) keeps only the fp8 weight. So under
+    musubi a checkpointed step holds one block's bf16 copies while it recomputes, and an uncheckpointed one holds
+    every block's. Returns how many layers it patched."""
+    import torch
+    import torch.nn.functional as F
+
+    count = 0
+    for layer in model.modules():
+        if not isinstance(layer, torch.nn.Linear) or layer.weight.requires_grad:
+            continue
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+        layer.register_buffer("scale_weight", torch.ones(layer.out_features, 1, dtype=torch.bfloat16,
+                                                         device=layer.weight.device))
+
+        def forward(x: Any, layer: Any = layer) -> Any:
+            return F.linear(x, layer.weight.to(layer.scale_weight.dtype) * layer.scale_weight, layer.bias)
+
+        layer.forward = forward
+        count += 1
+    return count
 
 
 def _flow_step(model: Any, counter: LiveBytesCounter, latents: Any, inputs: dict[str, Any], *,

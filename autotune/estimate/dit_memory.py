@@ -25,7 +25,9 @@ Training-phase tensor peak = resident transformer weights + LoRA params + grads 
   beside its tokens, fitted where batch-2 traces were; 0 for FLUX.1), tokens = packed image
   tokens (side / 16)^2 + 512 T5 tokens (the family's text length; none for a cross-attention transformer:
   ``activation_tokens``); attention is flash / memory-efficient (O(tokens)). ``fp8_extra``: the
-  traced difference under fp8_base. With AdamW at least one parameter-sized temporary (foreach AdamW's, the
+  traced difference under fp8_base (for a musubi-tuner family its ``fp8_scaled`` as it runs: each Linear's bf16
+  dequantized copy kept for the backward, one block's with checkpointing, every block's without:
+  ``dit_memtrace.musubi_fp8_scaled``). With AdamW at least one parameter-sized temporary (foreach AdamW's, the
   SD model's rule): a small checkpointed step peaks in the optimizer.
 - ``cpu_offload_checkpointing`` (sd-scripts' option, our engine's ``training.offload_checkpointing``): with
   checkpointing, each block's saved input (bf16, its tokens x the hidden width) waits on the host but the one in
