@@ -180,9 +180,7 @@ def fit(traces: dict[str, dict], architecture: dict, configs: list[dict] | None 
 
 
 def inputs_of(cfg: dict, family: str = "flux-dev") -> DitMemoryInputs:
-    return DitMemoryInputs(family=family, resolution=cfg["resolution"], batch_size=cfg["batch_size"], rank=cfg["rank"],
-                            gradient_checkpointing=cfg["gradient_checkpointing"], optimizer=cfg["optimizer"],
-                            fp8_base=cfg["fp8_base"], blocks_to_swap=cfg["blocks_to_swap"], frames=cfg.get("frames", 1))
+    return DitMemoryInputs.of_trace(cfg, family)
 
 
 def table(traces: dict[str, dict], calibration: dict | None = None, family: str = "flux-dev",

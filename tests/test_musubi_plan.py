@@ -52,13 +52,9 @@ def test_memory_model_matches_full_size_traces_the_fit_did_not_use(family: str) 
     if spec.musubi.get("video"):
         assert {c.get("frames", 1) for c in configs} >= {17, 33, 81}
     for trace in held_out:
-        cfg = trace["config"]
-        inputs = DitMemoryInputs(family=family, resolution=cfg["resolution"], batch_size=cfg["batch_size"],
-                                 rank=cfg["rank"], gradient_checkpointing=cfg["gradient_checkpointing"],
-                                 optimizer=cfg["optimizer"], fp8_base=cfg["fp8_base"],
-                                 blocks_to_swap=cfg["blocks_to_swap"], frames=cfg.get("frames", 1))
-        ratio = predict_dit_memory(inputs).tensor_peak_bytes / trace["peak_bytes"]
-        assert 0.98 <= ratio <= 1.10, (family, cfg, ratio)
+        ratio = predict_dit_memory(DitMemoryInputs.of_trace(trace["config"], family)).tensor_peak_bytes \
+            / trace["peak_bytes"]
+        assert 0.98 <= ratio <= 1.10, (family, trace["config"], ratio)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

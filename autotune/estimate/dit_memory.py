@@ -121,6 +121,12 @@ class DitMemoryInputs:
     def with_(self, **changes: Any) -> DitMemoryInputs:
         return replace(self, **changes)
 
+    @classmethod
+    def of_trace(cls, config: dict[str, Any], family: str) -> DitMemoryInputs:
+        """The inputs of one traced configuration (a ``traces`` row of the calibration file)."""
+        keys = ("resolution", "batch_size", "rank", "gradient_checkpointing", "optimizer", "fp8_base", "blocks_to_swap")
+        return cls(family=family, frames=config.get("frames", 1), **{key: config[key] for key in keys})
+
 
 def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bool = False,
                              **overrides: Any) -> DitMemoryInputs:

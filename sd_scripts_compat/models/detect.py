@@ -145,7 +145,7 @@ def _family_of_single_file(path: Path, stated: str | None, stated_by: str,
 
     checkpoint = read_checkpoint(path, header_only=True, allow_pickle=allow_pickle)
     own = header_marker_candidates(checkpoint.shapes, all_families())
-    if own:  # SD3.5 (ours), Lumina 2, HunyuanImage-2.1, Anima (sd-scripts trains them): told by the header
+    if own:  # SD3.5 (ours), Lumina 2, HunyuanImage-2.1, Anima (sd-scripts), musubi's DiTs: told by the header
         return choose_family(own, None, stated, subject=str(path), noun="checkpoint", stated_by=stated_by)
     layout = detect_layout(checkpoint)
     matched = checkpoint_candidates(checkpoint.shapes, layout, all_families())
@@ -209,7 +209,8 @@ OWN_LAYOUT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")  # 
 
 
 def header_marker_candidates(shapes: Mapping[str, Any], pool: Iterable[FamilySpec]) -> list[FamilySpec]:
-    """Families with ``header_markers`` whose every marker and first block list's count the header shows."""
+    """Families with ``header_markers`` whose every marker and block lists' counts the header shows (every list:
+    FLUX.2 dev and klein 9B both have 8 double blocks, 48 and 24 single)."""
     keys = set()
     for key in shapes:
         prefix = next((p for p in OWN_LAYOUT_PREFIXES if key.startswith(p)), "")
@@ -218,9 +219,9 @@ def header_marker_candidates(shapes: Mapping[str, Any], pool: Iterable[FamilySpe
     for family in pool:
         if not family.header_markers or not all(any(k.startswith(m) for k in keys) for m in family.header_markers):
             continue
-        blocks = family.lora_layout[0]["kohya"].split("{i}")[0]  # "joint_blocks." / "layers." / "blocks."
-        count = len({k[len(blocks):].split(".")[0] for k in keys if k.startswith(blocks)})
-        if count == family.swap_block_counts[0]:
+        lists = [entry["kohya"].split("{i}")[0] for entry in family.lora_layout]  # "joint_blocks.", "blocks." ...
+        counts = [len({k[len(blocks):].split(".")[0] for k in keys if k.startswith(blocks)}) for blocks in lists]
+        if all(count == wanted for count, wanted in zip(counts, family.swap_block_counts) if wanted):
             out.append(family)
     return out
 
