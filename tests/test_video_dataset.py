@@ -5,6 +5,7 @@ videos, each named) and planned into musubi's video dataset TOML."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,23 @@ def test_doctor_refuses_frames_it_cannot_check_in_one_line(clips: Path, args: tu
     result = doctor(str(clips), *args)
     assert result.returncode != 0 and expected in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_the_wizard_asks_a_video_family_for_its_clip_and_checks_the_videos(clips: Path, tmp_path: Path) -> None:
+    """`autotune wizard` with a Wan model: the clip length is its question (--frames), the folder is read as
+    videos, the doctor names the video that is too short, and the dataset TOML holds the clip."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "autotune", "wizard", str(clips), "--model", WAN, "--gpu", "RTX 4090",
+                           "--frames", "33", "--yes", "--no-start", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    assert "Frames per clip" in done.stdout and "33 (from --frames)" in done.stdout
+    doctor = next(line for line in done.stdout.splitlines() if "doctor: " in line)  # its first error, in one line
+    assert "5_walk/" in doctor and "(and 2 more)" in doctor  # short.mp4, broken.mp4 and empty.webm
+    (entry,) = toml.load(out / "dataset.toml")["datasets"]
+    assert entry["video_directory"] == str(clips / "5_walk") and entry["target_frames"] == [33]
+    refused = subprocess.run([sys.executable, "-m", "autotune", "wizard", str(clips), "--model", "builtin:tiny-sd15",
+                              "--cpu", "--frames", "33", "--yes", "--no-start", "--out", str(tmp_path / "no")],
+                             capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert refused.returncode != 0 and "--frames 33: tiny-sd15 trains on images" in refused.stderr
+    assert not (tmp_path / "no").exists()

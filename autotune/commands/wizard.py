@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset (a flat folder of images)")
     data.add_argument("--organise", "--organize", choices=("link", "copy", "no"),
                       help="make an N_name folder from a flat one by linking or copying (never moving) the images")
+    data.add_argument("--frames", type=int, help="a video family's clip length, 1 + 4k frames (default 1: images)")
     data.add_argument("--repeats", type=int, help="repeats per epoch for the N_name folder (default 10)")
     data.add_argument("--trigger", help="trigger word / class tokens for the N_name folder (default: folder name)")
     data.add_argument("--organise-into", "--organize-into", metavar="DIR",

@@ -40,7 +40,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
               "Ctrl-C quits and writes nothing.", markup=True)
     hardware = steps.hardware(asker, args)
     model = steps.base_model(asker, args)
-    data = steps.dataset(asker, args)
+    data = steps.dataset(asker, args, steps.clip_frames(asker, args, model.family))
     healthy = steps.doctor(asker, model, data)
     output = steps.goal_and_output(asker, args, data, model.family)
     start = overrides_from_args(args, family_tiny=get_family(model.family).tiny,
@@ -69,7 +69,8 @@ def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: step
     # the same learning store `autotune plan` reads: a wizard plan predicts from this machine's measured runs too
     measured = tuple(load_measurements()) if hardware.device else ()
     return PlanRequest(dataset_dir=str(data.folder), model=model.model, family=model.family, gpus=hardware.gpus,
-                       goal=output.goal, priority=output.priority, preferences=Preferences(output_name=output.name),
+                       goal=output.goal, priority=output.priority,
+                       preferences=Preferences(output_name=output.name, frames=data.frames),
                        cpu_physical_cores=hardware.cpu_cores, cpu_memory_bytes=hardware.ram_bytes,
                        dataset=data.summary, output_dir=str(output.folder), cpu_bf16=hardware.cpu_bf16,
                        probe_summary=hardware.summary + "; autotune wizard", allow_pickle=model.allow_pickle,

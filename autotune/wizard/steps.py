@@ -15,6 +15,7 @@ from typing import Any
 
 from autotune.layout import CONFIG, DATASET_CONFIG, DEFAULT_ROOT, STATE_DIR, run_name
 from autotune.wizard.ask import Asker, Option, integer_check
+from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from sd_scripts_compat.errors import UserError
 
 GIB = 1024**3
@@ -267,38 +268,67 @@ class DatasetChoice:
     summary: Any  # the planner's DatasetSummary
     layout: Any = None  # organise.FlatLayout to create at the end, or None
     kohya_layout: bool = True  # N_name subfolders: kohya's train_data_dir and `autotune run` can read it
+    frames: int = 1  # a video family's clip length (its folders hold videos); 1: images
 
 
-def dataset_problem(text: str) -> str | None:
+def dataset_problem(text: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> str | None:
     from autotune.planning.planner import scan_dataset
 
     if not text.strip():
-        return "type the folder that holds your images"
+        return f"type the folder that holds your {'videos' if media is VIDEO_EXTENSIONS else 'images'}"
     path = Path(text).expanduser()
     if not path.is_dir():
         return f"{path} is not a folder"
     try:
-        scan_dataset(path)
+        scan_dataset(path, media)
     except UserError as error:
         return str(error)
     return None
 
 
-def dataset(asker: Asker, args: argparse.Namespace) -> DatasetChoice:
-    """A folder, checked on the spot through the shared scan; a flat one may become ``N_name``."""
+def clip_frames(asker: Asker, args: argparse.Namespace, family: str) -> int:
+    """A video family's clip length (1 + 4k frames; 1 trains it on a folder of images); no question otherwise."""
+    from autotune.planning.request import validate_frames
+    from sd_scripts_compat.models.families import get_family
+
+    spec = get_family(family)
+    if not (spec.musubi or {}).get("video"):
+        validate_frames(args.frames, spec)  # --frames on an image family: one line
+        return 1
+
+    def problem(text: str) -> str | None:
+        try:
+            validate_frames(int(text), spec)
+        except ValueError:
+            return "a whole number of frames (e.g. 33), or 1 for images"
+        except UserError as error:
+            return str(error).split(": ", 1)[-1]
+        return None
+
+    given = None if args.frames is None else str(args.frames)
+    return int(asker.text("Frames per clip", default="1", check=problem, flag="--frames", given=given,
+                          explanation=f"{spec.name} trains on videos: each sample is the first N frames of a clip "
+                          "(1 + 4k, e.g. 33 or 81); 1 trains it on a folder of images"))
+
+
+def dataset(asker: Asker, args: argparse.Namespace, frames: int = 1) -> DatasetChoice:
+    """A folder, checked on the spot through the shared scan; a flat one may become ``N_name``. Clips
+    (``frames`` > 1): a folder of videos, taken as it is."""
     from autotune.planning.planner import scan_dataset
 
+    media = VIDEO_EXTENSIONS if frames > 1 else IMAGE_EXTENSIONS
+    noun = "videos" if frames > 1 else "images"
     if args.dataset is None and asker.assume_yes:
-        raise UserError("--yes: the dataset has no default; pass the folder of images as DATASET")
-    text = asker.text("Dataset folder", default="", check=dataset_problem, flag="DATASET", given=args.dataset,
-                      path=True, only_directories=True,
-                      explanation="N_name subfolders (N = repeats per epoch), or a flat folder of images")
+        raise UserError(f"--yes: the dataset has no default; pass the folder of {noun} as DATASET")
+    text = asker.text("Dataset folder", default="", check=lambda t: dataset_problem(t, media), flag="DATASET",
+                      given=args.dataset, path=True, only_directories=True,
+                      explanation=f"N_name subfolders (N = repeats per epoch), or a flat folder of {noun}")
     folder = Path(text).expanduser().resolve()
-    summary = scan_dataset(folder)
+    summary = scan_dataset(folder, media)
     show_dataset(asker, summary)
     flat = len(summary.subsets) == 1 and Path(summary.subsets[0].image_dir).resolve() == folder
-    if not flat:
-        return DatasetChoice(folder=folder, summary=summary)
+    if not flat or frames > 1:  # musubi reads any folder of videos (video_directory): nothing to organise
+        return DatasetChoice(folder=folder, summary=summary, frames=frames)
     return _offer_organise(asker, args, folder, summary)
 
 
@@ -308,7 +338,8 @@ def doctor(asker: Asker, model: ModelChoice, data: DatasetChoice) -> bool:
     from autotune.doctor import check_before_training
 
     try:
-        lines = check_before_training(data.folder, model=model.model, family=model.family)
+        lines = check_before_training(data.folder, model=model.model, family=model.family,
+                                      **({"frames": data.frames} if data.frames > 1 else {}))
     except UserError as error:
         asker.say(f"  doctor: {error}", style="red")
         return False
