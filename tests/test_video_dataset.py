@@ -78,6 +78,7 @@ def test_a_clip_plan_of_a_video_folder_writes_musubis_video_dataset(clips: Path,
     assert entry["video_directory"] == str(clips / "5_walk") and entry["target_frames"] == [33]
     assert entry["num_repeats"] == 5 and entry["frame_extraction"] == "head"
     assert json.loads((out / "autotune_plan.json").read_text())["settings"]["frames"] == 33
+    assert f"dataset {clips}: 4 videos in 1 folder" in result.stdout
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -99,6 +100,7 @@ def test_the_wizard_asks_a_video_family_for_its_clip_and_checks_the_videos(clips
                           timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     assert "Frames per clip" in done.stdout and "33 (from --frames)" in done.stdout
+    assert "4 videos, 20 clip-views per epoch" in done.stdout
     doctor = next(line for line in done.stdout.splitlines() if "doctor: " in line)  # its first error, in one line
     assert "5_walk/" in doctor and "(and 2 more)" in doctor  # short.mp4, broken.mp4 and empty.webm
     (entry,) = toml.load(out / "dataset.toml")["datasets"]

@@ -284,7 +284,7 @@ def _training(c: PlanContext) -> list[Choice]:
     if fam.is_sdxl and s.mixed_precision == "fp16":
         out.append(Choice("no_half_vae", True, "SDXL's VAE overflows in fp16 (NaN latents); it only runs while "
                                                "caching"))
-    epochs_reason = (f"~{c.target_views} image-views for goal {req.goal} ({c.dataset.num_images} images, "
+    epochs_reason = (f"~{c.target_views} image-views for goal {req.goal} ({c.dataset.num_images} {c.dataset.noun}, "
                      f"{c.dataset.views_per_epoch} views per epoch) -> {c.steps} optimizer steps")
     if not req.gpus and is_tiny_scale(fam) and not req.preferences.epochs:
         epochs_reason += f"; tiny model on CPU: capped to a short run (<= {TINY_CPU_MAX_STEPS} steps, >= 1 epoch)"

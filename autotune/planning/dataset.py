@@ -8,12 +8,13 @@ the caption extension the dataset.toml will name; ``nominal_dataset`` stands in 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sd_scripts_compat.dataset.scan import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
     DatasetScan,
     caption_coverage,
     require_images,
@@ -41,6 +42,7 @@ class DatasetSummary:
     subsets: tuple[SubsetInfo, ...]
     caption_extension: str
     warnings: tuple[str, ...] = ()
+    noun: str = "images"  # what a sample is: "videos" for a clip dataset (a video family's --frames)
 
     @property
     def num_images(self) -> int:
@@ -55,15 +57,16 @@ class DatasetSummary:
         """One line for the plan: images, folders, views per epoch, how many are captioned."""
         captioned = sum(s.num_captions for s in self.subsets)
         folders = f"{len(self.subsets)} folder{'s' if len(self.subsets) != 1 else ''}"
-        return (f"dataset {self.root}: {self.num_images} images in {folders}, {self.views_per_epoch} views per "
-                f"epoch; {captioned} of {self.num_images} images captioned ({self.caption_extension})")
+        return (f"dataset {self.root}: {self.num_images} {self.noun} in {folders}, {self.views_per_epoch} views per "
+                f"epoch; {captioned} of {self.num_images} {self.noun} captioned ({self.caption_extension})")
 
 
 def scan_dataset(path: str | os.PathLike[str], media: tuple[str, ...] = IMAGE_EXTENSIONS) -> DatasetSummary:
     """Count images and repeats the way sd-scripts reads ``--train_data_dir`` (plus images directly in the
     folder as one subset with 1 repeat, since a dataset.toml can point at any folder). A missing folder or
     one without images is a one-line UserError. ``media=VIDEO_EXTENSIONS``: a clip dataset's videos."""
-    return summarise(require_images(scan_dataset_folder(path, media=media), media))
+    summary = summarise(require_images(scan_dataset_folder(path, media=media), media))
+    return replace(summary, noun="videos") if media is VIDEO_EXTENSIONS else summary
 
 
 def summarise(scan: DatasetScan) -> DatasetSummary:

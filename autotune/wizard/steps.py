@@ -353,13 +353,14 @@ def show_dataset(asker: Asker, summary: Any) -> None:
     from rich.table import Table
 
     table = Table(title=None, show_edge=False, pad_edge=False)
-    for column in ("folder", "repeats", "images", "captions", "class tokens"):
-        table.add_column(column, justify="right" if column in ("repeats", "images", "captions") else "left")
+    for column in ("folder", "repeats", summary.noun, "captions", "class tokens"):
+        table.add_column(column, justify="right" if column in ("repeats", summary.noun, "captions") else "left")
     for subset in summary.subsets:
         table.add_row(escape(Path(subset.image_dir).name), str(subset.num_repeats), str(subset.num_images),
                       str(subset.num_captions), escape(subset.class_tokens or ""))
     asker.console.print(table)
-    asker.say(f"  {summary.num_images} images, {summary.views_per_epoch} image-views per epoch, captions "
+    views = "image-views" if summary.noun == "images" else "clip-views"
+    asker.say(f"  {summary.num_images} {summary.noun}, {summary.views_per_epoch} {views} per epoch, captions "
               f"{summary.caption_extension}")
     for warning in summary.warnings:
         asker.say(f"  problem: {warning}", style="yellow")
