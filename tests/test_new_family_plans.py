@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import toml
+from fixtures.held_out import check_held_out_traces
 from fixtures.local import REFERENCE, SD_SCRIPTS_SKIP
 from fixtures.local import sd_scripts as local_sd_scripts
 
-from autotune.estimate.dit_memory import DitMemoryInputs, load_dit_calibration, predict_dit_memory
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_vram, plan_training
 from autotune.planning.search import Predictor
 from autotune.planning.toml_writer import write_plan_files
@@ -56,18 +56,7 @@ def option_table(script: str) -> dict[str, tuple[str, tuple[str, ...]]]:
 def test_memory_model_matches_full_size_traces_the_fit_did_not_use(family: str) -> None:
     """bench/calibrate_dit_memory.py's held-out traces of the family's own transformer: within 10 %, never more
     than 2 % low; swap counts up to the family's maximum among them."""
-    spec = get_family(family)
-    entry = load_dit_calibration()["variants"][family]
-    held_out = [t for t in entry["traces"] if not t["used_for_fit"]]
-    configs = [t["config"] for t in held_out]
-    assert len(held_out) >= 6 and max(c["blocks_to_swap"] for c in configs) == spec.max_blocks_to_swap
-    assert {c["gradient_checkpointing"] for c in configs} == {True, False} and {c["batch_size"] for c in configs} \
-        == {1, 2}
-    assert {c["fp8_base"] for c in configs} == ({True, False} if spec.fp8_option else {False})
-    for trace in held_out:
-        ratio = predict_dit_memory(DitMemoryInputs.of_trace(trace["config"], family)).tensor_peak_bytes \
-            / trace["peak_bytes"]
-        assert 0.98 <= ratio <= 1.10, (family, trace["config"], ratio)
+    check_held_out_traces(family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
