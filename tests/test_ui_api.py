@@ -103,6 +103,17 @@ def test_probe_doctor_and_plan_answer_with_the_clis_json(server):
     assert len(dataset["datasets"][0]["subsets"]) == 3
 
 
+def test_a_musubi_family_shows_the_files_musubi_tuner_runs(server):
+    """Every family the planner knows appears in the page without code of its own: Z-Image's plan carries
+    musubi's dataset TOML, its --config_file and musubi_train.sh, as autotune plan --out writes them."""
+    status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:z-image", "vram": 16})
+    assert status == 200 and plan["fits"] and plan["family"] == "z-image"
+    assert set(plan["configs"]) == {"config.toml", "dataset.toml", "musubi_train.sh"}
+    assert toml.loads(plan["configs"]["config.toml"])["network_module"] == "networks.lora_zimage"
+    assert "image_directory" in toml.loads(plan["configs"]["dataset.toml"])["datasets"][0]
+    assert "zimage_train_network.py" in plan["configs"]["musubi_train.sh"]
+
+
 def test_a_pinned_value_that_does_not_fit_is_planned_down_and_said(server):
     """The page flags an edited value the plan could not keep: the plan says what fits instead."""
     status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:sdxl", "vram": 8,

@@ -176,32 +176,41 @@ def _check_round_trip(text: str, values: dict[str, Any], sectioned: bool) -> Non
         raise AssertionError("config.toml does not parse back to the planned values")
 
 
-def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "kohya") -> tuple[Path, Path]:
-    """Write config.toml, dataset.toml and the plan with its reasons and predictions (``autotune_plan.json``,
-    which the report compares a run with) into ``out_dir`` (created if missing; ``autotune.layout``); returns the
-    configs' paths. ``autotune plan --out``, ``autotune run`` and the wizard all write through here.
-
-    Every text is rendered (and checked) before any file is touched.
-    """
+def render_plan_files(plan: Plan, fmt: str = "kohya") -> dict[str, str]:
+    """The trainer's files of a plan by name, rendered and checked, nothing written: config.toml and dataset.toml
+    for sd-scripts (``fmt``: kohya or lora-scripts), or for a family musubi-tuner trains its dataset TOML,
+    ``--config_file`` and ``musubi_train.sh`` (its three commands). ``write_plan_files`` and the web app's plan
+    page both take them from here."""
     from autotune.planning.musubi_writer import MUSUBI_SCRIPT, is_musubi_plan, render_musubi_files
 
-    script_text = None
-    if is_musubi_plan(plan):  # musubi-tuner's dataset TOML, --config_file and its three commands
+    if is_musubi_plan(plan):
         musubi = render_musubi_files(plan)
-        config_text, dataset_text, script_text = musubi.config, musubi.dataset, musubi.script
-    else:
-        config_text, dataset_text = render_config(plan, fmt), render_dataset(plan)
+        return {CONFIG: musubi.config, DATASET_CONFIG: musubi.dataset, MUSUBI_SCRIPT: musubi.script}
+    return {CONFIG: render_config(plan, fmt), DATASET_CONFIG: render_dataset(plan)}
+
+
+def write_plan_files(plan: Plan, out_dir: str | os.PathLike[str], fmt: str = "kohya") -> tuple[Path, Path]:
+    """Write the trainer's files (``render_plan_files``) and the plan with its reasons and predictions
+    (``autotune_plan.json``, which the report compares a run with) into ``out_dir`` (created if missing;
+    ``autotune.layout``); returns the configs' paths. ``autotune plan --out``, ``autotune run`` and the wizard
+    all write through here.
+
+    Every text is rendered (and checked) before any file is touched; config.toml is written last.
+    """
+    from autotune.planning.musubi_writer import MUSUBI_SCRIPT
+
+    texts = render_plan_files(plan, fmt)
     plan_text = json.dumps(plan.to_dict(), indent=1, sort_keys=True, default=str)
     out = Path(out_dir).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
         config_path, dataset_path = out / CONFIG, out / DATASET_CONFIG
-        write_text_atomic(dataset_path, dataset_text)
+        write_text_atomic(dataset_path, texts[DATASET_CONFIG])
         write_text_atomic(out / PLAN_FILE, plan_text)
-        if script_text is not None:
-            write_text_atomic(out / MUSUBI_SCRIPT, script_text)
+        if MUSUBI_SCRIPT in texts:
+            write_text_atomic(out / MUSUBI_SCRIPT, texts[MUSUBI_SCRIPT])
             (out / MUSUBI_SCRIPT).chmod(0o755)
-        write_text_atomic(config_path, config_text)
+        write_text_atomic(config_path, texts[CONFIG])
     except OSError as error:
         raise UserError(f"--out {out_dir}: cannot write there ({error.strerror or error}); "
                         "choose a writable folder") from None

@@ -344,11 +344,11 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plan_configs(plan: Any, fmt: str) -> dict[str, str]:
-    """The files ``autotune plan --out`` would write, as text (the page shows them and offers them as downloads)."""
-    from autotune.layout import CONFIG, DATASET_CONFIG
-    from autotune.planning.toml_writer import render_config, render_dataset
+    """The files ``autotune plan --out`` would write, as text (the page shows them and offers them as downloads):
+    sd-scripts' configs, or musubi-tuner's three files for a family it trains."""
+    from autotune.planning.toml_writer import render_plan_files
 
-    return {CONFIG: render_config(plan, fmt), DATASET_CONFIG: render_dataset(plan)}
+    return render_plan_files(plan, fmt)
 
 
 def dataset_file(policy: AccessPolicy, dataset: str, name: str) -> Path:

@@ -146,7 +146,7 @@ function download(name, text) {
 }
 
 function configsView(configs) {
-  return el("div", {id: "configs"}, el("h3", {}, "Configs for sd-scripts / lora-scripts"),
+  return el("div", {id: "configs"}, el("h3", {}, "The files autotune plan --out writes, for the family's trainer"),
     ...Object.entries(configs).flatMap(([name, text]) => [el("h4", {}, name, " ", download(name, text)),
       el("pre", {"data-config": name}, text)]));
 }
