@@ -53,3 +53,20 @@ def test_templates_pass_the_strict_reader(fresh, monkeypatch):
         assert cfg.warnings == (), (config, cfg.warnings)
         assert cfg.dataset_config == "dataset.toml"
         read_dataset_config(config.parent / "dataset.toml")
+
+
+def test_musubi_templates_hold_only_musubis_options(fresh):
+    """The musubi-tuner families' templates: every config.toml key an option of the family's training script
+    (musubi's shipped table), and musubi_train.sh valid bash."""
+    import subprocess
+
+    import toml
+
+    from sd_scripts_compat.config.musubi_args import musubi_options
+
+    folders = [f for f in sorted(fresh.glob("*/*gb")) if get_family(f.parts[-2]).trainer == "musubi-tuner"]
+    assert len(folders) == 28
+    for folder in folders:
+        table = musubi_options(get_family(folder.parts[-2]).kohya_script.removesuffix(".py"))
+        assert set(toml.loads((folder / "config.toml").read_text())) <= set(table), folder
+        subprocess.run(["bash", "-n", str(folder / "musubi_train.sh")], check=True)

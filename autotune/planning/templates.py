@@ -3,7 +3,8 @@
     python -m autotune.planning.templates            # rewrites templates/ in the repository
     python -m autotune.planning.templates --out DIR  # writes elsewhere (the staleness test does this)
 
-Each ``templates/<family>/<tier>gb/`` holds ``config.toml`` + ``dataset.toml`` (kohya format) planned for a
+Each ``templates/<family>/<tier>gb/`` holds ``config.toml`` + ``dataset.toml`` (kohya format; for a family
+musubi-tuner trains, its dataset TOML, ``--config_file`` and ``musubi_train.sh``) planned for a
 card of that size with a generic Ampere card's rates (bf16), goal character, priority balanced, and a
 stand-in dataset (``./train/10_subject``, 20 images); edit ``pretrained_model_name_or_path`` and the
 dataset's ``image_dir``. Paths are relative, so the files do not depend on where they were generated.
@@ -18,7 +19,7 @@ from pathlib import Path
 from autotune.planning.dataset import nominal_dataset
 from autotune.planning.planner import Plan, plan_training
 from autotune.planning.request import GIB, PlanRequest, gpu_from_vram
-from autotune.planning.toml_writer import render_config, render_dataset
+from autotune.planning.toml_writer import render_plan_files
 from sd_scripts_compat.atomic import write_text_atomic
 from sd_scripts_compat.models.families import get_family
 
@@ -27,10 +28,14 @@ TIERS_GB = (6, 8, 12, 16, 24, 48)
 # family -> the VRAM tiers it gets (FLUX: the tiers sd-scripts publishes figures for)
 # the families sd-scripts trains beside them: 8-24 GB with 10 GB (the tier where swapping starts to matter)
 DIT_TIERS = (8, 10, 12, 16, 24)
+MUSUBI_TIERS = (12, 16, 24, 32)  # the families musubi-tuner trains: its README's 12 GB floor up to 32 GB
 FAMILY_TIERS: dict[str, tuple[int, ...]] = {"sd15": TIERS_GB, "sd2": TIERS_GB, "sdxl": TIERS_GB,
                                             "flux-dev": DIT_TIERS, "chroma": DIT_TIERS, "sd3.5-medium": DIT_TIERS,
                                             "sd3.5-large": DIT_TIERS, "lumina2": DIT_TIERS,
-                                            "hunyuan-image-2.1": DIT_TIERS, "anima": DIT_TIERS}
+                                            "hunyuan-image-2.1": DIT_TIERS, "anima": DIT_TIERS,
+                                            **dict.fromkeys(("qwen-image", "flux2-dev", "flux2-klein-4b",
+                                                             "flux2-klein-9b", "wan2.2-t2v-a14b", "wan2.1-t2v-1.3b",
+                                                             "z-image"), MUSUBI_TIERS)}
 FAMILIES = tuple(FAMILY_TIERS)
 TEMPLATE_CPU_CORES = 8  # a typical desktop; only max_data_loader_n_workers depends on it
 MODEL_PLACEHOLDER = "./models/{family}.safetensors"  # FLUX: ./models/flux-dev.safetensors (the transformer)
@@ -57,8 +62,7 @@ def template_files() -> dict[str, str]:
                 files[f"{folder}/DOES_NOT_FIT.txt"] = plan.message + "\n"
                 rows.append(f"| {family} | {tier} | does not fit | | | | | |")
                 continue
-            files[f"{folder}/config.toml"] = render_config(plan, "kohya")
-            files[f"{folder}/dataset.toml"] = render_dataset(plan)
+            files.update({f"{folder}/{name}": text for name, text in render_plan_files(plan, "kohya").items()})
             s, p = plan.settings, plan.prediction
             rows.append(f"| {family} | {tier} | {s.resolution[0]} | {s.train_batch_size} x "
                         f"{s.gradient_accumulation_steps} | {'on' if s.gradient_checkpointing else 'off'} | "
@@ -78,7 +82,9 @@ def template_files() -> dict[str, str]:
         "GPU and data. The transformer families also need their text-encoder and VAE/AE keys (`clip_l`, `clip_g`,",
         "`t5xxl`, `ae`, `gemma2`, `text_encoder`, `byt5`, `qwen3`, `vae`) pointed at your files; where config.toml",
         "names `t5xxl_fp8_e4m3fn.safetensors`, use an fp8 T5-XXL file (the 16-bit one does not fit while the",
-        "text-encoder outputs are cached).",
+        "text-encoder outputs are cached). The musubi-tuner families (Qwen-Image, FLUX.2, Wan, Z-Image) hold",
+        "musubi's files instead: set `image_directory` in dataset.toml, then run `MUSUBI_TUNER=YOUR_CHECKOUT",
+        "DIT=... VAE=... TEXT_ENCODER=... bash musubi_train.sh` (Wan: `T5=`) from musubi's venv.",
         "",
         "| family | GB | resolution | micro-batch x accumulation | checkpointing | rank | optimizer "
         "| predicted peak GiB |",
@@ -95,7 +101,7 @@ def write_templates(root: Path) -> list[Path]:
     written = []
     for family in FAMILIES:
         for tier in FAMILY_TIERS[family]:
-            for name in ("config.toml", "dataset.toml", "DOES_NOT_FIT.txt"):
+            for name in ("config.toml", "dataset.toml", "musubi_train.sh", "DOES_NOT_FIT.txt"):
                 old = root / family / f"{tier}gb" / name
                 if f"{family}/{tier}gb/{name}" not in files and old.is_file():
                     old.unlink()
