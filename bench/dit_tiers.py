@@ -43,11 +43,13 @@ PUBLISHED = {
 GIB = 2**30
 
 
-def _text_encoders(values: dict) -> str:
+def _text_encoders(values: dict, family: str) -> str:
+    from autotune.planning.profiles import plan_profile
+
     if values.get("text_encoder_cpu"):
         return "on the CPU"
-    if any(values.get(flag) for flag in ("fp8_vl", "fp8_t5", "fp8_llm", "fp8_text_encoder")) \
-            or "fp8" in str(values.get("t5xxl", "")):  # sd-scripts' and musubi's fp8 text-encoder flags
+    flag = plan_profile(family).te_fp8_flag  # the family's fp8 text-encoder option (fp8_vl, fp8_t5, ...)
+    if (flag and values.get(flag)) or "fp8" in str(values.get("t5xxl", "")):
         return "fp8"
     return "16-bit"
 
@@ -81,11 +83,11 @@ def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int |
                 continue
             s, p, values = plan.settings, plan.prediction, plan.kohya_values()
             fp8 = next((k for k in ("fp8_base", "fp8_scaled") if values.get(k)), "no")
-            inputs = dit_inputs_for_settings(family, s, t5_fp8=_text_encoders(values) == "fp8")
+            inputs = dit_inputs_for_settings(family, s, t5_fp8=_text_encoders(values, family) == "fp8")
             size = f"{s.resolution[0]}" + (f" x {s.frames} frames" if s.frames > 1 else "")
             out.append(f"| {family} | {tier} | {published} | {size} | {s.train_batch_size} x "
                        f"{s.gradient_accumulation_steps} | {s.network_dim} | "
-                       f"{'on' if s.gradient_checkpointing else 'off'} | {fp8} | {_text_encoders(values)} | "
+                       f"{'on' if s.gradient_checkpointing else 'off'} | {fp8} | {_text_encoders(values, family)} | "
                        f"{s.blocks_to_swap} | {p.peak_bytes / GIB:.2f} | {p.ram_peak_bytes / GIB:.1f} | "
                        f"{1 / p.micro_steps_per_s:.2f} | {swap_seconds(inputs, spec):.2f} |")
     return out

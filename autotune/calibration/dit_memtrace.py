@@ -424,8 +424,8 @@ def _wan_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpe
 
     counter.phase = "inputs"
     side = resolution // spec.latent_downsample
-    latent_frames = 1 + (frames - 1) // int(spec.vae.get("scale_factor_temporal", 4))
-    latents = torch.empty(batch_size, model.config.in_channels, latent_frames, side, side, dtype=torch.float32)
+    latents = torch.empty(batch_size, model.config.in_channels, spec.latent_frames(frames), side, side,
+                          dtype=torch.float32)
     inputs = {"encoder_hidden_states": _text(batch_size, text_tokens, model.config.text_dim)}
     _flow_step(model, counter, latents, inputs)
 

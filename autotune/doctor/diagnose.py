@@ -84,8 +84,9 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     problems: list[Problem] = scan_problems(scan)
     clips = {}
     if frames > 1:
-        stride = int(spec.vae.get("scale_factor_temporal", 4)) if spec else 4
-        clips = {v: check_video(v, _rel(v, scan.root), frames, stride) for s in scan.subsets for v in s.images}
+        assert spec is not None  # _clip_frames: clips only for a video family
+        clips = {v: check_video(v, _rel(v, scan.root), frames, spec.temporal_stride)
+                 for s in scan.subsets for v in s.images}
     checks = {v: check for v, (check, _) in clips.items()} or \
         {image: check_image(image, _rel(image, scan.root)) for s in scan.subsets for image in s.images}
     counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))

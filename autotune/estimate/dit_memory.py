@@ -231,20 +231,14 @@ def encoder_bytes(arch: dict[str, Any], t5_fp8: bool) -> int:
     return 2 * sum(sizes) - (max(sizes) if t5_fp8 and sizes else 0)
 
 
-def latent_frames(family: str, frames: int) -> int:
-    """Latent frames of a ``frames``-long clip: the first frame, then one per temporal stride (Wan's VAE: 4)."""
-    if frames <= 1:
-        return 1
-    return 1 + (frames - 1) // int(get_family(family).vae.get("scale_factor_temporal", 4))
-
-
 def activation_tokens(arch: dict[str, Any], family: str, resolution: int, height: int | None = None,
                       frames: int = 1) -> int:
     """Tokens one sample's activations grow with: its image tokens (times its latent frames for a video),
     plus the text tokens where they join the sequence (joint attention); a cross-attention transformer (Anima,
     Wan) keeps the text beside it."""
     joint = any(group.get("attention") != "cross" for group in arch["block_groups"])
-    image = get_family(family).image_tokens(resolution, height) * latent_frames(family, frames)
+    spec = get_family(family)
+    image = spec.image_tokens(resolution, height) * spec.latent_frames(frames)
     return image + (arch["text_tokens"] if joint else 0)
 
 

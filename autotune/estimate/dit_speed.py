@@ -25,7 +25,6 @@ from typing import Any
 from autotune.estimate.dit_memory import (
     DitMemoryInputs,
     dit_family_calibration,
-    latent_frames,
     offloaded_checkpoint_bytes,
     transformer_bytes,
 )
@@ -42,8 +41,8 @@ def dit_step_flops(inputs: DitMemoryInputs, calibration: dict[str, Any] | None =
     """FLOPs of one micro-step (whole batch): forward, backward (incl. the checkpointing recompute)."""
     cal = dit_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
-    img = get_family(inputs.family).image_tokens(inputs.resolution, inputs.height) \
-        * latent_frames(inputs.family, inputs.frames)
+    family = get_family(inputs.family)
+    img = family.image_tokens(inputs.resolution, inputs.height) * family.latent_frames(inputs.frames)
     txt = arch["text_tokens"]
     groups = arch["block_groups"]
     linear = 2.0 * sum(g["count"] * (img * g["macs_per_image_token"] + txt * g["macs_per_text_token"])

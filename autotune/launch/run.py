@@ -84,9 +84,10 @@ def check_options(args: argparse.Namespace) -> None:
                         f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
 
 
-def check_engine_trains(model: str, family: str | None) -> None:
-    """A family our engine does not train (``trained_here`` false: Lumina 2, HunyuanImage-2.1, Anima) is one line
-    naming sd-scripts' script and ``--engine``, before planning."""
+def check_engine_trains(model: str, family: str | None, *, engine: str | None = None) -> None:
+    """A family the chosen engine does not train is one line before planning: a musubi-tuner family under any
+    engine; under ours (``engine`` None), one only sd-scripts trains (Lumina 2, HunyuanImage-2.1, Anima), naming
+    sd-scripts' script and ``--engine``."""
     from sd_scripts_compat.models.detect import detect_family
 
     spec = detect_family(model, family)
@@ -94,20 +95,10 @@ def check_engine_trains(model: str, family: str | None) -> None:
         raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by musubi-tuner's "
                         f"{spec.kohya_script}, which autotune run does not supervise yet; write its files with "
                         "autotune plan --out DIR and run DIR/musubi_train.sh")
-    if not spec.trained_here:
+    if engine is None and not spec.trained_here:
         raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by sd-scripts' "
                         f"{spec.kohya_script}; add --engine sd-scripts=PATH (your sd-scripts checkout), or write "
                         "the configs with autotune plan --out")
-
-
-def refuse_musubi_family(model: str, family: str | None) -> None:
-    """sd-scripts has no script for a family musubi-tuner trains: one line before anything runs."""
-    from sd_scripts_compat.models.detect import detect_family
-
-    spec = detect_family(model, family)
-    if spec.trainer == "musubi-tuner":
-        raise UserError(f"{model}: {spec.description} is trained by musubi-tuner, not sd-scripts; write its files "
-                        "with autotune plan --out DIR and run DIR/musubi_train.sh")
 
 
 def dataset_folder(path: str) -> Path:
@@ -218,7 +209,7 @@ def start_run(args: argparse.Namespace) -> int:
 
         early_check(args.engine, args.python, args.model)
         if args.model and not str(args.model).startswith("builtin:"):
-            refuse_musubi_family(args.model, args.family)
+            check_engine_trains(args.model, args.family, engine=args.engine)
     elif args.model:
         check_engine_trains(args.model, args.family)
     scan = check_dataset(dataset_dir)

@@ -164,7 +164,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
         Choice("bucket_reso_steps", step, bucket_step_reason(step)),
         Choice("bucket_no_upscale", True, "small images are not blown up past their own size"),
         *([Choice("target_frames", c.settings.frames,
-                  f"your --frames: {c.settings.frames} frames per clip ({1 + (c.settings.frames - 1) // 4} latent "
+                  f"your --frames: {c.settings.frames} frames per clip ({fam.latent_frames(c.settings.frames)} latent "
                   "frames); activation memory grows with them", kohya=False)] if c.settings.frames > 1 else
           [Choice("target_frames", 1, "images (one frame); --frames N trains clips", kohya=False)]
           if (fam.musubi or {}).get("video") else []),

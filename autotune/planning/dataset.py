@@ -14,9 +14,9 @@ from pathlib import Path
 from sd_scripts_compat.dataset.scan import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
-    VIDEO_EXTENSIONS,
     DatasetScan,
     caption_coverage,
+    media_noun,
     require_images,
     scan_dataset_folder,
 )
@@ -66,7 +66,7 @@ def scan_dataset(path: str | os.PathLike[str], media: tuple[str, ...] = IMAGE_EX
     folder as one subset with 1 repeat, since a dataset.toml can point at any folder). A missing folder or
     one without images is a one-line UserError. ``media=VIDEO_EXTENSIONS``: a clip dataset's videos."""
     summary = summarise(require_images(scan_dataset_folder(path, media=media), media))
-    return replace(summary, noun="videos") if media is VIDEO_EXTENSIONS else summary
+    return replace(summary, noun=media_noun(media))
 
 
 def summarise(scan: DatasetScan) -> DatasetSummary:

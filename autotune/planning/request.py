@@ -197,6 +197,6 @@ def validate_frames(frames: int | None, family: FamilySpec) -> None:
         return
     if not (family.musubi or {}).get("video"):
         raise UserError(f"--frames {frames}: {family.name} trains on images; drop --frames")
-    stride = int(family.vae.get("scale_factor_temporal", 4))
+    stride = family.temporal_stride
     if frames < 1 or (frames - 1) % stride:
         raise UserError(f"--frames {frames}: {family.name} takes 1 + {stride}k frames (e.g. 17, 33, 81)")

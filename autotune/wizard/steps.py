@@ -15,7 +15,7 @@ from typing import Any
 
 from autotune.layout import CONFIG, DATASET_CONFIG, DEFAULT_ROOT, STATE_DIR, run_name
 from autotune.wizard.ask import Asker, Option, integer_check
-from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, media_noun
 from sd_scripts_compat.errors import UserError
 
 GIB = 1024**3
@@ -275,7 +275,7 @@ def dataset_problem(text: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> str
     from autotune.planning.planner import scan_dataset
 
     if not text.strip():
-        return f"type the folder that holds your {'videos' if media is VIDEO_EXTENSIONS else 'images'}"
+        return f"type the folder that holds your {media_noun(media)}"
     path = Path(text).expanduser()
     if not path.is_dir():
         return f"{path} is not a folder"
@@ -317,7 +317,7 @@ def dataset(asker: Asker, args: argparse.Namespace, frames: int = 1) -> DatasetC
     from autotune.planning.planner import scan_dataset
 
     media = VIDEO_EXTENSIONS if frames > 1 else IMAGE_EXTENSIONS
-    noun = "videos" if frames > 1 else "images"
+    noun = media_noun(media)
     if args.dataset is None and asker.assume_yes:
         raise UserError(f"--yes: the dataset has no default; pass the folder of {noun} as DATASET")
     text = asker.text("Dataset folder", default="", check=lambda t: dataset_problem(t, media), flag="DATASET",

@@ -41,6 +41,11 @@ VIDEO_EXTENSIONS = (".mp4", ".webm", ".avi", ".mkv", ".mov", ".flv", ".wmv", ".m
                     ".MP4", ".WEBM", ".AVI", ".MKV", ".MOV", ".FLV", ".WMV", ".M4V", ".MPG", ".MPEG")
 
 
+def media_noun(media: tuple[str, ...]) -> str:
+    """What a sample of ``media`` is called in messages: "videos" or "images"."""
+    return "videos" if media is VIDEO_EXTENSIONS else "images"
+
+
 def listed(media: tuple[str, ...]) -> str:
     """The extensions for a message, once each in lower case."""
     return ", ".join(dict.fromkeys(m.lower() for m in media))
@@ -165,7 +170,7 @@ def scan_dataset_folder(path: str | os.PathLike[str], caption_extensions: tuple[
     ``warnings`` say why), so a caller can report everything at once. ``media``: the files a sample is (videos
     for a clip dataset).
     """
-    noun = "videos" if media is VIDEO_EXTENSIONS else "images"
+    noun = media_noun(media)
     try:
         root = Path(path).expanduser().resolve()
     except (OSError, RuntimeError) as error:  # a symlink loop (RuntimeError before Python 3.13)
@@ -222,7 +227,7 @@ def require_images(scan: DatasetScan, media: tuple[str, ...] = IMAGE_EXTENSIONS)
     """``scan`` itself, or a one-line UserError when it found no images (videos) to train on."""
     if scan.subsets:
         return scan
-    noun = "videos" if media is VIDEO_EXTENSIONS else "images"
+    noun = media_noun(media)
     why = f" ({'; '.join(scan.warnings)})" if scan.warnings else ""
     raise UserError(f"dataset folder {scan.root} holds no {noun} in N_name subfolders{why}; put {noun} "
                     f"({listed(media)}) in e.g. {scan.root / '10_mychar'}")

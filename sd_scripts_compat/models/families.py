@@ -150,6 +150,15 @@ class FamilySpec:
         pixels for a UNet."""
         return (width // self.bucket_step) * ((height or width) // self.bucket_step)
 
+    @property
+    def temporal_stride(self) -> int:
+        """Video frames per latent frame after the first (Wan's causal VAE: 4; clips are 1 + stride x k)."""
+        return int(self.vae.get("scale_factor_temporal", 4))
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a ``frames``-long clip: the first frame, then one per temporal stride; 1 for an image."""
+        return 1 if frames <= 1 else 1 + (frames - 1) // self.temporal_stride
+
     # ---- blocks_to_swap: the one rule the engine, the memory model, the planner and the ladder share ----
 
     @property
