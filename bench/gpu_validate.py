@@ -23,6 +23,9 @@ HunyuanImage-2.1, Anima; ``--dit-tiers``, default 8,12,16,24 GB; ``bench/gpu_val
 transformer at the planned swap counts on emulated cards; under ``--dry-run`` it prints the plan of what it would
 measure and runs the same case code on the CPU with the tiny twins. ``--budget`` stops starting cases after so many
 seconds (the rest are listed as skipped): on a 15-minute device lease run the DiT families in a call of their own.
+``--compile-check`` (default SDXL at 1024 and FLUX.1-dev, at the ``--compile-tier`` plan) runs last: each eager,
+then with the engine's compiled blocks, with s/step and model-FLOP utilisation (``bench/gpu_compile_check.py``). On
+the lent H200 (2026-12-04) inductor had not finished compiling SDXL's blocks after 460 s: give it a call of its own.
 
     python bench/gpu_validate.py "$OUT"            # on a CUDA machine
     python bench/gpu_validate.py --dry-run /tmp/gv  # anywhere
@@ -62,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--goal", default="character")
     parser.add_argument("--dit-tiers", default="8,12,16,24",
                         help="emulated card sizes for the transformer families (bench/gpu_validate_dit.py)")
+    parser.add_argument("--compile-check", default="sdxl,flux-dev",
+                        help="families measured eager and compiled, with MFU (bench/gpu_compile_check.py; '' for none)")
+    parser.add_argument("--compile-tier", type=float, default=24.0, help="emulated card of the compile check, GB")
     return parser.parse_args(argv)
 
 
@@ -101,8 +107,10 @@ def make_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
 
 
 def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: float, steps: int, warmup: int,
-             resolution: int | None) -> dict[str, Any]:
-    """Train at the plan's settings for warmup + steps micro-steps; measure memory and speed."""
+             resolution: int | None, compile_backend: str | None = None, count_flops: bool = False) -> dict[str, Any]:
+    """Train at the plan's settings for warmup + steps micro-steps; measure memory and speed. ``compile_backend``
+    compiles the UNet's repeated blocks as the engine's ``torch_compile`` does (the warm-up holds the compile);
+    ``count_flops`` counts one extra micro-step's FLOPs (forward + backward) for the model-FLOP utilisation."""
     import torch.nn.functional as F
 
     from sd_scripts_compat.models.build import build_modules
@@ -141,6 +149,11 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
                              train_text_encoder=train_te)
     network.to(device)
     network.apply_to()
+    compiled = None
+    if compile_backend:
+        from sd_scripts_compat.training.compiled_blocks import compile_blocks
+
+        compiled = compile_blocks(unet, compile_backend)
     values = plan.kohya_values()
     te_lr = values.get("text_encoder_lr", [None])[0]
     groups = network.prepare_optimizer_params(te_lr, values["unet_lr"], values["learning_rate"])
@@ -206,7 +219,14 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     record: dict[str, Any] = {"oom": False, "error": None}
     timed = 0
     start = None
+    began = time.perf_counter()
     try:
+        if count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            with FlopCounterMode(display=False) as counter:
+                micro_step(accum - 1)  # a whole accumulation's last micro-step: its optimizer step holds no FLOPs
+            record["flops_per_micro_step"] = counter.get_total_flops()
         total_steps = warmup + steps
         # round the timed part up to whole optimizer steps so every timed micro-step has the same mix
         total_steps = warmup + max(accum, steps // accum * accum)
@@ -215,6 +235,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
                 if cuda:
                     torch.cuda.synchronize()
                 start = time.perf_counter()
+                record["warmup_seconds"] = start - began
             micro_step(i)
             if i >= warmup:
                 timed += 1
@@ -227,6 +248,10 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
         record["error"] = str(error).splitlines()[0][:300]
         record["measured_it_per_s"] = None
     record["timed_micro_steps"] = timed
+    if compiled is not None:
+        from sd_scripts_compat.training.compiled_blocks import compile_summary
+
+        record["torch_compile"] = compile_summary(compiled)
     if cuda:
         record["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(0))
         record["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(0))
@@ -237,6 +262,16 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
     return record
+
+
+def failed_case(torch: Any, error: BaseException) -> dict[str, Any]:
+    """The record of a case that raised: its error in one line; the GPU freed for the next case."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    print(f"case failed: {type(error).__name__}: {error}"[:400], flush=True)
+    return {"oom": False, "error": f"{type(error).__name__}: {error}"[:400]}
 
 
 def _literal(text: str) -> Any:
@@ -330,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                 write_json(out / f"{name}.json", row)
                 continue
             case_start = time.perf_counter()
-            measured = run_case(torch, plan, f"tiny-{family}" if dry else family, device, tier, steps, warmup,
-                                resolution=64 if dry else None)
+            try:
+                measured = run_case(torch, plan, f"tiny-{family}" if dry else family, device, tier, steps, warmup,
+                                    resolution=64 if dry else None)
+            except Exception as error:  # noqa: BLE001 - one broken case (a missing kernel) must not end the lease
+                measured = failed_case(torch, error)
             row = summarize(plan, measured, family, tier)
             row["seconds"] = round(time.perf_counter() - case_start, 2)
             rows.append(row)
@@ -344,9 +382,24 @@ def main(argv: list[str] | None = None) -> int:
 
         rows += dit_rows(torch, spec, dit_families, dit_tiers, args.goal, steps, warmup, dry, write_json, out,
                          budget_left=lambda: args.budget - (time.perf_counter() - began))
+    compile_families = [f.strip() for f in args.compile_check.split(",") if f.strip()]
+    if compile_families:  # last and within the budget: an inductor compile of SDXL's blocks can take minutes
+        from bench.gpu_compile_check import compile_rows
+
+        if time.perf_counter() - began > args.budget:
+            rows += [{"family": f, "tier_gb": args.compile_tier, "case": "compile",
+                      "would_measure": "skipped: time budget spent"} for f in compile_families]
+        else:
+            compiled = compile_rows(torch, spec, compile_families, args.compile_tier, args.goal, steps, warmup, dry)
+            write_json(out / "compile_check.json", compiled)
+            rows += compiled
     summary = {"environment": env, "seconds": round(time.perf_counter() - began, 1), "cases": rows}
     write_json(out / "summary.json", summary)
-    print_table(rows)
+    print_table([r for r in rows if r.get("case") != "compile"])
+    if compile_families:
+        from bench.gpu_compile_check import print_compile_table
+
+        print_compile_table([r for r in rows if r.get("case") == "compile"])
     print(f"wrote {out / 'summary.json'} ({summary['seconds']} s)")
     return 0
 

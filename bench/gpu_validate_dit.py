@@ -64,24 +64,29 @@ def _optimizer(torch: Any, name: str, params: list[Any], cuda: bool) -> Any:
 
 
 def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int, warmup: int, device: str,
-                 resolution: int | None = None) -> dict[str, Any]:
+                 resolution: int | None = None, compile_backend: str | None = None,
+                 count_flops: bool = False) -> dict[str, Any]:
     """Train ``family`` at ``settings`` for warmup + steps micro-steps on ``device``; measured peak memory (CUDA)
-    and micro-steps/s. ``resolution`` overrides the planned one (the CPU dry run's tiny twins)."""
+    and micro-steps/s. ``resolution`` overrides the planned one (the CPU dry run's tiny twins);
+    ``compile_backend`` compiles the repeated blocks as the engine's ``torch_compile`` does; ``count_flops`` counts
+    one extra micro-step's FLOPs."""
     from autotune.calibration.dit_memtrace import FORWARDS, build_bundle, enable_checkpointing, engine_lora
     from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
 
     spec = get_family(family)
     s, cuda = settings, device == "cuda"
-    if cuda:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, tier * GIB / total))
-    bundle = build_bundle(spec, materialize=True)
+    bundle = build_bundle(spec, materialize=True, device=device)  # drawn on the GPU: the host takes minutes
     model = bundle.unet
     if s.fp8_base and cuda:
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
         store_frozen_weights_in_fp8(model, torch.bfloat16)
+    if cuda:  # the swap wants the model on the host, the emulated card only the resident part
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, tier * GIB / total))
     swap = enable_flux_block_swap(model, s.blocks_to_swap, device, family=spec)
     place_except_swapped(model, swap, device, torch.bfloat16)
     network = engine_lora(bundle, s.network_dim, float(s.network_alpha)).to(device)
@@ -93,14 +98,29 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
     elif s.gradient_checkpointing:
         enable_checkpointing(model)
     model.train()
+    compiled = None
+    if compile_backend:
+        from sd_scripts_compat.training.compiled_blocks import compile_blocks
+
+        compiled = compile_blocks(model, compile_backend)
     opt = _optimizer(torch, s.optimizer_type, params, cuda)
     forward, phases = FORWARDS[spec.denoiser_class], SimpleNamespace(phase="")  # no counting: real memory
     res = resolution or s.resolution[0]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, oom = [], None
+    times, oom, extra = [], None, {}
+    began = time.perf_counter()
     try:
+        if count_flops:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            with FlopCounterMode(display=False) as counter, torch.device(device):
+                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens)
+            opt.zero_grad(set_to_none=True)
+            extra["flops_per_micro_step"] = counter.get_total_flops()
         for i in range(warmup + steps):
+            if i == warmup:
+                extra["warmup_seconds"] = time.perf_counter() - began
             if cuda:
                 torch.cuda.synchronize()
             started = time.perf_counter()
@@ -116,7 +136,11 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
     except torch.OutOfMemoryError as error:
         oom = str(error).splitlines()[0]
     measured = {"oom": oom is not None, "oom_message": oom, "timed_micro_steps": len(times),
-                "measured_it_per_s": (len(times) / sum(times)) if times else None}
+                "measured_it_per_s": (len(times) / sum(times)) if times else None, **extra}
+    if compiled is not None:
+        from sd_scripts_compat.training.compiled_blocks import compile_summary
+
+        measured["torch_compile"] = compile_summary(compiled)
     if cuda:
         measured.update({"measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
                          "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated()})
@@ -193,7 +217,12 @@ def dit_rows(torch: Any, spec: Any, families: list[str], tiers: list[float], goa
             if dry_run:
                 _dry_row(torch, plan, family, tier, row)
             else:
-                row.update(run_dit_case(torch, plan.settings, family, tier, steps, warmup, "cuda"))
+                try:
+                    row.update(run_dit_case(torch, plan.settings, family, tier, steps, warmup, "cuda"))
+                except Exception as error:  # noqa: BLE001 - one broken case must not end the lease
+                    from bench.gpu_validate import failed_case
+
+                    row.update(failed_case(torch, error))
                 if row.get("measured_peak_reserved_bytes"):
                     row["peak_ratio_measured_over_predicted"] = (row["measured_peak_reserved_bytes"]
                                                                  / row["predicted_peak_without_context_bytes"])
