@@ -33,6 +33,7 @@ LOCK_FILE = ".autotune.lock"  # hidden: an OS lock held while a run trains into 
 STATE_DIR = "state"  # our engine's state folders; the user's sd-scripts keeps its own beside the LoRA
 RUN_STATE = f"{STATE_DIR}/autotune_run.json"  # the supervisor's state: current settings and retries, for --resume
 TRAINER_PID = f"{STATE_DIR}/trainer.pid"  # the running trainer's PID, so a --resume never starts a second one
+MUSUBI_LEDGER = f"{STATE_DIR}/musubi.json"  # the user's musubi-tuner: the target step and its whole state folders
 SD_SCRIPTS_LEDGER = f"{STATE_DIR}/sd_scripts.json"  # the user's sd-scripts: its states' steps
 
 LOGS_DIR = "logs"  # also the plan's logging_dir (TensorBoard)

@@ -59,11 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start even when `autotune doctor` finds errors in the dataset (not recommended)")
     parser.add_argument("--memory-limit", type=finite,
                         help="CPU only: cap the trainer's address space at this many MiB (a real, catchable OOM)")
-    parser.add_argument("--engine", metavar="sd-scripts=PATH",
-                        help="train with your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) "
-                             "under the same watchdog, instead of autotune's engine")
-    parser.add_argument("--python", help="with --engine: the Python that runs sd-scripts (default: the venv "
-                                         "beside it, else this Python)")
+    parser.add_argument("--engine", metavar="sd-scripts=PATH|musubi-tuner=PATH",
+                        help="train with your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) or, "
+                             "for Qwen-Image / FLUX.2 / Wan / Z-Image, your musubi-tuner checkout, under the same "
+                             "watchdog, instead of autotune's engine")
+    parser.add_argument("--python", help="with --engine: the Python that runs it (default: the venv beside it, "
+                                         "else this Python)")
 
 
 MIN_MEMORY_LIMIT_MIB = 2048  # Python, torch and the engine's imports alone map about 1 GiB of address space
@@ -91,10 +92,14 @@ def check_engine_trains(model: str, family: str | None, *, engine: str | None = 
     from sd_scripts_compat.models.detect import detect_family
 
     spec = detect_family(model, family)
-    if spec.trainer == "musubi-tuner":
+    musubi = str(engine or "").startswith("musubi-tuner=")
+    if spec.trainer == "musubi-tuner" and not musubi:
         raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by musubi-tuner's "
-                        f"{spec.kohya_script}, which autotune run does not supervise yet; write its files with "
-                        "autotune plan --out DIR and run DIR/musubi_train.sh")
+                        f"{spec.kohya_script}; add --engine musubi-tuner=PATH (your musubi-tuner checkout), or "
+                        "write its files with autotune plan --out DIR and run DIR/musubi_train.sh")
+    if musubi and spec.trainer != "musubi-tuner":
+        raise UserError(f"{model}: {spec.description} is not trained by musubi-tuner; drop --engine (autotune's "
+                        "engine) or use --engine sd-scripts=PATH")
     if engine is None and not spec.trained_here:
         raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by sd-scripts' "
                         f"{spec.kohya_script}; add --engine sd-scripts=PATH (your sd-scripts checkout), or write "
@@ -204,7 +209,12 @@ def start_run(args: argparse.Namespace) -> int:
     check_options(args)
     accept_pickle(args, "run")
     dataset_dir = dataset_folder(args.dataset)
-    if getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
+    if str(getattr(args, "engine", None) or "").startswith("musubi-tuner="):
+        check_engine_trains(args.model, args.family, engine=args.engine)
+        from autotune.launch.musubi_run import early_check as musubi_check
+
+        musubi_check(args)
+    elif getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
         from autotune.recovery.sd_scripts import early_check
 
         early_check(args.engine, args.python, args.model)
@@ -284,14 +294,7 @@ def _checked_fingerprint(args: argparse.Namespace, out: Path, dataset_dir: Path)
 
 def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any) -> int:
     """Plan or copy the configs into ``out``, then train under the watchdog; the exit code, or a UserError."""
-    import json
-    import signal
-
     from autotune.hardware.probe import probe_system
-    from autotune.recovery.attempt import read_json
-    from autotune.recovery.engine import CompatEngine
-    from autotune.recovery.watchdog import Job, supervise
-    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
 
     print(f"dataset {dataset_dir}: {describe_scan(scan)}")
     started = _checked_fingerprint(args, out, dataset_dir)
@@ -299,7 +302,21 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     cuda = probe.accelerator == "cuda"
     if args.memory_limit and cuda:
         raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
+    if str(getattr(args, "engine", None) or "").startswith("musubi-tuner="):
+        from autotune.launch.musubi_run import musubi_job
 
+        return _supervise_job(args, out, probe, musubi_job(args, out, probe, started), ours=False)
+    return _supervise_job(args, out, probe, _job(args, out, scan, probe, started),
+                          ours=not getattr(args, "engine", None))
+
+
+def _job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
+    """The watchdog's job for our engine or the user's sd-scripts: configs planned or copied into ``out``."""
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.engine import CompatEngine
+    from autotune.recovery.watchdog import Job
+
+    cuda = probe.accelerator == "cuda"
     config_path, dataset_path, plan = _configs(args, out, scan)
     usable_mib = _usable_mib(plan)
     family, resolved = _resolve(config_path, dataset_path, args)
@@ -336,10 +353,22 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
         engine=engine,
         stability=_stability_limits(probe, cuda),
     )
+    return job
+
+
+def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, ours: bool) -> int:
+    """Train ``job`` under the watchdog; its exit code, or a UserError."""
+    import json
+    import signal
+
+    from autotune.recovery.watchdog import supervise
+    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
+
     with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
         result = supervise(job)
     if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
-        remember_attempts(result.attempts, probe, family.name, limits.budget_mib, contended=_contended(out))
+        remember_attempts(result.attempts, probe, _family_name(args), job.limits.budget_mib,
+                          contended=_contended(out))
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
                           "output_file": result.output_file, "final_settings": result.final_settings.to_event(),

@@ -5,7 +5,7 @@ The supervisor (``recovery.watchdog.supervise``) never asks which trainer it run
 output (a trainer that does not write our events gets them made from its output), and the last word on an
 attempt's result. Our engine (:class:`CompatEngine`) follows the contract of ``sd_scripts_compat.contract``
 itself, so its hooks are thin; the user's sd-scripts is ``recovery.sd_scripts.SdScriptsEngine``. A new trainer
-(musubi-tuner) is one more class here or beside it, and no watchdog code changes.
+(musubi-tuner: ``recovery.musubi.MusubiEngine``) is one more class beside them, and no watchdog code changes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from sd_scripts_compat.contract import (
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
     from autotune.recovery.watchdog import DecisionLog
+    from sd_scripts_compat.config.settings import TrainSettings
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class AttemptFiles:
     events_dir: Path
     retry_log: Path
     states_dir: Path  # where the trainer keeps (and the supervisor looks for) its states
+    settings: TrainSettings | None = None  # this attempt's settings (an engine with its own file format writes them)
 
 
 class Engine(Protocol):

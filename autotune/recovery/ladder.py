@@ -46,7 +46,8 @@ class LadderLimits(Limits):
 
         step, floor = step_and_floor(family)
         return cls(budget_mib=budget_mib, is_sdxl=family.is_sdxl, resolution_step=step, min_resolution=floor,
-                   max_blocks_to_swap=family.max_blocks_to_swap, fp8_option=family.fp8_option, **machine)
+                   max_blocks_to_swap=family.max_blocks_to_swap, fp8_option=family.fp8_option,
+                   frame_step=family.temporal_stride or 4, **machine)
 
 
 @dataclass(frozen=True)

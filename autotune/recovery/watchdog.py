@@ -254,7 +254,8 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
         log.write("cleanup", f"removed half-written files of a killed run: {', '.join(removed)}")
     config, dataset = _attempt_configs(job, attempt, run.settings)
     state = job.engine.newest_state(job.states_dir) if run.resume_ok else None
-    files = AttemptFiles(config, dataset, job.output_dir / EVENTS_DIR, job.output_dir / RETRY_LOG, job.states_dir)
+    files = AttemptFiles(config, dataset, job.output_dir / EVENTS_DIR, job.output_dir / RETRY_LOG, job.states_dir,
+                         run.settings)
     write_json_atomic(files.retry_log, run.retries)
     write_json_atomic(job.output_dir / RUN_STATE, {
         **job.extra_state, "settings": run.settings.to_event(), "attempt": attempt, "retries": run.retries,

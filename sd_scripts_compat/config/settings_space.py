@@ -246,6 +246,7 @@ class Limits:
     resolution_step: int = 64
     min_resolution: int = 256
     min_rank: int = 4
+    frame_step: int = 4  # a clip's frames go 1 + k x this (FamilySpec.temporal_stride: Wan's VAE packs 4)
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,12 @@ def _resolution(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     return out
 
 
+def _frames(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    """Shorter clips, one latent frame at a time, down to two latent frames (a video family's clips only)."""
+    counts = range(s.frames - lim.frame_step, lim.frame_step, -lim.frame_step) if s.frames > 1 else ()
+    return [Candidate(replace(s, frames=n), f"{n} frames") for n in counts]
+
+
 def at_square_resolution(s: TrainSettings, side: int) -> TrainSettings:
     """Square ``side`` px with buckets up to twice that (the planner's bucket rule: tall and wide images keep
     their shape)."""
@@ -393,6 +400,7 @@ RUNGS: dict[str, Rung] = {
     "max_bucket": Rung("max bucket resolution", "a lower max bucket resolution caps the largest (most "
                        "memory-hungry) buckets", _max_bucket),
     "resolution": Rung("resolution", "a lower training resolution shrinks every activation", _resolution),
+    "frames": Rung("frames", "shorter clips shrink every activation in proportion to their latent frames", _frames),
     "rank": Rung("rank", "a lower rank shrinks the LoRA, its gradients and optimizer state (alpha kept in "
                  "proportion)", lambda s, p, lim: _ranks(s, p, p.rank_floor)),
     "rank_min": Rung("rank", "a lower rank shrinks the LoRA, its gradients and optimizer state (alpha kept in "
@@ -410,4 +418,4 @@ def rungs(settings: TrainSettings, policy: Policy, limits: Limits) -> list[tuple
 # The OOM ladder's order: cheapest loss of quality or speed first; all of it resumes from the saved state except
 # the optimizer, text-encoder and rank moves (their tensors change shape).
 OOM_POLICY = Policy(rungs=("micro_batch", "checkpointing", "optimizer", "te_cache", "swap", "max_bucket",
-                           "resolution", "rank_min", "fp8"))
+                           "resolution", "frames", "rank_min", "fp8"))

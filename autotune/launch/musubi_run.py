@@ -1,0 +1,99 @@
+"""``autotune run DATASET --model DIT --engine musubi-tuner=PATH``: the watchdog's job for the user's musubi-tuner.
+
+The plan is written as ``autotune plan --out`` writes it (musubi's dataset.toml, config.toml and musubi_train.sh in
+the run folder); the engine (``autotune.recovery.musubi``) caches and trains from there. ``--config`` is not taken
+for these families: the run folder's files are musubi's own, not a kohya config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from autotune.layout import RUN_STATE
+from sd_scripts_compat.errors import UserError
+
+
+def early_check(args: argparse.Namespace) -> None:
+    """The cheap refusals before the dataset check and the plan: --config, a built-in model, a PATH that is not a
+    musubi-tuner with this family's script, a --python that is not a program."""
+    from autotune.recovery.musubi import find_install, parse_engine
+    from sd_scripts_compat.models.detect import BUILTIN_PREFIX, detect_family
+
+    if getattr(args, "config", None):
+        raise UserError("--config with --engine musubi-tuner: autotune run plans musubi's files itself; drop "
+                        "--config (or run your own files with musubi-tuner directly)")
+    if str(args.model).startswith(BUILTIN_PREFIX):
+        raise UserError(f"--model {args.model}: musubi-tuner loads the model's own DiT file; give it (e.g. "
+                        "qwen_image_bf16.safetensors) with --model")
+    root = parse_engine(args.engine)
+    if root is None:
+        raise UserError(f"--engine {args.engine}: expected musubi-tuner=PATH (your musubi-tuner checkout)")
+    find_install(root, args.python, detect_family(args.model, args.family))
+
+
+def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[str, Any]) -> Any:
+    """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.ladder import LadderLimits, memory_predictor
+    from autotune.recovery.musubi import MusubiEngine, find_install, parse_engine
+    from autotune.recovery.watchdog import Job
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.models.detect import detect_family
+
+    family = detect_family(args.model, args.family)
+    cuda = probe.accelerator == "cuda"
+    saved = (read_json(out / RUN_STATE) or {}) if args.resume else {}
+    if args.resume:
+        base = TrainSettings.from_event(saved["musubi_base"])
+        settings = TrainSettings.from_event(saved.get("settings") or saved["musubi_base"])
+        models, budget, planned = saved["musubi_models"], saved["usable_mib"], saved.get("planned_it_per_s")
+    else:
+        plan = _plan(args, out)
+        base = settings = plan.settings
+        models = _model_files(plan, family, args.model)
+        budget, planned = plan.prediction.usable_bytes / 2**20, plan.prediction.it_per_s
+    install = find_install(parse_engine(args.engine) or Path(), args.python, family)
+    print(install.describe())
+    env = install.env({**os.environ, "HF_HUB_OFFLINE": "1"})
+    name = str(flat_values(read_toml(out / "config.toml")).get("output_name") or "lora")
+    engine = MusubiEngine(install, family, out, base, models, name, args.save_state_every, env, planned)
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    limits = LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8) or base.fp8_base,
+                                     te_cache_allowed=False)
+    return Job(config_path=out / "config.toml", output_dir=out, settings=settings, limits=limits,
+               predict=memory_predictor(family.name, cuda=True), dataset_config_path=out / "dataset.toml", env=env,
+               cuda=cuda, max_retries=args.max_retries, stall_timeout_s=args.stall_timeout,
+               resume=bool(args.resume), prior_retries=list(saved.get("retries") or []), train_output_dir=out,
+               states_at=out, engine=engine, budget_kind="device",
+               extra_state={**started, "usable_mib": budget, "musubi_base": base.to_event(), "musubi_models": models,
+                            "planned_it_per_s": planned})
+
+
+def _plan(args: argparse.Namespace, out: Path) -> Any:
+    from autotune.launch.plan_options import build_request, render
+    from autotune.launch.run import _check_model_files
+    from autotune.planning.planner import plan_training
+    from autotune.planning.toml_writer import write_plan_files
+
+    args.out = str(out)
+    plan = plan_training(build_request(args))
+    if not plan.fits:
+        raise UserError(f"{args.model}: {plan.message}")
+    _check_model_files(plan)
+    render(plan)
+    write_plan_files(plan, out, args.format)
+    return plan
+
+
+def _model_files(plan: Any, family: Any, dit: str) -> dict[str, str]:
+    """The model files musubi's scripts take: the DiT, the VAE and the text encoder(s), as absolute paths."""
+    from autotune.planning.musubi_writer import MODEL_VARIABLES
+
+    values = {"dit": dit, **plan.kohya_values()}
+    te_option = (family.musubi or {}).get("text_encoder_option", "text_encoder")
+    return {name: str(Path(str(values[name])).expanduser().resolve()) for name in MODEL_VARIABLES
+            if name in ("dit", "vae", te_option) and values.get(name)}

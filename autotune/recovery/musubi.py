@@ -1,0 +1,473 @@
+"""Run the user's own musubi-tuner (kohya's trainer of Qwen-Image, FLUX.2, Wan and Z-Image) under the watchdog.
+
+``autotune run DATASET --model DIT --engine musubi-tuner=PATH`` plans, writes musubi's own files (dataset.toml,
+config.toml, as ``autotune plan`` does), and then, for every attempt: runs the latent and text-encoder caching
+scripts (``--skip_existing``: a resumed or stepped-down attempt caches only what is new, e.g. a lower resolution)
+and the training script, supervised like our engine (OOM -> more swapped blocks, then resolution / frames, then
+rank; SIGKILL and stalls -> resume). What musubi-tuner does, read in its code (training/trainer_base.py,
+utils/train_utils.py at 30c658c), and what this module does about it:
+
+- progress: its bar is ``tqdm(range(max_train_steps), desc="steps")`` on stderr; the bar becomes our
+  ``progress.json`` (true steps), so stall detection works unchanged; an OOM is found in its stderr by the
+  watchdog's own detector, a SIGKILL by the exit status;
+- saves: ``--save_state --save_every_n_steps N`` (N from the measured step rate: it has no time-based saves) writes
+  ``{output_name}-step{N:08d}-state`` after "saving state at step N" and redraws the bar: a folder is whole once that
+  redraw (or a later step) is seen;
+- resuming: ``--resume STATE`` restores the LoRA, the optimizer, the LR scheduler's step and the RNG states
+  (``accelerator.load_state``), but its step counter restarts at 0, so its state names, its ``ss_steps`` and its end
+  condition would be off. We own the step count: every attempt trains under its own ``output_name``
+  ``{name}-from{R:08d}`` (R its start step), so a state folder's true step is R + the step in its name and no
+  attempt overwrites another's folders; a resumed attempt runs with the original ``max_train_steps`` (the
+  restored scheduler then continues on the original horizon: cosine and warm-up stay where they were, which
+  ``max_train_steps`` = the remaining steps would bend) and saves at a divisor of the remaining steps, so it saves at
+  exactly the target step; we stop it there and keep that LoRA as the final one, its ``ss_steps`` set to the true
+  step count;
+- what it cannot restore: the data position. musubi has no option to skip to a step, so a resumed attempt draws
+  its epoch from the start again (the same samples in the same order as the first epoch, with the same seed); and
+  its epoch count restarts, so epoch-numbered saves (``save_every_n_epochs``) are left out of resumed attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from autotune.layout import MUSUBI_LEDGER, STATE_DIR
+from autotune.recovery.sd_scripts import parse_bar, save_every_n_steps
+from sd_scripts_compat.atomic import write_json_atomic
+from sd_scripts_compat.config.kohya_toml import encode_value, read_toml, set_dataset_values
+from sd_scripts_compat.contract import PROGRESS, Outcome, write_event
+from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.recovery.attempt import AttemptResult
+    from autotune.recovery.engine import AttemptFiles
+    from autotune.recovery.watchdog import DecisionLog
+    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.models.families import FamilySpec
+
+ENGINE_NAME = "musubi-tuner"
+PYTHON_PLACES = (".venv/bin/python", "venv/bin/python", ".venv/Scripts/python.exe", "venv/Scripts/python.exe")
+REQUIRED_OPTIONS = ("config_file", "dataset_config", "save_state", "save_every_n_steps", "resume", "max_train_steps",
+                    "output_dir", "output_name")
+_STATE = re.compile(r"^(?P<name>.+)-from(?P<start>\d{8})-step(?P<step>\d{8})-state$")
+_SAVING = re.compile(r"saving state at step (?P<step>\d+)")
+_OPTION = re.compile(r"(?<![\w-])--(?P<name>[A-Za-z0-9][A-Za-z0-9_]*)")
+RENAMED = {"cpu_offload_checkpointing": "gradient_checkpointing_cpu_offload"}  # kohya's name -> musubi's
+
+
+# ---------------------------------------------------------------- finding and checking an install
+
+
+@dataclass(frozen=True)
+class MusubiInstall:
+    root: Path  # the checkout: src/musubi_tuner/ holds the scripts
+    python: str
+    python_origin: str
+
+    @property
+    def scripts(self) -> Path:
+        return self.root / "src" / "musubi_tuner"
+
+    def describe(self) -> str:
+        return f"musubi-tuner: {self.root}; python: {self.python} ({self.python_origin})"
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The scripts import ``musubi_tuner.*``: its ``src`` on the path, as its own docs run them."""
+        path = base.get("PYTHONPATH")
+        return {**base, "PYTHONPATH": str(self.root / "src") + (os.pathsep + path if path else "")}
+
+
+def parse_engine(value: str | None) -> Path | None:
+    kind, sep, path = str(value or "").partition("=")
+    return Path(path).expanduser() if kind == ENGINE_NAME and sep and path else None
+
+
+def find_install(path: Path, python: str | None, family: FamilySpec) -> MusubiInstall:
+    if not path.is_dir():
+        raise UserError(f"--engine musubi-tuner={path}: no such folder; give your musubi-tuner checkout")
+    root = Path(os.path.abspath(path))
+    if not (root / "src" / "musubi_tuner" / family.kohya_script).is_file():
+        raise UserError(f"--engine musubi-tuner={path}: not a musubi-tuner checkout with {family.description}: no "
+                        f"src/musubi_tuner/{family.kohya_script} in it; give the folder you cloned (git pull it if "
+                        "it is older than the family)")
+    if python:
+        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise UserError(f"--python {python}: not an executable file; give the Python that runs musubi-tuner")
+        return MusubiInstall(root, python, "given with --python")
+    for place in PYTHON_PLACES:
+        if (root / place).is_file() and os.access(root / place, os.X_OK):
+            return MusubiInstall(root, str(root / place), f"the venv in {root}")
+    return MusubiInstall(root, sys.executable, "no venv in it: the Python running autotune")
+
+
+def script_options(install: MusubiInstall, script: str, env: Mapping[str, str]) -> frozenset[str]:
+    """The options ``script`` of this musubi-tuner accepts, read from its ``--help`` (its version's, not ours)."""
+    path = install.scripts / script
+    try:
+        done = subprocess.run([install.python, str(path), "--help"], cwd=install.root, env=install.env(env),
+                              capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise UserError(f"{path}: could not run it with --help ({error}); check --python") from None
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        raise UserError(f"{path} --help failed: {lines[-1] if lines else 'no output'}; install musubi-tuner's "
+                        "requirements into that Python, or pass --python")
+    return frozenset(m["name"] for m in _OPTION.finditer(done.stdout))
+
+
+def check_options(names: frozenset[str], wanted: list[str], source: str, script: str) -> None:
+    missing = [name for name in dict.fromkeys(wanted) if name not in names]
+    if missing:
+        raise UserError(f"{source}: {script} of this musubi-tuner has no {', '.join('--' + m for m in missing)}; "
+                        "update musubi-tuner (git pull), or remove them")
+
+
+# ---------------------------------------------------------------- the files of one attempt
+
+
+def musubi_values(settings: TrainSettings, base: TrainSettings) -> dict[str, Any]:
+    """The training-config values of ``settings`` that differ from ``base``, in musubi's names."""
+    from sd_scripts_compat.config.settings_space import config_values
+
+    new, old = config_values(settings), config_values(base)
+    skip = {"resolution", "train_batch_size", "cache_latents", "cache_text_encoder_outputs", "max_bucket_reso",
+            "network_train_unet_only"}
+    return {RENAMED.get(k, k): v for k, v in new.items() if k not in skip and old.get(k) != v}
+
+
+def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, base: TrainSettings, out_dir: Path,
+                        attempt: int, drop: tuple[str, ...]) -> tuple[Path, Path]:
+    """This attempt's config.toml and dataset.toml for musubi: the job's, with the settings the ladder changed
+    (resolution, micro-batch and frames in the dataset; the rest in the config) and ``drop`` removed."""
+    from sd_scripts_compat.config.kohya_toml import set_config_values
+
+    document = {k: v for k, v in set_config_values(read_toml(config), musubi_values(settings, base)).items()
+                if k not in drop}
+    data = read_toml(dataset, "dataset config")
+    changes: dict[str, Any] = {}
+    if settings.resolution != base.resolution:
+        changes["resolution"] = list(settings.resolution)
+    if settings.train_batch_size != base.train_batch_size:
+        changes["batch_size"] = settings.train_batch_size
+    if settings.frames != base.frames:
+        changes["target_frames"] = [settings.frames]
+    data = set_dataset_values(data, changes) if changes else data
+    for entry in data.get("datasets") or []:  # the plan's paths are relative to its folder; the trainer's cwd is not
+        for key in ("image_directory", "video_directory", "cache_directory"):
+            if isinstance(entry.get(key), str):
+                entry[key] = str(config.parent / entry[key])
+    config_out = out_dir / f"musubi.attempt{attempt}.config.toml"
+    dataset_out = out_dir / f"musubi.attempt{attempt}.dataset.toml"
+    document["dataset_config"] = str(dataset_out)
+    _write(config_out, document, f"# attempt {attempt} for musubi-tuner, written by autotune run")
+    _write(dataset_out, data, f"# attempt {attempt}'s dataset for musubi-tuner, written by autotune run")
+    return config_out, dataset_out
+
+
+def _write(path: Path, document: Mapping[str, Any], header: str) -> None:
+    """musubi's TOML shape: top-level values, then tables, then arrays of tables."""
+    from sd_scripts_compat.atomic import write_text_atomic
+
+    lines = [header]
+    lines += [f"{k} = {encode_value(v)}" for k, v in document.items() if not isinstance(v, (dict, list))
+              or (isinstance(v, list) and not (v and isinstance(v[0], dict)))]
+    for key, value in document.items():
+        if isinstance(value, dict):
+            lines += ["", f"[{key}]"] + [f"{k} = {encode_value(v)}" for k, v in value.items()]
+    for key, value in document.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            for entry in value:
+                lines += ["", f"[[{key}]]"] + [f"{k} = {encode_value(v)}" for k, v in entry.items()]
+    write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def remaining_divisor(remaining: int, wanted: int) -> int:
+    """The largest save interval <= ``wanted`` that divides ``remaining``: a save falls on the target step."""
+    wanted = max(1, min(wanted, remaining))
+    return next(n for n in range(wanted, 0, -1) if remaining % n == 0)
+
+
+# ---------------------------------------------------------------- the ledger of true steps
+
+
+@dataclass
+class MusubiLedger:
+    """The run's target step and the state folders seen whole (their true step is in their name)."""
+
+    path: Path
+    target_steps: int | None = None
+    whole: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> MusubiLedger:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(path, data.get("target_steps"), dict(data.get("whole") or {}))
+        except (OSError, ValueError, AttributeError):
+            return cls(path)
+
+    def save(self) -> None:
+        write_json_atomic(self.path, {"target_steps": self.target_steps, "whole": self.whole})
+
+    def newest(self, states_dir: Path) -> tuple[Path, int] | None:
+        present = [(step, name) for name, step in self.whole.items() if (states_dir / name).is_dir()]
+        if not present:
+            return None
+        step, name = max(present)
+        return states_dir / name, step
+
+
+def true_step(folder_name: str) -> int | None:
+    match = _STATE.match(folder_name)
+    return int(match["start"]) + int(match["step"]) if match else None
+
+
+# ---------------------------------------------------------------- one attempt's output
+
+
+class MusubiWatch:
+    """One attempt seen through its output: true steps into ``progress.json``, whole state folders into the
+    ledger, and the stop at the target step of a resumed attempt."""
+
+    def __init__(self, engine: MusubiEngine, start: int, name: str) -> None:
+        self.engine, self.start, self.name = engine, start, name
+        self.events_dir: Path | None = None
+        self.lock = threading.Lock()
+        self.step: int | None = None  # musubi's own count in this attempt
+        self.it_per_s: float | None = None
+        self.announced: int | None = None
+        self.reached_target = False
+        self.last_write = 0.0
+
+    def feed(self, line: str) -> None:
+        with self.lock:
+            saving = _SAVING.search(line)
+            if saving:
+                self.announced = int(saving["step"])
+                return
+            bar = parse_bar(line)
+            if bar is None:
+                return
+            if not bar.is_steps:
+                if time.monotonic() - self.last_write >= 1.0:
+                    self._progress(phase=bar.desc.strip() or "preparing")
+                return
+            self._on_steps(bar.n, bar.total, bar.it_per_s, bar.loss)
+
+    def _on_steps(self, n: int, total: int, it_per_s: float | None, loss: float | None) -> None:
+        ledger = self.engine.ledger
+        if ledger.target_steps is None and self.start == 0:
+            ledger.target_steps = total
+            ledger.save()
+        changed, self.step = n != self.step, n
+        self.it_per_s = it_per_s or self.it_per_s
+        if self.announced is not None and n >= self.announced:  # the redraw after the save: the folder is whole
+            self._whole(self.announced)
+            self.announced = None
+        if changed or time.monotonic() - self.last_write >= 1.0:
+            self._progress(loss=loss)
+        target = ledger.target_steps
+        if self.start and target and self.start + n >= target and self._has_whole(target - self.start):
+            self.reached_target = True
+            self.engine.stop_child()
+
+    def _whole(self, step: int) -> None:
+        name = f"{self.name}-step{step:08d}-state"
+        if (self.engine.states_dir / name).is_dir():
+            self.engine.ledger.whole[name] = self.start + step
+            self.engine.ledger.save()
+
+    def _has_whole(self, step: int) -> bool:
+        return f"{self.name}-step{step:08d}-state" in self.engine.ledger.whole
+
+    def _progress(self, loss: float | None = None, phase: str | None = None) -> None:
+        if self.events_dir is None:
+            return
+        payload = {"step": self.start + (self.step or 0), "max_train_steps": self.engine.ledger.target_steps,
+                   "time": time.time(), "it_per_s": self.it_per_s, "loss": loss, "engine": ENGINE_NAME}
+        if phase:
+            payload["phase"] = phase
+        write_event(self.events_dir, PROGRESS, payload)
+        self.last_write = time.monotonic()
+
+
+# ---------------------------------------------------------------- the engine adapter
+
+
+@dataclass
+class MusubiEngine:
+    """The user's musubi-tuner as an engine of the watchdog (``recovery.engine.Engine``)."""
+
+    install: MusubiInstall
+    family: FamilySpec
+    run_dir: Path  # the plan's folder: dataset.toml, config.toml, the caches; the children's working folder
+    base: TrainSettings
+    model_args: dict[str, str]  # dit, vae, text_encoder -> file
+    output_name: str
+    save_every_s: float
+    env: dict[str, str]
+    planned_it_per_s: float | None = None
+    options: dict[str, frozenset[str]] = field(default_factory=dict)
+    ledger: MusubiLedger = field(init=False)
+    watch: MusubiWatch | None = None
+    pid: int | None = None
+    measured_it_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.ledger = MusubiLedger.load(self.run_dir / MUSUBI_LEDGER)
+
+    @property
+    def states_dir(self) -> Path:
+        return self.run_dir
+
+    def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
+        return self.ledger.newest(states_dir)
+
+    def child_started(self, pid: int) -> None:
+        self.pid = pid
+
+    def stop_child(self) -> None:
+        if self.pid is not None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def line_handler(self, events_dir: Path) -> Callable[[str], None]:
+        assert self.watch is not None, "attempt_argv comes first"
+        self.watch.events_dir = events_dir
+        return self.watch.feed
+
+    def script(self, key: str) -> str:
+        facts = self.family.musubi or {}
+        return self.family.kohya_script if key == "train" else facts[key]
+
+    def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
+                     log: DecisionLog) -> list[str]:
+        settings = files.settings or self.base
+        start = state[1] if state else 0
+        target = self.ledger.target_steps
+        drop = ("max_train_epochs", "save_every_n_epochs", "save_last_n_epochs") if state else ()
+        config, dataset = write_attempt_files(self.run_dir / "config.toml", self.run_dir / "dataset.toml", settings,
+                                              self.base, self.run_dir / STATE_DIR, attempt, drop)
+        self._cache(dataset, log)
+        rate, source = self._rate()
+        every = save_every_n_steps(self.save_every_s, rate, target)
+        name = f"{self.output_name}-from{start:08d}"
+        argv = [self.install.python, str(self.install.scripts / self.script("train")), "--config_file", str(config),
+                "--output_dir", str(self.run_dir), "--output_name", name, "--save_state"]
+        if state is not None and target:
+            every = remaining_divisor(target - start, every)
+            argv += ["--resume", str(state[0]), "--max_train_steps", str(target)]
+        argv += ["--save_every_n_steps", str(every), "--save_last_n_steps_state", "2", "--save_last_n_steps", "2"]
+        argv += [word for key, value in self.model_args.items() for word in (f"--{key}", value)]
+        argv += self._version_args()
+        self._check(argv, self.script("train"))
+        self.watch = MusubiWatch(self, start, name)
+        log.write("musubi_command", f"attempt {attempt}: {shlex.join(argv)}", argv=argv)
+        log.write("musubi_saves", f"attempt {attempt}: state saved every {every} step(s) (~{every / rate:.2g} s at "
+                  f"{rate:.3g} it/s, {source}); a failure loses at most those steps", save_every_n_steps=every)
+        return argv
+
+    def _version_args(self) -> list[str]:
+        return [str(word) for word in (self.family.musubi or {}).get("version_args", [])]
+
+    def _check(self, argv: list[str], script: str) -> None:
+        if script not in self.options:
+            self.options[script] = script_options(self.install, script, self.env)
+            check_options(self.options[script], list(REQUIRED_OPTIONS) if script == self.script("train") else [],
+                          f"{self.install.scripts / script} (what autotune needs to save and resume)", script)
+        check_options(self.options[script], [m["name"] for m in _OPTION.finditer(" ".join(argv[2:]))],
+                      "autotune's command line for musubi-tuner", script)
+
+    def _cache(self, dataset: Path, log: DecisionLog) -> None:
+        """Both caching steps for this attempt's dataset; what is cached already is kept (``--skip_existing``)."""
+        facts = self.family.musubi or {}
+        te_option = facts["text_encoder_option"]
+        steps = (("cache_latents", ["--vae", self.model_args.get("vae", "")]),
+                 ("cache_text_encoder_outputs", [f"--{te_option}", self.model_args.get(te_option, ""),
+                                                 "--batch_size", "16", *self._te_extra()]))
+        for key, extra in steps:
+            script = self.script(key)
+            argv = [self.install.python, str(self.install.scripts / script), "--dataset_config", str(dataset),
+                    "--skip_existing", *extra, *self._version_args()]
+            argv = [word for word in argv if word != ""]
+            self._check(argv, script)
+            log.write("musubi_cache", f"{key.replace('_', ' ')}: {shlex.join(argv)}", argv=argv)
+            done = subprocess.run(argv, cwd=self.run_dir, env=self.install.env(self.env), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, check=False)
+            with (self.run_dir / STATE_DIR / "musubi_cache.log").open("a", encoding="utf-8") as handle:
+                handle.write(done.stdout)
+            if done.returncode != 0:
+                lines = [line for line in done.stdout.replace("\r", "\n").splitlines() if line.strip()]
+                raise UserError(f"musubi-tuner's {script} failed: {lines[-1] if lines else 'no output'} (whole "
+                                f"log: {self.run_dir / STATE_DIR / 'musubi_cache.log'})")
+
+    def _te_extra(self) -> list[str]:
+        facts = self.family.musubi or {}
+        extra = []
+        if facts.get("text_encoder_fp8") and self.base.fp8_base:
+            extra.append(f"--{facts['text_encoder_fp8']}")
+        return extra
+
+    def _rate(self) -> tuple[float, str]:
+        if self.measured_it_per_s:
+            return self.measured_it_per_s, "measured in the last attempt"
+        if self.planned_it_per_s:
+            return self.planned_it_per_s / 2, "half the plan's prediction, to be safe"
+        return 1.0, "no measurement yet"
+
+    def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
+        watch = self.watch
+        assert watch is not None
+        if watch.it_per_s:
+            self.measured_it_per_s = watch.it_per_s
+        done = result.outcome is Outcome.DONE
+        if watch.reached_target or (done and watch.start == 0):
+            return self._final(result, watch, log)
+        if done:
+            return replace(result, outcome=Outcome.CRASH, message=f"musubi-tuner ended at step "
+                           f"{watch.start + (watch.step or 0)} before the target {self.ledger.target_steps}")
+        return result
+
+    def _final(self, result: AttemptResult, watch: MusubiWatch, log: DecisionLog) -> AttemptResult:
+        """The attempt's last LoRA as ``{output_name}.safetensors``, its ``ss_steps`` the true step count."""
+        target = self.ledger.target_steps or watch.start + (watch.step or 0)
+        source = self.run_dir / (f"{watch.name}-step{target - watch.start:08d}.safetensors" if watch.start
+                                 else f"{watch.name}.safetensors")
+        final = self.run_dir / f"{self.output_name}.safetensors"
+        if not source.is_file():
+            return replace(result, outcome=Outcome.CRASH, message=f"musubi-tuner wrote no {source.name}")
+        relabel_steps(source, final, target)
+        if watch.start:
+            log.write("musubi_stop", f"stopped musubi-tuner at the target step {target} (its own count "
+                      f"{target - watch.start}); LoRA {final.name} from {source.name}", steps=target)
+        return replace(result, outcome=Outcome.DONE, message="finished",
+                       done_event={"output_file": str(final), "steps": target, "engine": ENGINE_NAME})
+
+
+def relabel_steps(source: Path, final: Path, steps: int) -> None:
+    """``source`` written to ``final`` with ``ss_steps`` the true step count (musubi writes its own, which restarts
+    at every launch); the tensors unchanged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(source), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no iteration
+    metadata["ss_steps"] = str(steps)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, final)

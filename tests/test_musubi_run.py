@@ -1,0 +1,124 @@
+"""``autotune run --engine musubi-tuner=PATH`` against a stand-in musubi-tuner (tests/fixtures/fake_musubi_tuner, a
+FAKE with musubi's command lines, output and state folders; see its fake.py): caching, then training under the
+watchdog through an OOM mid-run, a SIGKILL and a stall, each resumed although musubi restarts its step count at 0;
+the final LoRA holds exactly the target's updates and the learning-rate schedule of an uninterrupted run. What cannot
+exist here is musubi-tuner's real model (tens of GB of weights) and a GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from safetensors import safe_open
+
+from autotune.layout import DECISIONS_JSONL
+from autotune.recovery.musubi import remaining_divisor, true_step
+from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.config.settings_space import OOM_POLICY, Limits, rungs
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "fixtures" / "fake_musubi_tuner"
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _inputs(tmp_path: Path) -> tuple[Path, list[str]]:
+    from test_musubi_detect import write_dit
+
+    data = tmp_path / "data" / "1_thing"
+    data.mkdir(parents=True)
+    for i in range(4):
+        Image.new("RGB", (64, 64), (40 * i, 0, 0)).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text("a photo of a thing")
+    (tmp_path / "vae.safetensors").write_bytes(b"vae")
+    (tmp_path / "te.safetensors").write_bytes(b"text encoder")
+    dit = write_dit(tmp_path / "qwen_image_bf16.safetensors", "qwen-image")
+    return data.parent, ["--model", str(dit), "--vae", str(tmp_path / "vae.safetensors"), "--text_encoder",
+                         str(tmp_path / "te.safetensors"), "--vram", "24"]
+
+
+def _run(tmp_path: Path, argv: list[str], rules: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FAKE_MUSUBI": rules, "FAKE_MUSUBI_MARKS": str(tmp_path / "marks")}
+    return subprocess.run([sys.executable, "-m", "autotune", "run", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _expected_lrs(config: Path, steps: int) -> list[float]:
+    """The fake's (musubi's) schedule at every step of an uninterrupted run of ``steps``."""
+    import toml
+
+    values = toml.load(config)
+    base, warmup = float(values["learning_rate"]), int(values.get("lr_warmup_steps") or 0)
+    out = []
+    for step in range(steps):
+        if step < warmup:
+            out.append(base * (step + 1) / warmup)
+        elif values.get("lr_scheduler", "constant") == "constant":
+            out.append(base)
+        else:
+            out.append(base * max(0.0, 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))))
+    return out
+
+
+@pytest.mark.slow
+def test_oom_sigkill_and_stall_each_resume_and_the_lora_ends_at_the_target(tmp_path: Path) -> None:
+    data, model = _inputs(tmp_path)
+    out = tmp_path / "run"
+    done = _run(tmp_path, [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--batch", "1", "--accum", "1",
+                           "--epochs", "6", "--out", str(out), "--stall-timeout", "4", "--max-retries", "8",
+                           "--save-state-every", "0.2"],
+                rules="oom_at=5,kill_at=11,stall_at=17,step_s=0.05")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (final,) = [p for p in out.glob("*.safetensors") if "-from" not in p.name]
+    with safe_open(str(final), framework="pt") as handle:
+        metadata = handle.metadata()
+    target = json.loads((out / "state" / "musubi.json").read_text())["target_steps"]
+    assert target == 24
+    assert metadata["ss_steps"] == "24" and metadata["fake_updates"] == "24"  # true steps, not musubi's own count
+    lrs = json.loads(metadata["fake_lrs"])
+    assert lrs == pytest.approx(_expected_lrs(out / "config.toml", 24))  # the schedule of one uninterrupted run
+    decisions = [json.loads(line) for line in (out / DECISIONS_JSONL).read_text().splitlines()]
+    events = [d["event"] for d in decisions]
+    assert {"oom", "os_kill", "stall"} <= set(events), events
+    resumes = [d for d in decisions if d["event"] == "resume"]
+    assert len(resumes) == 3 and len({d["step"] for d in resumes}) == 3  # each from a later state than the last
+    assert all("blocks_to_swap" in d["text"] for d in decisions if d["event"] in ("oom", "os_kill"))  # swap more
+    commands = [d["argv"] for d in decisions if d["event"] == "musubi_command"]
+    assert all("--max_train_steps" in c and c[c.index("--max_train_steps") + 1] == "24" for c in commands[1:])
+    assert any(d["event"] == "musubi_stop" for d in decisions)
+
+
+def test_resumed_saves_fall_on_the_target_and_state_names_carry_the_true_step() -> None:
+    assert remaining_divisor(13, 5) == 1 and remaining_divisor(12, 5) == 4 and remaining_divisor(3, 10) == 3
+    assert true_step("lora-from00000040-step00000010-state") == 50
+    assert true_step("lora-step00000010-state") is None
+
+
+def test_clips_get_shorter_after_resolution_and_before_rank() -> None:
+    clip = TrainSettings(resolution=(480, 480), frames=33, network_dim=16, blocks_to_swap=39)
+    moves = {name: [c.settings for c in candidates] for name, _, candidates in rungs(clip, OOM_POLICY, Limits())}
+    assert [s.frames for s in moves["frames"]] == [29, 25, 21, 17, 13, 9, 5]
+    order = list(OOM_POLICY.rungs)
+    assert order.index("resolution") < order.index("frames") < order.index("rank_min")
+    assert moves["frames"] and not rungs(TrainSettings(), OOM_POLICY, Limits())[order.index("frames")][2]
+
+
+def test_refusals_are_one_line(tmp_path: Path) -> None:
+    data, model = _inputs(tmp_path)
+    cases = [
+        ([str(data), *model, "--engine", f"musubi-tuner={tmp_path}"], "not a musubi-tuner checkout"),
+        ([str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--config", str(tmp_path / "c.toml")], "--config"),
+        ([str(data), "--model", "builtin:qwen-image", "--engine", f"musubi-tuner={FAKE}"], "DiT file"),
+        ([str(data), "--model", "builtin:tiny-sd15", "--engine", f"musubi-tuner={FAKE}"], "not trained by musubi"),
+        ([str(data), *model], "--engine musubi-tuner=PATH"),
+    ]
+    for argv, said in cases:
+        done = _run(tmp_path, [*argv, "--out", str(tmp_path / "never")], timeout=120)
+        assert done.returncode != 0 and said in done.stderr, (argv, done.stderr)
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert not (tmp_path / "never").exists()
