@@ -714,6 +714,8 @@ MORE = [
     Case("ui-engine-not-sd-scripts", lambda t: ["autotune", "ui", "--engine", f"sd-scripts={t}"], "not sd-scripts"),
     Case("ui-engine-unknown-kind", lambda t: ["autotune", "ui", "--engine", "musubi=/x"], "expected sd-scripts=PATH"),
     Case("ui-python-without-engine", lambda t: ["autotune", "ui", "--python", sys.executable], "only with --engine"),
+    Case("ui-engine-not-musubi", lambda t: ["autotune", "ui", "--engine", f"musubi-tuner={t}"],
+         "not a musubi-tuner checkout"),
     Case("flux-offload-with-block-swap", lambda t: flux(t, cpu_offload_checkpointing=True, blocks_to_swap=2),
          "blocks_to_swap cannot go with it"),
     Case("sd3-clip-g-is-a-t5-file", lambda t: sd3(t, clip_g=str(safetensors_file(

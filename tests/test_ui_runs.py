@@ -172,3 +172,35 @@ def test_the_users_sd_scripts_runs_from_the_page_when_the_server_offers_it(tmp_p
         assert meta["fake_true_steps"] == str(info["max_train_steps"]) == str(info["step"])
     finally:
         server.stop()
+
+
+def test_the_users_musubi_tuner_runs_from_the_page_when_the_server_offers_it(tmp_path):
+    """``autotune ui --engine musubi-tuner=PATH``: a Qwen-Image run from the page is ``autotune run --engine
+    musubi-tuner=...`` under the same watchdog, against the FAKE musubi-tuner (tests/fixtures/fake_musubi_tuner),
+    which OOMs once at step 5: stepped down (more blocks swapped), resumed, done at the target step."""
+    from safetensors import safe_open
+    from test_musubi_run import FAKE, _inputs
+
+    data, model = _inputs(tmp_path)
+    files = dict(zip(model[::2], model[1::2], strict=True))
+    env = {"FAKE_MUSUBI": "oom_at=5", "FAKE_MUSUBI_MARKS": str(tmp_path / "marks"), "HF_HUB_OFFLINE": "1"}
+    server = Server(tmp_path, "--engine", f"musubi-tuner={FAKE}", env=env)
+    try:
+        assert server.call("GET", "/api/health")[1]["engines"] == ["autotune", "musubi-tuner"]
+        body = {"dataset": str(data), "model": "builtin:tiny-sd15", "engine": "musubi-tuner"}
+        status, answer = server.call("POST", "/api/runs", body)  # not a musubi family: refused before any folder
+        assert status == 400 and "not trained by musubi-tuner" in answer["error"], answer
+        body = {"dataset": str(data), "model": files["--model"], "vae": files["--vae"],
+                "text_encoder": files["--text_encoder"], "vram": 24, "batch": 1, "accum": 1, "epochs": 6,
+                "save_state_every": 0.2, "engine": "musubi-tuner", "name": "qwen"}
+        status, run = server.call("POST", "/api/runs", body)
+        assert status == 201, run
+        info = wait_for(server, "qwen", ("done", "failed"), timeout=300)
+        assert info["state"] == "done" and info["engine"] == "musubi-tuner", info
+        retry = json.loads((server.runs / "qwen" / "logs" / "retries.json").read_text())[0]
+        assert retry["failure"] == "oom" and retry["step"] == 4
+        (final,) = [p for p in (server.runs / "qwen").glob("*.safetensors") if "-from" not in p.name]
+        with safe_open(str(final), framework="pt") as handle:
+            assert handle.metadata()["fake_updates"] == handle.metadata()["ss_steps"] == str(info["step"]) == "24"
+    finally:
+        server.stop()

@@ -31,10 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-dir", action="append", default=None, metavar="DIR",
                         help="a folder datasets and models may come from (repeat it; default: home and current)")
     parser.add_argument("--token", default=None, help="the access token (default: generated when not on loopback)")
-    parser.add_argument("--engine", metavar="sd-scripts=PATH", default=None,
-                        help="offer your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) as a "
-                             "second engine on the new-training page; the path is fixed here, never sent by a page")
-    parser.add_argument("--python", default=None, help="with --engine: the Python that runs sd-scripts")
+    parser.add_argument("--engine", metavar="sd-scripts=PATH|musubi-tuner=PATH", action="append", default=None,
+                        help="offer your own sd-scripts (a checkout, or a lora-scripts / kohya_ss folder) or "
+                             "musubi-tuner checkout as another engine on the new-training page (repeat it for both); "
+                             "the path is fixed here, never sent by a page")
+    parser.add_argument("--python", default=None, help="with one --engine: the Python that runs it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,24 +57,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def engines(engine: str | None, python: str | None) -> dict[str, list[str]]:
-    """The engines the page may choose: autotune's, and the user's sd-scripts when ``--engine`` names one (checked
-    now, with absolute paths: runs start in the runs folder), each as the ``autotune run`` options it adds."""
+def engines(given: list[str] | None, python: str | None) -> dict[str, list[str]]:
+    """The engines the page may choose: autotune's, and the user's sd-scripts and musubi-tuner that ``--engine``
+    names (checked now, with absolute paths: runs start in the runs folder), each as the ``autotune run`` options it
+    adds."""
     from pathlib import Path
 
-    from autotune.recovery.sd_scripts import ENGINE_NAME, early_check, parse_engine
+    from autotune.recovery import musubi, sd_scripts
+    from sd_scripts_compat.errors import UserError
 
     offered: dict[str, list[str]] = {"autotune": []}
-    if engine is None:
-        if python:
-            from sd_scripts_compat.errors import UserError
-
-            raise UserError("--python: only with --engine sd-scripts=PATH (autotune's engine runs in this Python)")
-        return offered
-    install = early_check(engine, python, None)  # not sd-scripts, a --python that does not run: one line
-    root = parse_engine(engine)
-    assert root is not None  # early_check refuses "autotune"
-    offered[ENGINE_NAME] = ["--engine", f"{ENGINE_NAME}={Path(root).resolve()}", "--python", str(install.python)]
+    if python and len(given or []) != 1:
+        raise UserError("--python: only with --engine, exactly one (autotune's engine runs in this Python)")
+    for engine in given or []:
+        kind = engine.partition("=")[0]
+        if kind == musubi.ENGINE_NAME:
+            root = musubi.parse_engine(engine)
+            if root is None or not (root / "src" / "musubi_tuner").is_dir():
+                raise UserError(f"--engine {engine}: not a musubi-tuner checkout (no src/musubi_tuner in it); give "
+                                "the folder you cloned")
+            chosen = musubi.find_python(Path(root).resolve(), python)
+            offered[kind] = ["--engine", f"{kind}={Path(root).resolve()}", "--python", chosen[0]]
+            continue
+        install = sd_scripts.early_check(engine, python, None)  # not sd-scripts, a --python that does not run
+        root = sd_scripts.parse_engine(engine)
+        assert root is not None  # early_check refuses "autotune"
+        offered[sd_scripts.ENGINE_NAME] = ["--engine", f"{sd_scripts.ENGINE_NAME}={Path(root).resolve()}",
+                                           "--python", str(install.python)]
     return offered
 
 

@@ -102,14 +102,19 @@ def find_install(path: Path, python: str | None, family: FamilySpec) -> MusubiIn
         raise UserError(f"--engine musubi-tuner={path}: not a musubi-tuner checkout with {family.description}: no "
                         f"src/musubi_tuner/{family.kohya_script} in it; give the folder you cloned (git pull it if "
                         "it is older than the family)")
+    return MusubiInstall(root, *find_python(root, python))
+
+
+def find_python(root: Path, python: str | None) -> tuple[str, str]:
+    """``--python``, else the venv in the checkout (its docs make one there), else this Python; and where from."""
     if python:
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise UserError(f"--python {python}: not an executable file; give the Python that runs musubi-tuner")
-        return MusubiInstall(root, python, "given with --python")
+        return python, "given with --python"
     for place in PYTHON_PLACES:
         if (root / place).is_file() and os.access(root / place, os.X_OK):
-            return MusubiInstall(root, str(root / place), f"the venv in {root}")
-    return MusubiInstall(root, sys.executable, "no venv in it: the Python running autotune")
+            return str(root / place), f"the venv in {root}"
+    return sys.executable, "no venv in it: the Python running autotune"
 
 
 def script_options(install: MusubiInstall, script: str, env: Mapping[str, str]) -> frozenset[str]:
@@ -268,6 +273,8 @@ class MusubiWatch:
 
     def _on_steps(self, n: int, total: int, it_per_s: float | None, loss: float | None) -> None:
         ledger = self.engine.ledger
+        if self.reached_target:  # stopped at the target: a step it began before the stop does not count
+            return
         if ledger.target_steps is None and self.start == 0:
             ledger.target_steps = total
             ledger.save()

@@ -164,7 +164,7 @@ def parse_engine(value: str | None) -> Path | None:
     kind, sep, path = str(value).partition("=")
     if kind != ENGINE_NAME or not sep or not path:
         raise UserError(f"--engine {value}: expected sd-scripts=PATH (an sd-scripts, lora-scripts or kohya_ss "
-                        "folder) or autotune")
+                        "folder), musubi-tuner=PATH (a musubi-tuner checkout) or autotune")
     return Path(path).expanduser()
 
 

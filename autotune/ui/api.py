@@ -220,14 +220,14 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         engine = body.pop("engine", "autotune")
         if engine not in engines:
             raise BadRequest(f"engine {engine}: this server offers {', '.join(engines)} (autotune ui --engine "
-                             "sd-scripts=PATH adds your sd-scripts)")
+                             "sd-scripts=PATH or musubi-tuner=PATH adds yours)")
         name = body.pop("name", None)
         if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
             raise BadRequest("name: a folder name for the run (letters, digits, - and _)")
         args = parse_command("run", body, policy)  # refused here, as the CLI refuses it, before any folder
         argv = [*command_argv("run", body, policy), *engines[engine]]
-        if engines[engine]:  # the user's sd-scripts refuses what it cannot load (a built-in model) before any folder
-            await _in_thread(check_engine, engines[engine], args.model)
+        if engines[engine]:  # the user's trainer refuses what it cannot load (a built-in model) before any folder
+            await _in_thread(check_engine, engines[engine], args)
         return await _in_thread(store.start, argv, args.dataset, args.model, name)
 
     @app.get("/api/runs/{run_id}")
@@ -275,11 +275,22 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
                                  headers={"Cache-Control": "no-cache"})
 
 
-def check_engine(options: list[str], model: str) -> None:
+def check_engine(options: list[str], args: Any) -> None:
+    """The user's engine refuses what it cannot train (a built-in model, another trainer's family) before any
+    folder is made, as ``autotune run`` does."""
+    values = dict(zip(options[::2], options[1::2], strict=True))
+    if values["--engine"].startswith("musubi-tuner="):
+        from argparse import Namespace
+
+        from autotune.launch.musubi_run import early_check as musubi_check
+        from autotune.launch.run import check_engine_trains
+
+        check_engine_trains(args.model, args.family, engine=values["--engine"])
+        musubi_check(Namespace(**{**vars(args), "engine": values["--engine"], "python": values.get("--python")}))
+        return
     from autotune.recovery.sd_scripts import early_check
 
-    values = dict(zip(options[::2], options[1::2], strict=True))
-    early_check(values["--engine"], values.get("--python"), model)
+    early_check(values["--engine"], values.get("--python"), args.model)
 
 
 def inspect_run(folder: Path, run_id: str) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class RunStore:
                 "max_train_steps": total, "it_per_s": rate, "eta_s": eta, "loss": progress.get("loss"),
                 "lr": progress.get("lr"), "peak_memory_mib": progress.get("peak_memory_mib"),
                 "dataset": record.get("dataset"), "model": record.get("model"),
-                "engine": "sd-scripts" if "--engine" in argv else "autotune", "started_here": bool(record),
+                "engine": _engine_of(argv), "started_here": bool(record),
                 "planned": _planned(folder)}
 
     def state(self, run_id: str) -> tuple[str, str | None]:
@@ -226,3 +226,10 @@ def _write_json(path: Path, data: Any) -> None:
     from sd_scripts_compat.atomic import write_json_atomic
 
     write_json_atomic(path, data)
+
+
+def _engine_of(argv: list[str]) -> str:
+    """The engine a run's command line names: ``--engine KIND=PATH``'s kind, else autotune's own."""
+    if "--engine" in argv[:-1]:
+        return str(argv[argv.index("--engine") + 1]).partition("=")[0]
+    return "autotune"
