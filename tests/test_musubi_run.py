@@ -122,3 +122,28 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
         assert done.returncode != 0 and said in done.stderr, (argv, done.stderr)
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.slow
+def test_an_ended_run_continues_with_resume_at_its_true_step(tmp_path: Path) -> None:
+    """A run that gave up (a stall, no retries left) continues with ``autotune run --resume``: from its newest whole
+    state, to the target, with the schedule of an uninterrupted run; the report reads its end."""
+    data, model = _inputs(tmp_path)
+    out = tmp_path / "run"
+    argv = [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--batch", "1", "--accum", "1", "--epochs", "6",
+            "--out", str(out), "--stall-timeout", "3", "--save-state-every", "0.2"]
+    first = _run(tmp_path, [*argv, "--max-retries", "0"], rules="stall_at=13,step_s=0.05")
+    assert first.returncode == 1 and "giving up" in first.stderr, first.stderr[-2000:]
+    again = _run(tmp_path, [*argv, "--resume"], rules="step_s=0.05")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = [json.loads(line) for line in (out / DECISIONS_JSONL).read_text().splitlines()
+               if json.loads(line)["event"] == "resume"]
+    assert len(resumed) == 1 and 0 < resumed[0]["step"] <= 12
+    (final,) = [p for p in out.glob("*.safetensors") if "-from" not in p.name]
+    with safe_open(str(final), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["ss_steps"] == metadata["fake_updates"] == "24"
+    assert json.loads(metadata["fake_lrs"]) == pytest.approx(_expected_lrs(out / "config.toml", 24))
+    report = subprocess.run([sys.executable, "-m", "autotune", "report", str(out), "--json"], capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert json.loads(report.stdout)["outcome"] == "done"

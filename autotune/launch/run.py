@@ -117,15 +117,17 @@ def dataset_folder(path: str) -> Path:
 # ---------------------------------------------------------------- dataset check
 
 
-def check_dataset(folder: Path) -> Any:
+def check_dataset(folder: Path, frames: int | None = None) -> Any:
     """Basic checks before anything heavy, with the planner's own scan (``sd_scripts_compat.dataset.scan``):
-    the folder exists and holds images, in N_name subfolders or directly in it (one subset, 1 repeat).
+    the folder exists and holds images (with ``frames`` > 1: videos, a clip dataset's), in N_name subfolders or
+    directly in it (one subset, 1 repeat).
 
-    Returns the ``DatasetScan``. A missing folder or one without images is a one-line UserError.
+    Returns the ``DatasetScan``. A missing folder or one without them is a one-line UserError.
     """
-    from sd_scripts_compat.dataset.scan import require_images, scan_dataset_folder
+    from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, require_images, scan_dataset_folder
 
-    return require_images(scan_dataset_folder(folder))
+    media = VIDEO_EXTENSIONS if (frames or 1) > 1 else IMAGE_EXTENSIONS
+    return require_images(scan_dataset_folder(folder, media=media), media)
 
 
 def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
@@ -222,7 +224,7 @@ def start_run(args: argparse.Namespace) -> int:
             check_engine_trains(args.model, args.family, engine=args.engine)
     elif args.model:
         check_engine_trains(args.model, args.family)
-    scan = check_dataset(dataset_dir)
+    scan = check_dataset(dataset_dir, getattr(args, "frames", None))
     check_folder_convention(args, scan)
     if args.resolution is not None and not args.config:  # the plan's own rule, said before the doctor's checks
         from autotune.planning.request import validate_resolution
@@ -262,7 +264,7 @@ def _output_folder(args: argparse.Namespace, dataset_dir: Path) -> Path:
 def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:
     """What the doctor checks for: the settings --config (+ --dataset-config) will train with, else the pins."""
     if not args.config:
-        return {"resolution": args.resolution}
+        return {"resolution": args.resolution, **({"frames": args.frames} if getattr(args, "frames", None) else {})}
     from autotune.doctor.diagnose import options_from_config
 
     return options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,

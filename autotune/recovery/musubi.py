@@ -47,7 +47,7 @@ from autotune.layout import MUSUBI_LEDGER, STATE_DIR
 from autotune.recovery.sd_scripts import parse_bar, save_every_n_steps
 from sd_scripts_compat.atomic import write_json_atomic
 from sd_scripts_compat.config.kohya_toml import encode_value, read_toml, set_dataset_values
-from sd_scripts_compat.contract import PROGRESS, Outcome, write_event
+from sd_scripts_compat.contract import DONE, PROGRESS, Outcome, write_event
 from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
@@ -380,7 +380,7 @@ class MusubiEngine:
             argv += ["--resume", str(state[0]), "--max_train_steps", str(target)]
         argv += ["--save_every_n_steps", str(every), "--save_last_n_steps_state", "2", "--save_last_n_steps", "2"]
         argv += [word for key, value in self.model_args.items() for word in (f"--{key}", value)]
-        argv += self._version_args()
+        argv += self._version_args(self.script("train"))
         self._check(argv, self.script("train"))
         self.watch = MusubiWatch(self, start, name)
         log.write("musubi_command", f"attempt {attempt}: {shlex.join(argv)}", argv=argv)
@@ -388,8 +388,14 @@ class MusubiEngine:
                   f"{rate:.3g} it/s, {source}); a failure loses at most those steps", save_every_n_steps=every)
         return argv
 
-    def _version_args(self) -> list[str]:
-        return [str(word) for word in (self.family.musubi or {}).get("version_args", [])]
+    def _version_args(self, script: str) -> list[str]:
+        """The family's model-version options (Wan's ``--task``) that ``script`` takes (the writer's rule)."""
+        from sd_scripts_compat.config.musubi_args import musubi_options
+
+        words = [str(word) for word in (self.family.musubi or {}).get("version_args", [])]
+        table = musubi_options(script.removesuffix(".py"))
+        return [word for name, value in zip(words[::2], words[1::2], strict=True)
+                if name.removeprefix("--") in table for word in (name, value)]
 
     def _check(self, argv: list[str], script: str) -> None:
         if script not in self.options:
@@ -409,7 +415,7 @@ class MusubiEngine:
         for key, extra in steps:
             script = self.script(key)
             argv = [self.install.python, str(self.install.scripts / script), "--dataset_config", str(dataset),
-                    "--skip_existing", *extra, *self._version_args()]
+                    "--skip_existing", *extra, *self._version_args(script)]
             argv = [word for word in argv if word != ""]
             self._check(argv, script)
             log.write("musubi_cache", f"{key.replace('_', ' ')}: {shlex.join(argv)}", argv=argv)
@@ -419,8 +425,9 @@ class MusubiEngine:
                 handle.write(done.stdout)
             if done.returncode != 0:
                 lines = [line for line in done.stdout.replace("\r", "\n").splitlines() if line.strip()]
-                raise UserError(f"musubi-tuner's {script} failed: {lines[-1] if lines else 'no output'} (whole "
-                                f"log: {self.run_dir / STATE_DIR / 'musubi_cache.log'})")
+                read = ", ".join(word for word in extra if os.sep in word) or "its model file"
+                raise UserError(f"musubi-tuner's {script} failed: {lines[-1] if lines else 'no output'}; check the "
+                                f"file it read ({read}) and that musubi-tuner runs in {self.install.python}")
 
     def _te_extra(self) -> list[str]:
         facts = self.family.musubi or {}
@@ -461,8 +468,10 @@ class MusubiEngine:
         if watch.start:
             log.write("musubi_stop", f"stopped musubi-tuner at the target step {target} (its own count "
                       f"{target - watch.start}); LoRA {final.name} from {source.name}", steps=target)
-        return replace(result, outcome=Outcome.DONE, message="finished",
-                       done_event={"output_file": str(final), "steps": target, "engine": ENGINE_NAME})
+        done = {"output_file": str(final), "steps": target, "engine": ENGINE_NAME}
+        if watch.events_dir is not None:  # the report and the web app read the run's end and its LoRA from it
+            write_event(watch.events_dir, DONE, done)
+        return replace(result, outcome=Outcome.DONE, message="finished", done_event=done)
 
 
 def relabel_steps(source: Path, final: Path, steps: int) -> None:
