@@ -74,19 +74,10 @@ def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[st
 
 
 def _plan(args: argparse.Namespace, out: Path) -> Any:
-    from autotune.launch.plan_options import build_request, render
-    from autotune.launch.run import _check_model_files
-    from autotune.planning.planner import plan_training
-    from autotune.planning.toml_writer import write_plan_files
+    """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's."""
+    from autotune.launch.run import _plan as plan_into
 
-    args.out = str(out)
-    plan = plan_training(build_request(args))
-    if not plan.fits:
-        raise UserError(f"{args.model}: {plan.message}")
-    _check_model_files(plan)
-    render(plan)
-    write_plan_files(plan, out, args.format)
-    return plan
+    return plan_into(args, out)[2]
 
 
 def _model_files(plan: Any, family: Any, dit: str) -> dict[str, str]:

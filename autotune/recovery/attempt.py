@@ -329,3 +329,14 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
                 _signal_group(proc, signal.SIGKILL)
     proc.wait()
     return seen
+
+
+def terminate_group(pid: int | None) -> None:
+    """SIGTERM to a child's process group (a wrapped trainer stopped on purpose: at a wrong counter, at its
+    target); one already gone is no error."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -346,11 +345,9 @@ class MusubiEngine:
         self.pid = pid
 
     def stop_child(self) -> None:
-        if self.pid is not None:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+        from autotune.recovery.attempt import terminate_group
+
+        terminate_group(self.pid)
 
     def line_handler(self, events_dir: Path) -> Callable[[str], None]:
         assert self.watch is not None, "attempt_argv comes first"

@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -617,11 +616,9 @@ class SdScriptsEngine:
         self.pid = pid
 
     def stop_child(self) -> None:
-        if self.pid is not None:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+        from autotune.recovery.attempt import terminate_group
+
+        terminate_group(self.pid)
 
     def line_handler(self, events_dir: Path) -> Callable[[str], None]:
         assert self.watch is not None, "attempt_argv comes first"
