@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,29 @@ def test_an_ended_run_continues_with_resume_at_its_true_step(tmp_path: Path) -> 
     report = subprocess.run([sys.executable, "-m", "autotune", "report", str(out), "--json"], capture_output=True,
                             text=True, timeout=120, check=True)
     assert json.loads(report.stdout)["outcome"] == "done"
+
+
+def test_a_stepped_down_attempt_writes_musubi_keys_only(tmp_path: Path) -> None:
+    """The ladder's settings become musubi's files: swap and rank in the config (musubi's names, none it lacks),
+    resolution and frames in every [[datasets]], the plan's relative folders made absolute, epoch keys dropped."""
+    import toml
+
+    from autotune.planning.planner import PlanRequest, gpu_from_vram, plan_training
+    from autotune.planning.toml_writer import write_plan_files
+    from autotune.recovery.musubi import write_attempt_files
+
+    plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:wan2.1-t2v-1.3b", gpus=(gpu_from_vram(16),),
+                                     cpu_physical_cores=8))
+    write_plan_files(plan, tmp_path)
+    base = replace(plan.settings, frames=33)
+    lower = replace(base, blocks_to_swap=base.blocks_to_swap + 4, resolution=(512, 512), frames=17, network_dim=8,
+                    train_batch_size=1)
+    config, dataset = write_attempt_files(tmp_path / "config.toml", tmp_path / "dataset.toml", lower, base,
+                                          tmp_path / "state", 3, ("max_train_epochs",), "wan_train_network.py")
+    values, data = toml.load(config), toml.load(dataset)
+    assert values["blocks_to_swap"] == lower.blocks_to_swap and values["network_dim"] == 8
+    assert "resolution" not in values and "train_batch_size" not in values and "max_train_epochs" not in values
+    assert values["dataset_config"] == str(dataset)
+    for entry in data["datasets"]:
+        assert entry["resolution"] == [512, 512] and entry["target_frames"] == [17]
+        assert Path(entry["cache_directory"]).is_absolute()

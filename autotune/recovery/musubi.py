@@ -141,24 +141,25 @@ def check_options(names: frozenset[str], wanted: list[str], source: str, script:
 # ---------------------------------------------------------------- the files of one attempt
 
 
-def musubi_values(settings: TrainSettings, base: TrainSettings) -> dict[str, Any]:
-    """The training-config values of ``settings`` that differ from ``base``, in musubi's names."""
+def musubi_values(settings: TrainSettings, base: TrainSettings, script: str) -> dict[str, Any]:
+    """The training-config values of ``settings`` that differ from ``base``, in musubi's names, those ``script``
+    has (the dataset's values go to the dataset TOML)."""
+    from sd_scripts_compat.config.musubi_args import musubi_options
     from sd_scripts_compat.config.settings_space import config_values
 
     new, old = config_values(settings), config_values(base)
-    skip = {"resolution", "train_batch_size", "cache_latents", "cache_text_encoder_outputs", "max_bucket_reso",
-            "network_train_unet_only"}
-    return {RENAMED.get(k, k): v for k, v in new.items() if k not in skip and old.get(k) != v}
+    table = musubi_options(script.removesuffix(".py"))
+    return {RENAMED.get(k, k): v for k, v in new.items() if old.get(k) != v and RENAMED.get(k, k) in table}
 
 
 def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, base: TrainSettings, out_dir: Path,
-                        attempt: int, drop: tuple[str, ...]) -> tuple[Path, Path]:
+                        attempt: int, drop: tuple[str, ...], script: str) -> tuple[Path, Path]:
     """This attempt's config.toml and dataset.toml for musubi: the job's, with the settings the ladder changed
     (resolution, micro-batch and frames in the dataset; the rest in the config) and ``drop`` removed."""
     from sd_scripts_compat.config.kohya_toml import set_config_values
 
-    document = {k: v for k, v in set_config_values(read_toml(config), musubi_values(settings, base)).items()
-                if k not in drop}
+    values = musubi_values(settings, base, script)
+    document = {k: v for k, v in set_config_values(read_toml(config), values).items() if k not in drop}
     data = read_toml(dataset, "dataset config")
     changes: dict[str, Any] = {}
     if settings.resolution != base.resolution:
@@ -172,6 +173,7 @@ def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, ba
         for key in ("image_directory", "video_directory", "cache_directory"):
             if isinstance(entry.get(key), str):
                 entry[key] = str(config.parent / entry[key])
+    out_dir.mkdir(parents=True, exist_ok=True)
     config_out = out_dir / f"musubi.attempt{attempt}.config.toml"
     dataset_out = out_dir / f"musubi.attempt{attempt}.dataset.toml"
     document["dataset_config"] = str(dataset_out)
@@ -365,7 +367,8 @@ class MusubiEngine:
         target = self.ledger.target_steps
         drop = ("max_train_epochs", "save_every_n_epochs", "save_last_n_epochs") if state else ()
         config, dataset = write_attempt_files(self.run_dir / "config.toml", self.run_dir / "dataset.toml", settings,
-                                              self.base, self.run_dir / STATE_DIR, attempt, drop)
+                                              self.base, self.run_dir / STATE_DIR, attempt, drop,
+                                              self.script("train"))
         self._cache(dataset, log)
         rate, source = self._rate()
         every = save_every_n_steps(self.save_every_s, rate, target)
