@@ -577,6 +577,58 @@ def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY,
     return {"weights_bytes": weight_bytes, "transient_bytes": counter.peak - weight_bytes}
 
 
+def trace_latent_caching(family: str | FamilySpec, side: int, frames: int = 1) -> dict[str, int]:
+    """Peak live bytes of caching one sample's latents (a ``side`` x ``side`` image, or a clip of ``frames``):
+    the family's VAE (diffusers' class from the family's ``vae`` config) encoding it in bf16 under no_grad on fake
+    tensors, one sample at a time as the written caching command asks (``--batch_size 1``). Returns the VAE's
+    weights and the transient above them."""
+    import diffusers
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = trace_family(family)
+    config = {k: v for k, v in spec.vae.items() if not k.startswith("_") and not k.startswith("scale_factor")}
+    vae_class = getattr(diffusers, spec.vae["_class_name"])
+    with torch.device("meta"):
+        vae = vae_class(**config).to(torch.bfloat16)
+    fake_mode = FakeTensorMode()
+    fakeify([vae], fake_mode)
+    weights = [*vae.parameters(), *vae.buffers()]
+    video = "Wan" in vae_class.__name__  # a 3D VAE takes (batch, channels, frames, height, width), images too
+    counter = LiveBytesCounter()
+    with fake_mode:
+        counter.register(weights)
+        counter.reset_peak()
+        with counter.mode(), torch.no_grad():
+            shape = (1, 3, frames, side, side) if video else (1, 3, side, side)
+            vae.encode(torch.zeros(shape, dtype=torch.bfloat16))
+    weight_bytes = _storage_bytes(weights)
+    return {"weights_bytes": weight_bytes, "transient_bytes": counter.peak - weight_bytes}
+
+
+def fit_latent_caching(family: str | FamilySpec, sides: tuple[int, int] = (512, 1024),
+                       clip_frames: tuple[int, int] = (33, 81)) -> dict[str, Any]:
+    """The latent-caching calibration of a musubi family: the VAE's weights and the transient as ``a + b x pixels``
+    for images, through traces at two sides (a VAE's transient grows with the pixels it encodes); for a video
+    family's clips ``[a, b, d, F0]``: ``a + b x pixels + d x pixels x (frames - F0)``, a third trace at the longer
+    clip giving ``d`` (a clip is encoded in chunks of a few frames, so its length adds little: 3-4 % from 33 to 81
+    frames)."""
+    spec = trace_family(family)
+
+    def transient(side: int, frames: int) -> int:
+        return trace_latent_caching(spec, side, frames)["transient_bytes"]
+
+    (s0, s1), (f0, f1) = sides, clip_frames
+    out: dict[str, Any] = {"weights_bytes": trace_latent_caching(spec, s1)["weights_bytes"]}
+    for mode, frames in (("image", 1), *((("clip", f0),) if (spec.musubi or {}).get("video") else ())):
+        t0, t1 = transient(s0, frames), transient(s1, frames)
+        slope = (t1 - t0) / (s1 * s1 - s0 * s0)
+        out[mode] = [t0 - slope * s0 * s0, slope]
+        if mode == "clip":
+            out[mode] += [(transient(s1, f1) - t1) / (s1 * s1 * (f1 - f0)), f0]
+    return out
+
+
 # what each denoiser class is fed in a training step with cached inputs (FLUX.1: flux_train_network's call)
 FORWARDS: dict[str, Callable[[Any, LiveBytesCounter, FamilySpec, int, int, int], None]] = {
     "FluxTransformer2DModel": _flux_forward_backward,

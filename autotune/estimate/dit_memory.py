@@ -310,6 +310,12 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         if caching > tensor_peak * (1 + inputs.allocator_overhead) + context:
             notes.append(f"peak is the text-encoder caching ({'fp8' if inputs.t5_fp8 else 'bf16'} largest text "
                          "encoder on the GPU)")
+    latent = latent_caching_bytes(cal, inputs)
+    if latent:  # musubi runs its two caching steps apart: the caching phase is the larger of them
+        latent = int(latent * (1 + inputs.allocator_overhead)) + context
+        if latent > max(caching, tensor_peak * (1 + inputs.allocator_overhead) + context):
+            notes.append("peak is the latent caching (the VAE encoding one sample at a time)")
+        caching = max(caching, latent)
     host_base = int(cal["host_ram_baseline_gib"] * GIB)
     # sd-scripts parks the encoders and AE on the host; musubi-tuner caches in separate processes and trains
     # without them
@@ -323,6 +329,22 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         + (pinned - host if inputs.pinned_block_swap else pinned),
         host_ram_loading_bytes=loading + host_base + (0 if family.trainer == "musubi-tuner" else encoders + ae),
         swapped_bytes=host)
+
+
+def latent_caching_bytes(cal: dict[str, Any], inputs: DitMemoryInputs) -> int:
+    """Tensor bytes of musubi's latent-caching step (``cache_latents``, one sample at a time): the VAE's weights and
+    the encode transient from the family's traced fit (``a + b x pixels``; clips add ``d x pixels x`` their frames
+    beyond the fit's); 0 without a fit (the
+    families sd-scripts trains cache inside training, counted there)."""
+    fit = cal.get("latent_caching")
+    if not fit or not inputs.cache_latents:
+        return 0
+    pixels = inputs.resolution * (inputs.height or inputs.resolution)
+    if inputs.frames > 1 and "clip" in fit:
+        a, b, d, frames = fit["clip"]
+        return int(fit["weights_bytes"] + a + b * pixels + d * pixels * (inputs.frames - frames))
+    a, b = fit["image"]
+    return int(fit["weights_bytes"] + a + b * pixels)
 
 
 def musubi_pinned_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, split: tuple[int, ...], host: int) -> int:

@@ -122,7 +122,8 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
         return (f"src/musubi_tuner/{script}", *words)
 
     te_option = facts["text_encoder_option"]
-    latents = step(facts["cache_latents"], {"dataset_config": "dataset.toml", "vae": models["vae"]})
+    # one sample at a time: the memory model's latent-caching peak (a batch multiplies the VAE's transient)
+    latents = step(facts["cache_latents"], {"dataset_config": "dataset.toml", "vae": models["vae"], "batch_size": 1})
     te_options: dict[str, Any] = {"dataset_config": "dataset.toml", te_option: models[te_option], "batch_size": 16}
     if facts.get("text_encoder_fp8") and plan.kohya_values().get(facts["text_encoder_fp8"]):
         te_options[facts["text_encoder_fp8"]] = True

@@ -409,7 +409,7 @@ class MusubiEngine:
         """Both caching steps for this attempt's dataset; what is cached already is kept (``--skip_existing``)."""
         facts = self.family.musubi or {}
         te_option = facts["text_encoder_option"]
-        steps = (("cache_latents", ["--vae", self.model_args.get("vae", "")]),
+        steps = (("cache_latents", ["--vae", self.model_args.get("vae", ""), "--batch_size", "1"]),
                  ("cache_text_encoder_outputs", [f"--{te_option}", self.model_args.get(te_option, ""),
                                                  "--batch_size", "16", *self._te_extra()]))
         for key, extra in steps:

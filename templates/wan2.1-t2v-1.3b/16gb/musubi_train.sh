@@ -8,6 +8,6 @@ PLAN_DIR="$(cd "$(dirname "$0")" && pwd)"
 : "${VAE:?set VAE to the model file}"
 cd "$PLAN_DIR"
 export PYTHONPATH="$MUSUBI_TUNER/src${PYTHONPATH:+:$PYTHONPATH}"
-python "$MUSUBI_TUNER"/src/musubi_tuner/wan_cache_latents.py --dataset_config dataset.toml --vae "$VAE"
+python "$MUSUBI_TUNER"/src/musubi_tuner/wan_cache_latents.py --dataset_config dataset.toml --vae "$VAE" --batch_size 1
 python "$MUSUBI_TUNER"/src/musubi_tuner/wan_cache_text_encoder_outputs.py --dataset_config dataset.toml --t5 "$T5" --batch_size 16
 accelerate launch --num_cpu_threads_per_process 1 --mixed_precision bf16 "$MUSUBI_TUNER"/src/musubi_tuner/wan_train_network.py --config_file config.toml --dit "$DIT" --vae "$VAE" --task t2v-1.3B
