@@ -48,3 +48,23 @@ def test_the_written_latent_caching_encodes_one_sample_at_a_time(tmp_path) -> No
                                      cpu_physical_cores=8))
     latents = musubi_commands(plan)[0]
     assert latents[latents.index("--batch_size") + 1] == "1"
+
+
+def test_text_encoder_caching_on_the_cpu_counts_in_host_ram() -> None:
+    """musubi's ``--device cpu`` caching (the planner's choice where the encoder does not fit the card) holds the
+    encoder in RAM: the host figure covers it, the card's does not. With a caching transient made larger than the
+    model's loading (a stand-in calibration), the host peak is the caching step's and says so."""
+    import copy
+
+    from autotune.estimate.dit_memory import encoder_bytes, load_dit_calibration
+
+    inputs = DitMemoryInputs(family="qwen-image", resolution=1024, blocks_to_swap=40)
+    on_gpu, on_cpu = predict_dit_memory(inputs), predict_dit_memory(inputs.with_(text_encoders_on_cpu=True))
+    assert on_cpu.caching_peak < on_gpu.caching_peak
+    calibration = copy.deepcopy(load_dit_calibration())
+    calibration["variants"]["qwen-image"]["caching_transient_bytes"] = 100 * 2**30
+    big = predict_dit_memory(inputs.with_(text_encoders_on_cpu=True), calibration)
+    encoders = encoder_bytes(dit_family_calibration("qwen-image")["architecture"], False)
+    assert big.host_ram_loading_bytes - on_cpu.host_ram_loading_bytes > 50 * 2**30
+    assert big.host_ram_loading_bytes >= encoders + 100 * 2**30
+    assert any("text-encoder caching on the CPU" in note for note in big.notes)

@@ -153,7 +153,7 @@ class DitMemoryEstimate(MemoryEstimate):
     caching_peak: int = 0  # text-encoder caching phase: tensors + context + allocator slack
     pinned_host_bytes: int = 0  # of host_ram_bytes, page-locked (musubi's swap staging or pinned swapped blocks)
     host_ram_bytes: int = 0  # while training
-    host_ram_loading_bytes: int = 0  # while loading (the transformer passes through RAM)
+    host_ram_loading_bytes: int = 0  # while loading (the transformer passes through RAM) or caching on the CPU
     swapped_bytes: int = 0  # weight bytes of the swapped blocks (moved twice each way per step)
 
     @property
@@ -322,6 +322,12 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     parked = 0 if family.trainer == "musubi-tuner" else ae + (encoders if inputs.cache_text_encoder_outputs else 0)
     pinned = musubi_pinned_bytes(arch, inputs, split, host) if family.trainer == "musubi-tuner" else 0
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
+    # musubi's caching step on the CPU holds the encoders in RAM (sd-scripts' are counted in its loading already)
+    if family.trainer == "musubi-tuner" and inputs.cache_text_encoder_outputs and inputs.text_encoders_on_cpu:
+        cpu_caching = encoders + cal["caching_transient_bytes"]
+        if cpu_caching > loading:
+            notes.append(f"host RAM peak is the text-encoder caching on the CPU ({cpu_caching / GIB:.1f} GiB)")
+        loading = max(loading, cpu_caching)
     return DitMemoryEstimate(
         inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
         pinned_host_bytes=pinned,  # the staging copies add to the host; pinned swapped blocks replace theirs
