@@ -508,3 +508,38 @@ def test_the_wizard_predicts_from_this_machines_measured_runs_as_autotune_plan_d
     speed = next(line for line in done.stdout.splitlines() if line.strip().startswith("speed "))
     assert "predicted from:" in speed and "speed model" not in speed, speed
     assert f"{1 / (0.5 * settings['gradient_accumulation_steps']):.3g} it/s" in speed, speed
+
+
+def test_a_musubi_family_on_this_machine_is_offered_the_supervised_musubi_run(tmp_path):
+    """A Qwen-Image DiT file on this machine's card: after writing musubi's files the wizard offers
+    ``autotune run ... --engine musubi-tuner=PATH`` (the run the CLI and the web app start), naming the model files
+    to add. The offer itself, with a recording console (this machine has no GPU to be "this machine's")."""
+    import argparse
+    import io
+    import sys
+
+    from rich.console import Console
+
+    from autotune.wizard import steps
+    from autotune.wizard.ask import Asker
+    from autotune.wizard.flow import offer_training
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_musubi_detect import write_dit
+
+    dit = write_dit(tmp_path / "qwen_image_bf16.safetensors", "qwen-image")
+    screen = io.StringIO()
+    asker = Asker(Console(file=screen, width=400), assume_yes=True)
+    hardware = steps.Hardware(gpus=("RTX 4090",), cpu_cores=8, ram_bytes=None, summary="", local=True, cuda_index=0)
+    data = steps.DatasetChoice(folder=EXAMPLES, summary=None)
+    out = tmp_path / "out"
+    output = steps.OutputChoice(goal="character", priority="balanced", name="x", folder=out, fmt="kohya")
+    code = offer_training(asker, argparse.Namespace(start=False), hardware,
+                          steps.ModelChoice(model=str(dit), family="qwen-image"), data, output,
+                          out / "config.toml", out / "dataset.toml")
+    shown = screen.getvalue()
+    assert code == 0
+    line = next(line for line in shown.splitlines() if "--engine musubi-tuner=PATH" in line)
+    assert f"autotune run {EXAMPLES} --model {dit} --family qwen-image --out {out}" in line
+    assert line.strip().startswith("CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0 autotune run")
+    assert "--vae FILE and --text_encoder FILE" in shown

@@ -150,15 +150,21 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
         asker.say("These configs are for another machine: copy the dataset and the output folder there (the "
                   "paths in them are this machine's) and run the command above.")
         return 0
-    if not data.kohya_layout:
-        asker.say("Not offering to train here: `autotune run` needs N_name subfolders (see above).")
-        return 0
     from sd_scripts_compat.models.families import get_family
 
     family = get_family(model.family)
-    if family.trainer == "musubi-tuner":  # the written script caches and trains; no supervised run yet
-        asker.say("musubi-tuner trains this family: run the command above (autotune run does not supervise "
-                  "musubi-tuner yet)")
+    if family.trainer == "musubi-tuner":  # autotune run plans it again and supervises the user's musubi-tuner
+        supervised = ["autotune", "run", str(data.folder), "--model", model.model, "--family", model.family,
+                      *(["--frames", str(data.frames)] if data.frames > 1 else []), "--out", str(output.folder),
+                      "--engine", "musubi-tuner=PATH"]
+        asker.say("Or train here under lora-autotune's watchdog (out of memory: more blocks swapped, then smaller; "
+                  "killed or stalled: resumed at the exact step):")
+        asker.say("  " + env + shlex.join(supervised), soft_wrap=True)
+        asker.say("  (PATH: your musubi-tuner checkout; add the VAE and text-encoder files as --vae FILE and "
+                  f"--{(family.musubi or {}).get('text_encoder_option', 'text_encoder')} FILE)")
+        return 0
+    if not data.kohya_layout:
+        asker.say("Not offering to train here: `autotune run` needs N_name subfolders (see above).")
         return 0
     if not family.trained_here:  # sd-scripts trains it; autotune run supervises sd-scripts
         asker.say(f"Train here under lora-autotune's watchdog with your sd-scripts ({family.kohya_script}):")
