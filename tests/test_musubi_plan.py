@@ -185,3 +185,22 @@ def test_musubi_fp8_scaled_keeps_the_dequantized_copies_autograd_saves() -> None
     assert 0 < gc <= 3 * max(block_weights)
     extra = load_dit_calibration()["variants"]["flux2-klein-4b"]["fp8_extra"]
     assert extra["no_gc"] >= 0.95 * all_blocks and 0 < extra["gc"] < extra["no_gc"] / 4
+
+
+def test_wan22_trains_the_low_noise_expert_on_its_recommended_range() -> None:
+    """Wan 2.2 A14B is two experts; a plan trains the one given with --dit (the low-noise expert) alone, on the
+    timestep range musubi's docs recommend for it (T2V 0-875), with --preserve_distribution_shape; Wan 2.1 has one
+    model and no range."""
+    import toml
+
+    from autotune.planning.musubi_writer import render_musubi_config
+    from autotune.planning.planner import PlanRequest, gpu_from_vram, plan_training
+
+    def config(family: str) -> dict:
+        plan = plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", gpus=(gpu_from_vram(24),),
+                                         cpu_physical_cores=8))
+        return toml.loads(render_musubi_config(plan))
+
+    wan22, wan21 = config("wan2.2-t2v-a14b"), config("wan2.1-t2v-1.3b")
+    assert (wan22["min_timestep"], wan22["max_timestep"], wan22["preserve_distribution_shape"]) == (0, 875, True)
+    assert "min_timestep" not in wan21 and "max_timestep" not in wan21
