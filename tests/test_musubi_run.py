@@ -174,3 +174,14 @@ def test_a_stepped_down_attempt_writes_musubi_keys_only(tmp_path: Path) -> None:
     for entry in data["datasets"]:
         assert entry["resolution"] == [512, 512] and entry["target_frames"] == [17]
         assert Path(entry["cache_directory"]).is_absolute()
+
+
+def test_resuming_another_engines_run_with_musubi_is_one_line(tmp_path: Path) -> None:
+    data, model = _inputs(tmp_path)
+    out = tmp_path / "run"
+    (out / "state").mkdir(parents=True)
+    (out / "state" / "autotune_run.json").write_text(json.dumps({"settings": {}, "retries": []}))
+    (out / "config.toml").write_text("network_dim = 4\n")
+    done = _run(tmp_path, [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--out", str(out), "--resume"])
+    assert done.returncode != 0 and "not a musubi-tuner run" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -47,6 +47,9 @@ def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[st
     family = detect_family(args.model, args.family)
     cuda = probe.accelerator == "cuda"
     saved = (read_json(out / RUN_STATE) or {}) if args.resume else {}
+    if args.resume and not isinstance(saved.get("musubi_base"), dict):
+        raise UserError(f"{out}: not a musubi-tuner run (it was not started with --engine musubi-tuner=PATH); "
+                        "resume it with the engine it started with")
     if args.resume:
         base = TrainSettings.from_event(saved["musubi_base"])
         settings = TrainSettings.from_event(saved.get("settings") or saved["musubi_base"])
