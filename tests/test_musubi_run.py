@@ -185,3 +185,18 @@ def test_resuming_another_engines_run_with_musubi_is_one_line(tmp_path: Path) ->
     done = _run(tmp_path, [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--out", str(out), "--resume"])
     assert done.returncode != 0 and "not a musubi-tuner run" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_without_the_save_log_line_states_and_the_stop_still_follow_the_steps(tmp_path: Path) -> None:
+    """A musubi whose log hides "saving state at step N": a folder counts as whole once a later step shows, and the
+    resumed attempt still ends with the LoRA saved at the target step (one step past it at most, then stopped)."""
+    data, model = _inputs(tmp_path)
+    out = tmp_path / "run"
+    done = _run(tmp_path, [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--batch", "1", "--accum", "1",
+                           "--epochs", "6", "--out", str(out), "--save-state-every", "0.2"],
+                rules="kill_at=9,quiet_saves,step_s=0.05")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (final,) = [p for p in out.glob("*.safetensors") if "-from" not in p.name]
+    with safe_open(str(final), framework="pt") as handle:
+        assert handle.metadata()["ss_steps"] == handle.metadata()["fake_updates"] == "24"

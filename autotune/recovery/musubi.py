@@ -284,6 +284,7 @@ class MusubiWatch:
         if self.announced is not None and n >= self.announced:  # the redraw after the save: the folder is whole
             self._whole(self.announced)
             self.announced = None
+        self._whole_before(n)
         if changed or time.monotonic() - self.last_write >= 1.0:
             self._progress(loss=loss)
         target = ledger.target_steps
@@ -296,6 +297,15 @@ class MusubiWatch:
         if (self.engine.states_dir / name).is_dir():
             self.engine.ledger.whole[name] = self.start + step
             self.engine.ledger.save()
+
+    def _whole_before(self, n: int) -> None:
+        """Folders of steps before ``n`` are whole (musubi saves before its next step), also when its log does not
+        show the "saving state" line."""
+        prefix = f"{self.name}-step"
+        for folder in self.engine.states_dir.glob(f"{prefix}*-state"):
+            step = folder.name[len(prefix):-len("-state")]
+            if step.isdigit() and int(step) < n and folder.name not in self.engine.ledger.whole:
+                self._whole(int(step))
 
     def _has_whole(self, step: int) -> bool:
         return f"{self.name}-step{step:08d}-state" in self.engine.ledger.whole
