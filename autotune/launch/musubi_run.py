@@ -36,6 +36,7 @@ def early_check(args: argparse.Namespace) -> None:
 
 def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[str, Any]) -> Any:
     """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
+    from autotune.planning.musubi_writer import musubi_commands
     from autotune.recovery.attempt import read_json
     from autotune.recovery.ladder import LadderLimits, memory_predictor
     from autotune.recovery.musubi import MusubiEngine, find_install, parse_engine
@@ -47,23 +48,25 @@ def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[st
     family = detect_family(args.model, args.family)
     cuda = probe.accelerator == "cuda"
     saved = (read_json(out / RUN_STATE) or {}) if args.resume else {}
-    if args.resume and not isinstance(saved.get("musubi_base"), dict):
+    if args.resume and not isinstance(saved.get("musubi_commands"), list):
         raise UserError(f"{out}: not a musubi-tuner run (it was not started with --engine musubi-tuner=PATH); "
                         "resume it with the engine it started with")
     if args.resume:
         base = TrainSettings.from_event(saved["musubi_base"])
         settings = TrainSettings.from_event(saved.get("settings") or saved["musubi_base"])
         models, budget, planned = saved["musubi_models"], saved["usable_mib"], saved.get("planned_it_per_s")
+        commands = tuple(tuple(command) for command in saved["musubi_commands"])
     else:
         plan = _plan(args, out)
         base = settings = plan.settings
-        models = _model_files(plan, family, args.model)
         budget, planned = plan.prediction.usable_bytes / 2**20, plan.prediction.it_per_s
+        commands = musubi_commands(plan)  # musubi_train.sh's, so a run trains exactly what the plan wrote
+        models = _model_files(plan, commands, args.model)
     install = find_install(parse_engine(args.engine) or Path(), args.python, family)
     print(install.describe())
     env = install.env({**os.environ, "HF_HUB_OFFLINE": "1"})
     name = str(flat_values(read_toml(out / "config.toml")).get("output_name") or "lora")
-    engine = MusubiEngine(install, family, out, base, models, name, args.save_state_every, env, planned)
+    engine = MusubiEngine(install, family, out, base, models, commands, name, args.save_state_every, env, planned)
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
     limits = LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8) or base.fp8_base,
                                      te_cache_allowed=False)
@@ -73,7 +76,7 @@ def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[st
                resume=bool(args.resume), prior_retries=list(saved.get("retries") or []), train_output_dir=out,
                states_at=out, engine=engine, budget_kind="device",
                extra_state={**started, "usable_mib": budget, "musubi_base": base.to_event(), "musubi_models": models,
-                            "planned_it_per_s": planned})
+                            "musubi_commands": [list(command) for command in commands], "planned_it_per_s": planned})
 
 
 def _plan(args: argparse.Namespace, out: Path) -> Any:
@@ -83,11 +86,9 @@ def _plan(args: argparse.Namespace, out: Path) -> Any:
     return plan_into(args, out)[2]
 
 
-def _model_files(plan: Any, family: Any, dit: str) -> dict[str, str]:
-    """The model files musubi's scripts take: the DiT, the VAE and the text encoder(s), as absolute paths."""
-    from autotune.planning.musubi_writer import MODEL_VARIABLES
-
+def _model_files(plan: Any, commands: tuple[tuple[str, ...], ...], dit: str) -> dict[str, str]:
+    """The model files the commands' variables stand for (``$DIT``: ``--model``; ``$VAE``, ``$TEXT_ENCODER``,
+    ``$T5``: the plan's files), as absolute paths."""
     values = {"dit": dit, **plan.kohya_values()}
-    te_option = (family.musubi or {}).get("text_encoder_option", "text_encoder")
-    return {name: str(Path(str(values[name])).expanduser().resolve()) for name in MODEL_VARIABLES
-            if name in ("dit", "vae", te_option) and values.get(name)}
+    names = {word[1:].lower() for command in commands for word in command if word.startswith("$")}
+    return {name: str(Path(str(values[name])).expanduser().resolve()) for name in sorted(names) if values.get(name)}

@@ -20,13 +20,12 @@ from typing import Any
 
 from autotune.planning.planner import Plan
 from sd_scripts_compat.config.kohya_toml import encode_value, loads
-from sd_scripts_compat.config.musubi_args import check_musubi_value, musubi_argv, musubi_options
+from sd_scripts_compat.config.musubi_args import MUSUBI_NAMES, check_musubi_value, musubi_argv, musubi_options
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec, get_family
 
 MUSUBI_SCRIPT = "musubi_train.sh"
 CACHE_FOLDER = "musubi_cache"  # inside the output folder: caching never writes into the user's dataset
-RENAMED = {"cpu_offload_checkpointing": "gradient_checkpointing_cpu_offload"}
 DATASET_KEYS = frozenset({"dataset_config", "resolution", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
                           "bucket_reso_steps", "bucket_no_upscale", "train_batch_size", "caption_extension"})
 CACHING_KEYS = frozenset({"cache_latents", "cache_latents_to_disk", "cache_text_encoder_outputs",
@@ -54,7 +53,7 @@ def training_options(plan: Plan, family: FamilySpec) -> dict[str, Any]:
     table = musubi_options(script)
     out: dict[str, Any] = {}
     for key, value in plan.kohya_values().items():
-        name = RENAMED.get(key, key)
+        name = MUSUBI_NAMES.get(key, key)
         if key in DATASET_KEYS or key in CACHING_KEYS or name not in table or key in MODEL_VARIABLES:
             continue
         out[name] = OPTIMIZERS.get(value, value) if name == "optimizer_type" else value
@@ -140,7 +139,7 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
 def render_musubi_config(plan: Plan) -> str:
     family = get_family(plan.family)
     options = training_options(plan, family)
-    reasons = {RENAMED.get(c.key, c.key): c.reason for c in plan.choices if c.kohya}
+    reasons = {MUSUBI_NAMES.get(c.key, c.key): c.reason for c in plan.choices if c.kohya}
     lines = [f"# musubi-tuner {family.kohya_script} --config_file, written by autotune plan for {plan.family}",
              "# model files are given on the command line (musubi_train.sh)"]
     for name, value in options.items():

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 from autotune.layout import MUSUBI_LEDGER, STATE_DIR
 from autotune.recovery.sd_scripts import parse_bar, save_every_n_steps
 from sd_scripts_compat.atomic import write_json_atomic
-from sd_scripts_compat.config.kohya_toml import encode_value, read_toml, set_dataset_values
+from sd_scripts_compat.config.kohya_toml import read_toml, set_dataset_values, write_toml
+from sd_scripts_compat.config.musubi_args import MUSUBI_NAMES
 from sd_scripts_compat.contract import DONE, PROGRESS, Outcome, write_event
 from sd_scripts_compat.errors import UserError
 
@@ -63,7 +64,6 @@ REQUIRED_OPTIONS = ("config_file", "dataset_config", "save_state", "save_every_n
 _STATE = re.compile(r"^(?P<name>.+)-from(?P<start>\d{8})-step(?P<step>\d{8})-state$")
 _SAVING = re.compile(r"saving state at step (?P<step>\d+)")
 _OPTION = re.compile(r"(?<![\w-])--(?P<name>[A-Za-z0-9][A-Za-z0-9_]*)")
-RENAMED = {"cpu_offload_checkpointing": "gradient_checkpointing_cpu_offload"}  # kohya's name -> musubi's
 
 
 # ---------------------------------------------------------------- finding and checking an install
@@ -149,7 +149,8 @@ def musubi_values(settings: TrainSettings, base: TrainSettings, script: str) -> 
 
     new, old = config_values(settings), config_values(base)
     table = musubi_options(script.removesuffix(".py"))
-    return {RENAMED.get(k, k): v for k, v in new.items() if old.get(k) != v and RENAMED.get(k, k) in table}
+    return {MUSUBI_NAMES.get(k, k): v for k, v in new.items()
+            if old.get(k) != v and MUSUBI_NAMES.get(k, k) in table}
 
 
 def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, base: TrainSettings, out_dir: Path,
@@ -177,26 +178,9 @@ def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, ba
     config_out = out_dir / f"musubi.attempt{attempt}.config.toml"
     dataset_out = out_dir / f"musubi.attempt{attempt}.dataset.toml"
     document["dataset_config"] = str(dataset_out)
-    _write(config_out, document, f"# attempt {attempt} for musubi-tuner, written by autotune run")
-    _write(dataset_out, data, f"# attempt {attempt}'s dataset for musubi-tuner, written by autotune run")
+    write_toml(config_out, document, f"# attempt {attempt} for musubi-tuner, written by autotune run\n")
+    write_toml(dataset_out, data, f"# attempt {attempt}'s dataset for musubi-tuner, written by autotune run\n")
     return config_out, dataset_out
-
-
-def _write(path: Path, document: Mapping[str, Any], header: str) -> None:
-    """musubi's TOML shape: top-level values, then tables, then arrays of tables."""
-    from sd_scripts_compat.atomic import write_text_atomic
-
-    lines = [header]
-    lines += [f"{k} = {encode_value(v)}" for k, v in document.items() if not isinstance(v, (dict, list))
-              or (isinstance(v, list) and not (v and isinstance(v[0], dict)))]
-    for key, value in document.items():
-        if isinstance(value, dict):
-            lines += ["", f"[{key}]"] + [f"{k} = {encode_value(v)}" for k, v in value.items()]
-    for key, value in document.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            for entry in value:
-                lines += ["", f"[[{key}]]"] + [f"{k} = {encode_value(v)}" for k, v in entry.items()]
-    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def remaining_divisor(remaining: int, wanted: int) -> int:
@@ -284,7 +268,8 @@ class MusubiWatch:
         if self.announced is not None and n >= self.announced:  # the redraw after the save: the folder is whole
             self._whole(self.announced)
             self.announced = None
-        self._whole_before(n)
+        if changed:
+            self._whole_before(n)
         if changed or time.monotonic() - self.last_write >= 1.0:
             self._progress(loss=loss)
         target = ledger.target_steps
@@ -332,7 +317,8 @@ class MusubiEngine:
     family: FamilySpec
     run_dir: Path  # the plan's folder: dataset.toml, config.toml, the caches; the children's working folder
     base: TrainSettings
-    model_args: dict[str, str]  # dit, vae, text_encoder -> file
+    models: dict[str, str]  # dit, vae, text_encoder (Wan: t5) -> file: the values of the commands' $DIT, $VAE ...
+    commands: tuple[tuple[str, ...], ...]  # the plan's (musubi_train.sh's): cache latents, cache text, train
     output_name: str
     save_every_s: float
     env: dict[str, str]
@@ -366,9 +352,21 @@ class MusubiEngine:
         self.watch.events_dir = events_dir
         return self.watch.feed
 
-    def script(self, key: str) -> str:
-        facts = self.family.musubi or {}
-        return self.family.kohya_script if key == "train" else facts[key]
+    def _argv(self, command: tuple[str, ...], files: Mapping[str, Path]) -> list[str]:
+        """One of the plan's commands for this checkout (the script under its ``src``), these model files (its
+        ``$DIT``, ``$VAE`` ... variables) and this attempt's files (in place of the run folder's ``dataset.toml``
+        and ``config.toml``), run by the install's Python (the launcher words before the script left out)."""
+        at = next(i for i, word in enumerate(command) if word.startswith("src/musubi_tuner/"))
+        words = [str(self.install.root / command[at])]
+        for word in command[at + 1:]:
+            if word.startswith("$"):
+                name = word[1:].lower()
+                if name not in self.models:
+                    raise UserError(f"musubi-tuner's {Path(command[at]).name} needs the {name} file; give it with "
+                                    f"--{name} FILE")
+                word = self.models[name]
+            words.append(str(files.get(word, word)))
+        return [self.install.python, *words]
 
     def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
                      log: DecisionLog) -> list[str]:
@@ -378,73 +376,49 @@ class MusubiEngine:
         drop = ("max_train_epochs", "save_every_n_epochs", "save_last_n_epochs") if state else ()
         config, dataset = write_attempt_files(self.run_dir / "config.toml", self.run_dir / "dataset.toml", settings,
                                               self.base, self.run_dir / STATE_DIR, attempt, drop,
-                                              self.script("train"))
+                                              self.family.kohya_script)
         self._cache(dataset, log)
         rate, source = self._rate()
         every = save_every_n_steps(self.save_every_s, rate, target)
         name = f"{self.output_name}-from{start:08d}"
-        argv = [self.install.python, str(self.install.scripts / self.script("train")), "--config_file", str(config),
-                "--output_dir", str(self.run_dir), "--output_name", name, "--save_state"]
+        argv = [*self._argv(self.commands[2], {"config.toml": config}), "--output_dir", str(self.run_dir),
+                "--output_name", name, "--save_state"]
         if state is not None and target:
             every = remaining_divisor(target - start, every)
             argv += ["--resume", str(state[0]), "--max_train_steps", str(target)]
         argv += ["--save_every_n_steps", str(every), "--save_last_n_steps_state", "2", "--save_last_n_steps", "2"]
-        argv += [word for key, value in self.model_args.items() for word in (f"--{key}", value)]
-        argv += self._version_args(self.script("train"))
-        self._check(argv, self.script("train"))
+        self._check(argv, self.family.kohya_script)
         self.watch = MusubiWatch(self, start, name)
         log.write("musubi_command", f"attempt {attempt}: {shlex.join(argv)}", argv=argv)
         log.write("musubi_saves", f"attempt {attempt}: state saved every {every} step(s) (~{every / rate:.2g} s at "
                   f"{rate:.3g} it/s, {source}); a failure loses at most those steps", save_every_n_steps=every)
         return argv
 
-    def _version_args(self, script: str) -> list[str]:
-        """The family's model-version options (Wan's ``--task``) that ``script`` takes (the writer's rule)."""
-        from sd_scripts_compat.config.musubi_args import musubi_options
-
-        words = [str(word) for word in (self.family.musubi or {}).get("version_args", [])]
-        table = musubi_options(script.removesuffix(".py"))
-        return [word for name, value in zip(words[::2], words[1::2], strict=True)
-                if name.removeprefix("--") in table for word in (name, value)]
-
     def _check(self, argv: list[str], script: str) -> None:
         if script not in self.options:
             self.options[script] = script_options(self.install, script, self.env)
-            check_options(self.options[script], list(REQUIRED_OPTIONS) if script == self.script("train") else [],
+            check_options(self.options[script], list(REQUIRED_OPTIONS) if script == self.family.kohya_script else [],
                           f"{self.install.scripts / script} (what autotune needs to save and resume)", script)
         check_options(self.options[script], [m["name"] for m in _OPTION.finditer(" ".join(argv[2:]))],
                       "autotune's command line for musubi-tuner", script)
 
     def _cache(self, dataset: Path, log: DecisionLog) -> None:
-        """Both caching steps for this attempt's dataset; what is cached already is kept (``--skip_existing``)."""
-        facts = self.family.musubi or {}
-        te_option = facts["text_encoder_option"]
-        steps = (("cache_latents", ["--vae", self.model_args.get("vae", ""), "--batch_size", "1"]),
-                 ("cache_text_encoder_outputs", [f"--{te_option}", self.model_args.get(te_option, ""),
-                                                 "--batch_size", "16", *self._te_extra()]))
-        for key, extra in steps:
-            script = self.script(key)
-            argv = [self.install.python, str(self.install.scripts / script), "--dataset_config", str(dataset),
-                    "--skip_existing", *extra, *self._version_args(script)]
-            argv = [word for word in argv if word != ""]
+        """The plan's two caching steps on this attempt's dataset; what is cached already is kept
+        (``--skip_existing``)."""
+        for what, command in zip(("cache latents", "cache text encoder outputs"), self.commands[:2], strict=True):
+            argv = [*self._argv(command, {"dataset.toml": dataset}), "--skip_existing"]
+            script = Path(argv[1]).name
             self._check(argv, script)
-            log.write("musubi_cache", f"{key.replace('_', ' ')}: {shlex.join(argv)}", argv=argv)
+            log.write("musubi_cache", f"{what}: {shlex.join(argv)}", argv=argv)
             done = subprocess.run(argv, cwd=self.run_dir, env=self.install.env(self.env), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, check=False)
             with (self.run_dir / STATE_DIR / "musubi_cache.log").open("a", encoding="utf-8") as handle:
                 handle.write(done.stdout)
             if done.returncode != 0:
                 lines = [line for line in done.stdout.replace("\r", "\n").splitlines() if line.strip()]
-                read = ", ".join(word for word in extra if os.sep in word) or "its model file"
+                read = ", ".join(self.models.get(w[1:].lower(), w) for w in command if w.startswith("$"))
                 raise UserError(f"musubi-tuner's {script} failed: {lines[-1] if lines else 'no output'}; check the "
                                 f"file it read ({read}) and that musubi-tuner runs in {self.install.python}")
-
-    def _te_extra(self) -> list[str]:
-        facts = self.family.musubi or {}
-        extra = []
-        if facts.get("text_encoder_fp8") and self.base.fp8_base:
-            extra.append(f"--{facts['text_encoder_fp8']}")
-        return extra
 
     def _rate(self) -> tuple[float, str]:
         if self.measured_it_per_s:

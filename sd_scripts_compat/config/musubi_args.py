@@ -16,6 +16,8 @@ from typing import Any
 from sd_scripts_compat.errors import UserError
 
 MUSUBI_DATA = Path(__file__).resolve().parents[1] / "data" / "musubi"
+# kohya's option names that musubi spells otherwise (the one settings shape is kohya's)
+MUSUBI_NAMES = {"cpu_offload_checkpointing": "gradient_checkpointing_cpu_offload"}
 
 
 @dataclass(frozen=True)
