@@ -45,6 +45,12 @@ both phases: ``peak_bytes`` / ``total_bytes`` are the larger of the two.
 Host RAM (training): the swapped weights (pageable: sd-scripts' ``.to("cpu", non_blocking=True)`` does not
 pin) + the encoders and AE parked on the host + the process baseline; while loading, the whole transformer
 passes through RAM at its file dtype.
+
+Wan 2.2's two experts in one run (musubi's ``--dit_high_noise``; ``wan_train_network.py`` keeps the inactive
+expert's state dict and swaps it in with ``load_state_dict(assign=True)`` when the sampled timestep crosses the
+boundary; one LoRA serves both): each expert's resident blocks stay on the card and each one's swapped blocks on
+the host (``weights_inactive_expert``: a second resident set), or, with ``offload_inactive_dit`` (no block swap
+then), the inactive expert waits whole in host RAM and the card holds one.
 """
 
 from __future__ import annotations
@@ -111,6 +117,9 @@ class DitMemoryInputs:
     text_encoders_on_cpu: bool = False  # caching runs the encoders on the CPU (HunyuanImage's text_encoder_cpu)
     frames: int = 1  # video frames of one sample (Wan's target_frames, N*4+1); 1 for an image
     pinned_block_swap: bool = False  # musubi's use_pinned_memory_for_block_swap: the swapped weights get pinned
+    high_noise_expert: bool = False  # Wan 2.2: both experts in one run (musubi's --dit_high_noise)
+    offload_inactive_dit: bool = False  # ... the inactive one in host RAM instead of on the card
+    expert_switch_share: float = 0.0  # micro-steps whose expert differs from the one before (speed only)
     lora_dtype: str = "fp32"
     height: int | None = None
     family: str = "flux-dev"
@@ -141,6 +150,8 @@ def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: boo
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs, cache_latents=settings.cache_latents,
         t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
         frames=settings.frames,
+        pinned_block_swap=settings.use_pinned_memory_for_block_swap and settings.blocks_to_swap > 0,
+        high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit,
         **overrides)
 
 
@@ -148,8 +159,8 @@ def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: boo
 class DitMemoryEstimate(MemoryEstimate):
     """Training-phase components (summing to the training total) plus the caching phase and host RAM."""
 
-    TENSOR_PARTS = ("weights_transformer", "weights_text_encoders", "weights_vae", "lora_params", "lora_grads",
-                    "optimizer_state", "activations")
+    TENSOR_PARTS = ("weights_transformer", "weights_inactive_expert", "weights_text_encoders", "weights_vae",
+                    "lora_params", "lora_grads", "optimizer_state", "activations")
     caching_peak: int = 0  # text-encoder caching phase: tensors + context + allocator slack
     pinned_host_bytes: int = 0  # of host_ram_bytes, page-locked (musubi's swap staging or pinned swapped blocks)
     host_ram_bytes: int = 0  # while training
@@ -285,8 +296,10 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     param_bytes = 4 if inputs.lora_dtype == "fp32" else 2
     encoders = encoder_bytes(arch, inputs.t5_fp8)
     ae = 2 * arch["ae_elements"]
+    both_on_card = inputs.high_noise_expert and not inputs.offload_inactive_dit
     components = {
         "weights_transformer": resident + 4 * n_modules,
+        "weights_inactive_expert": resident if both_on_card else 0,
         "weights_text_encoders": 0 if inputs.cache_text_encoder_outputs else encoders,
         "weights_vae": 0 if inputs.cache_latents else ae,
         "lora_params": param_bytes * n_params,
@@ -321,6 +334,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     # without them
     parked = 0 if family.trainer == "musubi-tuner" else ae + (encoders if inputs.cache_text_encoder_outputs else 0)
     pinned = musubi_pinned_bytes(arch, inputs, split, host) if family.trainer == "musubi-tuner" else 0
+    experts_host = inactive_expert_host_bytes(arch, inputs, host)
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
     # musubi's caching step on the CPU holds the encoders in RAM (sd-scripts' are counted in its loading already)
     if family.trainer == "musubi-tuner" and inputs.cache_text_encoder_outputs and inputs.text_encoders_on_cpu:
@@ -331,9 +345,10 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     return DitMemoryEstimate(
         inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
         pinned_host_bytes=pinned,  # the staging copies add to the host; pinned swapped blocks replace theirs
-        host_ram_bytes=host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
-        + (pinned - host if inputs.pinned_block_swap else pinned),
-        host_ram_loading_bytes=loading + host_base + (0 if family.trainer == "musubi-tuner" else encoders + ae),
+        host_ram_bytes=host + experts_host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
+        + (pinned - host - experts_host if inputs.pinned_block_swap else pinned),
+        host_ram_loading_bytes=loading + host_base + (0 if family.trainer == "musubi-tuner" else encoders + ae)
+        + (host if inputs.high_noise_expert else 0),  # the second expert loads beside the first's swapped blocks
         swapped_bytes=host)
 
 
@@ -353,14 +368,27 @@ def latent_caching_bytes(cal: dict[str, Any], inputs: DitMemoryInputs) -> int:
     return int(fit["weights_bytes"] + a + b * pixels)
 
 
+def inactive_expert_host_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, host: int) -> int:
+    """Host bytes of Wan 2.2's inactive expert: its swapped blocks (as many as the active one's), or with
+    ``offload_inactive_dit`` all of its weights; 0 for one expert."""
+    if not inputs.high_noise_expert:
+        return 0
+    if inputs.offload_inactive_dit:
+        return sum(transformer_bytes(arch, inputs.fp8_base, (0,) * len(arch["block_groups"])))
+    return host
+
+
 def musubi_pinned_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, split: tuple[int, ...], host: int) -> int:
     """Page-locked host bytes of musubi-tuner's block swap (``custom_offloading_utils.Offloader``): two staging
     copies of one block's weights (GPU->host and host->GPU) by default; with ``use_pinned_memory_for_block_swap``
-    every swapped weight becomes pinned after its first round trip, plus one block's spare buffers."""
+    every swapped weight becomes pinned after its first round trip (both experts' where Wan 2.2 trains two), plus
+    one block's spare buffers."""
     sizes = [_block_bytes(block, inputs.fp8_base)[1] for block in _swapped_blocks(arch, split)]
     if not sizes:
         return 0
-    return host + max(sizes) if inputs.pinned_block_swap else 2 * max(sizes)
+    if inputs.pinned_block_swap:
+        return host * (2 if inputs.high_noise_expert else 1) + max(sizes)
+    return 2 * max(sizes)
 
 
 def _all_elements(arch: dict[str, Any]) -> int:

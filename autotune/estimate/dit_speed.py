@@ -11,15 +11,23 @@ forward); gradient checkpointing adds one more forward (every block is checkpoin
 Block swap moves each swapped block's weights down and back up once in the forward and once again in the
 backward (sd-scripts' ``ModelOffloader``: a block leaves right after use and the next needed one comes in, the
 two copies one after the other on a side stream), so 4 x the swapped bytes cross the link per micro-step, at
-``link_efficiency`` of the card's ``pcie_gbps`` (pageable memory). The copies overlap the compute of other blocks,
+``link_efficiency`` of the card's ``pcie_gbps`` (pageable memory; ``pinned_link_efficiency`` under musubi's
+``use_pinned_memory_for_block_swap``). The copies overlap the compute of other blocks,
 so a micro-step takes max(compute, transfer): swapping is free until the link becomes the bottleneck, which is
 what the planner weighs when it picks the fewest swapped blocks that fit. The compute runs at ``efficiency`` of
 the card's bf16 rate times ``w / (w + 3.5)`` (w: TFLOP per micro-step), the UNet speed model's per-step overhead
 term (launches, optimizer, loader), so a larger micro-batch is slightly faster per sample.
+
+Wan 2.2's two experts with ``offload_inactive_dit``: when a micro-step's sampled timestep falls on the other
+expert's side of the boundary, musubi moves the active expert to the host and the other one to the card, both
+whole and synchronously (``swap_high_low_weights``), so ``expert_switch_share`` x 2 x one expert's bytes cross the
+link per micro-step on top of the compute (:func:`expert_switch_share` gives that share from the sampling).
+Without offloading the switch re-points tensors and costs nothing.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from autotune.estimate.dit_memory import (
@@ -69,7 +77,30 @@ def swap_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] 
     split = get_family(inputs.family).swap_split(inputs.blocks_to_swap)
     _, host = transformer_bytes(cal["architecture"], inputs.fp8_base, split)
     link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
-    return 4.0 * host / (link * 1e9 * cal["speed"]["link_efficiency"])
+    efficiency = cal["speed"]["pinned_link_efficiency" if inputs.pinned_block_swap else "link_efficiency"]
+    return 4.0 * host / (link * 1e9 * efficiency)
+
+
+def expert_switch_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+    """Seconds per micro-step of moving Wan 2.2's experts between host and card (``offload_inactive_dit``):
+    each switch moves one expert down and the other up, whole, in pageable memory; 0 without offloading."""
+    if not (inputs.high_noise_expert and inputs.offload_inactive_dit):
+        return 0.0
+    cal = dit_family_calibration(inputs.family, calibration)
+    arch = cal["architecture"]
+    expert = sum(transformer_bytes(arch, inputs.fp8_base, (0,) * len(arch["block_groups"])))
+    link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
+    return inputs.expert_switch_share * 2.0 * expert / (link * 1e9 * cal["speed"]["link_efficiency"])
+
+
+def expert_switch_share(boundary: float, shift: float, sigmoid_scale: float = 1.0) -> float:
+    """The share of micro-steps that change expert, with musubi's ``shift`` timestep sampling
+    (``t = s * u / (1 + (s - 1) * u)``, ``u = sigmoid(scale * N(0, 1))``; one expert per micro-step, chosen by its
+    first sample): p = P(t >= boundary) for the high-noise expert, and consecutive draws differ with 2 p (1 - p)."""
+    u = boundary / (shift - (shift - 1.0) * boundary)  # the u that shifts to the boundary
+    z = math.log(u / (1.0 - u)) / sigmoid_scale
+    p = 0.5 * math.erfc(z / math.sqrt(2.0))
+    return 2.0 * p * (1.0 - p)
 
 
 def offload_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
@@ -97,7 +128,7 @@ def predict_dit_speed(inputs: DitMemoryInputs, gpu: Any = None, *, steps: int = 
         device = f"cpu x{cpu_cores or 1}"
     compute = flops / (rate * eff * 1e12)
     link = swap_seconds(inputs, gpu, cal) + offload_seconds(inputs, gpu, cal) if gpu is not None else 0.0
-    micro = max(compute, link)
+    micro = max(compute, link) + (expert_switch_seconds(inputs, gpu, cal) if gpu is not None else 0.0)
     per_step = micro * max(1, gradient_accumulation_steps)
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
                          steps=steps, flops_per_micro_step=flops, efficiency=eff, peak_tflops=rate,

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="pin the training resolution: 768 or 768,768 as kohya writes it")
     parser.add_argument("--frames", type=int, default=None, metavar="N",
                         help="video families (Wan): frames per clip, 1 + 4k (e.g. 17, 33, 81); default: images")
+    parser.add_argument("--experts", choices=("low", "both"), default=None,
+                        help="Wan 2.2 A14B: train the low-noise expert (--model) alone, or both in one run (the "
+                        "high-noise one from --dit_high_noise; default: both when that file is given)")
     parser.add_argument("--epochs", "--max_train_epochs", type=int, default=None, help="pin the number of epochs")
     parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
     parser.add_argument("--workers", type=int, default=None, help="pin max_data_loader_n_workers (host RAM may "
@@ -147,7 +150,7 @@ def build_request(args: argparse.Namespace) -> Any:
                         network=args.network, network_args=tuple(args.network_arg),
                         allow_fp8=not args.no_fp8, workers=args.workers, batch=args.batch, accum=args.accum,
                         learning_rate=args.lr, alpha=args.alpha, steps=getattr(args, "plan_steps", None),
-                        frames=getattr(args, "frames", None))
+                        frames=getattr(args, "frames", None), experts=getattr(args, "experts", None))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
     return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),

@@ -66,6 +66,8 @@ class PlanContext:
     host_ram: int = 0
     te_cpu: bool = False  # HunyuanImage: cache on the CPU (even the fp8 encoders do not fit)
     compile_reason: str = "eager"  # why torch_compile is on or off (planning.compile_choice)
+    pinned_reason: str | None = None  # why the swapped blocks are pinned or not (planning.host_swap)
+    offload_reason: str | None = None  # Wan 2.2, both experts: why the inactive one is offloaded or not
 
     @property
     def values(self) -> dict[str, Any]:
@@ -83,10 +85,13 @@ class PlanContext:
         return self.settings.resolution[0]
 
 
-def model_files(req: PlanRequest, profile: Any, text_encoder_fp8: bool) -> dict[str, tuple[str, str]]:
-    """The separate model files the family's script takes (FLUX: CLIP-L, T5-XXL, AE), each the file the user gave
-    or a placeholder to edit; none for a builtin:<id> model, none for a part the model file holds itself."""
-    takes = [key for key in profile.model_files if key != FP8_FILE_KEY]
+def model_files(req: PlanRequest, profile: Any, text_encoder_fp8: bool,
+                both_experts: bool = False) -> dict[str, tuple[str, str]]:
+    """The separate model files the family's script takes (FLUX: CLIP-L, T5-XXL, AE; Wan 2.2's second expert
+    when both train), each the file the user gave or a placeholder to edit; none for a builtin:<id> model, none
+    for a part the model file holds itself."""
+    two = profile.both_experts
+    takes = [key for key in profile.model_files if key != FP8_FILE_KEY] + ([two.file_key] if two else [])
     for key, _ in req.model_files:
         if key not in takes:
             raise UserError(f"--{key}: {req.model} takes no {key} file"
@@ -95,6 +100,8 @@ def model_files(req: PlanRequest, profile: Any, text_encoder_fp8: bool) -> dict[
     if req.model.startswith("builtin:"):
         return given  # a built-in brings its own parts; a given file replaces one
     files = dict(profile.model_files)
+    if two and both_experts:
+        files[two.file_key] = (two.placeholder, two.file_reason)
     fp8_t5 = files.pop(FP8_FILE_KEY, None)
     if text_encoder_fp8 and fp8_t5 is not None:  # caching with the 16-bit T5-XXL would not fit this card
         files["t5xxl"] = fp8_t5
@@ -137,8 +144,8 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
     profile = plan_profile(fam.name)
-    out += [Choice(key, path, reason) for key, (path, reason) in model_files(req, profile,
-                                                                             c.text_encoder_fp8).items()]
+    out += [Choice(key, path, reason) for key, (path, reason) in model_files(
+        req, profile, c.text_encoder_fp8, both_experts=c.settings.high_noise_expert).items()]
     if c.text_encoder_fp8 and profile.te_fp8_flag and not c.te_cpu:
         out.append(Choice(profile.te_fp8_flag, True, "caching the text-encoder outputs with the 16-bit "
                           "text encoder would not fit this card: its weights in fp8 while caching"))
@@ -275,7 +282,11 @@ def _training(c: PlanContext) -> list[Choice]:
             "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
     if s.blocks_to_swap:
         out.append(Choice("blocks_to_swap", c.values["blocks_to_swap"], swap_reason(c)))
-    out += [Choice(key, value, reason) for key, value, reason in profile.fixed]
+    if c.pinned_reason is not None:
+        out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))
+    if c.offload_reason is not None:
+        out.append(Choice("offload_inactive_dit", s.offload_inactive_dit, c.offload_reason))
+    out += [Choice(key, value, reason) for key, value, reason in fixed_keys(profile, s.high_noise_expert)]
     if s.xformers:
         out.append(Choice("xformers", True, "your --attention xformers: memory-efficient attention kernel"))
     else:
@@ -295,6 +306,14 @@ def _training(c: PlanContext) -> list[Choice]:
     return out
 
 
+def fixed_keys(profile: Any, both_experts: bool) -> tuple[tuple[str, Any, str], ...]:
+    """The profile's fixed keys; with two experts, its one-expert keys replaced by the two-expert ones."""
+    two = profile.both_experts
+    if not (two and both_experts):
+        return profile.fixed
+    return (*(entry for entry in profile.fixed if entry[0] not in two.drop), *two.fixed)
+
+
 def swap_reason(c: PlanContext) -> str:
     """Why this many blocks: the fewest that fit, where they live, and what the copies cost per step."""
     from autotune.estimate.dit_memory import dit_inputs_for_settings, predict_dit_memory
@@ -312,8 +331,9 @@ def swap_reason(c: PlanContext) -> str:
         link = swap_seconds(inputs, gpus[0].spec)
         cost = (f"; copying them costs ~{link:.2f} s of host-link time per micro-step against "
                 f"{dit_step_flops(inputs)['total'] / 1e12:.0f} TFLOP of compute it overlaps")
-    return (f"the fewest swapped blocks that fit ({blocks}): "
-            f"{estimate.swapped_bytes / GIB:.1f} GiB of their weights wait in host RAM "
+    each = " of each expert (both train)" if c.settings.high_noise_expert else ""
+    return (f"the fewest swapped blocks that fit ({blocks}{each}): "
+            f"{estimate.swapped_bytes / GIB:.1f} GiB of their weights{' per expert' if each else ''} wait in host RAM "
             f"(~{estimate.host_ram_bytes / GIB:.0f} GiB RAM in all while training){cost}")
 
 

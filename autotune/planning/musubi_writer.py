@@ -32,7 +32,8 @@ CACHING_KEYS = frozenset({"cache_latents", "cache_latents_to_disk", "cache_text_
                           "cache_text_encoder_outputs_to_disk"})
 # musubi's built-in optimizer names (trainer_base.get_optimizer lower-cases them); others as a dotted path
 OPTIMIZERS = {"AdamW8bit": "adamw8bit", "AdamW": "adamw", "Adafactor": "adafactor", "Prodigy": "prodigyopt.Prodigy"}
-MODEL_VARIABLES = {"dit": "DIT", "vae": "VAE", "text_encoder": "TEXT_ENCODER", "t5": "T5"}
+MODEL_VARIABLES = {"dit": "DIT", "vae": "VAE", "text_encoder": "TEXT_ENCODER", "t5": "T5",
+                   "dit_high_noise": "DIT_HIGH_NOISE"}
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def render_musubi_dataset(plan: Plan) -> str:
 
 def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
     """The caching and training commands (paths relative to the musubi-tuner checkout's ``src/musubi_tuner``;
-    model files as the shell variables ``$DIT``, ``$VAE`` and ``$TEXT_ENCODER`` / ``$T5``), each option checked
+    model files as the shell variables ``$DIT`` (and Wan 2.2's ``$DIT_HIGH_NOISE``), ``$VAE`` and
+    ``$TEXT_ENCODER`` / ``$T5``), each option checked
     against its script's table. The text encoder is cached in fp8 where the plan chose its fp8 flag."""
     family = get_family(plan.family)
     facts = family.musubi or {}
@@ -130,7 +132,10 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
         te_options["device"] = "cpu"
     text = step(facts["cache_text_encoder_outputs"], te_options)
     # the VAE too: musubi decodes sample images with it (its docs list it for training)
-    train = step(family.kohya_script, {"config_file": "config.toml", "dit": models["dit"], "vae": models["vae"]})
+    dits = {"dit": models["dit"]}
+    if plan.settings is not None and plan.settings.high_noise_expert:  # Wan 2.2: the second expert's file
+        dits["dit_high_noise"] = models["dit_high_noise"]
+    train = step(family.kohya_script, {"config_file": "config.toml", **dits, "vae": models["vae"]})
     precision = plan.kohya_values().get("mixed_precision", "bf16")
     return (("python", *latents), ("python", *text),
             ("accelerate", "launch", "--num_cpu_threads_per_process", "1", "--mixed_precision", precision, *train))

@@ -97,6 +97,7 @@ from autotune.planning.goals import (
     training_length,
 )
 from autotune.planning.host_ram import plan_host_ram
+from autotune.planning.host_swap import HostSwapChoice, decide_host_swap
 from autotune.planning.outputs import dataset_config, launch_command
 from autotune.planning.profiles import plan_profile
 from autotune.planning.request import (
@@ -111,6 +112,7 @@ from autotune.planning.request import (
     validate_frames,
     validate_request,
     validate_resolution,
+    wants_both_experts,
 )
 from autotune.planning.resolution import (
     MIN_RESOLUTION_FRACTION,
@@ -258,9 +260,11 @@ def plan_training(request: PlanRequest) -> Plan:
     te_fp8_offered = (family.musubi or {}).get("text_encoder_fp8", True) is not None
     t5_fp8 = profile.has_te_fp8 and te_fp8_offered and caching_needs_fp8_t5(family.name, usable)
     te_cpu = bool(profile.te_cpu_flag) and bool(gpus) and caching_needs_fp8_t5(family.name, usable, t5_fp8)
+    both = wants_both_experts(request, profile.both_experts.file_key if profile.both_experts else None)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
-                        attention=prefs.attention, network=network_choice(prefs, family), frames=prefs.frames or 1)
+                        attention=prefs.attention, network=network_choice(prefs, family), frames=prefs.frames or 1,
+                        high_noise_expert=both)
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
     measured = learned_for(request, family.name, devices)
@@ -285,7 +289,9 @@ def plan_training(request: PlanRequest) -> Plan:
         return Plan(fits=False, message=_nothing_fits(found.smallest, gpus, device), settings=None, choices=(),
                     dataset_config={}, prediction=None, launch_command=(), **common)
 
-    chosen = found.chosen
+    host_swap = decide_host_swap(found.chosen, predictor, usable=usable, host_ram=request.host_ram_bytes) \
+        if family.trainer == "musubi-tuner" and gpus else HostSwapChoice(found.chosen)
+    chosen = host_swap.chosen
     s = chosen.settings if prefs.alpha is None else replace(chosen.settings, network_alpha=prefs.alpha)
     effective_real = s.train_batch_size * s.gradient_accumulation_steps * devices
     short_cpu_run = not gpus and is_tiny_scale(family) and not prefs.epochs
@@ -315,7 +321,8 @@ def plan_training(request: PlanRequest) -> Plan:
                           target_views=length.target_views, precision_reason=precision_reason,
                           fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
                           workers=ram.workers, t5_fp8=t5_fp8, te_cpu=te_cpu,
-                          host_ram=chosen.host_ram, compile_reason=compiling.reason)
+                          host_ram=chosen.host_ram, compile_reason=compiling.reason,
+                          pinned_reason=host_swap.pinned_reason, offload_reason=host_swap.offload_reason)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "

@@ -19,6 +19,17 @@ PROFILES_PATH = Path(__file__).resolve().parents[1] / "data" / "plan_profiles.js
 
 
 @dataclass(frozen=True)
+class BothExperts:
+    """How a profile trains two experts in one run (Wan 2.2 A14B: musubi's ``--dit_high_noise``)."""
+
+    file_key: str  # the second expert's file option
+    placeholder: str
+    file_reason: str
+    drop: tuple[str, ...]  # fixed keys of the one-expert plan that do not apply
+    fixed: tuple[tuple[str, Any, str], ...]  # (key, value, reason) added instead
+
+
+@dataclass(frozen=True)
 class PlanProfile:
     network_module: str
     network_module_reason: str
@@ -38,10 +49,23 @@ class PlanProfile:
     te_cpu_flag: str | None = None  # caching on the CPU where even the fp8 encoders do not fit (text_encoder_cpu)
     # kohya key -> the prefix under which the model file itself may hold that part (SD3.5's text encoders)
     model_files_inside: dict[str, str] | None = None
+    # Wan 2.2: the second expert's file (key, placeholder, reason) and the fixed keys that change when both train
+    both_experts: BothExperts | None = None
 
     @property
     def has_te_fp8(self) -> bool:
         return "t5xxl_fp8" in self.model_files or self.te_fp8_flag is not None
+
+    def expert_switch_share(self) -> float:
+        """Two experts: the share of micro-steps that change expert under the plan's own timestep boundary and
+        flow shift (``dit_speed.expert_switch_share``); 0 for a profile with one expert."""
+        from autotune.estimate.dit_speed import expert_switch_share
+
+        if self.both_experts is None:
+            return 0.0
+        values = {key: value for key, value, _ in (*self.fixed, *self.both_experts.fixed)}
+        boundary = float(values["timestep_boundary"])
+        return expert_switch_share(boundary / 1000 if boundary > 1 else boundary, float(values["discrete_flow_shift"]))
 
     def text_encoder_fp8(self, planned: bool, fp8_base: bool) -> bool:
         """Whether the planned fp8 text encoder is in fp8 for these settings (SD3: only under fp8_base)."""
@@ -73,8 +97,16 @@ def plan_profile(family: str) -> PlanProfile:
                                     if "fp8_min_compute_capability" in entry else None),  # type: ignore[arg-type]
         fp8_reason=entry.get("fp8_reason"), te_fp8_flag=entry.get("te_fp8_flag"),
         te_fp8_needs_fp8_base=entry.get("te_fp8_needs_fp8_base", False), te_cpu_flag=entry.get("te_cpu_flag"),
-        model_files_inside=entry.get("model_files_inside"),
+        model_files_inside=entry.get("model_files_inside"), both_experts=_both_experts(entry.get("both_experts")),
     )
+
+
+def _both_experts(entry: dict[str, Any] | None) -> BothExperts | None:
+    if entry is None:
+        return None
+    key, placeholder, reason = entry["model_file"]
+    return BothExperts(file_key=key, placeholder=placeholder, file_reason=reason, drop=tuple(entry["drop"]),
+                       fixed=tuple((k, v, r) for k, v, r in entry["fixed"]))
 
 
 FP8_FILE_KEY = "t5xxl_fp8"  # the fp8 choice of t5xxl, not an option of its own
@@ -84,5 +116,6 @@ def model_file_keys() -> tuple[str, ...]:
     """Every kohya key naming a separate model file in any family (clip_l, t5xxl, ae, clip_g, gemma2, ...): the
     command line's ``--KEY FILE`` options."""
     keys = [k for entry in _profiles().values() if isinstance(entry, dict)
-            for k in entry.get("model_files", {}) if k != FP8_FILE_KEY]
+            for k in [*entry.get("model_files", {}), *entry.get("both_experts", {}).get("model_file", [])[:1]]
+            if k != FP8_FILE_KEY]
     return tuple(dict.fromkeys(keys))

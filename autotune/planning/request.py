@@ -83,6 +83,7 @@ class Preferences:
     alpha: float | None = None  # network_alpha
     steps: int | None = None  # max_train_steps (instead of the goal's epochs)
     frames: int | None = None  # video frames per sample (a video family's target_frames, N*4+1); None: images
+    experts: str | None = None  # Wan 2.2 A14B: "low" (the --dit expert alone) or "both" (with --dit_high_noise)
 
 
 @dataclass(frozen=True)
@@ -200,3 +201,22 @@ def validate_frames(frames: int | None, family: FamilySpec) -> None:
     stride = family.temporal_stride
     if frames < 1 or (frames - 1) % stride:
         raise UserError(f"--frames {frames}: {family.name} takes 1 + {stride}k frames (e.g. 17, 33, 81)")
+
+
+EXPERTS = ("low", "both")
+
+
+def wants_both_experts(request: PlanRequest, file_key: str | None) -> bool:
+    """Whether the plan trains two experts (Wan 2.2): ``--experts both``, or the second expert's file
+    (``file_key``: the profile's, None for a family with one) given without ``--experts``. Checked first: a
+    one-line UserError for ``--experts both`` on a family with one expert or ``low`` beside the second file."""
+    experts = request.preferences.experts
+    given = file_key is not None and any(key == file_key for key, _ in request.model_files)
+    if experts is not None and experts not in EXPERTS:
+        raise UserError(f"--experts {experts}: choose one of {', '.join(EXPERTS)}")
+    if experts == "both" and file_key is None:
+        raise UserError(f"--experts both: {request.model} has one DiT; only Wan 2.2 A14B trains two experts")
+    if experts == "low" and given:
+        raise UserError(f"--experts low with --{file_key}: the second expert's file trains only with --experts "
+                        "both; drop one of them")
+    return experts == "both" or (experts is None and given)

@@ -27,7 +27,7 @@ DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs 
 
 def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, precision: str, train_te: bool,
                 effective: int, attention: str, network: tuple[str, tuple[str, ...]] | None = None,
-                frames: int = 1) -> TrainSettings:
+                frames: int = 1, high_noise_expert: bool = False) -> TrainSettings:
     """The preferred settings before anything is given up (latents always cached; text-encoder outputs as the
     family's plan profile says, else cached for SDXL UNet-only training)."""
     cache_te = plan_profile(family.name).cache_text_encoder_outputs
@@ -38,7 +38,7 @@ def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, pre
         cache_text_encoder_outputs=cache_te if cache_te is not None else family.is_sdxl and not train_te,
         max_bucket_reso=side * 2, xformers=attention == "xformers",
         network_module=network[0] if network else family.network_module, network_args=network[1] if network else (),
-        frames=frames,
+        frames=frames, high_noise_expert=high_noise_expert,
     )
 
 
@@ -67,8 +67,10 @@ def estimate_for_settings(family: str, s: TrainSettings, cpu_cores: int, *, t5_f
         from autotune.estimate.dit_speed import predict_dit_speed
         from autotune.planning.profiles import plan_profile
 
-        te_fp8 = plan_profile(family).text_encoder_fp8(t5_fp8, s.fp8_base)
-        flux = dit_inputs_for_settings(family, s, t5_fp8=te_fp8, text_encoders_on_cpu=te_cpu)
+        profile = plan_profile(family)
+        te_fp8 = profile.text_encoder_fp8(t5_fp8, s.fp8_base)
+        flux = dit_inputs_for_settings(family, s, t5_fp8=te_fp8, text_encoders_on_cpu=te_cpu,
+                                       expert_switch_share=profile.expert_switch_share())
         return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
@@ -160,6 +162,14 @@ class Scored:
     host_ram_loading: int = 0
 
 
+def score(s: TrainSettings, predictor: Predictor, devices: int = 1) -> Scored:
+    """The predicted memory and speed of ``s`` (samples/s across ``devices`` data-parallel processes)."""
+    e = predictor.predict(s)
+    scale = devices * (DDP_EFFICIENCY if devices > 1 else 1.0)
+    return Scored(s, e.required, e.peak, e.components, e.it_per_s, e.it_per_s * s.train_batch_size * scale,
+                  e.host_ram, e.host_ram_loading)
+
+
 def best_at(point: TrainSettings, effective_batch: int, devices: int, usable: int,
             predictor: Predictor, split: tuple[int, int] | None = None) -> tuple[Scored | None, Scored]:
     """The fastest fitting (micro-batch, checkpointing) at one ladder point, and the smallest candidate there;
@@ -170,13 +180,10 @@ def best_at(point: TrainSettings, effective_batch: int, devices: int, usable: in
     for gc in (False, True):
         for mb, accum in splits:
             s = replace(point, train_batch_size=mb, gradient_accumulation_steps=accum, gradient_checkpointing=gc)
-            e = predictor.predict(s)
-            scale = devices * (DDP_EFFICIENCY if devices > 1 else 1.0)
-            scored = Scored(s, e.required, e.peak, e.components, e.it_per_s, e.it_per_s * mb * scale, e.host_ram,
-                            e.host_ram_loading)
-            if smallest is None or e.required < smallest.required:
+            scored = score(s, predictor, devices)
+            if smallest is None or scored.required < smallest.required:
                 smallest = scored
-            if e.required > usable:
+            if scored.required > usable:
                 continue
             # Highest samples/s; ties: no checkpointing first (loop order), then smaller micro-batch.
             if best is None or scored.samples_per_s > best.samples_per_s * (1 + 1e-9):

@@ -19,7 +19,9 @@ from sd_scripts_compat.config.kohya_toml import parse_resolution
 # fields added after events were first stored: a block written before them reads as their defaults
 _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": (),
                                   "cpu_offload_checkpointing": False, "torch_compile": False,
-                                  "dynamo_backend": "inductor", "frames": 1}
+                                  "dynamo_backend": "inductor", "frames": 1,
+                                  "use_pinned_memory_for_block_swap": False, "high_noise_expert": False,
+                                  "offload_inactive_dit": False}
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class TrainSettings:
     torch_compile: bool = False  # each repeated block of the denoiser compiled (training.compiled_blocks)
     dynamo_backend: str = "inductor"  # the compiler torch_compile uses (kohya's option)
     frames: int = 1  # video frames of one sample (musubi-tuner's target_frames for Wan); 1: images
+    use_pinned_memory_for_block_swap: bool = False  # musubi-tuner: the swapped blocks live in page-locked RAM
+    high_noise_expert: bool = False  # Wan 2.2: the high-noise expert trains too (musubi's --dit_high_noise)
+    offload_inactive_dit: bool = False  # ... and the expert not in use waits in host RAM (no block swap then)
 
     @property
     def effective_batch(self) -> int:
@@ -125,6 +130,8 @@ class TrainSettings:
         data["cpu_offload_checkpointing"] = bool(data["cpu_offload_checkpointing"])
         data["torch_compile"], data["dynamo_backend"] = bool(data["torch_compile"]), str(data["dynamo_backend"])
         data["frames"] = int(data["frames"])
+        for name in ("use_pinned_memory_for_block_swap", "high_noise_expert", "offload_inactive_dit"):
+            data[name] = bool(data[name])
         return cls(**data)
 
     def describe(self) -> str:
@@ -139,8 +146,11 @@ class TrainSettings:
             parts.append(f"max bucket {self.max_bucket_reso}")
         if self.fp8_base:
             parts.append("fp8 base")
+        if self.high_noise_expert:
+            parts.append("both experts" + (", the inactive one offloaded" if self.offload_inactive_dit else ""))
         if self.blocks_to_swap:
-            parts.append(f"{self.blocks_to_swap} blocks swapped")
+            parts.append(f"{self.blocks_to_swap} blocks swapped"
+                         + (" (pinned)" if self.use_pinned_memory_for_block_swap else ""))
         if self.cpu_offload_checkpointing:
             parts.append("checkpoints offloaded to the CPU")
         if self.torch_compile:

@@ -68,6 +68,10 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["blocks_to_swap"] = s.blocks_to_swap
     if s.cpu_offload_checkpointing:
         values["cpu_offload_checkpointing"] = True
+    if s.use_pinned_memory_for_block_swap:
+        values["use_pinned_memory_for_block_swap"] = True
+    if s.high_noise_expert:  # written either way: a ladder move from offloading to block swap must clear it
+        values["offload_inactive_dit"] = s.offload_inactive_dit
     values["torch_compile"] = s.torch_compile  # always: the plan writes why it is on or off
     if s.torch_compile:
         values["dynamo_backend"] = s.dynamo_backend
@@ -157,6 +161,9 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
         torch_compile=bool(values.get("torch_compile", False)),
         dynamo_backend=str(values.get("dynamo_backend") or defaults.dynamo_backend),
+        use_pinned_memory_for_block_swap=bool(values.get("use_pinned_memory_for_block_swap", False)),
+        high_noise_expert=bool(values.get("dit_high_noise")),
+        offload_inactive_dit=bool(values.get("offload_inactive_dit", False)),
     )
 
 
@@ -332,7 +339,8 @@ def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
 
 
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    return [Candidate(replace(s, blocks_to_swap=n), f"blocks_to_swap {n}")
+    base = replace(s, offload_inactive_dit=False)  # musubi refuses block swap beside an offloaded Wan 2.2 expert
+    return [Candidate(replace(base, blocks_to_swap=n), f"blocks_to_swap {n}")
             for n in range(s.blocks_to_swap + 1, lim.max_blocks_to_swap + 1)]  # the fewest that fit win
 
 
