@@ -3,6 +3,7 @@
     python bench/dit_tiers.py                                  # every DiT family sd-scripts trains
     python bench/dit_tiers.py --family flux-dev --rank 16 --gpu "RTX 3090"
     python bench/dit_tiers.py --musubi [--resolution 1024 --rank 16]   # the families musubi-tuner trains
+    python bench/dit_tiers.py --musubi --family wan2.2-t2v-a14b --experts both --ram 64   # both Wan 2.2 experts
 
 Each row: the planner's choice for a card of that size with the named card's rates (resolution, micro-batch x
 accumulation, rank, fp8 and its key, the text encoder's form while caching, swapped blocks) and its predictions
@@ -12,7 +13,9 @@ accumulation, rank, fp8 and its key, the text encoder's form while caching, swap
 the SD3 doc's example swaps 32 blocks (no card named); Chroma, Lumina 2 and Anima publish none. musubi-tuner
 (docs at ../shared/reference's snapshot): docs/qwen_image.md's table (1024 px, batch 1, checkpointing), the FLUX.2
 and Wan swap maxima and docs/wan.md's 24 GB sentence, README's 12 GB image / 24 GB video floors; the musubi
-families plan 12-32 GB plus the sizes musubi publishes a figure for.
+families plan 12-32 GB plus the sizes musubi publishes a figure for. With ``--ram`` the machine's RAM is known, so
+the swap column also says where the planner pins the swapped blocks ("pinned") or offloads Wan 2.2's inactive
+expert instead of swapping ("offload inactive expert").
 """
 
 from __future__ import annotations
@@ -55,12 +58,13 @@ def _text_encoders(values: dict, family: str) -> str:
 
 
 def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int | None = None,
-         frames: int | None = None) -> list[str]:
+         frames: int | None = None, experts: str | None = None, ram_gb: float | None = None) -> list[str]:
     from autotune.estimate.dit_memory import dit_inputs_for_settings
     from autotune.estimate.dit_speed import swap_seconds
     from autotune.hardware.gpu_catalog import lookup_gpu
     from autotune.planning.dataset import nominal_dataset
     from autotune.planning.planner import PlanRequest, Preferences, plan_training
+    from autotune.planning.profiles import plan_profile
     from autotune.planning.request import gpu_from_spec
     from sd_scripts_compat.models.families import get_family
 
@@ -76,8 +80,10 @@ def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int |
             plan = plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors", family=family,
                                              gpus=(gpu_from_spec(spec, vram_gb=tier),), dataset=nominal_dataset(),
                                              cpu_physical_cores=8,
-                                             preferences=Preferences(rank=rank, resolution=resolution,
-                                                                     frames=frames if video else None)))
+                                             host_ram_bytes=None if ram_gb is None else int(ram_gb * GIB),
+                                             preferences=Preferences(
+                                                 rank=rank, resolution=resolution, frames=frames if video else None,
+                                                 experts=experts if plan_profile(family).both_experts else None)))
             if not plan.fits:
                 out.append(f"| {family} | {tier} | {published} | does not fit | | | | | | | | | | |")
                 continue
@@ -85,10 +91,13 @@ def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int |
             fp8 = next((k for k in ("fp8_base", "fp8_scaled") if values.get(k)), "no")
             inputs = dit_inputs_for_settings(family, s, t5_fp8=_text_encoders(values, family) == "fp8")
             size = f"{s.resolution[0]}" + (f" x {s.frames} frames" if s.frames > 1 else "")
-            out.append(f"| {family} | {tier} | {published} | {size} | {s.train_batch_size} x "
+            swap = f"{s.blocks_to_swap}" + (" pinned" if s.use_pinned_memory_for_block_swap else "") \
+                + (" (offload inactive expert)" if s.offload_inactive_dit else "")
+            name = family + (" (both experts)" if s.high_noise_expert else "")
+            out.append(f"| {name} | {tier} | {published} | {size} | {s.train_batch_size} x "
                        f"{s.gradient_accumulation_steps} | {s.network_dim} | "
                        f"{'on' if s.gradient_checkpointing else 'off'} | {fp8} | {_text_encoders(values, family)} | "
-                       f"{s.blocks_to_swap} | {p.peak_bytes / GIB:.2f} | {p.ram_peak_bytes / GIB:.1f} | "
+                       f"{swap} | {p.peak_bytes / GIB:.2f} | {p.ram_peak_bytes / GIB:.1f} | "
                        f"{1 / p.micro_steps_per_s:.2f} | {swap_seconds(inputs, spec):.2f} |")
     return out
 
@@ -101,9 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--musubi", action="store_true", help="the families musubi-tuner trains")
     parser.add_argument("--frames", type=int, default=None, help="clips of this many frames for the video families")
     parser.add_argument("--gpu", default="RTX 3090", help="catalogue card whose rates the tiers use")
+    parser.add_argument("--experts", choices=("low", "both"), default=None, help="Wan 2.2: one expert or both")
+    parser.add_argument("--ram", type=float, default=None, help="the machine's RAM in GB (pinning is decided then)")
     args = parser.parse_args(argv)
     families = args.family or list(MUSUBI_FAMILIES if args.musubi else FAMILIES)
-    print("\n".join(rows(families, args.rank, args.gpu, args.resolution, args.frames)))
+    print("\n".join(rows(families, args.rank, args.gpu, args.resolution, args.frames, args.experts, args.ram)))
     return 0
 
 

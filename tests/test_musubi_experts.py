@@ -201,3 +201,19 @@ def test_a_given_high_noise_file_trains_both_experts_and_is_the_scripts_default(
     assert f': "${{DIT_HIGH_NOISE:={high}}}"' in script
     with pytest.raises(UserError, match="one DiT"):
         plan("z-image", 24, experts="both")
+
+
+def test_an_attempt_that_leaves_offloading_for_block_swap_writes_both_keys(tmp_path: Path) -> None:
+    """The OOM ladder's move from an offloading plan: the attempt's config turns offload_inactive_dit off and
+    swaps blocks (musubi asserts the two never meet)."""
+    from autotune.recovery.musubi import write_attempt_files
+
+    p = plan(WAN22, 48, experts="both")
+    write_plan_files(p, tmp_path)
+    base = replace(p.settings, offload_inactive_dit=True)
+    lower = replace(base, offload_inactive_dit=False, blocks_to_swap=6)
+    config, _ = write_attempt_files(tmp_path / "config.toml", tmp_path / "dataset.toml", lower, base,
+                                    tmp_path / "state", 1, (), "wan_train_network.py")
+    values = toml.load(config)
+    assert values["offload_inactive_dit"] is False and values["blocks_to_swap"] == 6
+    assert values["timestep_boundary"] == 875
