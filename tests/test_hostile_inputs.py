@@ -91,6 +91,22 @@ def run(root: Path, *extra: str, model: str = TINY) -> list[str]:
     return ["autotune", "run", str(dataset(root)), "--model", model, "--out", str(root / "run"), *extra]
 
 
+def musubi_checkout(root: Path) -> Path:
+    """A folder laid out as a musubi-tuner checkout with Wan's training script (empty: nothing runs it here)."""
+    scripts = root / "musubi" / "src" / "musubi_tuner"
+    scripts.mkdir(parents=True, exist_ok=True)
+    (scripts / "wan_train_network.py").write_text("")
+    return root / "musubi"
+
+
+def wan22_dit(root: Path) -> Path:
+    """A Wan 2.2 A14B DiT file's layout (its module names, 2x2 zero weights): detected, never trained."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_musubi_detect import write_dit
+
+    return write_dit(root / "wan2.2_t2v_low_noise_14B_fp16.safetensors", "wan2.2-t2v-a14b")
+
+
 def text_file(path: Path, text: str = "this is not a tensor file\n") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
@@ -245,6 +261,15 @@ CLI = [
     Case("plan-clips-from-a-folder-of-images",
          lambda t: plan(t, "--frames", "33", model="builtin:wan2.1-t2v-1.3b"), "holds no videos"),
     Case("plan-frames-zero", lambda t: plan(t, "--frames", "0", model="builtin:wan2.1-t2v-1.3b"), "--frames 0"),
+    Case("plan-both-experts-of-a-one-dit-family", lambda t: plan(t, "--experts", "both", model="builtin:qwen-image"),
+         "has one DiT"),
+    Case("plan-low-expert-with-the-high-noise-file",
+         lambda t: plan(t, "--experts", "low", "--dit_high_noise", str(text_file(t / "high.safetensors", "x")),
+                        model="builtin:wan2.2-t2v-a14b"), "--experts low with --dit_high_noise"),
+    Case("run-musubi-both-experts-without-the-high-noise-file",
+         lambda t: run(t, "--experts", "both", "--vram", "24", "--engine", f"musubi-tuner={musubi_checkout(t)}",
+                       "--vae", str(text_file(t / "vae.safetensors")), "--t5", str(text_file(t / "t5.pth")),
+                       model=str(wan22_dit(t))), "give it with --dit_high_noise FILE"),
     Case("plan-resolution-sd15-500", lambda t: plan(t, "--resolution", "500", model="builtin:sd15"),
          "--resolution 500"),
     Case("plan-vram-zero", lambda t: plan(t, "--vram", "0"), "--vram 0"),

@@ -217,3 +217,24 @@ def test_an_attempt_that_leaves_offloading_for_block_swap_writes_both_keys(tmp_p
     values = toml.load(config)
     assert values["offload_inactive_dit"] is False and values["blocks_to_swap"] == 6
     assert values["timestep_boundary"] == 875
+
+
+def test_the_wizard_asks_wan22_for_its_experts(tmp_path: Path) -> None:
+    """`autotune wizard` with Wan 2.2: "Experts" is its question (--experts); both write the boundary, the default
+    keeps the low-noise expert's range; a family with one DiT is not asked and refuses --experts both in one line."""
+    def wizard(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "autotune", "wizard", str(ROOT / "examples" / "dataset"),
+                               "--gpu", "RTX 4090", "--yes", "--no-start", "--out", str(out), *extra],
+                              capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+                              env={**__import__("os").environ, "COLUMNS": "400"})
+
+    both = wizard(tmp_path / "both", "--model", f"builtin:{WAN22}", "--experts", "both")
+    assert both.returncode == 0, both.stderr
+    assert "Experts" in both.stdout and "(from --experts)" in both.stdout
+    assert toml.load(tmp_path / "both" / "config.toml")["timestep_boundary"] == 875
+    low = wizard(tmp_path / "low", "--model", f"builtin:{WAN22}")
+    assert low.returncode == 0, low.stderr
+    assert toml.load(tmp_path / "low" / "config.toml")["max_timestep"] == 875
+    refused = wizard(tmp_path / "no", "--model", "builtin:qwen-image", "--experts", "both")
+    assert refused.returncode != 0 and "has one DiT" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "no").exists()

@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", metavar="PATH|builtin:ID", help="a .safetensors / .ckpt file, a diffusers "
                        "folder, or builtin:tiny-sd15 / builtin:sd15 / builtin:sdxl ...")
     model.add_argument("--family", help="the family when it cannot be told (e.g. sd2-v for a 768-v SD2 file)")
+    model.add_argument("--experts", choices=("low", "both"),
+                       help="Wan 2.2 A14B: the low-noise expert alone (default) or both in one run")
     model.add_argument("--allow-pickle", action="store_true", help="allow a .ckpt/.pt pickle (weights_only load)")
     data = parser.add_argument_group("dataset (a flat folder of images)")
     data.add_argument("--organise", "--organize", choices=("link", "copy", "no"),

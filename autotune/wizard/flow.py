@@ -40,12 +40,13 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
               "Ctrl-C quits and writes nothing.", markup=True)
     hardware = steps.hardware(asker, args)
     model = steps.base_model(asker, args)
+    experts = steps.experts(asker, args, model.family)
     data = steps.dataset(asker, args, steps.clip_frames(asker, args, model.family))
     healthy = steps.doctor(asker, model, data)
     output = steps.goal_and_output(asker, args, data, model.family)
     start = overrides_from_args(args, family_tiny=get_family(model.family).tiny,
                                 on_gpu=bool(hardware.gpus))
-    request = build_request(hardware, model, data, output)
+    request = build_request(hardware, model, data, output, experts)
     base = plan_training(request)
     if not base.fits:
         raise UserError(base.message)
@@ -58,11 +59,12 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
         asker.say("Not offering to train here: the doctor found errors in the dataset (see above); fix them, "
                   "then run `autotune run` as printed by `autotune doctor`'s advice.", style="yellow")
         return 0
-    return offer_training(asker, args, hardware, model, data, output, config, dataset_toml)
+    return offer_training(asker, args, hardware, model, data, output, config, dataset_toml,
+                          both_experts=plan.settings is not None and plan.settings.high_noise_expert)
 
 
 def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: steps.DatasetChoice,
-                  output: steps.OutputChoice) -> Any:
+                  output: steps.OutputChoice, experts: str | None = None) -> Any:
     from autotune.measure.store import load_measurements
     from autotune.planning.planner import PlanRequest, Preferences
 
@@ -70,7 +72,7 @@ def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: step
     measured = tuple(load_measurements()) if hardware.device else ()
     return PlanRequest(dataset_dir=str(data.folder), model=model.model, family=model.family, gpus=hardware.gpus,
                        goal=output.goal, priority=output.priority,
-                       preferences=Preferences(output_name=output.name, frames=data.frames),
+                       preferences=Preferences(output_name=output.name, frames=data.frames, experts=experts),
                        cpu_physical_cores=hardware.cpu_cores, cpu_memory_bytes=hardware.ram_bytes,
                        dataset=data.summary, output_dir=str(output.folder), cpu_bf16=hardware.cpu_bf16,
                        probe_summary=hardware.summary + "; autotune wizard", allow_pickle=model.allow_pickle,
@@ -139,7 +141,8 @@ def run_command(model: steps.ModelChoice, data: steps.DatasetChoice, output: ste
 
 
 def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardware, model: steps.ModelChoice,
-                   data: steps.DatasetChoice, output: steps.OutputChoice, config: Path, dataset_toml: Path) -> int:
+                   data: steps.DatasetChoice, output: steps.OutputChoice, config: Path, dataset_toml: Path,
+                   both_experts: bool = False) -> int:
     """Offer ``autotune run`` on this machine; the configs for another machine end the wizard here."""
     argv = run_command(model, data, output, config, dataset_toml)
     # NVML numbers cards in PCI order; CUDA numbers them fastest first unless told otherwise.
@@ -155,13 +158,15 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
     family = get_family(model.family)
     if family.trainer == "musubi-tuner":  # autotune run plans it again and supervises the user's musubi-tuner
         supervised = ["autotune", "run", str(data.folder), "--model", model.model, "--family", model.family,
-                      *(["--frames", str(data.frames)] if data.frames > 1 else []), "--out", str(output.folder),
+                      *(["--frames", str(data.frames)] if data.frames > 1 else []),
+                      *(["--experts", "both"] if both_experts else []), "--out", str(output.folder),
                       "--engine", "musubi-tuner=PATH"]
         asker.say("Or train here under lora-autotune's watchdog (out of memory: more blocks swapped, then smaller; "
                   "killed or stalled: resumed at the exact step):")
         asker.say("  " + env + shlex.join(supervised), soft_wrap=True)
         asker.say("  (PATH: your musubi-tuner checkout; add the VAE and text-encoder files as --vae FILE and "
-                  f"--{(family.musubi or {}).get('text_encoder_option', 'text_encoder')} FILE)")
+                  f"--{(family.musubi or {}).get('text_encoder_option', 'text_encoder')} FILE"
+                  + (", and the high-noise expert as --dit_high_noise FILE" if both_experts else "") + ")")
         return 0
     if not data.kohya_layout:
         asker.say("Not offering to train here: `autotune run` needs N_name subfolders (see above).")

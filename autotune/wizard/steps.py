@@ -311,6 +311,21 @@ def clip_frames(asker: Asker, args: argparse.Namespace, family: str) -> int:
                           "(1 + 4k, e.g. 33 or 81); 1 trains it on a folder of images"))
 
 
+def experts(asker: Asker, args: argparse.Namespace, family: str) -> str | None:
+    """Wan 2.2 A14B: the low-noise expert alone or both in one run (musubi's ``--dit_high_noise``); no question for
+    a family with one DiT (``--experts both`` there is refused by the plan, in one line)."""
+    from autotune.planning.profiles import plan_profile
+
+    if plan_profile(family).both_experts is None:
+        return args.experts
+    return asker.choose("Experts", [Option("the low-noise expert alone (the --model file)", "low"),
+                                    Option("both experts in one run (one LoRA; the high-noise file as "
+                                           "--dit_high_noise; more memory)", "both")],
+                        default="low", flag="--experts", given=args.experts,
+                        explanation=f"{family} is two 14B experts: the high-noise one denoises timesteps from 875, "
+                        "the low-noise one those below; musubi-tuner trains one or both")
+
+
 def dataset(asker: Asker, args: argparse.Namespace, frames: int = 1) -> DatasetChoice:
     """A folder, checked on the spot through the shared scan; a flat one may become ``N_name``. Clips
     (``frames`` > 1): a folder of videos, taken as it is."""
