@@ -28,6 +28,7 @@ then with the engine's compiled blocks, with s/step and model-FLOP utilisation (
 the lent H200 (2026-12-04) inductor had not finished compiling SDXL's blocks after 460 s: give it a call of its own.
 
     python bench/gpu_validate.py "$OUT"            # on a CUDA machine
+    python bench/gpu_validate.py --musubi "$OUT"   # the musubi-tuner families, in a call of their own
     python bench/gpu_validate.py --dry-run /tmp/gv  # anywhere
 """
 
@@ -65,10 +66,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--goal", default="character")
     parser.add_argument("--dit-tiers", default="8,12,16,24",
                         help="emulated card sizes for the transformer families (bench/gpu_validate_dit.py)")
+    parser.add_argument("--musubi", action="store_true",
+                        help="the families musubi-tuner trains instead (no UNet families, no compile check): "
+                        "Qwen-Image, FLUX.2 klein / dev, Z-Image, Wan at 12-32 GB (--dit-families/--dit-tiers narrow)")
     parser.add_argument("--compile-check", default="sdxl,flux-dev",
                         help="families measured eager and compiled, with MFU (bench/gpu_compile_check.py; '' for none)")
     parser.add_argument("--compile-tier", type=float, default=24.0, help="emulated card of the compile check, GB")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.musubi:
+        from bench.gpu_validate_dit import MUSUBI_FAMILIES
+
+        defaults = {"dit_families": parser.get_default("dit_families"), "dit_tiers": parser.get_default("dit_tiers")}
+        args.families, args.compile_check = "", ""
+        if args.dit_families == defaults["dit_families"]:
+            args.dit_families = ",".join(MUSUBI_FAMILIES)
+        if args.dit_tiers == defaults["dit_tiers"]:
+            args.dit_tiers = "12,16,24,32"
+    return args
 
 
 def result_dir(arg: str | None) -> Path:

@@ -10,7 +10,11 @@ engine's kohya LoRA network and runs warm-up + timed micro-steps at the planned 
 and optimizer on random cached latents and text-encoder outputs, with the same forward the memory traces use
 (``autotune.calibration.dit_memtrace.FORWARDS``). Each case writes ``<family>_<tier>gb.json``. For the families
 sd-scripts trains (Lumina 2, HunyuanImage-2.1, Anima) the model and swap are diffusers' and ours, which the memory
-model was calibrated on, not sd-scripts' own code.
+model was calibrated on, not sd-scripts' own code. The same holds for the families musubi-tuner trains (Qwen-Image,
+FLUX.2 dev / klein, Wan 2.1 / 2.2, Z-Image: ``--musubi``): their ``fp8_base`` is musubi's ``fp8_scaled`` as the
+traces ran it (``dit_memtrace.musubi_fp8_scaled``: the bf16 copies each forward keeps), clips pass their planned
+frames, and since our swapper adds two block buffers that musubi's in-place swap does not, the row's
+``bench_swap_buffers_bytes`` is added to the prediction it is compared with.
 
 ``--dry-run`` (any machine) plans every case and prints what it would measure, and runs the very same case code
 for real on the CPU with the tiny twins (tiny-flux, tiny-chroma, tiny-sd3) at 64 px: the full-size models cannot
@@ -27,6 +31,19 @@ GIB = 1024**3
 NOT_TENSORS = ("cuda_context", "allocator_overhead", "safety_margin", "swap_buffers")
 TINY_TWINS = {"flux-dev": "tiny-flux", "chroma": "tiny-chroma", "sd3.5-medium": "tiny-sd3",
               "sd3.5-large": "tiny-sd3"}
+# the musubi families have no tiny twin: the dry run steps their own diffusers class at these small geometries
+TINY_CONFIGS = {
+    "QwenImageTransformer2DModel": {"num_layers": 2, "attention_head_dim": 32, "num_attention_heads": 2,
+                                    "joint_attention_dim": 64, "axes_dims_rope": [8, 12, 12]},
+    "Flux2Transformer2DModel": {"num_layers": 1, "num_single_layers": 2, "attention_head_dim": 32,
+                                "num_attention_heads": 2, "joint_attention_dim": 64, "axes_dims_rope": [8, 8, 8, 8]},
+    "WanTransformer3DModel": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 32, "ffn_dim": 64,
+                              "text_dim": 64},
+    "ZImageTransformer2DModel": {"dim": 64, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+                                 "cap_feat_dim": 64, "axes_dims": [8, 12, 12]},
+}
+MUSUBI_FAMILIES = ("qwen-image", "flux2-klein-4b", "flux2-klein-9b", "z-image", "wan2.1-t2v-1.3b", "wan2.2-t2v-a14b",
+                   "flux2-dev")
 
 
 def make_dit_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
@@ -48,7 +65,21 @@ def planned_row(plan: Any, family: str, tier: float) -> dict[str, Any]:
             "predicted_peak_without_context_bytes": p.peak_bytes - components.get("cuda_context", 0),
             "predicted_tensor_peak_bytes": sum(v for k, v in components.items() if k not in NOT_TENSORS),
             "predicted_components": components, "predicted_it_per_s": p.micro_steps_per_s,
+            "bench_swap_buffers_bytes": bench_swap_buffers(plan, family),
             "predicted_host_ram_bytes": p.ram_peak_bytes, "usable_bytes": p.usable_bytes}
+
+
+def bench_swap_buffers(plan: Any, family: str) -> int:
+    """What this bench's swapper (our engine's: two fresh block buffers) holds beyond a family whose trainer swaps
+    in place (musubi-tuner's; the memory model gives its families none): compared against prediction + this."""
+    from autotune.estimate.dit_memory import dit_family_calibration, swap_buffer_bytes
+    from sd_scripts_compat.models.families import get_family
+
+    spec, s = get_family(family), plan.settings
+    if spec.trained_here or not s.blocks_to_swap:
+        return 0
+    arch = dit_family_calibration(family)["architecture"]
+    return swap_buffer_bytes(arch, s.fp8_base, spec.swap_split(s.blocks_to_swap))
 
 
 def _optimizer(torch: Any, name: str, params: list[Any], cuda: bool) -> Any:
@@ -65,20 +96,28 @@ def _optimizer(torch: Any, name: str, params: list[Any], cuda: bool) -> Any:
 
 def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int, warmup: int, device: str,
                  resolution: int | None = None, compile_backend: str | None = None,
-                 count_flops: bool = False) -> dict[str, Any]:
+                 count_flops: bool = False, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train ``family`` at ``settings`` for warmup + steps micro-steps on ``device``; measured peak memory (CUDA)
-    and micro-steps/s. ``resolution`` overrides the planned one (the CPU dry run's tiny twins);
-    ``compile_backend`` compiles the repeated blocks as the engine's ``torch_compile`` does; ``count_flops`` counts
-    one extra micro-step's FLOPs."""
-    from autotune.calibration.dit_memtrace import FORWARDS, build_bundle, enable_checkpointing, engine_lora
-    from sd_scripts_compat.models.families import get_family
+    and micro-steps/s. ``resolution`` overrides the planned one (the CPU dry run's tiny twins), ``config`` the
+    denoiser's geometry (a musubi family's dry run); ``compile_backend`` compiles the repeated blocks as the
+    engine's ``torch_compile`` does; ``count_flops`` counts one extra micro-step's FLOPs."""
+    from autotune.calibration.dit_memtrace import (
+        FORWARDS,
+        build_bundle,
+        enable_checkpointing,
+        engine_lora,
+        musubi_fp8_scaled,
+        trace_family,
+    )
     from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped
 
-    spec = get_family(family)
+    spec = trace_family(family, config)
     s, cuda = settings, device == "cuda"
     bundle = build_bundle(spec, materialize=True, device=device)  # drawn on the GPU: the host takes minutes
     model = bundle.unet
-    if s.fp8_base and cuda:
+    if s.fp8_base and spec.trainer == "musubi-tuner":  # musubi's fp8_scaled, as the memory model's traces ran it
+        musubi_fp8_scaled(model)
+    elif s.fp8_base and cuda:
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
         store_frozen_weights_in_fp8(model, torch.bfloat16)
@@ -106,6 +145,7 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
     opt = _optimizer(torch, s.optimizer_type, params, cuda)
     forward, phases = FORWARDS[spec.denoiser_class], SimpleNamespace(phase="")  # no counting: real memory
     res = resolution or s.resolution[0]
+    clip = {"frames": s.frames} if s.frames > 1 else {}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, oom, extra = [], None, {}
@@ -115,7 +155,7 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
             from torch.utils.flop_counter import FlopCounterMode
 
             with FlopCounterMode(display=False) as counter, torch.device(device):
-                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens)
+                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens, **clip)
             opt.zero_grad(set_to_none=True)
             extra["flops_per_micro_step"] = counter.get_total_flops()
         for i in range(warmup + steps):
@@ -125,7 +165,7 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
                 torch.cuda.synchronize()
             started = time.perf_counter()
             with torch.device(device):
-                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens)
+                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens, **clip)
             if (i + 1) % s.gradient_accumulation_steps == 0:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -152,12 +192,25 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
 
 
 def _dry_row(torch: Any, plan: Any, family: str, tier: float, row: dict[str, Any]) -> None:
+    from sd_scripts_compat.models.families import get_family
+
     s = plan.settings
     row.update({"dry_run": True, "oom": False, "would_measure": (
         f"{family} {tier:g} GB: blocks_to_swap {s.blocks_to_swap}, micro-batch {s.train_batch_size}, "
         f"{s.resolution[0]} px, fp8 {s.fp8_base}, predicted {row['predicted_peak_bytes'] / GIB:.2f} GiB peak, "
         f"{row['predicted_it_per_s']:.3f} micro-steps/s, {row['predicted_host_ram_bytes'] / GIB:.1f} GiB host RAM")})
     print(row["would_measure"], flush=True)
+    tiny_config = TINY_CONFIGS.get(get_family(family).denoiser_class) if family in MUSUBI_FAMILIES else None
+    if tiny_config is not None:  # the same case code on the family's own class, small, a block swapped at most
+        from dataclasses import replace
+
+        from autotune.calibration.dit_memtrace import trace_family
+
+        most = min(1, trace_family(family, tiny_config).max_blocks_to_swap)
+        small = replace(s, blocks_to_swap=min(s.blocks_to_swap, most), train_batch_size=1,
+                        gradient_accumulation_steps=1, frames=min(s.frames, 5))
+        tiny = run_dit_case(torch, small, family, tier, 2, 1, "cpu", resolution=64, config=tiny_config)
+        row["dry_run_tiny"] = {"family": f"{family} (tiny geometry)", "blocks_to_swap": small.blocks_to_swap, **tiny}
     twin = TINY_TWINS.get(family)
     if twin:  # the same case code for real on the CPU, on the tiny twin (swap capped to its block count)
         from dataclasses import replace
@@ -224,8 +277,8 @@ def dit_rows(torch: Any, spec: Any, families: list[str], tiers: list[float], goa
 
                     row.update(failed_case(torch, error))
                 if row.get("measured_peak_reserved_bytes"):
-                    row["peak_ratio_measured_over_predicted"] = (row["measured_peak_reserved_bytes"]
-                                                                 / row["predicted_peak_without_context_bytes"])
+                    row["peak_ratio_measured_over_predicted"] = row["measured_peak_reserved_bytes"] / (
+                        row["predicted_peak_without_context_bytes"] + row["bench_swap_buffers_bytes"])
                 if row.get("measured_it_per_s"):
                     row["speed_ratio_measured_over_predicted"] = row["measured_it_per_s"] / row["predicted_it_per_s"]
             row["seconds"] = round(time.perf_counter() - started, 1)

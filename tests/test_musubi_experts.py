@@ -238,3 +238,22 @@ def test_the_wizard_asks_wan22_for_its_experts(tmp_path: Path) -> None:
     refused = wizard(tmp_path / "no", "--model", "builtin:qwen-image", "--experts", "both")
     assert refused.returncode != 0 and "has one DiT" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "no").exists()
+
+
+def test_gpu_validate_covers_the_musubi_families_and_steps_their_classes_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu_validate.py --musubi --dry-run: each family's plan for an emulated card, and the same case code
+    stepping the family's own diffusers class at a small geometry (musubi's fp8_scaled and a swapped block where
+    planned); the bench's own swap buffers are named beside the prediction."""
+    import json
+
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--dry-run", "--musubi",
+                           str(tmp_path), "--dit-families", "qwen-image,wan2.2-t2v-a14b", "--dit-tiers", "12"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cases = {c["family"]: c for c in json.loads((tmp_path / "summary.json").read_text())["cases"]}
+    assert set(cases) == {"qwen-image", "wan2.2-t2v-a14b"}
+    for case in cases.values():
+        s = case["settings"]
+        assert s["blocks_to_swap"] > 0 and s["fp8_base"] and case["bench_swap_buffers_bytes"] > 0
+        tiny = case["dry_run_tiny"]
+        assert tiny["timed_micro_steps"] == 2 and not tiny["oom"] and tiny["blocks_to_swap"] == 1
