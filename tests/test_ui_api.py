@@ -114,6 +114,19 @@ def test_a_musubi_family_shows_the_files_musubi_tuner_runs(server):
     assert "zimage_train_network.py" in plan["configs"]["musubi_train.sh"]
 
 
+def test_both_wan22_experts_are_one_more_key_of_the_plan_request(server):
+    """The web app's plan takes --experts as any other option: Wan 2.2's plan trains both experts, its config
+    carries the boundary and the script the second expert's file variable."""
+    status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:wan2.2-t2v-a14b",
+                                                     "vram": 24, "experts": "both"})
+    assert status == 200 and plan["fits"] and plan["settings"]["high_noise_expert"]
+    assert toml.loads(plan["configs"]["config.toml"])["timestep_boundary"] == 875
+    assert '--dit_high_noise "$DIT_HIGH_NOISE"' in plan["configs"]["musubi_train.sh"]
+    status, refused = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:z-image",
+                                                        "vram": 24, "experts": "both"})
+    assert status == 400 and "has one DiT" in refused["error"]
+
+
 def test_a_pinned_value_that_does_not_fit_is_planned_down_and_said(server):
     """The page flags an edited value the plan could not keep: the plan says what fits instead."""
     status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:sdxl", "vram": 8,
