@@ -21,6 +21,7 @@ from autotune.launch.plan_options import finite
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from autotune.planning.planner import GOALS, OPTIMIZERS, PRIORITIES
+    from autotune.planning.request import EXPERTS
 
     parser.add_argument("dataset", nargs="?", default=None, metavar="DATASET",
                         help="folder of N_name image subfolders, or a flat folder of images")
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", metavar="PATH|builtin:ID", help="a .safetensors / .ckpt file, a diffusers "
                        "folder, or builtin:tiny-sd15 / builtin:sd15 / builtin:sdxl ...")
     model.add_argument("--family", help="the family when it cannot be told (e.g. sd2-v for a 768-v SD2 file)")
-    model.add_argument("--experts", choices=("low", "both"),
+    model.add_argument("--experts", choices=EXPERTS,
                        help="Wan 2.2 A14B: the low-noise expert alone (default) or both in one run")
     model.add_argument("--allow-pickle", action="store_true", help="allow a .ckpt/.pt pickle (weights_only load)")
     data = parser.add_argument_group("dataset (a flat folder of images)")

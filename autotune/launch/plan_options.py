@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     """The plan's options; ``bench``: for ``autotune bench``, which writes no configs (no ``--out``) and whose
     ``--steps`` are its timed steps (no steps pin)."""
     from autotune.planning.goals import GOALS, PRIORITIES
+    from autotune.planning.request import EXPERTS
     from sd_scripts_compat.config.optimizers import optimizer_names
 
     parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
@@ -84,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="pin the training resolution: 768 or 768,768 as kohya writes it")
     parser.add_argument("--frames", type=int, default=None, metavar="N",
                         help="video families (Wan): frames per clip, 1 + 4k (e.g. 17, 33, 81); default: images")
-    parser.add_argument("--experts", choices=("low", "both"), default=None,
+    parser.add_argument("--experts", choices=EXPERTS, default=None,
                         help="Wan 2.2 A14B: train the low-noise expert (--model) alone, or both in one run (the "
                         "high-noise one from --dit_high_noise; default: both when that file is given)")
     parser.add_argument("--epochs", "--max_train_epochs", type=int, default=None, help="pin the number of epochs")

@@ -76,13 +76,13 @@ def _pinned(chosen: Scored, predictor: Predictor, host_ram: int | None) -> tuple
     pinned = predict_dit_memory(dit_inputs_for_settings(predictor.family.name, alt.settings)).pinned_host_bytes
     if alt.it_per_s <= chosen.it_per_s * (1 + 1e-9):
         return chosen, (f"off: the swapped blocks' copies hide behind the compute ({_seconds(chosen):.2f} s per "
-                      f"micro-step either way), so pinning would only lock {pinned / GIB:.1f} GiB of RAM")
+                        f"micro-step either way), so pinning would only lock {pinned / GIB:.1f} GiB of RAM")
     faster = f"{_seconds(chosen):.2f} -> {_seconds(alt):.2f} s per micro-step"
     if host_ram is None:
         return chosen, (f"off: pinning would make the copies faster ({faster}) but locks {pinned / GIB:.1f} GiB of "
-                      "RAM, and this plan does not know the machine's RAM (plan on it, or give --ram GB)")
+                        "RAM, and this plan does not know the machine's RAM (plan on it, or give --ram GB)")
     if 2 * pinned > host_ram or alt.host_ram > host_ram:
         return chosen, (f"off: pinning would make the copies faster ({faster}) but lock {pinned / GIB:.1f} GiB of "
-                      f"the {host_ram / GIB:.1f} GiB RAM usable (at most half may be page-locked)")
+                        f"the {host_ram / GIB:.1f} GiB RAM usable (at most half may be page-locked)")
     return alt, (f"the swapped blocks' copies bound the step; page-locked they skip the staging copy: {faster}, "
                  f"{pinned / GIB:.1f} GiB of the {host_ram / GIB:.1f} GiB RAM usable locked")
