@@ -373,9 +373,12 @@ def inactive_expert_host_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, ho
     ``offload_inactive_dit`` all of its weights; 0 for one expert."""
     if not inputs.high_noise_expert:
         return 0
-    if inputs.offload_inactive_dit:
-        return sum(transformer_bytes(arch, inputs.fp8_base, (0,) * len(arch["block_groups"])))
-    return host
+    return expert_bytes(arch, inputs.fp8_base) if inputs.offload_inactive_dit else host
+
+
+def expert_bytes(arch: dict[str, Any], fp8: bool) -> int:
+    """All weight bytes of one transformer (a Wan 2.2 expert), none swapped."""
+    return sum(transformer_bytes(arch, fp8, (0,) * len(arch["block_groups"])))
 
 
 def musubi_pinned_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, split: tuple[int, ...], host: int) -> int:

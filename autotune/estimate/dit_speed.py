@@ -33,6 +33,7 @@ from typing import Any
 from autotune.estimate.dit_memory import (
     DitMemoryInputs,
     dit_family_calibration,
+    expert_bytes,
     offloaded_checkpoint_bytes,
     transformer_bytes,
 )
@@ -87,8 +88,7 @@ def expert_switch_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[s
     if not (inputs.high_noise_expert and inputs.offload_inactive_dit):
         return 0.0
     cal = dit_family_calibration(inputs.family, calibration)
-    arch = cal["architecture"]
-    expert = sum(transformer_bytes(arch, inputs.fp8_base, (0,) * len(arch["block_groups"])))
+    expert = expert_bytes(cal["architecture"], inputs.fp8_base)
     link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
     return inputs.expert_switch_share * 2.0 * expert / (link * 1e9 * cal["speed"]["link_efficiency"])
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.planning.planner import Plan
+from autotune.planning.profiles import plan_profile
 from sd_scripts_compat.config.kohya_toml import encode_value, loads
 from sd_scripts_compat.config.musubi_args import MUSUBI_NAMES, check_musubi_value, musubi_argv, musubi_options
 from sd_scripts_compat.errors import UserError
@@ -133,8 +134,9 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
     text = step(facts["cache_text_encoder_outputs"], te_options)
     # the VAE too: musubi decodes sample images with it (its docs list it for training)
     dits = {"dit": models["dit"]}
-    if plan.settings is not None and plan.settings.high_noise_expert:  # Wan 2.2: the second expert's file
-        dits["dit_high_noise"] = models["dit_high_noise"]
+    two = plan_profile(plan.family).both_experts
+    if two and plan.settings is not None and plan.settings.high_noise_expert:  # Wan 2.2: the second expert's file
+        dits[two.file_key] = models[two.file_key]
     train = step(family.kohya_script, {"config_file": "config.toml", **dits, "vae": models["vae"]})
     precision = plan.kohya_values().get("mixed_precision", "bf16")
     return (("python", *latents), ("python", *text),
