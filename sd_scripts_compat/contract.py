@@ -27,7 +27,8 @@ Events (each written atomically, so a reader never sees half a file):
   validation_loss, settings, resolved, phases`` (where the time went: seconds per phase, setup, caching,
   data, to_device, vae_encode, forward, backward, optimizer, validation, save, sample and other, summing to
   ``phases.wall_seconds``; see ``training.phase_timer``) and ``torch_compile`` (null, or the backend, blocks,
-  graphs, compile ``seconds`` and a ``failure``). ``step_seconds``: one per optimizer step after the first two,
+  graphs, compile ``seconds`` and a ``failure``), ``channels_last`` (whether the conv UNet's weights were stored
+  channels_last: ``training.devices.channels_last_pays``). ``step_seconds``: one per optimizer step after the first two,
   leaving out the steps during which a block compiled.
 - ``monitor.jsonl`` (not an event: a log of whole JSON lines, appended every ``--autotune_monitor_seconds``,
   default 2, 0 = off): the step with GPU utilisation, memory, clocks, power and throttle reasons (NVML) and the

@@ -48,9 +48,11 @@ from sd_scripts_compat.training.compiled_blocks import (
 from sd_scripts_compat.training.conditioning import Conditioner
 from sd_scripts_compat.training.devices import (
     average_gradients,
+    channels_last_pays,
     free_device_memory,
     peak_memory_mib,
     place,
+    to_channels_last,
     to_device,
     unwrap_optimizer,
 )
@@ -332,6 +334,7 @@ class Network:
     trainable: list[torch.nn.Parameter] = field(default_factory=list)
     block_swap: BlockSwap | None = None  # when blocks_to_swap (FLUX.1)
     compiled: CompiledBlocks | None = None  # when torch_compile
+    channels_last: bool = False  # a conv UNet's weights stored channels_last (devices.channels_last_pays)
 
 
 def build_network(config: TrainingConfig, process: Process, model: Model) -> Network:
@@ -367,10 +370,15 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)
     network.train()
+    capability = torch.cuda.get_device_capability(process.device) if process.device.type == "cuda" else None
+    channels_last = not model.family.is_transformer and channels_last_pays(process.device.type,
+                                                                            process.weight_dtype, capability)
+    if channels_last:
+        to_channels_last(unet)
     # after the LoRA modules are in place: each block is traced with its adapters
     compiled = compile_blocks(unet, config.dynamo_backend) if config.torch_compile else None
     return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad],
-                   block_swap=block_swap, compiled=compiled)
+                   block_swap=block_swap, compiled=compiled, channels_last=channels_last)
 
 
 def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8: bool) -> BlockSwap | None:
@@ -984,7 +992,8 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
                 "memory": memory_figures(),  # CUDA max allocated / reserved, peak RSS (autotune bench, plans)
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
-                "family": r.model.family.name, "torch_compile": compile_summary(r.network.compiled)})
+                "family": r.model.family.name, "torch_compile": compile_summary(r.network.compiled),
+                "channels_last": r.network.channels_last})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
               f"LoRA written to {output_file}")
     process.accelerator.end_training()
