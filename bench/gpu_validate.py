@@ -23,7 +23,9 @@ HunyuanImage-2.1, Anima; ``--dit-tiers``, default 8,12,16,24 GB; ``bench/gpu_val
 transformer at the planned swap counts on emulated cards; under ``--dry-run`` it prints the plan of what it would
 measure and runs the same case code on the CPU with the tiny twins. ``--budget`` stops starting cases after so many
 seconds (the rest are listed as skipped): on a 15-minute device lease run the DiT families in a call of their own.
-``--compile-check`` (default SDXL at 1024 and FLUX.1-dev, at the ``--compile-tier`` plan) runs last: each eager,
+``--layout-check`` (default SDXL at 1024 at the same plan) runs each layout, contiguous and channels_last, and says
+whether the engine's rule chose the faster one (``bench/gpu_layout_check.py``). ``--compile-check`` (default SDXL at
+1024 and FLUX.1-dev, at the ``--compile-tier`` plan) runs last: each eager,
 then with the engine's compiled blocks, with s/step and model-FLOP utilisation (``bench/gpu_compile_check.py``). On
 the lent H200 (2026-12-04) inductor had not finished compiling SDXL's blocks after 460 s: give it a call of its own.
 
@@ -72,12 +74,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile-check", default="sdxl,flux-dev",
                         help="families measured eager and compiled, with MFU (bench/gpu_compile_check.py; '' for none)")
     parser.add_argument("--compile-tier", type=float, default=24.0, help="emulated card of the compile check, GB")
+    parser.add_argument("--layout-check", default="sdxl",
+                        help="UNet families measured contiguous and channels_last at the compile tier's plan "
+                        "(bench/gpu_layout_check.py; '' for none)")
     args = parser.parse_args(argv)
     if args.musubi:
         from bench.gpu_validate_dit import MUSUBI_FAMILIES
 
         defaults = {"dit_families": parser.get_default("dit_families"), "dit_tiers": parser.get_default("dit_tiers")}
-        args.families, args.compile_check = "", ""
+        args.families, args.compile_check, args.layout_check = "", "", ""
         if args.dit_families == defaults["dit_families"]:
             args.dit_families = ",".join(MUSUBI_FAMILIES)
         if args.dit_tiers == defaults["dit_tiers"]:
@@ -121,15 +126,18 @@ def make_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
 
 
 def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: float, steps: int, warmup: int,
-             resolution: int | None, compile_backend: str | None = None, count_flops: bool = False) -> dict[str, Any]:
+             resolution: int | None, compile_backend: str | None = None, count_flops: bool = False,
+             channels_last: bool | None = None) -> dict[str, Any]:
     """Train at the plan's settings for warmup + steps micro-steps; measure memory and speed. ``compile_backend``
     compiles the UNet's repeated blocks as the engine's ``torch_compile`` does (the warm-up holds the compile);
-    ``count_flops`` counts one extra micro-step's FLOPs (forward + backward) for the model-FLOP utilisation."""
+    ``count_flops`` counts one extra micro-step's FLOPs (forward + backward) for the model-FLOP utilisation;
+    ``channels_last`` forces the UNet's weight layout (None: the engine's rule, ``channels_last_pays``)."""
     import torch.nn.functional as F
 
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
+    from sd_scripts_compat.training.devices import channels_last_pays, to_channels_last
     from sd_scripts_compat.training.optim import make_optimizer
     from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
@@ -163,6 +171,11 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
                              train_text_encoder=train_te)
     network.to(device)
     network.apply_to()
+    if channels_last is None:
+        capability = torch.cuda.get_device_capability(0) if cuda else None
+        channels_last = channels_last_pays(device, weight_dtype, capability)
+    if channels_last:
+        to_channels_last(unet)
     compiled = None
     if compile_backend:
         from sd_scripts_compat.training.compiled_blocks import compile_blocks
@@ -230,7 +243,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
                 state["optimizer"].step()
             state["optimizer"].zero_grad(set_to_none=True)
 
-    record: dict[str, Any] = {"oom": False, "error": None}
+    record: dict[str, Any] = {"oom": False, "error": None, "channels_last": bool(channels_last)}
     timed = 0
     start = None
     began = time.perf_counter()
@@ -396,6 +409,17 @@ def main(argv: list[str] | None = None) -> int:
 
         rows += dit_rows(torch, spec, dit_families, dit_tiers, args.goal, steps, warmup, dry, write_json, out,
                          budget_left=lambda: args.budget - (time.perf_counter() - began))
+    layout_families = [f.strip() for f in args.layout_check.split(",") if f.strip()]
+    if layout_families:  # before the compile check, which may take the rest of the budget
+        from bench.gpu_layout_check import layout_rows
+
+        if time.perf_counter() - began > args.budget:
+            rows += [{"family": f, "tier_gb": args.compile_tier, "case": "layout",
+                      "would_measure": "skipped: time budget spent"} for f in layout_families]
+        else:
+            layouts = layout_rows(torch, spec, layout_families, args.compile_tier, args.goal, steps, warmup, dry)
+            write_json(out / "layout_check.json", layouts)
+            rows += layouts
     compile_families = [f.strip() for f in args.compile_check.split(",") if f.strip()]
     if compile_families:  # last and within the budget: an inductor compile of SDXL's blocks can take minutes
         from bench.gpu_compile_check import compile_rows
@@ -409,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += compiled
     summary = {"environment": env, "seconds": round(time.perf_counter() - began, 1), "cases": rows}
     write_json(out / "summary.json", summary)
-    print_table([r for r in rows if r.get("case") != "compile"])
+    print_table([r for r in rows if r.get("case") not in ("compile", "layout")])
+    if layout_families:
+        from bench.gpu_layout_check import print_layout_table
+
+        print_layout_table([r for r in rows if r.get("case") == "layout"])
     if compile_families:
         from bench.gpu_compile_check import print_compile_table
 

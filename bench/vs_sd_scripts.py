@@ -20,6 +20,12 @@ RSS ratios; it then checks that both LoRA files hold the same modules (key names
 ``--profile N`` adds one run per side that profiles N steps after the warm-up with torch's profiler (CPU
 activities) and prints the operators side by side: self CPU ms and calls per step, the largest first.
 ``--sides ours,bare`` needs no sd-scripts.
+
+``--planned`` adds a fourth side, ``planned``: our engine at the settings ``autotune plan`` chooses for this machine
+(``--no-learn``; only the recipe's resolution and rank pinned, and as many optimizer steps), on a copy of the dataset
+so its latent caches stay out of the repository. It runs in the rows of the plan's own precision, and the table
+compares time per image, the plan's micro-batch being larger than the recipe's one image: seconds per image at the
+steady step, and the whole run's wall time per image trained, each against sd-scripts at the recipe.
 """
 
 from __future__ import annotations
@@ -106,6 +112,29 @@ def write_config(work: Path, model: Path, resolution: int, steps: int, precision
     return config, dataset
 
 
+def write_plan(work: Path, model: Path, resolution: int, steps: int) -> tuple[Path, dict]:
+    """``autotune plan``'s config for this machine (resolution and rank pinned as the recipe's), on a copy of the
+    example dataset; the config and the plan's settings."""
+    import shutil
+
+    import toml
+
+    dataset, out = work / "planned-dataset", work / "planned-plan"
+    if not dataset.is_dir():
+        shutil.copytree(DATASET, dataset)
+    command = [sys.executable, "-m", "autotune", "plan", str(dataset), "--model", str(model), "--resolution",
+               str(resolution), "--rank", "8", "--steps", str(steps), "--no-learn", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"autotune plan failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    config = out / "config.toml"
+    return config, toml.loads(config.read_text())
+
+
+def images_per_step(settings: dict) -> int:
+    return int(settings.get("train_batch_size", 1)) * int(settings.get("gradient_accumulation_steps", 1))
+
+
 def wait_for_quiet(limit: float, timeout_s: float = 300.0) -> float:
     deadline = time.monotonic() + timeout_s
     while os.getloadavg()[0] > limit and time.monotonic() < deadline:
@@ -123,7 +152,8 @@ def run_side(side: str, config: Path, out: Path, install: dict[str, str], tokeni
         command = [install["python"], "-c", LAUNCHER, str(Path(install["scripts"]) / "train_network.py")]
         cwd = Path(install["scripts"])
     else:
-        target = "sd_scripts_compat.train_network" if side == "ours" else str(ROOT / "bench" / "bare_step.py")
+        engine = side in ("ours", "planned")
+        target = "sd_scripts_compat.train_network" if engine else str(ROOT / "bench" / "bare_step.py")
         command, cwd = [sys.executable, "-c", LAUNCHER, target], ROOT
     command += ["--config_file", str(config), "--output_dir", str(out)]
     if side == "sd-scripts" and tokenizers is not None:
@@ -166,6 +196,13 @@ def compare(precision: str, rounds: list[dict[str, dict]]) -> dict:
     if "bare" in first:
         bare = per_step("bare")
         row |= {"bare_s": statistics.median(bare), "bare_ratio": statistics.median(o / b for o, b in zip(ours, bare))}
+    if "planned" in first:  # the recipe trains one image per step; the plan's step trains `batch`
+        batch = first["planned"]["images_per_step"]
+        planned = [s / batch for s in per_step("planned")]
+        row |= {"planned_batch": batch, "planned_image_s": statistics.median(planned),
+                "planned_image_ratio": statistics.median(p / k for p, k in zip(planned, theirs)),
+                "planned_wall_image_ratio": statistics.median(
+                    r["planned"]["wall_s"] / batch / r["sd-scripts"]["wall_s"] for r in rounds)}
     return row
 
 
@@ -183,6 +220,11 @@ def print_rows(rows: list[dict], family: str, resolution: int, steps: int) -> No
               + (f"{r['bare_s']:.3f} | {r['bare_ratio']:.2f} | " if bare else "")
               + f"{r['wall_ratio']:.2f} | {r['rss_ratio']:.2f} | "
               f"{'yes' if r['same_modules'] else 'NO'} ({r['modules']} tensors) |")
+    for r in (r for r in rows if "planned_batch" in r):
+        print(f"\n{r['precision']}, our engine at the plan's settings (micro-batch {r['planned_batch']}, the rest as "
+              f"printed above) against sd-scripts at the recipe: {r['planned_image_s']:.3f} vs "
+              f"{r['sd_scripts_s']:.3f} s per image at the steady step, ratio **{r['planned_image_ratio']:.2f}**; "
+              f"whole run's wall time per image trained, ratio {r['planned_wall_image_ratio']:.2f}")
 
 
 def print_profiles(precision: str, profiles: dict[str, dict], top: int) -> None:
@@ -218,6 +260,8 @@ def main() -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the rounds, one more run per side profiling STEPS steps after the warm-up")
     parser.add_argument("--top", type=int, default=25, help="operators in the profile table")
+    parser.add_argument("--planned", action="store_true",
+                        help="also run our engine at the settings `autotune plan` chooses here (time per image)")
     parser.add_argument("--quiet-load", type=float, default=0.5, help="wait until the 1-minute load is below this")
     parser.add_argument("--work", help="keep the model file and runs here (default: a temporary folder)")
     parser.add_argument("--json", help="also write every figure to this file")
@@ -241,16 +285,22 @@ def main() -> int:
     model = write_model(args.family, work / f"{args.family}-random.safetensors")
     pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders)
     tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
-    rows = []
+    rows, steps = [], max(args.steps, TIMED_FROM + 1 + args.profile)
+    plan_config, plan = write_plan(work, model, args.resolution, steps) if args.planned else (None, {})
+    if args.planned:
+        print(f"the plan: {plan_config} (micro-batch {plan['train_batch_size']}, {plan['mixed_precision']}, "
+              f"{plan['optimizer_type']})", file=sys.stderr)
     for precision in args.precision.split(","):
-        config, _ = write_config(work, model, args.resolution, max(args.steps, TIMED_FROM + 1 + args.profile),
-                                 precision)
+        config, _ = write_config(work, model, args.resolution, steps, precision)
+        row_sides = sides + (["planned"] if plan.get("mixed_precision") == precision else [])
         rounds = []
         for index in range(args.pairs):
             result = {}
-            for side in sides[index % len(sides):] + sides[:index % len(sides)]:  # each side leads in turn
+            for side in row_sides[index % len(row_sides):] + row_sides[:index % len(row_sides)]:  # each leads in turn
                 load = wait_for_quiet(args.quiet_load)
-                result[side] = run_side(side, config, work / f"{precision}-{index}-{side}", install, tokenizers)
+                side_config = plan_config if side == "planned" else config
+                result[side] = run_side(side, side_config, work / f"{precision}-{index}-{side}", install, tokenizers)
+                result[side]["images_per_step"] = images_per_step(plan) if side == "planned" else 1
                 print(f"{precision} round {index + 1} {side}: {statistics.median(result[side]['step_seconds']):.3f} "
                       f"s/step, {result[side]['page_faults_per_step']:.0f} page faults/step, "
                       f"{result[side]['wall_s']:.0f} s wall (load before {load:.2f})", file=sys.stderr,
@@ -260,7 +310,8 @@ def main() -> int:
             rows.append(compare(precision, rounds))
         else:
             rows.append({"precision": precision, "runs": rounds, "median_s": {
-                side: statistics.median(statistics.median(r[side]["step_seconds"]) for r in rounds) for side in sides}})
+                side: statistics.median(statistics.median(r[side]["step_seconds"]) for r in rounds)
+                for side in row_sides}})
             print(f"{precision}: median s/step " + ", ".join(f"{k} {v:.3f}" for k, v in rows[-1]["median_s"].items()))
         if args.profile:
             profiles = {side: run_side(side, config, work / f"{precision}-profile-{side}", install, tokenizers,

@@ -150,6 +150,11 @@ def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tm
     assert len(stepped) == 8 and all(t["timed_micro_steps"] == 2 and not t["oom"] for t in stepped)
     assert {t["family"] for t in stepped} == {"tiny-flux", "tiny-chroma", "tiny-sd3"}
     assert "blocks_to_swap" in done.stdout and (tmp_path / "sd3.5-large_8gb.json").is_file()
+    # the layout check: SDXL's tiny twin stepped contiguous and channels_last; the rule's CPU answer is contiguous
+    (layout,) = [row for row in rows if row.get("case") == "layout"]
+    assert layout["family"] == "sdxl" and layout["rule"] is False and "rule_right" in layout
+    assert [layout[k]["channels_last"] for k in ("contiguous", "channels_last")] == [False, True]
+    assert all(layout[k]["timed_micro_steps"] == 2 and not layout[k]["oom"] for k in ("contiguous", "channels_last"))
     # the 24 GB plans that checkpoint without swapping, once more with cpu_offload_checkpointing: less VRAM
     assert "flux-dev" in offloaded and all(row["tier_gb"] == 24 for row in offloaded.values())
     for family, row in offloaded.items():

@@ -391,7 +391,8 @@ def test_gpu_validate_dry_run_trains_at_planned_settings(tmp_path):
 
     repo = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(repo / "bench" / "gpu_validate.py"), "--dry-run", str(tmp_path),
-                           "--families", "sd15", "--dit-families", "", "--compile-check", "", "--tiers", "8",
+                           "--families", "sd15", "--dit-families", "", "--compile-check", "", "--layout-check", "",
+                           "--tiers", "8",
                            "--steps", "1", "--warmup", "1"],
                           cwd=repo, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
                           timeout=300, check=False)
