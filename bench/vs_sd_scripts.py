@@ -131,6 +131,15 @@ def write_plan(work: Path, model: Path, resolution: int, steps: int) -> tuple[Pa
     return config, toml.loads(config.read_text())
 
 
+def plan_summary(plan: dict) -> str:
+    """The plan's settings that differ in kind from the recipe's, in words."""
+    return (f"micro-batch {plan.get('train_batch_size', 1)} x {plan.get('gradient_accumulation_steps', 1)}, "
+            f"{plan.get('mixed_precision', 'no')}, {plan.get('optimizer_type', 'AdamW')}, "
+            f"{'UNet only' if plan.get('network_train_unet_only') else 'text encoder trained too'}, "
+            f"buckets {'on' if plan.get('enable_bucket') else 'off'}, "
+            f"gradient checkpointing {'on' if plan.get('gradient_checkpointing') else 'off'}")
+
+
 def images_per_step(settings: dict) -> int:
     return int(settings.get("train_batch_size", 1)) * int(settings.get("gradient_accumulation_steps", 1))
 
@@ -221,8 +230,8 @@ def print_rows(rows: list[dict], family: str, resolution: int, steps: int) -> No
               + f"{r['wall_ratio']:.2f} | {r['rss_ratio']:.2f} | "
               f"{'yes' if r['same_modules'] else 'NO'} ({r['modules']} tensors) |")
     for r in (r for r in rows if "planned_batch" in r):
-        print(f"\n{r['precision']}, our engine at the plan's settings (micro-batch {r['planned_batch']}, the rest as "
-              f"printed above) against sd-scripts at the recipe: {r['planned_image_s']:.3f} vs "
+        print(f"\n{r['precision']}, our engine at the plan's settings ({r['planned_settings']}) against sd-scripts at "
+              f"the recipe: {r['planned_image_s']:.3f} vs "
               f"{r['sd_scripts_s']:.3f} s per image at the steady step, ratio **{r['planned_image_ratio']:.2f}**; "
               f"whole run's wall time per image trained, ratio {r['planned_wall_image_ratio']:.2f}")
 
@@ -288,8 +297,7 @@ def main() -> int:
     rows, steps = [], max(args.steps, TIMED_FROM + 1 + args.profile)
     plan_config, plan = write_plan(work, model, args.resolution, steps) if args.planned else (None, {})
     if args.planned:
-        print(f"the plan: {plan_config} (micro-batch {plan['train_batch_size']}, {plan['mixed_precision']}, "
-              f"{plan['optimizer_type']})", file=sys.stderr)
+        print(f"the plan: {plan_config} ({plan_summary(plan)})", file=sys.stderr)
     for precision in args.precision.split(","):
         config, _ = write_config(work, model, args.resolution, steps, precision)
         row_sides = sides + (["planned"] if plan.get("mixed_precision") == precision else [])
@@ -308,6 +316,8 @@ def main() -> int:
             rounds.append(result)
         if "ours" in sides and "sd-scripts" in sides:
             rows.append(compare(precision, rounds))
+            if "planned" in row_sides:
+                rows[-1]["planned_settings"] = plan_summary(plan)
         else:
             rows.append({"precision": precision, "runs": rounds, "median_s": {
                 side: statistics.median(statistics.median(r[side]["step_seconds"]) for r in rounds)
