@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +357,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r.get('speed_ratio_measured_over_predicted', float('nan')):>6.2f} {'OOM' if r['oom'] else '-'}")
 
 
+def budgeted_rows(case: str, families: list[str], tier_gb: float, spent: bool, path: Path,
+                  measure: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One check's rows, written to ``path``; each family listed as skipped once the time budget is spent."""
+    if spent:
+        return [{"family": f, "tier_gb": tier_gb, "case": case, "would_measure": "skipped: time budget spent"}
+                for f in families]
+    rows = measure()
+    write_json(path, rows)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -409,28 +421,24 @@ def main(argv: list[str] | None = None) -> int:
 
         rows += dit_rows(torch, spec, dit_families, dit_tiers, args.goal, steps, warmup, dry, write_json, out,
                          budget_left=lambda: args.budget - (time.perf_counter() - began))
+
+    def spent() -> bool:
+        return time.perf_counter() - began > args.budget
+
     layout_families = [f.strip() for f in args.layout_check.split(",") if f.strip()]
     if layout_families:  # before the compile check, which may take the rest of the budget
         from bench.gpu_layout_check import layout_rows
 
-        if time.perf_counter() - began > args.budget:
-            rows += [{"family": f, "tier_gb": args.compile_tier, "case": "layout",
-                      "would_measure": "skipped: time budget spent"} for f in layout_families]
-        else:
-            layouts = layout_rows(torch, spec, layout_families, args.compile_tier, args.goal, steps, warmup, dry)
-            write_json(out / "layout_check.json", layouts)
-            rows += layouts
+        rows += budgeted_rows("layout", layout_families, args.compile_tier, spent(), out / "layout_check.json",
+                              lambda: layout_rows(torch, spec, layout_families, args.compile_tier, args.goal, steps,
+                                                  warmup, dry))
     compile_families = [f.strip() for f in args.compile_check.split(",") if f.strip()]
     if compile_families:  # last and within the budget: an inductor compile of SDXL's blocks can take minutes
         from bench.gpu_compile_check import compile_rows
 
-        if time.perf_counter() - began > args.budget:
-            rows += [{"family": f, "tier_gb": args.compile_tier, "case": "compile",
-                      "would_measure": "skipped: time budget spent"} for f in compile_families]
-        else:
-            compiled = compile_rows(torch, spec, compile_families, args.compile_tier, args.goal, steps, warmup, dry)
-            write_json(out / "compile_check.json", compiled)
-            rows += compiled
+        rows += budgeted_rows("compile", compile_families, args.compile_tier, spent(), out / "compile_check.json",
+                              lambda: compile_rows(torch, spec, compile_families, args.compile_tier, args.goal, steps,
+                                                   warmup, dry))
     summary = {"environment": env, "seconds": round(time.perf_counter() - began, 1), "cases": rows}
     write_json(out / "summary.json", summary)
     print_table([r for r in rows if r.get("case") not in ("compile", "layout")])

@@ -405,6 +405,24 @@ def test_gpu_validate_dry_run_trains_at_planned_settings(tmp_path):
     assert (tmp_path / "sd15_8gb.json").is_file()
 
 
+def test_gpu_validate_lists_the_layout_and_compile_checks_as_skipped_once_the_budget_is_spent(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(repo / "bench" / "gpu_validate.py"), "--dry-run", str(tmp_path),
+                           "--families", "", "--dit-families", "", "--budget", "0"],
+                          cwd=repo, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cases = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["cases"]
+    assert [(c["case"], c["family"]) for c in cases] == [("layout", "sdxl"), ("compile", "sdxl"),
+                                                          ("compile", "flux-dev")]
+    assert all(c["would_measure"] == "skipped: time budget spent" for c in cases)
+    assert not (tmp_path / "layout_check.json").exists() and not (tmp_path / "compile_check.json").exists()
+
+
 @pytest.mark.parametrize("family", ["tiny-sd15", "tiny-sdxl"])
 def test_tiny_family_plan_cli_subprocess(family, tmp_path):
     """The README quickstart's plan: `autotune plan DATASET --model builtin:tiny-* --json` as a user runs it,
