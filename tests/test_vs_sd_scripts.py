@@ -54,3 +54,16 @@ def test_the_planned_ratio_is_per_image_against_the_recipe_per_round(tmp_path):
     assert row["planned_image_s"] == pytest.approx((1.5 + 1.4) / 2)
     assert row["planned_image_ratio"] == pytest.approx((1.5 / 2.0 + 1.4 / 1.9) / 2)
     assert row["planned_wall_image_ratio"] == pytest.approx((15 / 50 + 14 / 48) / 2)
+
+
+def test_peak_rss_is_the_programs_own_not_a_big_parents(tmp_path):
+    """ru_maxrss on Linux carries a forking parent's peak through exec; the engine's figure and the bench
+    launcher's read VmHWM. The parent here touches 600 MiB before it starts the child; the child's own is ~50."""
+    import subprocess
+
+    child = "from sd_scripts_compat.contract import peak_rss_mib; print(peak_rss_mib())"
+    parent = ("import subprocess, sys; big = bytearray(600 * 2**20); big[::4096] = b'x' * len(big[::4096]); "
+              f"sys.stdout.write(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, "
+              "check=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert float(out.stdout) < 300, out.stdout

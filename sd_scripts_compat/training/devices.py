@@ -58,13 +58,13 @@ def free_device_memory(device: Any) -> None:
 
 def peak_memory_mib(device: Any) -> float:
     """Peak reserved CUDA memory, or the process's peak resident memory on CPU."""
-    import resource
-
     import torch
+
+    from sd_scripts_compat.contract import peak_rss_mib
 
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_mib()
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
