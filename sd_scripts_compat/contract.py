@@ -347,7 +347,6 @@ def is_oom_error(error: BaseException) -> bool:
 
 def memory_figures() -> dict[str, float]:
     """What memory the process used, in MiB: CUDA peaks when on a GPU, else resident set size."""
-
     import torch
 
     figures: dict[str, float] = {}
