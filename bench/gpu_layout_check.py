@@ -1,6 +1,6 @@
 """channels_last against contiguous on a CUDA GPU: is the engine's layout rule right on this card?
 
-The engine stores a conv UNet's weights channels_last where ``sd_scripts_compat.training.devices.channels_last_pays``
+The engine stores a conv UNet's weights channels_last where ``sd_scripts_compat.training.devices.channels_last_for``
 says so (tensor cores, fp16 / bf16). This check runs each family (default SDXL at 1024 px) at its plan for one
 emulated card twice with ``bench/gpu_validate.py``'s case code, contiguous then channels_last, and prints s/step,
 peak reserved memory and what the rule chose. Used by ``bench/gpu_validate.py`` (``--layout-check``); under
@@ -20,7 +20,7 @@ def layout_rows(torch: Any, spec: Any, families: list[str], tier: float, goal: s
                 dry_run: bool) -> list[dict[str, Any]]:
     from bench.gpu_compile_check import UNET_CASES
     from bench.gpu_validate import failed_case, make_plan, run_case
-    from sd_scripts_compat.training.devices import channels_last_pays
+    from sd_scripts_compat.training.devices import channels_last_for
 
     rows = []
     for family in families:
@@ -28,10 +28,9 @@ def layout_rows(torch: Any, spec: Any, families: list[str], tier: float, goal: s
         s = plan.settings
         res = 64 if dry_run else UNET_CASES.get(family, s.resolution[0])
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.mixed_precision, torch.float32)
-        capability = None if dry_run else torch.cuda.get_device_capability(0)
         row: dict[str, Any] = {"family": family, "tier_gb": tier, "case": "layout", "resolution": res,
                                "train_batch_size": s.train_batch_size, "mixed_precision": s.mixed_precision,
-                               "rule": channels_last_pays("cpu" if dry_run else "cuda", dtype, capability)}
+                               "rule": channels_last_for(torch.device("cpu" if dry_run else "cuda"), dtype, True)}
         if not plan.fits:
             row["would_measure"] = plan.message
             rows.append(row)

@@ -132,13 +132,13 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     """Train at the plan's settings for warmup + steps micro-steps; measure memory and speed. ``compile_backend``
     compiles the UNet's repeated blocks as the engine's ``torch_compile`` does (the warm-up holds the compile);
     ``count_flops`` counts one extra micro-step's FLOPs (forward + backward) for the model-FLOP utilisation;
-    ``channels_last`` forces the UNet's weight layout (None: the engine's rule, ``channels_last_pays``)."""
+    ``channels_last`` forces the UNet's weight layout (None: the engine's rule, ``channels_last_for``)."""
     import torch.nn.functional as F
 
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
-    from sd_scripts_compat.training.devices import channels_last_pays, to_channels_last
+    from sd_scripts_compat.training.devices import channels_last_for, to_channels_last
     from sd_scripts_compat.training.optim import make_optimizer
     from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
@@ -173,8 +173,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     network.to(device)
     network.apply_to()
     if channels_last is None:
-        capability = torch.cuda.get_device_capability(0) if cuda else None
-        channels_last = channels_last_pays(device, weight_dtype, capability)
+        channels_last = channels_last_for(torch.device(device), weight_dtype, conv_unet=True)
     if channels_last:
         to_channels_last(unet)
     compiled = None

@@ -64,11 +64,11 @@ def _deltas(out: Path) -> dict:
 def test_channels_last_trains_saves_and_resumes_like_contiguous(tmp_path, monkeypatch):
     import torch
 
-    from sd_scripts_compat.training import recipe
+    from sd_scripts_compat.training import devices
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     plain = _train(tmp_path, "plain", 4)
-    monkeypatch.setattr(recipe, "channels_last_pays", lambda *_: True)  # the CUDA card this machine lacks
+    monkeypatch.setattr(devices, "channels_last_pays", lambda *_: True)  # the CUDA card this machine lacks
     nhwc = _train(tmp_path, "nhwc", 4)
     assert json.loads((nhwc / "done.json").read_text())["channels_last"] is True
     assert json.loads((plain / "done.json").read_text())["channels_last"] is False

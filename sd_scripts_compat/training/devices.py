@@ -30,6 +30,14 @@ def channels_last_pays(device_type: str, compute_dtype: Any, capability: tuple[i
     return device_type == "cuda" and half and capability is not None and capability >= (7, 0)
 
 
+def channels_last_for(device: Any, compute_dtype: Any, conv_unet: bool) -> bool:
+    """The rule for this process's device (a ``torch.device``): only a conv UNet, where ``channels_last_pays``."""
+    import torch
+
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return conv_unet and channels_last_pays(device.type, compute_dtype, capability)
+
+
 def to_channels_last(unet: Any) -> None:
     """The UNet's frozen 4-D weights stored channels_last, once. Its convolutions then run channels_last (PyTorch
     follows the weight's layout or the input's), and so do a LoCon's conv adapters on their channels_last inputs;

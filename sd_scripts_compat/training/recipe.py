@@ -48,7 +48,7 @@ from sd_scripts_compat.training.compiled_blocks import (
 from sd_scripts_compat.training.conditioning import Conditioner
 from sd_scripts_compat.training.devices import (
     average_gradients,
-    channels_last_pays,
+    channels_last_for,
     free_device_memory,
     peak_memory_mib,
     place,
@@ -334,7 +334,7 @@ class Network:
     trainable: list[torch.nn.Parameter] = field(default_factory=list)
     block_swap: BlockSwap | None = None  # when blocks_to_swap (FLUX.1)
     compiled: CompiledBlocks | None = None  # when torch_compile
-    channels_last: bool = False  # a conv UNet's weights stored channels_last (devices.channels_last_pays)
+    channels_last: bool = False  # a conv UNet's weights stored channels_last (devices.channels_last_for)
 
 
 def build_network(config: TrainingConfig, process: Process, model: Model) -> Network:
@@ -370,9 +370,7 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)
     network.train()
-    capability = torch.cuda.get_device_capability(process.device) if process.device.type == "cuda" else None
-    channels_last = not model.family.is_transformer and channels_last_pays(process.device.type,
-                                                                            process.weight_dtype, capability)
+    channels_last = channels_last_for(process.device, process.weight_dtype, not model.family.is_transformer)
     if channels_last:
         to_channels_last(unet)
     # after the LoRA modules are in place: each block is traced with its adapters
