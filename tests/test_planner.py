@@ -265,6 +265,50 @@ def test_several_gpus_smallest_card_decides_and_launch_command():
     assert "sdxl_train_network.py" in cmd
 
 
+def threads_flag(command) -> str:
+    return command[list(command).index("--num_cpu_threads_per_process") + 1]
+
+
+def test_the_launch_command_gives_a_cpu_step_the_physical_cores_and_a_gpu_step_one_thread():
+    """accelerate turns --num_cpu_threads_per_process into OMP_NUM_THREADS: kohya's usual 1 on a GPU run, where
+    the card does the step, would leave a CPU run one core. musubi's train command follows the same plan field."""
+    from autotune.planning.musubi_writer import musubi_commands
+
+    cpu = plan_for("sd15", [], cpu_memory_bytes=16 * GIB)
+    assert cpu.cpu_threads == 8 and threads_flag(cpu.launch_command) == "8"
+    gpu = plan_for("sd15", [gpu_from_spec(lookup_gpu("RTX 3060"))])
+    assert gpu.cpu_threads == 1 and threads_flag(gpu.launch_command) == "1"
+    musubi_cpu = plan_for("wan2.1-t2v-1.3b", [], cpu_memory_bytes=64 * GIB)
+    assert threads_flag(musubi_commands(musubi_cpu)[-1]) == "8"
+    assert cpu.to_dict()["cpu_threads"] == 8
+
+
+def test_accelerate_launch_runs_the_cpu_plans_script_with_that_many_torch_threads(tmp_path):
+    """The real accelerate, the plan's own words up to the script, the script swapped for one that prints torch's
+    intra-op thread count; against kohya's usual 1 in the same command. torch caps the count at the usable cores."""
+    import os
+    import subprocess
+    import sys
+
+    plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:sd15", gpus=(), dataset=nominal_dataset(),
+                                     cpu_physical_cores=2, cpu_memory_bytes=16 * GIB))
+    script = tmp_path / "threads.py"
+    script.write_text("import torch; print('threads', torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+    def threads(words: list[str]) -> str:
+        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+        command = [sys.executable, "-m", "accelerate.commands.launch", *words[2:at], "--cpu", str(script)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    words = list(plan.launch_command)
+    assert threads(words) == str(min(2, len(os.sched_getaffinity(0))))
+    words[words.index("--num_cpu_threads_per_process") + 1] = "1"
+    assert threads(words) == "1"
+
+
 def test_cpu_plan_is_fp32():
     plan = plan_for("sd15", [], cpu_memory_bytes=16 * GIB)
     assert plan.fits and plan.settings.mixed_precision == "no"

@@ -140,7 +140,8 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
     train = step(family.kohya_script, {"config_file": "config.toml", **dits, "vae": models["vae"]})
     precision = plan.kohya_values().get("mixed_precision", "bf16")
     return (("python", *latents), ("python", *text),
-            ("accelerate", "launch", "--num_cpu_threads_per_process", "1", "--mixed_precision", precision, *train))
+            ("accelerate", "launch", "--num_cpu_threads_per_process", str(plan.cpu_threads), "--mixed_precision",
+             precision, *train))
 
 
 def render_musubi_config(plan: Plan) -> str:

@@ -38,9 +38,11 @@ def dataset_config(settings: TrainSettings, dataset: DatasetSummary, family: Fam
     return {"general": general, "datasets": [block]}
 
 
-def launch_command(family: FamilySpec, devices: int, precision: str, output_dir: str | None) -> tuple[str, ...]:
+def launch_command(family: FamilySpec, devices: int, precision: str, output_dir: str | None,
+                   cpu_threads: int = 1) -> tuple[str, ...]:
     """The sd-scripts command line for this plan (our engine takes the same --config_file); for a family
-    musubi-tuner trains, the script that caches and trains (``planning.musubi_writer``)."""
+    musubi-tuner trains, the script that caches and trains (``planning.musubi_writer``). ``cpu_threads``: accelerate
+    turns it into OMP_NUM_THREADS, so 1 only where a GPU runs the step."""
     folder = Path(output_dir).expanduser().resolve() if output_dir is not None else None
     if family.trainer == "musubi-tuner":
         return ("bash", "musubi_train.sh" if folder is None else str(folder / "musubi_train.sh"))
@@ -50,5 +52,5 @@ def launch_command(family: FamilySpec, devices: int, precision: str, output_dir:
         cmd.append("--multi_gpu")
     if precision in ("fp16", "bf16"):
         cmd += ["--mixed_precision", precision]
-    cmd += ["--num_cpu_threads_per_process", "1", family.kohya_script, "--config_file", config]
+    cmd += ["--num_cpu_threads_per_process", str(cpu_threads), family.kohya_script, "--config_file", config]
     return tuple(cmd)

@@ -179,6 +179,9 @@ class Plan:
     probe_summary: str
     output_dir: str | None
     learned: tuple[str, ...] = ()  # what the measurements taught: settings not proposed (OOM here), and why
+    # accelerate's --num_cpu_threads_per_process (it sets OMP_NUM_THREADS, torch's intra-op threads): 1 where a GPU
+    # runs the step, the physical cores where the CPU does
+    cpu_threads: int = 1
 
     def kohya_values(self) -> dict[str, Any]:
         return {c.key: c.value for c in self.choices if c.kohya}
@@ -281,8 +284,10 @@ def plan_training(request: PlanRequest) -> Plan:
                                           "the fastest split that does", *found.fallbacks))
     learned = _learned_lines(predictor.excluded)
     device = _device_label(gpus)
+    cpu_threads = 1 if gpus else max(1, request.cpu_physical_cores)
     common = dict(version=__version__, model=request.model, family=family.name, goal=request.goal,
                   priority=request.priority, device=device, num_processes=devices, dataset=dataset,
+                  cpu_threads=cpu_threads,
                   fallbacks=found.fallbacks, warnings=tuple(dataset.warnings), probe_summary=request.probe_summary,
                   output_dir=request.output_dir, learned=learned)
     if found.chosen is None:
@@ -331,7 +336,8 @@ def plan_training(request: PlanRequest) -> Plan:
     choices = plan_choices(context)
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,
-                launch_command=launch_command(family, devices, precision, request.output_dir), **common)
+                launch_command=launch_command(family, devices, precision, request.output_dir, cpu_threads),
+                **common)
 
 
 def compiled(prediction: Prediction, compiling: CompileDecision) -> Prediction:
