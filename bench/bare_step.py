@@ -6,8 +6,9 @@ Reads the same config.toml both engines read (model file, resolution, rank, alph
 max_grad_norm) and trains the same modules kohya's ``networks.lora`` targets on the UNet (every Linear and 1x1
 conv inside the transformer blocks: 192 for SD1.5), each adapter ``base(x) + up(down(x)) * alpha / rank`` written
 in the fewest plain torch calls. What the engines do around the step is left out: no dataset (one latent and one
-text-encoder output, random, made once), no text encoder, no bookkeeping, no checks. Kept, because the result
-depends on it: noise and timesteps drawn each step, DDPM's noising, the MSE loss, gradient clipping when the
+text-encoder output, random, made once; ``train_batch_size`` of each, 1 unless the config says more), no text
+encoder, no bookkeeping, no checks. Kept, because the result depends on it: noise and timesteps drawn each step,
+DDPM's noising, the MSE loss, gradient clipping when the
 config asks for it, and torch's AdamW (fused, as our engine builds it on this backend). Precision as both engines
 set it: ``mixed_precision = "bf16"`` runs the frozen UNet in bf16 under autocast with fp32 adapters.
 
@@ -72,7 +73,8 @@ def main() -> int:
     keep_freed_host_memory()  # as our engine does on the CPU: page faults are no part of the model's cost
     config = toml.loads(Path(args.config_file).read_text())
     dataset = toml.loads(Path(config["dataset_config"]).read_text())
-    resolution = int(dataset["datasets"][0]["resolution"])
+    resolution = dataset["datasets"][0]["resolution"]  # kohya's forms: 256, [256, 256] or "256,256" (square here)
+    resolution = int(str(resolution[0] if isinstance(resolution, list) else resolution).split(",")[0])
     bf16 = config.get("mixed_precision") == "bf16"
     torch.manual_seed(int(config.get("seed", 42)))
     bundle = load_single_file(config["pretrained_model_name_or_path"], dtype=torch.bfloat16 if bf16 else None)
@@ -81,13 +83,14 @@ def main() -> int:
     params = add_adapters(unet, rank, float(config.get("network_alpha") or rank))
     optimizer = torch.optim.AdamW(params, lr=float(config["learning_rate"]), fused=True)
     scheduler = DDPMScheduler.from_config(bundle.scheduler_config)
-    latents = torch.randn(1, unet.config.in_channels, resolution // 8, resolution // 8)
-    hidden = torch.randn(1, 77, unet.config.cross_attention_dim)
+    batch = int(config.get("train_batch_size", 1))
+    latents = torch.randn(batch, unet.config.in_channels, resolution // 8, resolution // 8)
+    hidden = torch.randn(batch, 77, unet.config.cross_attention_dim)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     clip = float(config.get("max_grad_norm") or 0.0)
     for _ in range(int(config["max_train_steps"])):
         noise = torch.randn_like(latents)
-        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (1,))
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (batch,))
         with autocast:
             prediction = unet(scheduler.add_noise(latents, noise, timesteps), timesteps, hidden).sample
         F.mse_loss(prediction.float(), noise).backward()
@@ -95,7 +98,7 @@ def main() -> int:
             torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    print(f"bare loop: {len(params) // 2} adapters, {config['max_train_steps']} steps")
+    print(f"bare loop: {len(params) // 2} adapters, {config['max_train_steps']} steps of batch {batch}")
     return 0
 
 

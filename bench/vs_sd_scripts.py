@@ -25,7 +25,9 @@ activities) and prints the operators side by side: self CPU ms and calls per ste
 (``--no-learn``; only the recipe's resolution and rank pinned, and as many optimizer steps), on a copy of the dataset
 so its latent caches stay out of the repository. It runs in the rows of the plan's own precision, and the table
 compares time per image, the plan's micro-batch being larger than the recipe's one image: seconds per image at the
-steady step, and the whole run's wall time per image trained, each against sd-scripts at the recipe.
+steady step, and the whole run's wall time per image trained, each against sd-scripts at the recipe. With the
+``bare`` side it adds ``planned-bare`` too: the bare loop at the plan's micro-batch and precision (UNet only), the
+floor per image that any engine training these adapters at that batch meets on this machine.
 """
 
 from __future__ import annotations
@@ -218,6 +220,10 @@ def compare(precision: str, rounds: list[dict[str, dict]]) -> dict:
                 "planned_image_ratio": statistics.median(p / k for p, k in zip(planned, theirs)),
                 "planned_wall_image_ratio": statistics.median(
                     r["planned"]["wall_s"] / batch / r["sd-scripts"]["wall_s"] for r in rounds)}
+    if "planned-bare" in first:  # the floor at the plan's micro-batch
+        floor = [s / first["planned-bare"]["images_per_step"] for s in per_step("planned-bare")]
+        row |= {"floor_batch": first["planned-bare"]["images_per_step"], "floor_image_s": statistics.median(floor),
+                "floor_image_ratio": statistics.median(f / k for f, k in zip(floor, theirs))}
     return row
 
 
@@ -240,6 +246,10 @@ def print_rows(rows: list[dict], family: str, resolution: int, steps: int) -> No
               f"the recipe: {r['planned_image_s']:.3f} vs "
               f"{r['sd_scripts_s']:.3f} s per image at the steady step, ratio **{r['planned_image_ratio']:.2f}**; "
               f"whole run's wall time per image trained, ratio {r['planned_wall_image_ratio']:.2f}")
+        if "floor_batch" in r:
+            print(f"the bare loop at the plan's micro-batch {r['floor_batch']} and precision (UNet only, nothing "
+                  f"else: the floor per image at that batch): {r['floor_image_s']:.3f} s per image, ratio "
+                  f"**{r['floor_image_ratio']:.2f}** against sd-scripts at the recipe")
 
 
 def print_profiles(precision: str, profiles: dict[str, dict], top: int) -> None:
@@ -306,15 +316,17 @@ def main() -> int:
         print(f"the plan: {plan_config} ({plan_summary(plan)})", file=sys.stderr)
     for precision in args.precision.split(","):
         config, _ = write_config(work, model, args.resolution, steps, precision)
-        row_sides = sides + (["planned"] if plan.get("mixed_precision") == precision else [])
+        planned = ["planned"] + (["planned-bare"] if "bare" in sides else [])
+        row_sides = sides + (planned if plan.get("mixed_precision") == precision else [])
         rounds = []
         for index in range(args.pairs):
             result = {}
             for side in row_sides[index % len(row_sides):] + row_sides[:index % len(row_sides)]:  # each leads in turn
                 load = wait_for_quiet(args.quiet_load)
-                side_config = plan_config if side == "planned" else config
+                side_config = plan_config if side in planned else config
                 result[side] = run_side(side, side_config, work / f"{precision}-{index}-{side}", install, tokenizers)
-                result[side]["images_per_step"] = images_per_step(plan) if side == "planned" else 1
+                result[side]["images_per_step"] = {"planned": images_per_step(plan), "planned-bare": int(
+                    plan.get("train_batch_size", 1))}.get(side, 1)  # the bare loop steps once per micro-batch
                 print(f"{precision} round {index + 1} {side}: {statistics.median(result[side]['step_seconds']):.3f} "
                       f"s/step, {result[side]['page_faults_per_step']:.0f} page faults/step, "
                       f"{result[side]['wall_s']:.0f} s wall (load before {load:.2f})", file=sys.stderr,

@@ -1,5 +1,6 @@
-"""bench/vs_sd_scripts.py's planned side: the real `autotune plan` writes the config it runs, and the per-image
-arithmetic that sets the plan's micro-batch against the recipe's one image.
+"""bench/vs_sd_scripts.py's planned sides: the real `autotune plan` writes the config they run, the bare loop runs
+it at the plan's micro-batch under the bench's launcher, and the per-image arithmetic that sets the plan's
+micro-batch against the recipe's one image.
 
 The rounds given to ``compare`` are written by hand (named so): the timings come from runs of the user's sd-scripts,
 which CI does not have; the bench itself runs them (README's benchmark section).
@@ -15,7 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vs_sd_scripts import compare, images_per_step, plan_summary, write_plan  # noqa: E402
+from bench.vs_sd_scripts import (  # noqa: E402
+    TIMED_FROM,
+    compare,
+    images_per_step,
+    plan_summary,
+    run_side,
+    write_plan,
+)
 
 
 def test_the_planned_side_runs_autotune_plans_config_on_a_copy_of_the_dataset(tmp_path):
@@ -35,6 +43,19 @@ def test_a_plan_that_fails_stops_the_bench_with_its_message(tmp_path):
         write_plan(tmp_path, tmp_path / "missing.safetensors", 64, 6)
 
 
+def test_the_bare_loop_runs_the_plans_config_at_its_micro_batch_under_the_launcher(tmp_path):
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.models.single_file import save_single_file
+
+    model = save_single_file(build_modules(get_family("tiny-sd15"), seed=0), tmp_path / "tiny.safetensors")
+    config, plan = write_plan(tmp_path, model, 64, 4)
+    assert plan["train_batch_size"] > 1  # the point of the side: the floor at the plan's batch, not the recipe's 1
+    result = run_side("planned-bare", config, tmp_path / "floor", {}, None)
+    assert len(result["step_seconds"]) == 4 - TIMED_FROM and all(s > 0 for s in result["step_seconds"])
+    assert result["peak_rss_mib"] > 0 and result["wall_s"] > 0
+
+
 def side(lora: Path, step_s: float, wall_s: float, images: int = 1) -> dict:
     return {"step_seconds": [step_s], "wall_s": wall_s, "peak_rss_mib": 1000.0, "images_per_step": images,
             "lora": str(lora)}
@@ -46,14 +67,18 @@ def test_the_planned_ratio_is_per_image_against_the_recipe_per_round(tmp_path):
 
     lora = tmp_path / "lora.safetensors"
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(8, 4)}, str(lora))
-    rounds = [{"ours": side(lora, 1.7, 40), "sd-scripts": side(lora, 2.0, 50), "planned": side(lora, 6.0, 60, 4)},
-              {"ours": side(lora, 1.6, 38), "sd-scripts": side(lora, 1.9, 48), "planned": side(lora, 5.6, 56, 4)}]
+    rounds = [{"ours": side(lora, 1.7, 40), "sd-scripts": side(lora, 2.0, 50), "planned": side(lora, 6.0, 60, 4),
+               "planned-bare": side(lora, 5.2, 30, 4)},
+              {"ours": side(lora, 1.6, 38), "sd-scripts": side(lora, 1.9, 48), "planned": side(lora, 5.6, 56, 4),
+               "planned-bare": side(lora, 4.8, 28, 4)}]
     row = compare("bf16", rounds)
     assert row["same_modules"] and row["modules"] == 1
     assert row["planned_batch"] == 4
     assert row["planned_image_s"] == pytest.approx((1.5 + 1.4) / 2)
     assert row["planned_image_ratio"] == pytest.approx((1.5 / 2.0 + 1.4 / 1.9) / 2)
     assert row["planned_wall_image_ratio"] == pytest.approx((15 / 50 + 14 / 48) / 2)
+    assert row["floor_batch"] == 4 and row["floor_image_s"] == pytest.approx((1.3 + 1.2) / 2)
+    assert row["floor_image_ratio"] == pytest.approx((1.3 / 2.0 + 1.2 / 1.9) / 2)
 
 
 def test_peak_rss_is_the_programs_own_not_a_big_parents(tmp_path):
