@@ -8,9 +8,9 @@ conv inside the transformer blocks: 192 for SD1.5), each adapter ``base(x) + up(
 in the fewest plain torch calls. What the engines do around the step is left out: no dataset (one latent and one
 text-encoder output, random, made once; ``train_batch_size`` of each, 1 unless the config says more), no text
 encoder, no bookkeeping, no checks. Kept, because the result depends on it: noise and timesteps drawn each step,
-DDPM's noising, the MSE loss, gradient clipping when the
-config asks for it, and torch's AdamW (fused, as our engine builds it on this backend). Precision as both engines
-set it: ``mixed_precision = "bf16"`` runs the frozen UNet in bf16 under autocast with fp32 adapters.
+DDPM's noising, the MSE loss, gradient clipping when the config asks for it, and torch's AdamW (fused, as our
+engine builds it on this backend). Precision as both engines set it: ``mixed_precision = "bf16"`` runs the frozen
+UNet in bf16 under autocast with fp32 adapters.
 
 Run under ``bench/vs_sd_scripts.py``'s launcher (``--bare``), its optimizer steps are timed and profiled exactly
 as the two engines' are. Hand-written because it is the measuring stick: a library's adapter would add its own work.
