@@ -46,9 +46,17 @@ RETRY_LOG = f"{LOGS_DIR}/retries.json"
 MARKERS = (RUN_STATE, PLAN_FILE, CONFIG)  # a folder holding one of these is a run folder
 
 
+RUN_NAME_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"  # a run folder's name: one safe path part
+
+
+def is_run_name(name: str) -> bool:
+    return re.fullmatch(RUN_NAME_PATTERN, name) is not None
+
+
 def run_name(dataset_dir: Path, family: str) -> str:
-    """``<dataset folder>-<family>``, with anything but letters, digits, ``_`` and ``-`` made ``_``."""
-    stem = re.sub(r"[^A-Za-z0-9_-]", "_", Path(dataset_dir).name).strip("_") or "lora"
+    """``<dataset folder>-<family>``, with anything but letters, digits, ``_`` and ``-`` made ``_`` (and the stem
+    cut to 80 characters, so the name stays a ``RunName``)."""
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", Path(dataset_dir).name).strip("_")[:80] or "lora"
     return f"{stem}-{family}"
 
 

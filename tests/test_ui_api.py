@@ -43,12 +43,19 @@ class Server:
         self.url = self.process.stdout.readline().strip()  # the line it prints once it listens
         self.token = self.url.split("?token=")[1].split()[0] if "?token=" in self.url else None
         self.start_seconds = time.monotonic() - started
+        self.origin = f"http://127.0.0.1:{self.port}"
 
     def call(self, method: str, path: str, body: object = None, *, raw: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, dict]:
+             headers: dict[str, str | None] | None = None) -> tuple[int, dict]:
+        """One request as the app's own page sends it (a POST: its Origin, a JSON body); ``headers`` adds to or
+        replaces those, a ``None`` value leaves that header out."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        sent = {"Origin": self.origin, "Content-Type": "application/json"} if method == "POST" else {}
+        sent = {k: v for k, v in {**sent, **(headers or {})}.items() if v is not None}
+        if method == "POST" and data is None:
+            data = b"{}"
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method,
-                                         headers=headers or {})
+                                         headers=sent)
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, json.loads(response.read())
@@ -177,7 +184,7 @@ def test_folder_browser_lists_folders_and_model_files(server, tmp_path):
      "not found"),
     ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:sdxl", "vram": 2}, 422, "needs"),
     ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "rank": "many"}, 400,
-     "invalid int value"),
+     "rank: Input should be a valid integer"),
     ("POST", "/api/plan", {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "out": "x"}, 400,
      "plans without writing"),
     ("POST", "/api/plan", [1, 2], 400, "one JSON object"),

@@ -1,10 +1,12 @@
 """The web app's HTTP API: the CLI's commands behind JSON, with the field names their ``--json`` outputs use.
 
 A request body is the command's own options by their long names (``{"dataset": "...", "model": "builtin:tiny-sd15",
-"vram": 12, "rank": 16}`` is ``autotune plan DATASET --model builtin:tiny-sd15 --vram 12 --rank 16``), read by the
-command's own parser, so the API and the CLI cannot drift apart. Every refusal is one JSON line
+"vram": 12, "rank": 16}`` is ``autotune plan DATASET --model builtin:tiny-sd15 --vram 12 --rank 16``), validated by
+a schema made from the command's own options (schemas.py) and run through the function the CLI runs, so the API and
+the CLI cannot drift apart and no body is ever read as a command line. Every refusal is one JSON line
 ``{"error": "..."}`` with a 4xx status: 400 bad input, 401 no token, 403 refused (origin, a path outside the allowed
-folders), 404 unknown, 422 a plan that does not fit; nothing is written by a refused request.
+folders), 404 unknown, 405 not a POST, 409 a run in the wrong state, 413 a body too large, 415 not JSON, 421 not
+this server's name, 422 a plan that does not fit; nothing is written by a refused request.
 """
 
 from __future__ import annotations
@@ -18,55 +20,44 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # at module level: FastAPI reads the handlers' annotations by name
 
+from autotune.ui.errors import BadRequest
+from autotune.ui.schemas import BUILTIN, BadBody, CommandSchema, given
 from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
 
-PATH_OPTIONS = ("dataset", "model", "config", "dataset_config")  # body keys naming a file or folder (and the
-# model-file keys: clip_l, t5xxl, ...)
-BUILTIN = "builtin:"
+MAX_BODY_BYTES = 1 << 20  # a request body (the largest real one, a run with every option, is under 4 KiB)
+JSON_TYPE = "application/json"
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+                               "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+    "Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Resource-Policy": "same-origin",
+}
 
 
-class BadRequest(Exception):
-    """Input the command refuses: 400 (or ``status``) with its one line."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def command_argv(command: str, body: dict[str, Any], policy: AccessPolicy) -> list[str]:
-    """``body`` as the arguments of ``autotune COMMAND`` (paths checked against the allowed folders first)."""
-    from autotune.planning.profiles import model_file_keys
-
-    model_files = set(model_file_keys())
-    argv = [command]
-    for key, value in body.items():
-        if (key in PATH_OPTIONS or key in model_files) and isinstance(value, str) and not value.startswith(BUILTIN):
-            value = str(policy.resolve(value, key))
-        if key == "dataset":
-            argv.insert(1, str(value))
-            continue
-        flag = f"--{key}" if key in model_files else "--" + key.replace("_", "-")  # --clip_l, --t5xxl: kohya's
-        for item in value if isinstance(value, list) else [value]:
-            if item is True:
-                argv.append(flag)
-            elif item is not False and item is not None:
-                argv += [flag, str(item)]
-    return argv
+def checked_values(schema: CommandSchema, body: Any, policy: AccessPolicy) -> dict[str, Any]:
+    """The body's values, validated by ``schema``, with every path resolved inside the allowed folders."""
+    try:
+        values = given(schema.validate(body))
+    except BadBody as error:
+        raise BadRequest(str(error)) from None
+    for key in schema.path_keys():
+        if key in values and not (key == "model" and is_builtin(values[key])):
+            values[key] = str(policy.resolve(values[key], key))
+    return values
 
 
-def parse_command(command: str, body: dict[str, Any], policy: AccessPolicy) -> argparse.Namespace:
-    """``body`` read by ``autotune COMMAND``'s own parser; its complaint is a 400 naming the option."""
-    from autotune.cli import build_parser
+def is_builtin(model: str) -> bool:
+    from sd_scripts_compat.models.families import family_names
 
-    parser = build_parser(command)
-    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    return model.startswith(BUILTIN) and model.removeprefix(BUILTIN) in family_names()
 
-    def refuse(message: str) -> None:
-        raise BadRequest(f"{message}; see autotune {command} --help for the options")
 
-    sub.error = refuse  # type: ignore[method-assign]
-    parser.error = refuse  # type: ignore[method-assign]
-    return parser.parse_args(command_argv(command, body, policy))
+def command_args(schema: CommandSchema, values: dict[str, Any]) -> argparse.Namespace:
+    try:
+        return schema.namespace(values)
+    except BadBody as error:
+        raise BadRequest(str(error)) from None
 
 
 def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]] | None = None) -> FastAPI:
@@ -83,17 +74,14 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Any:
         try:
-            given = request.query_params.get("token")
-            policy.check_token(request.headers.get("authorization"), given, request.cookies.get(TOKEN_COOKIE))
-            if request.method not in ("GET", "HEAD"):
-                if request.method != "POST":
-                    raise Refused(405, f"{request.method} is not used here; state changes are POSTs")
-                policy.check_origin(request.headers.get("origin"), request.headers.get("host"))
+            check_request(policy, request)
             response = await call_next(request)
         except Refused as refused:
-            return JSONResponse({"error": str(refused)}, status_code=refused.status)
-        if policy.token and given:  # the page's own script, style and images then carry it (security.py)
-            response.set_cookie(TOKEN_COOKIE, policy.token, httponly=True, samesite="strict")
+            response = JSONResponse({"error": str(refused)}, status_code=refused.status)
+        else:
+            if policy.token and request.query_params.get("token"):  # the page's own script, style and images
+                response.set_cookie(TOKEN_COOKIE, policy.token, httponly=True, samesite="strict")  # carry it
+        response.headers.update(SECURITY_HEADERS)
         return response
 
     @app.exception_handler(BadRequest)
@@ -127,15 +115,19 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
 
     warmed = threading.Event()
 
+    schemas = Schemas()
+
     @app.post("/api/doctor")
     async def doctor(request: Request) -> dict[str, Any]:
-        args = parse_command("doctor", await json_body(request), policy)
+        schema = schemas.get("doctor")
+        args = command_args(schema, checked_values(schema, await json_body(request), policy))
         await _in_thread(warmed.wait)
         return await _in_thread(run_doctor, args)
 
     @app.post("/api/plan")
     async def plan(request: Request) -> Any:
-        args = parse_command("plan", await json_body(request), policy)
+        schema = schemas.get("plan")
+        args = command_args(schema, checked_values(schema, await json_body(request), policy))
         return await _in_thread(run_plan, args)
 
     @app.get("/api/thumbnail")
@@ -149,7 +141,7 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
         return Response(png, media_type="image/png", headers={"X-Autotune-Crop": json.dumps(crop),
                                                               "Cache-Control": "no-cache"})
 
-    add_run_routes(app, policy, runs_dir, offered)
+    add_run_routes(app, policy, runs_dir, offered, schemas)
     add_pages(app)
     threading.Thread(target=warm_up, args=(warmed,), name="warm-up", daemon=True).start()
     return app
@@ -184,12 +176,8 @@ def add_pages(app: FastAPI) -> None:
         return FileResponse(STATIC / "index.html")
 
 
-NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs",
-                     "resume": "resume a run with POST /api/runs/{id}/resume",
-                     "python": "the engines' Pythons are fixed when autotune ui starts (its --engine, --python)"}
-
-
-def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]]) -> None:
+def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]],
+                   schemas: Schemas) -> None:
     """Runs: list, start or queue, one run, its live events, stop, resume, its report."""
     from fastapi.responses import StreamingResponse
 
@@ -214,18 +202,14 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
     @app.post("/api/runs", status_code=201)
     async def start(request: Request) -> dict[str, Any]:
         body = await json_body(request)
-        for key, why in NOT_FROM_THE_PAGE.items():
-            if key in body:
-                raise BadRequest(f"{key}: {why}")
-        engine = body.pop("engine", "autotune")
-        if engine not in engines:
-            raise BadRequest(f"engine {engine}: this server offers {', '.join(engines)} (autotune ui --engine "
-                             "sd-scripts=PATH or musubi-tuner=PATH adds yours)")
-        name = body.pop("name", None)
-        if name is not None and (not isinstance(name, str) or not name or "/" in name or name.startswith(".")):
-            raise BadRequest("name: a folder name for the run (letters, digits, - and _)")
-        args = parse_command("run", body, policy)  # refused here, as the CLI refuses it, before any folder
-        argv = [*command_argv("run", body, policy), *engines[engine]]
+        if isinstance(body, dict) and isinstance(body.get("engine"), str) and body["engine"] not in engines:
+            raise BadRequest(f"engine {body['engine'][:40]!r}: this server offers {', '.join(engines)} (autotune ui "
+                             "--engine sd-scripts=PATH or musubi-tuner=PATH adds yours)")
+        schema = schemas.run(tuple(engines))
+        values = checked_values(schema, body, policy)
+        engine, name = values.pop("engine", "autotune"), values.pop("name", None)
+        args = command_args(schema, values)  # refused here, as the CLI refuses it, before any folder
+        argv = [*schema.argv(values), *engines[engine]]
         if engines[engine]:  # the user's trainer refuses what it cannot load (a built-in model) before any folder
             await _in_thread(check_engine, engines[engine], args)
         return await _in_thread(store.start, argv, args.dataset, args.model, name)
@@ -308,16 +292,68 @@ def inspect_run(folder: Path, run_id: str) -> dict[str, Any]:
     return {**info, "download": f"/api/runs/{run_id}/files/{path.resolve().relative_to(folder).as_posix()}"}
 
 
-async def json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object, or 400 saying what is wrong with it."""
-    raw = await request.body()
+def check_request(policy: AccessPolicy, request: Request) -> None:
+    """The access policy (security.py) before routing, then what a state change must be: a POST of JSON."""
+    headers = request.headers
+    policy.check_host(headers.get("host"))
+    policy.check_token(headers.get("authorization"), request.query_params.get("token"),
+                       request.cookies.get(TOKEN_COOKIE))
+    if request.method in ("GET", "HEAD"):
+        return
+    if request.method != "POST":
+        raise Refused(405, f"{request.method} is not used here; state changes are POSTs")
+    policy.check_origin(headers.get("origin"), headers.get("sec-fetch-site"), headers.get("authorization"),
+                        headers.get("host"))
+    if headers.get("content-type", "").partition(";")[0].strip().lower() != JSON_TYPE:
+        raise Refused(415, f"send the body as {JSON_TYPE} (Content-Type: {JSON_TYPE})")
+    length = headers.get("content-length", "0")
+    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+        raise Refused(413, f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def json_body(request: Request) -> Any:
+    """The request's JSON value (its schema checks the shape), read up to ``MAX_BODY_BYTES``; else 400 / 413."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only", 413)
     try:
-        body = json.loads(raw or b"{}")
+        return json.loads(bytes(raw) or b"{}", parse_constant=_no_constant)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply; send one flat JSON object of options") from None
     except (ValueError, UnicodeDecodeError) as error:
-        raise BadRequest(f"the request body is not JSON ({error}); send one JSON object") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be one JSON object of the command's options")
-    return body
+        raise BadRequest(f"the request body is not JSON ({str(error)[:120]}); send one JSON object") from None
+
+
+class Schemas:
+    """The commands' body schemas, built on first use (each imports its command's options)."""
+
+    def __init__(self) -> None:
+        self.built: dict[Any, CommandSchema] = {}
+
+    def get(self, command: str) -> CommandSchema:
+        from autotune.ui.schemas import command_schema
+
+        if command not in self.built:
+            self.built[command] = command_schema(command)
+        return self.built[command]
+
+    def run(self, engines: tuple[str, ...]) -> CommandSchema:
+        """``autotune run``'s options plus the run's own keys: the engine (one of those offered) and a name."""
+        from typing import Literal
+
+        from autotune.ui.schemas import RunName, command_schema
+
+        key = ("run", engines)
+        if key not in self.built:
+            self.built[key] = command_schema("run", {"engine": (Literal[engines], "autotune"),
+                                                     "name": (RunName | None, None)})
+        return self.built[key]
 
 
 async def _in_thread(function: Any, *args: Any) -> Any:

@@ -20,7 +20,7 @@ from autotune.layout import DECISIONS_JSONL, EVENTS_DIR
 from sd_scripts_compat.contract import PROGRESS_LOG
 
 POLL_S = 0.5
-FINAL = ("done", "failed", "interrupted")
+FINAL = ("done", "failed", "interrupted", "unreadable")
 MAX_SECONDS = 24 * 3600.0  # a stream a browser left open ends after a day; the page reconnects
 
 
@@ -46,7 +46,7 @@ def run_events(store: Any, run_id: str) -> Iterator[str]:
             if latest and latest != last_progress:
                 try:
                     yield _event("progress", json.loads(latest))
-                except ValueError:
+                except (ValueError, RecursionError):
                     pass  # caught mid-write: the next poll has it
                 last_progress = latest
         decisions.poll()
@@ -65,10 +65,12 @@ def run_events(store: Any, run_id: str) -> Iterator[str]:
 
 
 class JsonLines:
-    """A growing JSON-lines file read from where the last poll stopped; ``lines`` are the new whole lines."""
+    """A growing JSON-lines file read from where the last poll stopped; ``lines`` are the new whole lines,
+    ``bad`` how many whole lines were no JSON at all (left out)."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.seen, self.lines = path, 0, False, []
+        self.path, self.offset, self.seen, self.bad = path, 0, False, 0
+        self.lines: list[Any] = []
 
     def poll(self) -> None:
         self.lines = []
@@ -84,8 +86,8 @@ class JsonLines:
         for raw in chunk[:end].splitlines():
             try:
                 self.lines.append(json.loads(raw))
-            except ValueError:
-                continue
+            except (ValueError, RecursionError):
+                self.bad += 1
 
 
 def _read_text(path: Path) -> str | None:

@@ -8,7 +8,9 @@ comes from the folder (the run's OS lock says it is alive; ``logs/decisions.json
 ``progress.json`` where it is), so a restarted server finds running and finished runs as they are.
 
 States: queued, running, stepping down (its last attempt ran out of memory and it resumes with less), rolled back
-(its loss diverged and it resumes from a good state), done, failed, interrupted.
+(its loss diverged and it resumes from a good state), done, failed, interrupted, and unreadable: a file of the run
+(its progress, decisions, record, plan) that is not what the engine writes; one line says which, and the list, the
+queue and the other runs go on. Every file read here is validated by its model below; run names are ``RunName``s.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autotune.layout import DECISIONS_JSONL, EVENTS_DIR, MARKERS, PLAN_FILE, run_name
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from autotune.layout import DECISIONS_JSONL, EVENTS_DIR, MARKERS, PLAN_FILE, is_run_name, run_name
+from autotune.ui.errors import BadRequest
+from autotune.ui.schemas import RunName
 from autotune.ui.security import AccessPolicy
 
 UI_DIR = ".autotune-ui"  # in the runs folder: the queue, each started run's command and console output
@@ -31,6 +37,59 @@ QUEUE_FILE = "queue.json"
 FINAL_FAILURES = ("crash", "user_error", "disk_full", "bad_data", "give_up", "exhausted", "unstable")
 STEPPING_DOWN = ("oom", "os_kill")
 ROLLED_BACK = ("diverged",)
+PROGRESS_FILE = "progress.json"
+
+
+class Progress(BaseModel):
+    """The engine's ``progress.json``: where the run is (other keys pass through to the page)."""
+
+    model_config = ConfigDict(extra="allow")
+    step: int | None = None
+    max_train_steps: int | None = None
+    it_per_s: float | None = None
+    loss: float | None = None
+    lr: float | None = None
+    peak_memory_mib: float | None = None
+
+
+class Decision(BaseModel):
+    """One line of ``logs/decisions.jsonl``: the watchdog's event and its one line."""
+
+    model_config = ConfigDict(extra="allow")
+    event: str
+    text: str | None = None
+
+
+class Record(BaseModel):
+    """``RUNS/.autotune-ui/RUN.json``: how the server started the run."""
+
+    argv: list[str] = []
+    dataset: str | None = None
+    model: str | None = None
+    created: float | None = None
+
+
+class QueueEntry(BaseModel):
+    id: RunName
+    argv: list[str]
+
+
+class Prediction(BaseModel):
+    peak_bytes: int | None = None
+    usable_bytes: int | None = None
+    ram_peak_bytes: int | None = None
+    ram_usable_bytes: int | None = None
+
+
+class PlanFile(BaseModel):
+    """What the run page reads of ``plan.json``: the card and the predicted peaks."""
+
+    device: Any = None
+    prediction: Prediction = Prediction()
+
+
+class Unreadable(Exception):
+    """A run file that is not what its model says: the run shows ``unreadable`` with this one line."""
 
 
 class RunStore:
@@ -50,11 +109,12 @@ class RunStore:
             found |= {p.name for p in self.runs_dir.iterdir() if p.is_dir() and _is_run(p)}
         if self.ui_dir.is_dir():
             found |= {p.stem for p in self.ui_dir.glob("*.json") if p.name != QUEUE_FILE}
-        return sorted(found)
+        return sorted(name for name in found if is_run_name(name))
 
     def folder(self, run_id: str) -> Path:
-        from autotune.ui.api import BadRequest
-
+        if not is_run_name(run_id):
+            raise BadRequest(f"run {run_id[:80]!r}: not a run name (letters, digits, '.', '_', '-'; up to 128)",
+                             status=404)
         folder = (self.runs_dir / run_id).resolve()
         if folder.parent != self.runs_dir.resolve() or run_id not in self.ids():
             raise BadRequest(f"run {run_id}: no such run under {self.runs_dir}", status=404)
@@ -63,46 +123,64 @@ class RunStore:
     def info(self, run_id: str) -> dict[str, Any]:
         """One run as the runs page shows it (state, step, it/s, ETA, what it trains)."""
         folder = self.folder(run_id)
-        record = self._record(run_id)
-        progress = _read_json(folder / EVENTS_DIR / "progress.json") or {}
-        step, total, rate = progress.get("step"), progress.get("max_train_steps"), progress.get("it_per_s")
-        eta = (total - step) / rate if rate and step is not None and total else None
         state, message = self.state(run_id)
-        argv = record.get("argv") or []
+        try:
+            record = self._record(run_id)
+            progress = _read_model(folder / EVENTS_DIR / PROGRESS_FILE, Progress) or Progress()
+            planned = _planned(folder)
+        except Unreadable as error:
+            return {"id": run_id, "folder": str(folder), "state": "unreadable", "message": str(error)}
+        step, total, rate = progress.step, progress.max_train_steps, progress.it_per_s
+        eta = (total - step) / rate if rate and step is not None and total else None
         return {"id": run_id, "folder": str(folder), "state": state, "message": message, "step": step,
-                "max_train_steps": total, "it_per_s": rate, "eta_s": eta, "loss": progress.get("loss"),
-                "lr": progress.get("lr"), "peak_memory_mib": progress.get("peak_memory_mib"),
-                "dataset": record.get("dataset"), "model": record.get("model"),
-                "engine": _engine_of(argv), "started_here": bool(record),
-                "planned": _planned(folder)}
+                "max_train_steps": total, "it_per_s": rate, "eta_s": eta, "loss": progress.loss,
+                "lr": progress.lr, "peak_memory_mib": progress.peak_memory_mib,
+                "dataset": record.dataset if record else None, "model": record.model if record else None,
+                "engine": _engine_of(record.argv if record else []), "started_here": record is not None,
+                "planned": planned}
 
     def state(self, run_id: str) -> tuple[str, str | None]:
+        """The run's state word and its one line (``unreadable`` and why when a file of it is malformed)."""
         from autotune.launch.out_lock import lock_holder
 
         folder = self.runs_dir / run_id
-        events = _decisions(folder)
-        last = events[-1] if events else {}
+        try:
+            events = _decisions(folder)
+        except Unreadable as error:
+            return "unreadable", str(error)
+        last = events[-1].text if events else None
         if lock_holder(folder) is not None or self._starting(run_id):
-            after_start = [e["event"] for e in events if e["event"] not in ("resume", "cleanup")]
+            after_start = [e.event for e in events if e.event not in ("resume", "cleanup")]
             latest = after_start[-1] if after_start else "start"
             word = ("stepping down" if latest in STEPPING_DOWN else "rolled back" if latest in ROLLED_BACK
                     else "running")
-            return word, last.get("text")
+            return word, last
         if run_id in self.queue():
             return "queued", None
-        finals = [e for e in events if e["event"] in ("done", "interrupted", *FINAL_FAILURES)]
+        finals = [e for e in events if e.event in ("done", "interrupted", *FINAL_FAILURES)]
         if finals:
             final = finals[-1]
-            word = {"done": "done", "interrupted": "interrupted"}.get(final["event"], "failed")
-            return word, final.get("text")
+            word = {"done": "done", "interrupted": "interrupted"}.get(final.event, "failed")
+            return word, final.text
         log = self.ui_dir / f"{run_id}.log"
         if log.is_file() and not events:  # refused before it trained: its one line
             lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
             return "failed", lines[-1] if lines else None
-        return "interrupted", last.get("text")
+        return "interrupted", last
 
     def queue(self) -> list[str]:
-        return [entry["id"] for entry in _read_json(self.ui_dir / QUEUE_FILE) or []]
+        return [entry.id for entry in self._queued()]
+
+    def _queued(self) -> list[QueueEntry]:
+        """The queue file's entries; one that is not ``{id, argv}`` is left out (the rest of the queue goes on)."""
+        entries = _read_json(self.ui_dir / QUEUE_FILE)
+        queued = []
+        for entry in entries if isinstance(entries, list) else []:
+            try:
+                queued.append(QueueEntry.model_validate(entry))
+            except ValidationError:
+                continue
+        return queued
 
     # ---- changing ------------------------------------------------------------------------------------
 
@@ -127,12 +205,14 @@ class RunStore:
 
     def resume(self, run_id: str) -> dict[str, Any]:
         """Queue the run once more with ``--resume`` (its own command when it was started here)."""
-        from autotune.ui.api import BadRequest
-
-        state, _ = self.state(run_id)
-        if state in ("running", "stepping down", "rolled back", "queued", "done"):
+        state = self.info(run_id)["state"]  # 404 for a run that is not there
+        if state in ("running", "stepping down", "rolled back", "queued", "done", "unreadable"):
             raise BadRequest(f"run {run_id} is {state}; only an interrupted or failed run resumes", status=409)
-        argv = self._record(run_id).get("argv")
+        try:
+            record = self._record(run_id)
+        except Unreadable as error:
+            raise BadRequest(str(error), status=409) from None
+        argv = record.argv if record else None
         if not argv:
             raise BadRequest(f"run {run_id} was started from the command line; resume it there with autotune run "
                              f"--resume {self.runs_dir / run_id}", status=409)
@@ -147,9 +227,9 @@ class RunStore:
 
         self.folder(run_id)
         with self.lock:
-            queued = _read_json(self.ui_dir / QUEUE_FILE) or []
-            if any(entry["id"] == run_id for entry in queued):
-                _write_json(self.ui_dir / QUEUE_FILE, [e for e in queued if e["id"] != run_id])
+            queued = self._queued()
+            if any(entry.id == run_id for entry in queued):
+                _write_queue(self.ui_dir, [e for e in queued if e.id != run_id])
         holder = lock_holder(self.runs_dir / run_id)
         if holder and holder > 0:
             os.kill(holder, signal.SIGTERM)
@@ -160,21 +240,21 @@ class RunStore:
         with self.lock:
             if self._busy():
                 return
-            queued = _read_json(self.ui_dir / QUEUE_FILE) or []
+            queued = self._queued()
             if not queued:
                 return
             entry, rest = queued[0], queued[1:]
-            _write_json(self.ui_dir / QUEUE_FILE, rest)
-            log = open(self.ui_dir / f"{entry['id']}.log", "ab")  # noqa: SIM115 (the child owns it)
+            _write_queue(self.ui_dir, rest)
+            log = open(self.ui_dir / f"{entry.id}.log", "ab")  # noqa: SIM115 (the child owns it)
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            self.children[entry["id"]] = subprocess.Popen(
-                [sys.executable, "-m", "autotune", *entry["argv"]], stdin=subprocess.DEVNULL, stdout=log,
+            self.children[entry.id] = subprocess.Popen(
+                [sys.executable, "-m", "autotune", *entry.argv], stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=self.runs_dir)
             log.close()
 
     def _enqueue(self, run_id: str, argv: list[str]) -> None:
-        queued = [e for e in _read_json(self.ui_dir / QUEUE_FILE) or [] if e["id"] != run_id]
-        _write_json(self.ui_dir / QUEUE_FILE, [*queued, {"id": run_id, "argv": argv}])
+        queued = [e for e in self._queued() if e.id != run_id]
+        _write_queue(self.ui_dir, [*queued, QueueEntry(id=run_id, argv=argv)])
 
     def _busy(self) -> bool:
         from autotune.launch.out_lock import lock_holder
@@ -188,38 +268,65 @@ class RunStore:
         child = self.children.get(run_id)
         return child is not None and child.poll() is None
 
-    def _record(self, run_id: str) -> dict[str, Any]:
-        return _read_json(self.ui_dir / f"{run_id}.json") or {}
+    def _record(self, run_id: str) -> Record | None:
+        return _read_model(self.ui_dir / f"{run_id}.json", Record)
 
 
 def _planned(folder: Path) -> dict[str, Any] | None:
     """What the run's plan predicted and for which card (the run page draws memory against it)."""
-    plan = _read_json(folder / PLAN_FILE)
-    if not isinstance(plan, dict):
+    plan = _read_model(folder / PLAN_FILE, PlanFile)
+    if plan is None:
         return None
-    prediction = plan.get("prediction") or {}
-    return {"device": plan.get("device"), "peak_bytes": prediction.get("peak_bytes"),
-            "usable_bytes": prediction.get("usable_bytes"), "ram_peak_bytes": prediction.get("ram_peak_bytes"),
-            "ram_usable_bytes": prediction.get("ram_usable_bytes")}
+    return {"device": plan.device, **plan.prediction.model_dump()}
 
 
 def _is_run(folder: Path) -> bool:
     return any((folder / marker).is_file() for marker in MARKERS)
 
 
-def _decisions(folder: Path) -> list[dict[str, Any]]:
+def _decisions(folder: Path) -> list[Decision]:
     from autotune.ui.events import JsonLines
 
     decisions = JsonLines(folder / DECISIONS_JSONL)  # whole lines only: one being written is left for later
     decisions.poll()
-    return decisions.lines
+    try:
+        if decisions.bad:
+            raise ValidationError.from_exception_data("Decision", [])
+        return [Decision.model_validate(line) for line in decisions.lines]
+    except ValidationError:
+        raise Unreadable(f"{DECISIONS_JSONL}: a line that is not a decision of the watchdog "
+                         "({\"event\": ..., \"text\": ...})") from None
+
+
+def _read_model(path: Path, model: type[Any]) -> Any:
+    """``path`` validated by ``model``; None when there is no such file; ``Unreadable`` when it is not one."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise Unreadable(f"{path.name}: cannot be read ({error.strerror})") from None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise Unreadable(f"{path.name}: not what the run writes there ({_first_problem(error)})") from None
+
+
+def _first_problem(error: ValidationError) -> str:
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return f"{where}: {first['msg']}"[:160] if where else str(first["msg"])[:160]
 
 
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
+
+
+def _write_queue(ui_dir: Path, entries: list[QueueEntry]) -> None:
+    _write_json(ui_dir / QUEUE_FILE, [entry.model_dump() for entry in entries])
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -16,8 +16,8 @@ function withToken(path) {
 
 async function api(method, path, body) {
   const init = {method, headers: {}};
-  if (body !== undefined) {
-    init.body = JSON.stringify(body);
+  if (method === "POST") {  // every state change is a POST of JSON (the server refuses anything else)
+    init.body = JSON.stringify(body ?? {});
     init.headers["Content-Type"] = "application/json";
   }
   const response = await fetch(withToken(path), init);
@@ -31,10 +31,23 @@ function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(attrs || {})) {
     if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (key === "style") setStyle(node, value);
     else node.setAttribute(key, value);
   }
   for (const child of children) node.append(child instanceof Node ? child : String(child ?? ""));
   return node;
+}
+
+function setStyle(node, declarations) {  // through the CSSOM: the page's CSP refuses style attributes
+  for (const declaration of declarations.split(";")) {
+    const [property, value] = declaration.split(":").map(part => part.trim());
+    if (property) node.style.setProperty(property, value);
+  }
+}
+
+function typed(text) {  // a number the user typed is sent as a JSON number ("16" -> 16, "1e-4" -> 0.0001)
+  const trimmed = String(text).trim();
+  return trimmed !== "" && isFinite(Number(trimmed)) ? Number(trimmed) : trimmed;
 }
 
 function gib(bytes) { return (bytes / 2 ** 30).toFixed(2) + " GiB"; }
@@ -130,7 +143,7 @@ function same(asked, planned) {
 function planRow(c) {
   const pin = EDITABLE[c.key];
   const value = pin ? el("input", {type: "text", "data-key": c.key, value: String(c.value),
-    onchange: e => { overrides[pin] = e.target.value; repredict(); }}) : String(c.value);
+    onchange: e => { overrides[pin] = typed(e.target.value); repredict(); }}) : String(c.value);
   const asked = pin && pin in overrides && !same(overrides[pin], c.value) ? overrides[pin] : null;
   const reason = el("td", {class: "reason"}, c.reason);
   if (asked !== null) {

@@ -1,0 +1,222 @@
+"""The web app's request bodies as validated data: one pydantic model per command, made from that command's own
+argparse options, so the API and the CLI cannot drift apart and a body is never re-parsed as a command line.
+
+A body key is an option's long name with ``_`` for ``-`` (``{"dataset": ..., "model": "builtin:tiny-sd15",
+"vram": 12, "rank": 16, "clip_l": FILE}``); only those keys, each with its type: an option that takes a number
+takes a JSON number within bounds, a choice one of its choices, a flag a boolean, a repeatable option a value or
+a list of values, anything else one string of bounded length without control characters. Path fields are
+strings checked against the allowed folders. The validated object becomes the ``argparse.Namespace`` the command's
+parser would have produced (its defaults, then these values through the option's own converter), which the
+command's function takes as it takes the CLI's; a run, which is a process of its own, gets its command line
+written from that object: exact option names, ``--option=value``, so no value is read as an option.
+
+The models are built from argparse's actions (no hand-written copy): ``--gpu``'s list, ``--optimizer``'s choices
+and every model-file key come from where the CLI defines them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    create_model,
+)
+
+from autotune.layout import is_run_name
+
+MAX_TEXT = 4096  # characters in one string value (a path, a card's name)
+MAX_ITEMS = 16  # values of one repeatable option (--gpu, --vram, --network-arg)
+MAX_INT = 2**31 - 1
+MAX_NUMBER = 1e12
+# options a page never sets, each with the reason said when a body names one
+NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs (the API plans without writing)",
+                     "resume": "resume a run with POST /api/runs/{id}/resume",
+                     "resume_changed": "resume a run with POST /api/runs/{id}/resume",
+                     "python": "the engines' Pythons are fixed when autotune ui starts (its --engine, --python)",
+                     "engine": "the engines are fixed when autotune ui starts; choose one by its name",
+                     "json": "the API always answers JSON", "html": "the API answers JSON; autotune report writes "
+                     "HTML", "help": "see autotune COMMAND --help"}
+PATH_DESTS = ("dataset", "model", "config", "dataset_config")  # + every model-file key (clip_l, t5xxl, ...)
+BUILTIN = "builtin:"
+
+
+def _plain_text(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("a control character in a text value")
+    return value
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("give a finite number")
+    return value
+
+
+def _run_name(value: str) -> str:
+    if not is_run_name(value):
+        raise ValueError("a folder name for the run: letters, digits, '.', '_', '-' (no '..'), up to 128")
+    return value
+
+
+RunName = Annotated[StrictStr, AfterValidator(_run_name)]  # a run's folder name, checked once
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT), AfterValidator(_plain_text)]
+Integer = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
+Number = Annotated[StrictInt | StrictFloat, Field(ge=-MAX_NUMBER, le=MAX_NUMBER), AfterValidator(_finite)]
+
+
+def _as_list(value: Any) -> Any:
+    return value if isinstance(value, list) else [value]
+
+
+def _value_type(action: argparse.Action) -> Any:
+    """The JSON type of one value of ``action``."""
+    if action.choices is not None:
+        return Literal[tuple(action.choices)]
+    if action.type is int:
+        return Integer
+    converter = getattr(action.type, "__name__", "")
+    if converter == "finite number":
+        return Number
+    if converter == "resolution":  # 768 or kohya's "768,768"
+        return Integer | Text
+    return Text
+
+
+def _field_type(action: argparse.Action) -> Any:
+    if isinstance(action, argparse._StoreTrueAction):
+        return StrictBool
+    one = _value_type(action)
+    if isinstance(action, argparse._AppendAction):
+        return Annotated[list[one], Field(max_length=MAX_ITEMS), BeforeValidator(_as_list)]  # type: ignore[valid-type]
+    return one
+
+
+def body_key(action: argparse.Action) -> str:
+    """The body key of an option: its first long name with ``_`` for ``-`` (``--clip_l`` -> clip_l,
+    ``--dataset-config`` -> dataset_config); a positional's dest."""
+    longs = [option for option in action.option_strings if option.startswith("--")]
+    return longs[0][2:].replace("-", "_") if longs else action.dest
+
+
+@dataclass(frozen=True)
+class CommandSchema:
+    """One command's body model and how its keys map back to argparse: ``actions`` by body key."""
+
+    command: str
+    model: type[BaseModel]
+    actions: dict[str, argparse.Action]
+    defaults: dict[str, Any]
+
+    def validate(self, body: Any) -> BaseModel:
+        """``body`` as the model, or ``BadBody`` with one line naming the first wrong key."""
+        if not isinstance(body, dict):
+            raise BadBody("the request body must be one JSON object of the command's options")
+        for key in body:
+            if key in NOT_FROM_THE_PAGE and key not in self.model.model_fields:
+                raise BadBody(f"{key}: {NOT_FROM_THE_PAGE[key]}")
+        try:
+            return self.model.model_validate(body)
+        except ValidationError as error:
+            raise BadBody(describe(error, self)) from None
+
+    def path_keys(self) -> list[str]:
+        from autotune.planning.profiles import model_file_keys
+
+        files = set(model_file_keys())
+        return [key for key, action in self.actions.items() if action.dest in PATH_DESTS or key in files]
+
+    def namespace(self, values: dict[str, Any]) -> argparse.Namespace:
+        """What the command's parser would return for these values: its defaults, then each value through the
+        option's own converter (``--resolution 768,768`` -> 768), whose complaint is a ``BadBody``."""
+        namespace = argparse.Namespace(**self.defaults, command=self.command)
+        for key, value in values.items():
+            action = self.actions[key]
+            try:
+                if isinstance(value, list):
+                    value = [convert(action, item) for item in value]
+                else:
+                    value = convert(action, value)
+            except (argparse.ArgumentTypeError, ValueError, TypeError) as error:
+                raise BadBody(f"{key}: {error}") from None
+            setattr(namespace, action.dest, value)
+        return namespace
+
+    def argv(self, values: dict[str, Any]) -> list[str]:
+        """The command line of ``values`` for a process of its own: the positional first, then each option by its
+        exact name as ``--option=value`` (a value starting with ``-`` stays a value)."""
+        words = [self.command]
+        for key, value in values.items():
+            action = self.actions[key]
+            if not action.option_strings:
+                words.insert(1, str(value))
+                continue
+            flag = next(option for option in action.option_strings if option.startswith("--"))
+            for item in value if isinstance(value, list) else [value]:
+                if item is True:
+                    words.append(flag)
+                elif item is not False and item is not None:
+                    words.append(f"{flag}={item}")
+        return words
+
+
+class BadBody(ValueError):
+    """A request body its schema refuses: one line, a 400."""
+
+
+def convert(action: argparse.Action, value: Any) -> Any:
+    if isinstance(value, bool) or action.type is None or action.choices is not None:
+        return value
+    return action.type(str(value)) if callable(action.type) else value
+
+
+def describe(error: ValidationError, schema: CommandSchema) -> str:
+    """pydantic's first complaint as one line: the key, what is wrong, the keys this endpoint takes."""
+    first = error.errors(include_url=False)[0]
+    loc = first.get("loc", ())  # (key,), (key, index), then pydantic's union member tags, which are left out
+    where = "".join([str(loc[0])[:40], *(f"[{part}]" for part in loc[1:2] if isinstance(part, int))]) if loc else "body"
+    where = repr(where) if any(ord(c) < 32 for c in where) else where
+    if first.get("type") == "extra_forbidden":
+        known = ", ".join(sorted(schema.model.model_fields))
+        return f"{where}: not an option of autotune {schema.command} (this endpoint takes {known})"
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"{where}: {message}; see autotune {schema.command} --help for the options"
+
+
+def command_schema(command: str, extra: dict[str, Any] | None = None) -> CommandSchema:
+    """The schema of ``autotune COMMAND``'s options, less the ones a page never sets, plus ``extra`` fields
+    (``{key: (type, default)}``: the endpoint's own keys, such as a run's name, which are no option)."""
+    from autotune.cli import build_parser
+
+    parser = build_parser(command)
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr,index]
+    actions: dict[str, argparse.Action] = {}
+    fields: dict[str, Any] = {}
+    for action in sub._actions:
+        key = body_key(action)
+        if key in NOT_FROM_THE_PAGE or action.dest in NOT_FROM_THE_PAGE:
+            continue
+        actions[key] = action
+        required = action.required or not action.option_strings
+        fields[key] = (_field_type(action), ... if required else None)
+    defaults = {a.dest: a.default for a in sub._actions if a.default is not argparse.SUPPRESS}
+    defaults.update(sub._defaults)
+    model = create_model(f"{command.title()}Body", __config__=ConfigDict(extra="forbid"), **fields, **(extra or {}))
+    return CommandSchema(command, model, actions, defaults)
+
+
+def given(model: BaseModel) -> dict[str, Any]:
+    """The values a body set (what it left out keeps the command's default)."""
+    return {key: getattr(model, key) for key in model.model_fields_set}
