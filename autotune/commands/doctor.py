@@ -55,10 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from sd_scripts_compat.atomic import refuse_non_regular
+    from autotune.own_files import refuse_foreign_page, refuse_out_in_dataset
 
     if args.html:  # said before the images are read, not after
-        refuse_non_regular(Path(args.html))
+        refuse_foreign_page(Path(args.html), "--html")
+        refuse_out_in_dataset(Path(args.html), Path(args.dataset), "--html")
     from autotune.doctor.diagnose import diagnose_options
 
     report = diagnose_options(args)

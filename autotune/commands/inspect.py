@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
     info = describe_lora_file(run_lora(Path(args.file)))  # UserError (not a LoRA, corrupt) -> one line, exit 2
     if args.diffusers_out:
+        from autotune.own_files import refuse_foreign_lora_copy
+
+        refuse_foreign_lora_copy(Path(args.diffusers_out), Path(info["file"]), "--diffusers-out")
         _export(info, args.diffusers_out)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=False))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from autotune.launch.plan_options import accept_pickle, add_arguments, build_request, render
 
@@ -28,6 +29,11 @@ def run(args: argparse.Namespace) -> int:
     from sd_scripts_compat.models.families import get_family
 
     accept_pickle(args, "plan")
+    if args.out:  # said before planning: --out never replaces a run's or the user's files, nor goes in the dataset
+        from autotune.own_files import refuse_foreign_out, refuse_out_in_dataset
+
+        refuse_out_in_dataset(Path(args.out), Path(args.dataset))
+        refuse_foreign_out(Path(args.out))
     request = build_request(args)
     plan = plan_training(request)
     if not plan.fits:

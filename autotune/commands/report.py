@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.html:  # said before the report is made, not after
-        from sd_scripts_compat.atomic import refuse_non_regular
+        from autotune.own_files import refuse_foreign_page
 
-        refuse_non_regular(Path(args.html))
+        refuse_foreign_page(Path(args.html), "--html")
     text, _ = report_for(Path(args.output_dir), as_json=args.json, html_path=Path(args.html) if args.html else None)
     print(text, end="" if text.endswith("\n") else "\n")
     return 0

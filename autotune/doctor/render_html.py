@@ -15,6 +15,7 @@ from pathlib import Path
 
 from autotune.doctor.render_text import settings_line
 from autotune.doctor.report import DoctorReport, summary_line
+from autotune.own_files import HTML_MARK
 from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS
 
 THUMB_PX = 128
@@ -95,7 +96,7 @@ def _problems(report: DoctorReport) -> str:
 def report_html(report: DoctorReport) -> str:
     verdict = ('<p class="ok">ready to train</p>' if report.ok else
                f'<p class="bad">{len(report.errors)} error(s): fix them before training</p>')
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>autotune doctor: '
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">{HTML_MARK}<title>autotune doctor: '
             f"{html.escape(report.root)}</title><style>{STYLE}</style></head><body>"
             f"<h1>autotune doctor</h1><p><code>{html.escape(report.root)}</code></p>"
             f"<p>{html.escape(settings_line(report))}</p><p>{html.escape(summary_line(report))}</p>{verdict}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from autotune.own_files import HTML_MARK
 from autotune.report.load import RunFiles
 from autotune.report.render import PHASE_LABELS
 
@@ -28,7 +29,8 @@ def render_html(report: dict[str, Any], run: RunFiles) -> str:
     parts.append(_device_rows(report["devices"]))
     parts += _charts(run)
     body = "\n".join(parts)
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>autotune run report</title><style>"
+    return ("<!doctype html><html><head><meta charset='utf-8'>" + HTML_MARK
+            + "<title>autotune run report</title><style>"
             "body{font-family:sans-serif;max-width:760px;margin:2em auto;color:#222}"
             "table{border-collapse:collapse;margin:1em 0}td,th{padding:2px 10px;border-bottom:1px solid #ddd;"
             "text-align:right}td:first-child,th:first-child{text-align:left}.neck{background:#eef;padding:8px}"

@@ -65,6 +65,9 @@ def to_diffusers_lora(state: Mapping[str, torch.Tensor], bundle: ModelBundle) ->
     return out
 
 
+COPY_MARK = {"written_by": "lora-autotune inspect --diffusers-out"}  # a later export may replace only such a file
+
+
 def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[str], family: str) -> int:
     """Write ``lora`` (a kohya file of ``family``) as a diffusers-named copy at ``out``, atomically; the module
     paths come from the family built on the meta device (nothing is allocated). Returns the tensors written."""
@@ -84,5 +87,5 @@ def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[s
     tensors = to_diffusers_lora(state, build_modules(get_family(family), device="meta", seed=None))
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt", **COPY_MARK})
     return len(tensors)
