@@ -266,7 +266,11 @@ def test_sdxl_only_keys_are_errors_for_the_sd1_entry_point(tmp_path):
 
 
 def test_sd_scripts_consistency_rules(tmp_path):
-    assert "constant_with_warmup" in error_of(write(tmp_path, "lr_warmup_steps = 10\n"))  # default lr_scheduler
+    # the default lr_scheduler (constant) with warmup steps: sd-scripts warns and trains without warmup; so do we
+    cfg = load(write(tmp_path, "lr_warmup_steps = 10\n"))
+    assert cfg.lr_warmup_steps == 0 and any("constant_with_warmup" in line for line in cfg.warnings)
+    assert "AdaFactor's own schedule" in error_of(write(tmp_path, 'lr_scheduler = "adafactor"\n'))
+    assert "not implemented by this engine" in error_of(write(tmp_path, "network_train_text_encoder_only = true\n"))
     assert "needs mixed_precision = \"fp16\"" in error_of(write(tmp_path, "full_fp16 = true\n"))
     assert "network_train_unet_only" in error_of(write(tmp_path, "cache_text_encoder_outputs = true\n"), sdxl=True)
     assert "v2 cannot" in error_of(write(tmp_path, "v2 = true\n"), sdxl=True)

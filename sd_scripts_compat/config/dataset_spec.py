@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # the images a subset's folder holds
+
 
 def normalize_caption_extension(extension: str) -> str:
     """sd-scripts' rule: a caption extension without its dot gets one ("txt" -> ".txt"); the case is kept."""

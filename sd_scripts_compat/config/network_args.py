@@ -215,8 +215,12 @@ def _convert_with(key: str, text: str, where: str, convert: Callable[[str], Any]
     if key.endswith("dropout") and not 0.0 <= value < 1.0:
         raise UserError(f"{where}: {key}={text} must be in [0, 1)")
     if (key.endswith("_ratio") and value <= 0) or (key.endswith("dims") and min(numbers) < 0) or \
-            (key == "conv_dim" and value < 1):
+            (key == "conv_dim" and value < 0):
         raise UserError(f"{where}: {key}={text} must be positive")
+    if key == "block_size" and value < 1:
+        raise UserError(f"{where}: block_size={text}: DyLoRA trains the rank in blocks of at least 1")
+    if key == "factor" and value != -1 and value < 1:
+        raise UserError(f"{where}: factor={text}: LoKr's factor is a positive integer, or -1 for automatic")
     return value
 
 
@@ -225,6 +229,8 @@ def _resolve(entries: dict[str, str], values: dict[str, Any], sdxl: bool, rank: 
     args = NetworkArgs(entries=entries, **{k: values[k] for k in (
         "conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "train_t5xxl", "train_blocks",
         "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio") if k in values})
+    if args.conv_dim == 0:  # sd-scripts: conv_dim 0 trains no 3x3 convolutions
+        args = replace(args, conv_dim=None, conv_alpha=None)
     if args.conv_dim is not None and args.conv_alpha is None:
         args = replace(args, conv_alpha=1.0)  # sd-scripts' default
     lr_weight = block_lr_weight(values, sdxl, where)
@@ -298,6 +304,9 @@ def _block_ranks(values: dict[str, Any], args: NetworkArgs, lr_weight: tuple[flo
     if lr_weight is not None:
         dims = tuple(0 if w == 0 else d for d, w in zip(dims, lr_weight))
         conv_dims = None if conv_dims is None else tuple(0 if w == 0 else d for d, w in zip(conv_dims, lr_weight))
+    if not any(dims) and not any(conv_dims or ()):
+        raise UserError(f"{where}: every block's rank is 0 (block_dims, conv_block_dims, the *_lr_weight), so nothing "
+                        "would train; give at least one block a rank")
     return {"block_dims": dims, "block_alphas": alphas, "conv_block_dims": conv_dims,
             "conv_block_alphas": conv_alphas}
 

@@ -569,9 +569,13 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     scheduler_names = {name: name for name in SCHEDULERS}
     out["lr_scheduler"] = _resolve_name(out["lr_scheduler"], scheduler_names, KOHYA_ONLY_SCHEDULERS,
                                         "lr_scheduler", where("lr_scheduler"))
-    if out["lr_scheduler"] == "constant" and out["lr_warmup_steps"] != 0:
-        raise UserError(f"{where('lr_scheduler')}: 'constant' does not take lr_warmup_steps "
-                        f"({out['lr_warmup_steps']!r}); use 'constant_with_warmup' or set lr_warmup_steps = 0")
+    if out["lr_scheduler"] == "constant" and out["lr_warmup_steps"] != 0:  # sd-scripts warns and goes on
+        warnings.append(f"{where('lr_warmup_steps')}: ignored by lr_scheduler = 'constant' (as in sd-scripts); use "
+                        "'constant_with_warmup' to warm up")
+        out["lr_warmup_steps"] = 0
+    if out["lr_scheduler"] == "adafactor" and out["optimizer_type"] != "AdaFactor":
+        raise UserError(f"{where('lr_scheduler')}: 'adafactor' is AdaFactor's own schedule; with optimizer_type "
+                        f"{out['optimizer_type']} use another lr_scheduler (e.g. cosine)")
 
     modules = network_modules(script)
     if out["network_module"] is None:
@@ -594,6 +598,7 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
                                              rank=(out["network_dim"], out["network_alpha"]),
                                              where=where("network_args"))
 
+    _check_contradictions(out, where)
     _check_path_lengths(out, where)
     if out["save_model_as"] is None:
         out["save_model_as"] = "safetensors"
@@ -629,6 +634,30 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
             if out[name]:
                 warnings.append(f"{where(name)}: ignored because dataset_config is given (as in sd-scripts)")
     return out
+
+
+# sd-scripts options this engine does not implement whose silent omission would train something else than asked
+CHANGES_WHAT_TRAINS = {
+    "network_train_text_encoder_only": "training the text encoders alone is not implemented by this engine (it would "
+                                       "train the UNet too); train with your sd-scripts (autotune run --engine "
+                                       "sd-scripts=PATH), or drop it",
+}
+SEED_MAX = 2**32 - 1  # numpy's seed range, which sd-scripts' set_seed feeds
+
+
+def _check_contradictions(out: dict[str, Any], where: Any) -> None:
+    """Settings that cannot both hold, or that would train on the wrong thing, said instead of one ignored."""
+    from sd_scripts_compat.config.dataset_spec import IMAGE_EXTENSIONS
+
+    if str(out["caption_extension"] or "").lower() in IMAGE_EXTENSIONS:
+        raise UserError(f"{where('caption_extension')}: {out['caption_extension']!r} is an image extension, so each "
+                        "image would be read as its own caption; use the captions' extension (.txt, .caption)")
+    if out["dim_from_weights"] and not out["network_weights"]:
+        raise UserError(f"{where('dim_from_weights')}: reads the rank from network_weights, which is not given; "
+                        "give network_weights or drop dim_from_weights")
+    seed = out["seed"]
+    if seed is not None and not 0 <= seed <= SEED_MAX:
+        raise UserError(f"{where('seed')}: {seed} is outside 0..{SEED_MAX} (the range sd-scripts can seed)")
 
 
 NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file systems
@@ -796,6 +825,8 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
     raw = {**toml_raw, **{k: (str(v) if isinstance(v, Path) else v) for k, v in cli.items()}}
 
     for name in sorted(set(raw) - IMPLEMENTED):
+        if name in CHANGES_WHAT_TRAINS and not _is_inactive(specs[name], raw[name]):
+            raise UserError(f"{origins.where(name)}: {CHANGES_WHAT_TRAINS[name]}")
         if not _is_inactive(specs[name], raw[name]):
             warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
 

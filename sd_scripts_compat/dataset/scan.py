@@ -31,10 +31,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sd_scripts_compat.config.dataset_spec import MIN_REPEATS, parse_repeat_folder
+# IMAGE_EXTENSIONS is defined with the dataset spec (the config reads it too) and imported from here by scanners
+from sd_scripts_compat.config.dataset_spec import IMAGE_EXTENSIONS, MIN_REPEATS, parse_repeat_folder
 from sd_scripts_compat.errors import UserError
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 CAPTION_EXTENSIONS = (".txt", ".caption")  # lora-scripts' default first, then sd-scripts' argparse default
 # musubi-tuner's dataset/media_utils.VIDEO_EXTENSIONS: it globs each, so only these exact suffixes are read
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".avi", ".mkv", ".mov", ".flv", ".wmv", ".m4v", ".mpg", ".mpeg",

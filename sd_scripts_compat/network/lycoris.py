@@ -148,6 +148,10 @@ def create_lycoris_network(bundle: ModelBundle, *, network_dim: int, network_alp
         if "duplicated lora name" in str(error):  # lycoris-lora 4.x targets SD's time embedding twice
             raise UserError(f"lycoris-lora {_version()} cannot build a network for {bundle.family.name} "
                             f"({error}); install a 3.x release: pip install 'lycoris-lora>=3.2,<4'") from None
+        if isinstance(error, KeyError) and error.args == (kwargs.get("algo"),):
+            raise UserError(f"network_args for lycoris.kohya: algo={kwargs['algo']}: lycoris-lora {_version()}'s "
+                            "kohya entry point (the one sd-scripts calls too) has no module for it; choose another "
+                            "algo") from None
         raise UserError(f"network_args for lycoris.kohya: {error}") from None
     names = _kohya_names(bundle)
     if bundle.family.unet_lora_names == "sgm":

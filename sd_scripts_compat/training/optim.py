@@ -25,6 +25,7 @@ def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate:
     module_name, class_name, canonical = OPTIMIZERS[key]
     optimizer_class = getattr(importlib.import_module(module_name), class_name)
     kwargs = dict(optimizer_args)
+    _check_betas(canonical, kwargs)
     if key == "adamw" and "fused" not in kwargs and "foreach" not in kwargs and _fused_adamw_supported(param_groups):
         # one kernel for all LoRA tensors instead of a Python loop over them: measured 4x (CPU) faster steps
         # of the optimizer; the same update rule, so ss_optimizer stays what the user asked for
@@ -39,10 +40,23 @@ def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate:
             learning_rate = None  # type: ignore[assignment]
     try:
         optimizer = optimizer_class(param_groups, lr=learning_rate, **kwargs)
-    except (TypeError, ValueError) as error:  # an unknown keyword; a value the optimizer refuses (betas=(2, 0))
-        raise UserError(f"optimizer_args for {canonical}: {error}") from None
+    except (TypeError, ValueError, RuntimeError) as error:  # an unknown keyword; a value the optimizer refuses
+        # (betas=(2, 0)); options that cannot go together (fused and foreach)
+        raise UserError(f"optimizer_args for {canonical}: {str(error).replace('`', '')}") from None
     args_text = ",".join(f"{k}={v}" for k, v in optimizer_args.items())
     return optimizer, f"{module_name}.{class_name}({args_text})"
+
+
+def _check_betas(canonical: str, kwargs: dict[str, Any]) -> None:
+    """``betas`` is two coefficients in [0, 1) for every optimizer here that takes it (AdamW's family, Lion)."""
+    if "betas" not in kwargs:
+        return
+    betas = kwargs["betas"]
+    values = list(betas) if isinstance(betas, (list, tuple)) else [betas]
+    if len(values) != 2 or not all(isinstance(v, (int, float)) and 0 <= v < 1 for v in values):
+        raise UserError(f"optimizer_args for {canonical}: betas={betas!r}: give two values in [0, 1), e.g. "
+                        "betas=0.9,0.999")
+    kwargs["betas"] = tuple(values)
 
 
 def check_optimizer_settings(name: str, learning_rate: float, optimizer_args: dict[str, Any]) -> None:
