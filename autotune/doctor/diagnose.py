@@ -68,11 +68,17 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     side = resolution if resolution is not None else (spec.resolution if spec else DEFAULT_RESOLUTION)
     if side <= 0:
         raise UserError(f"--resolution {side}: must be a positive number of pixels (e.g. 512)")
+    problem = spec.resolution_problem(side, side) if spec and resolution is not None and buckets is None else None
+    if problem is not None:  # the rule the engine applies to a config (FLUX: multiples of 16, ...)
+        raise UserError(f"--resolution {side}: {problem}; e.g. --resolution {spec.resolution}")
     batch = 1 if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch {batch}: must be 1 or more")
     if caption_extension is not None:
         caption_extension = normalize_caption_extension(caption_extension)  # "txt" -> ".txt", as sd-scripts
+        if caption_extension.lower() in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS:
+            raise UserError(f"--caption-extension {caption_extension}: an image extension, so each image would be "
+                            "read as its own caption; give the captions' extension (.txt, .caption)")
     limit = check_max_token_length(max_token_length)
     config = buckets if buckets is not None else bucket_config(spec or known_family(STAND_IN_FAMILY), side)
     extension = caption_extension or summarise(scan).caption_extension

@@ -180,6 +180,10 @@ def _keys(spec: GpuSpec) -> set[str]:
 def lookup_gpu(name: str, vram_gb: float | None = None, catalog: list[GpuSpec] | None = None) -> GpuSpec:
     """Like ``find_gpu`` but an unknown name is a ``UserError`` listing the closest catalogue names."""
     catalog = load_catalog() if catalog is None else catalog
+    stray = re.search(r"[^A-Za-z0-9 ._()+/-]", name)
+    if stray:  # a name the matching would read without that character ("RTX 4090 \u2603" is no RTX 4090)
+        raise UserError(f"unknown GPU {name!r}: {stray.group()!r} is in no card's name; write it as the catalogue "
+                        "does, e.g. 'RTX 4090'")
     spec = find_gpu(name, vram_gb=vram_gb, catalog=catalog)
     if spec is not None:
         return spec

@@ -140,6 +140,8 @@ def parse_sweeps(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
             raise UserError(f"--sweep {spec}: write KEY=V1,V2,... e.g. --sweep batch=1,2,4,8")
         if key not in SWEEP_KEYS:
             raise UserError(f"--sweep {spec}: unknown setting {key!r}; sweep one of {', '.join(SWEEP_KEYS)}")
+        if any(key == seen for seen, _ in out):
+            raise UserError(f"--sweep {spec}: {key} is swept twice; give its values once, e.g. --sweep {key}=1,2,4")
         out.append((key, items))
     return out
 

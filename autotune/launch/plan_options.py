@@ -21,6 +21,15 @@ def finite(text: str) -> float:
 finite.__name__ = "finite number"
 
 
+def optimizer_name(text: str) -> str:
+    """An argparse type: an optimizer by kohya's name in any case (sd-scripts compares them case-insensitively),
+    as its canonical spelling ("adamw8bit" -> "AdamW8bit"); an unknown one is left for ``choices`` to refuse."""
+    from sd_scripts_compat.config.optimizers import optimizer_names
+
+    by_key = {name.lower(): name for name in optimizer_names()}
+    return by_key.get(text.strip().lower(), text)
+
+
 def resolution_side(text: str) -> int:
     """``--resolution 768`` or kohya's ``768,768``; plans train square buckets of one area, so W,H must agree."""
     parts = [part.strip() for part in str(text).split(",")]
@@ -64,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     parser.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
     parser.add_argument("--priority", choices=PRIORITIES, default="balanced",
                         help="speed | balanced | quality (default balanced)")
-    parser.add_argument("--optimizer", "--optimizer_type", choices=optimizer_names(), default=None, metavar="NAME",
+    parser.add_argument("--optimizer", "--optimizer_type", type=optimizer_name, choices=optimizer_names(),
+                        default=None, metavar="NAME",
                         help=f"pin the optimizer: {', '.join(optimizer_names())}")
     parser.add_argument("--rank", "--network_dim", type=int, default=None, help="pin the LoRA rank (network_dim)")
     parser.add_argument("--alpha", "--network_alpha", type=finite, default=None, help="pin network_alpha")
@@ -205,6 +215,9 @@ def _measured(args: argparse.Namespace, gpus: list[Any], probe: Any) -> tuple[st
     return device, tuple(load_measurements()) if device else ()
 
 
+MAX_VRAM_GB = 1024  # beyond any card's memory: a larger --vram is bytes or MiB typed where GB are meant
+
+
 def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str, Any]:
     """Cards, physical cores, available RAM, the probe's line and the probe (None: a named or --vram card)."""
     from autotune.hardware.gpu_catalog import lookup_gpu
@@ -212,6 +225,10 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str,
     from sd_scripts_compat.errors import UserError
 
     names, vrams = args.gpu or [], args.vram or []
+    for size in vrams:
+        if size > MAX_VRAM_GB:
+            raise UserError(f"--vram {size:g}: that is {size:g} GB; --vram takes gigabytes (e.g. --vram 24), not "
+                            "bytes or MiB")
     if names or vrams:
         cores = _physical_cores()
         if names and vrams and len(vrams) not in (1, len(names)):

@@ -80,6 +80,11 @@ def check_options(args: argparse.Namespace) -> None:
     if not args.save_state_every > 0:
         raise UserError(f"--save-state-every {args.save_state_every:g}: must be a positive number of seconds, "
                         "e.g. 60 (the default)")
+    if args.dataset_config and not args.config:  # the plan writes its own dataset.toml: it would be ignored
+        raise UserError(f"--dataset-config {args.dataset_config}: needs --config (the training config it belongs "
+                        "to); without --config autotune plans the dataset itself")
+    if getattr(args, "python", None) and not getattr(args, "engine", None):
+        raise UserError(f"--python {args.python}: only with --engine (autotune's own engine runs in this Python)")
     if args.memory_limit is not None and not args.memory_limit >= MIN_MEMORY_LIMIT_MIB:
         raise UserError(f"--memory-limit {args.memory_limit:g}: too small to start the trainer (MiB of address "
                         f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
@@ -106,12 +111,12 @@ def check_engine_trains(model: str, family: str | None, *, engine: str | None = 
                         "the configs with autotune plan --out")
 
 
-def dataset_folder(path: str) -> Path:
+def dataset_folder(path: str, what: str = "dataset folder") -> Path:
     """``path`` made absolute; a symlink loop or a path the OS cannot resolve is a one-line UserError."""
     try:
         return Path(path).expanduser().resolve(strict=False)
     except (OSError, RuntimeError) as error:  # RuntimeError: Python < 3.13 reports a symlink loop so
-        raise UserError(f"dataset folder {path}: cannot resolve the path ({error}); give a real folder") from None
+        raise UserError(f"{what} {path}: cannot resolve the path ({error}); give a real folder") from None
 
 
 # ---------------------------------------------------------------- dataset check
@@ -255,10 +260,14 @@ def _output_folder(args: argparse.Namespace, dataset_dir: Path) -> Path:
         if root is None:
             raise UserError(f"--resume {args.resume}: not in an autotune run folder (no {RUN_STATE} or {CONFIG} "
                             "there or above); give the folder of the run to continue, or a file in it")
-        if args.out and dataset_folder(args.out) != root:
+        if args.out and dataset_folder(args.out, "--out") != root:
             raise UserError(f"--resume {args.resume} is in the run {root}, but --out is {args.out}; give one of them")
         return root
-    return dataset_folder(args.out) if args.out else default_out(dataset_dir, _family_name(args))
+    from autotune.own_files import refuse_out_in_dataset
+
+    out = dataset_folder(args.out, "--out") if args.out else default_out(dataset_dir, _family_name(args))
+    refuse_out_in_dataset(out, dataset_dir, "--out" if args.out else "the run's folder (--out)")
+    return out
 
 
 def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -29,6 +29,17 @@ def safe_name(text: str) -> str:
     return " ".join(kept.split()) or "subject"
 
 
+def trigger_problem(text: str) -> str | None:
+    """What is wrong with a trigger word the user typed (it names the folder, so it is kept as typed or refused,
+    never changed without a word), or None."""
+    if not text.strip():
+        return "type a word, e.g. sks"
+    if safe_name(text) != " ".join(text.split()):
+        return (f"{text!r}: a trigger word names the folder: letters, digits, '-', '_' and spaces only "
+                "(e.g. sks or my_cat)")
+    return None
+
+
 def default_target(source: Path) -> Path:
     """Next to the flat folder, named after it: ``photos/`` -> ``photos-kohya/``."""
     return source.parent / f"{source.name}-kohya"

@@ -396,7 +396,7 @@ def _offer_organise(asker: Asker, args: argparse.Namespace, folder: Path, summar
                              given=None if args.repeats is None else str(args.repeats),
                              explanation="how often each image is seen per epoch (the N of N_name)"))
     trigger = asker.text("Trigger word", default=organise.safe_name(folder.name), flag="--trigger",
-                         given=args.trigger, check=lambda t: None if t.strip() else "type a word, e.g. sks",
+                         given=args.trigger, check=organise.trigger_problem,
                          explanation="the class tokens in the folder name; the caption of images without one")
     mode = asker.choose("Link or copy the images?",
                         [Option("link (symbolic links: no extra disk space)", "link"), Option("copy", "copy")],
