@@ -24,7 +24,8 @@ def browser():
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1600"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1600",
+                 "--host-resolver-rules=MAP evil.test 127.0.0.1"):  # a DNS-rebound name, for the attack test
         options.add_argument(flag)
     options.binary_location = shutil.which("chromium")
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
@@ -137,3 +138,82 @@ def test_off_loopback_the_page_opened_with_its_token_loads_and_answers(tmp_path,
         assert browser.find_element(By.ID, "error").text == ""
     finally:
         server.stop()
+
+
+ATTACK = """<!doctype html><title>attacker</title><body>
+<form id="plain" method="POST" action="APP/api/runs" enctype="text/plain">
+  <input name='{"dataset": "DATASET", "model": "builtin:tiny-sd15", "x": "' value='"}'></form>
+<form id="urlencoded" method="POST" action="APP/api/runs"><input name="dataset" value="DATASET"></form>
+<script>
+const body = JSON.stringify({dataset: "DATASET", model: "builtin:tiny-sd15", steps: 1});
+async function attempt(name, go) {
+  try { window.results[name] = await go(); } catch (error) { window.results[name] = "blocked: " + error.name; }
+}
+window.results = {};
+(async () => {
+  await attempt("no-cors text/plain POST", async () => (await fetch("APP/api/runs", {method: "POST", mode: "no-cors",
+    headers: {"Content-Type": "text/plain"}, body})).type);
+  await attempt("JSON POST", async () => (await fetch("APP/api/runs", {method: "POST",
+    headers: {"Content-Type": "application/json"}, body})).status);
+  await attempt("read the runs", async () => await (await fetch("APP/api/runs")).text());
+  await attempt("read the folders", async () => await (await fetch("APP/api/browse")).text());
+  document.title = "tried";
+})();
+</script>"""
+
+
+def serve_attacker(page: str) -> tuple[object, int]:
+    """The attacker's site: a second local origin serving one page."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(page.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    return site, site.server_address[1]
+
+
+def test_a_page_on_another_origin_or_a_rebound_name_gets_nothing_through(tmp_path, browser):
+    """What any site the user visits can do from the browser: ``fetch`` (no-cors text/plain, JSON, reads) and
+    forms (text/plain, urlencoded) aimed at the app, and the app opened under a rebound name (Chromium's resolver
+    maps evil.test to 127.0.0.1, as a DNS-rebinding attacker's name would): nothing starts, nothing is read."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = Server(tmp_path)
+    app = f"http://127.0.0.1:{server.port}"
+    site, port = serve_attacker(ATTACK.replace("APP", app).replace("DATASET", str(ROOT / "examples" / "dataset")))
+    try:
+        browser.get(f"http://localhost:{port}/")
+        WebDriverWait(browser, 60).until(lambda b: b.title == "tried")
+        results = browser.execute_script("return window.results")
+        # sent; its answer is unseen (opaque) or withheld (the app's Cross-Origin-Resource-Policy): the server refused
+        assert results["no-cors text/plain POST"] in ("opaque", "blocked: TypeError"), results
+        assert results["JSON POST"].startswith("blocked") and results["read the runs"].startswith("blocked")
+        assert results["read the folders"].startswith("blocked"), results
+        for form in ("plain", "urlencoded"):
+            browser.get(f"http://localhost:{port}/")
+            browser.execute_script(f"document.getElementById('{form}').submit()")
+            WebDriverWait(browser, 60).until(lambda b: b.current_url.startswith(app))
+            WebDriverWait(browser, 60).until(lambda b: "refused" in b.page_source or "must come from" in b.page_source)
+        rebound = f"http://evil.test:{server.port}"
+        browser.get(rebound + "/")
+        assert "not this server" in browser.page_source and "New training" not in browser.page_source
+        status = browser.execute_async_script(
+            "const done = arguments[1]; fetch('/api/runs', {method: 'POST', headers: {'Content-Type': "
+            "'application/json'}, body: JSON.stringify({dataset: arguments[0], model: 'builtin:tiny-sd15'})})"
+            ".then(r => done(r.status), e => done(String(e)))", str(ROOT / "examples" / "dataset"))
+        assert status == 421
+        assert server.call("GET", "/api/runs")[1] == {"runs": [], "queue": []}
+        assert not server.runs.exists() or not any(server.runs.iterdir())
+    finally:
+        site.shutdown()
+        assert "Traceback" not in server.stop()

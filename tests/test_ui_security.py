@@ -14,6 +14,8 @@ import threading
 import pytest
 from test_ui_api import DATASET, ROOT, Server
 
+from sd_scripts_compat.contract import SCHEMA_VERSION
+
 RUN = {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "steps": 1}
 
 
@@ -239,12 +241,16 @@ def test_a_malformed_run_folder_is_one_unreadable_run(tmp_path):
     write(runs / ".autotune-ui" / "recorded.json", '["not", "a", "record"]')
     write(runs / ".autotune-ui" / "queue.json", '[{"id": 5}, "x", {"id": "../up", "argv": []}]')
     write(runs / "bad name!" / "config.toml", "")
+    write(runs / "elsewhere" / "config.toml", "")  # a done.json naming a file outside the allowed folders
+    write(runs / "elsewhere" / "logs" / "decisions.jsonl", '{"event": "done", "text": "finished"}\n')
+    write(runs / "elsewhere" / "logs" / "events" / "done.json", json.dumps({
+        "event": "done", "schema": SCHEMA_VERSION, "output_file": "/etc/hostname"}))
     running = Server(tmp_path)
     try:
         status, listing = running.call("GET", "/api/runs")
         assert status == 200 and listing["queue"] == [], listing
         states = {run["id"]: run for run in listing["runs"]}
-        assert set(states) == {*bad, "good", "recorded"}, states  # a folder whose name is no run name is left out
+        assert set(states) == {*bad, "good", "recorded", "elsewhere"}, states  # "bad name!" is no run name: left out
         assert states["good"]["state"] == "done" and states["good"]["message"] == "finished"
         for name in [*bad, "recorded"]:
             assert states[name]["state"] == "unreadable" and "\n" not in states[name]["message"], states[name]
@@ -252,6 +258,8 @@ def test_a_malformed_run_folder_is_one_unreadable_run(tmp_path):
         assert status == 409 and "unreadable" in answer["error"]
         status, events = running.call("GET", "/api/runs/decisions-str")
         assert status == 200 and "decisions.jsonl" in events["message"]
+        status, answer = running.call("GET", "/api/runs/elsewhere/lora")
+        assert status == 404 and "outside the folders" in answer["error"], answer  # not read, not served
         _, stream, _ = running.fetch("/api/runs/decisions-str/events")  # the stream ends at once
         assert b"event: end" in stream and b"unreadable" in stream
     finally:
@@ -317,3 +325,24 @@ def test_random_json_over_every_endpoint_never_500s(server):
         assert status < 500, query
     assert seen.get(200, 0) > 5 and sum(v for k, v in seen.items() if 400 <= k < 500) > 100, seen
     nothing_ran(server)
+
+
+@pytest.mark.parametrize("body", [
+    {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "rank": 8, "lr": 1e-4, "resolution": "768,768"},
+    {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "gpu": ["-x", "RTX 4090"], "vram": [12, 7.5],
+     "network": "lokr", "network_arg": ["factor=8", "--model=/etc/hostname"], "no_fp8": True, "verbose": False},
+    {"dataset": "--out=/tmp/x", "model": "--engine=sd-scripts=/tmp", "config": "-c", "save_state_every": 0.5},
+])
+def test_a_runs_command_line_is_the_validated_object_exactly(body):
+    """A run is a process of its own, so its validated object is written as a command line: exact option names,
+    ``--option=value``. Read back by ``autotune run``'s own parser it is the same namespace the server checked,
+    whatever the values hold (a value that looks like an option stays a value)."""
+    from autotune.cli import build_parser
+    from autotune.ui.schemas import command_schema, given
+
+    schema = command_schema("run")
+    values = given(schema.validate(body))
+    expected = vars(schema.namespace(values))
+    read_back = vars(build_parser("run").parse_args(schema.argv(values)))
+    assert {k: read_back[k] for k in expected} == expected
+    assert read_back["out"] is None and read_back["engine"] is None and read_back["python"] is None

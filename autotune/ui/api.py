@@ -181,7 +181,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
     """Runs: list, start or queue, one run, its live events, stop, resume, its report."""
     from fastapi.responses import StreamingResponse
 
-    from autotune.ui.runs import RunStore
+    from autotune.ui.runs import RunStore, with_options
 
     store = RunStore(runs_dir, policy)
 
@@ -209,7 +209,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         values = checked_values(schema, body, policy)
         engine, name = values.pop("engine", "autotune"), values.pop("name", None)
         args = command_args(schema, values)  # refused here, as the CLI refuses it, before any folder
-        argv = [*schema.argv(values), *engines[engine]]
+        argv = with_options(schema.argv(values), *engines[engine])
         if engines[engine]:  # the user's trainer refuses what it cannot load (a built-in model) before any folder
             await _in_thread(check_engine, engines[engine], args)
         return await _in_thread(store.start, argv, args.dataset, args.model, name)
@@ -237,7 +237,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
     @app.get("/api/runs/{run_id}/lora")
     def lora(run_id: str) -> dict[str, Any]:
         """``autotune inspect RUN --json`` of the run's LoRA, with ``download``: its path under /files/."""
-        return inspect_run(store.folder(run_id), run_id)
+        return inspect_run(store.folder(run_id), run_id, policy)
 
     @app.get("/api/runs/{run_id}/files/{name:path}")
     def run_file(run_id: str, name: str) -> Any:
@@ -277,19 +277,29 @@ def check_engine(options: list[str], args: Any) -> None:
     early_check(values["--engine"], values.get("--python"), args.model)
 
 
-def inspect_run(folder: Path, run_id: str) -> dict[str, Any]:
+def inspect_run(folder: Path, run_id: str, policy: AccessPolicy) -> dict[str, Any]:
+    """The run's LoRA as ``autotune inspect`` shows it, with its download path; a LoRA the run wrote outside its
+    folder (its config's ``output_dir``) is shown when it lies in the allowed folders, without a download."""
     from autotune.report.load import run_lora
     from sd_scripts_compat.errors import UserError, one_line
     from sd_scripts_compat.network.lora_file import describe_lora_file
 
     path = run_lora(folder)
-    if path == folder or folder not in path.resolve().parents:
+    if path == folder:
         raise BadRequest(f"run {run_id}: no LoRA written yet", status=404)
+    inside = folder in path.resolve().parents
+    if not inside:
+        try:
+            policy.resolve(str(path), "LoRA")
+        except Refused:
+            raise BadRequest(f"run {run_id}: its LoRA {path} lies outside the folders this server may use",
+                             status=404) from None
     try:
         info = describe_lora_file(path)
     except UserError as error:
         raise BadRequest(one_line(error), status=409) from None
-    return {**info, "download": f"/api/runs/{run_id}/files/{path.resolve().relative_to(folder).as_posix()}"}
+    download = f"/api/runs/{run_id}/files/{path.resolve().relative_to(folder).as_posix()}" if inside else None
+    return {**info, "download": download}
 
 
 def check_request(policy: AccessPolicy, request: Request) -> None:

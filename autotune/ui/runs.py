@@ -196,7 +196,7 @@ class RunStore:
                 n += 1
                 run_id = f"{base}-{n}"
             self.ui_dir.mkdir(parents=True, exist_ok=True)
-            argv = [*argv, "--out", str(self.runs_dir / run_id)]
+            argv = with_options(argv, "--out", str(self.runs_dir / run_id))
             _write_json(self.ui_dir / f"{run_id}.json", {"argv": argv, "dataset": dataset, "model": model,
                                                           "created": time.time()})
             self._enqueue(run_id, argv)
@@ -217,7 +217,7 @@ class RunStore:
             raise BadRequest(f"run {run_id} was started from the command line; resume it there with autotune run "
                              f"--resume {self.runs_dir / run_id}", status=409)
         with self.lock:
-            self._enqueue(run_id, [*argv, "--resume"])
+            self._enqueue(run_id, with_options(argv, "--resume"))
         self.tick()
         return self.info(run_id)
 
@@ -270,6 +270,12 @@ class RunStore:
 
     def _record(self, run_id: str) -> Record | None:
         return _read_model(self.ui_dir / f"{run_id}.json", Record)
+
+
+def with_options(argv: list[str], *options: str) -> list[str]:
+    """``argv`` with ``options`` added before its ``--`` (after which come the positionals), or at its end."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    return [*argv[:end], *options, *argv[end:]]
 
 
 def _planned(folder: Path) -> dict[str, Any] | None:

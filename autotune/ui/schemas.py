@@ -155,13 +155,13 @@ class CommandSchema:
         return namespace
 
     def argv(self, values: dict[str, Any]) -> list[str]:
-        """The command line of ``values`` for a process of its own: the positional first, then each option by its
-        exact name as ``--option=value`` (a value starting with ``-`` stays a value)."""
-        words = [self.command]
+        """The command line of ``values`` for a process of its own: each option by its exact name as
+        ``--option=value``, then ``--`` and the positional (a value starting with ``-`` stays a value)."""
+        words, positional = [self.command], []
         for key, value in values.items():
             action = self.actions[key]
             if not action.option_strings:
-                words.insert(1, str(value))
+                positional.append(str(value))
                 continue
             flag = next(option for option in action.option_strings if option.startswith("--"))
             for item in value if isinstance(value, list) else [value]:
@@ -169,7 +169,7 @@ class CommandSchema:
                     words.append(flag)
                 elif item is not False and item is not None:
                     words.append(f"{flag}={item}")
-        return words
+        return [*words, "--", *positional]
 
 
 class BadBody(ValueError):

@@ -273,8 +273,8 @@ function loraView(lora, id) {
     ["network module", lora.network_module || "-"],
     ...Object.entries(lora.training || {}).map(([k, v]) => [k, String(v)])];
   return el("div", {id: "lora"}, el("h3", {}, "LoRA"),
-    el("a", {id: "lora-download", href: withToken(lora.download), download: ""}, "download " +
-      lora.download.split("/").pop()),
+    lora.download ? el("a", {id: "lora-download", href: withToken(lora.download), download: ""}, "download " +
+      lora.download.split("/").pop()) : el("p", {id: "lora-file"}, lora.file),
     el("table", {id: "lora-table"}, ...rows.map(([k, v]) => el("tr", {}, el("th", {}, k), el("td", {}, v)))));
 }
 
