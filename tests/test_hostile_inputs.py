@@ -782,7 +782,328 @@ MORE = [
         t, 'keep_tokens_separator = "|||"\nkeep_tokens = -1'), "keep_tokens"),
 ]
 
-CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS + MORE
+# issue 47's pass: files lost, tracebacks, silently wrong answers and hangs it found outside the web app
+def run_folder(root: Path) -> Path:
+    """A finished run's folder as autotune run leaves it: its plan, config, decisions and LoRA."""
+    out = root / "run"
+    config(out, output_dir=str(out))
+    text_file(out / "autotune_plan.json", "{}")
+    text_file(out / "logs" / "decisions.jsonl", '{"event": "done", "text": "done"}\n')
+    finished_run(out / "logs" / "events")
+    lora_like(out / "lora.safetensors")
+    return out
+
+
+def prompts(root: Path, line: str, name: str = "p.txt") -> str:
+    return str(text_file(root / name, line + "\n"))
+
+
+def sampled(root: Path, line: str) -> list[str]:
+    return engine(root, sample_prompts=prompts(root, line), sample_every_n_steps=1)
+
+
+def lycoris(root: Path, *args: str) -> list[str]:
+    return engine(root, network_module="lycoris.kohya", network_args=list(args))
+
+
+ISSUE_47 = [
+    Case("report-html-over-the-runs-lora", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                      str(t / "run" / "lora.safetensors")], "did not write"),
+    Case("report-html-over-the-runs-config", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                        str(t / "run" / "config.toml")], "did not write"),
+    Case("report-html-over-a-users-page", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                     str(text_file(t / "notes.html", "<html>mine</html>"))],
+         "did not write"),
+    Case("doctor-html-over-a-users-page", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
+                                                     str(text_file(t / "notes.html", "<html>mine</html>"))],
+         "did not write"),
+    Case("doctor-html-inside-the-dataset", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
+                                                      str(t / "data" / "2_toy" / "r.html")], "inside the dataset"),
+    Case("plan-out-over-a-finished-run", lambda t: plan(t, "--out", str(run_folder(t))), "holds a run"),
+    Case("plan-out-over-a-users-config", lambda t: plan(t, "--out", str(config(t / "mine").parent)),
+         "autotune did not write"),
+    Case("plan-out-is-the-dataset", lambda t: plan(t, "--out", str(t / "data")), "inside the dataset"),
+    Case("plan-out-inside-a-subset", lambda t: plan(t, "--out", str(t / "data" / "2_toy" / "o")),
+         "inside the dataset"),
+    Case("run-out-is-the-dataset", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                              str(t / "data")], "inside the dataset"),
+    Case("run-out-inside-a-subset", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                               str(t / "data" / "2_toy" / "o")], "inside the dataset"),
+    Case("run-out-in-a-symlink-loop", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                                 str(symlink_loop(t / "l") / "x")], "--out"),
+    Case("inspect-diffusers-out-over-another-file", lambda t: [
+        "autotune", "inspect", str(sd3_lora(t)), "--diffusers-out", str(lora_like(t / "mine.safetensors"))],
+         "did not write"),
+    Case("engine-adafactor-with-adamw-options", lambda t: engine(t, optimizer_type="AdaFactor",
+                                                                 optimizer_args=["betas=0.9,0.99"]), "betas"),
+    Case("engine-dylora-block-size-zero", lambda t: lycoris(t, "algo=dylora", "block_size=0"), "block_size"),
+    Case("engine-betas-one-value", lambda t: engine(t, optimizer_args=["betas=0.9"]), "betas"),
+    Case("engine-fused-and-foreach", lambda t: engine(t, optimizer_args=["fused=True", "foreach=True"]), "fused"),
+    Case("engine-lion-three-betas", lambda t: engine(t, optimizer_type="Lion", optimizer_args=["betas=0.9,0.99,0.5"]),
+         "betas"),
+    Case("engine-sample-prompts-latin-1", lambda t: engine(t, sample_prompts=str(binary_text(t / "p.txt")),
+                                                           sample_every_n_steps=1), "p.txt"),
+    Case("engine-seed-over-2-63", lambda t: engine(t, seed=2**64), "seed"),
+    Case("engine-caption-extension-png", lambda t: engine(t, caption_extension=".png"), "caption_extension"),
+    Case("doctor-caption-extension-png", lambda t: ["autotune", "doctor", str(dataset(t)), "--caption-extension",
+                                                    ".png"], "--caption-extension"),
+    Case("engine-sample-width-negative", lambda t: sampled(t, "a cat --w -64 --h 64"), "--w"),
+    Case("engine-sample-scale-nan", lambda t: sampled(t, "a cat --w 64 --h 64 --l nan"), "--l"),
+    Case("engine-sample-steps-negative", lambda t: sampled(t, "a cat --w 64 --h 64 --s -5"), "--s"),
+    Case("engine-sample-100000-px", lambda t: sampled(t, "a cat --w 100000 --h 100000"), "--w"),
+    Case("engine-dim-from-weights-without-weights", lambda t: engine(t, dim_from_weights=True), "network_weights"),
+    Case("engine-unet-only-and-te-only", lambda t: engine(t, network_train_unet_only=True,
+                                                          network_train_text_encoder_only=True),
+         "text encoders alone is not implemented"),
+    Case("engine-lokr-factor-zero", lambda t: lycoris(t, "algo=lokr", "factor=0"), "factor"),
+    Case("engine-lokr-factor-minus-two", lambda t: lycoris(t, "algo=lokr", "factor=-2"), "factor"),
+    Case("engine-every-block-dim-zero", lambda t: engine(t, network_args=["block_dims=" + ",".join(["0"] * 25),
+                                                                          "block_alphas=" + ",".join(["1"] * 25)]),
+         "block_dims"),
+    Case("run-python-without-engine", lambda t: run(t, "--python", sys.executable), "--python"),
+    Case("plan-vram-in-bytes", lambda t: plan(t, "--vram", "25769803776"), "--vram"),
+    Case("plan-gpu-with-a-snowman", lambda t: plan(t, "--gpu", "RTX 4090 \u2603"), "is in no card's name"),
+    Case("plan-network-loha-with-algo-lokr", lambda t: plan(t, "--network", "loha", "--network-arg", "algo=lokr"),
+         "algo"),
+    Case("doctor-flux-resolution-70", lambda t: ["autotune", "doctor", str(dataset(t)), "--model", "builtin:tiny-flux",
+                                                 "--resolution", "70"], "--resolution 70"),
+    Case("run-dataset-config-without-config", lambda t: run(t, "--dataset-config", str(batch_zero(t))),
+         "needs --config"),
+    Case("run-dataset-config-batch-size-zero", lambda t: run(t, "--dataset-config", str(batch_zero(t)), "--config",
+                                                             str(config(t / "c"))), "batch_size"),
+    Case("bench-sweep-one-key-twice", lambda t: bench(t, "--sweep", "batch=1,2", "--sweep", "batch=4"), "batch"),
+    Case("engine-lycoris-ia3", lambda t: lycoris(t, "algo=ia3"), "algo=ia3"),
+    Case("wizard-trigger-with-a-slash", lambda t: ["autotune", "wizard", str(flat_folder(t)), "--model", TINY, "--cpu",
+                                                   "--organise", "copy", "--trigger", "a/b", "--yes", "--no-start"],
+         "--trigger"),
+]
+
+# our own, beside issue 47's: the same kinds of input, one step further
+def opt(root: Path, *args: str, name: str = "AdamW") -> list[str]:
+    return engine(root, optimizer_type=name, optimizer_args=list(args))
+
+
+def json_prompts(root: Path, data: str) -> list[str]:
+    return engine(root, sample_prompts=prompts(root, data, "p.json"), sample_every_n_steps=1)
+
+
+def toml_prompts(root: Path, data: str) -> list[str]:
+    return engine(root, sample_prompts=prompts(root, data, "p.toml"), sample_every_n_steps=1)
+
+
+def flat_folder(root: Path) -> Path:
+    """A flat folder of images (no N_name subfolders), what the wizard organises."""
+    data = dataset(root)
+    flat = root / "flat"
+    (data / "2_toy").rename(flat)
+    data.rmdir()
+    return flat
+
+
+def subfolder_link(root: Path) -> Path:
+    data = dataset(root)
+    (root / "link").symlink_to(data / "2_toy")
+    return root / "link" / "o"
+
+
+def folder_with(root: Path, *names: str) -> Path:
+    out = root / "o"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        text_file(out / name, "{}\n" if name.endswith((".json", ".jsonl")) else "x = 1\n")
+    return out
+
+
+OWN_47 = [
+    Case("engine-betas-word", lambda t: opt(t, "betas=a,b"), "betas"),
+    Case("engine-betas-above-one", lambda t: opt(t, "betas=0.9,1.5"), "betas"),
+    Case("engine-betas-negative", lambda t: opt(t, "betas=-0.1,0.9"), "betas"),
+    Case("engine-betas-four-values", lambda t: opt(t, "betas=0.9,0.99,0.5,0.1"), "betas"),
+    Case("engine-lion-one-beta", lambda t: opt(t, "betas=0.9", name="Lion"), "betas"),
+    Case("engine-adamw8bit-one-beta", lambda t: opt(t, "betas=0.95", name="AdamW8bit"), "betas"),
+    Case("engine-eps-negative", lambda t: opt(t, "eps=-1e-8"), "eps"),
+    Case("engine-weight-decay-negative", lambda t: opt(t, "weight_decay=-0.1"), "weight_decay"),
+    Case("engine-adamw-momentum", lambda t: opt(t, "momentum=0.9"), "momentum"),
+    Case("engine-foreach-and-fused-lower-case", lambda t: opt(t, "fused=true", "foreach=true"), "fused"),
+    Case("engine-adafactor-betas", lambda t: opt(t, "betas=0.9,0.99", name="adafactor"), "betas"),
+    Case("engine-lr-scheduler-adafactor-with-adamw8bit", lambda t: engine(
+        t, optimizer_type="AdamW8bit", lr_scheduler="adafactor"), "AdaFactor's own schedule"),
+    Case("engine-sample-height-zero", lambda t: sampled(t, "a cat --w 64 --h 0"), "--h 0"),
+    Case("engine-sample-height-negative", lambda t: sampled(t, "a cat --w 64 --h -8"), "--h -8"),
+    Case("engine-sample-width-9000", lambda t: sampled(t, "a cat --w 9000 --h 64"), "--w 9000"),
+    Case("engine-sample-steps-zero", lambda t: sampled(t, "a cat --w 64 --h 64 --s 0"), "--s 0"),
+    Case("engine-sample-steps-5000", lambda t: sampled(t, "a cat --w 64 --h 64 --s 5000"), "--s 5000"),
+    Case("engine-sample-scale-inf", lambda t: sampled(t, "a cat --w 64 --h 64 --l inf"), "--l inf"),
+    Case("engine-sample-scale-negative", lambda t: sampled(t, "a cat --w 64 --h 64 --l -1"), "--l -1"),
+    Case("engine-sample-guidance-nan", lambda t: sampled(t, "a cat --w 64 --h 64 --g nan"), "--g nan"),
+    Case("engine-sample-seed-negative", lambda t: sampled(t, "a cat --w 64 --h 64 --d -1"), "--d -1"),
+    Case("engine-sample-seed-2-64", lambda t: sampled(t, "a cat --w 64 --h 64 --d 18446744073709551616"), "--d"),
+    Case("engine-sample-prompts-yaml", lambda t: engine(t, sample_prompts=prompts(t, "a cat", "p.yaml"),
+                                                        sample_every_n_steps=1), ".toml or .json"),
+    Case("engine-json-prompts-not-a-list", lambda t: json_prompts(t, '{"prompt": "a cat"}'), "a list"),
+    Case("engine-json-prompts-numbers", lambda t: json_prompts(t, "[1, 2]"), "each prompt is a table"),
+    Case("engine-json-prompts-unknown-key", lambda t: json_prompts(t, '[{"prompt": "a", "cfg": 7}]'), "'cfg'"),
+    Case("engine-json-prompts-width-string", lambda t: json_prompts(t, '[{"prompt": "a", "width": "64"}]'),
+         "width"),
+    Case("engine-json-prompts-width-bool", lambda t: json_prompts(t, '[{"prompt": "a", "width": true}]'), "width"),
+    Case("engine-json-prompts-broken", lambda t: json_prompts(t, '[{"prompt": '), "not a valid json"),
+    Case("engine-json-prompts-deep", lambda t: json_prompts(t, "[" * 50_000 + "]" * 50_000), "p.json"),
+    Case("engine-json-prompts-huge-side", lambda t: json_prompts(t, '[{"prompt": "a", "height": 100000}]'),
+         "--h 100000"),
+    Case("engine-json-prompts-bad-line", lambda t: json_prompts(t, '["a cat --w big"]'), "--w"),
+    Case("engine-toml-prompts-no-subset", lambda t: toml_prompts(t, '[prompt]\nwidth = 64'), "[[prompt.subset]]"),
+    Case("engine-toml-prompts-steps-float", lambda t: toml_prompts(
+        t, '[prompt]\n[[prompt.subset]]\nprompt = "a"\nsample_steps = 2.5'), "sample_steps"),
+    Case("engine-toml-prompts-seed-negative", lambda t: toml_prompts(
+        t, '[prompt]\n[[prompt.subset]]\nprompt = "a"\nseed = -4'), "--d -4"),
+    Case("engine-lokr-factor-minus-three", lambda t: lycoris(t, "algo=lokr", "factor=-3"), "factor"),
+    Case("engine-lokr-factor-word", lambda t: lycoris(t, "algo=lokr", "factor=big"), "factor"),
+    Case("engine-dylora-block-size-negative", lambda t: lycoris(t, "algo=dylora", "block_size=-1"), "block_size"),
+    Case("engine-lycoris-conv-dim-negative", lambda t: lycoris(t, "algo=locon", "conv_dim=-1"), "conv_dim"),
+    Case("engine-lora-conv-dim-negative", lambda t: engine(t, network_args=["conv_dim=-2"]), "conv_dim"),
+    Case("engine-rank-dropout-one", lambda t: engine(t, network_args=["rank_dropout=1.0"]), "rank_dropout"),
+    Case("engine-module-dropout-negative", lambda t: engine(t, network_args=["module_dropout=-0.1"]),
+         "module_dropout"),
+    Case("engine-every-block-weight-zero", lambda t: engine(t, network_args=[
+        "down_lr_weight=zeros", "mid_lr_weight=0", "up_lr_weight=zeros"]), "nothing"),
+    Case("engine-caption-extension-jpg", lambda t: engine(t, caption_extension=".jpg"), "caption_extension"),
+    Case("engine-caption-extension-upper-jpeg", lambda t: engine(t, caption_extension=".JPEG"), "caption_extension"),
+    Case("engine-caption-extension-webp", lambda t: engine(t, caption_extension=".webp"), "caption_extension"),
+    Case("engine-seed-2-32", lambda t: engine(t, seed=2**32), "seed"),
+    Case("engine-text-encoder-only", lambda t: engine(t, network_train_text_encoder_only=True),
+         "text encoders alone"),
+    Case("engine-dim-from-weights-no-weights-sdxl", lambda t: engine(
+        t, "--dim_from_weights"), "network_weights"),
+    Case("plan-vram-2000", lambda t: plan(t, "--vram", "2000"), "--vram 2000"),
+    Case("plan-vram-bytes-with-gpu", lambda t: plan(t, "--gpu", "RTX 3060", "--vram", "1e10"), "gigabytes"),
+    Case("plan-vram-mib", lambda t: plan(t, "--vram", "24576"), "gigabytes"),
+    Case("plan-gpu-with-a-tab", lambda t: plan(t, "--gpu", "RTX\t4090"), "unknown GPU"),
+    Case("plan-gpu-with-a-semicolon", lambda t: plan(t, "--gpu", "4090;rm -rf"), "unknown GPU"),
+    Case("plan-gpu-cyrillic", lambda t: plan(t, "--gpu", "\u0420\u0422\u0425 4090"), "unknown GPU"),
+    Case("plan-gpu-nul-like", lambda t: plan(t, "--gpu", "RTX 4090\u200b"), "unknown GPU"),
+    Case("plan-network-lokr-with-algo-loha", lambda t: plan(t, "--network", "lokr", "--network-arg", "algo=loha"),
+         "--network loha"),
+    Case("plan-network-lora-with-algo-locon", lambda t: plan(t, "--network-arg", "algo=locon"), "--network locon"),
+    Case("plan-optimizer-unknown-any-case", lambda t: plan(t, "--optimizer", "superadam"), "--optimizer"),
+    Case("bench-sweep-key-twice-any-case", lambda t: bench(t, "--sweep", "Batch=1", "--sweep", "batch=2"),
+         "swept twice"),
+    Case("bench-sweep-precision-twice", lambda t: bench(t, "--sweep", "precision=no", "--sweep", "precision=bf16"),
+         "swept twice"),
+    Case("run-python-without-engine-missing-file", lambda t: run(t, "--python", str(t / "nope")), "--python"),
+    Case("doctor-caption-extension-jpg", lambda t: ["autotune", "doctor", str(dataset(t)), "--caption-extension",
+                                                    ".jpg"], "--caption-extension"),
+    Case("doctor-caption-extension-png-no-dot", lambda t: ["autotune", "doctor", str(dataset(t)),
+                                                           "--caption-extension", "png"], "--caption-extension"),
+    Case("doctor-sdxl-resolution-65", lambda t: ["autotune", "doctor", str(dataset(t)), "--model", "builtin:tiny-sdxl",
+                                                 "--resolution", "65"], "--resolution 65"),
+    Case("doctor-sd3-resolution-70", lambda t: ["autotune", "doctor", str(dataset(t)), "--model", "builtin:tiny-sd3",
+                                                "--resolution", "70"], "--resolution 70"),
+    Case("report-html-over-a-dataset-image", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                        str(dataset(t) / "2_toy" / "img0.png")], "did not write"),
+    Case("report-html-over-a-caption", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                  str(dataset(t) / "2_toy" / "img0.txt")], "did not write"),
+    Case("report-html-over-the-plan-json", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                      str(t / "run" / "autotune_plan.json")], "did not write"),
+    Case("report-html-over-a-symlinked-lora", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                         str(link_to(t / "r.html", t / "run" / "lora.safetensors"))],
+         "did not write"),
+    Case("doctor-html-over-a-config", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
+                                                 str(config(t / "c"))], "did not write"),
+    Case("doctor-html-is-the-dataset-folder-file", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
+                                                              str(t / "data" / "index.html")], "inside the dataset"),
+    Case("plan-out-dataset-with-trailing-slash", lambda t: plan(t, "--out", str(t / "data") + "/"),
+         "inside the dataset"),
+    Case("plan-out-into-the-dataset-by-dotdot", lambda t: plan(t, "--out", str(t / "x" / ".." / "data" / "o")),
+         "inside the dataset"),
+    Case("plan-out-into-the-dataset-by-a-link", lambda t: plan(t, "--out", str(subfolder_link(t))),
+         "inside the dataset"),
+    Case("plan-out-over-a-dataset-toml", lambda t: plan(t, "--out", str(folder_with(t, "dataset.toml"))),
+         "autotune did not write"),
+    Case("plan-out-over-decisions", lambda t: plan(t, "--out", str(folder_with(t, "logs/decisions.jsonl"))),
+         "holds a run"),
+    Case("plan-out-over-run-state", lambda t: plan(t, "--out", str(folder_with(t, "state/autotune_run.json"))),
+         "holds a run"),
+    Case("plan-out-over-a-lora", lambda t: plan(t, "--out", str(lora_like(folder_with(t) / "x.safetensors").parent)),
+         "holds a run"),
+    Case("plan-out-over-events", lambda t: plan(t, "--out", str(folder_with(t, "logs/events/done.json"))),
+         "holds a run"),
+    Case("plan-out-is-a-file", lambda t: plan(t, "--out", str(a_file(t / "f"))), "--out"),
+    Case("run-out-into-the-dataset-by-a-link", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                                          str(subfolder_link(t))], "inside the dataset"),
+    Case("run-out-is-the-dataset-by-dotdot", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                                        str(t / "data" / "2_toy" / "..")], "inside the dataset"),
+    Case("inspect-diffusers-out-over-a-text-file", lambda t: ["autotune", "inspect", str(sd3_lora(t)),
+                                                              "--diffusers-out", str(a_file(t / "c.safetensors"))],
+         "did not write"),
+    Case("inspect-diffusers-out-over-the-lora-by-a-link", lambda t: [
+        "autotune", "inspect", str(sd3_lora(t)), "--diffusers-out", str(link_to(t / "l.safetensors",
+                                                                               t / "lora.safetensors"))],
+         "would overwrite the LoRA"),
+    Case("inspect-diffusers-out-a-folder", lambda t: ["autotune", "inspect", str(sd3_lora(t)), "--diffusers-out",
+                                                      str((t / "d.safetensors").mkdir() or t / "d.safetensors")],
+         "is a folder"),
+    Case("wizard-trigger-with-a-backslash", lambda t: ["autotune", "wizard", str(flat_folder(t)), "--model", TINY,
+                                                       "--cpu", "--organise", "copy", "--trigger", "a\\b", "--yes",
+                                                       "--no-start"], "--trigger"),
+    Case("wizard-trigger-dotdot", lambda t: ["autotune", "wizard", str(flat_folder(t)), "--model", TINY, "--cpu",
+                                             "--organise", "copy", "--trigger", "../up", "--yes", "--no-start"],
+         "--trigger"),
+    Case("engine-json-prompts-seed-float", lambda t: json_prompts(t, '[{"prompt": "a", "seed": 1.5}]'), "seed"),
+    Case("engine-json-prompts-scale-string", lambda t: json_prompts(t, '[{"prompt": "a", "scale": "7"}]'), "scale"),
+    Case("engine-json-prompts-negative-a-number", lambda t: json_prompts(t, '[{"prompt": "a", "negative_prompt": 5}]'),
+         "negative_prompt"),
+    Case("engine-toml-prompts-subset-numbers", lambda t: toml_prompts(t, "[prompt]\nsubset = [1, 2]"),
+         "each prompt is a table"),
+    Case("engine-toml-prompts-latin-1", lambda t: engine(t, sample_prompts=str(latin_1_toml(t / "p.toml")),
+                                                         sample_every_n_steps=1), "not UTF-8"),
+    Case("engine-lokr-factor-half", lambda t: lycoris(t, "algo=lokr", "factor=0.5"), "factor"),
+    Case("engine-dylora-block-size-word", lambda t: lycoris(t, "algo=dylora", "block_size=big"), "block_size"),
+    Case("engine-betas-nan", lambda t: opt(t, "betas=nan,0.9"), "betas"),
+    Case("engine-betas-inf", lambda t: opt(t, "betas=0.9,inf"), "betas"),
+    Case("engine-lion-beta-one", lambda t: opt(t, "betas=0.9,1.0", name="Lion"), "betas"),
+    Case("plan-vram-1025", lambda t: plan(t, "--vram", "1025"), "gigabytes"),
+    Case("plan-gpu-an-emoji", lambda t: plan(t, "--gpu", "\U0001F642"), "unknown GPU"),
+    Case("plan-network-lokr-with-algo-loha-spaced", lambda t: plan(t, "--network", "lokr", "--network-arg",
+                                                                   "algo= loha"), "--network loha"),
+    Case("doctor-caption-extension-mp4", lambda t: ["autotune", "doctor", str(dataset(t)), "--caption-extension",
+                                                    ".mp4"], "--caption-extension"),
+    Case("doctor-caption-extension-bmp-upper", lambda t: ["autotune", "doctor", str(dataset(t)),
+                                                          "--caption-extension", ".BMP"], "--caption-extension"),
+    Case("report-html-over-a-script", lambda t: ["autotune", "report", str(run_folder(t)), "--html",
+                                                 str(a_file(t / "run" / "musubi_train.sh"))], "did not write"),
+    Case("run-out-is-the-dataset-with-a-slash", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY,
+                                                           "--out", str(t / "data") + "/"], "inside the dataset"),
+    Case("bench-sweep-resolution-twice", lambda t: bench(t, "--sweep", "resolution=64", "--sweep", "resolution=128"),
+         "swept twice"),
+    Case("plan-out-over-a-users-dataset-toml-and-config", lambda t: plan(t, "--out", str(folder_with(
+        t, "config.toml", "dataset.toml"))), "autotune did not write"),
+    Case("doctor-html-over-a-lora", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
+                                               str(lora_like(t / "l.safetensors"))], "did not write"),
+]
+
+
+def latin_1_toml(path: Path) -> Path:
+    path.write_bytes('[prompt]\n[[prompt.subset]]\nprompt = "caf\xe9"\n'.encode("latin-1"))
+    return path
+
+
+def link_to(link: Path, target: Path) -> Path:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+    return link
+
+
+def batch_zero(root: Path) -> Path:
+    return text_file(root / "d.toml", f'[[datasets]]\nbatch_size = 0\n[[datasets.subsets]]\nimage_dir = '
+                                      f'"{dataset(root) / "2_toy"}"\n')
+
+
+def binary_text(path: Path) -> Path:
+    path.write_bytes("a caf\xe9 --w 64 --h 64\n".encode("latin-1"))
+    return path
+
+
+CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS + MORE + ISSUE_47 + OWN_47
 
 
 def files_under(root: Path) -> set[str]:
