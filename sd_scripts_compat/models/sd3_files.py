@@ -55,6 +55,26 @@ _BLOCK_NORMS = {"attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn
 _SWAPPED = ("final_layer.adaLN_modulation.1", "context_block.adaLN_modulation.1")  # (shift, scale) in SD3 files
 
 
+def swapped_halves(family: FamilySpec) -> frozenset[str]:
+    """The SD3 file's Linears (MMDiT names) whose two output halves diffusers keeps the other way round: the
+    final layer's and the last (pre-only) block's context modulation are ``AdaLayerNormContinuous`` in diffusers,
+    (scale, shift), and (shift, scale) in the file, sd-scripts' MMDiT and ComfyUI. Empty for other families.
+    Model files (``to_sd3``) and LoRA files (``network.lora``: a ``lora_up``'s rows) are written in the file's
+    order and read back into ours by this one fact."""
+    if family.single_file_layout != "sd3":
+        return frozenset()
+    last = int(family.unet["num_layers"]) - 1
+    return frozenset({_SWAPPED[0], f"joint_blocks.{last}.{_SWAPPED[1]}"})
+
+
+def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """(a, b) -> (b, a) along the output rows: diffusers' order <-> the SD3 file's (its own inverse)."""
+    import torch
+
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
 def load_sd3_model(pretrained: str | os.PathLike[str], *, parts: Mapping[str, str | None],
                    t5xxl_tokenizer: str | None = None, family: str | None = None,
                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -220,10 +240,9 @@ def to_sd3(state: Mapping[str, torch.Tensor], family: FamilySpec) -> dict[str, t
         for ours, theirs in _BLOCK_NORMS.items():
             if f"{here}{ours}.weight" in state:
                 out[f"joint_blocks.{i}.{theirs}.weight"] = state[f"{here}{ours}.weight"]
-    for key in [k for k in out if k.startswith(_SWAPPED[0]) or (k.startswith(f"joint_blocks.{blocks - 1}.")
-                                                                 and _SWAPPED[1] in k)]:
-        shift, scale = out[key].chunk(2, dim=0)  # diffusers keeps (scale, shift); the file (shift, scale)
-        out[key] = torch.cat([scale, shift], dim=0)
+    swapped = swapped_halves(family)
+    for key in [k for k in out if k.rpartition(".")[0] in swapped]:
+        out[key] = swap_halves(out[key])  # diffusers keeps (scale, shift); the file (shift, scale)
     return out
 
 

@@ -37,8 +37,9 @@ def component_paths(bundle: ModelBundle) -> dict[int, str]:
 def to_diffusers_lora(state: Mapping[str, torch.Tensor], bundle: ModelBundle) -> dict[str, torch.Tensor]:
     """``state`` (kohya keys) under diffusers' peft names; a key no module of ``bundle``'s family takes is a
     one-line UserError (the LoRA is of another family)."""
-    from sd_scripts_compat.network.lora import FusedTargets, iter_target_modules
+    from sd_scripts_compat.network.lora import FusedTargets, file_order, iter_target_modules
 
+    state = file_order(bundle.family, dict(state))  # the file's row order -> the diffusers module's (SD3)
     paths = component_paths(bundle)
     enable = {te.lora_enable_arg for te in bundle.family.text_encoders if te.lora_enable_arg}
     out: dict[str, Any] = {}

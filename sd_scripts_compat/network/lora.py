@@ -420,8 +420,9 @@ class LoRANetwork(nn.Module):
         return groups
 
     def kohya_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exact kohya keys: ``<lora_name>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-dim)."""
-        return {key: value.detach() for key, value in self.state_dict().items()}
+        """Exact kohya keys: ``<lora_name>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-dim); each
+        ``lora_up``'s rows in the file's order (``file_order``)."""
+        return file_order(self.bundle.family, {key: value.detach() for key, value in self.state_dict().items()})
 
     def load_kohya_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True,
                               source: str = "LoRA weights") -> None:
@@ -432,6 +433,7 @@ class LoRANetwork(nn.Module):
         a loaded alpha also updates the module's scale, so the output follows the file.
         """
         check_lora_family(sd, self.bundle.family, source)
+        sd = file_order(self.bundle.family, sd)  # the file's row order -> ours (the swap is its own inverse)
         own = self.state_dict()
         unexpected = sorted(set(sd) - set(own))
         missing = sorted(set(own) - set(sd))
@@ -458,6 +460,17 @@ class LoRANetwork(nn.Module):
                     by_name[lora_name].set_alpha(float(value.item()))
                 else:
                     own[key].copy_(value.to(own[key].dtype))
+
+
+def file_order(family: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the ``lora_up`` rows of the modules whose base Linear orders its outputs differently in the
+    model file than in our diffusers module (SD3's last context modulation: ``sd3_files.swapped_halves``) swapped:
+    ours -> the file's, and back. A file's delta then lands on the rows every loader (sd-scripts, ComfyUI) adds it
+    to."""
+    from sd_scripts_compat.models.sd3_files import swap_halves, swapped_halves
+
+    names = {f"{_lora_key('lora_unet', name)}.lora_up.weight" for name in swapped_halves(family)}
+    return {key: swap_halves(value) if key in names else value for key, value in state.items()}
 
 
 def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None, part: str) -> list[dict[str, Any]]:
