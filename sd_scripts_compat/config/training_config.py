@@ -655,6 +655,13 @@ def _check_contradictions(out: dict[str, Any], where: Any) -> None:
     if out["dim_from_weights"] and not out["network_weights"]:
         raise UserError(f"{where('dim_from_weights')}: reads the rank from network_weights, which is not given; "
                         "give network_weights or drop dim_from_weights")
+    low, high = out["min_timestep"], out["max_timestep"]
+    for name, value in (("min_timestep", low), ("max_timestep", high)):
+        if value is not None and not 0 <= value <= 1000:
+            raise UserError(f"{where(name)}: {value} is outside 0..1000 (the scheduler's timesteps)")
+    if low is not None and high is not None and low > high:
+        raise UserError(f"{where('min_timestep')}: {low} is above max_timestep {high}; give min_timestep <= "
+                        "max_timestep (equal bounds train at that one timestep)")
     seed = out["seed"]
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise UserError(f"{where('seed')}: {seed} is outside 0..{SEED_MAX} (the range sd-scripts can seed)")

@@ -41,8 +41,11 @@ def sample_noise_and_timesteps(latents: torch.Tensor, settings: NoiseSettings,
         # sd-scripts: a per-sample, per-channel constant shifts the mean so very dark/bright images can be learnt
         offset = torch.randn((batch, channels, 1, 1), generator=generator, device=latents.device, dtype=latents.dtype)
         noise = noise + settings.noise_offset * offset
-    timesteps = torch.randint(settings.min_timestep, settings.max_timestep, (batch,), generator=generator,
-                              device=latents.device).long()
+    if settings.min_timestep < settings.max_timestep:
+        timesteps = torch.randint(settings.min_timestep, settings.max_timestep, (batch,), generator=generator,
+                                  device=latents.device).long()
+    else:  # sd-scripts' get_timesteps: equal bounds train every sample at that timestep
+        timesteps = torch.full((batch,), settings.max_timestep, device=latents.device, dtype=torch.long)
     return noise, timesteps
 
 

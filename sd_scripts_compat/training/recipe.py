@@ -489,7 +489,8 @@ def build_objective(config: TrainingConfig, process: Process, model: Model) -> O
         return FlowMatchingObjective(FlowMatchSettings.from_config(config), process.device)
     noise_scheduler = DDPMScheduler.from_config(model.bundle.scheduler_config)
     noise = NoiseSettings(noise_offset=config.noise_offset, min_timestep=config.min_timestep or 0,
-                          max_timestep=config.max_timestep or 1000, v_parameterization=model.v_parameterization,
+                          max_timestep=1000 if config.max_timestep is None else config.max_timestep,  # 0 is 0
+                          v_parameterization=model.v_parameterization,
                           min_snr_gamma=config.min_snr_gamma)
     return NoisePredictionObjective(noise_scheduler, noise_scheduler.alphas_cumprod.to(process.device), noise)
 
