@@ -327,22 +327,31 @@ def test_random_json_over_every_endpoint_never_500s(server):
     nothing_ran(server)
 
 
-@pytest.mark.parametrize("body", [
-    {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "rank": 8, "lr": 1e-4, "resolution": "768,768"},
-    {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "gpu": ["-x", "RTX 4090"], "vram": [12, 7.5],
-     "network": "lokr", "network_arg": ["factor=8", "--model=/etc/hostname"], "no_fp8": True, "verbose": False},
-    {"dataset": "--out=/tmp/x", "model": "--engine=sd-scripts=/tmp", "config": "-c", "save_state_every": 0.5},
-])
-def test_a_runs_command_line_is_the_validated_object_exactly(body):
-    """A run is a process of its own, so its validated object is written as a command line: exact option names,
-    ``--option=value``. Read back by ``autotune run``'s own parser it is the same namespace the server checked,
-    whatever the values hold (a value that looks like an option stays a value)."""
-    from autotune.cli import build_parser
-    from autotune.ui.schemas import command_schema, given
+def test_a_started_run_is_its_validated_values_never_a_command_line(tmp_path, monkeypatch, capsys):
+    """The server records the validated values; the run's process (start_run) validates them again and hands
+    ``autotune run``'s own function the namespace its parser would make: a value that looks like an option stays
+    a value, and the engine and Python are only the server's own."""
+    import autotune.cli
+    from autotune.ui import start_run
+    from autotune.ui.runs import EngineChoice, Record
 
-    schema = command_schema("run")
-    values = given(schema.validate(body))
-    expected = vars(schema.namespace(values))
-    read_back = vars(build_parser("run").parse_args(schema.argv(values)))
-    assert {k: read_back[k] for k in expected} == expected
-    assert read_back["out"] is None and read_back["engine"] is None and read_back["python"] is None
+    seen = {}
+    monkeypatch.setattr(autotune.cli, "run_command", lambda args: seen.setdefault("args", args) and 0)
+    values = {"dataset": "--out=/tmp/x", "model": "--engine=sd-scripts=/tmp", "gpu": ["-x"], "rank": 8, "lr": 1e-4}
+    record = tmp_path / "r.json"
+    record.write_text(Record(values=values).model_dump_json())
+    assert start_run.main([str(record), str(tmp_path / "out")]) == 0
+    args = seen.pop("args")
+    assert (args.dataset, args.model, args.gpu, args.rank, args.lr) == ("--out=/tmp/x", "--engine=sd-scripts=/tmp",
+                                                                        ["-x"], 8, 1e-4)
+    assert args.out == str(tmp_path / "out") and args.resume is False and args.engine is None and args.python is None
+    assert args.command == "run" and args.max_retries == 5  # the parser's defaults for what the page left out
+    record.write_text(Record(values=values, engine=EngineChoice(name="sd-scripts", engine="sd-scripts=/s",
+                                                                python="/s/venv/bin/python")).model_dump_json())
+    assert start_run.main([str(record), str(tmp_path / "out"), "--resume"]) == 0
+    args = seen.pop("args")
+    assert (args.engine, args.python, args.resume) == ("sd-scripts=/s", "/s/venv/bin/python", True)
+    for tampered in ({**values, "python": "/bin/sh"}, {**values, "engin": "x"}, {**values, "rank": "8"}):
+        record.write_text(json.dumps({"values": tampered}))
+        assert start_run.main([str(record), str(tmp_path / "out")]) == 2 and not seen
+        assert capsys.readouterr().err.count("\n") == 1

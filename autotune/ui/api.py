@@ -181,7 +181,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
     """Runs: list, start or queue, one run, its live events, stop, resume, its report."""
     from fastapi.responses import StreamingResponse
 
-    from autotune.ui.runs import RunStore, with_options
+    from autotune.ui.runs import RunStore
 
     store = RunStore(runs_dir, policy)
 
@@ -209,10 +209,10 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         values = checked_values(schema, body, policy)
         engine, name = values.pop("engine", "autotune"), values.pop("name", None)
         args = command_args(schema, values)  # refused here, as the CLI refuses it, before any folder
-        argv = with_options(schema.argv(values), *engines[engine])
         if engines[engine]:  # the user's trainer refuses what it cannot load (a built-in model) before any folder
             await _in_thread(check_engine, engines[engine], args)
-        return await _in_thread(store.start, argv, args.dataset, args.model, name)
+        return await _in_thread(store.start, values, engine_choice(engine, engines[engine]), args.dataset,
+                                args.model, name)
 
     @app.get("/api/runs/{run_id}")
     def one(run_id: str) -> dict[str, Any]:
@@ -257,6 +257,16 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         store.folder(run_id)
         return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+
+def engine_choice(name: str, options: list[str]) -> Any:
+    """The offered engine's record (its ``--engine`` / ``--python`` as ``autotune ui`` was started); None: ours."""
+    from autotune.ui.runs import EngineChoice
+
+    if not options:
+        return None
+    values = dict(zip(options[::2], options[1::2], strict=True))
+    return EngineChoice(name=name, engine=values["--engine"], python=values.get("--python"))
 
 
 def check_engine(options: list[str], args: Any) -> None:

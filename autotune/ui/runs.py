@@ -1,7 +1,9 @@
 """The web app's runs: every run folder under ``--runs``, started from the page or the CLI, read from its files.
 
-A run started here is ``python -m autotune run ...`` (the very command the CLI runs, so the watchdog, the step-down
-ladder and resume are the same), spawned in a session of its own so that it outlives the page and the server. One
+A run started here is ``python -m autotune.ui.start_run RECORD OUT``: the request the server validated, kept in
+``RUNS/.autotune-ui/RUN.json``, run through ``autotune run``'s own function (the watchdog, the step-down ladder and
+resume are the CLI's; no command line is made from the page's values), spawned in a session of its own so that it
+outlives the page and the server. One
 GPU trains one run at a time: a start while another trains joins a queue kept in ``RUNS/.autotune-ui/queue.json``,
 which a restarted server reads back and keeps serving. Nothing of a run's state lives in the server: the state
 comes from the folder (the run's OS lock says it is alive; ``logs/decisions.jsonl`` how it went; the engine's
@@ -60,9 +62,20 @@ class Decision(BaseModel):
     text: str | None = None
 
 
-class Record(BaseModel):
-    """``RUNS/.autotune-ui/RUN.json``: how the server started the run."""
+class EngineChoice(BaseModel):
+    """The engine a run trains with, as ``autotune ui`` offers it: its name and its own ``--engine`` / ``--python``."""
 
+    name: str
+    engine: str
+    python: str | None = None
+
+
+class Record(BaseModel):
+    """``RUNS/.autotune-ui/RUN.json``: how the server started the run: the validated values of ``autotune run``'s
+    options and the engine (None: ours); ``argv``: a run recorded by an earlier server as a command line."""
+
+    values: dict[str, Any] | None = None
+    engine: EngineChoice | None = None
     argv: list[str] = []
     dataset: str | None = None
     model: str | None = None
@@ -71,7 +84,8 @@ class Record(BaseModel):
 
 class QueueEntry(BaseModel):
     id: RunName
-    argv: list[str]
+    resume: bool = False
+    argv: list[str] = []  # a queue an earlier server wrote: the command line to run
 
 
 class Prediction(BaseModel):
@@ -136,7 +150,7 @@ class RunStore:
                 "max_train_steps": total, "it_per_s": rate, "eta_s": eta, "loss": progress.loss,
                 "lr": progress.lr, "peak_memory_mib": progress.peak_memory_mib,
                 "dataset": record.dataset if record else None, "model": record.model if record else None,
-                "engine": _engine_of(record.argv if record else []), "started_here": record is not None,
+                "engine": _engine_of(record), "started_here": record is not None,
                 "planned": planned}
 
     def state(self, run_id: str) -> tuple[str, str | None]:
@@ -184,9 +198,10 @@ class RunStore:
 
     # ---- changing ------------------------------------------------------------------------------------
 
-    def start(self, argv: list[str], dataset: str, model: str, name: str | None) -> dict[str, Any]:
-        """Queue ``autotune run`` with ``argv`` into a new folder (named for the dataset and family, or ``name``)
-        and start it at once when nothing trains."""
+    def start(self, values: dict[str, Any], engine: EngineChoice | None, dataset: str, model: str,
+              name: str | None) -> dict[str, Any]:
+        """Queue ``autotune run`` with the validated ``values`` into a new folder (named for the dataset and
+        family, or ``name``) and start it at once when nothing trains."""
         from sd_scripts_compat.models.detect import detect_family
 
         with self.lock:
@@ -196,10 +211,9 @@ class RunStore:
                 n += 1
                 run_id = f"{base}-{n}"
             self.ui_dir.mkdir(parents=True, exist_ok=True)
-            argv = with_options(argv, "--out", str(self.runs_dir / run_id))
-            _write_json(self.ui_dir / f"{run_id}.json", {"argv": argv, "dataset": dataset, "model": model,
-                                                          "created": time.time()})
-            self._enqueue(run_id, argv)
+            record = Record(values=values, engine=engine, dataset=dataset, model=model, created=time.time())
+            _write_json(self.ui_dir / f"{run_id}.json", record.model_dump(mode="json"))
+            self._enqueue(QueueEntry(id=run_id))
         self.tick()
         return self.info(run_id)
 
@@ -212,12 +226,12 @@ class RunStore:
             record = self._record(run_id)
         except Unreadable as error:
             raise BadRequest(str(error), status=409) from None
-        argv = record.argv if record else None
-        if not argv:
+        if record is None or (record.values is None and not record.argv):
             raise BadRequest(f"run {run_id} was started from the command line; resume it there with autotune run "
                              f"--resume {self.runs_dir / run_id}", status=409)
+        entry = QueueEntry(id=run_id, resume=True, argv=[*record.argv, "--resume"] if record.argv else [])
         with self.lock:
-            self._enqueue(run_id, with_options(argv, "--resume"))
+            self._enqueue(entry)
         self.tick()
         return self.info(run_id)
 
@@ -247,14 +261,17 @@ class RunStore:
             _write_queue(self.ui_dir, rest)
             log = open(self.ui_dir / f"{entry.id}.log", "ab")  # noqa: SIM115 (the child owns it)
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            command = ["autotune", *entry.argv] if entry.argv else [
+                "autotune.ui.start_run", str(self.ui_dir / f"{entry.id}.json"), str(self.runs_dir / entry.id),
+                *(["--resume"] if entry.resume else [])]
             self.children[entry.id] = subprocess.Popen(
-                [sys.executable, "-m", "autotune", *entry.argv], stdin=subprocess.DEVNULL, stdout=log,
+                [sys.executable, "-m", *command], stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=self.runs_dir)
             log.close()
 
-    def _enqueue(self, run_id: str, argv: list[str]) -> None:
-        queued = [e for e in self._queued() if e.id != run_id]
-        _write_queue(self.ui_dir, [*queued, QueueEntry(id=run_id, argv=argv)])
+    def _enqueue(self, entry: QueueEntry) -> None:
+        queued = [e for e in self._queued() if e.id != entry.id]
+        _write_queue(self.ui_dir, [*queued, entry])
 
     def _busy(self) -> bool:
         from autotune.launch.out_lock import lock_holder
@@ -270,12 +287,6 @@ class RunStore:
 
     def _record(self, run_id: str) -> Record | None:
         return _read_model(self.ui_dir / f"{run_id}.json", Record)
-
-
-def with_options(argv: list[str], *options: str) -> list[str]:
-    """``argv`` with ``options`` added before its ``--`` (after which come the positionals), or at its end."""
-    end = argv.index("--") if "--" in argv else len(argv)
-    return [*argv[:end], *options, *argv[end:]]
 
 
 def _planned(folder: Path) -> dict[str, Any] | None:
@@ -341,8 +352,12 @@ def _write_json(path: Path, data: Any) -> None:
     write_json_atomic(path, data)
 
 
-def _engine_of(argv: list[str]) -> str:
-    """The engine a run's command line names: ``--engine KIND=PATH``'s kind, else autotune's own."""
+def _engine_of(record: Record | None) -> str:
+    """The engine a run trains with: the one the server offered under its name; an earlier server's command
+    line: ``--engine KIND=PATH``'s kind; else autotune's own."""
+    if record is not None and record.engine is not None:
+        return record.engine.name
+    argv = record.argv if record is not None else []
     if "--engine" in argv[:-1]:
         return str(argv[argv.index("--engine") + 1]).partition("=")[0]
     return "autotune"

@@ -7,8 +7,8 @@ takes a JSON number within bounds, a choice one of its choices, a flag a boolean
 a list of values, anything else one string of bounded length without control characters. Path fields are
 strings checked against the allowed folders. The validated object becomes the ``argparse.Namespace`` the command's
 parser would have produced (its defaults, then these values through the option's own converter), which the
-command's function takes as it takes the CLI's; a run, which is a process of its own, gets its command line
-written from that object: exact option names, ``--option=value``, so no value is read as an option.
+command's function takes as it takes the CLI's; a run, a process of its own, gets the validated values in a file
+and builds the same namespace there (start_run.py): no command line is ever made from a body.
 
 The models are built from argparse's actions (no hand-written copy): ``--gpu``'s list, ``--optimizer``'s choices
 and every model-file key come from where the CLI defines them.
@@ -153,23 +153,6 @@ class CommandSchema:
                 raise BadBody(f"{key}: {error}") from None
             setattr(namespace, action.dest, value)
         return namespace
-
-    def argv(self, values: dict[str, Any]) -> list[str]:
-        """The command line of ``values`` for a process of its own: each option by its exact name as
-        ``--option=value``, then ``--`` and the positional (a value starting with ``-`` stays a value)."""
-        words, positional = [self.command], []
-        for key, value in values.items():
-            action = self.actions[key]
-            if not action.option_strings:
-                positional.append(str(value))
-                continue
-            flag = next(option for option in action.option_strings if option.startswith("--"))
-            for item in value if isinstance(value, list) else [value]:
-                if item is True:
-                    words.append(flag)
-                elif item is not False and item is not None:
-                    words.append(f"{flag}={item}")
-        return [*words, "--", *positional]
 
 
 class BadBody(ValueError):
