@@ -84,19 +84,14 @@ def _command_in(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sd_scripts_compat.errors import UserError, one_line
+
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
-    return run_command(args)
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """Run a parsed command (the CLI's, or a validated web request's namespace): its exit code, with a
-    refusal as one line on stderr."""
-    from sd_scripts_compat.errors import UserError, one_line
     from sd_scripts_compat.quiet import silence_harmless_library_messages
 
     silence_harmless_library_messages()  # plan and bench import lycoris / bitsandbytes, which log at import

@@ -331,12 +331,12 @@ def test_a_started_run_is_its_validated_values_never_a_command_line(tmp_path, mo
     """The server records the validated values; the run's process (start_run) validates them again and hands
     ``autotune run``'s own function the namespace its parser would make: a value that looks like an option stays
     a value, and the engine and Python are only the server's own."""
-    import autotune.cli
+    import autotune.launch.run
     from autotune.ui import start_run
     from autotune.ui.runs import EngineChoice, Record
 
     seen = {}
-    monkeypatch.setattr(autotune.cli, "run_command", lambda args: seen.setdefault("args", args) and 0)
+    monkeypatch.setattr(autotune.launch.run, "start_run", lambda args: seen.setdefault("args", args) and 0)
     values = {"dataset": "--out=/tmp/x", "model": "--engine=sd-scripts=/tmp", "gpu": ["-x"], "rank": 8, "lr": 1e-4}
     record = tmp_path / "r.json"
     record.write_text(Record(values=values).model_dump_json())
