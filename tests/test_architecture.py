@@ -260,6 +260,73 @@ def test_layer_checks_catch_a_pair_and_an_upward_import():
     assert layer_violations(graph, ("low", "high")) == ["low imports high (declared above it)"]
 
 
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Module of ``package`` -> the modules of ``package`` it imports (anywhere in the file; a name imported from
+    a module counts as that module)."""
+    modules: dict[str, Path] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for module, path in modules.items():
+        for name in imported_names(module, path, path.name == "__init__.py"):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module and modules[name].name != "__init__.py":
+                graph[module].add(name)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                elif target in stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    cycles.append(sorted(members))
+    return cycles
+
+
+def test_the_cycle_check_finds_a_cycle_put_back():
+    graph = module_graph("autotune")
+    cycles = import_cycles({**graph, "autotune.recovery.decisions": {"autotune.recovery.watchdog"}})
+    assert len(cycles) == 1 and {"autotune.recovery.decisions", "autotune.recovery.watchdog"} <= set(cycles[0])
+
+
+def test_no_file_import_cycle():
+    for package in ("autotune", PACKAGE):
+        assert import_cycles(module_graph(package)) == [], package
+
+
 def test_no_two_sibling_folders_import_each_other():
     for package in ("autotune", PACKAGE):
         assert two_way_pairs(folder_graph(package)) == [], package

@@ -81,7 +81,7 @@ def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[st
 
 def _plan(args: argparse.Namespace, out: Path) -> Any:
     """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's."""
-    from autotune.launch.run import _plan as plan_into
+    from autotune.launch.plan_into import plan_into
 
     return plan_into(args, out)[2]
 

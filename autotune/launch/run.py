@@ -523,7 +523,9 @@ def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path
     if args.resume:
         return config_path, dataset_path if dataset_path.is_file() else None, None
     if not args.config:
-        return _plan(args, out)
+        from autotune.launch.plan_into import plan_into
+
+        return plan_into(args, out)
     return config_path, _copy_user_configs(args, out, scan), None
 
 
@@ -636,35 +638,6 @@ def _predictor(family: Any, resolved: Any, cuda: bool) -> Any:
     from autotune.recovery.ladder import memory_predictor
 
     return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
-
-
-def _plan(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Any]:
-    """Plan with `autotune plan`'s own request builder; write config.toml + dataset.toml into ``out``.
-    Returns both paths and the plan."""
-    from autotune.launch.plan_options import build_request, render
-    from autotune.planning.planner import plan_training
-    from autotune.planning.toml_writer import write_plan_files
-
-    args.out = str(out)
-    plan = plan_training(build_request(args))
-    if not plan.fits:
-        raise UserError(f"{args.model}: {plan.message}")
-    _check_model_files(plan)
-    render(plan)
-    config, dataset = write_plan_files(plan, out, args.format)  # with autotune_plan.json, for the report
-    return config, dataset, plan
-
-
-def _check_model_files(plan: Any) -> None:
-    """Every separate model file the plan names exists (a placeholder left by the planner is named with its
-    option), before anything is written."""
-    from autotune.planning.profiles import model_file_keys
-
-    keys = set(model_file_keys())
-    for choice in plan.choices:
-        if choice.key in keys and not Path(str(choice.value)).expanduser().is_file():
-            raise UserError(f"{plan.model} needs its {choice.key} file ({choice.reason}); give it with "
-                            f"--{choice.key} FILE")
 
 
 def _usable_mib(plan: Any) -> float | None:

@@ -26,7 +26,7 @@ from sd_scripts_compat.contract import (
 
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
-    from autotune.recovery.watchdog import DecisionLog
+    from autotune.recovery.decisions import DecisionLog
     from sd_scripts_compat.config.settings import TrainSettings
 
 

@@ -52,8 +52,8 @@ from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
+    from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.engine import AttemptFiles
-    from autotune.recovery.watchdog import DecisionLog
     from sd_scripts_compat.config.settings import TrainSettings
     from sd_scripts_compat.models.families import FamilySpec
 

@@ -51,8 +51,8 @@ from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
+    from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.engine import AttemptFiles
-    from autotune.recovery.watchdog import DecisionLog
 
 ENGINE_NAME = "sd-scripts"
 TOKENIZER_DIR = f"{STATE_DIR}/sd_scripts_tokenizers"  # shipped tokenizers sd-scripts reads (it would download them)

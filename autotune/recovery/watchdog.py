@@ -16,10 +16,8 @@ resumes from the newest saved state. Three parts, each with one concern:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +25,6 @@ from typing import Any
 
 from autotune.layout import (
     CHILD_LOG,
-    DECISIONS_JSONL,
     DECISIONS_LOG,
     EVENTS_DIR,
     FINAL_CONFIG,
@@ -38,6 +35,7 @@ from autotune.layout import (
     TRAINER_PID,
 )
 from autotune.recovery.attempt import AttemptResult, child_env, run_attempt
+from autotune.recovery.decisions import DecisionLog
 from autotune.recovery.engine import AttemptFiles, CompatEngine, Engine
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, next_settings
 from autotune.recovery.stability import (
@@ -133,25 +131,6 @@ class RunResult:
     final_settings: TrainSettings
     retries: list[dict[str, Any]]
     attempts: list[AttemptResult]
-
-
-class DecisionLog:
-    """Every decision, as JSON lines (for tools) and text (for people), in the output folder and on screen."""
-
-    def __init__(self, output_dir: Path, echo: bool) -> None:
-        self.jsonl = output_dir / DECISIONS_JSONL
-        self.text = output_dir / DECISIONS_LOG
-        self.echo = echo
-
-    def write(self, event: str, text: str, *, show: bool = True, **data: Any) -> None:
-        """Record a decision; ``show=False`` keeps it off the screen (a final error the caller reports)."""
-        record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event, "text": text, **data}
-        with open(self.jsonl, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, default=str) + "\n")
-        with open(self.text, "a", encoding="utf-8") as handle:
-            handle.write(f"{record['time']} {event}: {text}\n")
-        if self.echo and show:  # on stdout with the progress: stderr holds only errors
-            print(f"[autotune] {text}", flush=True)
 
 
 @dataclass
