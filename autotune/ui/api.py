@@ -63,40 +63,12 @@ def command_args(schema: CommandSchema, values: dict[str, Any]) -> argparse.Name
 def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str]] | None = None) -> FastAPI:
     """The app; ``engines``: the engine names a page may choose, each with the ``autotune run`` options it adds
     (``autotune ui --engine``); autotune's own alone by default."""
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-
     from autotune import __version__
 
     offered = engines or {"autotune": []}
     app = FastAPI(title="lora-autotune", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
-        try:
-            check_request(policy, request)
-            response = await call_next(request)
-        except Refused as refused:
-            response = JSONResponse({"error": str(refused)}, status_code=refused.status)
-        else:
-            if policy.token and request.query_params.get("token"):  # the page's own script, style and images
-                response.set_cookie(TOKEN_COOKIE, policy.token, httponly=True, samesite="strict")  # carry it
-        response.headers.update(SECURITY_HEADERS)
-        return response
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
-        return JSONResponse({"error": str(error)}, status_code=error.status)
-
-    @app.exception_handler(Refused)
-    async def refused(_: Request, error: Refused) -> JSONResponse:
-        return JSONResponse({"error": str(error)}, status_code=error.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_query(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]  # FastAPI's own check of a query parameter: its one line in our form
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "request"
-        return JSONResponse({"error": f"{where}: {first.get('msg', 'invalid')}"}, status_code=400)
+    add_guards(app, policy)
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:
@@ -147,6 +119,40 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     return app
 
 
+def add_guards(app: FastAPI, policy: AccessPolicy) -> None:
+    """The access policy and request rules before routing (``check_request``), the security headers on every
+    answer, and every refusal as one JSON line."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        try:
+            check_request(policy, request)
+            response = await call_next(request)
+        except Refused as refused:
+            response = JSONResponse({"error": str(refused)}, status_code=refused.status)
+        else:
+            if policy.token and request.query_params.get("token"):  # the page's own script, style and images
+                response.set_cookie(TOKEN_COOKIE, policy.token, httponly=True, samesite="strict")  # carry it
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
+        return JSONResponse({"error": str(error)}, status_code=error.status)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, error: Refused) -> JSONResponse:
+        return JSONResponse({"error": str(error)}, status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]  # FastAPI's own check of a query parameter: its one line in our form
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "request"
+        return JSONResponse({"error": f"{where}: {first.get('msg', 'invalid')}"}, status_code=400)
+
+
 def warm_up(done: threading.Event) -> None:
     """Import what the first doctor request needs (transformers and the shipped CLIP tokenizer, ~1.5 s) while the
     user picks a dataset, so the new-training page answers in well under a second. The doctor waits for ``done``:
@@ -184,16 +190,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
     from autotune.ui.runs import RunStore
 
     store = RunStore(runs_dir, policy)
-
-    def serve_queue() -> None:  # a restarted server keeps serving the queue it finds
-        while True:
-            try:
-                store.tick()
-            except OSError:
-                pass
-            time.sleep(1.0)
-
-    threading.Thread(target=serve_queue, name="run-queue", daemon=True).start()
+    threading.Thread(target=serve_queue, args=(store,), name="run-queue", daemon=True).start()
 
     @app.get("/api/runs")
     def runs() -> dict[str, Any]:
@@ -257,6 +254,16 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         store.folder(run_id)
         return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+
+def serve_queue(store: Any) -> None:
+    """Start the next queued run whenever none trains (a restarted server keeps serving the queue it finds)."""
+    while True:
+        try:
+            store.tick()
+        except OSError:
+            pass
+        time.sleep(1.0)
 
 
 def engine_choice(name: str, options: list[str]) -> Any:

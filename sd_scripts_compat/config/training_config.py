@@ -554,28 +554,7 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
         raise UserError(f"{where('validation_split')}: must be below 1 (a fraction of the images), "
                         f"got {out['validation_split']!r}")
 
-    warmup = out["lr_warmup_steps"]
-    if isinstance(warmup, float):
-        if warmup < 0 or (warmup >= 1 and not warmup.is_integer()):
-            raise UserError(f"{where('lr_warmup_steps')}: expected a step count (integer) or a ratio in [0, 1), "
-                            f"got {warmup!r}")
-        out["lr_warmup_steps"] = int(warmup) if warmup >= 1 or warmup == 0 else warmup
-    elif warmup < 0:
-        raise UserError(f"{where('lr_warmup_steps')}: must be 0 or more, got {warmup!r}")
-
-    optimizer_names = {key: canonical for key, (_, _, canonical) in OPTIMIZERS.items()}
-    out["optimizer_type"] = _resolve_name(out["optimizer_type"] or "AdamW", optimizer_names, KOHYA_ONLY_OPTIMIZERS,
-                                          "optimizer_type", where("optimizer_type"))
-    scheduler_names = {name: name for name in SCHEDULERS}
-    out["lr_scheduler"] = _resolve_name(out["lr_scheduler"], scheduler_names, KOHYA_ONLY_SCHEDULERS,
-                                        "lr_scheduler", where("lr_scheduler"))
-    if out["lr_scheduler"] == "constant" and out["lr_warmup_steps"] != 0:  # sd-scripts warns and goes on
-        warnings.append(f"{where('lr_warmup_steps')}: ignored by lr_scheduler = 'constant' (as in sd-scripts); use "
-                        "'constant_with_warmup' to warm up")
-        out["lr_warmup_steps"] = 0
-    if out["lr_scheduler"] == "adafactor" and out["optimizer_type"] != "AdaFactor":
-        raise UserError(f"{where('lr_scheduler')}: 'adafactor' is AdaFactor's own schedule; with optimizer_type "
-                        f"{out['optimizer_type']} use another lr_scheduler (e.g. cosine)")
+    _normalize_schedule(out, where, warnings)
 
     modules = network_modules(script)
     if out["network_module"] is None:
@@ -642,6 +621,33 @@ CHANGES_WHAT_TRAINS = {
                                        "train the UNet too); train with your sd-scripts (autotune run --engine "
                                        "sd-scripts=PATH), or drop it",
 }
+def _normalize_schedule(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+    """The optimizer and scheduler by kohya's names, the warm-up as steps or a ratio, and the pairs sd-scripts
+    warns about (constant with a warm-up: ignored) or that cannot go together (adafactor's schedule elsewhere)."""
+    warmup = out["lr_warmup_steps"]
+    if isinstance(warmup, float):
+        if warmup < 0 or (warmup >= 1 and not warmup.is_integer()):
+            raise UserError(f"{where('lr_warmup_steps')}: expected a step count (integer) or a ratio in [0, 1), "
+                            f"got {warmup!r}")
+        out["lr_warmup_steps"] = int(warmup) if warmup >= 1 or warmup == 0 else warmup
+    elif warmup < 0:
+        raise UserError(f"{where('lr_warmup_steps')}: must be 0 or more, got {warmup!r}")
+
+    optimizer_names = {key: canonical for key, (_, _, canonical) in OPTIMIZERS.items()}
+    out["optimizer_type"] = _resolve_name(out["optimizer_type"] or "AdamW", optimizer_names, KOHYA_ONLY_OPTIMIZERS,
+                                          "optimizer_type", where("optimizer_type"))
+    scheduler_names = {name: name for name in SCHEDULERS}
+    out["lr_scheduler"] = _resolve_name(out["lr_scheduler"], scheduler_names, KOHYA_ONLY_SCHEDULERS,
+                                        "lr_scheduler", where("lr_scheduler"))
+    if out["lr_scheduler"] == "constant" and out["lr_warmup_steps"] != 0:  # sd-scripts warns and goes on
+        warnings.append(f"{where('lr_warmup_steps')}: ignored by lr_scheduler = 'constant' (as in sd-scripts); use "
+                        "'constant_with_warmup' to warm up")
+        out["lr_warmup_steps"] = 0
+    if out["lr_scheduler"] == "adafactor" and out["optimizer_type"] != "AdaFactor":
+        raise UserError(f"{where('lr_scheduler')}: 'adafactor' is AdaFactor's own schedule; with optimizer_type "
+                        f"{out['optimizer_type']} use another lr_scheduler (e.g. cosine)")
+
+
 SEED_MAX = 2**32 - 1  # numpy's seed range, which sd-scripts' set_seed feeds
 
 
@@ -831,11 +837,10 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
     values.update(cli)
     raw = {**toml_raw, **{k: (str(v) if isinstance(v, Path) else v) for k, v in cli.items()}}
 
-    for name in sorted(set(raw) - IMPLEMENTED):
-        if name in CHANGES_WHAT_TRAINS and not _is_inactive(specs[name], raw[name]):
+    for name in sorted(name for name in set(raw) - IMPLEMENTED if not _is_inactive(specs[name], raw[name])):
+        if name in CHANGES_WHAT_TRAINS:
             raise UserError(f"{origins.where(name)}: {CHANGES_WHAT_TRAINS[name]}")
-        if not _is_inactive(specs[name], raw[name]):
-            warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
+        warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
 
     normalized = _normalize(values, origins, script, warnings)
     for message in warnings:
