@@ -61,13 +61,24 @@ def refuse_foreign_out(out: Path, option: str = "--out") -> None:
         return
     if not out.is_dir():
         raise UserError(f"{option} {out}: a file, not a folder; choose another {option}")
-    traces = [name for name in RUN_TRACES if (out / name).exists()] + [p.name for p in out.glob("*.safetensors")]
+    traces = run_traces(out)
     if traces:
         raise UserError(f"{option} {out}: holds a run ({traces[0]}); its config.toml is what trained it: plan into "
                         "a new folder")
-    configs = [name for name in (CONFIG, DATASET_CONFIG) if (out / name).exists()]
+    refuse_foreign_configs(out, option)
+
+
+def run_traces(out: Path) -> list[str]:
+    """What in ``out`` shows that a run trained there (its state, decisions, events, lock or a LoRA)."""
+    return [name for name in RUN_TRACES if (out / name).exists()] + [p.name for p in out.glob("*.safetensors")]
+
+
+def refuse_foreign_configs(out: Path, option: str = "--out") -> None:
+    """A folder holding a config.toml / dataset.toml that autotune did not plan (no autotune_plan.json beside it)
+    is the user's: not written over."""
+    configs = [name for name in (CONFIG, DATASET_CONFIG) if (out / name).is_file()]
     if configs and not (out / PLAN_FILE).is_file():
-        raise UserError(f"{option} {out}: holds a {configs[0]} autotune did not write (no {PLAN_FILE}); plan into "
+        raise UserError(f"{option} {out}: holds a {configs[0]} autotune did not write (no {PLAN_FILE}); choose "
                         "a new folder")
 
 

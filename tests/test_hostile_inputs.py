@@ -1077,6 +1077,8 @@ OWN_47 = [
          "swept twice"),
     Case("plan-out-over-a-users-dataset-toml-and-config", lambda t: plan(t, "--out", str(folder_with(
         t, "config.toml", "dataset.toml"))), "autotune did not write"),
+    Case("run-out-over-a-users-config", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
+                                                   str(config(t / "mine").parent)], "autotune did not write"),
     Case("doctor-html-over-a-lora", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
                                                str(lora_like(t / "l.safetensors"))], "did not write"),
 ]

@@ -29,6 +29,7 @@ from autotune.layout import (
     default_out,
     run_root,
 )
+from autotune.own_files import refuse_foreign_configs, refuse_out_in_dataset, run_traces
 from sd_scripts_compat.errors import BadWeights, UserError
 from sd_scripts_compat.quiet import VERBOSE_ENV
 
@@ -242,6 +243,8 @@ def start_run(args: argparse.Namespace) -> int:
         print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
                                                **_doctor_options(args))))
     out = _output_folder(args, dataset_dir)
+    if not args.resume and out.is_dir() and not run_traces(out):  # a run's own folder: _prepare_output says
+        refuse_foreign_configs(out)  # the user's configs are never written over
     before = _entries(out)
     with locked_output(out):  # one run per --out: a second one is told the first's PID
         try:
@@ -263,8 +266,6 @@ def _output_folder(args: argparse.Namespace, dataset_dir: Path) -> Path:
         if args.out and dataset_folder(args.out, "--out") != root:
             raise UserError(f"--resume {args.resume} is in the run {root}, but --out is {args.out}; give one of them")
         return root
-    from autotune.own_files import refuse_out_in_dataset
-
     out = dataset_folder(args.out, "--out") if args.out else default_out(dataset_dir, _family_name(args))
     refuse_out_in_dataset(out, dataset_dir, "--out" if args.out else "the run's folder (--out)")
     return out
