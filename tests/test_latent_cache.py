@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, offload
+from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, latent_seed, offload
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
-from sd_scripts_compat.dataset.train_dataset import build_dataset, mix_seed
+from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
@@ -59,7 +59,7 @@ def test_memory_and_disk_caches_are_equal_and_used_in_batches(tmp_path, vae):
     batch = make_dataset(tmp_path).collate([0], epoch=0, step=0)
     with torch.no_grad():
         live = encode_images(vae, batch["images"], scaling_factor=vae.config.scaling_factor,
-                             noise_seeds=[mix_seed("latent", str(record.path), record.bucket)])
+                             noise_seeds=[latent_seed(record)])
     torch.testing.assert_close(entry.latents, live[0], rtol=1e-5, atol=1e-5)
 
 

@@ -269,6 +269,12 @@ def _batches(records: list[ImageRecord], size: int) -> list[list[ImageRecord]]:
     return batches
 
 
+def latent_seed(record: ImageRecord) -> int:
+    """The seed of the VAE's sampling noise for one image: from its folder and file name and bucket, so the same
+    latents come out wherever the dataset lies (an absolute path made a run's result depend on the checkout)."""
+    return mix_seed("latent", f"{record.path.parent.name}/{record.path.name}", record.bucket)
+
+
 def _encode_batch(dataset: TrainDataset, vae: Any, batch: list[ImageRecord], factor: float, shift: float,
                   to_disk: bool, expected: Any) -> None:
     import torch
@@ -277,7 +283,7 @@ def _encode_batch(dataset: TrainDataset, vae: Any, batch: list[ImageRecord], fac
     with torch.no_grad():
         geometries = [r.center_geometry() for r in batch]
         images = [resize_and_crop(load_image_rgb(r.path), g) for r, g in zip(batch, geometries)]
-        seeds = [mix_seed("latent", str(r.path), r.bucket) for r in batch]
+        seeds = [latent_seed(r) for r in batch]
         latents = encode_images(vae, torch.stack([image_to_tensor(i) for i in images]),
                                 scaling_factor=factor, shift_factor=shift, noise_seeds=seeds).cpu()
         flips = [dataset.subset_of(r).flip_aug for r in batch]
