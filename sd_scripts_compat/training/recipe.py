@@ -82,10 +82,11 @@ if TYPE_CHECKING:
     from sd_scripts_compat.training.faults import FaultyObjective
     from sd_scripts_compat.training.flow_matching import FlowMatchingObjective
     from sd_scripts_compat.training.objectives import NoisePredictionObjective
+    from sd_scripts_compat.training.sd3_flow import Sd3FlowObjective
     from sd_scripts_compat.training.train_state import TrainCounters
 
     # what the loop calls ``forward`` / ``loss`` / ``fixed_forward`` on (the family's objective, maybe with faults)
-    Objective = NoisePredictionObjective | FlowMatchingObjective | FaultyObjective
+    Objective = NoisePredictionObjective | FlowMatchingObjective | Sd3FlowObjective | FaultyObjective
 
 PROGRESS_EVERY_SECONDS = 2.0  # the loop's one host sync: progress bar, progress.json, instability checks
 TIMING_WARMUP_STEPS = 2
