@@ -648,6 +648,15 @@ def _normalize_schedule(out: dict[str, Any], where: Any, warnings: list[str]) ->
                         f"{out['optimizer_type']} use another lr_scheduler (e.g. cosine)")
 
 
+def _check_not_implemented(raw: dict[str, Any], specs: dict[str, Any], origins: Any, warnings: list[str]) -> None:
+    """sd-scripts options set away from their default that this engine does not implement: a warning, or a
+    refusal for those whose omission would train something else (``CHANGES_WHAT_TRAINS``)."""
+    for name in sorted(name for name in set(raw) - IMPLEMENTED if not _is_inactive(specs[name], raw[name])):
+        if name in CHANGES_WHAT_TRAINS:
+            raise UserError(f"{origins.where(name)}: {CHANGES_WHAT_TRAINS[name]}")
+        warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
+
+
 SEED_MAX = 2**32 - 1  # numpy's seed range, which sd-scripts' set_seed feeds
 
 
@@ -837,11 +846,7 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
     values.update(cli)
     raw = {**toml_raw, **{k: (str(v) if isinstance(v, Path) else v) for k, v in cli.items()}}
 
-    for name in sorted(name for name in set(raw) - IMPLEMENTED if not _is_inactive(specs[name], raw[name])):
-        if name in CHANGES_WHAT_TRAINS:
-            raise UserError(f"{origins.where(name)}: {CHANGES_WHAT_TRAINS[name]}")
-        warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
-
+    _check_not_implemented(raw, specs, origins, warnings)
     normalized = _normalize(values, origins, script, warnings)
     for message in warnings:
         log.warning("%s", message)
