@@ -90,7 +90,8 @@ class AccessPolicy:
         """421 unless ``Host`` names this server (a DNS-rebound page sends its own name)."""
         own = self.own_hosts()
         if own and (host_header or "").strip().lower() not in own:
-            raise Refused(421, f"Host {host_header!r} is not this server; open it as http://{sorted(own)[0]}/")
+            raise Refused(421, f"Host {(host_header or '')[:100]!r} is not this server; open it as "
+                          f"http://{sorted(own)[0]}/")
 
     def check_token(self, header: str | None, query: str | None, cookie: str | None = None) -> None:
         if self.token is None:
