@@ -33,12 +33,10 @@ def refuse_foreign_page(target: Path, option: str) -> None:
 
 
 def refuse_foreign_lora_copy(target: Path, source: Path, option: str) -> None:
-    """``option TARGET`` may replace a diffusers copy autotune wrote, never the LoRA itself or another file."""
-    if not _exists(target, option):
+    """``option TARGET`` may replace a diffusers copy autotune wrote, nothing else (the LoRA itself is refused
+    by ``export_diffusers_file``, with its own line)."""
+    if not _exists(target, option) or target.resolve() == source.resolve():
         return
-    if target.resolve() == source.resolve():
-        raise UserError(f"{option} {target}: the diffusers copy would overwrite the LoRA it is made from; "
-                        "name another file")
     try:
         from safetensors import safe_open
 

@@ -21,7 +21,7 @@ from autotune.doctor.folders import scan_problems, unsupported_files
 from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck, check_image
 from autotune.doctor.report import ERROR, DoctorReport, DoctorSettings, Problem, SubsetFacts, sort_problems
 from autotune.doctor.videos import check_video, clip_summary
-from sd_scripts_compat.config.dataset_spec import normalize_caption_extension
+from sd_scripts_compat.config.dataset_spec import caption_extension_problem, normalize_caption_extension
 from sd_scripts_compat.dataset.buckets import BucketConfig
 from sd_scripts_compat.dataset.scan import (
     IMAGE_EXTENSIONS,
@@ -59,6 +59,7 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     clip dataset of a video family, its videos checked instead (``videos.check_video``).
     """
     from autotune.planning.dataset import summarise
+    from autotune.planning.request import validate_resolution
     from sd_scripts_compat.models.detect import known_family
     from sd_scripts_compat.models.text_encoding import check_max_token_length
 
@@ -68,17 +69,16 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     side = resolution if resolution is not None else (spec.resolution if spec else DEFAULT_RESOLUTION)
     if side <= 0:
         raise UserError(f"--resolution {side}: must be a positive number of pixels (e.g. 512)")
-    problem = spec.resolution_problem(side, side) if spec and resolution is not None and buckets is None else None
-    if problem is not None:  # the rule the engine applies to a config (FLUX: multiples of 16, ...)
-        raise UserError(f"--resolution {side}: {problem}; e.g. --resolution {spec.resolution}")
+    if spec and buckets is None:  # a pinned --resolution, as the planner checks it (FLUX: multiples of 16, ...)
+        validate_resolution(resolution, spec)
     batch = 1 if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch {batch}: must be 1 or more")
     if caption_extension is not None:
         caption_extension = normalize_caption_extension(caption_extension)  # "txt" -> ".txt", as sd-scripts
-        if caption_extension.lower() in IMAGE_EXTENSIONS + VIDEO_EXTENSIONS:
-            raise UserError(f"--caption-extension {caption_extension}: an image extension, so each image would be "
-                            "read as its own caption; give the captions' extension (.txt, .caption)")
+        problem = caption_extension_problem(caption_extension, IMAGE_EXTENSIONS + VIDEO_EXTENSIONS)
+        if problem:
+            raise UserError(f"--caption-extension {caption_extension}: {problem}")
     limit = check_max_token_length(max_token_length)
     config = buckets if buckets is not None else bucket_config(spec or known_family(STAND_IN_FAMILY), side)
     extension = caption_extension or summarise(scan).caption_extension

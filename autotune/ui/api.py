@@ -21,10 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request  # at module level: FastAPI reads the handlers' annotations by name
 
 from autotune.ui.errors import BadRequest
-from autotune.ui.schemas import BUILTIN, BadBody, CommandSchema, given
+from autotune.ui.schemas import BadBody, CommandSchema, given
 from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
 
 MAX_BODY_BYTES = 1 << 20  # a request body (the largest real one, a run with every option, is under 4 KiB)
+TOO_LARGE = f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only"
 JSON_TYPE = "application/json"
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
@@ -48,9 +49,11 @@ def checked_values(schema: CommandSchema, body: Any, policy: AccessPolicy) -> di
 
 
 def is_builtin(model: str) -> bool:
+    """``builtin:NAME`` of a family the engine builds (anything else is a path, checked like any other)."""
+    from sd_scripts_compat.models.detect import BUILTIN_PREFIX
     from sd_scripts_compat.models.families import family_names
 
-    return model.startswith(BUILTIN) and model.removeprefix(BUILTIN) in family_names()
+    return model.startswith(BUILTIN_PREFIX) and model.removeprefix(BUILTIN_PREFIX) in family_names()
 
 
 def command_args(schema: CommandSchema, values: dict[str, Any]) -> argparse.Namespace:
@@ -107,7 +110,7 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
         from fastapi.responses import Response
 
         image = dataset_file(policy, dataset, file)
-        if model and not model.startswith(BUILTIN):
+        if model and not is_builtin(model):
             model = str(policy.resolve(model, "model"))
         png, crop = await _in_thread(crop_or_refuse, image, model, resolution)
         return Response(png, media_type="image/png", headers={"X-Autotune-Crop": json.dumps(crop),
@@ -206,10 +209,10 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         values = checked_values(schema, body, policy)
         engine, name = values.pop("engine", "autotune"), values.pop("name", None)
         args = command_args(schema, values)  # refused here, as the CLI refuses it, before any folder
-        if engines[engine]:  # the user's trainer refuses what it cannot load (a built-in model) before any folder
-            await _in_thread(check_engine, engines[engine], args)
-        return await _in_thread(store.start, values, engine_choice(engine, engines[engine]), args.dataset,
-                                args.model, name)
+        choice = engine_choice(engine, engines[engine])
+        if choice is not None:  # the user's trainer refuses what it cannot load (a built-in model) before any folder
+            await _in_thread(check_engine, choice, args)
+        return await _in_thread(store.start, values, choice, args.dataset, args.model, name)
 
     @app.get("/api/runs/{run_id}")
     def one(run_id: str) -> dict[str, Any]:
@@ -276,22 +279,21 @@ def engine_choice(name: str, options: list[str]) -> Any:
     return EngineChoice(name=name, engine=values["--engine"], python=values.get("--python"))
 
 
-def check_engine(options: list[str], args: Any) -> None:
-    """The user's engine refuses what it cannot train (a built-in model, another trainer's family) before any
-    folder is made, as ``autotune run`` does."""
-    values = dict(zip(options[::2], options[1::2], strict=True))
-    if values["--engine"].startswith("musubi-tuner="):
+def check_engine(choice: Any, args: Any) -> None:
+    """The user's engine (an ``EngineChoice``) refuses what it cannot train (a built-in model, another trainer's
+    family) before any folder is made, as ``autotune run`` does."""
+    if choice.engine.startswith("musubi-tuner="):
         from argparse import Namespace
 
         from autotune.launch.musubi_run import early_check as musubi_check
         from autotune.launch.run import check_engine_trains
 
-        check_engine_trains(args.model, args.family, engine=values["--engine"])
-        musubi_check(Namespace(**{**vars(args), "engine": values["--engine"], "python": values.get("--python")}))
+        check_engine_trains(args.model, args.family, engine=choice.engine)
+        musubi_check(Namespace(**{**vars(args), "engine": choice.engine, "python": choice.python}))
         return
     from autotune.recovery.sd_scripts import early_check
 
-    early_check(values["--engine"], values.get("--python"), args.model)
+    early_check(choice.engine, choice.python, args.model)
 
 
 def inspect_run(folder: Path, run_id: str, policy: AccessPolicy) -> dict[str, Any]:
@@ -335,7 +337,7 @@ def check_request(policy: AccessPolicy, request: Request) -> None:
         raise Refused(415, f"send the body as {JSON_TYPE} (Content-Type: {JSON_TYPE})")
     length = headers.get("content-length", "0")
     if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-        raise Refused(413, f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only")
+        raise Refused(413, TOO_LARGE)
 
 
 def _no_constant(name: str) -> Any:
@@ -348,7 +350,7 @@ async def json_body(request: Request) -> Any:
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > MAX_BODY_BYTES:
-            raise BadRequest(f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only", 413)
+            raise BadRequest(TOO_LARGE, 413)
     try:
         return json.loads(bytes(raw) or b"{}", parse_constant=_no_constant)
     except RecursionError:

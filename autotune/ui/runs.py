@@ -186,7 +186,7 @@ class RunStore:
         return [entry.id for entry in self._queued()]
 
     def _queued(self) -> list[QueueEntry]:
-        """The queue file's entries; one that is not ``{id, argv}`` is left out (the rest of the queue goes on)."""
+        """The queue file's entries; one that is not a ``QueueEntry`` is left out (the rest of the queue goes on)."""
         entries = _read_json(self.ui_dir / QUEUE_FILE)
         queued = []
         for entry in entries if isinstance(entries, list) else []:
@@ -307,12 +307,13 @@ def _decisions(folder: Path) -> list[Decision]:
     decisions = JsonLines(folder / DECISIONS_JSONL)  # whole lines only: one being written is left for later
     decisions.poll()
     try:
-        if decisions.bad:
-            raise ValidationError.from_exception_data("Decision", [])
-        return [Decision.model_validate(line) for line in decisions.lines]
+        parsed = [Decision.model_validate(line) for line in decisions.lines]
     except ValidationError:
+        parsed = None
+    if parsed is None or decisions.bad:
         raise Unreadable(f"{DECISIONS_JSONL}: a line that is not a decision of the watchdog "
-                         "({\"event\": ..., \"text\": ...})") from None
+                         "({\"event\": ..., \"text\": ...})")
+    return parsed
 
 
 def _read_model(path: Path, model: type[Any]) -> Any:

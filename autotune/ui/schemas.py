@@ -50,7 +50,6 @@ NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs (th
                      "json": "the API always answers JSON", "html": "the API answers JSON; autotune report writes "
                      "HTML", "help": "see autotune COMMAND --help"}
 PATH_DESTS = ("dataset", "model", "config", "dataset_config")  # + every model-file key (clip_l, t5xxl, ...)
-BUILTIN = "builtin:"
 
 
 def _plain_text(value: str) -> str:

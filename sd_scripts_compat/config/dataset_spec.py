@@ -13,6 +13,15 @@ from typing import Any
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # the images a subset's folder holds
 
 
+def caption_extension_problem(extension: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> str | None:
+    """Why ``extension`` cannot be the captions' extension (it is the media's own, so each image would be read as
+    its own caption), or None."""
+    if extension.lower() in media:
+        return "an image extension, so each image would be read as its own caption; use the captions' extension " \
+               "(.txt, .caption)"
+    return None
+
+
 def normalize_caption_extension(extension: str) -> str:
     """sd-scripts' rule: a caption extension without its dot gets one ("txt" -> ".txt"); the case is kept."""
     return "." + extension if extension and not extension.startswith(".") else extension

@@ -662,11 +662,11 @@ SEED_MAX = 2**32 - 1  # numpy's seed range, which sd-scripts' set_seed feeds
 
 def _check_contradictions(out: dict[str, Any], where: Any) -> None:
     """Settings that cannot both hold, or that would train on the wrong thing, said instead of one ignored."""
-    from sd_scripts_compat.config.dataset_spec import IMAGE_EXTENSIONS
+    from sd_scripts_compat.config.dataset_spec import caption_extension_problem
 
-    if str(out["caption_extension"] or "").lower() in IMAGE_EXTENSIONS:
-        raise UserError(f"{where('caption_extension')}: {out['caption_extension']!r} is an image extension, so each "
-                        "image would be read as its own caption; use the captions' extension (.txt, .caption)")
+    problem = caption_extension_problem(str(out["caption_extension"] or ""))
+    if problem:
+        raise UserError(f"{where('caption_extension')}: {out['caption_extension']!r}: {problem}")
     if out["dim_from_weights"] and not out["network_weights"]:
         raise UserError(f"{where('dim_from_weights')}: reads the rank from network_weights, which is not given; "
                         "give network_weights or drop dim_from_weights")

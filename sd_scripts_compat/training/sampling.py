@@ -54,6 +54,11 @@ def parse_prompt_line(line: str, default: SamplePrompt) -> SamplePrompt:
             sample = replace(sample, **{name: cast(value.strip())})
         except ValueError:
             raise UserError(f"sample prompt {line.strip()!r}: --{flag} needs a {cast.__name__}") from None
+    return _checked(sample, line)
+
+
+def _checked(sample: SamplePrompt, line: str) -> SamplePrompt:
+    """A prompt's values checked (``_check_ranges``) and its size rounded as sd-scripts renders it."""
     _check_ranges(sample, line)
     return _sizes_as_sd_scripts_rounds(sample, line)
 
@@ -113,51 +118,46 @@ def read_sample_prompts(path: str | Path, resolution: tuple[int, int]) -> list[S
     if suffix == ".txt":
         lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
         return [parse_prompt_line(line, default) for line in lines]
-    return [entry if isinstance(entry, SamplePrompt) else parse_prompt_line(entry, default)
-            for entry in _prompt_tables(path, text, default)]
+    return _prompt_tables(path, text, default)
 
 
-def _prompt_tables(path: Path, text: str, default: SamplePrompt) -> list[SamplePrompt | str]:
-    """The prompts of a .toml / .json prompt file (sd-scripts' ``load_prompts``): tables, or lines to parse."""
+def _prompt_tables(path: Path, text: str, default: SamplePrompt) -> list[SamplePrompt]:
+    """The prompts of a .toml / .json prompt file (sd-scripts' ``load_prompts``): tables, or prompt lines."""
     import json
 
     import toml
 
     try:
         if path.suffix.lower() == ".toml":
-            data = toml.loads(text)
-            table = data.get("prompt") if isinstance(data, dict) else None
-            subsets = table.get("subset") if isinstance(table, dict) else None
-            if not isinstance(subsets, list):
+            table = toml.loads(text).get("prompt")
+            if not isinstance(table, dict) or not isinstance(table.get("subset"), list):
                 raise UserError(f"{path}: a .toml prompt file has [prompt] and [[prompt.subset]] tables")
-            entries: Any = [{**table, **subset} if isinstance(subset, dict) else subset for subset in subsets]
+            entries: Any = [{**table, **subset} if isinstance(subset, dict) else subset for subset in table["subset"]]
         else:
             entries = json.loads(text)
     except (ValueError, TypeError, RecursionError) as error:
         raise UserError(f"{path}: not a valid {path.suffix.lower()[1:]} prompt file ({str(error)[:120]})") from None
     if not isinstance(entries, list):
         raise UserError(f"{path}: a .json prompt file is a list of prompt tables or lines")
-    return [entry if isinstance(entry, str) else _prompt_from_table(path, entry, default) for entry in entries]
+    return [parse_prompt_line(entry, default) if isinstance(entry, str) else _prompt_from_table(path, entry, default)
+            for entry in entries]
 
 
 def _prompt_from_table(path: Path, table: Any, default: SamplePrompt) -> SamplePrompt:
     if not isinstance(table, dict):
         raise UserError(f"{path}: each prompt is a table (prompt, width, height, ...) or a line, got {table!r:.40}")
-    sample = default
+    fields: dict[str, Any] = {}
     for key, value in table.items():
         if key not in PROMPT_KEYS:
             raise UserError(f"{path}: prompt key {key!r} is not one sd-scripts reads; use "
                             f"{', '.join(k for k in PROMPT_KEYS if PROMPT_KEYS[k][0])}")
         field, kind = PROMPT_KEYS[key]
-        ok = isinstance(value, kind) and not isinstance(value, bool) or (kind is float and isinstance(value, int)
-                                                                         and not isinstance(value, bool))
-        if not ok:
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
             raise UserError(f"{path}: prompt key {key} = {value!r:.40}: give a {kind.__name__}")
         if field:
-            sample = replace(sample, **{field: value})
-    line = f"{path.name}: {sample.prompt[:60]}"
-    _check_ranges(sample, line)
-    return _sizes_as_sd_scripts_rounds(sample, line)
+            fields[field] = value
+    sample = replace(default, **fields)
+    return _checked(sample, f"{path.name}: {sample.prompt[:60]}")
 
 
 def build_pipeline(bundle: Any, sampler: str) -> Any:
