@@ -1079,6 +1079,10 @@ OWN_47 = [
         t, "config.toml", "dataset.toml"))), "autotune did not write"),
     Case("run-out-over-a-users-config", lambda t: ["autotune", "run", str(dataset(t)), "--model", TINY, "--out",
                                                    str(config(t / "mine").parent)], "autotune did not write"),
+    Case("engine-min-timestep-above-max", lambda t: engine(t, min_timestep=600, max_timestep=500),
+         "above max_timestep"),
+    Case("engine-max-timestep-1001", lambda t: engine(t, max_timestep=1001), "max_timestep"),
+    Case("engine-min-timestep-negative", lambda t: engine(t, min_timestep=-1), "min_timestep"),
     Case("doctor-html-over-a-lora", lambda t: ["autotune", "doctor", str(dataset(t)), "--html",
                                                str(lora_like(t / "l.safetensors"))], "did not write"),
 ]
