@@ -48,7 +48,7 @@ def build(args: argparse.Namespace, swap_blocks: int, device: Any) -> tuple[Any,
 def run(args: argparse.Namespace, swap_blocks: int, device: Any) -> dict[str, float]:
     import torch
 
-    from sd_scripts_compat.training.flow_matching import flux_prediction
+    from sd_scripts_compat.runtimes.flow_matching import flux_prediction
 
     model, swap, loras = build(args, swap_blocks, device)
     optimizer = torch.optim.AdamW([p for lora in loras for p in lora.parameters()], lr=1e-4)

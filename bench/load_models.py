@@ -34,8 +34,8 @@ def main() -> int:
     start = time.perf_counter()
     import torch
 
-    from sd_scripts_compat.models.loading import load_base_model
     from sd_scripts_compat.models.single_file import save_single_file
+    from sd_scripts_compat.runtimes import load_base_model
     print(f"imports (torch, engine): {time.perf_counter() - start:.2f} s")
     torch.set_num_threads(max(1, torch.get_num_threads()))
 

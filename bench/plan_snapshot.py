@@ -3,14 +3,14 @@
     python bench/plan_snapshot.py OUT_DIR [--dataset examples/dataset]
     python bench/plan_snapshot.py --compare BEFORE AFTER   # TOML byte for byte, JSON outside "settings"
 
-For families sd15, sd2, sd2-v, sdxl, goals character and style, and the cards ``--vram 6/8/12/16/24/48``,
+For every full-size family, goals character and style, and the cards ``--vram 6/8/12/16/24/48``,
 ``--gpu "RTX 3060"``, ``--gpu "RTX 4090"`` and two RTX 3060s, writes ``OUT_DIR/<case>/plan.json``
 (``autotune plan ... --json``) and ``OUT_DIR/<case>/out/`` (``--out``: config.toml, dataset.toml and the
 JSON printed with it). ``diff -r BEFORE AFTER`` shows every difference; ``--compare`` tells whether two
-snapshots agree where a refactor must not change anything: config.toml / dataset.toml byte for byte, and
-each JSON (exit code included) outside its ``settings`` block.
+snapshots agree where a refactor must not change anything: every file the plan wrote byte for byte (JSON
+files as data), and each printed plan (exit code included) outside its ``settings`` block.
 
-The CLI runs in-process (72 cases x 2 in about a minute). ``--cpu-cores 8`` pins the one value that
+The CLI runs in-process (342 cases x 2 in about three minutes). ``--cpu-cores 8`` pins the one value that
 depends on this machine. Paths under OUT_DIR written into the files are replaced by ``@OUT@``, so
 snapshots taken into different folders compare equal; the dataset's own path is left as it is.
 """
@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FAMILIES = ("sd15", "sd2", "sd2-v", "sdxl")
+FAMILIES = ("anima", "chroma", "flux-dev", "flux-schnell", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b",
+            "hunyuan-image-2.1", "lumina2", "qwen-image", "sd15", "sd2", "sd2-v", "sd3.5-large", "sd3.5-medium", "sdxl",
+            "wan2.1-t2v-1.3b", "wan2.2-t2v-a14b", "z-image")  # every full-size family
 GOALS = ("character", "style")
 CARDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     *((f"vram{gb}", ("--vram", str(gb))) for gb in (6, 8, 12, 16, 24, 48)),
@@ -68,16 +70,18 @@ def snapshot(out_dir: Path, dataset: Path, families: tuple[str, ...] = FAMILIES)
                 code, text = run_cli([*base, "--out", str(case / "out")])
                 (case / "out").mkdir(exist_ok=True)
                 (case / "out" / "plan.json").write_text(f"exit {code}\n{normalise(text, out_dir)}", encoding="utf-8")
-                for name in ("config.toml", "dataset.toml"):
-                    path = case / "out" / name
-                    if path.is_file():
+                for path in (case / "out").rglob("*"):  # every file the plan wrote (musubi's too)
+                    if path.is_file() and path.name != "plan.json":
                         path.write_text(normalise(path.read_text(encoding="utf-8"), out_dir), encoding="utf-8")
                 cases += 1
     return cases
 
 
 def _json_without_settings(path: Path) -> tuple[str, object]:
+    """(exit code, JSON without ``settings``) of a printed plan; a file the plan wrote is compared whole."""
     code, _, text = path.read_text(encoding="utf-8").partition("\n")
+    if not code.startswith("exit "):
+        return "", json.loads(code + "\n" + text)
     data = json.loads(text)
     if isinstance(data, dict):
         data.pop("settings", None)
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, nargs="?", help="folder to write the snapshot into")
     parser.add_argument("--dataset", type=Path, default=ROOT / "examples" / "dataset")
     parser.add_argument("--families", default=",".join(FAMILIES),
-                        help=f"comma-separated builtin families (default {','.join(FAMILIES)}; flux-dev also plans)")
+                        help="comma-separated builtin families (default: every full-size family)")
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"),
                         help="compare two snapshots instead of taking one")
     args = parser.parse_args(argv)

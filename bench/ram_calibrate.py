@@ -59,7 +59,7 @@ def file_load(path: Path, dtype: str) -> tuple[int, int]:
     """Loading ``path`` as the engine does, into ``dtype`` ("float32": a CPU plan; "bfloat16": a GPU plan)."""
     from autotune.estimate.ram_model import RamInputs, predict_ram
 
-    code = ("import sys, torch; from sd_scripts_compat.models.loading import load_base_model; "
+    code = ("import sys, torch; from sd_scripts_compat.runtimes import load_base_model; "
             "dtype = getattr(torch, sys.argv[2]); load_base_model(sys.argv[1], dtype=dtype, vae_dtype=dtype)")
     measured = peak_rss([sys.executable, "-c", code, str(path), dtype])
     predicted = predict_ram(RamInputs(family="sd15", resolution=512, batch_size=1, num_images=1, num_workers=0,

@@ -222,7 +222,7 @@ def test_no_tracked_file_names_a_machine_path():
 # reaches the commands by name only.
 TUNER_LAYERS = ("hardware", "estimate", "calibration", "measure", "planning", "doctor", "recovery", "report",
                 "launch", "wizard", "ui", "commands")
-ENGINE_LAYERS = ("data", "models", "config", "dataset", "caching", "network", "training")
+ENGINE_LAYERS = ("data", "models", "config", "dataset", "caching", "network", "runtimes", "training")
 
 
 def folder_graph(package: str) -> dict[str, set[str]]:
@@ -335,6 +335,49 @@ def test_no_two_sibling_folders_import_each_other():
 def test_the_tuner_and_the_engine_keep_their_declared_layer_order():
     assert layer_violations(folder_graph("autotune"), TUNER_LAYERS) == []
     assert layer_violations(folder_graph(PACKAGE), ENGINE_LAYERS) == []
+
+
+# ---- what a trained family does its own way lives in its runtime (sd_scripts_compat/runtimes) -------------
+
+RUNTIMES = ENGINE / "runtimes"
+FAMILY_KEYS = ("kohya_script", "runtime")  # family data that names who trains it and how
+
+
+def family_branches(source: str, families: set[str]) -> list[str]:
+    """Comparisons that branch on which family this is: a family's ``kohya_script`` or ``runtime`` against a
+    literal, or a literal family name against family data (a ``.name``, anything named ``family``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        parts = [part for side in (node.left, *node.comparators) for part in ast.walk(side)]
+        literals = {p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)}
+        attributes = {p.attr for p in parts if isinstance(p, ast.Attribute)}
+        names = {p.id for p in parts if isinstance(p, ast.Name)} | attributes
+        on_family = "name" in attributes or any("family" in n for n in names)
+        if (literals and attributes & set(FAMILY_KEYS)) or (literals & families and on_family):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_family_branch_check_finds_one_put_back():
+    from sd_scripts_compat.models.families import family_names
+
+    families = set(family_names())
+    assert family_branches('if model.family.kohya_script == "sd3_train_network.py":\n    pass', families)
+    assert family_branches('if spec.name in ("sdxl", "tiny-sdxl"):\n    pass', families)
+    assert family_branches('ok = family == "flux-dev"', families)
+    assert not family_branches('if layout == "sdxl" or out["model_type"] == "chroma":\n    pass', families)
+
+
+def test_no_family_branch_outside_the_runtimes():
+    from sd_scripts_compat.models.families import family_names
+
+    families = set(family_names())
+    found = [f"{path.relative_to(ROOT)}:{line}" for package in (ENGINE, ROOT / "autotune")
+             for path in sorted(package.rglob("*.py")) if RUNTIMES not in path.parents
+             for line in family_branches(path.read_text(encoding="utf-8"), families)]
+    assert found == []
 
 
 def test_the_wizard_starts_runs_through_the_function_autotune_run_uses():

@@ -135,8 +135,8 @@ def test_files_that_cannot_be_read_cheaply(tmp_path):
 def test_cheap_and_strict_detection_agree_on_a_real_checkpoint(tmp_path):
     """A real tiny single file: the header-only detector and the engine's loader (every shape) say the same."""
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.loading import load_base_model
     from sd_scripts_compat.models.single_file import save_single_file
+    from sd_scripts_compat.runtimes import load_base_model
 
     path = save_single_file(build_modules(get_family("tiny-sdxl"), seed=3), tmp_path / "tiny.safetensors")
     assert detect_family(str(path)).name == "tiny-sdxl"

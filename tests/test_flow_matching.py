@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sd_scripts_compat.training.flow_matching import (
+from sd_scripts_compat.runtimes.flow_matching import (
     FlowMatchSettings,
     apply_prediction_type,
     flow_loss,

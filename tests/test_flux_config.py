@@ -132,7 +132,7 @@ def test_settings_from_files_knows_the_flux_script(tmp_path):
 def test_a_local_t5_tokenizer_reaches_the_loader(tmp_path):
     """``--t5xxl_tokenizer`` (ours: sd-scripts downloads google/t5-v1_1-xxl's): parsed, and the engine's loader
     reads it, so a folder without a tokenizer.json is the loader's one-line error naming that folder."""
-    from sd_scripts_compat.models.loading import load_base_model
+    from sd_scripts_compat.runtimes import load_base_model
 
     empty = tmp_path / "no_tokenizer"
     empty.mkdir()

@@ -14,8 +14,8 @@ from sd_scripts_compat.models.detect import detect_family
 from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.flux_files import save_flux_files
 from sd_scripts_compat.models.flux_layout import to_bfl, to_diffusers
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.models.single_file import save_single_file
+from sd_scripts_compat.runtimes import load_base_model
 
 
 def _parts(bundle):

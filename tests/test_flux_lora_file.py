@@ -24,7 +24,6 @@ from fixtures.diffusers_load import load_lora_complaints
 
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.network.lora import FusedLoRAModule, create_network
 from sd_scripts_compat.network.lora_file import (
     TrainingFacts,
@@ -33,6 +32,7 @@ from sd_scripts_compat.network.lora_file import (
     read_lora_file,
     save_lora_file,
 )
+from sd_scripts_compat.runtimes import load_base_model
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = Path(__file__).parent / "data" / "kohya"

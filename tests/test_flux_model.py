@@ -12,8 +12,8 @@ import torch
 from sd_scripts_compat.config.network_args import NetworkArgs, parse_network_args
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.network.lora import FusedLoRAModule, create_network
+from sd_scripts_compat.runtimes import load_base_model
 
 REFERENCE = Path(__file__).parent / "data" / "kohya"  # copies of shared/reference/kohya/keys_flux_*.json
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 from PIL import Image
 
-from sd_scripts_compat.training.flux_sampling import flux_schedule, render_flux_samples
+from sd_scripts_compat.runtimes.flux_sampling import flux_schedule, render_flux_samples
 from sd_scripts_compat.training.sampling import SamplePrompt, parse_prompt_line
 
 SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,

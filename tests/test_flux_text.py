@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.models.t5_tokenizer import find_t5_tokenizer, load_t5_tokenizer, train_unigram_t5_tokenizer
-from sd_scripts_compat.models.text_encoding import encode_prompts, tokenize_flux
+from sd_scripts_compat.models.text_encoding import tokenize_flux
+from sd_scripts_compat.runtimes import encode_prompts, load_base_model
 
 CAPTIONS = ["a photo of sks dog", "a red chair in a garden, studio light, high quality, detailed portrait"]
 

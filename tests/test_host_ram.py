@@ -138,7 +138,7 @@ WRITE_SD15 = ("import sys, torch; from sd_scripts_compat.models.build import bui
               "save_single_file(build_modules(get_family('sd15'), dtype=torch.float16), sys.argv[1], "
               "dtype=torch.float16)")
 # what the engine's recipe does: the weights straight into the dtype they train in (the VAE fp32 on a CPU)
-LOAD = ("import sys, torch; from sd_scripts_compat.models.loading import load_base_model; "
+LOAD = ("import sys, torch; from sd_scripts_compat.runtimes import load_base_model; "
         "dtype = getattr(torch, sys.argv[2]); load_base_model(sys.argv[1], dtype=dtype, vae_dtype=dtype)")
 
 

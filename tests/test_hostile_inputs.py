@@ -227,8 +227,8 @@ def lora_with(path: Path, value: float) -> Path:
     """A LoRA for builtin:tiny-sd15 (made by training nothing: a fresh network's weights) with one bad value."""
     from safetensors.torch import save_file
 
-    from sd_scripts_compat.models.loading import load_base_model
     from sd_scripts_compat.network.lora import create_network
+    from sd_scripts_compat.runtimes import load_base_model
 
     network = create_network(load_base_model(TINY), network_dim=4, network_alpha=4.0)
     state = {k: v.detach().clone().contiguous() for k, v in network.state_dict().items()}

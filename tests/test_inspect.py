@@ -90,8 +90,8 @@ def test_inspect_reads_a_100_mb_lora_from_its_header_without_torch_in_under_a_se
 
     from safetensors.numpy import save_file
 
-    from sd_scripts_compat.models.loading import load_base_model
     from sd_scripts_compat.network.lora import create_network
+    from sd_scripts_compat.runtimes import load_base_model
 
     network = create_network(load_base_model("builtin:sd15", device="meta"), network_dim=128, network_alpha=64.0)
     tensors = {key: (np.full((), 64.0, np.float16) if key.endswith(".alpha") else

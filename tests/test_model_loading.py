@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules, load_tokenizer
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.loading import BUILTIN_IDS, load_base_model
+from sd_scripts_compat.models.loading import BUILTIN_IDS
 from sd_scripts_compat.models.single_file import original_state_dict, save_single_file
+from sd_scripts_compat.runtimes import load_base_model
 
 
 def _state_equal(a, b):

@@ -20,9 +20,9 @@ from sd_scripts_compat.config.training_config import load_training_config
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.network.lora import block_index, create_network
 from sd_scripts_compat.network.lora_file import read_lora_file
+from sd_scripts_compat.runtimes import load_base_model
 
 REFERENCE = Path(__file__).parent / "data" / "kohya"
 

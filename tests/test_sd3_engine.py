@@ -93,7 +93,7 @@ def test_bad_sd3_input_is_one_line(tmp_path, changes, said):
 def test_sample_sigmas_are_sd_scripts_schedule():
     """sd3_train_utils.get_all_sigmas with ModelSamplingDiscreteFlow(shift=3.0): 1.0 first, shift(0.001) last,
     then 0; each a shifted linear timestep."""
-    from sd_scripts_compat.training.sd3_sampling import sd3_sigmas
+    from sd_scripts_compat.runtimes.sd3_sampling import sd3_sigmas
 
     sigmas = sd3_sigmas(30)
     shift = lambda t: 3.0 * t / (1 + 2.0 * t)  # noqa: E731

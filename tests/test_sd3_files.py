@@ -16,9 +16,9 @@ from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.detect import detect_family
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.models.sd3_files import save_sd3_files, to_sd3
 from sd_scripts_compat.network.lora_file import read_lora_file
+from sd_scripts_compat.runtimes import load_base_model
 
 
 @pytest.fixture(scope="module")

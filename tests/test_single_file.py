@@ -12,7 +12,6 @@ from safetensors import safe_open
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.loading import load_base_model
 from sd_scripts_compat.models.single_file import (
     Checkpoint,
     detect_family,
@@ -21,6 +20,7 @@ from sd_scripts_compat.models.single_file import (
     original_state_dict,
     save_single_file,
 )
+from sd_scripts_compat.runtimes import load_base_model
 
 
 def _modules(bundle):

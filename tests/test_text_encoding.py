@@ -12,7 +12,8 @@ from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
-from sd_scripts_compat.models.text_encoding import encode_prompts, sdxl_time_ids, tokenize
+from sd_scripts_compat.models.text_encoding import sdxl_time_ids, tokenize
+from sd_scripts_compat.runtimes import encode_prompts
 
 LONG = ", ".join(f"tag{i} word{i}" for i in range(60))  # well over 75 tokens
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_hostile_inputs import ENV, config
 
-from sd_scripts_compat.training.objectives import NoiseSettings, sample_noise_and_timesteps
+from sd_scripts_compat.runtimes.noise_prediction import NoiseSettings, sample_noise_and_timesteps
 
 
 @pytest.mark.parametrize(("low", "high", "allowed"), [(500, 500, {500}), (0, 0, {0}), (1000, 1000, {1000}),

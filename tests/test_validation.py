@@ -14,8 +14,9 @@ from sd_scripts_compat.config.training_config import load_training_config
 from sd_scripts_compat.dataset.train_dataset import TrainDataset, build_dataset
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.runtimes import TextOptions, runtime_for
+from sd_scripts_compat.runtimes.noise_prediction import NoiseSettings
 from sd_scripts_compat.training.conditioning import Conditioner
-from sd_scripts_compat.training.objectives import NoiseSettings
 from sd_scripts_compat.training.validation import ValidationRun
 
 
@@ -55,7 +56,7 @@ def validation_run(dataset: TrainDataset, bundle, *flags: str) -> ValidationRun:
 
     config = load_training_config(["--validate_every_n_steps", "5", *flags], sdxl=False)
     scheduler = DDPMScheduler.from_config(bundle.scheduler_config)
-    conditioner = Conditioner(bundle, max_token_length=None, clip_skip=None, dtype=torch.float32)
+    conditioner = Conditioner(bundle, runtime_for(bundle.family), TextOptions(dtype=torch.float32))
     return ValidationRun(dataset, config, 0, unet=bundle.unet, conditioner=conditioner, noise_scheduler=scheduler,
                          dtype=torch.float32, accelerator=Accelerator(cpu=True), noise_settings=NoiseSettings(),
                          alphas_cumprod=scheduler.alphas_cumprod)

@@ -55,7 +55,7 @@ def engine_script(model: str, config: Path, kohya_args: list[str]) -> str:
     from sd_scripts_compat.models.detect import detect_family
 
     if Path(model).suffix.lower() not in PICKLE_SUFFIXES or not Path(model).is_file():
-        return detect_family(model).kohya_script.removesuffix(".py")
+        return detect_family(model).script
     if "--allow_pickle" not in kohya_args and flat_values(read_toml(config)).get("allow_pickle") is not True:
         raise UserError(f"{model} is a pickle checkpoint, which can run code when loaded; convert it to "
                         ".safetensors (preferred) or pass --allow_pickle to load it with weights_only=True")

@@ -158,7 +158,7 @@ def options_from_config(config: str | os.PathLike[str], dataset_config: str | os
     from sd_scripts_compat.config.settings_space import settings_from_files
 
     spec = resolve_family(model, family)
-    script = spec.kohya_script.removesuffix(".py") if spec else "train_network"
+    script = spec.script if spec else "train_network"
     default = (spec.resolution, spec.resolution) if spec else (DEFAULT_RESOLUTION, DEFAULT_RESOLUTION)
     resolved = settings_from_files(config, dataset_config, script=script, default_resolution=default,
                                    train_data_dir=_train_data_dir(dataset_dir))

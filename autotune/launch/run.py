@@ -573,7 +573,7 @@ def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namesp
 
     model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
     family = detect_family(model, getattr(args, "family", None))
-    resolved = settings_from_files(config_path, dataset_path, script=family.kohya_script.removesuffix(".py"),
+    resolved = settings_from_files(config_path, dataset_path, script=family.script,
                                    default_resolution=(family.resolution, family.resolution))
     check_blocks_to_swap(family, resolved.settings.blocks_to_swap)
     return family, resolved

@@ -51,7 +51,7 @@ def is_musubi_plan(plan: Plan) -> bool:
 
 def training_options(plan: Plan, family: FamilySpec) -> dict[str, Any]:
     """The plan's kohya values as musubi's training options (checked against its table)."""
-    script = family.kohya_script.removesuffix(".py")
+    script = family.script
     table = musubi_options(script)
     out: dict[str, Any] = {}
     for key, value in plan.kohya_values().items():

@@ -31,7 +31,7 @@ from sd_scripts_compat.dataset.cache_entries import (
 from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.text_encoding import check_max_token_length, encode_prompts
+from sd_scripts_compat.models.text_encoding import check_max_token_length, encode_clip_prompts
 
 if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle
@@ -90,9 +90,10 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     shuffle/dropout/warm-up keys are a UserError naming the key, as in sd-scripts. Identical captions
     are encoded once. Disk files ``<image name>.<key>.te.safetensors`` record the caption, the encoders'
     fingerprint, ``max_token_length``, ``clip_skip`` and dtype, and are rebuilt when any differ; those of
-    images in a folder we cannot write to go under ``cache_dir`` (when given). ``encode(captions)`` replaces
-    ``encode_prompts`` where the run encodes its own way (FLUX.1: ``max_token_length`` is then T5's length);
-    ``variant`` names what else changes the outputs (FLUX.1: the T5 mask), so a file made without it is rebuilt."""
+    images in a folder we cannot write to go under ``cache_dir`` (when given). ``encode(captions)`` is the run's
+    (its family runtime's encoding; default ``encode_clip_prompts``, SD 1/2/XL); ``max_token_length`` is then the
+    length it records (FLUX.1: T5's) and ``variant`` what else changes the outputs (FLUX.1: the T5 mask), so a
+    file made otherwise is rebuilt (``runtimes.FamilyRuntime.text_cache_key``)."""
     import torch
 
     for subset in dataset.subsets:
@@ -146,7 +147,7 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
         for start in range(0, len(unique), max(1, batch_size)):
             chunk = unique[start: start + max(1, batch_size)]
             out = encode(chunk) if encode is not None else \
-                encode_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
+                encode_clip_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
             for i, caption in enumerate(chunk):
                 pooled = out.pooled[i].cpu().clone() if out.pooled is not None else None
                 mask = getattr(out, "attention_mask", None)

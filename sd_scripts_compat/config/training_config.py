@@ -159,7 +159,7 @@ def network_modules(script: str) -> tuple[str, ...]:
     from sd_scripts_compat.models.families import family_names, get_family
 
     return tuple(dict.fromkeys(get_family(name).network_module for name in family_names()
-                               if get_family(name).kohya_script == f"{script}.py"))
+                               if get_family(name).script == script))
 
 _KIND_WORDS = {
     "store_true": "true or false",
@@ -709,7 +709,7 @@ def most_blocks_to_swap(script: str) -> int:
     from sd_scripts_compat.models.families import family_names, get_family
 
     return max((get_family(name).max_blocks_to_swap for name in family_names()
-                if get_family(name).kohya_script == f"{script}.py"), default=0)
+                if get_family(name).script == script), default=0)
 
 
 def _normalize_offload(out: dict[str, Any], where: Any, warnings: list[str]) -> None:

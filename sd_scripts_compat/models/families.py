@@ -13,6 +13,7 @@ model is.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -21,6 +22,9 @@ from typing import Any
 from sd_scripts_compat.errors import UserError
 
 FAMILY_DIR = Path(__file__).resolve().parents[1] / "data" / "families"
+# further folders of family JSON files (os.pathsep-separated), read after ours: a family tried before it joins
+# ``data/families`` (a name of ours cannot be replaced)
+FAMILY_PATH_ENV = "SD_COMPAT_FAMILY_PATH"
 CLIP_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "clip_tokenizer"
 
 
@@ -96,6 +100,9 @@ class FamilySpec:
     # who trains a family our engine does not: "sd-scripts" (its ``kohya_script``) or "musubi-tuner" (kohya's
     # second trainer, for Qwen-Image, FLUX.2, Wan and Z-Image; ``musubi`` holds its script facts)
     trainer: str = "sd-scripts"
+    # our engine's runtime for the family (``runtimes/<runtime>.py``, or a dotted module path): how it is loaded,
+    # encoded, trained and sampled; None: our engine does not train it
+    runtime: str | None = None
     # how ``blocks_to_swap`` splits over two block lists: "kohya" (sd-scripts' n // 2 double, (n - n // 2) * 2
     # single) or "musubi_flux2" (musubi's FLUX.2 ratio rule, ``Flux2.enable_block_swap``)
     swap_rule: str = "kohya"
@@ -196,9 +203,14 @@ class FamilySpec:
                 f"got {width},{height}")
 
     @property
+    def script(self) -> str:
+        """The entry point that trains it, without ``.py`` (``sdxl_train_network``): sd-scripts' and ours."""
+        return self.kohya_script.removesuffix(".py")
+
+    @property
     def engine_module(self) -> str:
         """Our engine's module for ``kohya_script`` (``python -m sd_scripts_compat.sdxl_train_network``)."""
-        return "sd_scripts_compat." + self.kohya_script.removesuffix(".py")
+        return "sd_scripts_compat." + self.script
 
 
 def swap_split(blocks_to_swap: int, num_double: int, num_single: int, *, resident: int = 0,
@@ -269,14 +281,24 @@ def max_musubi_flux2_swap(num_double: int, num_single: int) -> int:
         n += 1
 
 
+def family_files() -> dict[str, Path]:
+    """Family name -> its JSON file: ours, then those of ``SD_COMPAT_FAMILY_PATH``'s folders."""
+    files: dict[str, Path] = {}
+    extra = [Path(folder) for folder in os.environ.get(FAMILY_PATH_ENV, "").split(os.pathsep) if folder]
+    for folder in (FAMILY_DIR, *extra):
+        for path in sorted(folder.glob("*.json")):
+            files.setdefault(path.stem, path)
+    return files
+
+
 def family_names() -> list[str]:
-    return sorted(path.stem for path in FAMILY_DIR.glob("*.json"))
+    return sorted(family_files())
 
 
 @cache
 def get_family(name: str) -> FamilySpec:
-    path = FAMILY_DIR / f"{name}.json"
-    if not path.is_file():
+    path = family_files().get(name)
+    if path is None:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(family_names())}")
     raw = json.loads(path.read_text(encoding="utf-8"))
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])

@@ -1,4 +1,5 @@
-"""``load_base_model``: one entry point for every way a user holds a base model, all offline.
+"""Loading the base models of the UNet families, and what every load shares. ``runtimes.load_base_model`` is the
+one entry point for every way a user holds a base model, all offline; each family's runtime loads its own.
 
 Accepted specs:
   builtin:<id>                random-weight families (tiny ones for demos/tests, full-size ones for
@@ -34,57 +35,19 @@ DIFFUSERS_TEXT_PARTS = ("text_encoder", "text_encoder_2")
 DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
 
 
-def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, allow_pickle: bool = False,
-                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    clip_l: str | None = None, t5xxl: str | None = None, ae: str | None = None,
-                    clip_g: str | None = None, vae: str | None = None, t5xxl_tokenizer: str | None = None,
-                    vae_dtype: torch.dtype | None = None) -> ModelBundle:
-    """Load (or build) a base model from ``spec``; see the module docstring for the accepted forms.
-
-    ``family`` is the user's statement of what the model is (e.g. ``sd2-v`` for an SD2 768-v file
-    without a v-prediction marker); a model that contradicts it is a UserError naming both.
-    ``clip_l`` / ``t5xxl`` / ``ae`` / ``t5xxl_tokenizer`` are kohya's FLUX part options
-    (``models.flux_files``); a FLUX transformer file or folder goes there by itself. An SD3 file or built-in goes
-    to ``models.sd3_files`` with ``clip_l`` / ``clip_g`` / ``t5xxl`` / ``vae``; ``vae`` (sd-scripts' option)
-    replaces an SD model's VAE too. ``dtype`` is the dtype the
-    weights train in (the VAE's ``vae_dtype``, default ``dtype``; both default fp32): each tensor is cast as it is
-    read, so loading holds the modules, not the file beside them.
-    """
+def before_loading(family: str | None) -> None:
+    """What every load does first: a stated family must exist (one line otherwise); the test hook's delay."""
     if family is not None:
         known_family(family, ENGINE_STATED_BY)
     if os.environ.get(LOAD_DELAY_ENV):
         import time
 
         time.sleep(float(os.environ[LOAD_DELAY_ENV]))
-    text = os.fspath(spec)
-    if clip_g or _is_sd3_source(text, family):
-        from sd_scripts_compat.models.sd3_files import load_sd3_model
-
-        return load_sd3_model(text, parts={"clip_l": clip_l, "clip_g": clip_g, "t5xxl": t5xxl, "vae": vae},
-                              t5xxl_tokenizer=t5xxl_tokenizer, family=family, device=device, dtype=dtype,
-                              vae_dtype=vae_dtype)
-    bundle = _load_other(text, family=family, allow_pickle=allow_pickle, device=device, dtype=dtype,
-                         parts={"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae, "t5xxl_tokenizer": t5xxl_tokenizer},
-                         vae_dtype=vae_dtype)
-    if vae and str(device) != "meta":
-        from sd_scripts_compat.models.single_file import load_vae_file
-
-        if bundle.family.flow_matching:
-            raise UserError(f"vae = {vae}: {bundle.family.description} takes its autoencoder as ae; rename the key")
-        bundle.vae = load_vae_file(vae, bundle.family, vae_dtype or dtype).to(device)
-    return bundle
 
 
-def _load_other(text: str, *, family: str | None, allow_pickle: bool, device: str | torch.device,
-                dtype: torch.dtype | None, parts: dict[str, str | None], vae_dtype: torch.dtype | None
-                ) -> ModelBundle:
-    """Every model but SD3: FLUX files, built-ins, diffusers folders, SD single files."""
-    clip_l, t5xxl, ae, t5xxl_tokenizer = (parts[k] for k in ("clip_l", "t5xxl", "ae", "t5xxl_tokenizer"))
-    if any((clip_l, t5xxl, ae, t5xxl_tokenizer)) or _is_flux_source(text):
-        from sd_scripts_compat.models.flux_files import load_flux_model
-
-        return load_flux_model(text, clip_l=clip_l, t5xxl=t5xxl, ae=ae, t5xxl_tokenizer=t5xxl_tokenizer,
-                               family=family, device=device, dtype=dtype, vae_dtype=vae_dtype)
+def load_sd_model(text: str, *, family: str | None, allow_pickle: bool, device: str | torch.device,
+                  dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
+    """A built-in, a diffusers folder or an original-layout single file (SD 1/2/XL; every built-in)."""
     if text.startswith(BUILTIN_PREFIX):
         return _load_builtin(text, family=family, device=device, dtype=dtype, vae_dtype=vae_dtype)
     path = Path(text).expanduser()
@@ -96,35 +59,17 @@ def _load_other(text: str, *, family: str | None, allow_pickle: bool, device: st
                             vae_dtype=vae_dtype)
 
 
-def _is_sd3_source(text: str, family: str | None) -> bool:
-    """An SD3 built-in, single file or diffusers folder (its family's ``single_file_layout``, from the header or
-    the configs alone)."""
-    path = Path(text).expanduser()
-    if not (text.startswith(BUILTIN_PREFIX) or path.is_dir()
-            or (path.is_file() and path.suffix.lower() == ".safetensors")):
-        return False
-    try:
-        return detect_family(text, family, stated_by=ENGINE_STATED_BY).single_file_layout == "sd3"
-    except UserError:
-        return False  # the family's own loader says what is wrong, in its words
+def replace_vae(bundle: ModelBundle, vae: str | None, *, device: str | torch.device,
+                dtype: torch.dtype | None) -> ModelBundle:
+    """kohya's ``vae``: a VAE file replaces the bundle's (not on the meta device); a flow-matching family
+    takes its autoencoder as ``ae`` instead (one line)."""
+    if vae and str(device) != "meta":
+        from sd_scripts_compat.models.single_file import load_vae_file
 
-
-def _is_flux_source(text: str) -> bool:
-    """A FLUX transformer file or folder (by its header or config; builtin ids load as they are)."""
-    from sd_scripts_compat.models.detect import denoiser_config_file
-
-    path = Path(text).expanduser()
-    if text.startswith(BUILTIN_PREFIX) or not path.exists():
-        return False
-    if path.is_dir():
-        config = denoiser_config_file(path)
-        return config is not None and config.parent.name != "unet"
-    if path.suffix.lower() != ".safetensors":
-        return False
-    from sd_scripts_compat.models.checkpoint import read_checkpoint
-    from sd_scripts_compat.models.flux_layout import is_bfl_transformer
-
-    return is_bfl_transformer(read_checkpoint(path, header_only=True).shapes)
+        if bundle.family.flow_matching:
+            raise UserError(f"vae = {vae}: {bundle.family.description} takes its autoencoder as ae; rename the key")
+        bundle.vae = load_vae_file(vae, bundle.family, dtype).to(device)
+    return bundle
 
 
 def _load_builtin(model: str, *, family: str | None, device: str | torch.device,

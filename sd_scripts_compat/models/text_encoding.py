@@ -145,19 +145,10 @@ def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_sk
     return TextConditioning(states, pooled)
 
 
-def encode_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length: int | None = None,
-                   clip_skip: int | None = None, dtype: Any = None, t5xxl_max_token_length: int | None = None,
-                   apply_t5_attn_mask: bool = False, apply_lg_attn_mask: bool = False) -> TextConditioning:
-    """Tokenize and encode captions with every text encoder of the bundle (on their current devices).
-
-    ``t5xxl_max_token_length`` / ``apply_t5_attn_mask`` are kohya's FLUX and SD3 options, ``apply_lg_attn_mask``
-    SD3's (all ignored by SD families). SD3's: :func:`encode_sd3_tokens`."""
-    if bundle.family.kohya_script == "sd3_train_network.py":
-        return encode_sd3_tokens(bundle, tokenize_sd3(bundle, captions, t5xxl_max_token_length), dtype=dtype,
-                                 apply_lg_attn_mask=apply_lg_attn_mask, apply_t5_attn_mask=apply_t5_attn_mask)
-    if any(te.tokenizer_kind == "t5" for te in bundle.family.text_encoders):
-        ids = tokenize_flux(bundle, captions, t5xxl_max_token_length)
-        return encode_flux_tokens(bundle, ids, apply_t5_attn_mask=apply_t5_attn_mask, dtype=dtype)
+def encode_clip_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length: int | None = None,
+                        clip_skip: int | None = None, dtype: Any = None) -> TextConditioning:
+    """Tokenize and encode captions with every CLIP text encoder of the bundle (on their current devices): SD
+    1.x/2.x and SDXL. Each family's runtime chooses its own encoding (``runtimes.encode_prompts``)."""
     ids = [tokenize(tokenizer, captions, max_token_length) for tokenizer in bundle.tokenizers]
     return encode_tokens(bundle, ids, clip_skip=clip_skip, dtype=dtype)
 

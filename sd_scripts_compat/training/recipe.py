@@ -38,6 +38,7 @@ from sd_scripts_compat.contract import (
 )
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.runtimes import TextOptions
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
 from sd_scripts_compat.training.compiled_blocks import (
     CompiledBlocks,
@@ -58,7 +59,6 @@ from sd_scripts_compat.training.devices import (
 )
 from sd_scripts_compat.training.faults import FaultPlan
 from sd_scripts_compat.training.monitor import start_monitor
-from sd_scripts_compat.training.objectives import NoiseSettings
 from sd_scripts_compat.training.phase_report import PhaseReporter, size_on_disk
 from sd_scripts_compat.training.phase_timer import PhaseTimer, tensorboard_scalars
 from sd_scripts_compat.training.precision import DynamicLossScale
@@ -78,11 +78,12 @@ if TYPE_CHECKING:
     from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, TrainDataset
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.network.lora import LoRANetwork
+    from sd_scripts_compat.runtimes import FamilyRuntime
+    from sd_scripts_compat.runtimes.flow_matching import FlowMatchingObjective
+    from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
+    from sd_scripts_compat.runtimes.sd3_flow import Sd3FlowObjective
     from sd_scripts_compat.training.block_swap import BlockSwap
     from sd_scripts_compat.training.faults import FaultyObjective
-    from sd_scripts_compat.training.flow_matching import FlowMatchingObjective
-    from sd_scripts_compat.training.objectives import NoisePredictionObjective
-    from sd_scripts_compat.training.sd3_flow import Sd3FlowObjective
     from sd_scripts_compat.training.train_state import TrainCounters
 
     # what the loop calls ``forward`` / ``loss`` / ``fixed_forward`` on (the family's objective, maybe with faults)
@@ -161,14 +162,15 @@ def setup_process(config: TrainingConfig) -> Process:
 class Model:
     bundle: ModelBundle
     family: FamilySpec
+    runtime: FamilyRuntime  # what the family does its own way: encoding, conditioning, objective, sampling
     vae_scale: int  # pixels per latent pixel
     v_parameterization: bool
     train_text_encoder: bool  # whether the LoRA has text-encoder modules that learn
 
 
 def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model:
-    from sd_scripts_compat.models.loading import load_base_model
     from sd_scripts_compat.models.weight_check import check_finite
+    from sd_scripts_compat.runtimes import load_base_model, runtime_for
 
     parts = {"clip_l": config.clip_l, "clip_g": config.clip_g, "t5xxl": config.t5xxl, "ae": config.ae,
              "vae": config.vae, "t5xxl_tokenizer": config.t5xxl_tokenizer}  # FLUX.1's and SD3's separate files
@@ -186,7 +188,7 @@ def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model
     if family.flux_model_type and config.model_type != family.flux_model_type:
         raise UserError(f"{config.pretrained_model_name_or_path}: a {family.description} model; set model_type = "
                         f"{family.flux_model_type!r} (sd-scripts' --model_type)")
-    if family.kohya_script.removesuffix(".py") != _script(config, sdxl):
+    if family.script != _script(config, sdxl):
         raise UserError(f"{config.pretrained_model_name_or_path}: this is a {family.description} model; "
                         f"train it with {family.engine_module}")
     if config.xformers:
@@ -195,7 +197,7 @@ def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         bundle.unet.set_attn_processor(AttnProcessor2_0())
-    return Model(bundle=bundle, family=family, vae_scale=vae_scale,
+    return Model(bundle=bundle, family=family, runtime=runtime_for(family), vae_scale=vae_scale,
                  v_parameterization=bool(config.v_parameterization) or family.v_parameterization,
                  train_text_encoder=not config.network_train_unet_only and config.text_encoders_lr != 0)
 
@@ -251,11 +253,11 @@ class Inputs:
 def cache_inputs(config: TrainingConfig, process: Process, model: Model, data: Data,
                  progress: Callable[[int], None] | None = None) -> Inputs:
     """Latents, then text-encoder outputs, when cached; ``progress(n)``: n more images done (phase.json)."""
-    conditioner = Conditioner(model.bundle, max_token_length=config.max_token_length, clip_skip=config.clip_skip,
-                              dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
-                              apply_lg_attn_mask=bool(config.apply_lg_attn_mask),
-                              t5_max_length=config.t5xxl_max_token_length
-                              or getattr(model.family, "t5xxl_max_token_length", None))
+    options = TextOptions(max_token_length=config.max_token_length, clip_skip=config.clip_skip,
+                          dtype=process.weight_dtype, apply_t5_attn_mask=bool(config.apply_t5_attn_mask),
+                          apply_lg_attn_mask=bool(config.apply_lg_attn_mask),
+                          t5xxl_max_token_length=config.t5xxl_max_token_length or model.family.t5xxl_max_token_length)
+    conditioner = Conditioner(model.bundle, model.runtime, options)
     cached_latents = _cache_latents(config, process, model, data, progress)
     cached_text = _cache_text(config, process, model, data, conditioner, progress)
     return Inputs(cached_latents=cached_latents, cached_text=cached_text, conditioner=conditioner)
@@ -307,17 +309,14 @@ def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Da
                                   "their outputs are cached in memory")
     if not cached:
         return False
-    own = conditioner.flow_matching  # FLUX.1 encodes CLIP-L + T5 (length t5xxl_max_token_length)
+    length, variant = model.runtime.text_cache_key(conditioner.options)  # what the cache files record
     encoded = reused = 0
     for dataset in data.all:
         stats = cache_text_encoder_outputs(dataset, model.bundle, device=process.device, dtype=process.weight_dtype,
-                                   to_disk=bool(config.cache_text_encoder_outputs_to_disk),
-                                   max_token_length=conditioner.t5_max_length if own else config.max_token_length,
-                                   clip_skip=config.clip_skip, is_main_process=process.is_main,
-                                   cache_dir=cache_dir(process), encode=conditioner.encode if own else None,
-                                   variant=(f"+t5_mask={conditioner.apply_t5_attn_mask}" + (
-                                       "+lg_mask=True" if conditioner.apply_lg_attn_mask else "")) if own else "",
-                                   progress=progress)
+                                           to_disk=bool(config.cache_text_encoder_outputs_to_disk),
+                                           max_token_length=length, clip_skip=config.clip_skip,
+                                           is_main_process=process.is_main, cache_dir=cache_dir(process),
+                                           encode=conditioner.encode, variant=variant, progress=progress)
         encoded, reused = encoded + stats.encoded, reused + stats.reused
     if config.cache_text_encoder_outputs_to_disk:
         process.accelerator.print(f"text-encoder cache: {encoded} captions encoded, {reused} images reused from disk")
@@ -474,26 +473,9 @@ def build_optimization(config: TrainingConfig, process: Process, network: Networ
 
 
 def build_objective(config: TrainingConfig, process: Process, model: Model) -> Objective:
-    """The family's training objective (its data's ``objective``): DDPM noise prediction (SD) or
-    flow matching (FLUX.1); both give the loop ``forward`` / ``loss`` / ``fixed_forward``."""
-    from diffusers import DDPMScheduler
-
-    from sd_scripts_compat.training.objectives import NoisePredictionObjective
-
-    if model.family.kohya_script == "sd3_train_network.py":  # SD3's flow matching, as its script defines it
-        from sd_scripts_compat.training.sd3_flow import Sd3FlowObjective, Sd3FlowSettings
-
-        return Sd3FlowObjective(Sd3FlowSettings.from_config(config))
-    if getattr(model.family, "objective", "noise_prediction") == "flow_matching":
-        from sd_scripts_compat.training.flow_matching import FlowMatchingObjective, FlowMatchSettings
-
-        return FlowMatchingObjective(FlowMatchSettings.from_config(config), process.device)
-    noise_scheduler = DDPMScheduler.from_config(model.bundle.scheduler_config)
-    noise = NoiseSettings(noise_offset=config.noise_offset, min_timestep=config.min_timestep or 0,
-                          max_timestep=1000 if config.max_timestep is None else config.max_timestep,  # 0 is 0
-                          v_parameterization=model.v_parameterization,
-                          min_snr_gamma=config.min_snr_gamma)
-    return NoisePredictionObjective(noise_scheduler, noise_scheduler.alphas_cumprod.to(process.device), noise)
+    """The family's training objective, from its runtime: DDPM noise prediction (SD), flow matching (FLUX.1,
+    SD3); each gives the loop ``forward`` / ``loss`` / ``fixed_forward``."""
+    return model.runtime.build_objective(config, process.device, model.bundle, model.v_parameterization)
 
 
 # ---- 7. Resume -------------------------------------------------------------------------------------
@@ -590,7 +572,8 @@ def build_checkpointer(config: TrainingConfig, process: Process, model: Model, d
         sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
         tag_frequency=data.train.tag_frequencies, dataset_dirs=data.train.dataset_dirs(),
         training_comment=config.training_comment,
-        extra={**({"ss_autotune_retries": json.dumps(retries)} if retries else {}), **_family_metadata(config, model)},
+        extra={**({"ss_autotune_retries": json.dumps(retries)} if retries else {}),
+               **model.runtime.file_metadata(config)},
     )
     return Checkpointer(paths=process.paths, policy=SavePolicy.from_config(config), network=network.network,
                         optimizer=unwrap_optimizer(optimization.optimizer), lr_scheduler=optimization.lr_scheduler,
@@ -788,7 +771,7 @@ def micro_step(r: Recipe, loop: LoopState, counters: TrainCounters, batch: dict[
     import torch
 
     from sd_scripts_compat.caching.latent_cache import encode_images, latent_factors
-    from sd_scripts_compat.training.objectives import step_generator
+    from sd_scripts_compat.training.train_state import step_generator
 
     process, objective, unet, phase = r.process, r.objective, r.model.bundle.unet, r.phases.phase
     with phase("to_device"):
@@ -958,7 +941,7 @@ def finish_interrupted(r: Recipe, counters: TrainCounters) -> int:
     stops = r.stops or StopSignals()
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
-        program = r.model.family.kohya_script.removesuffix(".py")
+        program = r.model.family.script
         print(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
               f"(continue with --resume {folder})", file=sys.stderr)
     return stops.exit_code
@@ -1014,24 +997,9 @@ def _captions_fixed(datasets: list[TrainDataset]) -> bool:
     return all(caption_is_deterministic(subset) is None for dataset in datasets for subset in dataset.subsets)
 
 
-def _family_metadata(config: TrainingConfig, model: Model) -> dict[str, str]:
-    """Metadata the family's objective adds (FLUX.1: sd-scripts' flow-matching ss_ keys)."""
-    if getattr(model.family, "objective", "") != "flow_matching":
-        return {}
-    if model.family.kohya_script == "sd3_train_network.py":
-        from sd_scripts_compat.training.sd3_flow import sd3_metadata
-
-        return sd3_metadata(config)
-    from sd_scripts_compat.training.flow_matching import flux_metadata
-
-    return flux_metadata(config)
-
-
 def _script(config: TrainingConfig, sdxl: bool) -> str:
     """The entry point this run was started as (``kohya_args.SCRIPTS``)."""
-    if getattr(config, "script", None) in ("flux_train_network", "sd3_train_network"):
-        return config.script
-    return "sdxl_train_network" if sdxl else "train_network"
+    return getattr(config, "script", None) or ("sdxl_train_network" if sdxl else "train_network")
 
 
 def _family_from_headers(config: TrainingConfig, sdxl: bool) -> FamilySpec | None:
@@ -1057,8 +1025,8 @@ def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
     from sd_scripts_compat.models.detect import family_for_kohya_flags
 
-    if sdxl or _script(config, sdxl) in ("flux_train_network", "sd3_train_network"):
-        return None  # detected from the file; load_model checks it is SDXL / FLUX / SD3
+    if _script(config, sdxl) != "train_network":
+        return None  # detected from the file; load_model checks the entry point trains its family
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 

@@ -4,8 +4,8 @@ A prompt file line is ``a prompt --n negative --w 512 --h 512 --s 20 --l 7.5 --d
 with ``#`` are comments. As in sd-scripts' ``load_prompts``, a ``.toml`` file holds ``[prompt]`` defaults and
 ``[[prompt.subset]]`` prompts, a ``.json`` file a list of such tables (or of prompt lines), by kohya's keys
 (``prompt``, ``negative_prompt``, ``width``, ``height``, ``sample_steps``, ``scale``, ``seed``, ``guidance_scale``).
-Rendering uses diffusers' pipelines built from the bundle's modules, so the
-LoRA (already hooked into those modules) is what is seen.
+Rendering is the family runtime's (``runtimes``): it uses the bundle's modules, so the LoRA (already hooked into
+those modules) is what is seen.
 """
 
 from __future__ import annotations
@@ -14,20 +14,14 @@ import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.quiet import libraries_quiet
 
-SAMPLERS = {
-    "ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "euler": "EulerDiscreteScheduler",
-    "k_euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
-    "k_euler_a": "EulerAncestralDiscreteScheduler", "heun": "HeunDiscreteScheduler",
-    "dpm_2": "KDPM2DiscreteScheduler", "k_dpm_2": "KDPM2DiscreteScheduler",
-    "dpm_2_a": "KDPM2AncestralDiscreteScheduler", "k_dpm_2_a": "KDPM2AncestralDiscreteScheduler",
-    "dpmsolver": "DPMSolverMultistepScheduler", "dpmsolver++": "DPMSolverMultistepScheduler",
-    "dpmsingle": "DPMSolverSinglestepScheduler",
-}
+if TYPE_CHECKING:
+    from sd_scripts_compat.training.conditioning import Conditioner
+
 _OPTION = re.compile(r"\s--(n|w|h|s|l|d|g)\s+")
 
 
@@ -160,41 +154,8 @@ def _prompt_from_table(path: Path, table: Any, default: SamplePrompt) -> SampleP
     return _checked(sample, f"{path.name}: {sample.prompt[:60]}")
 
 
-def build_pipeline(bundle: Any, sampler: str) -> Any:
-    import diffusers
-
-    scheduler_class = getattr(diffusers, SAMPLERS.get(sampler.lower(), "DDIMScheduler"))
-    scheduler = scheduler_class.from_config(bundle.scheduler_config)
-    if bundle.family.is_sdxl:
-        return diffusers.StableDiffusionXLPipeline(
-            vae=bundle.vae, text_encoder=bundle.text_encoders[0], text_encoder_2=bundle.text_encoders[1],
-            tokenizer=bundle.tokenizers[0], tokenizer_2=bundle.tokenizers[1], unet=bundle.unet, scheduler=scheduler)
-    return diffusers.StableDiffusionPipeline(
-        vae=bundle.vae, text_encoder=bundle.text_encoders[0], tokenizer=bundle.tokenizers[0], unet=bundle.unet,
-        scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-
-
-def render_samples(bundle: Any, prompts: list[SamplePrompt], *, sampler: str, out_dir: Path, name: str,
-                   device: Any, dtype: Any, clip_skip: int | None = None) -> list[Path]:
-    """Render each prompt to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
-    import torch
-
-    from sd_scripts_compat.training.sample_files import write_each
-
-    pipeline = build_pipeline(bundle, sampler)
-    pipeline.set_progress_bar_config(disable=True)
-    extra = {"clip_skip": clip_skip - 1} if clip_skip and clip_skip > 1 and not bundle.family.is_sdxl else {}
-
-    def render(sample: SamplePrompt, width: int, height: int, seed: int) -> Any:
-        return pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None, width=width,
-                        height=height, num_inference_steps=sample.steps, guidance_scale=sample.guidance_scale,
-                        generator=torch.Generator(device="cpu").manual_seed(seed), **extra).images[0]
-
-    return write_each(prompts, render, step=8, out_dir=out_dir, name=name, device=device, dtype=dtype)
-
-
 def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: Any, resolution: tuple[int, int], *,
-                           out_dir: Path, name: str, conditioner: Any = None) -> None:
+                           out_dir: Path, name: str, conditioner: Conditioner) -> None:
     """Render ``sample_prompts`` on the main process with the LoRA as trained so far.
 
     Encoders that caching moved off the device come back for the render and leave again; the
@@ -211,19 +172,8 @@ def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: An
         encoder.to(accelerator.device)
     try:
         with libraries_quiet():  # pipelines warn about their configs: nothing a trainer can act on
-            if conditioner is not None and bundle.family.kohya_script == "sd3_train_network.py":
-                from sd_scripts_compat.training.sd3_sampling import render_sd3_samples
-
-                render_sd3_samples(bundle, prompts, conditioner.encode, out_dir=out_dir, name=name,
-                                   device=accelerator.device, dtype=dtype)
-            elif conditioner is not None and conditioner.flow_matching:  # FLUX.1
-                from sd_scripts_compat.training.flux_sampling import render_flux_samples
-
-                render_flux_samples(bundle, prompts, conditioner.flux_texts, guidance_scale=config.guidance_scale,
-                                    out_dir=out_dir, name=name, device=accelerator.device, dtype=dtype)
-            else:
-                render_samples(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir,
-                               name=name, device=accelerator.device, dtype=dtype, clip_skip=config.clip_skip)
+            conditioner.runtime.render_samples(bundle, prompts, conditioner.encode, config=config, out_dir=out_dir,
+                                               name=name, device=accelerator.device, dtype=dtype)
     finally:
         bundle.vae.to(vae_device)
         for encoder, device, was_training in zip(bundle.text_encoders, text_devices, training[1:]):

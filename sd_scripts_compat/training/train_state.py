@@ -74,6 +74,15 @@ def _decode(value: Any, tensors: dict[str, Any]) -> Any:
     return value
 
 
+def step_generator(seed: int, global_step: int, micro_step: int, device: Any) -> Any:
+    """A generator that depends only on (seed, step): resumed runs draw the same noise."""
+    import torch
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + global_step * 257 + micro_step) % (2**63))
+    return generator
+
+
 def rng_state() -> dict[str, Any]:
     import numpy as np
     import torch

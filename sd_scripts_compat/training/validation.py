@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from sd_scripts_compat.runtimes.noise_prediction import NoiseSettings
 from sd_scripts_compat.training.conditioning import Conditioner
-from sd_scripts_compat.training.objectives import NoiseSettings
 
 VALIDATION_TIMESTEPS = (100, 300, 500, 700, 900)
 
@@ -23,7 +23,7 @@ class ValidationRun:
     def __init__(self, dataset: Any, config: Any, seed: int, *, unet: Any, conditioner: Conditioner,
                  noise_scheduler: Any = None, dtype: Any, accelerator: Any, noise_settings: NoiseSettings | None = None,
                  alphas_cumprod: Any = None, objective: Any = None) -> None:
-        from sd_scripts_compat.training.objectives import NoisePredictionObjective
+        from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
 
         self.dataset = dataset
         self.every_steps = config.validate_every_n_steps

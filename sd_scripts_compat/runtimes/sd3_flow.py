@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.training.flow_matching import NUM_TRAIN_TIMESTEPS, flow_loss, loss_weighting
+from sd_scripts_compat.runtimes.flow_matching import NUM_TRAIN_TIMESTEPS, flow_loss, loss_weighting
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ class Sd3FlowSettings:
 def sample_timesteps(settings: Sd3FlowSettings, batch: int, generator: torch.Generator,
                      device: Any) -> torch.Tensor:
     """Whole timesteps (as floats) for one batch: the scheme's density, shifted, scaled to the range."""
-    from sd_scripts_compat.training.flow_matching import FlowMatchSettings, _density
+    from sd_scripts_compat.runtimes.flow_matching import FlowMatchSettings, _density
 
     density = FlowMatchSettings(weighting_scheme=settings.weighting_scheme, logit_mean=settings.logit_mean,
                                 logit_std=settings.logit_std, mode_scale=settings.mode_scale)

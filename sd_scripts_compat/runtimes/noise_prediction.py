@@ -1,7 +1,8 @@
 """The diffusion training objective as sd-scripts defines it: noise, timesteps, target and loss.
 
-Plain tensor functions, no state: the loop passes a per-step ``torch.Generator`` so the noise of
-step N is the same whether the run went straight through or was resumed at step N.
+Plain tensor functions, no state: the loop passes a per-step ``torch.Generator``
+(``training.train_state.step_generator``) so the noise of step N is the same whether the run went straight
+through or was resumed at step N. The UNet runtime's objective (``runtimes.unet``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,6 @@ class NoiseSettings:
     max_timestep: int = 1000
     v_parameterization: bool = False
     min_snr_gamma: float | None = None
-
-
-def step_generator(seed: int, global_step: int, micro_step: int, device: torch.device) -> torch.Generator:
-    """A generator that depends only on (seed, step): resumed runs draw the same noise."""
-    import torch
-
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + global_step * 257 + micro_step) % (2**63))
-    return generator
 
 
 def sample_noise_and_timesteps(latents: torch.Tensor, settings: NoiseSettings,

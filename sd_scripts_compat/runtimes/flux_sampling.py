@@ -18,7 +18,7 @@ def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: in
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from sd_scripts_compat.training.flow_matching import flux_mu
+    from sd_scripts_compat.runtimes.flow_matching import flux_mu
 
     config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
     scheduler = FlowMatchEulerDiscreteScheduler(**config)
@@ -35,7 +35,7 @@ def render_flux_sample(bundle: Any, encode: Any, prompt: str, *, width: int, hei
     """One image (a PIL image). ``encode(captions) -> (t5_hidden, pooled, t5_mask or None)``."""
     import torch
 
-    from sd_scripts_compat.training.flow_matching import flux_prediction
+    from sd_scripts_compat.runtimes.flow_matching import flux_prediction
 
     vae, transformer = bundle.vae, bundle.unet
     scale = bundle.family.latent_downsample
@@ -61,7 +61,7 @@ def render_flux_sample(bundle: Any, encode: Any, prompt: str, *, width: int, hei
 def render_flux_samples(bundle: Any, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
                         name: str, device: Any, dtype: Any) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
-    from sd_scripts_compat.training.sample_files import write_each
+    from sd_scripts_compat.runtimes.sample_files import write_each
 
     def render(sample: Any, width: int, height: int, seed: int) -> Any:
         guidance = sample.guidance if getattr(sample, "guidance", None) is not None else guidance_scale

@@ -63,7 +63,7 @@ def render_sd3_sample(bundle: Any, encode: Any, sample: Any, *, width: int, heig
 def render_sd3_samples(bundle: Any, prompts: list[Any], encode: Any, *, out_dir: Path, name: str, device: Any,
                        dtype: Any) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
-    from sd_scripts_compat.training.sample_files import write_each
+    from sd_scripts_compat.runtimes.sample_files import write_each
 
     def render(sample: Any, width: int, height: int, seed: int) -> Any:
         return render_sd3_sample(bundle, encode, sample, width=width, height=height, seed=seed, device=device,
