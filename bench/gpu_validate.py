@@ -133,26 +133,55 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     compiles the UNet's repeated blocks as the engine's ``torch_compile`` does (the warm-up holds the compile);
     ``count_flops`` counts one extra micro-step's FLOPs (forward + backward) for the model-FLOP utilisation;
     ``channels_last`` forces the UNet's weight layout (None: the engine's rule, ``channels_last_for``)."""
-    import torch.nn.functional as F
-
-    from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.families import get_family
+
+    s = plan.settings
+    family = get_family(train_family)
+    cuda = device == "cuda"
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.mixed_precision) if cuda else None
+    # CPU: fp32 (the dry run checks the code path, not the numbers)
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    case = _build_case(torch, plan, family, device, amp_dtype or torch.float32, compile_backend, channels_last)
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, tier_gb * GIB / total), 0)
+        torch.cuda.reset_peak_memory_stats(0)
+    baseline_reserved = torch.cuda.memory_reserved(0) if cuda else 0
+    micro_step = _micro_step(torch, case, family, s, resolution or s.resolution[0], device, amp_dtype)
+    record: dict[str, Any] = {"oom": False, "error": None, "channels_last": case["channels_last"]}
+    _time_micro_steps(torch, micro_step, record, cuda=cuda, warmup=warmup, steps=steps,
+                      accum=s.gradient_accumulation_steps, count_flops=count_flops)
+    if case["compiled"] is not None:
+        from sd_scripts_compat.training.compiled_blocks import compile_summary
+
+        record["torch_compile"] = compile_summary(case["compiled"])
+    if cuda:
+        record["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(0))
+        record["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(0))
+        record["baseline_reserved_bytes"] = int(baseline_reserved)
+    case.clear()  # drop the model, network and optimizer before the next case
+    del micro_step
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    return record
+
+
+def _build_case(torch: Any, plan: Any, family: Any, device: str, weight_dtype: Any, compile_backend: str | None,
+                channels_last: bool | None) -> dict[str, Any]:
+    """The UNet (and trained text encoders) at the plan's precision, fp8 base, checkpointing and layout, its LoRA
+    and optimizer: one mutable holder, so the step closure sees the objects and cleanup drops them at once."""
+    from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.network.lora import create_network
     from sd_scripts_compat.training.devices import channels_last_for, to_channels_last
     from sd_scripts_compat.training.optim import make_optimizer
     from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
-    s = plan.settings
-    family = get_family(train_family)
-    res = resolution or s.resolution[0]
-    cuda = device == "cuda"
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.mixed_precision)
-    if not cuda:
-        amp_dtype = None  # CPU: fp32 (the dry run checks the code path, not the numbers)
-    weight_dtype = amp_dtype or torch.float32
-
-    if cuda:
-        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    s, cuda = plan.settings, device == "cuda"
     bundle = build_modules(family, device=device, dtype=None, seed=0)
     bundle.vae = None  # latents are cached: kohya moves the VAE off the GPU
     if s.cache_text_encoder_outputs:
@@ -160,8 +189,6 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     unet = bundle.unet.to(weight_dtype)
     text_encoders = [te.to(weight_dtype) for te in bundle.text_encoders]
     train_te = not s.network_train_unet_only
-    if not train_te:
-        text_encoders = text_encoders if not s.cache_text_encoder_outputs else []
     if s.fp8_base and cuda:
         store_frozen_weights_in_fp8(unet, weight_dtype)
     if s.gradient_checkpointing:
@@ -187,32 +214,29 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     optimizer_args = dict(item.split("=", 1) for item in values.get("optimizer_args", []))
     optimizer_args = {k: _literal(v) for k, v in optimizer_args.items()}
     optimizer, _ = make_optimizer(s.optimizer_type, groups, values["learning_rate"], optimizer_args)
-    scaler = torch.amp.GradScaler("cuda") if cuda and amp_dtype == torch.float16 else None
-    # One mutable holder, so the step closure sees the objects and cleanup can drop them all at once.
-    state: dict[str, Any] = {"unet": unet, "text_encoders": text_encoders, "optimizer": optimizer,
-                             "network": network, "bundle": bundle}
-    del unet, text_encoders, optimizer, network, bundle, groups
+    return {"unet": unet, "text_encoders": text_encoders, "optimizer": optimizer, "network": network,
+            "bundle": bundle, "train_te": train_te, "weight_dtype": weight_dtype, "compiled": compiled,
+            "channels_last": bool(channels_last)}
 
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, tier_gb * GIB / total), 0)
-        torch.cuda.reset_peak_memory_stats(0)
-    baseline_reserved = torch.cuda.memory_reserved(0) if cuda else 0
 
-    mb, accum = s.train_batch_size, s.gradient_accumulation_steps
+def _micro_step(torch: Any, case: dict[str, Any], family: Any, s: Any, res: int, device: str,
+                amp_dtype: Any) -> Callable[[int], None]:
+    """One micro-step on random latents and conditioning (the optimizer steps at each accumulation's end)."""
+    import torch.nn.functional as F
+
+    mb, accum, weight_dtype = s.train_batch_size, s.gradient_accumulation_steps, case["weight_dtype"]
     latent = res // 8
     cross = family.unet["cross_attention_dim"]
     generator = torch.Generator(device="cpu").manual_seed(0)
+    scaler = torch.amp.GradScaler("cuda") if device == "cuda" and amp_dtype == torch.float16 else None
 
     def micro_step(i: int) -> None:
         lat = torch.randn(mb, 4, latent, latent, generator=generator).to(device)
         noise = torch.randn(mb, 4, latent, latent, generator=generator).to(device)
         timesteps = torch.randint(0, 1000, (mb,), generator=generator).to(device)
         with torch.autocast(device_type=device, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            text_encoders = state["text_encoders"]
-            if train_te and text_encoders:
+            text_encoders = case["text_encoders"]
+            if case["train_te"] and text_encoders:
                 vocab = int(text_encoders[0].config.vocab_size)
                 ids = torch.randint(0, vocab - 1, (mb, 77), generator=generator).to(device)
                 states = [te(ids, output_hidden_states=True).hidden_states[-2] for te in text_encoders]
@@ -229,7 +253,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
                     "text_embeds": torch.randn(mb, pooled, generator=generator).to(device, weight_dtype),
                     "time_ids": torch.tensor([[res, res, 0, 0, res, res]] * mb, device=device, dtype=weight_dtype),
                 }
-            pred = state["unet"]((lat + noise).to(weight_dtype), timesteps, cond, **kwargs).sample
+            pred = case["unet"]((lat + noise).to(weight_dtype), timesteps, cond, **kwargs).sample
             loss = F.mse_loss(pred.float(), noise.float()) / accum
         if scaler is not None:
             scaler.scale(loss).backward()
@@ -237,13 +261,18 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
             loss.backward()
         if (i + 1) % accum == 0:
             if scaler is not None:
-                scaler.step(state["optimizer"])
+                scaler.step(case["optimizer"])
                 scaler.update()
             else:
-                state["optimizer"].step()
-            state["optimizer"].zero_grad(set_to_none=True)
+                case["optimizer"].step()
+            case["optimizer"].zero_grad(set_to_none=True)
 
-    record: dict[str, Any] = {"oom": False, "error": None, "channels_last": bool(channels_last)}
+    return micro_step
+
+
+def _time_micro_steps(torch: Any, micro_step: Callable[[int], None], record: dict[str, Any], *, cuda: bool,
+                      warmup: int, steps: int, accum: int, count_flops: bool) -> None:
+    """Warm-up, then whole optimizer steps timed into ``record`` (an OOM is recorded, not raised)."""
     timed = 0
     start = None
     began = time.perf_counter()
@@ -254,7 +283,6 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
             with FlopCounterMode(display=False) as counter:
                 micro_step(accum - 1)  # a whole accumulation's last micro-step: its optimizer step holds no FLOPs
             record["flops_per_micro_step"] = counter.get_total_flops()
-        total_steps = warmup + steps
         # round the timed part up to whole optimizer steps so every timed micro-step has the same mix
         total_steps = warmup + max(accum, steps // accum * accum)
         for i in range(total_steps):
@@ -275,20 +303,6 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
         record["error"] = str(error).splitlines()[0][:300]
         record["measured_it_per_s"] = None
     record["timed_micro_steps"] = timed
-    if compiled is not None:
-        from sd_scripts_compat.training.compiled_blocks import compile_summary
-
-        record["torch_compile"] = compile_summary(compiled)
-    if cuda:
-        record["measured_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(0))
-        record["measured_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(0))
-        record["baseline_reserved_bytes"] = int(baseline_reserved)
-    state.clear()  # drop the model, network and optimizer before the next case
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    return record
 
 
 def failed_case(torch: Any, error: BaseException) -> dict[str, Any]:
@@ -367,6 +381,37 @@ def budgeted_rows(case: str, families: list[str], tier_gb: float, spent: bool, p
     return rows
 
 
+def unet_rows(torch: Any, spec: Any, families: list[str], tiers: list[float], args: argparse.Namespace, out: Path, *,
+              device: str, steps: int, warmup: int, over_budget: Callable[[], bool]) -> list[dict[str, Any]]:
+    """Each UNet family planned for each tier and trained at its plan (tiny twins in a dry run); a row each."""
+    dry = args.dry_run
+    rows: list[dict[str, Any]] = []
+    for family in families:
+        for tier in tiers:
+            name = f"{family}_{tier:g}gb"
+            if over_budget():
+                rows.append({"family": family, "tier_gb": tier, "skipped": "time budget spent"})
+                continue
+            plan = make_plan(family, tier, spec, args.goal)
+            if not plan.fits:
+                row = {"family": family, "tier_gb": tier, "skipped": plan.message, "oom": False}
+                rows.append(row)
+                write_json(out / f"{name}.json", row)
+                continue
+            case_start = time.perf_counter()
+            try:
+                measured = run_case(torch, plan, f"tiny-{family}" if dry else family, device, tier, steps, warmup,
+                                    resolution=64 if dry else None)
+            except Exception as error:  # noqa: BLE001 - one broken case (a missing kernel) must not end the lease
+                measured = failed_case(torch, error)
+            row = summarize(plan, measured, family, tier)
+            row["seconds"] = round(time.perf_counter() - case_start, 2)
+            rows.append(row)
+            write_json(out / f"{name}.json", row)
+            print(f"{name}: {row['seconds']} s, oom={row['oom']}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -390,29 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if not dry else "cpu (dry run)",
            "catalogue_card": spec.name, "dry_run": dry, "steps": steps, "warmup": warmup}
-    for family in families:
-        for tier in tiers:
-            name = f"{family}_{tier:g}gb"
-            if time.perf_counter() - began > args.budget:
-                rows.append({"family": family, "tier_gb": tier, "skipped": "time budget spent"})
-                continue
-            plan = make_plan(family, tier, spec, args.goal)
-            if not plan.fits:
-                row = {"family": family, "tier_gb": tier, "skipped": plan.message, "oom": False}
-                rows.append(row)
-                write_json(out / f"{name}.json", row)
-                continue
-            case_start = time.perf_counter()
-            try:
-                measured = run_case(torch, plan, f"tiny-{family}" if dry else family, device, tier, steps, warmup,
-                                    resolution=64 if dry else None)
-            except Exception as error:  # noqa: BLE001 - one broken case (a missing kernel) must not end the lease
-                measured = failed_case(torch, error)
-            row = summarize(plan, measured, family, tier)
-            row["seconds"] = round(time.perf_counter() - case_start, 2)
-            rows.append(row)
-            write_json(out / f"{name}.json", row)
-            print(f"{name}: {row['seconds']} s, oom={row['oom']}", flush=True)
+    rows += unet_rows(torch, spec, families, tiers, args, out, device=device, steps=steps, warmup=warmup,
+                      over_budget=lambda: time.perf_counter() - began > args.budget)
     dit_families = [f.strip() for f in args.dit_families.split(",") if f.strip()]
     dit_tiers = [float(t) for t in args.dit_tiers.split(",") if t.strip()]
     if dit_families and dit_tiers:  # the planned swap counts; a dry run plans them and steps the tiny twins

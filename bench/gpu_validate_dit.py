@@ -148,14 +148,40 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
     clip = {"frames": s.frames} if s.frames > 1 else {}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, oom, extra = [], None, {}
+
+    def micro_step() -> None:
+        with torch.device(device):
+            forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens, **clip)
+
+    measured = _timed_steps(torch, micro_step, opt, cuda=cuda, warmup=warmup, steps=steps,
+                            accum=s.gradient_accumulation_steps, count_flops=count_flops)
+    if compiled is not None:
+        from sd_scripts_compat.training.compiled_blocks import compile_summary
+
+        measured["torch_compile"] = compile_summary(compiled)
+    if cuda:
+        measured.update({"measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated()})
+    model = None  # the closure's cell: the model goes with the rest
+    del micro_step, bundle, opt, network, params, swap
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return measured
+
+
+def _timed_steps(torch: Any, micro_step: Any, opt: Any, *, cuda: bool, warmup: int, steps: int, accum: int,
+                 count_flops: bool) -> dict[str, Any]:
+    """Warm-up, then timed micro-steps (the optimizer steps at each accumulation's end); an OOM is recorded."""
+    times: list[float] = []
+    oom, extra = None, {}
     began = time.perf_counter()
     try:
         if count_flops:
             from torch.utils.flop_counter import FlopCounterMode
 
-            with FlopCounterMode(display=False) as counter, torch.device(device):
-                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens, **clip)
+            with FlopCounterMode(display=False) as counter:
+                micro_step()
             opt.zero_grad(set_to_none=True)
             extra["flops_per_micro_step"] = counter.get_total_flops()
         for i in range(warmup + steps):
@@ -164,9 +190,8 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
             if cuda:
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            with torch.device(device):
-                forward(model, phases, spec, s.train_batch_size, res, spec.denoiser_text_tokens, **clip)
-            if (i + 1) % s.gradient_accumulation_steps == 0:
+            micro_step()
+            if (i + 1) % accum == 0:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             if cuda:
@@ -175,20 +200,8 @@ def run_dit_case(torch: Any, settings: Any, family: str, tier: float, steps: int
                 times.append(time.perf_counter() - started)
     except torch.OutOfMemoryError as error:
         oom = str(error).splitlines()[0]
-    measured = {"oom": oom is not None, "oom_message": oom, "timed_micro_steps": len(times),
-                "measured_it_per_s": (len(times) / sum(times)) if times else None, **extra}
-    if compiled is not None:
-        from sd_scripts_compat.training.compiled_blocks import compile_summary
-
-        measured["torch_compile"] = compile_summary(compiled)
-    if cuda:
-        measured.update({"measured_peak_reserved_bytes": torch.cuda.max_memory_reserved(),
-                         "measured_peak_allocated_bytes": torch.cuda.max_memory_allocated()})
-    del model, bundle, opt, network, params, swap
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    return measured
+    return {"oom": oom is not None, "oom_message": oom, "timed_micro_steps": len(times),
+            "measured_it_per_s": (len(times) / sum(times)) if times else None, **extra}
 
 
 def _dry_row(torch: Any, plan: Any, family: str, tier: float, row: dict[str, Any]) -> None:

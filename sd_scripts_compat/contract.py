@@ -90,7 +90,6 @@ EVENTS_DIR_FLAG = "--autotune_events_dir"
 SAVE_STATE_EVERY_FLAG = "--save_state_every_seconds"
 RETRY_LOG_FLAG = "--autotune_retry_log"
 STATE_DIR_FLAG = "--autotune_state_dir"  # state folders go here instead of output_dir
-MONITOR_FLAG = "--autotune_monitor_seconds"
 MONITOR_FILE = "monitor.jsonl"  # in the events folder, beside the events
 PROGRESS_LOG = "progress.jsonl"  # every progress event, one line each, beside the events
 
@@ -197,10 +196,6 @@ class Outcome(str, Enum):
         """An attempt that ended this way is not retried."""
         return self in (Outcome.DONE, Outcome.USER_ERROR, Outcome.DISK_FULL, Outcome.BAD_DATA, Outcome.INTERRUPTED,
                         Outcome.CRASH)
-
-    @property
-    def out_of_memory(self) -> bool:
-        return self in (Outcome.OOM, Outcome.OS_KILL)
 
     @property
     def same_settings(self) -> bool:

@@ -178,6 +178,10 @@ def test_config_reads_sees_attributes_getattr_and_dataset_args():
     assert config_reads(source) == {"alpha", "beta", "delta", "zeta"}
 
 
+NORMALIZERS = ("_normalize", "_normalize_legacy", "_normalize_values", "_normalize_network", "_normalize_outputs",
+               "_normalize_flux")  # the reader's checks, one concern each
+
+
 def test_every_implemented_option_is_read_by_the_engine():
     from sd_scripts_compat.config.training_config import ALIASES, IMPLEMENTED
 
@@ -185,9 +189,9 @@ def test_every_implemented_option_is_read_by_the_engine():
     for path in sorted(ENGINE.rglob("*.py")):
         read |= config_reads(path.read_text(encoding="utf-8"))
     reader = (ENGINE / "config" / "training_config.py").read_text(encoding="utf-8")
-    in_normalize = literals_in_function(reader, "_normalize")
+    in_normalize = set().union(*(literals_in_function(reader, name) for name in NORMALIZERS))
     in_reader = in_normalize | literals_in_function(reader, "load_training_config") | \
-        literals_in_function(reader, "_normalize_flux")
+        literals_in_function(reader, "_read_config_file")
     read |= ALIASES & in_normalize  # deprecated spellings are mapped to their keys there
     read |= CHECKED_BY_THE_READER & in_reader
     unread = sorted(IMPLEMENTED - read)
@@ -335,6 +339,56 @@ def test_no_two_sibling_folders_import_each_other():
 def test_the_tuner_and_the_engine_keep_their_declared_layer_order():
     assert layer_violations(folder_graph("autotune"), TUNER_LAYERS) == []
     assert layer_violations(folder_graph(PACKAGE), ENGINE_LAYERS) == []
+
+
+# ---- the calibration tracers (fake-tensor traces, fits) serve bench/ and tests, never a run ---------------
+
+def test_no_product_module_imports_the_calibration_tracers():
+    graph = module_graph("autotune")
+    importers = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                       if target.startswith("autotune.calibration") and not module.startswith("autotune.calibration"))
+    assert importers == []
+
+
+def test_planning_and_the_engine_load_no_calibration_module(tmp_path):
+    """A real interpreter: ``autotune plan`` in-process, then the engine's modules; what got imported."""
+    code = ("import importlib, sys, contextlib, io\n"
+            "from autotune.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    assert main(['plan', {str(ROOT / 'examples' / 'dataset')!r}, '--model', 'builtin:tiny-sd15',"
+            f" '--vram', '8', '--out', {str(tmp_path / 'plan')!r}]) == 0\n"
+            "import sd_scripts_compat.training.recipe, sd_scripts_compat.runtimes.unet\n"
+            "print(sorted(m for m in sys.modules if m.startswith('autotune.calibration')))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+# ---- small parts: every function of the product and of bench/ at most 80 lines ---------------------------
+
+FUNCTION_LINES = 80
+
+
+def long_functions(source: str, limit: int = FUNCTION_LINES) -> list[str]:
+    """``name (lines)`` of each function (methods and nested ones included) longer than ``limit`` lines."""
+    return [f"{node.name} ({node.end_lineno - node.lineno + 1})" for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (node.end_lineno or node.lineno) - node.lineno + 1 > limit]
+
+
+def test_the_length_check_finds_a_long_function_put_back():
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_LINES))
+    assert long_functions(f"def grown():\n{body}\n") == [f"grown ({FUNCTION_LINES + 1})"]
+    assert long_functions(f"def fine():\n{body[: body.rindex(chr(10))]}\n") == []
+
+
+def test_no_function_longer_than_80_lines():
+    found = [f"{path.relative_to(ROOT)}: {name}" for folder in ("autotune", "sd_scripts_compat", "bench")
+             for path in sorted((ROOT / folder).rglob("*.py"))
+             for name in long_functions(path.read_text(encoding="utf-8"))]
+    assert found == []
 
 
 # ---- what a trained family does its own way lives in its runtime (sd_scripts_compat/runtimes) -------------

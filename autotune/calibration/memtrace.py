@@ -374,24 +374,13 @@ def trace_training_step(
     lora_param_bytes = _storage_bytes(lora_params)
 
     counter = LiveBytesCounter()
-    autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
+    step = dict(batch_size=batch_size, resolution=resolution, module_dtype=module_dtype,
+                autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision),
+                cache_latents=cache_latents, train_text_encoder=train_text_encoder,
+                cache_text_encoder_outputs=cache_text_encoder_outputs)
     with fake_mode:
-        opt, simulated, state_tensors = steady_state_optimizer(optimizer, lora_params)
-        optimizer_state_bytes = _storage_bytes(state_tensors)
-        counter.register([*frozen, *lora_params, *state_tensors])
-        counter.reset_peak()
-
-        with counter.mode(), _attention_context(attention):
-            _forward_backward(bundle, spec, counter, batch_size=batch_size, resolution=resolution,
-                              module_dtype=module_dtype, autocast_dtype=autocast_dtype, cache_latents=cache_latents,
-                              train_text_encoder=train_text_encoder,
-                              cache_text_encoder_outputs=cache_text_encoder_outputs)
-            grads = [p.grad for p in lora_params if p.grad is not None]
-            lora_grad_bytes = _storage_bytes(grads)
-            del grads
-            counter.phase = "optimizer"
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        simulated, optimizer_state_bytes, lora_grad_bytes = _counted_step(
+            bundle, spec, counter, optimizer, lora_params, frozen, attention, step)
 
     persistent = weights_bytes + lora_param_bytes + lora_grad_bytes + optimizer_state_bytes
     return TraceResult(
@@ -405,6 +394,25 @@ def trace_training_step(
         peak_phase=counter.peak_phase, phase_peaks=dict(counter.phase_peaks), optimizer_state_simulated=simulated,
         seconds=round(time.perf_counter() - started, 2),
     )
+
+
+def _counted_step(bundle: Any, spec: Any, counter: LiveBytesCounter, optimizer: str, lora_params: list[Any],
+                  frozen: list[Any], attention: str, step: dict[str, Any]) -> tuple[bool, int, int]:
+    """One forward, backward and optimizer step under ``counter`` (inside the caller's fake mode): whether the
+    optimizer state was simulated, its bytes, and the LoRA gradients' bytes."""
+    opt, simulated, state_tensors = steady_state_optimizer(optimizer, lora_params)
+    optimizer_state_bytes = _storage_bytes(state_tensors)
+    counter.register([*frozen, *lora_params, *state_tensors])
+    counter.reset_peak()
+    with counter.mode(), _attention_context(attention):
+        _forward_backward(bundle, spec, counter, **step)
+        grads = [p.grad for p in lora_params if p.grad is not None]
+        lora_grad_bytes = _storage_bytes(grads)
+        del grads
+        counter.phase = "optimizer"
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return simulated, optimizer_state_bytes, lora_grad_bytes
 
 
 def _build_for_trace(spec: Any, rank: int, weight_dtype: str, mixed_precision: str, train_text_encoder: bool,

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -368,6 +368,3 @@ def predict_memory(inputs: MemoryInputs, calibration: dict[str, Any] | None = No
     components["safety_margin"] = int(inputs.safety_margin_gib * GIB)
     return MemoryEstimate(inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes))
 
-
-def input_fields() -> list[str]:
-    return [f.name for f in fields(MemoryInputs)]

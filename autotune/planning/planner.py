@@ -71,7 +71,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune import __version__
 from autotune.planning.choices import Choice, PlanContext, plan_choices
@@ -121,10 +121,14 @@ from autotune.planning.resolution import (
     bucket_rules,
     is_tiny_scale,
 )
-from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, search, start_point
+from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
 from sd_scripts_compat.config.settings import TrainSettings
 from sd_scripts_compat.dataset.scan import VIDEO_EXTENSIONS
 from sd_scripts_compat.models.detect import detect_family
+
+if TYPE_CHECKING:
+    from autotune.measure.learned import LearnedFigures
+    from sd_scripts_compat.models.families import FamilySpec
 
 __all__ = [
     "CAPTION_EXTENSIONS", "DDP_EFFICIENCY", "GENERIC_GPU_NAME", "GIB", "GOALS", "GOAL_PROFILES", "IMAGE_EXTENSIONS",
@@ -238,9 +242,46 @@ def _device_label(gpus: Sequence[GpuTarget]) -> str:
     return ", ".join(labels)
 
 
+@dataclass(frozen=True)
+class _Searched:
+    """What the search was given and found: the facts the plan's choices are explained from."""
+
+    family: FamilySpec
+    dataset: DatasetSummary
+    goal: GoalProfile
+    devices: int
+    precision: str
+    precision_reason: str
+    usable: int
+    preferred_opt: str
+    t5_fp8: bool
+    te_cpu: bool
+    measured: LearnedFigures | None
+    predictor: Predictor
+    found: SearchResult
+
+
 def plan_training(request: PlanRequest) -> Plan:
     """Plan a LoRA training run; see the module docstring for every rule. Deterministic."""
     validate_request(request)
+    searched = _search_plan(request)
+    found, gpus = searched.found, request.gpus
+    device = _device_label(gpus)
+    cpu_threads = 1 if gpus else max(1, request.cpu_physical_cores)
+    common: dict[str, Any] = dict(
+        version=__version__, model=request.model, family=searched.family.name, goal=request.goal,
+        priority=request.priority, device=device, num_processes=searched.devices, dataset=searched.dataset,
+        cpu_threads=cpu_threads, fallbacks=found.fallbacks, warnings=tuple(searched.dataset.warnings),
+        probe_summary=request.probe_summary, output_dir=request.output_dir,
+        learned=_learned_lines(searched.predictor.excluded))
+    if found.chosen is None:
+        return Plan(fits=False, message=_nothing_fits(found.smallest, gpus, device), settings=None, choices=(),
+                    dataset_config={}, prediction=None, launch_command=(), **common)
+    return _fitting_plan(request, searched, found.chosen, common, device, cpu_threads)
+
+
+def _search_plan(request: PlanRequest) -> _Searched:
+    """The family, dataset and card read; the start point; the search over the settings space."""
     family = detect_family(request.model, request.family)
     validate_resolution(request.preferences.resolution, family)
     validate_frames(request.preferences.frames, family)
@@ -282,20 +323,19 @@ def plan_training(request: PlanRequest) -> Plan:
         found = replace(found, fallbacks=(f"your micro-batch {split[0]} x {split[1]} does not fit (needs "
                                           f"{need:.1f} GiB at the smallest settings, {usable / GIB:.1f} usable): "
                                           "the fastest split that does", *found.fallbacks))
-    learned = _learned_lines(predictor.excluded)
-    device = _device_label(gpus)
-    cpu_threads = 1 if gpus else max(1, request.cpu_physical_cores)
-    common = dict(version=__version__, model=request.model, family=family.name, goal=request.goal,
-                  priority=request.priority, device=device, num_processes=devices, dataset=dataset,
-                  cpu_threads=cpu_threads,
-                  fallbacks=found.fallbacks, warnings=tuple(dataset.warnings), probe_summary=request.probe_summary,
-                  output_dir=request.output_dir, learned=learned)
-    if found.chosen is None:
-        return Plan(fits=False, message=_nothing_fits(found.smallest, gpus, device), settings=None, choices=(),
-                    dataset_config={}, prediction=None, launch_command=(), **common)
+    return _Searched(family=family, dataset=dataset, goal=goal, devices=devices, precision=precision,
+                     precision_reason=precision_reason, usable=usable, preferred_opt=preferred_opt, t5_fp8=t5_fp8,
+                     te_cpu=te_cpu, measured=measured, predictor=predictor, found=found)
 
-    host_swap = decide_host_swap(found.chosen, predictor, usable=usable, host_ram=request.host_ram_bytes) \
-        if family.trainer == "musubi-tuner" and gpus else HostSwapChoice(found.chosen)
+
+def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, common: dict[str, Any], device: str,
+                  cpu_threads: int) -> Plan:
+    """The plan around the settings the search chose: host RAM, length, prediction, compile, choices."""
+    family, dataset, goal, devices = searched.family, searched.dataset, searched.goal, searched.devices
+    found, predictor, usable, gpus, prefs = searched.found, searched.predictor, searched.usable, request.gpus, \
+        request.preferences
+    host_swap = decide_host_swap(fitting, predictor, usable=usable, host_ram=request.host_ram_bytes) \
+        if family.trainer == "musubi-tuner" and gpus else HostSwapChoice(fitting)
     chosen = host_swap.chosen
     s = chosen.settings if prefs.alpha is None else replace(chosen.settings, network_alpha=prefs.alpha)
     effective_real = s.train_batch_size * s.gradient_accumulation_steps * devices
@@ -317,15 +357,15 @@ def plan_training(request: PlanRequest) -> Plan:
         optimizer_steps=length.steps, ram_peak_bytes=ram.estimate.peak_bytes, ram_usable_bytes=ram.usable_bytes,
         ram_components=tuple(ram.estimate.components.items()), **_sources(predictor.predict(s)),
     )
-    compiling = decide_compile(measured, s, seconds_per_step, length.steps, usable / 2**20 if gpus else None)
+    compiling = decide_compile(searched.measured, s, seconds_per_step, length.steps, usable / 2**20 if gpus else None)
     if compiling.on:
         s, prediction = replace(s, torch_compile=True, dynamo_backend=compiling.backend), compiled(prediction,
                                                                                                    compiling)
     context = PlanContext(request=request, family=family, dataset=dataset, goal=goal, settings=s, devices=devices,
                           effective=effective_real, epochs=length.epochs, steps=length.steps,
-                          target_views=length.target_views, precision_reason=precision_reason,
-                          fallbacks=found.fallbacks, preferred_opt=preferred_opt, usable=usable, peak=chosen.peak,
-                          workers=ram.workers, t5_fp8=t5_fp8, te_cpu=te_cpu,
+                          target_views=length.target_views, precision_reason=searched.precision_reason,
+                          fallbacks=found.fallbacks, preferred_opt=searched.preferred_opt, usable=usable,
+                          peak=chosen.peak, workers=ram.workers, t5_fp8=searched.t5_fp8, te_cpu=searched.te_cpu,
                           host_ram=chosen.host_ram, compile_reason=compiling.reason,
                           pinned_reason=host_swap.pinned_reason, offload_reason=host_swap.offload_reason)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
@@ -336,7 +376,8 @@ def plan_training(request: PlanRequest) -> Plan:
     choices = plan_choices(context)
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,
-                launch_command=launch_command(family, devices, precision, request.output_dir, cpu_threads),
+                launch_command=launch_command(family, devices, searched.precision, request.output_dir,
+                                               cpu_threads),
                 **common)
 
 
@@ -363,7 +404,7 @@ def _pinned_split(prefs: Any, effective: int, devices: int) -> tuple[int, int] |
     return max(1, round(effective / (prefs.accum * devices))), prefs.accum
 
 
-def learned_for(request: PlanRequest, family: str, devices: int) -> Any:
+def learned_for(request: PlanRequest, family: str, devices: int) -> LearnedFigures | None:
     """This device's measurements for ``family`` (None: none given, or a multi-GPU plan, which no single-device
     measurement describes)."""
     if not request.measurements or request.measured_device is None or devices > 1:

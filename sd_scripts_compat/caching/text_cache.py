@@ -80,6 +80,26 @@ def _save_text(path: Path, entry: TextEntry, metadata: dict[str, str]) -> None:
                         "use cache_text_encoder_outputs without _to_disk") from None
 
 
+def _encode_captions(unique: list[str], encode: Callable[[list[str]], Any], batch_size: int,
+                     progress: Callable[[int], None] | None) -> dict[str, TextEntry]:
+    """Each caption's outputs, encoded ``batch_size`` at a time without gradients, held on the CPU."""
+    import torch
+
+    encoded: dict[str, TextEntry] = {}
+    with torch.no_grad():
+        for start in range(0, len(unique), max(1, batch_size)):
+            chunk = unique[start: start + max(1, batch_size)]
+            out = encode(chunk)
+            for i, caption in enumerate(chunk):
+                pooled = out.pooled[i].cpu().clone() if out.pooled is not None else None
+                mask = getattr(out, "attention_mask", None)
+                mask = mask[i].cpu().clone() if mask is not None else None
+                encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled, mask)
+            if progress is not None:
+                progress(0)  # captions, not images: the phase is alive, its image count unchanged
+    return encoded
+
+
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
                                batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
                                clip_skip: int | None = None, is_main_process: bool = True,
@@ -94,8 +114,6 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     (its family runtime's encoding; default ``encode_clip_prompts``, SD 1/2/XL); ``max_token_length`` is then the
     length it records (FLUX.1: T5's) and ``variant`` what else changes the outputs (FLUX.1: the T5 mask), so a
     file made otherwise is rebuilt (``runtimes.FamilyRuntime.text_cache_key``)."""
-    import torch
-
     for subset in dataset.subsets:
         key_name = caption_is_deterministic(subset)
         if key_name is not None:
@@ -142,19 +160,10 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     if unique:
         for encoder in bundle.text_encoders:
             encoder.to(device=device) if dtype is None else encoder.to(device=device, dtype=dtype)
-    encoded: dict[str, TextEntry] = {}
-    with torch.no_grad():
-        for start in range(0, len(unique), max(1, batch_size)):
-            chunk = unique[start: start + max(1, batch_size)]
-            out = encode(chunk) if encode is not None else \
-                encode_clip_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
-            for i, caption in enumerate(chunk):
-                pooled = out.pooled[i].cpu().clone() if out.pooled is not None else None
-                mask = getattr(out, "attention_mask", None)
-                mask = mask[i].cpu().clone() if mask is not None else None
-                encoded[caption] = TextEntry(out.encoder_hidden_states[i].cpu().clone(), pooled, mask)
-            if progress is not None:
-                progress(0)  # captions, not images: the phase is alive, its image count unchanged
+    def clip_encode(chunk: list[str]) -> Any:
+        return encode_clip_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
+
+    encoded = _encode_captions(unique, encode or clip_encode, batch_size, progress)
     for caption, entry in encoded.items():
         if text_problem(entry):
             raise UserError(f"the text encoders gave outputs that are not finite for the caption {caption[:60]!r} in "

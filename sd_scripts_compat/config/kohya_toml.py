@@ -19,12 +19,6 @@ from typing import Any
 from sd_scripts_compat.atomic import write_text_atomic
 from sd_scripts_compat.errors import UserError
 
-# dataset.toml keys that also exist as training-config keys under another name
-DATASET_NAME_OF = {"train_batch_size": "batch_size"}
-# keys a dataset.toml may set at the [general] / [[datasets]] level that the settings type carries
-DATASET_LEVEL_KEYS = ("batch_size", "resolution", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
-                      "bucket_reso_steps", "bucket_no_upscale")
-
 
 def read_toml(path: str | os.PathLike[str], what: str = "config file") -> dict[str, Any]:
     """Parse a TOML file as sd-scripts does; anything unreadable is a one-line UserError naming the file."""
@@ -78,30 +72,6 @@ def flatten(document: Mapping[str, Any], source: str = "config",
 def flat_values(document: Mapping[str, Any]) -> dict[str, Any]:
     """The training config's values as kohya sees them (sections flattened)."""
     return flatten(document)[0]
-
-
-def dataset_value(dataset_document: Mapping[str, Any] | None, key: str, config_flat: Mapping[str, Any],
-                  dataset_index: int = 0, subset_index: int | None = None) -> Any:
-    """One value by kohya's precedence: subset > dataset > [general] > training config; None when unset.
-
-    ``key`` is the dataset-config name (``batch_size``); the training config is asked under its own
-    name (``train_batch_size``).
-    """
-    layers: list[Mapping[str, Any]] = []
-    if dataset_document:
-        datasets = dataset_document.get("datasets") or []
-        block = datasets[dataset_index] if dataset_index < len(datasets) else {}
-        if subset_index is not None:
-            subsets = block.get("subsets") or []
-            if subset_index < len(subsets):
-                layers.append(subsets[subset_index])
-        layers += [block, dataset_document.get("general") or {}]
-    config_key = next((k for k, v in DATASET_NAME_OF.items() if v == key), key)
-    layers.append({key: config_flat.get(config_key)})
-    for layer in layers:
-        if layer.get(key) is not None:
-            return layer[key]
-    return None
 
 
 def dataset_blocks(dataset_document: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -511,8 +511,29 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     """Turn argparse-form values into TrainingConfig field values, checking what kohya checks (and more)."""
     out = {name: values[name] for name in IMPLEMENTED - ALIASES}
     where = origins.where
+    _normalize_legacy(values, out, origins, warnings)
+    _normalize_values(out, where)
+    _normalize_schedule(out, where, warnings)
+    _normalize_network(out, where, script)
+    _check_contradictions(out, where)
+    _check_path_lengths(out, where)
+    _normalize_outputs(out, where, script, warnings)
+    out["blocks_to_swap"] = out["blocks_to_swap"] or 0  # kohya's None
+    _normalize_offload(out, where, warnings)
+    if script == "flux_train_network":
+        _normalize_flux(out, where, warnings)
+    elif script == "sd3_train_network":
+        _normalize_sd3(out, where, warnings)
+    if out["dataset_config"] is not None:
+        for name in ("train_data_dir", "reg_data_dir"):
+            if out[name]:
+                warnings.append(f"{where(name)}: ignored because dataset_config is given (as in sd-scripts)")
+    return out
 
-    # deprecated spellings, as sd-scripts maps them
+
+def _normalize_legacy(values: dict[str, Any], out: dict[str, Any], origins: _Origins, warnings: list[str]) -> None:
+    """Deprecated spellings, as sd-scripts maps them."""
+    where = origins.where
     if values.get("caption_extention") is not None:
         if "caption_extension" not in origins.section and "caption_extension" not in origins.cli:
             out["caption_extension"] = values["caption_extention"]
@@ -524,6 +545,9 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
                                 f"write optimizer_type = {optimizer!r} only")
             out["optimizer_type"] = optimizer
 
+
+def _normalize_values(out: dict[str, Any], where: Any) -> None:
+    """Paths as strings, "W,H" pairs, key=value lists, one text-encoder rate, every bounded option in bounds."""
     for name in ("dataset_config", "resume", "train_data_dir", "reg_data_dir", "pretrained_model_name_or_path",
                  "output_dir", "logging_dir", "sample_prompts", "config_file"):
         if isinstance(out[name], Path):
@@ -554,8 +578,9 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
         raise UserError(f"{where('validation_split')}: must be below 1 (a fraction of the images), "
                         f"got {out['validation_split']!r}")
 
-    _normalize_schedule(out, where, warnings)
 
+def _normalize_network(out: dict[str, Any], where: Any, script: str) -> None:
+    """The network module this script takes (its default when unset), its rank, and its ``network_args``."""
     modules = network_modules(script)
     if out["network_module"] is None:
         out["network_module"] = modules[0]
@@ -577,8 +602,9 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
                                              rank=(out["network_dim"], out["network_alpha"]),
                                              where=where("network_args"))
 
-    _check_contradictions(out, where)
-    _check_path_lengths(out, where)
+
+def _normalize_outputs(out: dict[str, Any], where: Any, script: str, warnings: list[str]) -> None:
+    """What is written (safetensors only, tensorboard logs), full fp16/bf16, kohya's v2 flags, what is cached."""
     if out["save_model_as"] is None:
         out["save_model_as"] = "safetensors"
     if out["save_model_as"] != "safetensors":
@@ -602,17 +628,6 @@ def _normalize(values: dict[str, Any], origins: _Origins, script: str, warnings:
     if out["cache_text_encoder_outputs"] and not out["network_train_unet_only"]:
         raise UserError(f"{where('cache_text_encoder_outputs')}: cached text encoder outputs leave nothing to "
                         "train in the text encoders; also set network_train_unet_only = true")
-    out["blocks_to_swap"] = out["blocks_to_swap"] or 0  # kohya's None
-    _normalize_offload(out, where, warnings)
-    if script == "flux_train_network":
-        _normalize_flux(out, where, warnings)
-    elif script == "sd3_train_network":
-        _normalize_sd3(out, where, warnings)
-    if out["dataset_config"] is not None:
-        for name in ("train_data_dir", "reg_data_dir"):
-            if out[name]:
-                warnings.append(f"{where(name)}: ignored because dataset_config is given (as in sd-scripts)")
-    return out
 
 
 # sd-scripts options this engine does not implement whose silent omission would train something else than asked
@@ -770,6 +785,59 @@ def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> Non
         warnings.append(f"{where('max_token_length')}: not used by FLUX.1 (t5xxl_max_token_length is)")
 
 
+def _read_config_file(cli: dict[str, Any], script: str, own: dict[str, Any], extensions: dict[str, Any],
+                      origins: _Origins, warnings: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--config_file``'s values: (checked, "" -> None where kohya treats "" as unset; checked, as written).
+    Wrapper keys are warned about, our file extensions go to ``extensions`` (the command line wins), and a key of
+    another script at its default is ignored with a warning."""
+    specs = load_arg_specs()
+    toml_values: dict[str, Any] = {}
+    toml_raw: dict[str, Any] = {}
+    if not cli.get("config_file"):
+        return toml_values, toml_raw
+    config_path = str(cli["config_file"])
+    path = Path(config_path if config_path.endswith(".toml") else config_path + ".toml")
+    if not path.is_file():
+        raise UserError(f"{path}: config file not found (--config_file)")
+    source = str(path)
+    flat, section_of = flatten(read_toml(path), source, warnings)
+    origins.file = source
+    for key, value in flat.items():
+        section = f" (in [{section_of[key]}])" if section_of[key] else ""
+        if key in WRAPPER_KEYS:
+            warnings.append(f"{source}: {key}{section} is ignored: {WRAPPER_KEYS[key]}")
+            continue
+        if key in FILE_EXTENSIONS:  # the planner and the wizard write it when the user allowed a pickle
+            if not isinstance(value, bool):
+                raise UserError(f"{source}: {key}{section}: expected true or false, got {describe_value(value)}")
+            extensions.setdefault(key, value)  # the command line wins
+            continue
+        if key not in specs:
+            near = _closest(key, list(specs))
+            hint = f"; did you mean {near!r}?" if near else ""
+            raise UserError(f"{source}: unknown key {key!r}{section}{hint}")
+        spec = specs[key]
+        where = f"{source}: {key}{section}"
+        if script not in spec.scripts:
+            if not _is_inactive(spec, value):
+                raise UserError(f"{where}: {key} is only for {scripts_text(spec)}; remove it or use that script")
+            # at its default it changes nothing: configs shared between SD1 and SDXL runs stay usable
+            warnings.append(f"{where}: option only for {scripts_text(spec)} ignored by {script}")
+            continue
+        if key == "config_file":
+            warnings.append(f"{where}: ignored inside a config file (only --config_file on the command line)")
+            continue
+        spec = own[key]
+        value = _check_kind(spec, value, where)
+        toml_raw[key] = value
+        if spec.kind in ("str", "Path") and value == "" and spec.default is None:
+            value = None  # lora-scripts writes reg_data_dir = "" for "none"; sd-scripts treats it as unset
+        _check_choices(spec, value, where)
+        toml_values[key] = value
+        origins.section[key] = section_of[key]
+    return toml_values, toml_raw
+
+
 def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | None = None) -> TrainingConfig:
     """Parse kohya-style arguments (``--config_file`` TOML + flags) into a checked TrainingConfig.
 
@@ -796,49 +864,7 @@ def load_training_config(argv: list[str], *, sdxl: bool = False, script: str | N
 
     warnings: list[str] = []
     origins = _Origins()
-    toml_values: dict[str, Any] = {}  # checked, "" -> None where kohya treats "" as unset
-    toml_raw: dict[str, Any] = {}  # checked, as written
-    if cli.get("config_file"):
-        config_path = str(cli["config_file"])
-        path = Path(config_path if config_path.endswith(".toml") else config_path + ".toml")
-        if not path.is_file():
-            raise UserError(f"{path}: config file not found (--config_file)")
-        source = str(path)
-        flat, section_of = flatten(read_toml(path), source, warnings)
-        origins.file = source
-        for key, value in flat.items():
-            section = f" (in [{section_of[key]}])" if section_of[key] else ""
-            if key in WRAPPER_KEYS:
-                warnings.append(f"{source}: {key}{section} is ignored: {WRAPPER_KEYS[key]}")
-                continue
-            if key in FILE_EXTENSIONS:  # the planner and the wizard write it when the user allowed a pickle
-                if not isinstance(value, bool):
-                    raise UserError(f"{source}: {key}{section}: expected true or false, got {describe_value(value)}")
-                extensions.setdefault(key, value)  # the command line wins
-                continue
-            if key not in specs:
-                near = _closest(key, list(specs))
-                hint = f"; did you mean {near!r}?" if near else ""
-                raise UserError(f"{source}: unknown key {key!r}{section}{hint}")
-            spec = specs[key]
-            where = f"{source}: {key}{section}"
-            if script not in spec.scripts:
-                if not _is_inactive(spec, value):
-                    raise UserError(f"{where}: {key} is only for {scripts_text(spec)}; remove it or use that script")
-                # at its default it changes nothing: configs shared between SD1 and SDXL runs stay usable
-                warnings.append(f"{where}: option only for {scripts_text(spec)} ignored by {script}")
-                continue
-            if key == "config_file":
-                warnings.append(f"{where}: ignored inside a config file (only --config_file on the command line)")
-                continue
-            spec = own[key]
-            value = _check_kind(spec, value, where)
-            toml_raw[key] = value
-            if spec.kind in ("str", "Path") and value == "" and spec.default is None:
-                value = None  # lora-scripts writes reg_data_dir = "" for "none"; sd-scripts treats it as unset
-            _check_choices(spec, value, where)
-            toml_values[key] = value
-            origins.section[key] = section_of[key]
+    toml_values, toml_raw = _read_config_file(cli, script, own, extensions, origins, warnings)
     origins.cli = set(cli)
 
     values = {name: spec.default for name, spec in {**specs, **own}.items()}

@@ -409,38 +409,23 @@ def _check_subset(subset: SubsetSpec) -> None:
             raise UserError(f"{key} (subset {subset.image_dir}) is not implemented by this engine; remove it")
 
 
-def build_dataset(spec: DatasetSpec, *, seed: int, prior_loss_weight: float = 1.0, split: str = "train",
-                  verify_images: bool = True) -> TrainDataset:
-    """Scan the subsets, read captions and sizes, balance regularization images, assign buckets.
+Entry = tuple[int, Path, str, Size, int]  # (subset index, path, caption, size, repeats)
 
-    ``split="validation"`` builds the held-out part of ``validation_split`` (seeded by
-    ``validation_seed``, else ``seed``); regularization subsets are never split and never validated.
-    Raises a one-line ``UserError`` for a missing folder, a folder without images, a broken image,
-    an unusable caption file or an unsupported augmentation key.
-    """
-    if split not in ("train", "validation"):
-        raise ValueError(f"split must be 'train' or 'validation', not {split!r}")
-    bucket_config = BucketConfig.of(spec)
-    bucket_config.check()
-    if not 0.0 <= spec.validation_split < 1.0:
-        raise UserError(f"validation_split = {spec.validation_split} must be in [0, 1)")
-    validating = split == "validation"
-    if validating and spec.validation_split <= 0:
-        raise ValueError("no validation split configured (validation_split = 0)")
-    validation_seed = spec.validation_seed if spec.validation_seed is not None else seed
-    predefined = bucket_config.predefined()
 
-    # (subset index, path, caption, size, repeats, is_reg)
-    train_entries: list[tuple[int, Path, str, Size, int]] = []
-    reg_entries: list[tuple[int, Path, str, Size, int]] = []
+def _read_subsets(spec: DatasetSpec, *, validating: bool, validation_seed: int, verify_images: bool
+                  ) -> tuple[list[Entry], list[Entry], dict[str, dict[str, int]]]:
+    """(training entries, regularization entries, tag frequencies per training folder): each subset scanned
+    once, its validation share split off by ``validation_seed``, captions read and checked, sizes read."""
+    train_entries: list[Entry] = []
+    reg_entries: list[Entry] = []
     frequencies: dict[str, dict[str, int]] = {}
     seen: list[SubsetSpec] = []
     for subset_index, subset in enumerate(spec.subsets):
         if subset.num_repeats < 1:
-            warnings.warn(f"ignoring subset {subset.image_dir}: num_repeats = {subset.num_repeats} < 1", stacklevel=2)
+            warnings.warn(f"ignoring subset {subset.image_dir}: num_repeats = {subset.num_repeats} < 1", stacklevel=3)
             continue
         if subset in seen:
-            warnings.warn(f"ignoring duplicated subset {subset.image_dir}", stacklevel=2)
+            warnings.warn(f"ignoring duplicated subset {subset.image_dir}", stacklevel=3)
             continue
         seen.append(subset)
         _check_subset(subset)
@@ -464,12 +449,12 @@ def build_dataset(spec: DatasetSpec, *, seed: int, prior_loss_weight: float = 1.
             counts = frequencies.setdefault(Path(subset.image_dir).name, {})
             for tag, n in tag_frequency(captions).items():
                 counts[tag] = counts.get(tag, 0) + n
+    return train_entries, reg_entries, frequencies
 
-    if not train_entries:
-        raise UserError("the dataset has no training images (only regularization subsets?); add a training subset")
 
-    # kohya's balancing: regularization images are repeated until they match the training images
-    # (counted with repeats); when there are more, the surplus is left out.
+def _balanced_reg_repeats(train_entries: list[Entry], reg_entries: list[Entry]) -> list[int]:
+    """kohya's balancing: regularization images are repeated until they match the training images (counted
+    with repeats); when there are more, the surplus is left out (the list is shorter than ``reg_entries``)."""
     num_train = sum(e[4] for e in train_entries)
     reg_repeats: list[int] = []
     if reg_entries:
@@ -488,7 +473,38 @@ def build_dataset(spec: DatasetSpec, *, seed: int, prior_loss_weight: float = 1.
             first_pass = False
         if len(reg_repeats) < len(reg_entries):
             warnings.warn(f"{len(reg_entries) - len(reg_repeats)} regularization images are not used (there are "
-                          "more than training images)", stacklevel=2)
+                          "more than training images)", stacklevel=3)
+    return reg_repeats
+
+
+def build_dataset(spec: DatasetSpec, *, seed: int, prior_loss_weight: float = 1.0, split: str = "train",
+                  verify_images: bool = True) -> TrainDataset:
+    """Scan the subsets, read captions and sizes, balance regularization images, assign buckets.
+
+    ``split="validation"`` builds the held-out part of ``validation_split`` (seeded by
+    ``validation_seed``, else ``seed``); regularization subsets are never split and never validated.
+    Raises a one-line ``UserError`` for a missing folder, a folder without images, a broken image,
+    an unusable caption file or an unsupported augmentation key.
+    """
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', not {split!r}")
+    bucket_config = BucketConfig.of(spec)
+    bucket_config.check()
+    if not 0.0 <= spec.validation_split < 1.0:
+        raise UserError(f"validation_split = {spec.validation_split} must be in [0, 1)")
+    validating = split == "validation"
+    if validating and spec.validation_split <= 0:
+        raise ValueError("no validation split configured (validation_split = 0)")
+    validation_seed = spec.validation_seed if spec.validation_seed is not None else seed
+    predefined = bucket_config.predefined()
+
+    train_entries, reg_entries, frequencies = _read_subsets(spec, validating=validating,
+                                                            validation_seed=validation_seed,
+                                                            verify_images=verify_images)
+    if not train_entries:
+        raise UserError("the dataset has no training images (only regularization subsets?); add a training subset")
+
+    reg_repeats = _balanced_reg_repeats(train_entries, reg_entries)
 
     records: list[ImageRecord] = []
     chosen = [(e, False, e[4]) for e in train_entries] + [(e, True, n) for e, n in zip(reg_entries, reg_repeats)]

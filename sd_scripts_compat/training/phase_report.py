@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from sd_scripts_compat.contract import PHASE, write_event
+from sd_scripts_compat.contract import ENGINE_PHASES, PHASE, write_event
 
 WRITE_EVERY_S = 1.0  # progress inside a phase is written at most this often
 _TIMER_EVENTS = {"validation": "validating", "save": "saving", "sample": "sampling"}  # PhaseTimer's names
@@ -29,6 +29,9 @@ class PhaseReporter:
         self.written_at = float("-inf")
 
     def enter(self, phase: str, *, total: int | None = None, size_bytes: int | None = None) -> None:
+        """A new phase (one of ``contract.ENGINE_PHASES``: the names the watchdog knows)."""
+        if phase not in ENGINE_PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {ENGINE_PHASES}")
         self.phase, self.total, self.bytes, self.done = phase, total, size_bytes, 0
         self._write()
 
