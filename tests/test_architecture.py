@@ -366,6 +366,59 @@ def test_planning_and_the_engine_load_no_calibration_module(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
 
 
+# ---- an engine is chosen in one place: the registry (autotune/launch/engines.py) -------------------------------
+
+ENGINE_HOMES = {  # the registry, and each engine's own modules (reached through the registry's hooks)
+    "autotune/launch/engines.py", "autotune/launch/kohya_job.py", "autotune/launch/musubi_run.py",
+    "autotune/recovery/sd_scripts.py", "autotune/recovery/musubi.py"}
+ENGINE_MODULES = ("autotune.recovery.sd_scripts", "autotune.recovery.musubi", "autotune.launch.musubi_run",
+                  "autotune.launch.kohya_job")
+
+
+def engine_choices(source: str, engines: set[str]) -> list[str]:
+    """Where code picks an engine itself: an engine's ``NAME=`` prefix or name compared or matched (a family's
+    ``trainer``, its data, is not a choice: the planner writes that trainer's files), or an engine's module
+    imported."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute)
+                                               and node.func.attr in ("startswith", "partition", "split")):
+            continue
+        if isinstance(node, (ast.Compare, ast.Call)):
+            parts = list(ast.walk(node))
+            literals = {p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)}
+            reads_trainer = any(isinstance(p, ast.Attribute) and p.attr == "trainer" for p in parts) or any(
+                isinstance(p, ast.Name) and p.id == "trainer" for p in parts)
+            if literals & (engines | {f"{name}=" for name in engines}) and not reads_trainer:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [f"imports {name}" for name in (node.module, *(f"{node.module}.{a.name}" for a in node.names))
+                      if name in ENGINE_MODULES]
+        elif isinstance(node, ast.Import):
+            found += [f"imports {a.name}" for a in node.names if a.name in ENGINE_MODULES]
+    return found
+
+
+def test_the_engine_choice_check_finds_one_put_back():
+    engines = {"sd-scripts", "musubi-tuner"}
+    assert engine_choices('if str(args.engine).startswith("musubi-tuner="):\n    pass', engines)
+    assert engine_choices('if kind == "sd-scripts":\n    pass', engines)
+    assert engine_choices("from autotune.recovery.musubi import find_install", engines)
+    assert engine_choices("from autotune.recovery import sd_scripts", engines)
+    assert not engine_choices('print("--engine sd-scripts=PATH")', engines)
+    assert not engine_choices('if family.trainer == "musubi-tuner":\n    pass', engines)
+
+
+def test_no_engine_is_chosen_outside_the_registry():
+    from autotune.launch.engines import OURS, registered_engines
+
+    engines = set(registered_engines()) - {OURS}
+    found = [f"{path.relative_to(ROOT)}: {line}" for path in sorted((ROOT / "autotune").rglob("*.py"))
+             if str(path.relative_to(ROOT)) not in ENGINE_HOMES
+             for line in engine_choices(path.read_text(encoding="utf-8"), engines)]
+    assert found == []
+
+
 # ---- small parts: every function of the product and of bench/ at most 80 lines ---------------------------
 
 FUNCTION_LINES = 80

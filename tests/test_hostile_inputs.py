@@ -1109,7 +1109,20 @@ def binary_text(path: Path) -> Path:
     return path
 
 
-CORPUS = CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS + MORE + ISSUE_47 + OWN_47
+# issue 48: engines come from the registry (autotune.launch.engines); families name their runtime
+ISSUE_48 = [
+    Case("run-engine-unknown-name", lambda t: run(t, "--engine", f"toy={t}"), "expected sd-scripts=PATH"),
+    Case("run-engine-ours-by-name", lambda t: run(t, "--engine", f"autotune={t}"), "expected sd-scripts=PATH"),
+    Case("run-engine-without-path", lambda t: run(t, "--engine", "sd-scripts="), "expected sd-scripts=PATH"),
+    Case("run-sd-scripts-engine-on-a-musubi-family",
+         lambda t: run(t, "--engine", f"sd-scripts={t}", model="builtin:z-image"), "not trained by sd-scripts"),
+    Case("train-musubi-engine", lambda t: train(t, "--engine", f"musubi-tuner={t}"),
+         "does not run a kohya config by itself"),
+    Case("train-engine-unknown-name", lambda t: train(t, "--engine", f"toy={t}"), "expected sd-scripts=PATH"),
+]
+
+CORPUS = (CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS + MORE + ISSUE_47 + OWN_47
+          + ISSUE_48)
 
 
 def files_under(root: Path) -> set[str]:

@@ -33,7 +33,7 @@ import pytest
 import toml
 from safetensors import safe_open
 
-from autotune.launch.run import address_space_limit
+from autotune.recovery.attempt import address_space_limit
 from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits, memory_predictor
 from autotune.recovery.watchdog import Job, supervise

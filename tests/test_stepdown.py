@@ -212,7 +212,7 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
     import argparse
 
     from autotune.hardware.probe import probe_system
-    from autotune.launch.run import _limits
+    from autotune.launch.kohya_job import _limits
     from sd_scripts_compat.models.families import get_family
 
     unet_only = replace(SDXL, cache_text_encoder_outputs=False, network_train_unet_only=True)
@@ -244,7 +244,7 @@ def test_run_ladder_steps_tiny_families_like_full_size_ones(tmp_path):
     import argparse
 
     from autotune.hardware.probe import probe_system
-    from autotune.launch.run import _limits
+    from autotune.launch.kohya_job import _limits
     from sd_scripts_compat.models.families import get_family
 
     resolved = _resolved_run(tmp_path, "run", {}, [{"image_dir": "a"}])

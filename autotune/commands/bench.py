@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, workdir: Path) -> int:
     from autotune.hardware.probe import probe_system
     from autotune.launch.bench import BenchJob, engine_env, parse_sweeps, run_bench, sweep_points
-    from autotune.launch.run import address_space_limit
     from autotune.measure.store import device_key
+    from autotune.recovery.attempt import address_space_limit
 
     probe = probe_system(workdir, use_torch=False)
     cuda = probe.accelerator == "cuda"

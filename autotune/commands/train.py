@@ -65,7 +65,6 @@ def engine_script(model: str, config: Path, kohya_args: list[str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from sd_scripts_compat.errors import UserError
-    from sd_scripts_compat.models.detect import detect_family
 
     config = Path(args.config)
     ours, kohya_args = own_options(args.kohya_args)
@@ -73,12 +72,14 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         raise UserError(f"{config}: no pretrained_model_name_or_path; add it to the config or the command line")
     if ours.get("engine"):
-        from autotune.recovery.sd_scripts import early_check, train_with_sd_scripts
+        from autotune.launch.engines import parse_engine
 
-        family = detect_family(model)
-        early_check(ours["engine"], ours.get("python"), model)
-        return train_with_sd_scripts(ours["engine"], ours.get("python"), family=family, config=config,
-                                     kohya_args=kohya_args)
+        kind, _ = parse_engine(ours["engine"])
+        if kind.train_config is None:
+            raise UserError(f"--engine {ours['engine']}: {kind.name} does not run a kohya config by itself; use "
+                            "autotune run DATASET --engine ... (it plans the engine's own files)")
+        return kind.train_config(ours["engine"], ours.get("python"), model=model, config=config,
+                                 kohya_args=kohya_args)
     from sd_scripts_compat.train_network import main
 
     return main(["--config_file", str(config), *kohya_args], script=engine_script(model, config, kohya_args))

@@ -58,32 +58,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def engines(given: list[str] | None, python: str | None) -> dict[str, list[str]]:
-    """The engines the page may choose: autotune's, and the user's sd-scripts and musubi-tuner that ``--engine``
-    names (checked now, with absolute paths: runs start in the runs folder), each as the ``autotune run`` options it
-    adds."""
-    from pathlib import Path
-
-    from autotune.recovery import musubi, sd_scripts
+    """The engines the page may choose: autotune's, and the user's engines ``--engine NAME=PATH`` names (the
+    registry's, ``launch.engines``; checked now, with absolute paths: runs start in the runs folder), each as the
+    ``autotune run`` options it adds."""
+    from autotune.launch.engines import OURS, parse_engine
     from sd_scripts_compat.errors import UserError
 
-    offered: dict[str, list[str]] = {"autotune": []}
+    offered: dict[str, list[str]] = {OURS: []}
     if python and len(given or []) != 1:
         raise UserError("--python: only with --engine, exactly one (autotune's engine runs in this Python)")
     for engine in given or []:
-        kind = engine.partition("=")[0]
-        if kind == musubi.ENGINE_NAME:
-            root = musubi.parse_engine(engine)
-            if root is None or not (root / "src" / "musubi_tuner").is_dir():
-                raise UserError(f"--engine {engine}: not a musubi-tuner checkout (no src/musubi_tuner in it); give "
-                                "the folder you cloned")
-            chosen = musubi.find_python(Path(root).resolve(), python)
-            offered[kind] = ["--engine", f"{kind}={Path(root).resolve()}", "--python", chosen[0]]
-            continue
-        install = sd_scripts.early_check(engine, python, None)  # not sd-scripts, a --python that does not run
-        root = sd_scripts.parse_engine(engine)
-        assert root is not None  # early_check refuses "autotune"
-        offered[sd_scripts.ENGINE_NAME] = ["--engine", f"{sd_scripts.ENGINE_NAME}={Path(root).resolve()}",
-                                           "--python", str(install.python)]
+        kind, root = parse_engine(engine)
+        if kind.offer is None or root is None:
+            raise UserError(f"--engine {engine}: {kind.name} cannot be offered on the page")
+        offered[kind.name] = kind.offer(root, python)
     return offered
 
 

@@ -34,7 +34,7 @@ def early_check(args: argparse.Namespace) -> None:
     find_install(root, args.python, detect_family(args.model, args.family))
 
 
-def musubi_job(args: argparse.Namespace, out: Path, probe: Any, started: dict[str, Any]) -> Any:
+def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
     """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
     from autotune.planning.musubi_writer import musubi_commands
     from autotune.recovery.attempt import read_json

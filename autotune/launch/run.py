@@ -9,16 +9,15 @@ the options ``add_arguments`` declares (the same for every caller).
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from autotune.launch.engines import check_engine, parse_engine
 from autotune.launch.plan_options import finite
 from autotune.layout import (
     CONFIG,
-    DATASET_CONFIG,
     DECISIONS_LOG,
     EVENTS_DIR,
     FINAL_CONFIG,
@@ -31,7 +30,6 @@ from autotune.layout import (
 )
 from autotune.own_files import refuse_foreign_configs, refuse_out_in_dataset, run_traces
 from sd_scripts_compat.errors import BadWeights, UserError
-from sd_scripts_compat.quiet import VERBOSE_ENV
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,27 +87,6 @@ def check_options(args: argparse.Namespace) -> None:
     if args.memory_limit is not None and not args.memory_limit >= MIN_MEMORY_LIMIT_MIB:
         raise UserError(f"--memory-limit {args.memory_limit:g}: too small to start the trainer (MiB of address "
                         f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
-
-
-def check_engine_trains(model: str, family: str | None, *, engine: str | None = None) -> None:
-    """A family the chosen engine does not train is one line before planning: a musubi-tuner family under any
-    engine; under ours (``engine`` None), one only sd-scripts trains (Lumina 2, HunyuanImage-2.1, Anima), naming
-    sd-scripts' script and ``--engine``."""
-    from sd_scripts_compat.models.detect import detect_family
-
-    spec = detect_family(model, family)
-    musubi = str(engine or "").startswith("musubi-tuner=")
-    if spec.trainer == "musubi-tuner" and not musubi:
-        raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by musubi-tuner's "
-                        f"{spec.kohya_script}; add --engine musubi-tuner=PATH (your musubi-tuner checkout), or "
-                        "write its files with autotune plan --out DIR and run DIR/musubi_train.sh")
-    if musubi and spec.trainer != "musubi-tuner":
-        raise UserError(f"{model}: {spec.description} is not trained by musubi-tuner; drop --engine (autotune's "
-                        "engine) or use --engine sd-scripts=PATH")
-    if engine is None and not spec.trained_here:
-        raise UserError(f"{model}: {spec.description} is planned by lora-autotune but trained by sd-scripts' "
-                        f"{spec.kohya_script}; add --engine sd-scripts=PATH (your sd-scripts checkout), or write "
-                        "the configs with autotune plan --out")
 
 
 def dataset_folder(path: str, what: str = "dataset folder") -> Path:
@@ -194,19 +171,6 @@ def live_trainer(out: Path) -> int | None:
     return pid if state != "Z" and str(out).encode() in argv else None
 
 
-def address_space_limit(limit_mib: float) -> Any:
-    """A ``preexec_fn`` that caps the child's address space, so an oversized allocation fails inside
-    torch (``DefaultCPUAllocator: can't allocate memory``) instead of summoning the OS OOM killer."""
-    import resource
-
-    limit = int(limit_mib * 2**20)
-
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-    return apply
-
-
 # ---------------------------------------------------------------- run
 
 
@@ -217,19 +181,7 @@ def start_run(args: argparse.Namespace) -> int:
     check_options(args)
     accept_pickle(args, "run")
     dataset_dir = dataset_folder(args.dataset)
-    if str(getattr(args, "engine", None) or "").startswith("musubi-tuner="):
-        check_engine_trains(args.model, args.family, engine=args.engine)
-        from autotune.launch.musubi_run import early_check as musubi_check
-
-        musubi_check(args)
-    elif getattr(args, "engine", None):  # a wrong PATH is said now, not after planning
-        from autotune.recovery.sd_scripts import early_check
-
-        early_check(args.engine, args.python, args.model)
-        if args.model and not str(args.model).startswith("builtin:"):
-            check_engine_trains(args.model, args.family, engine=args.engine)
-    elif args.model:
-        check_engine_trains(args.model, args.family)
+    check_engine(args)  # a family this engine does not train, a wrong PATH: said now, not after planning
     scan = check_dataset(dataset_dir, getattr(args, "frames", None))
     check_folder_convention(args, scan)
     if args.resolution is not None and not args.config:  # the plan's own rule, said before the doctor's checks
@@ -314,58 +266,9 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     cuda = probe.accelerator == "cuda"
     if args.memory_limit and cuda:
         raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
-    if str(getattr(args, "engine", None) or "").startswith("musubi-tuner="):
-        from autotune.launch.musubi_run import musubi_job
-
-        return _supervise_job(args, out, probe, musubi_job(args, out, probe, started), ours=False)
-    return _supervise_job(args, out, probe, _job(args, out, scan, probe, started),
-                          ours=not getattr(args, "engine", None))
-
-
-def _job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
-    """The watchdog's job for our engine or the user's sd-scripts: configs planned or copied into ``out``."""
-    from autotune.recovery.attempt import read_json
-    from autotune.recovery.engine import CompatEngine
-    from autotune.recovery.watchdog import Job
-
-    cuda = probe.accelerator == "cuda"
-    config_path, dataset_path, plan = _configs(args, out, scan)
-    usable_mib = _usable_mib(plan)
-    family, resolved = _resolve(config_path, dataset_path, args)
-    settings = resolved.settings
-    prior: list[dict[str, Any]] = []
-    if args.resume:
-        saved = read_json(out / RUN_STATE) or {}
-        usable_mib = saved.get("usable_mib")
-        if isinstance(saved.get("settings"), dict):
-            settings = _saved_settings(saved["settings"], out)
-        prior = list(saved.get("retries") or [])
-    limits = _limits(probe, family, resolved, args, cuda, usable_mib)
-    train_output = Path(resolved.config.output_dir or out)
-    ours = not getattr(args, "engine", None)
-    if ours:
-        engine: Any = CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every)
-        states_at: Path | None = out / STATE_DIR
-    else:
-        from autotune.recovery.sd_scripts import prepare
-
-        engine = prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
-                         states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
-                         planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None)
-        states_at = None  # sd-scripts keeps its states beside the LoRA (it has no option for another folder)
-    job = Job(
-        config_path=config_path, output_dir=out, settings=settings, limits=limits,
-        predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {})},
-        cuda=cuda, max_retries=args.max_retries,
-        stall_timeout_s=args.stall_timeout, resume=bool(args.resume),
-        preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
-        train_output_dir=train_output, states_at=states_at, extra_state={"usable_mib": limits.budget_mib, **started},
-        budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
-        engine=engine,
-        stability=_stability_limits(probe, cuda),
-    )
-    return job
+    kind, _ = parse_engine(getattr(args, "engine", None))
+    return _supervise_job(args, out, probe, kind.job(args, out, scan, probe, started),
+                          ours=kind.own_measurements)
 
 
 def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, ours: bool) -> int:
@@ -514,135 +417,3 @@ def _remove_failed_start(out: Path, before: set[str] | None) -> None:
         if entry.name not in before:
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() \
                 else entry.unlink(missing_ok=True)
-
-
-def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path | None, Any]:
-    """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
-    being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
-    the step-down budget, a wrapped trainer's first save interval)."""
-    config_path, dataset_path = out / CONFIG, out / DATASET_CONFIG
-    if args.resume:
-        return config_path, dataset_path if dataset_path.is_file() else None, None
-    if not args.config:
-        from autotune.launch.plan_into import plan_into
-
-        return plan_into(args, out)
-    return config_path, _copy_user_configs(args, out, scan), None
-
-
-def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path | None:
-    """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
-
-    The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out`` and the user is told
-    so. Returns the dataset config's path in ``out`` (None: the folder convention, which
-    needs N_name subfolders: sd-scripts' ``train_data_dir`` does not read images directly in the folder).
-    """
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
-
-    dataset_dir = scan.root
-    user = Path(args.config)
-    document = read_toml(user)
-    forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
-    if args.allow_pickle:
-        forced["allow_pickle"] = True
-    given_output = flat_values(document).get("output_dir")
-    if given_output:
-        print(f"LoRA files go to {Path(given_output).resolve()} (output_dir of {user})")
-    else:
-        forced["output_dir"] = str(out)
-        print(f"{user} sets no output_dir: LoRA files go to {out}")
-    dataset_path: Path | None = None
-    if args.dataset_config:
-        dataset_path = out / DATASET_CONFIG
-        write_toml(dataset_path, read_toml(args.dataset_config, "dataset config"),
-                   f"# from {args.dataset_config} (autotune run)\n")
-        forced["dataset_config"] = str(dataset_path)
-    else:
-        forced["train_data_dir"] = str(dataset_dir)
-    write_toml(out / CONFIG, set_config_values(document, forced), f"# from {user} (autotune run)\n")
-    return dataset_path
-
-
-def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
-    """The family and the run as the engine will resolve it (its own reader, kohya's precedence), refused now if
-    the family's own rules refuse it (a swap count over its maximum), before anything loads."""
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
-    from sd_scripts_compat.config.settings_space import settings_from_files
-    from sd_scripts_compat.models.detect import detect_family
-    from sd_scripts_compat.training.block_swap import check_blocks_to_swap
-
-    model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
-    family = detect_family(model, getattr(args, "family", None))
-    resolved = settings_from_files(config_path, dataset_path, script=family.script,
-                                   default_resolution=(family.resolution, family.resolution))
-    check_blocks_to_swap(family, resolved.settings.blocks_to_swap)
-    return family, resolved
-
-
-def _saved_settings(values: dict[str, Any], out: Path) -> Any:
-    from sd_scripts_compat.config.settings import TrainSettings
-
-    try:
-        return TrainSettings.from_event(values)
-    except (ValueError, TypeError) as error:
-        raise UserError(f"{out}: the saved run state is from another version ({error}); "
-                        "start a new run with another --out") from None
-
-
-def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cuda: bool,
-            usable_mib: float | None) -> Any:
-    """What the ladder may do on this machine, and the memory it must fit in (MiB).
-
-    The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
-    address-space cap or the available RAM.
-    """
-    from autotune.recovery.ladder import LadderLimits
-
-    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
-    if args.memory_limit:
-        budget = args.memory_limit
-    elif usable_mib:
-        budget = usable_mib
-    elif args.vram:
-        budget = min(args.vram) * 1024
-    elif gpu is not None and gpu.vram_total_bytes:
-        budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
-    else:
-        budget = probe.memory.ram_available_bytes / 2**20
-    # the rung would change nothing when the engine already caches the frozen text encoder's outputs
-    te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
-    return LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8),
-                                   te_cache_allowed=te_cache_allowed)
-
-
-def _stability_limits(probe: Any, cuda: bool) -> Any:
-    """The stability ladder may move fp16 to bf16 only on a card that computes in bf16."""
-    from autotune.recovery.stability import StabilityLimits
-
-    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
-    return StabilityLimits(bf16_supported=bool(gpu and gpu.bf16))
-
-
-def _captions_randomized(resolved: Any) -> bool:
-    """A caption option (shuffle, dropout, warm-up) on any subset, wherever the dataset.toml set it."""
-    from sd_scripts_compat.dataset.captions import caption_is_deterministic
-
-    return any(caption_is_deterministic(subset) is not None for subset in resolved.dataset.subsets)
-
-
-def _engine_caches_text(resolved: Any) -> bool:
-    """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
-    return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
-
-
-def _predictor(family: Any, resolved: Any, cuda: bool) -> Any:
-    from autotune.recovery.ladder import memory_predictor
-
-    return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
-
-
-def _usable_mib(plan: Any) -> float | None:
-    """A GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM."""
-    if plan is None or not plan.prediction or not plan.settings or plan.device == "CPU":
-        return None
-    return plan.prediction.usable_bytes / 2**20

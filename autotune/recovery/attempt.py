@@ -71,6 +71,19 @@ class AttemptResult:
                    peak_rss_mib=peak_rss_mib, peak_vm_mib=peak_vm_mib)
 
 
+def address_space_limit(limit_mib: float) -> Callable[[], None]:
+    """A ``preexec_fn`` that caps the child's address space, so an oversized allocation fails inside
+    torch (``DefaultCPUAllocator: can't allocate memory``) instead of summoning the OS OOM killer."""
+    import resource
+
+    limit = int(limit_mib * 2**20)
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
 def child_env(base: dict[str, str], cuda: bool) -> dict[str, str]:
     """The child's environment: on CUDA, expandable segments (less fragmentation after a step-down).
 

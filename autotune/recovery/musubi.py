@@ -116,6 +116,15 @@ def find_python(root: Path, python: str | None) -> tuple[str, str]:
     return sys.executable, "no venv in it: the Python running autotune"
 
 
+def offer(root: Path, python: str | None) -> list[str]:
+    """``autotune ui --engine``: this musubi-tuner's ``autotune run`` options, checked now, with absolute paths."""
+    if not (root / "src" / "musubi_tuner").is_dir():
+        raise UserError(f"--engine {ENGINE_NAME}={root}: not a musubi-tuner checkout (no src/musubi_tuner in it); "
+                        "give the folder you cloned")
+    chosen = find_python(root.resolve(), python)
+    return ["--engine", f"{ENGINE_NAME}={root.resolve()}", "--python", chosen[0]]
+
+
 def script_options(install: MusubiInstall, script: str, env: Mapping[str, str]) -> frozenset[str]:
     """The options ``script`` of this musubi-tuner accepts, read from its ``--help`` (its version's, not ours)."""
     path = install.scripts / script

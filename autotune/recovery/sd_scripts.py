@@ -735,6 +735,18 @@ def early_check(engine: str, python: str | None, model: str | None) -> Install:
     return install
 
 
+def check(args: Any) -> None:
+    """``autotune run --engine sd-scripts=PATH``'s cheap refusals (``early_check``), before planning."""
+    early_check(args.engine, args.python, args.model)
+
+
+def offer(root: Path, python: str | None) -> list[str]:
+    """``autotune ui --engine``: this sd-scripts' ``autotune run`` options, checked now, with absolute paths (runs
+    start in the runs folder)."""
+    install = find_install(root, python)
+    return ["--engine", f"{ENGINE_NAME}={root.resolve()}", "--python", str(install.python)]
+
+
 def _older_transformers_config(path: Path) -> None:
     """transformers 5 writes ``extra_special_tokens`` as a list, which the 4.x sd-scripts pins cannot read (it wants
     a mapping): the same tokens as 4.x spells them (``additional_special_tokens``)."""
@@ -786,6 +798,16 @@ def prepare(engine: str, python: str | None, *, family: Any, config: Path, outpu
                              list(extra_args or []))
     check_config(config, options)
     return result
+
+
+def train_config(engine: str, python: str | None, *, model: str, config: Path, kohya_args: list[str]) -> int:
+    """``autotune train CONFIG --engine sd-scripts=PATH`` (the registry's ``train_config``): the early checks, then
+    :func:`train_with_sd_scripts`."""
+    from sd_scripts_compat.models.detect import detect_family
+
+    family = detect_family(model)
+    early_check(engine, python, model)
+    return train_with_sd_scripts(engine, python, family=family, config=config, kohya_args=kohya_args)
 
 
 def train_with_sd_scripts(engine: str, python: str | None, *, family: Any, config: Path,

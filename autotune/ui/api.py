@@ -281,19 +281,12 @@ def engine_choice(name: str, options: list[str]) -> Any:
 
 def check_engine(choice: Any, args: Any) -> None:
     """The user's engine (an ``EngineChoice``) refuses what it cannot train (a built-in model, another trainer's
-    family) before any folder is made, as ``autotune run`` does."""
-    if choice.engine.startswith("musubi-tuner="):
-        from argparse import Namespace
+    family) before any folder is made, as ``autotune run`` does (``launch.engines.check_engine``)."""
+    from argparse import Namespace
 
-        from autotune.launch.musubi_run import early_check as musubi_check
-        from autotune.launch.run import check_engine_trains
+    from autotune.launch.engines import check_engine as check_chosen
 
-        check_engine_trains(args.model, args.family, engine=choice.engine)
-        musubi_check(Namespace(**{**vars(args), "engine": choice.engine, "python": choice.python}))
-        return
-    from autotune.recovery.sd_scripts import early_check
-
-    early_check(choice.engine, choice.python, args.model)
+    check_chosen(Namespace(**{**vars(args), "engine": choice.engine, "python": choice.python}))
 
 
 def inspect_run(folder: Path, run_id: str, policy: AccessPolicy) -> dict[str, Any]:

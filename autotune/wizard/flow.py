@@ -153,18 +153,20 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
         asker.say("These configs are for another machine: copy the dataset and the output folder there (the "
                   "paths in them are this machine's) and run the command above.")
         return 0
+    from autotune.launch.engines import engine_for
     from sd_scripts_compat.models.families import get_family
 
     family = get_family(model.family)
+    engine = engine_for(family)  # the registry's: ours where it trains the family, else the user's trainer
     if family.trainer == "musubi-tuner":  # autotune run plans it again and supervises the user's musubi-tuner
         supervised = ["autotune", "run", str(data.folder), "--model", model.model, "--family", model.family,
                       *(["--frames", str(data.frames)] if data.frames > 1 else []),
                       *(["--experts", "both"] if both_experts else []), "--out", str(output.folder),
-                      "--engine", "musubi-tuner=PATH"]
+                      *engine.option.split()]
         asker.say("Or train here under lora-autotune's watchdog (out of memory: more blocks swapped, then smaller; "
                   "killed or stalled: resumed at the exact step):")
         asker.say("  " + env + shlex.join(supervised), soft_wrap=True)
-        asker.say("  (PATH: your musubi-tuner checkout; add the VAE and text-encoder files as --vae FILE and "
+        asker.say(f"  (PATH: {engine.checkout}; add the VAE and text-encoder files as --vae FILE and "
                   f"--{(family.musubi or {}).get('text_encoder_option', 'text_encoder')} FILE"
                   + (", and the high-noise expert as --dit_high_noise FILE" if both_experts else "") + ")")
         return 0
@@ -173,8 +175,8 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
         return 0
     if not family.trained_here:  # sd-scripts trains it; autotune run supervises sd-scripts
         asker.say(f"Train here under lora-autotune's watchdog with your sd-scripts ({family.kohya_script}):")
-        asker.say("  " + env + shlex.join(["autotune", *argv, "--engine", "sd-scripts=PATH"]), soft_wrap=True)
-        asker.say("  (PATH: your sd-scripts checkout or lora-scripts folder)")
+        asker.say("  " + env + shlex.join(["autotune", *argv, *engine.option.split()]), soft_wrap=True)
+        asker.say(f"  (PATH: {engine.checkout})")
         return 0
     asker.say("Train here with lora-autotune (OOM watchdog: steps down and resumes if memory runs out):")
     asker.say("  " + env + shlex.join(["autotune", *argv]), soft_wrap=True)

@@ -1,0 +1,210 @@
+"""The watchdog's job for an engine that reads kohya configs (ours, the user's sd-scripts): the configs planned or
+copied into the run folder, resolved as the engine will read them, the memory ladder's limits and predictor, and
+the engine itself. ``autotune run`` reaches it through the engine registry (``launch.engines``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from autotune.layout import CONFIG, DATASET_CONFIG, RUN_STATE, STATE_DIR
+from autotune.recovery.attempt import address_space_limit
+from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.quiet import VERBOSE_ENV
+
+
+def ours_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
+    """The watchdog's job for our engine: its state folders under ``out``."""
+    from autotune.recovery.engine import CompatEngine
+
+    def engine(family: Any, config_path: Path, train_output: Path, plan: Any) -> tuple[Any, Path | None]:
+        return CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every), \
+            out / STATE_DIR
+
+    return kohya_job(args, out, scan, probe, started, engine)
+
+
+def sd_scripts_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
+    """The watchdog's job for the user's sd-scripts: its states beside the LoRA (it has no option for another
+    folder)."""
+    from autotune.recovery.sd_scripts import prepare
+
+    def engine(family: Any, config_path: Path, train_output: Path, plan: Any) -> tuple[Any, Path | None]:
+        return prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
+                       states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
+                       planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None), None
+
+    return kohya_job(args, out, scan, probe, started, engine)
+
+
+def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
+              make_engine: Callable[[Any, Path, Path, Any], tuple[Any, Path | None]]) -> Any:
+    """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
+    ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
+    from autotune.recovery.attempt import read_json
+    from autotune.recovery.watchdog import Job
+
+    cuda = probe.accelerator == "cuda"
+    config_path, dataset_path, plan = _configs(args, out, scan)
+    usable_mib = _usable_mib(plan)
+    family, resolved = _resolve(config_path, dataset_path, args)
+    settings = resolved.settings
+    prior: list[dict[str, Any]] = []
+    if args.resume:
+        saved = read_json(out / RUN_STATE) or {}
+        usable_mib = saved.get("usable_mib")
+        if isinstance(saved.get("settings"), dict):
+            settings = _saved_settings(saved["settings"], out)
+        prior = list(saved.get("retries") or [])
+    limits = _limits(probe, family, resolved, args, cuda, usable_mib)
+    train_output = Path(resolved.config.output_dir or out)
+    engine, states_at = make_engine(family, config_path, train_output, plan)
+    job = Job(
+        config_path=config_path, output_dir=out, settings=settings, limits=limits,
+        predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {})},
+        cuda=cuda, max_retries=args.max_retries,
+        stall_timeout_s=args.stall_timeout, resume=bool(args.resume),
+        preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
+        train_output_dir=train_output, states_at=states_at, extra_state={"usable_mib": limits.budget_mib, **started},
+        budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
+        engine=engine,
+        stability=_stability_limits(probe, cuda),
+    )
+    return job
+
+
+
+def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path | None, Any]:
+    """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
+    being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
+    the step-down budget, a wrapped trainer's first save interval)."""
+    config_path, dataset_path = out / CONFIG, out / DATASET_CONFIG
+    if args.resume:
+        return config_path, dataset_path if dataset_path.is_file() else None, None
+    if not args.config:
+        from autotune.launch.plan_into import plan_into
+
+        return plan_into(args, out)
+    return config_path, _copy_user_configs(args, out, scan), None
+
+
+def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path | None:
+    """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
+
+    The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out`` and the user is told
+    so. Returns the dataset config's path in ``out`` (None: the folder convention, which
+    needs N_name subfolders: sd-scripts' ``train_data_dir`` does not read images directly in the folder).
+    """
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
+
+    dataset_dir = scan.root
+    user = Path(args.config)
+    document = read_toml(user)
+    forced: dict[str, Any] = {"pretrained_model_name_or_path": args.model}
+    if args.allow_pickle:
+        forced["allow_pickle"] = True
+    given_output = flat_values(document).get("output_dir")
+    if given_output:
+        print(f"LoRA files go to {Path(given_output).resolve()} (output_dir of {user})")
+    else:
+        forced["output_dir"] = str(out)
+        print(f"{user} sets no output_dir: LoRA files go to {out}")
+    dataset_path: Path | None = None
+    if args.dataset_config:
+        dataset_path = out / DATASET_CONFIG
+        write_toml(dataset_path, read_toml(args.dataset_config, "dataset config"),
+                   f"# from {args.dataset_config} (autotune run)\n")
+        forced["dataset_config"] = str(dataset_path)
+    else:
+        forced["train_data_dir"] = str(dataset_dir)
+    write_toml(out / CONFIG, set_config_values(document, forced), f"# from {user} (autotune run)\n")
+    return dataset_path
+
+
+def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The family and the run as the engine will resolve it (its own reader, kohya's precedence), refused now if
+    the family's own rules refuse it (a swap count over its maximum), before anything loads."""
+    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.config.settings_space import settings_from_files
+    from sd_scripts_compat.models.detect import detect_family
+    from sd_scripts_compat.training.block_swap import check_blocks_to_swap
+
+    model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
+    family = detect_family(model, getattr(args, "family", None))
+    resolved = settings_from_files(config_path, dataset_path, script=family.script,
+                                   default_resolution=(family.resolution, family.resolution))
+    check_blocks_to_swap(family, resolved.settings.blocks_to_swap)
+    return family, resolved
+
+
+def _saved_settings(values: dict[str, Any], out: Path) -> Any:
+    from sd_scripts_compat.config.settings import TrainSettings
+
+    try:
+        return TrainSettings.from_event(values)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"{out}: the saved run state is from another version ({error}); "
+                        "start a new run with another --out") from None
+
+
+def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cuda: bool,
+            usable_mib: float | None) -> Any:
+    """What the ladder may do on this machine, and the memory it must fit in (MiB).
+
+    The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
+    address-space cap or the available RAM.
+    """
+    from autotune.recovery.ladder import LadderLimits
+
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    if args.memory_limit:
+        budget = args.memory_limit
+    elif usable_mib:
+        budget = usable_mib
+    elif args.vram:
+        budget = min(args.vram) * 1024
+    elif gpu is not None and gpu.vram_total_bytes:
+        budget = (gpu.vram_total_bytes - max(gpu.vram_used_bytes or 0, gpu.other_processes_vram_bytes or 0)) / 2**20
+    else:
+        budget = probe.memory.ram_available_bytes / 2**20
+    # the rung would change nothing when the engine already caches the frozen text encoder's outputs
+    te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
+    return LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8),
+                                   te_cache_allowed=te_cache_allowed)
+
+
+def _stability_limits(probe: Any, cuda: bool) -> Any:
+    """The stability ladder may move fp16 to bf16 only on a card that computes in bf16."""
+    from autotune.recovery.stability import StabilityLimits
+
+    gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
+    return StabilityLimits(bf16_supported=bool(gpu and gpu.bf16))
+
+
+def _captions_randomized(resolved: Any) -> bool:
+    """A caption option (shuffle, dropout, warm-up) on any subset, wherever the dataset.toml set it."""
+    from sd_scripts_compat.dataset.captions import caption_is_deterministic
+
+    return any(caption_is_deterministic(subset) is not None for subset in resolved.dataset.subsets)
+
+
+def _engine_caches_text(resolved: Any) -> bool:
+    """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
+    return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
+
+
+def _predictor(family: Any, resolved: Any, cuda: bool) -> Any:
+    from autotune.recovery.ladder import memory_predictor
+
+    return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
+
+
+def _usable_mib(plan: Any) -> float | None:
+    """A GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM."""
+    if plan is None or not plan.prediction or not plan.settings or plan.device == "CPU":
+        return None
+    return plan.prediction.usable_bytes / 2**20
