@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -26,8 +26,16 @@ from sd_scripts_compat.models.families import FamilySpec, family_names, get_fami
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
+    from sd_scripts_compat.runtimes.flow_matching import FlowMatchingObjective
+    from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
+    from sd_scripts_compat.runtimes.sd3_flow import Sd3FlowObjective
+
+    # the training objective a runtime builds: what the loop calls ``forward`` / ``loss`` / ``fixed_forward`` on
+    Objective = NoisePredictionObjective | FlowMatchingObjective | Sd3FlowObjective
+    Encode = Callable[[list[str]], TextConditioning]  # captions -> text-encoder outputs, the run's options applied
 
 PART_OPTIONS = ("clip_l", "clip_g", "t5xxl", "ae", "vae", "t5xxl_tokenizer")  # kohya's separate-file options
 
@@ -62,20 +70,21 @@ class FamilyRuntime(Protocol):
     def text_cache_key(self, options: TextOptions) -> tuple[int | None, str]:
         """The token length and the variant a text-encoder cache records (a file made otherwise is rebuilt)."""
 
-    def conditioning(self, bundle: ModelBundle, hidden: Any, pooled: Any, mask: Any, batch: Mapping[str, Any],
+    def conditioning(self, bundle: ModelBundle, hidden: torch.Tensor, pooled: torch.Tensor | None,
+                 mask: torch.Tensor | None, batch: Mapping[str, Any],
                      options: TextOptions) -> tuple[Any, Any]:
         """``(encoder_hidden_states, added)``: what the denoiser takes besides the latents."""
 
-    def build_objective(self, config: Any, device: torch.device, bundle: ModelBundle,
-                        v_parameterization: bool) -> Any:
+    def build_objective(self, config: TrainingConfig, device: torch.device, bundle: ModelBundle,
+                        v_parameterization: bool) -> Objective:
         """The training objective: noise, timesteps, target and loss (``forward`` / ``loss`` /
         ``fixed_forward``)."""
 
-    def render_samples(self, bundle: ModelBundle, prompts: list[Any], encode: Any, *, config: Any, out_dir: Path,
-                       name: str, device: torch.device, dtype: torch.dtype) -> list[Path]:
+    def render_samples(self, bundle: ModelBundle, prompts: list[Any], encode: Encode, *, config: TrainingConfig,
+                       out_dir: Path, name: str, device: torch.device, dtype: torch.dtype) -> list[Path]:
         """Render ``sample_prompts`` with the LoRA as trained so far."""
 
-    def file_metadata(self, config: Any) -> dict[str, str]:
+    def file_metadata(self, config: TrainingConfig) -> dict[str, str]:
         """The ``ss_`` keys the family's objective adds to a LoRA file."""
 
 

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
-    from sd_scripts_compat.runtimes import TextOptions
+    from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
 
 LOAD_PRIORITY = 10
 PARTS = ("clip_l", "t5xxl", "ae", "t5xxl_tokenizer")  # kohya's FLUX.1 part options
@@ -70,7 +71,8 @@ def text_cache_key(options: TextOptions) -> tuple[int | None, str]:
     return options.t5xxl_max_token_length, variant
 
 
-def conditioning(bundle: ModelBundle, hidden: Any, pooled: Any, mask: Any, batch: Mapping[str, Any],
+def conditioning(bundle: ModelBundle, hidden: torch.Tensor, pooled: torch.Tensor | None,
+                 mask: torch.Tensor | None, batch: Mapping[str, Any],
                  options: TextOptions) -> tuple[Any, Any]:
     """T5's hidden states; the pooled CLIP-L vector (None for Chroma) and the T5 mask when applied."""
     mask = mask.to(hidden.device) if mask is not None and options.apply_t5_attn_mask else None
@@ -78,14 +80,15 @@ def conditioning(bundle: ModelBundle, hidden: Any, pooled: Any, mask: Any, batch
     return hidden, {"pooled": pooled, "t5_attn_mask": mask}
 
 
-def build_objective(config: Any, device: torch.device, bundle: ModelBundle, v_parameterization: bool) -> Any:
+def build_objective(config: TrainingConfig, device: torch.device, bundle: ModelBundle,
+                    v_parameterization: bool) -> Objective:
     from sd_scripts_compat.runtimes.flow_matching import FlowMatchingObjective, FlowMatchSettings
 
     return FlowMatchingObjective(FlowMatchSettings.from_config(config), device)
 
 
-def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, config: Any, out_dir: Path, name: str,
-                   device: torch.device, dtype: torch.dtype) -> list[Path]:
+def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, config: TrainingConfig,
+                   out_dir: Path, name: str, device: torch.device, dtype: torch.dtype) -> list[Path]:
     from sd_scripts_compat.runtimes.flux_sampling import render_flux_samples
 
     def texts(captions: list[str]) -> tuple[Any, Any, Any]:
@@ -98,7 +101,7 @@ def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, conf
                                name=name, device=device, dtype=dtype)
 
 
-def file_metadata(config: Any) -> dict[str, str]:
+def file_metadata(config: TrainingConfig) -> dict[str, str]:
     from sd_scripts_compat.runtimes.flow_matching import flux_metadata
 
     return flux_metadata(config)

@@ -17,9 +17,10 @@ from sd_scripts_compat.runtimes.flux import conditioning, text_cache_key
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
-    from sd_scripts_compat.runtimes import TextOptions
+    from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
 
 __all__ = ["conditioning", "text_cache_key"]
 LOAD_PRIORITY = 0  # asked first: its clip_g, and SD3 files that would otherwise pass for other layouts
@@ -61,20 +62,21 @@ def encode_prompts(bundle: ModelBundle, captions: list[str], options: TextOption
                              apply_t5_attn_mask=options.apply_t5_attn_mask)
 
 
-def build_objective(config: Any, device: torch.device, bundle: ModelBundle, v_parameterization: bool) -> Any:
+def build_objective(config: TrainingConfig, device: torch.device, bundle: ModelBundle,
+                    v_parameterization: bool) -> Objective:
     from sd_scripts_compat.runtimes.sd3_flow import Sd3FlowObjective, Sd3FlowSettings
 
     return Sd3FlowObjective(Sd3FlowSettings.from_config(config))
 
 
-def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, config: Any, out_dir: Path, name: str,
-                   device: torch.device, dtype: torch.dtype) -> list[Path]:
+def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, config: TrainingConfig,
+                   out_dir: Path, name: str, device: torch.device, dtype: torch.dtype) -> list[Path]:
     from sd_scripts_compat.runtimes.sd3_sampling import render_sd3_samples
 
     return render_sd3_samples(bundle, prompts, encode, out_dir=out_dir, name=name, device=device, dtype=dtype)
 
 
-def file_metadata(config: Any) -> dict[str, str]:
+def file_metadata(config: TrainingConfig) -> dict[str, str]:
     from sd_scripts_compat.runtimes.sd3_flow import sd3_metadata
 
     return sd3_metadata(config)

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
-    from sd_scripts_compat.runtimes import TextOptions
+    from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
 
 LOAD_PRIORITY = 100  # asked last: it loads every source the others leave
 
@@ -58,19 +59,22 @@ def text_cache_key(options: TextOptions) -> tuple[int | None, str]:
     return check_max_token_length(options.max_token_length), ""
 
 
-def conditioning(bundle: ModelBundle, hidden: Any, pooled: Any, mask: Any, batch: Mapping[str, Any],
+def conditioning(bundle: ModelBundle, hidden: torch.Tensor, pooled: torch.Tensor | None,
+                 mask: torch.Tensor | None, batch: Mapping[str, Any],
                  options: TextOptions) -> tuple[Any, Any]:
     """SD 1.x/2.x: the hidden states alone; SDXL: its pooled text embedding and size ids as well."""
     from sd_scripts_compat.models.text_encoding import sdxl_time_ids
 
     if not bundle.family.is_sdxl:
         return hidden, None
+    assert pooled is not None, "SDXL's second text encoder gives the pooled embedding"
     time_ids = sdxl_time_ids(batch["original_sizes_hw"], batch["crop_top_lefts"], batch["target_sizes_hw"],
                              dtype=options.dtype).to(hidden.device)
     return hidden, {"text_embeds": pooled.to(hidden.device, options.dtype), "time_ids": time_ids}
 
 
-def build_objective(config: Any, device: torch.device, bundle: ModelBundle, v_parameterization: bool) -> Any:
+def build_objective(config: TrainingConfig, device: torch.device, bundle: ModelBundle,
+                    v_parameterization: bool) -> Objective:
     """DDPM noise prediction (epsilon or v) with kohya's noise offset, timestep range and min-SNR weighting."""
     from diffusers import DDPMScheduler
 
@@ -97,8 +101,8 @@ def build_pipeline(bundle: Any, sampler: str) -> Any:
         scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, config: Any, out_dir: Path, name: str,
-                   device: torch.device, dtype: torch.dtype) -> list[Path]:
+def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, config: TrainingConfig,
+                   out_dir: Path, name: str, device: torch.device, dtype: torch.dtype) -> list[Path]:
     """Each prompt through diffusers' pipeline (the config's ``sample_sampler``, default DDIM) to
     ``out_dir/{name}_{index:02d}.png`` (written atomically); the pipeline encodes its own prompts."""
     return render_with_pipeline(bundle, prompts, sampler=config.sample_sampler or "ddim", out_dir=out_dir,
@@ -124,5 +128,5 @@ def render_with_pipeline(bundle: Any, prompts: list[Any], *, sampler: str, out_d
     return write_each(prompts, render, step=8, out_dir=out_dir, name=name, device=device, dtype=dtype)
 
 
-def file_metadata(config: Any) -> dict[str, str]:
+def file_metadata(config: TrainingConfig) -> dict[str, str]:
     return {}

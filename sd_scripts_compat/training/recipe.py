@@ -79,15 +79,13 @@ if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.network.lora import LoRANetwork
     from sd_scripts_compat.runtimes import FamilyRuntime
-    from sd_scripts_compat.runtimes.flow_matching import FlowMatchingObjective
-    from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
-    from sd_scripts_compat.runtimes.sd3_flow import Sd3FlowObjective
+    from sd_scripts_compat.runtimes import Objective as FamilyObjective
     from sd_scripts_compat.training.block_swap import BlockSwap
     from sd_scripts_compat.training.faults import FaultyObjective
     from sd_scripts_compat.training.train_state import TrainCounters
 
     # what the loop calls ``forward`` / ``loss`` / ``fixed_forward`` on (the family's objective, maybe with faults)
-    Objective = NoisePredictionObjective | FlowMatchingObjective | Sd3FlowObjective | FaultyObjective
+    Objective = FamilyObjective | FaultyObjective
 
 PROGRESS_EVERY_SECONDS = 2.0  # the loop's one host sync: progress bar, progress.json, instability checks
 TIMING_WARMUP_STEPS = 2
