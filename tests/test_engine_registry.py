@@ -118,9 +118,9 @@ def check(args):
         raise UserError(f"--engine {args.engine}: no toy_train.py there")
 
 
-def job(args, out, scan, probe, started):
+def job(args, out, scan, probe, started, family):
     root = Path(args.engine.partition("=")[2]).resolve()
-    return kohya_job(args, out, scan, probe, started, lambda *_: (ToyEngine(root), out / "toy_states"))
+    return kohya_job(args, out, scan, probe, started, family, lambda *_: (ToyEngine(root), out / "toy_states"))
 
 
 ENGINE = EngineKind(name="toy", checkout="a toy trainer folder", trainer="sd-scripts", check=check, job=job)

@@ -48,7 +48,8 @@ def resolve_family(model: str | None, family: str | None) -> FamilySpec | None:
 def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, family: str | None = None,
              resolution: int | None = None, batch: int | None = None, caption_extension: str | None = None,
              max_token_length: int | None = None, count_tokens: TokenCounter | None = None,
-             buckets: BucketConfig | None = None, frames: int | None = None) -> DoctorReport:
+             buckets: BucketConfig | None = None, frames: int | None = None,
+             spec: FamilySpec | None = None) -> DoctorReport:
     """Check a dataset folder for everything that would silently shrink it, crash the run or train garbage.
 
     ``model``/``family`` pick the bucket rules and the default resolution (the family's native size, else
@@ -63,7 +64,7 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     from sd_scripts_compat.models.detect import known_family
     from sd_scripts_compat.models.text_encoding import check_max_token_length
 
-    spec = resolve_family(model, family)
+    spec = spec or resolve_family(model, family)  # ``spec``: the caller's detected family
     frames = _clip_frames(frames, spec)
     scan = scan_dataset_folder(dataset_dir, media=VIDEO_EXTENSIONS if frames > 1 else IMAGE_EXTENSIONS)
     side = resolution if resolution is not None else (spec.resolution if spec else DEFAULT_RESOLUTION)
@@ -179,18 +180,19 @@ def _train_data_dir(dataset_dir: str | os.PathLike[str] | None) -> str | None:
 
 
 def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | None = None,
-                          family: str | None = None, **options: object) -> list[str]:
+                          family: str | None = None, spec: FamilySpec | None = None, **options: object) -> list[str]:
     """For `autotune run` and the wizard: the brief lines to show, or a one-line UserError on errors.
 
     A model whose family cannot be told cheaply is checked with a full-size family's bucket rules: the
     caller's own model check says what is wrong with it, in its own words, later."""
     from autotune.doctor.report import brief
 
-    try:
-        resolve_family(model, family)
-    except UserError:
-        model = family = None
-    report = diagnose(dataset_dir, model=model, family=family, **options)  # type: ignore[arg-type]
+    if spec is None:
+        try:
+            spec = resolve_family(model, family)
+        except UserError:
+            model = family = None
+    report = diagnose(dataset_dir, model=model, family=family, spec=spec, **options)  # type: ignore[arg-type]
     if report.errors:
         first = report.errors[0]
         more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""

@@ -33,7 +33,8 @@ class EngineKind:
     checkout: str  # what PATH is, in words ("your sd-scripts checkout or lora-scripts folder")
     trainer: str | None  # ``FamilySpec.trainer`` of the families it trains; None: the families our engine trains
     check: Callable[[argparse.Namespace], None]  # cheap refusals before planning (PATH, its Python, the model)
-    job: Callable[[argparse.Namespace, Path, Any, Any, dict[str, Any]], Job]  # the watchdog's job for a run
+    # the watchdog's job for a run: (args, run folder, dataset scan, probe, what to keep, the model's FamilySpec)
+    job: Callable[[argparse.Namespace, Path, Any, Any, dict[str, Any], FamilySpec], Job]
     offer: Callable[[Path, str | None], list[str]] | None = None  # ``autotune ui --engine``: checked run options
     # ``autotune train CONFIG --engine``: run the user's kohya config in the foreground, no watchdog (its exit code)
     train_config: Callable[..., int] | None = None
@@ -111,14 +112,13 @@ def engine_for(family: FamilySpec) -> EngineKind:
     return next((kind for kind in kinds.values() if kind.trains(family)), kinds[OURS])
 
 
-def check_engine(args: argparse.Namespace) -> EngineKind:
+def check_engine(args: argparse.Namespace, family: FamilySpec | None) -> EngineKind:
     """The chosen engine (``--engine``, else ours), after its cheap refusals before planning: a family it does
-    not train (naming the engine that does), then its own (its PATH, its Python, the model it can load)."""
-    from sd_scripts_compat.models.detect import detect_family
-
+    not train (naming the engine that does; ``family``: the model's, None when not known yet), then its own (its
+    PATH, its Python, the model it can load)."""
     kind, _ = parse_engine(getattr(args, "engine", None))
-    if getattr(args, "model", None):
-        check_engine_trains(kind, detect_family(args.model, getattr(args, "family", None)), args.model)
+    if family is not None:
+        check_engine_trains(kind, family, args.model)
     kind.check(args)
     return kind
 

@@ -16,7 +16,8 @@ from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.quiet import VERBOSE_ENV
 
 
-def ours_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
+def ours_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
+             family: Any) -> Any:
     """The watchdog's job for our engine: its state folders under ``out``."""
     from autotune.recovery.engine import CompatEngine
 
@@ -24,10 +25,11 @@ def ours_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started
         return CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every), \
             out / STATE_DIR
 
-    return kohya_job(args, out, scan, probe, started, engine)
+    return kohya_job(args, out, scan, probe, started, family, engine)
 
 
-def sd_scripts_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
+def sd_scripts_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
+                   family: Any) -> Any:
     """The watchdog's job for the user's sd-scripts: its states beside the LoRA (it has no option for another
     folder)."""
     from autotune.recovery.sd_scripts import prepare
@@ -37,10 +39,10 @@ def sd_scripts_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, s
                        states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
                        planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None), None
 
-    return kohya_job(args, out, scan, probe, started, engine)
+    return kohya_job(args, out, scan, probe, started, family, engine)
 
 
-def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
+def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any], model_family: Any,
               make_engine: Callable[[Any, Path, Path, Any], tuple[Any, Path | None]]) -> Any:
     """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
     ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
@@ -48,9 +50,9 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, starte
     from autotune.recovery.watchdog import Job
 
     cuda = probe.accelerator == "cuda"
-    config_path, dataset_path, plan = _configs(args, out, scan)
+    config_path, dataset_path, plan = _configs(args, out, scan, model_family)
     usable_mib = _usable_mib(plan)
-    family, resolved = _resolve(config_path, dataset_path, args)
+    family, resolved = _resolve(config_path, dataset_path, args, model_family)
     settings = resolved.settings
     prior: list[dict[str, Any]] = []
     if args.resume:
@@ -78,7 +80,7 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, starte
 
 
 
-def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path | None, Any]:
+def _configs(args: argparse.Namespace, out: Path, scan: Any, family: Any) -> tuple[Path, Path | None, Any]:
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
     being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
     the step-down budget, a wrapped trainer's first save interval)."""
@@ -88,7 +90,7 @@ def _configs(args: argparse.Namespace, out: Path, scan: Any) -> tuple[Path, Path
     if not args.config:
         from autotune.launch.plan_into import plan_into
 
-        return plan_into(args, out)
+        return plan_into(args, out, family)
     return config_path, _copy_user_configs(args, out, scan), None
 
 
@@ -125,7 +127,8 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path |
     return dataset_path
 
 
-def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace) -> tuple[Any, Any]:
+def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace,
+             model_family: Any) -> tuple[Any, Any]:
     """The family and the run as the engine will resolve it (its own reader, kohya's precedence), refused now if
     the family's own rules refuse it (a swap count over its maximum), before anything loads."""
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
@@ -134,7 +137,8 @@ def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namesp
     from sd_scripts_compat.training.block_swap import check_blocks_to_swap
 
     model = str(flat_values(read_toml(config_path)).get("pretrained_model_name_or_path") or args.model)
-    family = detect_family(model, getattr(args, "family", None))
+    # the run's family, unless a --config trains another model than --model names
+    family = model_family if model == str(args.model) else detect_family(model, getattr(args, "family", None))
     resolved = settings_from_files(config_path, dataset_path, script=family.script,
                                    default_resolution=(family.resolution, family.resolution))
     check_blocks_to_swap(family, resolved.settings.blocks_to_swap)

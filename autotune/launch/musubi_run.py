@@ -34,7 +34,8 @@ def early_check(args: argparse.Namespace) -> None:
     find_install(root, args.python, detect_family(args.model, args.family))
 
 
-def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any]) -> Any:
+def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
+               family: Any) -> Any:
     """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
     from autotune.planning.musubi_writer import musubi_commands
     from autotune.recovery.attempt import read_json
@@ -43,9 +44,7 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, start
     from autotune.recovery.watchdog import Job
     from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.config.settings import TrainSettings
-    from sd_scripts_compat.models.detect import detect_family
 
-    family = detect_family(args.model, args.family)
     cuda = probe.accelerator == "cuda"
     saved = (read_json(out / RUN_STATE) or {}) if args.resume else {}
     if args.resume and not isinstance(saved.get("musubi_commands"), list):
@@ -57,7 +56,7 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, start
         models, budget, planned = saved["musubi_models"], saved["usable_mib"], saved.get("planned_it_per_s")
         commands = tuple(tuple(command) for command in saved["musubi_commands"])
     else:
-        plan = _plan(args, out)
+        plan = _plan(args, out, family)
         base = settings = plan.settings
         budget, planned = plan.prediction.usable_bytes / 2**20, plan.prediction.it_per_s
         commands = musubi_commands(plan)  # musubi_train.sh's, so a run trains exactly what the plan wrote
@@ -79,11 +78,11 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, start
                             "musubi_commands": [list(command) for command in commands], "planned_it_per_s": planned})
 
 
-def _plan(args: argparse.Namespace, out: Path) -> Any:
+def _plan(args: argparse.Namespace, out: Path, family: Any) -> Any:
     """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's."""
     from autotune.launch.plan_into import plan_into
 
-    return plan_into(args, out)[2]
+    return plan_into(args, out, family)[2]
 
 
 def _model_files(plan: Any, commands: tuple[tuple[str, ...], ...], dit: str) -> dict[str, str]:

@@ -11,15 +11,15 @@ from typing import Any
 from sd_scripts_compat.errors import UserError
 
 
-def plan_into(args: argparse.Namespace, out: Path) -> tuple[Path, Path, Any]:
-    """Plan with `autotune plan`'s own request builder; write config.toml + dataset.toml into ``out``.
-    Returns both paths and the plan."""
+def plan_into(args: argparse.Namespace, out: Path, family: Any = None) -> tuple[Path, Path, Any]:
+    """Plan with `autotune plan`'s own request builder (``family``: the run's detected ``FamilySpec``); write
+    config.toml + dataset.toml into ``out``. Returns both paths and the plan."""
     from autotune.launch.plan_options import build_request, render
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
 
     args.out = str(out)
-    plan = plan_training(build_request(args))
+    plan = plan_training(build_request(args, family))
     if not plan.fits:
         raise UserError(f"{args.model}: {plan.message}")
     check_model_files(plan)

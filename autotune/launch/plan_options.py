@@ -146,7 +146,7 @@ def _physical_cores() -> int:
     return int(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
-def build_request(args: argparse.Namespace) -> Any:
+def build_request(args: argparse.Namespace, spec: Any = None) -> Any:
     """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest."""
     from autotune.planning.request import PlanRequest, Preferences
 
@@ -164,7 +164,7 @@ def build_request(args: argparse.Namespace) -> Any:
                         frames=getattr(args, "frames", None), experts=getattr(args, "experts", None))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
-    return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, gpus=tuple(gpus),
+    return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, spec=spec, gpus=tuple(gpus),
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
                        cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
                        host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,

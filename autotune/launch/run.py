@@ -181,34 +181,34 @@ def start_run(args: argparse.Namespace) -> int:
     check_options(args)
     accept_pickle(args, "run")
     dataset_dir = dataset_folder(args.dataset)
-    check_engine(args)  # a family this engine does not train, a wrong PATH: said now, not after planning
+    family = run_family(args)  # detected once: everything after takes the FamilySpec
+    check_engine(args, family)  # a family this engine does not train, a wrong PATH: said now, not after planning
     scan = check_dataset(dataset_dir, getattr(args, "frames", None))
     check_folder_convention(args, scan)
     if args.resolution is not None and not args.config:  # the plan's own rule, said before the doctor's checks
         from autotune.planning.request import validate_resolution
-        from sd_scripts_compat.models.detect import detect_family
 
-        validate_resolution(args.resolution, detect_family(args.model, args.family))
+        validate_resolution(args.resolution, family)
     if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
         from autotune.doctor import check_before_training
 
-        print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family,
+        print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family, spec=family,
                                                **_doctor_options(args))))
-    out = _output_folder(args, dataset_dir)
+    out = _output_folder(args, dataset_dir, family)
     if not args.resume and out.is_dir() and not run_traces(out):  # a run's own folder: _prepare_output says
         refuse_foreign_configs(out)  # the user's configs are never written over
     before = _entries(out)
     with locked_output(out):  # one run per --out: a second one is told the first's PID
         try:
             _prepare_output(out, args.resume)
-            return _supervised(args, out, dataset_dir, scan)
+            return _supervised(args, out, dataset_dir, scan, family)
         except UserError:
             if not args.resume:
                 _remove_failed_start(out, before)
             raise
 
 
-def _output_folder(args: argparse.Namespace, dataset_dir: Path) -> Path:
+def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: Any) -> Path:
     """``--out``, the run that ``--resume RUN`` names (its folder or any file in it), or the default folder."""
     if isinstance(args.resume, str):
         root = run_root(Path(args.resume))
@@ -218,7 +218,7 @@ def _output_folder(args: argparse.Namespace, dataset_dir: Path) -> Path:
         if args.out and dataset_folder(args.out, "--out") != root:
             raise UserError(f"--resume {args.resume} is in the run {root}, but --out is {args.out}; give one of them")
         return root
-    out = dataset_folder(args.out, "--out") if args.out else default_out(dataset_dir, _family_name(args))
+    out = dataset_folder(args.out, "--out") if args.out else default_out(dataset_dir, family.name)
     refuse_out_in_dataset(out, dataset_dir, "--out" if args.out else "the run's folder (--out)")
     return out
 
@@ -256,7 +256,7 @@ def _checked_fingerprint(args: argparse.Namespace, out: Path, dataset_dir: Path)
     return kept
 
 
-def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any) -> int:
+def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any, family: Any) -> int:
     """Plan or copy the configs into ``out``, then train under the watchdog; the exit code, or a UserError."""
     from autotune.hardware.probe import probe_system
 
@@ -267,11 +267,11 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
     if args.memory_limit and cuda:
         raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
     kind, _ = parse_engine(getattr(args, "engine", None))
-    return _supervise_job(args, out, probe, kind.job(args, out, scan, probe, started),
+    return _supervise_job(args, out, probe, kind.job(args, out, scan, probe, started, family), family,
                           ours=kind.own_measurements)
 
 
-def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, ours: bool) -> int:
+def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, family: Any, ours: bool) -> int:
     """Train ``job`` under the watchdog; its exit code, or a UserError."""
     import json
     import signal
@@ -282,7 +282,7 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, ou
     with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
         result = supervise(job)
     if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
-        remember_attempts(result.attempts, probe, _family_name(args), job.limits.budget_mib,
+        remember_attempts(result.attempts, probe, family.name, job.limits.budget_mib,
                           contended=_contended(out))
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
@@ -387,10 +387,12 @@ def _print_report(out: Path) -> None:
     print(f"\n{text.rstrip()}\nreport page: {out / REPORT_HTML} (again with: autotune report {out})")
 
 
-def _family_name(args: argparse.Namespace) -> str:
+def run_family(args: argparse.Namespace) -> Any:
+    """The model's ``FamilySpec``, detected once for the whole run (``--family`` states it where the file cannot;
+    a pickle checkpoint is read only with ``--allow-pickle``)."""
     from sd_scripts_compat.models.detect import detect_family
 
-    return detect_family(args.model, args.family, allow_pickle=bool(getattr(args, "allow_pickle", False))).name
+    return detect_family(args.model, args.family, allow_pickle=bool(getattr(args, "allow_pickle", False)))
 
 
 def _entries(folder: Path) -> set[str] | None:

@@ -282,7 +282,7 @@ def plan_training(request: PlanRequest) -> Plan:
 
 def _search_plan(request: PlanRequest) -> _Searched:
     """The family, dataset and card read; the start point; the search over the settings space."""
-    family = detect_family(request.model, request.family)
+    family = request.spec or detect_family(request.model, request.family)
     validate_resolution(request.preferences.resolution, family)
     validate_frames(request.preferences.frames, family)
     media = VIDEO_EXTENSIONS if (request.preferences.frames or 1) > 1 else IMAGE_EXTENSIONS  # clips: its videos

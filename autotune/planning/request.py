@@ -91,6 +91,7 @@ class PlanRequest:
     dataset_dir: str | None
     model: str  # "builtin:sdxl" or a path (safetensors file / diffusers folder)
     family: str | None = None  # detected from ``model`` when None
+    spec: FamilySpec | None = None  # the family the caller already detected (``autotune run``): not detected again
     gpus: tuple[GpuTarget, ...] = ()  # empty: plan for this machine's CPU
     goal: str = "character"
     priority: str = "balanced"

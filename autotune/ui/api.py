@@ -285,8 +285,10 @@ def check_engine(choice: Any, args: Any) -> None:
     from argparse import Namespace
 
     from autotune.launch.engines import check_engine as check_chosen
+    from sd_scripts_compat.models.detect import detect_family
 
-    check_chosen(Namespace(**{**vars(args), "engine": choice.engine, "python": choice.python}))
+    chosen = Namespace(**{**vars(args), "engine": choice.engine, "python": choice.python})
+    check_chosen(chosen, detect_family(args.model, getattr(args, "family", None)) if args.model else None)
 
 
 def inspect_run(folder: Path, run_id: str, policy: AccessPolicy) -> dict[str, Any]:

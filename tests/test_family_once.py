@@ -1,0 +1,40 @@
+"""``autotune run`` turns the model into a ``FamilySpec`` once, at its edge: the engine check, the doctor, the plan,
+the run folder's name, the watchdog's job and the measurement store all take that object (the engine, a child
+process, reads the file itself)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COUNTING = """
+import collections, sys, traceback
+from pathlib import Path
+import sd_scripts_compat.models.detect as detect
+calls = collections.Counter()
+original = detect.detect_family
+def counting(*args, **kwargs):
+    frame = traceback.extract_stack()[-2]
+    calls[f"{Path(frame.filename).name}:{frame.name}"] += 1
+    return original(*args, **kwargs)
+detect.detect_family = counting
+from autotune.cli import main
+code = main(sys.argv[1:])
+print("DETECTED", dict(calls))
+raise SystemExit(code)
+"""
+
+
+def test_a_run_detects_the_family_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    argv = ["run", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15", "--steps", "2", "--vram", "8",
+            "--out", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-c", COUNTING, *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("DETECTED"))
+    assert line == "DETECTED {'run.py:run_family': 1}", line
