@@ -73,7 +73,7 @@ def read_tensors(path: str | os.PathLike[str], dtype_of: Callable[[str], torch.d
                 raise ValueError(f"tensor {key} has the unknown dtype {entry.dtype}")
             raw = torch.empty(entry.end - entry.start, dtype=torch.uint8)
             handle.seek(entry.start)
-            if handle.readinto(memoryview(raw.numpy())) != raw.numel():
+            if handle.readinto(raw.numpy().data) != raw.numel():
                 raise ValueError(f"tensor {key} is cut short (truncated file)")
             tensor = raw.view(stored).reshape(entry.shape) if raw.numel() else torch.empty(entry.shape, dtype=stored)
             target = dtype_of(key)

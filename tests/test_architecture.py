@@ -128,11 +128,16 @@ def test_importing_the_entry_point_and_every_engine_module_loads_no_autotune_mod
             f"for name in {sorted(engine_modules())!r}:\n"
             "    importlib.import_module(name)\n"
             "print(sorted(m for m in sys.modules if m == 'autotune' or m.startswith('autotune.')))")
+    assert last_line_of(code) == "[]"
+
+
+def last_line_of(code: str) -> str:
+    """The last line ``code`` prints in a fresh interpreter with this checkout first on the path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "[]", result.stdout
+    return result.stdout.strip().splitlines()[-1]
 
 
 # ---- every option the engine claims to implement is read by its code ---------------------------------
@@ -359,11 +364,7 @@ def test_planning_and_the_engine_load_no_calibration_module(tmp_path):
             f" '--vram', '8', '--out', {str(tmp_path / 'plan')!r}]) == 0\n"
             "import sd_scripts_compat.training.recipe, sd_scripts_compat.runtimes.unet\n"
             "print(sorted(m for m in sys.modules if m.startswith('autotune.calibration')))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+    assert last_line_of(code) == "[]"
 
 
 # ---- an engine is chosen in one place: the registry (autotune/launch/engines.py) -------------------------------

@@ -1119,6 +1119,9 @@ ISSUE_48 = [
     Case("train-musubi-engine", lambda t: train(t, "--engine", f"musubi-tuner={t}"),
          "does not run a kohya config by itself"),
     Case("train-engine-unknown-name", lambda t: train(t, "--engine", f"toy={t}"), "expected sd-scripts=PATH"),
+    # found by mypy: a config without a base model was a TypeError traceback in the engine
+    Case("engine-config-without-a-model", lambda t: engine(t, pretrained_model_name_or_path=None),
+         "pretrained_model_name_or_path: not given"),
 ]
 
 CORPUS = (CLI + CONFIG + DATASETS + MODELS + LORAS + INTERRUPTIONS + REPORTS + MORE + ISSUE_47 + OWN_47

@@ -237,7 +237,7 @@ def musubi_fp8_scaled(model: Any) -> int:
         def forward(x: Any, layer: Any = layer) -> Any:
             return F.linear(x, layer.weight.to(layer.scale_weight.dtype) * layer.scale_weight, layer.bias)
 
-        layer.forward = forward
+        setattr(layer, "forward", forward)  # noqa: B010 - an instance attribute over the class's method
         count += 1
     return count
 

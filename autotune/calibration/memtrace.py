@@ -601,7 +601,7 @@ def _attention_scores(bundle: Any, resolution: int) -> dict[str, float]:
             pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
             added = {"text_embeds": torch.empty(1, pooled),
                      "time_ids": torch.empty(1, 6)}
-        F.scaled_dot_product_attention = recording
+        setattr(F, "scaled_dot_product_attention", recording)  # noqa: B010 - traced, then put back
         try:
             with torch.no_grad():
                 unet(x, torch.tensor([1]), cond, added_cond_kwargs=added)

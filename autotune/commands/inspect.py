@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "peft names, for pipelines that do not read kohya names (diffusers' SD3 pipeline)")
 
 
-def _size(num_bytes: int) -> str:
+def _size(num_bytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if num_bytes < 1024 or unit == "GiB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"

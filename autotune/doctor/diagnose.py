@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from autotune.doctor.buckets import DEFAULT_RESOLUTION, STAND_IN_FAMILY, BucketItem, bucket_config, plan_buckets
 from autotune.doctor.captions import TokenCounter, check_captions, shipped_token_counter, top_tags
@@ -161,7 +162,8 @@ def options_from_config(config: str | os.PathLike[str], dataset_config: str | os
     spec = resolve_family(model, family)
     script = spec.script if spec else "train_network"
     default = (spec.resolution, spec.resolution) if spec else (DEFAULT_RESOLUTION, DEFAULT_RESOLUTION)
-    resolved = settings_from_files(config, dataset_config, script=script, default_resolution=default,
+    resolved = settings_from_files(Path(config), Path(dataset_config) if dataset_config is not None else None,
+                                   script=script, default_resolution=default,
                                    train_data_dir=_train_data_dir(dataset_dir))
     extensions = {subset.caption_extension for subset in resolved.dataset.subsets}
     return {"resolution": max(resolved.settings.resolution), "batch": resolved.settings.train_batch_size,
@@ -203,7 +205,7 @@ def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | N
 
 def diagnose_options(args: argparse.Namespace) -> DoctorReport:
     """The report for ``autotune doctor``'s parsed options (the CLI and the web app's ``POST /api/doctor``)."""
-    given: dict[str, object] = {"resolution": args.resolution, "batch": args.batch, "frames": args.frames,
+    given: dict[str, Any] = {"resolution": args.resolution, "batch": args.batch, "frames": args.frames,
                                 "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
     if args.config:
         configured = options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,

@@ -59,7 +59,7 @@ import json
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from autotune.estimate.memory_model import (
     DEFAULT_ALLOCATOR_OVERHEAD,
@@ -159,8 +159,9 @@ def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: boo
 class DitMemoryEstimate(MemoryEstimate):
     """Training-phase components (summing to the training total) plus the caching phase and host RAM."""
 
-    TENSOR_PARTS = ("weights_transformer", "weights_inactive_expert", "weights_text_encoders", "weights_vae",
-                    "lora_params", "lora_grads", "optimizer_state", "activations")
+    TENSOR_PARTS: ClassVar[tuple[str, ...]] = (
+        "weights_transformer", "weights_inactive_expert", "weights_text_encoders", "weights_vae", "lora_params",
+        "lora_grads", "optimizer_state", "activations")
     caching_peak: int = 0  # text-encoder caching phase: tensors + context + allocator slack
     pinned_host_bytes: int = 0  # of host_ram_bytes, page-locked (musubi's swap staging or pinned swapped blocks)
     host_ram_bytes: int = 0  # while training
@@ -343,7 +344,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
             notes.append(f"host RAM peak is the text-encoder caching on the CPU ({cpu_caching / GIB:.1f} GiB)")
         loading = max(loading, cpu_caching)
     return DitMemoryEstimate(
-        inputs=inputs, components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
+        inputs=cast(Any, inputs),  # a DiT's inputs where the UNet estimate has its own
+        components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
         pinned_host_bytes=pinned,  # the staging copies add to the host; pinned swapped blocks replace theirs
         host_ram_bytes=host + experts_host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
         + (pinned - host - experts_host if inputs.pinned_block_swap else pinned),

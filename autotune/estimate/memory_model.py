@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sd_scripts_compat.errors import UserError
 
@@ -127,8 +127,8 @@ class MemoryEstimate:
     lora_params: int = 0
     notes: tuple[str, ...] = ()
 
-    TENSOR_PARTS = ("weights_unet", "weights_text_encoders", "weights_vae", "lora_params", "lora_grads",
-                    "optimizer_state", "activations")
+    TENSOR_PARTS: ClassVar[tuple[str, ...]] = ("weights_unet", "weights_text_encoders", "weights_vae", "lora_params",
+                                               "lora_grads", "optimizer_state", "activations")
 
     @property
     def tensor_peak_bytes(self) -> int:
@@ -221,7 +221,7 @@ def lora_tensor_sizes(architecture: dict[str, Any], parts: list[str], rank: int,
         for kind, table in kinds.items():
             if kind != "linear" and not conv_dim:
                 continue
-            dim = conv_dim if kind == "conv" else rank
+            dim = int(conv_dim or 0) if kind == "conv" else rank
             for shape, count in table.items():
                 fan_in, fan_out = (int(x) for x in shape.split("x"))
                 sizes.append((dim * fan_in, count))  # lora_down [dim, fan_in(*k*k)]

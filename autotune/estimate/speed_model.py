@@ -172,7 +172,7 @@ def cpu_traffic_bytes(inputs: Any, flops: float, calibration: dict[str, Any] | N
 
     compute_bytes = 2 if compute_precision(inputs) == "bf16" else 4
     weights = family_calibration(inputs.family, calibration)["architecture"]["unet"]["float_elements"]
-    activations = predict_memory(inputs, calibration).components["activations"]
+    activations: float = predict_memory(inputs, calibration).components["activations"]
     if getattr(inputs, "gradient_checkpointing", False):  # it keeps fewer activations but does all that work,
         plain = inputs.with_(gradient_checkpointing=False)  # and the recompute again
         activations = (predict_memory(plain, calibration).components["activations"]

@@ -166,7 +166,8 @@ def find_gpu(name: str, vram_gb: float | None = None, catalog: list[GpuSpec] | N
     for size in (token_vram, vram_gb):
         if size is not None and candidates:
             candidates = [spec for spec in candidates if _vram_close(spec.vram_gb, size)]
-            candidates.sort(key=lambda spec, size=size: abs(spec.vram_gb - size))
+            target_gb = size
+            candidates.sort(key=lambda spec: abs(spec.vram_gb - target_gb))
             candidates = [spec for spec in candidates if spec.vram_gb == candidates[0].vram_gb]
     if not candidates:
         return None

@@ -222,7 +222,8 @@ def _decode(tp: typing.Any, value: typing.Any, where: str) -> typing.Any:
         if missing or unknown:
             raise UserError(f"probe JSON: {where}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'}; "
                             "re-run autotune probe --json")
-        return tp(**{name: _decode(hints[name], value[name], f"{where}.{name}") for name in names})
+        return typing.cast(typing.Any, tp)(**{name: _decode(hints[name], value[name], f"{where}.{name}")
+                                                 for name in names})
     if origin is list:
         if not isinstance(value, list):
             raise UserError(f"probe JSON: {where} must be a list")

@@ -320,7 +320,7 @@ def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: 
     from autotune.measure.store import device_key, from_done_event, from_oom_event, record_measurements
 
     device = device_key(probe)
-    records = []
+    records: list[Any] = []
     if contended:
         print(f"this run's speed is not kept for future plans: {contended}")
     for attempt in attempts:

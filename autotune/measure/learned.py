@@ -124,6 +124,8 @@ class LearnedFigures:
         if not alike:
             return Learned(None, "model", "speed model")
         nearest = min(alike, key=lambda r: _distance(key, r.key))
+        if nearest.micro_steps_per_s is None:  # a finished run without a timed step
+            return Learned(None, "model", "speed model")
         ratio = model_rate(settings) / model_rate(nearest.settings)
         k = nearest.key
         return Learned(nearest.micro_steps_per_s * ratio, "measured-scaled",

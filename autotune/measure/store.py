@@ -177,7 +177,7 @@ def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source
     compiled = done.get("torch_compile") if isinstance(done.get("torch_compile"), dict) else None
     if not isinstance(settings, dict) or seconds is None or (compiled is not None and compiled.get("failure")):
         return None
-    memory = done.get("memory") if isinstance(done.get("memory"), dict) else {}
+    memory: dict[str, float] = done["memory"] if isinstance(done.get("memory"), dict) else {}
     return Measurement(device=device, family=family, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
                        peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
@@ -199,6 +199,6 @@ def from_oom_event(oom: Mapping[str, Any], *, device: str, family: str, source: 
     settings = oom.get("settings")
     if not isinstance(settings, dict):
         return None
-    memory = oom.get("memory") if isinstance(oom.get("memory"), dict) else {}
+    memory: dict[str, float] = oom["memory"] if isinstance(oom.get("memory"), dict) else {}
     return Measurement(device=device, family=family, settings=settings, outcome=Outcome.OOM, source=source,
                        memory=dict(memory), budget_mib=budget_mib)

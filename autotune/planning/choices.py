@@ -154,7 +154,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
                           "in its smallest dtype: it caches on the CPU (slow: minutes per caption, once)"))
     here = req.output_dir is not None
     out.append(Choice("dataset_config", str(Path(req.output_dir).expanduser().resolve() / "dataset.toml")
-                      if here else "dataset.toml",
+                      if req.output_dir is not None else "dataset.toml",
                       "images, repeats and captions: the dataset.toml written next to this file" if here
                       else "images, repeats and captions: dataset.toml, relative to the folder you launch from"))
     pinned = req.preferences.resolution
@@ -210,7 +210,8 @@ def _network(c: PlanContext) -> list[Choice]:
                else profile.network_module_reason),
         Choice("network_dim", c.values["network_dim"], rank_reason),
         Choice("network_alpha", c.values["network_alpha"],
-               f"your --alpha: LoRA scale {s.network_alpha / s.network_dim:g}" if req.preferences.alpha is not None
+               f"your --alpha: LoRA scale {float(s.network_alpha or 0) / s.network_dim:g}"
+               if req.preferences.alpha is not None
                else "alpha = rank / 2: LoRA scale 0.5 whatever the rank, so the learning rate holds"),
     ]
     if s.network_args:

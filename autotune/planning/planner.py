@@ -384,6 +384,8 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
 def compiled(prediction: Prediction, compiling: CompileDecision) -> Prediction:
     """The prediction with the measured compiled step, and the compile counted once in the run's time."""
     step = compiling.seconds_per_step
+    if step is None:  # nothing measured compiled: the eager prediction stands
+        return prediction
     faster = prediction.seconds_per_step / step
     return replace(prediction, seconds_per_step=step, it_per_s=1.0 / step,
                    micro_steps_per_s=prediction.micro_steps_per_s * faster,
@@ -420,7 +422,7 @@ def _learned_lines(excluded: dict[TrainSettings, str]) -> tuple[str, ...]:
     return tuple(f"not proposed: {short_settings(s)}: {why}" for s, why in excluded.items())
 
 
-def _sources(estimate: Any) -> dict[str, str]:
+def _sources(estimate: Any) -> dict[str, Any]:
     return {"speed_source": estimate.speed_source, "speed_basis": estimate.speed_basis,
             "memory_source": estimate.memory_source}
 

@@ -161,10 +161,10 @@ def validate_request(request: PlanRequest) -> None:
     for entry in prefs.network_args:
         if "=" not in entry:
             raise UserError(f"--network-arg {entry}: write key=value, e.g. factor=8")
-        key, _, value = entry.partition("=")
-        if key.strip() == "algo" and value.strip() != prefs.network:
+        key, _, given = entry.partition("=")
+        if key.strip() == "algo" and given.strip() != prefs.network:
             raise UserError(f"--network-arg {entry}: --network {prefs.network} already names the algorithm; give "
-                            f"--network {value.strip()} instead")
+                            f"--network {given.strip()} instead")
 
 
 def network_choice(prefs: Preferences, family: FamilySpec) -> tuple[str, tuple[str, ...]]:

@@ -64,6 +64,8 @@ def template_files() -> dict[str, str]:
                 continue
             files.update({f"{folder}/{name}": text for name, text in render_plan_files(plan, "kohya").items()})
             s, p = plan.settings, plan.prediction
+            if s is None or p is None:  # a plan that fits has both
+                continue
             rows.append(f"| {family} | {tier} | {s.resolution[0]} | {s.train_batch_size} x "
                         f"{s.gradient_accumulation_steps} | {'on' if s.gradient_checkpointing else 'off'} | "
                         f"{s.network_dim} | {s.optimizer_type}"

@@ -313,7 +313,8 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
     ends (``continued``); its limit follows the phase (``recovery.stall``)."""
     seen = _Watch()
     watched = (event_path(events_dir, PROGRESS), event_path(events_dir, PHASE))
-    last_change, last_mtimes = time.monotonic(), (None, None)
+    last_change = time.monotonic()
+    last_mtimes: tuple[int | None, ...] = (None, None)
     limit = stall_timeout_s
     stop_deadline: float | None = None
     while proc.poll() is None:

@@ -181,7 +181,7 @@ def memory_predictor(family: str, *, text_encoder_outputs_cached: bool = False,
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
 
-    overrides = {} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}
+    overrides: dict[str, Any] = {} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
         return lambda s: predict_dit_memory(dit_inputs_for_settings(family, s, **overrides)).training_total_bytes \
             / 2**20

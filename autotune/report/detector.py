@@ -101,7 +101,7 @@ def _spill(samples: list[dict[str, Any]]) -> list[Finding]:
         full = _fullest_gpu(samples[first:last + 1])
         slow = rate <= pace / SPILL_SLOWDOWN and full is not None and full[1] >= SPILL_MEMORY_FRACTION * full[2]
         run = run + 1 if slow else 0
-        if run >= SPILL_WINDOWS:
+        if run >= SPILL_WINDOWS and full is not None:
             index, used, total = full
             fell = pace / rate if rate > 0 else float("inf")
             fell_text = f"{fell:.0f}x" if fell != float("inf") else "to zero"
@@ -175,7 +175,9 @@ def _held_down(gpu: dict[str, Any]) -> bool:
     if reasons & set(THROTTLE_REASONS):
         return True
     clock, top = gpu.get("sm_clock_mhz"), gpu.get("max_sm_clock_mhz")
-    return "power_cap" in reasons and bool(clock and top) and clock < THROTTLE_CLOCK_FRACTION * top
+    if not (clock and top):
+        return False
+    return "power_cap" in reasons and clock < THROTTLE_CLOCK_FRACTION * top
 
 
 def _percentile(values: list[float], q: float) -> float:

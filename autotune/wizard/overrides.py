@@ -397,12 +397,12 @@ def suggest(request: PlanRequest, base: Plan, target: Target, wanted: TrainSetti
         given_up = ", ".join(planner_fit.fallbacks) or describe(Overrides(**change))
         out.append(Suggestion(f"the planner's fit: {given_up}", fresh, predict_fit(target, got, epochs)))
     for candidates in one_knob_changes(target, wanted):
-        for change, settings in candidates:
+        for knob, settings in candidates:
             fit = predict_fit(target, settings, epochs)
             if fit.fits:
-                merged = overrides.merged(change)
+                merged = overrides.merged(knob)
                 if all(merged != known.overrides for known in out):
-                    out.append(Suggestion(describe(change), merged, fit))
+                    out.append(Suggestion(describe(knob), merged, fit))
                 break
     return tuple(out[:limit])
 

@@ -354,7 +354,7 @@ def doctor(asker: Asker, model: ModelChoice, data: DatasetChoice) -> bool:
 
     try:
         lines = check_before_training(data.folder, model=model.model, family=model.family,
-                                      **({"frames": data.frames} if data.frames > 1 else {}))
+                                      frames=data.frames if data.frames > 1 else None)
     except UserError as error:
         asker.say(f"  doctor: {error}", style="red")
         return False

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 TE_CACHE_FORMAT = "lora-autotune-te/1"
 
 
-def _text_metadata(caption: str, key: str, max_token_length: int, clip_skip: int | None, dtype: Any) -> dict[str, str]:
+def _text_metadata(caption: str, key: str, max_token_length: int | None, clip_skip: int | None,
+                   dtype: Any) -> dict[str, str]:
     return {"format": TE_CACHE_FORMAT, "caption": caption, "text_encoders": key,
             "max_token_length": str(max_token_length), "clip_skip": str(clip_skip), "dtype": str(dtype)}
 

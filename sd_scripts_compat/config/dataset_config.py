@@ -303,8 +303,7 @@ def build_dataset_group(user_config: Mapping[str, Any], args: Mapping[str, Any],
             values = {name: value for name, value in values.items() if value is not _MISSING}
             values.setdefault("image_dir", "")  # fine-tuning subsets may omit it
             subsets.append(SubsetSpec(**values))
-        layers = (dataset, general, args)
-        values = {name: _pick(name, layers) for name in dataset_names}
+        values = {name: _pick(name, (dataset, general, args)) for name in dataset_names}
         values = {name: value for name, value in values.items() if value is not _MISSING}
         if "resolution" not in values:
             if default_resolution is None:

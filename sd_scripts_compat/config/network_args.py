@@ -240,7 +240,9 @@ def _resolve(entries: dict[str, str], values: dict[str, Any], sdxl: bool, rank: 
                 raise UserError(f"{where}: {key} takes effect only with block_dims or a *_lr_weight "
                                 "(as in sd-scripts); add block_dims or remove it")
         return args
-    return replace(args, block_lr_weight=lr_weight, **_block_ranks(values, args, lr_weight, sdxl, rank, where))
+    dims, alphas, conv_dims, conv_alphas = _block_ranks(values, args, lr_weight, sdxl, rank, where)
+    return replace(args, block_lr_weight=lr_weight, block_dims=dims, block_alphas=alphas, conv_block_dims=conv_dims,
+                   conv_block_alphas=conv_alphas)
 
 
 def block_count(sdxl: bool) -> int:
@@ -256,7 +258,7 @@ def block_lr_weight(values: dict[str, Any], sdxl: bool, where: str) -> tuple[flo
         return None
     side, mid = (SDXL_DOWN_UP_BLOCKS, SDXL_MID_BLOCKS) if sdxl else (SD_DOWN_UP_BLOCKS, SD_MID_BLOCKS)
     threshold = values.get("block_lr_zero_threshold", 0.0)
-    parts = []
+    parts: list[float] = []
     for key, length in (("down_lr_weight", side), ("mid_lr_weight", mid), ("up_lr_weight", side)):
         weights = values.get(key)
         if weights is None:
@@ -281,17 +283,18 @@ def _preset(text: str, length: int) -> tuple[float, ...]:
 
 
 def _block_ranks(values: dict[str, Any], args: NetworkArgs, lr_weight: tuple[float, ...] | None, sdxl: bool,
-                 rank: tuple[int, float], where: str) -> dict[str, tuple[Any, ...] | None]:
+                 rank: tuple[int, float], where: str) -> tuple[tuple[Any, ...], tuple[Any, ...],
+                                                               tuple[Any, ...] | None, tuple[Any, ...] | None]:
     """``get_block_dims_and_alphas`` + ``remove_block_dims_and_alphas``: a rank and alpha per block, from
     the lists given or else ``rank`` (network_dim, network_alpha) / conv_dim, conv_alpha; a block whose lr
     weight is 0 gets rank 0 (no module). Convolutions get modules only with conv_dim or conv_block_dims."""
     count = block_count(sdxl)
     given: dict[str, tuple[Any, ...] | None] = {}
     for key in ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas"):
-        given[key] = values.get(key)
-        if given[key] is not None and len(given[key]) != count:
+        value = given[key] = values.get(key)
+        if value is not None and len(value) != count:
             raise UserError(f"{where}: {key} must have {count} values (one per UNet block, as sd-scripts counts "
-                            f"them), got {len(given[key])}")
+                            f"them), got {len(value)}")
     if given["conv_block_dims"] is None and given["conv_block_alphas"] is not None:
         raise UserError(f"{where}: conv_block_alphas takes effect only with conv_block_dims; add it or remove this")
     dims = given["block_dims"] or (rank[0],) * count
@@ -307,8 +310,7 @@ def _block_ranks(values: dict[str, Any], args: NetworkArgs, lr_weight: tuple[flo
     if not any(dims) and not any(conv_dims or ()):
         raise UserError(f"{where}: every block's rank is 0 (block_dims, conv_block_dims, the *_lr_weight), so nothing "
                         "would train; give at least one block a rank")
-    return {"block_dims": dims, "block_alphas": alphas, "conv_block_dims": conv_dims,
-            "conv_block_alphas": conv_alphas}
+    return dims, alphas, conv_dims, conv_alphas
 
 
 def check_lycoris_installed() -> None:

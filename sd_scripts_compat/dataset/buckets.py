@@ -198,7 +198,7 @@ def crop_geometry(image_size: Size, assignment: BucketAssignment, rng: random.Ra
         left, top = excess_w // 2, excess_h // 2
     else:
         left, top = rng.randint(0, excess_w), rng.randint(0, excess_h)
-    return CropGeometry(tuple(image_size), (rw, rh), (bw, bh), left, top)
+    return CropGeometry((image_size[0], image_size[1]), (rw, rh), (bw, bh), left, top)
 
 
 def resize_and_crop(image: Image.Image, geometry: CropGeometry) -> Image.Image:

@@ -207,8 +207,8 @@ def scan_dataset_folder(path: str | os.PathLike[str], caption_extensions: tuple[
     top_level = bool(top) and not repeat_folders
     if top_level:
         hidden += hidden_images(root, media)
-        repeats, tokens = _own_repeats(root)
-        subsets.append(_subset(root, repeats, tokens, top, caption_extensions))
+        repeats, own_tokens = _own_repeats(root)
+        subsets.append(_subset(root, repeats, own_tokens, top, caption_extensions))
     if hidden:
         warnings.append(f"{hidden} hidden {noun[:-1]} file(s) skipped (names starting with '.', such as macOS ._ "
                         "files), as sd-scripts skips them")

@@ -17,7 +17,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.buckets import (
@@ -369,12 +369,13 @@ class TrainDataset:
         else:
             batch["images"] = torch.stack(pixels)
         text = [self._cached_text(r) for r in records]
-        if all(t is not None for t in text):
-            batch["encoder_hidden_states"] = torch.stack([t.encoder_hidden_states for t in text])
-            if text[0].pooled is not None:
-                batch["pooled"] = torch.stack([t.pooled for t in text])
-            if text[0].attention_mask is not None:
-                batch["t5_attn_mask"] = torch.stack([t.attention_mask for t in text])
+        cached = [t for t in text if t is not None]
+        if len(cached) == len(text):  # every caption's outputs cached (one family: all with or all without)
+            batch["encoder_hidden_states"] = torch.stack([t.encoder_hidden_states for t in cached])
+            if cached[0].pooled is not None:
+                batch["pooled"] = torch.stack([t.pooled for t in cached if t.pooled is not None])
+            if cached[0].attention_mask is not None:
+                batch["t5_attn_mask"] = torch.stack([t.attention_mask for t in cached if t.attention_mask is not None])
         return batch
 
     def _cached_latents(self, record: ImageRecord, flipped: bool) -> torch.Tensor:
@@ -578,7 +579,7 @@ def make_dataloader(dataset: TrainDataset, sampler: BucketBatchSampler, *, num_w
     # Its own generator: each new iterator draws a worker base seed, and drawing it from the global RNG
     # would shift dropout noise between a straight run and a resumed one.
     generator = torch.Generator().manual_seed(dataset.seed)
-    return DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=num_workers,
+    return DataLoader(cast(Any, dataset), sampler=sampler, batch_size=None, num_workers=num_workers,
                       persistent_workers=persistent_workers and num_workers > 0, pin_memory=pin_memory,
                       generator=generator, worker_init_fn=ignore_sigint if num_workers > 0 else None)
 

@@ -13,14 +13,14 @@ from sd_scripts_compat.models.families import CLIP_TOKENIZER_DIR, FamilySpec, mo
 
 if TYPE_CHECKING:
     import torch
-    from diffusers import AutoencoderKL, UNet2DConditionModel
 
 
 @dataclass
 class ModelBundle:
     family: FamilySpec
-    unet: UNet2DConditionModel  # the denoiser: a UNet, or FLUX's FluxTransformer2DModel (see ``denoiser``)
-    vae: AutoencoderKL
+    # diffusers modules (typed Any: mypy does not see diffusers' models as torch modules)
+    unet: Any  # the denoiser: a UNet, or FLUX's FluxTransformer2DModel (see ``denoiser``)
+    vae: Any  # the VAE / AE (AutoencoderKL)
     text_encoders: list[Any]  # transformers CLIPTextModel / CLIPTextModelWithProjection / T5EncoderModel
     tokenizers: list[Any]  # one per text encoder (CLIPTokenizer, T5TokenizerFast; None: not found yet)
     scheduler_config: dict[str, Any]
@@ -44,7 +44,7 @@ def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endofte
     from transformers import CLIPTokenizer
 
     source = folder or str(CLIP_TOKENIZER_DIR)
-    kwargs = {} if pad_token is None else {"pad_token": pad_token}
+    kwargs: dict[str, Any] = {} if pad_token is None else {"pad_token": pad_token}
     return CLIPTokenizer.from_pretrained(source, model_max_length=max_length, local_files_only=True, **kwargs)
 
 

@@ -38,6 +38,13 @@ class Checkpoint:
     metadata: dict[str, str]
     tensors: dict[str, torch.Tensor] | None  # None when only the header was read
 
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors of a checkpoint read whole (a header-only read has none: a bug in the caller)."""
+        if self.tensors is None:
+            raise ValueError(f"{self.path}: only its header was read")
+        return self.tensors
+
 
 DtypeOf = Callable[[str], "torch.dtype | None"]  # a tensor's name -> the dtype to hold it in (None: the file's)
 

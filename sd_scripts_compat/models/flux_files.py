@@ -64,7 +64,7 @@ def _read(path: str | os.PathLike[str], option: str, header_only: bool,
         found = _WHAT.get(kind or "", "no FLUX part we know")
         raise UserError(f"{checkpoint.path} holds {found}, not what {option} needs; give {_EXPECTED[option]} "
                         f"as {option}")
-    return checkpoint.shapes if header_only else checkpoint.tensors
+    return dict(checkpoint.shapes) if header_only else checkpoint.state
 
 
 def _fill(module: Any, state: Mapping[str, torch.Tensor], part: str, path: Path, dtype: torch.dtype | None) -> None:
@@ -143,7 +143,7 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
                         f"{', '.join(missing)} (clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors)")
     transformer, vae, text_encoders = empty_modules(spec)
     checkpoint = read_checkpoint(path, dtype_of=lambda key: dtype)
-    _fill(transformer, to_diffusers(checkpoint.tensors, transformer.config), "transformer", path, dtype)
+    _fill(transformer, to_diffusers(checkpoint.state, transformer.config), "transformer", path, dtype)
     return ModelBundle(family=spec, unet=transformer, vae=vae, text_encoders=text_encoders, tokenizers=[],
                        scheduler_config=dict(spec.scheduler), prediction_type=spec.prediction_type, source=str(path),
                        extra={"format": "bfl_single_file", "t5xxl": t5xxl})

@@ -85,7 +85,7 @@ def block_tables(config: Mapping[str, Any]) -> Iterator[tuple[str, str, dict[str
         yield f"single_blocks.{i}", f"single_transformer_blocks.{i}", SINGLE_BLOCK, SINGLE_BLOCK_NORMS
 
 
-def lora_targets(transformer: nn.Module) -> Iterator[tuple[str, tuple[nn.Module, ...]]]:
+def lora_targets(transformer: Any) -> Iterator[tuple[str, tuple[nn.Module, ...]]]:
     """``(bfl_name, linears)`` for every Linear kohya's ``networks.lora_flux`` wraps by default (the
     DoubleStreamBlock / SingleStreamBlock Linears), with the diffusers modules that make up a fused one.
     Chroma's blocks have no modulation Linears (its approximator feeds them), so they yield none."""

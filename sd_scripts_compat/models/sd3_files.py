@@ -138,7 +138,7 @@ def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | No
 
     wanted = (MMDIT_PREFIX, *(prefix for prefix in inside.values() if prefix))  # a part given as a file: not read
     tensors = read_checkpoint(path, keep=lambda key: key.startswith(wanted),
-                              dtype_of=lambda key: vae_dtype if key.startswith(VAE_FILE_PREFIX) else dtype).tensors
+                              dtype_of=lambda key: vae_dtype if key.startswith(VAE_FILE_PREFIX) else dtype).state
     transformer, vae, text_encoders = empty_modules(spec)
     mmdit = {k: v for k, v in tensors.items() if k.startswith(MMDIT_PREFIX)}
     _strict_load(transformer, convert_sd3_transformer_checkpoint_to_diffusers(mmdit), "MMDiT", path, dtype)
@@ -183,13 +183,18 @@ def _replace_parts(bundle: ModelBundle, parts: Mapping[str, str | None], dtype: 
     from sd_scripts_compat.models.checkpoint import read_checkpoint
 
     for option in PART_OPTIONS:
-        if not parts.get(option):
+        given = parts.get(option)
+        if not given:
             continue
-        path = Path(os.fspath(parts[option])).expanduser()
+        path = Path(os.fspath(given)).expanduser()
         part_dtype = vae_dtype if option == "vae" else dtype
-        checkpoint = read_checkpoint(path, dtype_of=lambda key, d=part_dtype: d)
-        widths = {te.file_option: int(te.config.get("hidden_size", 0)) for te in bundle.family.text_encoders}
-        tensors = _own_names(checkpoint.tensors, option, path, widths)
+
+        def held_as(key: str, d: Any = part_dtype) -> Any:
+            return d
+
+        checkpoint = read_checkpoint(path, dtype_of=held_as)
+        widths = {te.file_option or "": int(te.config.get("hidden_size", 0)) for te in bundle.family.text_encoders}
+        tensors = _own_names(checkpoint.state, option, path, widths)
         _load_part(bundle, option, tensors, path, part_dtype)
 
 
@@ -235,8 +240,9 @@ def to_sd3(state: Mapping[str, torch.Tensor], family: FamilySpec) -> dict[str, t
         for sd3_name, names in linears.items():
             for kind in ("weight", "bias"):
                 pieces = [state.get(f"{here}{name}.{kind}") for name in names]
-                if all(piece is not None for piece in pieces):
-                    out[f"joint_blocks.{i}.{sd3_name}.{kind}"] = torch.cat(pieces, dim=0)
+                found = [piece for piece in pieces if piece is not None]
+                if len(found) == len(pieces):
+                    out[f"joint_blocks.{i}.{sd3_name}.{kind}"] = torch.cat(found, dim=0)
         for ours, theirs in _BLOCK_NORMS.items():
             if f"{here}{ours}.weight" in state:
                 out[f"joint_blocks.{i}.{theirs}.weight"] = state[f"{here}{ours}.weight"]
@@ -261,10 +267,11 @@ def save_sd3_files(bundle: ModelBundle, folder: str | os.PathLike[str], *, text_
     for spec, encoder in zip(bundle.family.text_encoders, bundle.text_encoders, strict=True):
         state = {k: v for k, v in encoder.state_dict().items()
                  if not k.endswith("position_ids") and k != "encoder.embed_tokens.weight"}
+        option = spec.file_option or ""  # every SD3 encoder has its file option (clip_l, clip_g, t5xxl)
         if text_encoders_inside:
-            model.update({TEXT_PREFIXES[spec.file_option] + k: v for k, v in state.items()})
+            model.update({TEXT_PREFIXES[option] + k: v for k, v in state.items()})
         else:
-            files[spec.file_option] = state
+            files[option] = state
     name = f"{bundle.family.name}.safetensors"
     out = {"pretrained_model_name_or_path": write_part_file(folder / name, model, dtype)}
     for option, state in files.items():

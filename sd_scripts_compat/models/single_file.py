@@ -438,7 +438,7 @@ def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: 
 def load_vae_file(path: str | os.PathLike[str], family: FamilySpec, dtype: Any) -> Any:
     """sd-scripts' ``vae`` option: a VAE file (alone, or inside a checkpoint under ``first_stage_model.``)."""
     path = Path(path).expanduser()
-    tensors = read_checkpoint(path, dtype_of=lambda key: dtype).tensors
+    tensors = read_checkpoint(path, dtype_of=lambda key: dtype).state
     if any(k.startswith(VAE_PREFIX) for k in tensors):
         tensors = {k[len(VAE_PREFIX):]: v for k, v in tensors.items() if k.startswith(VAE_PREFIX)}
     if not any(k.startswith("decoder.") for k in tensors):

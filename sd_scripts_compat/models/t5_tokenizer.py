@@ -57,7 +57,7 @@ def load_t5_tokenizer(source: str | os.PathLike[str], max_length: int) -> Any:
     A spiece.model alone is refused: transformers 5 without sentencepiece silently builds a wrong
     tokenizer from it (measured: a junk spiece.model "loads" with 104 tokens).
     """
-    from transformers import T5TokenizerFast
+    from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # lazily exported
 
     path = Path(source)
     if (path.is_dir() and not (path / "tokenizer.json").is_file()) or (path.is_file() and path.suffix != ".json"):
@@ -78,7 +78,7 @@ def train_unigram_t5_tokenizer(corpus: Iterable[str], vocab_size: int, max_lengt
     """A T5-style tokenizer (Unigram with the SentencePiece ``▁`` word marker, ``</s>`` appended, ids
     <pad>=0 </s>=1 <unk>=2) trained on ``corpus`` with the ``tokenizers`` library: small and offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import T5TokenizerFast
+    from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # lazily exported
 
     tokenizer = Tokenizer(models.Unigram())
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")

@@ -225,7 +225,8 @@ def tokenize_sd3(bundle: ModelBundle, captions: list[str], t5xxl_max_token_lengt
         length = SD3_CLIP_TOKENS if spec.tokenizer_kind == "clip" else check_t5xxl_max_token_length(
             t5xxl_max_token_length, bundle.family.t5xxl_max_token_length)
         tokens = tokenizer(captions, max_length=length, padding="max_length", truncation=True, return_tensors="pt")
-        out[spec.file_option], out[f"{spec.file_option}_mask"] = tokens.input_ids, tokens.attention_mask
+        key = spec.file_option or ""  # every SD3 encoder has one (clip_l, clip_g, t5xxl)
+        out[key], out[f"{key}_mask"] = tokens.input_ids, tokens.attention_mask
     return out
 
 
@@ -239,7 +240,7 @@ def encode_sd3_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, appl
     clip_states, pooled, t5 = [], [], None
     for spec, encoder in zip(bundle.family.text_encoders, bundle.text_encoders, strict=True):
         device = next(encoder.parameters()).device
-        key = spec.file_option
+        key = spec.file_option or ""
         mask = ids[f"{key}_mask"].to(device).unsqueeze(-1)
         if spec.tokenizer_kind == "t5":
             t5 = encoder(ids[key].to(device), return_dict=True).last_hidden_state

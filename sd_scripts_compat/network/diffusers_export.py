@@ -55,7 +55,7 @@ def to_diffusers_lora(state: Mapping[str, torch.Tensor], bundle: ModelBundle) ->
         used.update(f"{lora_name}.{suffix}" for suffix in ("lora_down.weight", "lora_up.weight", "alpha"))
         row = 0
         for part in base.parts if isinstance(base, FusedTargets) else (base,):
-            rows = part.out_channels if hasattr(part, "out_channels") else part.out_features
+            rows = int(getattr(part, "out_channels", None) or getattr(part, "out_features"))  # noqa: B009
             out[f"{paths[id(part)]}.lora_A.weight"] = down.clone()
             out[f"{paths[id(part)]}.lora_B.weight"] = (up[row:row + rows].float() * scale).to(up.dtype)
             row += rows

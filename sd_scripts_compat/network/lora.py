@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -85,10 +85,14 @@ class LoRAModule(nn.Module):
         super().__init__()
         self.lora_name = lora_name
         self.lora_dim = int(dim)
-        device = base.weight.device
+        device = cast(torch.Tensor, base.weight).device
+        self.lora_down: nn.Linear | nn.Conv2d
+        self.lora_up: nn.Linear | nn.Conv2d
+        self.alpha: torch.Tensor
         if isinstance(base, nn.Conv2d):
-            self.lora_down = nn.Conv2d(base.in_channels, self.lora_dim, base.kernel_size, base.stride,
-                                       base.padding, bias=False, device=device)
+            self.lora_down = nn.Conv2d(base.in_channels, self.lora_dim, cast(tuple[int, int], base.kernel_size),
+                                       cast(tuple[int, int], base.stride), cast(tuple[int, int], base.padding),
+                                       bias=False, device=device)
             self.lora_up = nn.Conv2d(self.lora_dim, base.out_channels, (1, 1), (1, 1), bias=False, device=device)
         elif isinstance(base, nn.Linear):
             self.lora_down = nn.Linear(base.in_features, self.lora_dim, bias=False, device=device)
@@ -230,7 +234,7 @@ class FusedLoRAModule(LoRAModule):
         self._part_saved = []
         for index, part in enumerate(self.targets.parts):
             self._part_saved.append((part.forward, "forward" in part.__dict__))
-            part.forward = self._part_forward(index)
+            setattr(part, "forward", self._part_forward(index))  # noqa: B010 - an instance attribute, on purpose
         self.applied = True
 
     def remove(self) -> None:
@@ -238,7 +242,7 @@ class FusedLoRAModule(LoRAModule):
             return
         for part, (saved, had_instance_forward) in zip(self.targets.parts, self._part_saved):
             if had_instance_forward:
-                part.forward = saved
+                setattr(part, "forward", saved)  # noqa: B010
             else:
                 del part.forward
         self._part_saved = []
@@ -249,18 +253,20 @@ class FusedLoRAModule(LoRAModule):
         """``down(x)`` with kohya's dropouts, shared by the parts that see the same ``x`` (None: module dropout
         skipped the whole fused module this time)."""
         shared = self._shared
+        lx: torch.Tensor | None
         if shared is not None and shared[0] is x and index in shared[2]:
             shared[2].discard(index)
             lx, scale = shared[1], self._shared_scale
         else:
             weight_dtype = self.lora_down.weight.dtype
             h = x if x.dtype == weight_dtype or torch.is_autocast_enabled(x.device.type) else x.to(weight_dtype)
-            lx: torch.Tensor | None = self.lora_down(h)
+            down: torch.Tensor = self.lora_down(h)
+            lx = down
             scale = self.scale
             if self.training and self.module_dropout and torch.rand(()) < self.module_dropout:
                 lx = None
             elif self.training and self.dropout:
-                lx = nn.functional.dropout(lx, p=self.dropout)
+                lx = nn.functional.dropout(down, p=self.dropout)
             if lx is not None and self.training and self.rank_dropout:
                 mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
                 lx = lx * (mask.unsqueeze(1) if lx.dim() == 3 else mask).to(lx.dtype)
@@ -330,11 +336,12 @@ def iter_target_modules(bundle: ModelBundle, *, conv: bool, unet: bool = True, t
     if unet and family.unet_lora_names in ("bfl", "table"):
         from sd_scripts_compat.models.flux_layout import lora_targets, table_lora_targets
 
-        targets = lora_targets(bundle.unet) if family.unet_lora_names == "bfl" \
+        fused = lora_targets(bundle.unet) if family.unet_lora_names == "bfl" \
             else table_lora_targets(bundle.unet, family.lora_layout)
-        for kohya_name, parts in targets:
-            yield _lora_key("lora_unet", kohya_name), "unet", parts[0] if len(parts) == 1 else FusedTargets(parts), \
-                False
+        for kohya_name, parts in fused:
+            linears = cast(tuple[nn.Linear, ...], parts)
+            yield _lora_key("lora_unet", kohya_name), "unet", \
+                linears[0] if len(linears) == 1 else FusedTargets(linears), False
     elif unet:
         targets = UNET_TARGETS + (UNET_CONV_TARGETS if conv else ())
         unet_config = dict(bundle.unet.config)
@@ -378,7 +385,8 @@ class LoRANetwork(nn.Module):
     @property
     def conv_modules(self) -> int:
         """UNet modules on 3x3 convs (LoCon); 0 without conv_dim."""
-        return sum(1 for lora in self.unet_loras if lora.is_conv and tuple(lora.lora_down.kernel_size) != (1, 1))
+        return sum(1 for lora in self.unet_loras
+                   if isinstance(lora.lora_down, nn.Conv2d) and tuple(lora.lora_down.kernel_size) != (1, 1))
 
     def loras(self) -> list[LoRAModule]:
         return self.text_encoder_loras + self.unet_loras
@@ -531,10 +539,11 @@ def _rank(lora_name: str, in_unet: bool, uses_conv_dim: bool, args: NetworkArgs,
     if in_unet and args.block_dims is not None:
         index = block_index(lora_name, sdxl)
         if not uses_conv_dim:
-            return args.block_dims[index], args.block_alphas[index]
+            return args.block_dims[index], args.block_alphas[index] if args.block_alphas is not None else None
         if args.conv_block_dims is None:
             return None, None
-        return args.conv_block_dims[index], args.conv_block_alphas[index]
+        return args.conv_block_dims[index], \
+            args.conv_block_alphas[index] if args.conv_block_alphas is not None else None
     return (args.conv_dim, args.conv_alpha) if uses_conv_dim else rank
 
 

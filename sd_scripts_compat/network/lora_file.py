@@ -199,7 +199,7 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
             te_prefixes[part] += 1
             if name.endswith(("_self_attn_q_proj", "_SelfAttention_q")) and part not in te_widths:
                 te_widths[part] = int(value.shape[1])
-    layout = {"te_prefixes": dict(te_prefixes), "unet_names": unet_names, "cross_attention_dim": cross,
+    layout: dict[str, Any] = {"te_prefixes": dict(te_prefixes), "unet_names": unet_names, "cross_attention_dim": cross,
               "te_widths": te_widths, "denoiser_width": width}
     matches = match_families(layout)
     if matches:
@@ -236,7 +236,7 @@ def match_families(layout: dict[str, Any]) -> list[str]:
             continue
         if any(prefixes.get(p) != w for p, w in layout["te_widths"].items()):
             continue
-        heads, head_dim = family.unet.get("num_attention_heads"), family.unet.get("attention_head_dim")
+        heads, head_dim = family.unet.get("num_attention_heads", 0), family.unet.get("attention_head_dim", 0)
         if layout.get("denoiser_width") is not None and family.is_transformer and (
                 layout["denoiser_width"] != heads * head_dim):
             continue

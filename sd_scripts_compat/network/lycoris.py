@@ -66,7 +66,7 @@ class LycorisNetwork(nn.Module):
     """lycoris-lora's network behind the interface the training loop uses (``apply_to``, parameter groups,
     kohya state dicts); its ``inner`` is the package's ``LycorisNetworkKohya``."""
 
-    def __init__(self, bundle: ModelBundle, inner: nn.Module, names: dict[str, str]) -> None:
+    def __init__(self, bundle: ModelBundle, inner: Any, names: dict[str, str]) -> None:
         super().__init__()
         self.bundle = bundle
         self.inner = inner
@@ -137,7 +137,7 @@ def create_lycoris_network(bundle: ModelBundle, *, network_dim: int, network_alp
     (``network_dropout`` is passed as ``dropout`` there too); ``quiet``: without lycoris' warnings (counting)."""
     kohya_entry = _import_kohya_entry(quiet)
     encoders = list(bundle.text_encoders)
-    kwargs = dict(args.lycoris or {})
+    kwargs: dict[str, Any] = dict(args.lycoris or {})
     if dropout is not None:
         kwargs.setdefault("dropout", dropout)
     try:

@@ -50,7 +50,7 @@ def shifted_schedule(shift: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps, sigmas) of the discrete training schedule, 1000 entries from sigma 1 down."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=shift)
+    scheduler: Any = FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS, shift=shift)
     return scheduler.timesteps.float(), scheduler.sigmas[:NUM_TRAIN_TIMESTEPS].float()
 
 
@@ -248,8 +248,8 @@ class FlowMatchingObjective:
         import torch
 
         noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
-        timesteps, sigmas = sample_sigmas(self.settings, latents.shape[0], tuple(latents.shape[-2:]), generator,
-                                          latents.device, self.schedule)
+        timesteps, sigmas = sample_sigmas(self.settings, latents.shape[0], (latents.shape[-2], latents.shape[-1]),
+                                          generator, latents.device, self.schedule)
         return self._predict(denoiser, latents, hidden, added, noise, timesteps, sigmas)
 
     def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, timestep: int,

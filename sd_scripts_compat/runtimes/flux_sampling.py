@@ -21,7 +21,7 @@ def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: in
     from sd_scripts_compat.runtimes.flow_matching import flux_mu
 
     config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
-    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    scheduler: Any = FlowMatchEulerDiscreteScheduler(**config)  # diffusers' schedulers are untyped for mypy
     sigmas = np.linspace(1.0, 1.0 / steps, steps)
     if scheduler.config.use_dynamic_shifting:
         scheduler.set_timesteps(sigmas=sigmas, mu=flux_mu(image_tokens))

@@ -191,11 +191,11 @@ class BlockSwap:
         tensors = [args[i] for i in positions] + [kwargs[k] for k in names]
         marked = _call_on_backward().apply(lambda: self.after_backward_of(slot), *tensors)
         marked = marked if isinstance(marked, tuple) else (marked,)
-        args = list(args)
+        replaced = list(args)
         for i, tensor in zip(positions, marked):
-            args[i] = tensor
+            replaced[i] = tensor
         kwargs = {**kwargs, **dict(zip(names, marked[len(positions):]))}
-        return tuple(args), kwargs
+        return tuple(replaced), kwargs
 
     def _mark_outputs(self, slot: _Slot, output: Any) -> Any:
         import torch

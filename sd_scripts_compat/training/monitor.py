@@ -61,7 +61,9 @@ class NvmlSource:
     def open(cls, nvml: Any = None) -> NvmlSource | None:
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             nvml.nvmlInit()
             indices = visible_gpu_indices(nvml.nvmlDeviceGetCount(), os.environ.get("CUDA_VISIBLE_DEVICES"))
             return cls(nvml, [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in indices])

@@ -79,7 +79,7 @@ def store_frozen_weights_in_fp8(module: Any, compute_dtype: Any) -> int:
             def forward(x, layer=layer):
                 return fp8_conv.apply(x, layer.weight, layer.bias, compute_dtype, layer.stride, layer.padding,
                                       layer.dilation, layer.groups)
-        layer.forward = forward
+        setattr(layer, "forward", forward)  # noqa: B010 - an instance attribute over the class's method
         count += 1
     return count
 

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, TrainDataset
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.network.lora import LoRANetwork
+    from sd_scripts_compat.network.lycoris import LycorisNetwork
     from sd_scripts_compat.runtimes import FamilyRuntime
     from sd_scripts_compat.runtimes import Objective as FamilyObjective
     from sd_scripts_compat.training.block_swap import BlockSwap
@@ -170,14 +171,17 @@ def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model
     from sd_scripts_compat.models.weight_check import check_finite
     from sd_scripts_compat.runtimes import load_base_model, runtime_for
 
+    base = config.pretrained_model_name_or_path
+    if not base:
+        raise UserError("pretrained_model_name_or_path: not given; name the base model (a .safetensors file, a "
+                        "diffusers folder or builtin:<id>) in the config or on the command line")
     parts = {"clip_l": config.clip_l, "clip_g": config.clip_g, "t5xxl": config.t5xxl, "ae": config.ae,
              "vae": config.vae, "t5xxl_tokenizer": config.t5xxl_tokenizer}  # FLUX.1's and SD3's separate files
     # read straight into the dtypes the modules train in: loading holds the modules, never the file beside them
-    bundle = load_base_model(config.pretrained_model_name_or_path, allow_pickle=config.allow_pickle,
+    bundle = load_base_model(base, allow_pickle=config.allow_pickle,
                              family=_stated_family(config, sdxl), dtype=process.weight_dtype,
                              vae_dtype=vae_dtype(config, process), **{k: v for k, v in parts.items() if v})
     family = bundle.family
-    base = config.pretrained_model_name_or_path
     sources = [base, config.ae or config.vae or base,
                *(getattr(config, te.file_option or "", None) or base for te in family.text_encoders)]
     for source, module in zip(sources, [bundle.unet, bundle.vae, *bundle.text_encoders], strict=True):
@@ -328,7 +332,7 @@ def _cache_text(config: TrainingConfig, process: Process, model: Model, data: Da
 
 @dataclass(frozen=True)
 class Network:
-    network: LoRANetwork  # hooked into the UNet (and text encoders)
+    network: LoRANetwork | LycorisNetwork  # hooked into the UNet (and text encoders)
     trainable: list[torch.nn.Parameter] = field(default_factory=list)
     block_swap: BlockSwap | None = None  # when blocks_to_swap (FLUX.1)
     compiled: CompiledBlocks | None = None  # when torch_compile
@@ -392,7 +396,7 @@ def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8
     return swap
 
 
-def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
+def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork | LycorisNetwork:
     """A new LoRA (or LyCORIS network), or one shaped (dim_from_weights) or initialised from ``network_weights``."""
     from sd_scripts_compat.models.weight_check import check_finite
     from sd_scripts_compat.network.lora import create_network, create_network_from_weights
@@ -401,15 +405,15 @@ def _create_network(config: TrainingConfig, model: Model) -> LoRANetwork:
     if config.network_args.lycoris is not None:
         from sd_scripts_compat.network.lycoris import create_lycoris_network
 
-        network = create_lycoris_network(model.bundle, network_dim=config.network_dim or 4,
+        lycoris = create_lycoris_network(model.bundle, network_dim=config.network_dim or 4,
                                          network_alpha=config.network_alpha, dropout=config.network_dropout,
                                          args=config.network_args, train_text_encoder=model.train_text_encoder)
         if config.network_weights:
-            network.apply_to()  # lycoris registers its modules when applied
+            lycoris.apply_to()  # lycoris registers its modules when applied
             state = read_lora_file(config.network_weights, lycoris=True)[0]
             check_finite(config.network_weights, "the network weights to start from", state.items(), sample=None)
-            network.load_kohya_state_dict(state, source=config.network_weights)
-        return network
+            lycoris.load_kohya_state_dict(state, source=config.network_weights)
+        return lycoris
     if config.network_weights and config.dim_from_weights:
         check_finite(config.network_weights, "the LoRA weights to start from",
                      read_lora_file(config.network_weights)[0].items(), sample=None)
@@ -491,7 +495,7 @@ def resume(config: TrainingConfig, process: Process, network: Network, optimizat
     check_finite(config.resume, "the saved LoRA weights", state.lora_state.items(), sample=None)
     network.network.load_kohya_state_dict(state.lora_state)
     optimizer = unwrap_optimizer(optimization.optimizer)
-    configured_lrs = list(optimization.lr_scheduler.base_lrs)
+    configured_lrs = [float(lr) for lr in optimization.lr_scheduler.base_lrs]
     optimizer.load_state_dict(state.optimizer_state)
     optimization.lr_scheduler.load_state_dict(state.lr_scheduler_state)
     _follow_configured_rates(optimizer, optimization.lr_scheduler, configured_lrs)
@@ -596,7 +600,7 @@ class Recipe:
     report: Report
     checkpointer: Checkpointer
     validation: ValidationRun | None
-    guard: StabilityGuard | None = None
+    guard: StabilityGuard
     stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
     phases: PhaseTimer = field(default_factory=lambda: PhaseTimer("cpu"))  # where the time goes (done.json)
 
@@ -913,12 +917,12 @@ def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     state_dir = None
     if process.is_main and counters.global_step > 0:
         state_dir = str(r.checkpointer.save_state(process.paths.state_dir(), counters))
+    message = (loop.oom or {}).get("message")
     event = {"step": counters.global_step, "epoch": counters.epoch, "settings": r.report.settings,
-             "resolved": r.report.resolved, "memory": memory_figures(), "message": loop.oom["message"],
-             "state_dir": state_dir}
+             "resolved": r.report.resolved, "memory": memory_figures(), "message": message, "state_dir": state_dir}
     if process.paths.events_dir and process.is_main:
         write_event(process.paths.events_dir, OOM, event)
-    print(f"out of memory at step {counters.global_step}: {loop.oom['message']}", file=sys.stderr)
+    print(f"out of memory at step {counters.global_step}: {message}", file=sys.stderr)
     return OOM_EXIT_CODE
 
 
@@ -1028,7 +1032,7 @@ def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 
-def _enable_xformers(unet: torch.nn.Module) -> None:
+def _enable_xformers(unet: Any) -> None:
     try:
         import xformers  # noqa: F401
     except ImportError:

@@ -73,8 +73,8 @@ class StopSignals:
         stops = cls()
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:
-            for number in STOP_SIGNALS:
-                stops._previous[number] = signal.signal(number, stops._handle)
+            for stop in STOP_SIGNALS:
+                stops._previous[stop] = signal.signal(stop, stops._handle)
         try:
             yield stops
         finally:
