@@ -34,7 +34,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.layout import MUSUBI_LEDGER, STATE_DIR
+from autotune.recovery import checkout
 from autotune.recovery.sd_scripts import parse_bar, save_every_n_steps
 from sd_scripts_compat.atomic import write_json_atomic
 from sd_scripts_compat.config.kohya_toml import read_toml, set_dataset_values, write_toml
@@ -63,7 +63,6 @@ REQUIRED_OPTIONS = ("config_file", "dataset_config", "save_state", "save_every_n
                     "output_dir", "output_name")
 _STATE = re.compile(r"^(?P<name>.+)-from(?P<start>\d{8})-step(?P<step>\d{8})-state$")
 _SAVING = re.compile(r"saving state at step (?P<step>\d+)")
-_OPTION = re.compile(r"(?<![\w-])--(?P<name>[A-Za-z0-9][A-Za-z0-9_]*)")
 
 
 # ---------------------------------------------------------------- finding and checking an install
@@ -106,14 +105,7 @@ def find_install(path: Path, python: str | None, family: FamilySpec) -> MusubiIn
 
 def find_python(root: Path, python: str | None) -> tuple[str, str]:
     """``--python``, else the venv in the checkout (its docs make one there), else this Python; and where from."""
-    if python:
-        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-            raise UserError(f"--python {python}: not an executable file; give the Python that runs musubi-tuner")
-        return python, "given with --python"
-    for place in PYTHON_PLACES:
-        if (root / place).is_file() and os.access(root / place, os.X_OK):
-            return str(root / place), f"the venv in {root}"
-    return sys.executable, "no venv in it: the Python running autotune"
+    return checkout.choose_python(python, (root,), PYTHON_PLACES, "musubi-tuner", "no venv in it")
 
 
 def offer(root: Path, python: str | None) -> list[str]:
@@ -127,17 +119,9 @@ def offer(root: Path, python: str | None) -> list[str]:
 
 def script_options(install: MusubiInstall, script: str, env: Mapping[str, str]) -> frozenset[str]:
     """The options ``script`` of this musubi-tuner accepts, read from its ``--help`` (its version's, not ours)."""
-    path = install.scripts / script
-    try:
-        done = subprocess.run([install.python, str(path), "--help"], cwd=install.root, env=install.env(env),
-                              capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise UserError(f"{path}: could not run it with --help ({error}); check --python") from None
-    if done.returncode != 0:
-        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        raise UserError(f"{path} --help failed: {lines[-1] if lines else 'no output'}; install musubi-tuner's "
-                        "requirements into that Python, or pass --python")
-    return frozenset(m["name"] for m in _OPTION.finditer(done.stdout))
+    out, _ = checkout.read_help(install.python, install.scripts / script, cwd=install.root, env=install.env(env),
+                                fix="install musubi-tuner's requirements into that Python, or pass --python")
+    return frozenset(checkout.option_names(out))
 
 
 def check_options(names: frozenset[str], wanted: list[str], source: str, script: str) -> None:
@@ -408,7 +392,7 @@ class MusubiEngine:
             self.options[script] = script_options(self.install, script, self.env)
             check_options(self.options[script], list(REQUIRED_OPTIONS) if script == self.family.kohya_script else [],
                           f"{self.install.scripts / script} (what autotune needs to save and resume)", script)
-        check_options(self.options[script], [m["name"] for m in _OPTION.finditer(" ".join(argv[2:]))],
+        check_options(self.options[script], checkout.option_names(" ".join(argv[2:])),
                       "autotune's command line for musubi-tuner", script)
 
     def _cache(self, dataset: Path, log: DecisionLog) -> None:

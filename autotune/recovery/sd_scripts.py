@@ -35,7 +35,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.layout import SD_SCRIPTS_LEDGER, STATE_DIR
+from autotune.recovery import checkout
 from sd_scripts_compat.atomic import write_json_atomic, write_text_atomic
 from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 from sd_scripts_compat.contract import PROGRESS, STATE_FILE, Outcome, state_step, write_event
@@ -93,7 +93,6 @@ _SAVING = re.compile(r"saving state at step (?P<step>\d+)")
 _EPOCH = re.compile(r"^\s*epoch (?P<epoch>\d+)/(?P<epochs>\d+)\s*$")
 _VERSION = re.compile(r"(?:sd-scripts|kohya)[^\n]*?\bv?(?P<v>\d+\.\d+(?:\.\d+)?\S*)|version[:= ]+v?(?P<w>\d+\.\d+\S*)",
                       re.IGNORECASE)
-_OPTION = re.compile(r"(?<![\w-])--(?P<name>[A-Za-z0-9][A-Za-z0-9_]*)")
 
 
 # ---------------------------------------------------------------- progress lines
@@ -183,27 +182,14 @@ def locate(path: Path) -> tuple[Path, str]:
 
 def choose_python(root: Path, scripts_dir: Path, given: str | None) -> tuple[str, str]:
     """``--python``, else the venv lora-scripts / kohya_ss create beside their code, else this Python."""
-    if given:
-        if not (os.path.isfile(given) and os.access(given, os.X_OK)):
-            raise UserError(f"--python {given}: not an executable file; give the Python that runs sd-scripts")
-        return given, "given with --python"
-    for base in dict.fromkeys((root.resolve(), scripts_dir)):
-        for place in PYTHON_PLACES:
-            candidate = base / place
-            if candidate.is_file() and os.access(candidate, os.X_OK):
-                return str(candidate), f"the venv in {base}"
-    return sys.executable, "no venv beside it: the Python running autotune"
+    return checkout.choose_python(given, dict.fromkeys((root.resolve(), scripts_dir)), PYTHON_PLACES,
+                                  "sd-scripts", "no venv beside it")
 
 
 def find_install(path: Path, python: str | None) -> Install:
     scripts_dir, found_as = locate(path)
     chosen, origin = choose_python(path, scripts_dir, python)
     return Install(path, scripts_dir, found_as, chosen, origin)
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
 
 
 def check_import(install: Install, env: Mapping[str, str] | None = None, timeout_s: float = 600.0) -> None:
@@ -217,7 +203,8 @@ def check_import(install: Install, env: Mapping[str, str] | None = None, timeout
                         "with the Python of your sd-scripts venv") from None
     if done.returncode != 0:
         raise UserError(f"{install.python} cannot import sd-scripts' {LIBRARY_MODULE} from {install.scripts_dir}: "
-                        f"{_last_line(done.stderr or done.stdout)}; install its requirements into that Python "
+                        f"{checkout.last_line(done.stderr or done.stdout)}; install its requirements into that "
+                        "Python "
                         f"(pip install -r {install.scripts_dir / 'requirements.txt'}) or pass --python")
 
 
@@ -250,17 +237,10 @@ class OptionReader:
 
 
 def _read_help(install: Install, script: Path, env: Mapping[str, str] | None) -> ScriptOptions:
-    try:
-        done = subprocess.run([install.python, str(script), "--help"], cwd=install.scripts_dir,
-                              env=dict(env or os.environ), capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise UserError(f"{script}: could not run it with --help ({error}); check --python") from None
-    if done.returncode != 0:
-        raise UserError(f"{script} --help failed: {_last_line(done.stderr or done.stdout)}; check that sd-scripts "
-                        "runs in that Python")
-    names = frozenset(m["name"] for m in _OPTION.finditer(done.stdout))
-    version = _version(done.stdout + "\n" + done.stderr) or _git_version(install.scripts_dir) or "unknown"
-    return ScriptOptions(script, names, version)
+    out, err = checkout.read_help(install.python, script, cwd=install.scripts_dir, env=env or os.environ,
+                                  fix="check that sd-scripts runs in that Python")
+    version = _version(out + "\n" + err) or _git_version(install.scripts_dir) or "unknown"
+    return ScriptOptions(script, frozenset(checkout.option_names(out)), version)
 
 
 def _version(text: str) -> str | None:
@@ -668,7 +648,7 @@ class SdScriptsEngine:
         argv += list(self.extra_args)
         if state is not None:
             argv += ["--resume", str(state[0]), "--initial_step", str(state[1]), "--skip_until_initial_step"]
-        check_options(self.options, [m["name"] for m in _OPTION.finditer(" ".join(argv[2:]))],
+        check_options(self.options, checkout.option_names(" ".join(argv[2:])),
                       "autotune's command line for sd-scripts")
         self.save_every = (every, rate, source)
         return argv
@@ -822,7 +802,7 @@ def train_with_sd_scripts(engine: str, python: str | None, *, family: Any, confi
     options = OptionReader().options(install, family.kohya_script)
     print(f"sd-scripts version {options.version}")
     check_config(config, options)  # the wrapper keys it ignores stay: this is the user's own file
-    check_options(options, [m["name"] for m in _OPTION.finditer(" ".join(kohya_args))], "the command line")
+    check_options(options, checkout.option_names(" ".join(kohya_args)), "the command line")
     argv = [install.python, str(options.script), "--config_file", str(config), *kohya_args]
     print(f"$ {shlex.join(argv)}", flush=True)
     return subprocess.run(argv).returncode
