@@ -100,3 +100,19 @@ def test_every_family_our_engine_trains_names_a_runtime_and_no_other_does():
         else:
             with pytest.raises(UserError, match="does not train it"):
                 runtime_for(family)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"name": "tiny-bad"}', '{"name": "tiny-bad", "text_encoders": [], '
+                                  '"unknown_key": 1}', "[]"])
+def test_a_broken_family_file_is_one_line_naming_it(tmp_path, monkeypatch, text):
+    """A family file of ``SD_COMPAT_FAMILY_PATH`` is the user's: a broken one is a UserError naming the file."""
+    from sd_scripts_compat.models.families import get_family
+
+    (tmp_path / "tiny-bad.json").write_text(text, encoding="utf-8")
+    monkeypatch.setenv(FAMILY_PATH_ENV, str(tmp_path))
+    get_family.cache_clear()
+    try:
+        with pytest.raises(UserError, match="tiny-bad.json: not a family file this version reads"):
+            get_family("tiny-bad")
+    finally:
+        get_family.cache_clear()

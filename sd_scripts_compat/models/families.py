@@ -300,7 +300,15 @@ def get_family(name: str) -> FamilySpec:
     path = family_files().get(name)
     if path is None:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(family_names())}")
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return _family_from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError) as error:
+        # ours are tested; a family file of SD_COMPAT_FAMILY_PATH is the user's: one line naming it
+        raise UserError(f"{path}: not a family file this version reads ({type(error).__name__}: {error}); "
+                        "compare it with one in sd_scripts_compat/data/families") from None
+
+
+def _family_from_json(raw: dict[str, Any]) -> FamilySpec:
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])
     for key in ("transformer_block_groups", "lora_layout", "denoiser_extras", "header_markers"):
         raw[key] = tuple(raw.get(key, ()))
