@@ -187,11 +187,11 @@ def test_a_flux_file_path_plans_as_flux_dev(tmp_path: Path) -> None:
     model = _sparse_flux_file(tmp_path / "flux1-dev.safetensors")
     plan = plan_training(PlanRequest(dataset_dir=None, model=str(model), gpus=(gpu_from_spec(lookup_gpu("RTX 4070")),),
                                      cpu_physical_cores=8))
-    assert plan.fits and plan.family == "flux-dev" and plan.settings.blocks_to_swap > 0
+    assert plan.fits and plan.family.name == "flux-dev" and plan.settings.blocks_to_swap > 0
     assert plan.kohya_values()["pretrained_model_name_or_path"] == str(model)
 
 
 def test_tiny_flux_plans_on_the_cpu_with_its_own_calibration() -> None:
     plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:tiny-flux", cpu_physical_cores=2))
-    assert plan.fits and plan.family == "tiny-flux" and plan.settings.blocks_to_swap == 0
+    assert plan.fits and plan.family.name == "tiny-flux" and plan.settings.blocks_to_swap == 0
     assert plan.kohya_values()["network_module"] == "networks.lora_flux"

@@ -56,6 +56,6 @@ def test_a_plan_from_the_file_names_it_in_the_script(tmp_path: Path) -> None:
     dit = write_dit(tmp_path / "z_image_bf16.safetensors", "z-image")
     plan = plan_training(PlanRequest(dataset_dir=None, model=str(dit), gpus=(gpu_from_vram(16),),
                                      cpu_physical_cores=8))
-    assert plan.family == "z-image" and plan.fits
+    assert plan.family.name == "z-image" and plan.fits
     write_plan_files(plan, tmp_path / "out")
     assert f': "${{DIT:={dit.resolve()}}}"' in (tmp_path / "out" / "musubi_train.sh").read_text()

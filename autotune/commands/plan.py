@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> int:
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
     from sd_scripts_compat.errors import UserError
-    from sd_scripts_compat.models.families import get_family
 
     accept_pickle(args, "plan")
     if args.out:  # said before planning: --out never replaces a run's or the user's files, nor goes in the dataset
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     render(plan)
     if written:
-        trainer = get_family(plan.family).trainer
+        trainer = plan.family.trainer
         print(f"wrote {written[0]} and {written[1]} "
               f"({'musubi-tuner' if trainer == 'musubi-tuner' else args.format} format)")
     else:

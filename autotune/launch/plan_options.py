@@ -296,7 +296,7 @@ def render(plan: Any) -> None:
     from autotune.planning.toml_writer import encode_value, human_seconds
 
     console = Console()
-    console.print(f"[bold]autotune plan[/bold] {plan.model} (family {plan.family}) on {plan.device}; "
+    console.print(f"[bold]autotune plan[/bold] {plan.model} (family {plan.family.name}) on {plan.device}; "
                   f"goal {plan.goal}, priority {plan.priority}")
     table = Table(show_lines=False)
     table.add_column("setting", style="cyan", no_wrap=True)

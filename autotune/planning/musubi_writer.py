@@ -23,7 +23,7 @@ from autotune.planning.profiles import plan_profile
 from sd_scripts_compat.config.kohya_toml import encode_value, loads
 from sd_scripts_compat.config.musubi_args import MUSUBI_NAMES, check_musubi_value, musubi_argv, musubi_options
 from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec, get_family
+from sd_scripts_compat.models.families import FamilySpec
 
 MUSUBI_SCRIPT = "musubi_train.sh"
 CACHE_FOLDER = "musubi_cache"  # inside the output folder: caching never writes into the user's dataset
@@ -46,7 +46,7 @@ class MusubiFiles:
 
 
 def is_musubi_plan(plan: Plan) -> bool:
-    return get_family(plan.family).trainer == "musubi-tuner"
+    return plan.family.trainer == "musubi-tuner"
 
 
 def training_options(plan: Plan, family: FamilySpec) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def render_musubi_dataset(plan: Plan) -> str:
         "resolution": [width, height], "caption_extension": general.get("caption_extension", ".txt"),
         "batch_size": first.get("batch_size", 1), "enable_bucket": bool(first.get("enable_bucket", True)),
         "bucket_no_upscale": bool(first.get("bucket_no_upscale", False))}
-    lines = [f"# musubi-tuner dataset config for {plan.family}, written by autotune plan",
+    lines = [f"# musubi-tuner dataset config for {plan.family.name}, written by autotune plan",
              "# caches live in the output folder, one per image folder, so caching never writes into the dataset",
              "", "[general]"]
     lines += [f"{key} = {encode_value(value)}" for key, value in values.items()]
@@ -104,7 +104,7 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
     model files as the shell variables ``$DIT`` (and Wan 2.2's ``$DIT_HIGH_NOISE``), ``$VAE`` and
     ``$TEXT_ENCODER`` / ``$T5``), each option checked
     against its script's table. The text encoder is cached in fp8 where the plan chose its fp8 flag."""
-    family = get_family(plan.family)
+    family = plan.family
     facts = family.musubi or {}
     models = {name: f"${variable}" for name, variable in MODEL_VARIABLES.items()}
     version = dict(zip(facts.get("version_args", [])[::2], facts.get("version_args", [])[1::2]))
@@ -134,7 +134,7 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
     text = step(facts["cache_text_encoder_outputs"], te_options)
     # the VAE too: musubi decodes sample images with it (its docs list it for training)
     dits = {"dit": models["dit"]}
-    two = plan_profile(plan.family).both_experts
+    two = plan_profile(plan.family.name).both_experts
     if two and plan.settings is not None and plan.settings.high_noise_expert:  # Wan 2.2: the second expert's file
         dits[two.file_key] = models[two.file_key]
     train = step(family.kohya_script, {"config_file": "config.toml", **dits, "vae": models["vae"]})
@@ -145,10 +145,10 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
 
 
 def render_musubi_config(plan: Plan) -> str:
-    family = get_family(plan.family)
+    family = plan.family
     options = training_options(plan, family)
     reasons = {MUSUBI_NAMES.get(c.key, c.key): c.reason for c in plan.choices if c.kohya}
-    lines = [f"# musubi-tuner {family.kohya_script} --config_file, written by autotune plan for {plan.family}",
+    lines = [f"# musubi-tuner {family.kohya_script} --config_file, written by autotune plan for {plan.family.name}",
              "# model files are given on the command line (musubi_train.sh)"]
     for name, value in options.items():
         if name in reasons:
@@ -175,7 +175,7 @@ def render_musubi_script(plan: Plan, commands: tuple[tuple[str, ...], ...]) -> s
     quoted = [" ".join(f'"{word}"' if word.startswith("$") else shlex.quote(word) for word in command)
               for command in commands]
     variables = sorted({word[1:] for command in commands for word in command if word.startswith("$")})
-    lines = ["#!/usr/bin/env bash", f"# {plan.family}: cache latents, cache text-encoder outputs, train "
+    lines = ["#!/usr/bin/env bash", f"# {plan.family.name}: cache latents, cache text-encoder outputs, train "
              "(musubi-tuner; written by autotune plan)", "set -euo pipefail",
              'PLAN_DIR="$(cd "$(dirname "$0")" && pwd)"',
              ': "${MUSUBI_TUNER:?set MUSUBI_TUNER to your musubi-tuner checkout}"']

@@ -167,7 +167,7 @@ class Plan:
     message: str
     version: str
     model: str
-    family: str
+    family: FamilySpec  # detected once; its name in the JSON
     goal: str
     priority: str
     device: str  # "2 x NVIDIA GeForce RTX 3060 (12.0 GiB)", "CPU"
@@ -193,6 +193,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (``autotune plan --json``); ``settings`` is ``TrainSettings.to_event()``."""
         out = asdict(self)
+        out["family"] = self.family.name
         out["settings"] = self.settings.to_event() if self.settings is not None else None
         out["choices"] = [asdict(c) for c in self.choices]
         if self.prediction is not None:
@@ -269,7 +270,7 @@ def plan_training(request: PlanRequest) -> Plan:
     device = _device_label(gpus)
     cpu_threads = 1 if gpus else max(1, request.cpu_physical_cores)
     common: dict[str, Any] = dict(
-        version=__version__, model=request.model, family=searched.family.name, goal=request.goal,
+        version=__version__, model=request.model, family=searched.family, goal=request.goal,
         priority=request.priority, device=device, num_processes=searched.devices, dataset=searched.dataset,
         cpu_threads=cpu_threads, fallbacks=found.fallbacks, warnings=tuple(searched.dataset.warnings),
         probe_summary=request.probe_summary, output_dir=request.output_dir,

@@ -88,7 +88,7 @@ def header_lines(plan: Plan, what: str) -> list[str]:
     lines = [
         f"{what} written by lora-autotune {plan.version} (autotune plan) for sd-scripts {script} "
         "or lora-autotune's engine",
-        f"model: {plan.model} (family {plan.family}); goal {plan.goal}; priority {plan.priority}",
+        f"model: {plan.model} (family {plan.family.name}); goal {plan.goal}; priority {plan.priority}",
         f"device: {plan.device}" + (f"; {plan.num_processes} processes" if plan.num_processes > 1 else ""),
     ]
     if plan.probe_summary:

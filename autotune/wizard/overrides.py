@@ -94,13 +94,13 @@ class Target:
 
     @classmethod
     def of(cls, request: PlanRequest, plan: Plan) -> Target:
-        spec = get_family(plan.family)
+        spec = plan.family
         assert plan.prediction is not None and plan.dataset is not None, "a fitting plan"
-        return cls(family=plan.family, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
+        return cls(family=plan.family.name, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
                    views_per_epoch=plan.dataset.views_per_epoch,
                    t5_fp8=_te_flag(plan, "fp8"), te_cpu=_te_flag(plan, "cpu"), cpu_bf16=request.cpu_bf16,
-                   learned=learned_for(request, plan.family, max(1, len(request.gpus))))
+                   learned=learned_for(request, plan.family.name, max(1, len(request.gpus))))
 
     @property
     def devices(self) -> int:
@@ -112,7 +112,7 @@ def _te_flag(plan: Plan, form: str) -> bool:
     on the CPU (the family's flag)."""
     from autotune.planning.profiles import plan_profile
 
-    values, profile = plan.kohya_values(), plan_profile(plan.family)
+    values, profile = plan.kohya_values(), plan_profile(plan.family.name)
     if form == "cpu":
         return bool(profile.te_cpu_flag and values.get(profile.te_cpu_flag))
     return "fp8" in str(values.get("t5xxl", "")) or bool(profile.te_fp8_flag and values.get(profile.te_fp8_flag))
@@ -309,7 +309,7 @@ def edit_plan(template: Plan, settings: TrainSettings, fit: Fit, *, device: str,
         choices.set("mixed_precision", settings.mixed_precision,
                     f"your value (the planner chose {old.mixed_precision})")
         launch = _launch_with_precision(launch, settings.mixed_precision)
-    if get_family(template.family).is_sdxl and settings.mixed_precision == "fp16":
+    if template.family.is_sdxl and settings.mixed_precision == "fp16":
         if "no_half_vae" not in values:
             choices.insert_after("mixed_precision", Choice("no_half_vae", True, "SDXL's VAE overflows in fp16"))
     else:
@@ -325,7 +325,7 @@ def edit_plan(template: Plan, settings: TrainSettings, fit: Fit, *, device: str,
     choices.set("max_train_epochs", epochs, f"{'your value: ' if 'max_train_epochs' in pinned else ''}{epochs} "
                 f"epoch(s) of {fit.optimizer_steps // max(1, epochs)} optimizer steps at effective batch {effective}")
     dataset_config = with_dataset_values(template.dataset_config, settings, base=old)
-    message = (f"{template.family} on {device}: micro-batch {settings.train_batch_size} x accumulation "
+    message = (f"{template.family.name} on {device}: micro-batch {settings.train_batch_size} x accumulation "
                f"{settings.gradient_accumulation_steps}, predicted peak {fit.peak_bytes / GIB:.2f} of "
                f"{fit.usable_bytes / GIB:.2f} GiB usable")
     return replace(template, fits=fit.fits, message=message, device=device, choices=choices.done(),

@@ -67,7 +67,8 @@ def show(asker: Asker, current: Evaluation) -> None:
 
     plan, pinned = current.plan, current.overrides.pinned()
     values = {choice.key: choice for choice in plan.choices}
-    table = Table(title=escape(f"Plan: {plan.family} on {plan.device}, goal {plan.goal}, priority {plan.priority}"),
+    title = f"Plan: {plan.family.name} on {plan.device}, goal {plan.goal}, priority {plan.priority}"
+    table = Table(title=escape(title),
                   title_justify="left", show_edge=False, pad_edge=False, expand=False)
     table.add_column("setting", style="cyan", no_wrap=True)
     table.add_column("value", no_wrap=True)
@@ -164,9 +165,8 @@ def ask_change(asker: Asker, current: Evaluation, request: Any, base: Any) -> Ov
     def text_of(value: Any) -> str:
         return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
-    from sd_scripts_compat.models.families import get_family
 
-    tiny = get_family(current.plan.family).tiny
+    tiny = current.plan.family.tiny
     if tiny:
         del shown["resolution"]  # the tiny test families train at their native size only
     knob = asker.choose("Which value?", [Option(f"{LABELS[k]}: {text_of(v)}", k) for k, v in shown.items()],
