@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.calibration.memtrace import (
     LiveBytesCounter,
@@ -33,6 +33,9 @@ from autotune.calibration.memtrace import (
     steady_state_optimizer,
 )
 from sd_scripts_compat.models.families import FamilySpec, get_family, model_config
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
 
 DEFAULT_FAMILY = "flux-dev"
 
@@ -65,7 +68,7 @@ def build_bundle(spec: FamilySpec, *, materialize: bool = False, dtype: Any = No
     return bundle
 
 
-def engine_lora(bundle: Any, rank: int, alpha: float | None = None) -> Any:
+def engine_lora(bundle: ModelBundle, rank: int, alpha: float | None = None) -> Any:
     """The engine's kohya LoRA network on the bundle's denoiser (where its weights are), applied, in fp32."""
     import torch
 

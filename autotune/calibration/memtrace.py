@@ -22,7 +22,10 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
 
 WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Lion", "Prodigy", "Adafactor")
@@ -304,7 +307,7 @@ def _attention_context(attention: str) -> Any:
     raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, not {attention!r}")
 
 
-def build_lora(bundle: Any, rank: int, alpha: float, train_text_encoder: bool) -> Any:
+def build_lora(bundle: ModelBundle, rank: int, alpha: float, train_text_encoder: bool) -> Any:
     """kohya's LoRA network (sd_scripts_compat.network.lora), applied on the meta device; returns the network."""
     from sd_scripts_compat.network.lora import create_network
 
@@ -396,7 +399,7 @@ def trace_training_step(
     )
 
 
-def _counted_step(bundle: Any, spec: Any, counter: LiveBytesCounter, optimizer: str, lora_params: list[Any],
+def _counted_step(bundle: ModelBundle, spec: Any, counter: LiveBytesCounter, optimizer: str, lora_params: list[Any],
                   frozen: list[Any], attention: str, step: dict[str, Any]) -> tuple[bool, int, int]:
     """One forward, backward and optimizer step under ``counter`` (inside the caller's fake mode): whether the
     optimizer state was simulated, its bytes, and the LoRA gradients' bytes."""
@@ -444,7 +447,7 @@ def _build_for_trace(spec: Any, rank: int, weight_dtype: str, mixed_precision: s
     return bundle, network, module_dtype
 
 
-def _forward_backward(bundle: Any, spec: Any, counter: LiveBytesCounter, *, batch_size: int, resolution: int,
+def _forward_backward(bundle: ModelBundle, spec: Any, counter: LiveBytesCounter, *, batch_size: int, resolution: int,
                       module_dtype: Any, autocast_dtype: Any, cache_latents: bool, train_text_encoder: bool,
                       cache_text_encoder_outputs: bool) -> None:
     """One micro-step's inputs, forward and backward, each phase named on ``counter``."""
@@ -481,7 +484,7 @@ def _forward_backward(bundle: Any, spec: Any, counter: LiveBytesCounter, *, batc
     del loss
 
 
-def _text_conditioning(bundle: Any, batch_size: int, train_text_encoder: bool, cached: bool, dtype: Any,
+def _text_conditioning(bundle: ModelBundle, batch_size: int, train_text_encoder: bool, cached: bool, dtype: Any,
                        autocast_dtype: Any) -> tuple[Any, Any]:
     """UNet conditioning: cached embeddings, or the text encoders run (with grad only when trained).
 
@@ -573,7 +576,7 @@ def architecture_facts(family: str, reference_resolution: int | None = None) -> 
     }
 
 
-def _attention_scores(bundle: Any, resolution: int) -> dict[str, float]:
+def _attention_scores(bundle: ModelBundle, resolution: int) -> dict[str, float]:
     """Attention-score elements per sample of one UNet forward, split self (~P^2) / cross (~P).
 
     Records the (heads, queries, keys) of every SDPA call in a meta forward; the wrapper is installed

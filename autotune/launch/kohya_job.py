@@ -8,33 +8,39 @@ import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.layout import CONFIG, DATASET_CONFIG, RUN_STATE, STATE_DIR
 from autotune.recovery.attempt import address_space_limit
 from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.quiet import VERBOSE_ENV
 
+if TYPE_CHECKING:
+    from autotune.hardware.probe import SystemProbe
+    from autotune.planning.planner import Plan
+    from sd_scripts_compat.dataset.scan import DatasetScan
+    from sd_scripts_compat.models.families import FamilySpec
 
-def ours_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
-             family: Any) -> Any:
+
+def ours_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
+             family: FamilySpec) -> Any:
     """The watchdog's job for our engine: its state folders under ``out``."""
     from autotune.recovery.engine import CompatEngine
 
-    def engine(family: Any, config_path: Path, train_output: Path, plan: Any) -> tuple[Any, Path | None]:
+    def engine(family: FamilySpec, config_path: Path, train_output: Path, plan: Plan) -> tuple[Any, Path | None]:
         return CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every), \
             out / STATE_DIR
 
     return kohya_job(args, out, scan, probe, started, family, engine)
 
 
-def sd_scripts_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
-                   family: Any) -> Any:
+def sd_scripts_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
+                   family: FamilySpec) -> Any:
     """The watchdog's job for the user's sd-scripts: its states beside the LoRA (it has no option for another
     folder)."""
     from autotune.recovery.sd_scripts import prepare
 
-    def engine(family: Any, config_path: Path, train_output: Path, plan: Any) -> tuple[Any, Path | None]:
+    def engine(family: FamilySpec, config_path: Path, train_output: Path, plan: Plan) -> tuple[Any, Path | None]:
         return prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
                        states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
                        planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None), None
@@ -42,8 +48,8 @@ def sd_scripts_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, s
     return kohya_job(args, out, scan, probe, started, family, engine)
 
 
-def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any], model_family: Any,
-              make_engine: Callable[[Any, Path, Path, Any], tuple[Any, Path | None]]) -> Any:
+def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
+              model_family: FamilySpec, make_engine: Callable[[Any, Path, Path, Any], tuple[Any, Path | None]]) -> Any:
     """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
     ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
     from autotune.recovery.attempt import read_json
@@ -80,7 +86,8 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, starte
 
 
 
-def _configs(args: argparse.Namespace, out: Path, scan: Any, family: Any) -> tuple[Path, Path | None, Any]:
+def _configs(args: argparse.Namespace, out: Path, scan: DatasetScan,
+             family: FamilySpec) -> tuple[Path, Path | None, Any]:
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
     being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
     the step-down budget, a wrapped trainer's first save interval)."""
@@ -94,7 +101,7 @@ def _configs(args: argparse.Namespace, out: Path, scan: Any, family: Any) -> tup
     return config_path, _copy_user_configs(args, out, scan), None
 
 
-def _copy_user_configs(args: argparse.Namespace, out: Path, scan: Any) -> Path | None:
+def _copy_user_configs(args: argparse.Namespace, out: Path, scan: DatasetScan) -> Path | None:
     """Copy ``--config`` (and ``--dataset-config``) into ``out`` with the model and the data set.
 
     The config's own ``output_dir`` is honoured; without one, LoRA files go to ``out`` and the user is told
@@ -155,7 +162,7 @@ def _saved_settings(values: dict[str, Any], out: Path) -> Any:
                         "start a new run with another --out") from None
 
 
-def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cuda: bool,
+def _limits(probe: SystemProbe, family: FamilySpec, resolved: Any, args: argparse.Namespace, cuda: bool,
             usable_mib: float | None) -> Any:
     """What the ladder may do on this machine, and the memory it must fit in (MiB).
 
@@ -181,7 +188,7 @@ def _limits(probe: Any, family: Any, resolved: Any, args: argparse.Namespace, cu
                                    te_cache_allowed=te_cache_allowed)
 
 
-def _stability_limits(probe: Any, cuda: bool) -> Any:
+def _stability_limits(probe: SystemProbe, cuda: bool) -> Any:
     """The stability ladder may move fp16 to bf16 only on a card that computes in bf16."""
     from autotune.recovery.stability import StabilityLimits
 
@@ -201,13 +208,13 @@ def _engine_caches_text(resolved: Any) -> bool:
     return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
 
 
-def _predictor(family: Any, resolved: Any, cuda: bool) -> Any:
+def _predictor(family: FamilySpec, resolved: Any, cuda: bool) -> Any:
     from autotune.recovery.ladder import memory_predictor
 
     return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
 
 
-def _usable_mib(plan: Any) -> float | None:
+def _usable_mib(plan: Plan) -> float | None:
     """A GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM."""
     if plan is None or not plan.prediction or not plan.settings or plan.device == "CPU":
         return None

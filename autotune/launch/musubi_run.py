@@ -10,10 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.layout import RUN_STATE
 from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.hardware.probe import SystemProbe
+    from autotune.planning.planner import Plan
+    from sd_scripts_compat.dataset.scan import DatasetScan
+    from sd_scripts_compat.models.families import FamilySpec
 
 
 def early_check(args: argparse.Namespace) -> None:
@@ -34,8 +40,8 @@ def early_check(args: argparse.Namespace) -> None:
     find_install(root, args.python, detect_family(args.model, args.family))
 
 
-def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, started: dict[str, Any],
-               family: Any) -> Any:
+def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
+               family: FamilySpec) -> Any:
     """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
     from autotune.planning.musubi_writer import musubi_commands
     from autotune.recovery.attempt import read_json
@@ -78,14 +84,14 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: Any, probe: Any, start
                             "musubi_commands": [list(command) for command in commands], "planned_it_per_s": planned})
 
 
-def _plan(args: argparse.Namespace, out: Path, family: Any) -> Any:
+def _plan(args: argparse.Namespace, out: Path, family: FamilySpec) -> Any:
     """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's."""
     from autotune.launch.plan_into import plan_into
 
     return plan_into(args, out, family)[2]
 
 
-def _model_files(plan: Any, commands: tuple[tuple[str, ...], ...], dit: str) -> dict[str, str]:
+def _model_files(plan: Plan, commands: tuple[tuple[str, ...], ...], dit: str) -> dict[str, str]:
     """The model files the commands' variables stand for (``$DIT``: ``--model``; ``$VAE``, ``$TEXT_ENCODER``,
     ``$T5``: the plan's files), as absolute paths."""
     values = {"dit": dit, **plan.kohya_values()}

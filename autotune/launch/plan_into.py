@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.errors import UserError
 
+if TYPE_CHECKING:
+    from autotune.planning.planner import Plan
+    from sd_scripts_compat.models.families import FamilySpec
 
-def plan_into(args: argparse.Namespace, out: Path, family: Any = None) -> tuple[Path, Path, Any]:
+
+def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = None) -> tuple[Path, Path, Any]:
     """Plan with `autotune plan`'s own request builder (``family``: the run's detected ``FamilySpec``); write
     config.toml + dataset.toml into ``out``. Returns both paths and the plan."""
     from autotune.launch.plan_options import build_request, render
@@ -28,7 +32,7 @@ def plan_into(args: argparse.Namespace, out: Path, family: Any = None) -> tuple[
     return config, dataset, plan
 
 
-def check_model_files(plan: Any) -> None:
+def check_model_files(plan: Plan) -> None:
     """Every separate model file the plan names exists (a placeholder left by the planner is named with its
     option), before anything is written."""
     from autotune.planning.profiles import model_file_keys

@@ -5,7 +5,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autotune.hardware.probe import SystemProbe
+    from autotune.planning.planner import Plan
 
 
 def finite(text: str) -> float:
@@ -204,7 +208,7 @@ def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:
     return max(0, int(args.ram * GIB) - OS_RESERVE_BYTES)
 
 
-def _measured(args: argparse.Namespace, gpus: list[Any], probe: Any) -> tuple[str | None, tuple[Any, ...]]:
+def _measured(args: argparse.Namespace, gpus: list[Any], probe: SystemProbe) -> tuple[str | None, tuple[Any, ...]]:
     """The device key and this machine's measurements (none with --no-learn, for a --vram-only card, or for a
     named card this machine has not measured)."""
     if getattr(args, "no_learn", False) or (probe is None and not args.gpu):
@@ -257,7 +261,7 @@ def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | Non
     return (*targets_from_probe(probe), probe)
 
 
-def targets_from_probe(probe: Any) -> tuple[list[Any], int, int | None, str]:
+def targets_from_probe(probe: SystemProbe) -> tuple[list[Any], int, int | None, str]:
     """A probe's cards as planning targets (what others hold counts as taken), the physical cores, the
     available RAM and a one-line summary; `autotune plan` and `autotune wizard` read a probe this one way."""
     from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
@@ -287,7 +291,7 @@ def targets_from_probe(probe: Any) -> tuple[list[Any], int, int | None, str]:
     return gpus, cores, int(probe.memory.ram_available_bytes), line
 
 
-def render(plan: Any) -> None:
+def render(plan: Plan) -> None:
     """The plan as a rich table (setting, value, reason) plus the predictions."""
     from rich.console import Console
     from rich.table import Table
@@ -307,6 +311,8 @@ def render(plan: Any) -> None:
         table.add_row(choice.key, value, choice.reason)
     console.print(table)
     p = plan.prediction
+    if p is None:  # a plan that does not fit is its message alone
+        return
     console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
                   f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] ({p.micro_steps_per_s:.3g} micro-steps/s per "
                   f"device), {p.samples_per_s:.3g} "

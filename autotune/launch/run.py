@@ -12,7 +12,7 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.launch.engines import check_engine, parse_engine
 from autotune.launch.plan_options import finite
@@ -30,6 +30,11 @@ from autotune.layout import (
 )
 from autotune.own_files import refuse_foreign_configs, refuse_out_in_dataset, run_traces
 from sd_scripts_compat.errors import BadWeights, UserError
+
+if TYPE_CHECKING:
+    from autotune.hardware.probe import SystemProbe
+    from sd_scripts_compat.dataset.scan import DatasetScan
+    from sd_scripts_compat.models.families import FamilySpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +118,7 @@ def check_dataset(folder: Path, frames: int | None = None) -> Any:
     return require_images(scan_dataset_folder(folder, media=media), media)
 
 
-def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
+def check_folder_convention(args: argparse.Namespace, scan: DatasetScan) -> None:
     """``--config`` without ``--dataset-config`` trains on the folder as sd-scripts' ``train_data_dir``,
     which reads only N_name subfolders: images directly in the folder are a one-line UserError there."""
     if args.config and not args.dataset_config and not args.resume and scan.top_level:
@@ -126,7 +131,7 @@ def check_folder_convention(args: argparse.Namespace, scan: Any) -> None:
                         f"move them into e.g. {scan.root / '10_mychar'}, or give --dataset-config")
 
 
-def describe_scan(scan: Any) -> str:
+def describe_scan(scan: DatasetScan) -> str:
     """One line: each subset with its image count (and every skipped folder, with why)."""
     parts = [f"{'images directly in the folder' if scan.top_level else s.folder.name} ({s.num_images} images"
              f"{f', {s.num_repeats} repeats' if s.num_repeats > 1 else ''}"
@@ -208,7 +213,7 @@ def start_run(args: argparse.Namespace) -> int:
             raise
 
 
-def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: Any) -> Path:
+def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: FamilySpec) -> Path:
     """``--out``, the run that ``--resume RUN`` names (its folder or any file in it), or the default folder."""
     if isinstance(args.resume, str):
         root = run_root(Path(args.resume))
@@ -256,7 +261,7 @@ def _checked_fingerprint(args: argparse.Namespace, out: Path, dataset_dir: Path)
     return kept
 
 
-def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Any, family: Any) -> int:
+def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: DatasetScan, family: FamilySpec) -> int:
     """Plan or copy the configs into ``out``, then train under the watchdog; the exit code, or a UserError."""
     from autotune.hardware.probe import probe_system
 
@@ -271,7 +276,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: An
                           ours=kind.own_measurements)
 
 
-def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, family: Any, ours: bool) -> int:
+def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job: Any, family: FamilySpec,
+                   ours: bool) -> int:
     """Train ``job`` under the watchdog; its exit code, or a UserError."""
     import json
     import signal
@@ -311,7 +317,7 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: Any, job: Any, fa
     return 1
 
 
-def remember_attempts(attempts: list[Any], probe: Any, family: str, budget_mib: float | None,
+def remember_attempts(attempts: list[Any], probe: SystemProbe, family: str, budget_mib: float | None,
                       contended: str | None = None) -> None:
     """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
     plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run.

@@ -18,9 +18,12 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.contract import Outcome
+
+if TYPE_CHECKING:
+    from autotune.hardware.probe import SystemProbe
 
 SCHEMA_VERSION = 1
 STORE_NAME = "measurements.json"
@@ -60,7 +63,7 @@ def settings_key(settings: Mapping[str, Any]) -> dict[str, Any]:
     return key
 
 
-def device_key(probe: Any, *, cpu: bool = False) -> str:
+def device_key(probe: SystemProbe, *, cpu: bool = False) -> str:
     """The device a probe's run trains on: the first CUDA GPU's catalogue name (so ``--gpu NAME`` plans find its
     measurements), else its own name, else (or with ``cpu``) ``cpu:<model name>``."""
     gpu = next((g for g in getattr(probe, "gpus", ()) if getattr(g, "backend", "cuda") == "cuda"), None)

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
     from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.engine import AttemptFiles
+    from sd_scripts_compat.models.families import FamilySpec
 
 ENGINE_NAME = "sd-scripts"
 TOKENIZER_DIR = f"{STATE_DIR}/sd_scripts_tokenizers"  # shipped tokenizers sd-scripts reads (it would download them)
@@ -741,7 +742,7 @@ def _older_transformers_config(path: Path) -> None:
         write_json_atomic(path, config)
 
 
-def _t5_tokenizer(family: Any, config: Path) -> Path | None:
+def _t5_tokenizer(family: FamilySpec, config: Path) -> Path | None:
     """The T5 tokenizer to hand sd-scripts: a tiny family's shipped one, else one beside the config's t5xxl file."""
     from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR, find_t5_tokenizer
 
@@ -758,7 +759,7 @@ def _t5_tokenizer(family: Any, config: Path) -> Path | None:
     return find_t5_tokenizer(None, t5xxl) if t5xxl else None
 
 
-def prepare(engine: str, python: str | None, *, family: Any, config: Path, output_dir: Path, states_dir: Path,
+def prepare(engine: str, python: str | None, *, family: FamilySpec, config: Path, output_dir: Path, states_dir: Path,
             save_every_s: float, env: Mapping[str, str], planned_it_per_s: float | None = None,
             extra_args: list[str] | None = None) -> SdScriptsEngine:
     """Find and check the user's sd-scripts for ``autotune run``; every refusal comes before any training."""
@@ -790,7 +791,7 @@ def train_config(engine: str, python: str | None, *, model: str, config: Path, k
     return train_with_sd_scripts(engine, python, family=family, config=config, kohya_args=kohya_args)
 
 
-def train_with_sd_scripts(engine: str, python: str | None, *, family: Any, config: Path,
+def train_with_sd_scripts(engine: str, python: str | None, *, family: FamilySpec, config: Path,
                           kohya_args: list[str]) -> int:
     """``autotune train CONFIG --engine sd-scripts=PATH``: the same checks, then sd-scripts itself runs the
     config in the foreground (no watchdog: ``autotune run`` is the supervised way)."""

@@ -16,13 +16,16 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request  # at module level: FastAPI reads the handlers' annotations by name
 
 from autotune.ui.errors import BadRequest
 from autotune.ui.schemas import BadBody, CommandSchema, given
 from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
+
+if TYPE_CHECKING:
+    from autotune.planning.planner import Plan
 
 MAX_BODY_BYTES = 1 << 20  # a request body (the largest real one, a run with every option, is under 4 KiB)
 TOO_LARGE = f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only"
@@ -414,7 +417,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     return {**plan.to_dict(), "configs": plan_configs(plan, args.format)}
 
 
-def plan_configs(plan: Any, fmt: str) -> dict[str, str]:
+def plan_configs(plan: Plan, fmt: str) -> dict[str, str]:
     """The files ``autotune plan --out`` would write, as text (the page shows them and offers them as downloads):
     sd-scripts' configs, or musubi-tuner's three files for a family it trains."""
     from autotune.planning.toml_writer import render_plan_files

@@ -19,12 +19,15 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.wizard import steps
 from autotune.wizard.answers import check_flags, overrides_from_args
 from autotune.wizard.ask import Asker
 from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.planning.planner import Plan
 
 
 def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
@@ -95,7 +98,7 @@ def interrupts_held() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-def write_all(data: steps.DatasetChoice, plan: Any, output: steps.OutputChoice) -> tuple[Path, Path]:
+def write_all(data: steps.DatasetChoice, plan: Plan, output: steps.OutputChoice) -> tuple[Path, Path]:
     """The organised dataset (if any), then dataset.toml and config.toml; a failure removes what this made."""
     import shutil
 
@@ -113,7 +116,7 @@ def write_all(data: steps.DatasetChoice, plan: Any, output: steps.OutputChoice) 
             raise
 
 
-def commands(plan: Any, output: steps.OutputChoice, config: Path) -> list[str]:
+def commands(plan: Plan, output: steps.OutputChoice, config: Path) -> list[str]:
     """The exact command lines that train with the written files."""
     if plan.launch_command and plan.launch_command[-1].endswith("musubi_train.sh"):
         return ["Cache and train with musubi-tuner (the script names the model files it needs):",

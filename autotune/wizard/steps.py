@@ -11,12 +11,15 @@ import argparse
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.layout import CONFIG, DATASET_CONFIG, DEFAULT_ROOT, STATE_DIR, run_name
 from autotune.wizard.ask import Asker, Option, integer_check
 from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, media_noun
 from sd_scripts_compat.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.hardware.probe import SystemProbe
 
 GIB = 1024**3
 
@@ -92,14 +95,14 @@ def _probe(args: argparse.Namespace) -> tuple[Any, bool]:
     return probe_system(output_dir=".", use_torch=False), True
 
 
-def show_probe(asker: Asker, probe: Any, local: bool) -> None:
+def show_probe(asker: Asker, probe: SystemProbe, local: bool) -> None:
     asker.say("Hardware" + ("" if local else " (from --probe: another machine)"), style="bold")
     for gpu in probe.gpus:
         total, free = gpu.vram_total_bytes, gpu.vram_free_bytes
-        memory = (f"{(free or 0) / GIB:.1f} GiB free of {total / GIB:.1f} GiB" if total else "memory unknown")
+        vram = (f"{(free or 0) / GIB:.1f} GiB free of {total / GIB:.1f} GiB" if total else "memory unknown")
         flags = ", ".join(f"{name} {'yes' if value else 'no' if value is not None else '?'}"
                           for name, value in (("bf16", gpu.bf16), ("fp8", gpu.fp8)))
-        asker.say(f"  GPU {gpu.index}  {gpu.name}: {memory}; {flags}")
+        asker.say(f"  GPU {gpu.index}  {gpu.name}: {vram}; {flags}")
     if not probe.gpus:
         asker.say(f"  GPU    none ({probe.cuda_reason or 'not found'})")
     cpu, memory = probe.cpu, probe.memory
@@ -134,7 +137,7 @@ def _named_card(asker: Asker, args: argparse.Namespace, cores: int, given: str |
     return Hardware((target,), cores, None, f"not probed: planned for {target.name}", local=False, device=spec.name)
 
 
-def _cpu_key(probe: Any) -> str:
+def _cpu_key(probe: SystemProbe) -> str:
     from autotune.measure.store import device_key
 
     return device_key(probe, cpu=True)

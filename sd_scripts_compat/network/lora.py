@@ -38,6 +38,7 @@ from sd_scripts_compat.errors import UserError
 
 if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.models.families import FamilySpec
 
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
@@ -470,7 +471,7 @@ class LoRANetwork(nn.Module):
                     own[key].copy_(value.to(own[key].dtype))
 
 
-def file_order(family: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def file_order(family: FamilySpec, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with the ``lora_up`` rows of the modules whose base Linear orders its outputs differently in the
     model file than in our diffusers module (SD3's last context modulation: ``sd3_files.swapped_halves``) swapped:
     ours -> the file's, and back. A file's delta then lands on the rows every loader (sd-scripts, ComfyUI) adds it
@@ -589,7 +590,7 @@ def create_network_from_weights(bundle: ModelBundle, weights: dict[str, torch.Te
     return network
 
 
-def check_lora_family(sd: dict[str, torch.Tensor], family: Any, source: str) -> None:
+def check_lora_family(sd: dict[str, torch.Tensor], family: FamilySpec, source: str) -> None:
     """UserError when the key scheme of a kohya state dict (text-encoder prefixes, SD1/2 diffusers vs
     SDXL SGM UNet names) or its cross-attention / text-encoder widths do not fit ``family``."""
     from sd_scripts_compat.network.lora_file import lora_layout

@@ -10,7 +10,10 @@ guidance embedding of dev; schnell has none. No classifier-free guidance (sd-scr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
 
 
 def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: int) -> Any:
@@ -30,7 +33,7 @@ def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: in
     return scheduler
 
 
-def render_flux_sample(bundle: Any, encode: Any, prompt: str, *, width: int, height: int, steps: int,
+def render_flux_sample(bundle: ModelBundle, encode: Any, prompt: str, *, width: int, height: int, steps: int,
                        guidance: float, seed: int, device: Any, dtype: Any) -> Any:
     """One image (a PIL image). ``encode(captions) -> (t5_hidden, pooled, t5_mask or None)``."""
     import torch
@@ -58,7 +61,7 @@ def render_flux_sample(bundle: Any, encode: Any, prompt: str, *, width: int, hei
     return Image.fromarray(pixels)
 
 
-def render_flux_samples(bundle: Any, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
+def render_flux_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
                         name: str, device: Any, dtype: Any) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     from sd_scripts_compat.runtimes.sample_files import write_each

@@ -12,7 +12,10 @@ fp32; classifier-free guidance with the prompt's ``--l`` (default 7.5) against `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
 
 SAMPLE_SHIFT = 3.0  # sd-scripts: "3.0 is for SD3"
 TIMESTEPS = 1000
@@ -32,7 +35,7 @@ def sd3_sigmas(steps: int, shift: float = SAMPLE_SHIFT) -> Any:
     return torch.cat([_shifted(timesteps, shift), torch.zeros(1)])
 
 
-def render_sd3_sample(bundle: Any, encode: Any, sample: Any, *, width: int, height: int, seed: int, device: Any,
+def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: int, height: int, seed: int, device: Any,
                       dtype: Any) -> Any:
     """One image (a PIL image). ``encode(captions)`` gives a ``TextConditioning`` (hidden states, pooled)."""
     import torch
@@ -60,7 +63,7 @@ def render_sd3_sample(bundle: Any, encode: Any, sample: Any, *, width: int, heig
     return Image.fromarray(pixels)
 
 
-def render_sd3_samples(bundle: Any, prompts: list[Any], encode: Any, *, out_dir: Path, name: str, device: Any,
+def render_sd3_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, out_dir: Path, name: str, device: Any,
                        dtype: Any) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     from sd_scripts_compat.runtimes.sample_files import write_each

@@ -87,7 +87,7 @@ def build_objective(config: TrainingConfig, device: torch.device, bundle: ModelB
     return NoisePredictionObjective(noise_scheduler, noise_scheduler.alphas_cumprod.to(device), noise)
 
 
-def build_pipeline(bundle: Any, sampler: str) -> Any:
+def build_pipeline(bundle: ModelBundle, sampler: str) -> Any:
     import diffusers
 
     scheduler_class = getattr(diffusers, SAMPLERS.get(sampler.lower(), "DDIMScheduler"))
@@ -109,7 +109,7 @@ def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, c
                                 name=name, device=device, dtype=dtype, clip_skip=config.clip_skip)
 
 
-def render_with_pipeline(bundle: Any, prompts: list[Any], *, sampler: str, out_dir: Path, name: str,
+def render_with_pipeline(bundle: ModelBundle, prompts: list[Any], *, sampler: str, out_dir: Path, name: str,
                          device: Any, dtype: Any, clip_skip: int | None = None) -> list[Path]:
     """Render each prompt to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     import torch

@@ -3,16 +3,19 @@ runtime adds (SDXL's size ids, FLUX.1's and SD3's pooled vector and T5 mask)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.runtimes import FamilyRuntime, TextOptions
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
 
 
 class Conditioner:
     """Denoiser conditioning for a batch: cached text-encoder outputs when the batch carries them, else a
     live encode (with gradients only when the text-encoder LoRA trains), both through the family's runtime."""
 
-    def __init__(self, bundle: Any, runtime: FamilyRuntime, options: TextOptions) -> None:
+    def __init__(self, bundle: ModelBundle, runtime: FamilyRuntime, options: TextOptions) -> None:
         self.bundle, self.runtime, self.options = bundle, runtime, options
         self.dtype = options.dtype
 

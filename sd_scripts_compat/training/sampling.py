@@ -20,6 +20,7 @@ from sd_scripts_compat.errors import UserError
 from sd_scripts_compat.quiet import libraries_quiet
 
 if TYPE_CHECKING:
+    from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.training.conditioning import Conditioner
 
 _OPTION = re.compile(r"\s--(n|w|h|s|l|d|g)\s+")
@@ -154,8 +155,9 @@ def _prompt_from_table(path: Path, table: Any, default: SamplePrompt) -> SampleP
     return _checked(sample, f"{path.name}: {sample.prompt[:60]}")
 
 
-def sample_during_training(bundle: Any, config: Any, accelerator: Any, dtype: Any, resolution: tuple[int, int], *,
-                           out_dir: Path, name: str, conditioner: Conditioner) -> None:
+def sample_during_training(bundle: ModelBundle, config: Any, accelerator: Any, dtype: Any,
+                           resolution: tuple[int, int], *, out_dir: Path, name: str,
+                           conditioner: Conditioner) -> None:
     """Render ``sample_prompts`` on the main process with the LoRA as trained so far.
 
     Encoders that caching moved off the device come back for the render and leave again; the
