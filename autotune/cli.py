@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     from sd_scripts_compat.errors import UserError, one_line
 
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(_command_in(argv))
+    try:
+        parser = build_parser(_command_in(argv))  # reads the family files: one of SD_COMPAT_FAMILY_PATH may be bad
+    except UserError as error:
+        print(f"autotune: error: {one_line(error)}", file=sys.stderr)
+        return error.exit_code
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()

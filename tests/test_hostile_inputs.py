@@ -1150,6 +1150,28 @@ def check_one_line(done: subprocess.CompletedProcess, code: int, needle: str) ->
     return line
 
 
+def test_a_broken_family_file_or_engine_package_is_one_line(tmp_path: Path):
+    """Inputs that come by the environment (issue 48): a family file of ``SD_COMPAT_FAMILY_PATH`` that is not one,
+    and an engine package whose entry point does not load; each is one line, nothing written."""
+    families, site = tmp_path / "families", tmp_path / "site"
+    families.mkdir()
+    (families / "tiny-bad.json").write_text("{not json", encoding="utf-8")
+    info = site / "broken_engine-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-engine\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[lora_autotune.engines]\nbroken = no_such_module:ENGINE\n")
+    cases = [({"SD_COMPAT_FAMILY_PATH": str(families)}, plan(tmp_path, model="builtin:tiny-bad"),
+              "tiny-bad.json: not a family file"),
+             ({"PYTHONPATH": os.pathsep.join(filter(None, [str(site), ENV.get("PYTHONPATH")]))},
+              run(tmp_path, "--engine", f"broken={tmp_path}"), "engine 'broken'")]
+    for extra, argv, needle in cases:
+        before = files_under(tmp_path)
+        done = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env={**ENV, **extra},
+                              capture_output=True, text=True, timeout=300)
+        check_one_line(done, USER_ERROR, needle)
+        assert files_under(tmp_path) == before, sorted(files_under(tmp_path) - before)
+
+
 def test_the_corpus_is_large_and_its_ids_unique():
     ids = [case.id for case in CORPUS]
     assert len(ids) == len(set(ids)) and len(ids) >= 60, len(ids)

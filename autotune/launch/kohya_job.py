@@ -85,7 +85,6 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
     return job
 
 
-
 def _configs(args: argparse.Namespace, out: Path, scan: DatasetScan,
              family: FamilySpec) -> tuple[Path, Path | None, Any]:
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run

@@ -71,8 +71,7 @@ class FamilyRuntime(Protocol):
         """The token length and the variant a text-encoder cache records (a file made otherwise is rebuilt)."""
 
     def conditioning(self, bundle: ModelBundle, hidden: torch.Tensor, pooled: torch.Tensor | None,
-                 mask: torch.Tensor | None, batch: Mapping[str, Any],
-                     options: TextOptions) -> tuple[Any, Any]:
+                     mask: torch.Tensor | None, batch: Mapping[str, Any], options: TextOptions) -> tuple[Any, Any]:
         """``(encoder_hidden_states, added)``: what the denoiser takes besides the latents."""
 
     def build_objective(self, config: TrainingConfig, device: torch.device, bundle: ModelBundle,
