@@ -41,8 +41,8 @@ each command has its own --help"""
 
 
 def _description() -> str:
-    """The families come from their data (``sd_scripts_compat.models.families``), so a new one is named here too."""
-    from sd_scripts_compat.models.families import family_names, get_family
+    """The families come from their data (``sd_scripts_compat.facts.families``), so a new one is named here too."""
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     names = [name for name in family_names() if not get_family(name).tiny]
     kinds = dict.fromkeys(get_family(name).description.split(" (")[0] for name in names)
@@ -84,7 +84,7 @@ def _command_in(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sd_scripts_compat.errors import UserError, one_line
+    from sd_scripts_compat.facts.errors import UserError, one_line
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autotune {args.command}: interrupted", file=sys.stderr)
         return 130
     except OSError as error:  # a full disk under one of our own writes (configs, logs, reports)
-        from sd_scripts_compat.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
+        from sd_scripts_compat.facts.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
 
         if not is_disk_full_error(error):
             raise

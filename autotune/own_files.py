@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autotune.layout import CONFIG, DATASET_CONFIG, DECISIONS_JSONL, EVENTS_DIR, LOCK_FILE, PLAN_FILE, RUN_STATE
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 HTML_MARK = '<meta name="generator" content="lora-autotune">'  # in the head of every page autotune writes
 RUN_TRACES = (RUN_STATE, DECISIONS_JSONL, EVENTS_DIR, LOCK_FILE)
@@ -92,7 +92,7 @@ def refuse_out_in_dataset(out: Path, dataset: Path, option: str = "--out") -> No
 
 
 def _exists(target: Path, option: str) -> bool:
-    from sd_scripts_compat.atomic import refuse_non_regular
+    from sd_scripts_compat.facts.atomic import refuse_non_regular
 
     try:
         refuse_non_regular(target)

@@ -42,7 +42,7 @@ from autotune.estimate.dit_memory import (  # noqa: E402
     activation_tokens,
     predict_dit_memory,
 )
-from sd_scripts_compat.models.families import get_family  # noqa: E402
+from sd_scripts_compat.facts.families import get_family  # noqa: E402
 
 GIB = 2**30
 FIT = [dict(resolution=r, batch_size=1, rank=k, gradient_checkpointing=gc, optimizer="AdamW8bit", fp8_base=False,

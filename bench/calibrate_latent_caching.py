@@ -21,7 +21,7 @@ HELD_OUT = {"image": (768, 1), "clip": (640, 49)}
 def main() -> int:
     from autotune.calibration.dit_memtrace import fit_latent_caching, trace_latent_caching
     from autotune.estimate.dit_memory import DIT_CALIBRATION_PATH, DitMemoryInputs, latent_caching_bytes
-    from sd_scripts_compat.models.families import family_names, get_family
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     calibration = json.loads(DIT_CALIBRATION_PATH.read_text(encoding="utf-8"))
     print("| family | sample | weights GiB | held-out traced GiB | fit GiB | fit / traced |")

@@ -28,7 +28,7 @@ DATASET = ROOT / "examples" / "dataset"
 
 def one_run(model: str, resolution: int, steps: int, backend: str | None, work: Path, held_out: float = 0.0) -> dict:
     from autotune.launch.bench import engine_argv, measured_run_config
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     compiled = {"torch_compile": True, "dynamo_backend": backend} if backend else {}
     if held_out:

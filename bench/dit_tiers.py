@@ -66,7 +66,7 @@ def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int |
     from autotune.planning.planner import PlanRequest, Preferences, plan_training
     from autotune.planning.profiles import plan_profile
     from autotune.planning.request import gpu_from_spec
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     spec = lookup_gpu(gpu_name)
     out = ["| family | GB | published | px | batch x accum | rank | GC | fp8 | text encoders | swap "

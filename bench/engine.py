@@ -53,7 +53,7 @@ def our_run(model: str, resolution: int, cache: bool, steps: int, workdir: Path,
             env_extra: dict | None = None, mixed_precision: str = "no", extra: tuple[str, ...] = ()) -> dict:
     """One run of our engine (``autotune bench``'s config and command line: ``launch.bench``); its step times."""
     from autotune.launch.bench import engine_argv, measured_run_config
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     config = measured_run_config(workdir / "config.toml", model=f"builtin:{model}", dataset=DATASET,
                                  output_dir=workdir / "out", resolution=resolution, steps=steps + WARMUP_STEPS,
@@ -75,8 +75,8 @@ def baseline_run(model: str, resolution: int, cache: bool, steps: int) -> dict:
     from peft import LoraConfig
     from PIL import Image
 
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
 
     torch.manual_seed(1)
     bundle = build_modules(get_family(model))

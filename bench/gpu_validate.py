@@ -133,7 +133,7 @@ def run_case(torch: Any, plan: Any, train_family: str, device: str, tier_gb: flo
     compiles the UNet's repeated blocks as the engine's ``torch_compile`` does (the warm-up holds the compile);
     ``count_flops`` counts one extra micro-step's FLOPs (forward + backward) for the model-FLOP utilisation;
     ``channels_last`` forces the UNet's weight layout (None: the engine's rule, ``channels_last_for``)."""
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     s = plan.settings
     family = get_family(train_family)

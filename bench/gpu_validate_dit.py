@@ -73,7 +73,7 @@ def bench_swap_buffers(plan: Any, family: str) -> int:
     """What this bench's swapper (our engine's: two fresh block buffers) holds beyond a family whose trainer swaps
     in place (musubi-tuner's; the memory model gives its families none): compared against prediction + this."""
     from autotune.estimate.dit_memory import dit_family_calibration, swap_buffer_bytes
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     spec, s = get_family(family), plan.settings
     if spec.trained_here or not s.blocks_to_swap:
@@ -205,7 +205,7 @@ def _timed_steps(torch: Any, micro_step: Any, opt: Any, *, cuda: bool, warmup: i
 
 
 def _dry_row(torch: Any, plan: Any, family: str, tier: float, row: dict[str, Any]) -> None:
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     s = plan.settings
     row.update({"dry_run": True, "oom": False, "would_measure": (
@@ -228,7 +228,7 @@ def _dry_row(torch: Any, plan: Any, family: str, tier: float, row: dict[str, Any
     if twin:  # the same case code for real on the CPU, on the tiny twin (swap capped to its block count)
         from dataclasses import replace
 
-        from sd_scripts_compat.models.families import get_family
+        from sd_scripts_compat.facts.families import get_family
 
         swap = min(s.blocks_to_swap, get_family(twin).max_blocks_to_swap)
         tiny = run_dit_case(torch, replace(s, blocks_to_swap=swap, train_batch_size=1, gradient_accumulation_steps=1),

@@ -87,7 +87,7 @@ def calibrate_cpu(full: bool, steps: int) -> None:
 
     from autotune.calibration.cpu_speed import cpu_point, fit_cpu_speed
     from autotune.estimate.speed_model import CPU_NATIVE_BF16_GAIN
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
     cases = [("tiny-sd15", 64), ("tiny-sd15", 128), ("tiny-sd15", 256), ("tiny-sdxl", 256)]
     if full:

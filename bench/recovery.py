@@ -31,7 +31,7 @@ from autotune.layout import EVENTS_DIR  # noqa: E402
 from autotune.recovery.engine import CompatEngine  # noqa: E402
 from autotune.recovery.ladder import LadderLimits, memory_predictor  # noqa: E402
 from autotune.recovery.watchdog import Job, supervise  # noqa: E402
-from sd_scripts_compat.config.settings_space import settings_from_files  # noqa: E402
+from sd_scripts_compat.config.resolved_run import settings_from_files  # noqa: E402
 
 
 def make_dataset(root: Path) -> Path:

@@ -92,8 +92,8 @@ def write_model(family_name: str, path: Path) -> Path:
         return path
     import torch
 
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.models.single_file import save_single_file
 
     save_single_file(build_modules(get_family(family_name), seed=0), path, dtype=torch.float16)
@@ -298,7 +298,7 @@ def main() -> int:
               "compare, or leave sd-scripts out of --sides; nothing was run", file=sys.stderr)
         return 0
     from autotune.recovery.sd_scripts import find_install, tokenizer_cache
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     install = {}
     if "sd-scripts" in sides:

@@ -7,14 +7,14 @@ point: the run itself reads top to bottom in
 
 Extension flags (ours, command line only): ``--autotune_events_dir``, ``--autotune_state_dir``,
 ``--save_state_every_seconds``, ``--autotune_retry_log``, ``--autotune_monitor_seconds``; see
-``sd_scripts_compat.contract`` for the watchdog contract.
+``sd_scripts_compat.facts.contract`` for the watchdog contract.
 """
 
 from __future__ import annotations
 
 import sys
 
-from sd_scripts_compat.errors import UserError, one_line
+from sd_scripts_compat.facts.errors import UserError, one_line
 
 
 def main(argv: list[str] | None = None, *, sdxl: bool = False, script: str | None = None) -> int:
@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None, *, sdxl: bool = False, script: str | Non
     SIGTERM are handled from the first line on (``training.stopping``): before the training loop they stop
     at once with one line (nothing to save), in it at the next step boundary with the state saved.
     """
-    from sd_scripts_compat.config.kohya_args import script_name
-    from sd_scripts_compat.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
+    from sd_scripts_compat.facts.contract import DISK_FULL_EXIT_CODE, is_disk_full_error
+    from sd_scripts_compat.facts.kohya_args import script_name
     from sd_scripts_compat.training.stopping import StopSignals
 
     program = script_name(sdxl=sdxl, script=script)

@@ -231,7 +231,7 @@ def test_no_tracked_file_names_a_machine_path():
 # reaches the commands by name only.
 TUNER_LAYERS = ("hardware", "estimate", "calibration", "measure", "planning", "doctor", "recovery", "report",
                 "launch", "wizard", "ui", "commands")
-ENGINE_LAYERS = ("data", "models", "config", "dataset", "caching", "network", "runtimes", "training")
+ENGINE_LAYERS = ("data", "facts", "models", "config", "dataset", "caching", "network", "runtimes", "training")
 
 
 def folder_graph(package: str) -> dict[str, set[str]]:
@@ -344,6 +344,32 @@ def test_no_two_sibling_folders_import_each_other():
 def test_the_tuner_and_the_engine_keep_their_declared_layer_order():
     assert layer_violations(folder_graph("autotune"), TUNER_LAYERS) == []
     assert layer_violations(folder_graph(PACKAGE), ENGINE_LAYERS) == []
+
+
+# ---- the facts the tuner reads from the engine (sd_scripts_compat/facts/) import no torch ----------------------
+
+HEAVY_LIBRARIES = ("torch", "diffusers", "transformers")
+
+
+def heavy_libraries_after_importing(modules: list[str], first_on_path: Path = ROOT) -> list[str]:
+    """Which of torch, diffusers and transformers a fresh interpreter holds after importing ``modules``."""
+    code = (f"import importlib, sys\nsys.path.insert(0, {str(first_on_path)!r})\n"
+            f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+            f"print(sorted({{name.split('.')[0] for name in sys.modules}} & set({HEAVY_LIBRARIES!r})))")
+    return ast.literal_eval(last_line_of(code))
+
+
+def test_the_facts_subpackage_imports_no_torch_diffusers_or_transformers():
+    folder = ROOT / PACKAGE / "facts"
+    modules = [f"{PACKAGE}.facts"] + [f"{PACKAGE}.facts.{path.stem}" for path in sorted(folder.glob("*.py"))
+                                      if path.stem != "__init__"]
+    assert len(modules) > 10  # families, settings, their space, the contract, the kohya TOML, the scan, errors...
+    assert heavy_libraries_after_importing(modules) == []
+
+
+def test_the_torch_free_check_finds_torch_put_back(tmp_path):
+    (tmp_path / "facts_with_torch.py").write_text("import sd_scripts_compat.facts.families\nimport torch\n")
+    assert heavy_libraries_after_importing(["facts_with_torch"], tmp_path) == ["torch"]
 
 
 # ---- the calibration tracers (fake-tensor traces, fits) serve bench/ and tests, never a run ---------------
@@ -469,7 +495,7 @@ def family_branches(source: str, families: set[str]) -> list[str]:
 
 
 def test_the_family_branch_check_finds_one_put_back():
-    from sd_scripts_compat.models.families import family_names
+    from sd_scripts_compat.facts.families import family_names
 
     families = set(family_names())
     assert family_branches('if model.family.kohya_script == "sd3_train_network.py":\n    pass', families)
@@ -479,7 +505,7 @@ def test_the_family_branch_check_finds_one_put_back():
 
 
 def test_no_family_branch_outside_the_runtimes():
-    from sd_scripts_compat.models.families import family_names
+    from sd_scripts_compat.facts.families import family_names
 
     families = set(family_names())
     found = [f"{path.relative_to(ROOT)}:{line}" for package in (ENGINE, ROOT / "autotune")

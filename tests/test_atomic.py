@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sd_scripts_compat.atomic import atomic_folder, atomic_path, write_json_atomic, write_text_atomic
+from sd_scripts_compat.facts.atomic import atomic_folder, atomic_path, write_json_atomic, write_text_atomic
 
 
 @pytest.fixture

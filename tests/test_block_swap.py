@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family, swap_split
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family, swap_split
 from sd_scripts_compat.network.lora import LoRAModule
 from sd_scripts_compat.runtimes.flow_matching import flux_prediction
 from sd_scripts_compat.training.block_swap import enable_flux_block_swap, place_except_swapped

@@ -15,7 +15,7 @@ from sd_scripts_compat.dataset.buckets import (
     select_bucket,
     select_bucket_no_upscale,
 )
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 
 @pytest.mark.parametrize("reso,max_size", [((512, 512), 1024), ((1024, 1024), 2048)])

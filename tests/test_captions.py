@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from sd_scripts_compat.config.dataset_spec import SubsetSpec
 from sd_scripts_compat.dataset.captions import base_caption, process_caption, read_caption, tag_frequency
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 CAPTION = "sks dog, red collar, grass, sunny day, outdoors, photo"
 

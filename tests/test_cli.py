@@ -30,7 +30,7 @@ def test_help_lists_every_subcommand():
 
 
 def test_help_names_every_family_and_keeps_examples_one_a_line():
-    from sd_scripts_compat.models.families import family_names, get_family
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     top = autotune("--help").stdout
     for name in family_names():

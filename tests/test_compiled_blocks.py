@@ -49,8 +49,8 @@ def assert_trained_alike(compiled: dict, eager: dict) -> None:
 
 @pytest.mark.slow
 def test_compiled_checkpointed_blocks_train_as_eager_across_bucket_sizes_without_a_compile_per_size(tmp_path):
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.training.compiled_blocks import repeated_blocks
 
     _, eager, _ = train(tmp_path, "eager")

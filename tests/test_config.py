@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from sd_scripts_compat.config.kohya_args import ARGS_TSV, arg_specs, build_argparser, load_arg_specs
 from sd_scripts_compat.config.training_config import (
     ALIASES,
     IMPLEMENTED,
@@ -20,7 +19,8 @@ from sd_scripts_compat.config.training_config import (
     implemented_fields,
     load_training_config,
 )
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_args import ARGS_TSV, arg_specs, build_argparser, load_arg_specs
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[1]
@@ -305,7 +305,7 @@ def test_bad_file_shows_one_line_on_stderr_in_a_real_process(tmp_path):
     script = (
         "import sys\n"
         "from sd_scripts_compat.config.training_config import load_training_config\n"
-        "from sd_scripts_compat.errors import UserError\n"
+        "from sd_scripts_compat.facts.errors import UserError\n"
         "try:\n"
         "    load_training_config(sys.argv[1:], sdxl=False)\n"
         "except UserError as error:\n"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from sd_scripts_compat.config.dataset_config import load_dataset_config
-from sd_scripts_compat.config.dataset_spec import SubsetSpec
 from sd_scripts_compat.config.training_config import dataset_args, load_training_config
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 DATA = Path(__file__).parent / "data"
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.train_dataset import (
     BucketBatchSampler,
     build_dataset,
     build_validation_dataset,
     make_dataloader,
 )
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 SIZES = [(64, 64), (96, 48), (48, 96), (80, 64), (64, 80), (128, 64)]
 
@@ -200,7 +200,7 @@ def test_engine_loader_scales_16_bit_greyscale_to_8_bits(tmp_path):
 def test_an_image_broken_after_the_scan_is_one_line_from_a_dataloader_worker(tmp_path):
     """torch re-raises a worker's UserError with the worker's traceback in its message; one_line recovers the
     user's line (what train_network and autotune print)."""
-    from sd_scripts_compat.errors import one_line
+    from sd_scripts_compat.facts.errors import one_line
 
     make_images(tmp_path / "1_x", 2)
     dataset = build_dataset(spec_for(SubsetSpec(str(tmp_path / "1_x")), batch_size=1), seed=0)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import family_names, get_family
 from sd_scripts_compat.models.detect import detect_family, family_for_kohya_flags, known_family
-from sd_scripts_compat.models.families import family_names, get_family
 
 SD1_TE = "cond_stage_model.transformer.text_model.final_layer_norm.weight"
 SD2_TE = "cond_stage_model.model.ln_final.weight"

@@ -24,9 +24,9 @@ from autotune.doctor import check_before_training, diagnose, summary_line
 from autotune.doctor.images import BOMB_LIMIT_PIXELS
 from autotune.doctor.render_html import write_html
 from autotune.doctor.render_json import FORMAT, report_dict
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.train_dataset import build_dataset
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "dataset"

@@ -19,8 +19,8 @@ import pytest
 
 from autotune.launch.engines import OURS, check_engine_trains, engine_for, parse_engine, registered_engines
 from autotune.layout import DECISIONS_JSONL
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
@@ -67,9 +67,9 @@ from pathlib import Path
 
 from autotune.launch.engines import EngineKind
 from autotune.launch.kohya_job import kohya_job
-from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
-from sd_scripts_compat.contract import PROGRESS, Outcome, write_event
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml
+from sd_scripts_compat.facts.contract import PROGRESS, Outcome, write_event
+from sd_scripts_compat.facts.errors import UserError
 
 STATE = re.compile(r"^toy-step(\\d{4})$")
 LINE = re.compile(r"^step (\\d+)/(\\d+) loss ([0-9.]+)$")

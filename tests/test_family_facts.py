@@ -18,8 +18,8 @@ from autotune.planning.request import validate_resolution
 from autotune.planning.search import ladder, start_point
 from autotune.recovery.ladder import LadderLimits, _rungs
 from sd_scripts_compat.config.training_config import load_training_config
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import family_names, get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import family_names, get_family
 from sd_scripts_compat.training.block_swap import check_blocks_to_swap
 from sd_scripts_compat.training.recipe import _check_size_steps
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fixtures.engine_runs import run_engine
 
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FAMILY_DIR, FAMILY_PATH_ENV
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FAMILY_DIR, FAMILY_PATH_ENV
 from sd_scripts_compat.network.lora_file import read_lora_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_a_runtime_that_lacks_a_member_is_one_line(tmp_path, monkeypatch):
 
 
 def test_a_family_naming_a_runtime_that_is_not_there_is_one_line(tmp_path, monkeypatch):
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.runtimes import runtime_for
 
     family = json.loads((FAMILY_DIR / "tiny-sd15.json").read_text(encoding="utf-8"))
@@ -106,7 +106,7 @@ def test_every_family_our_engine_trains_names_a_runtime_and_no_other_does():
                                   '"unknown_key": 1}', "[]"])
 def test_a_broken_family_file_is_one_line_naming_it(tmp_path, monkeypatch, text):
     """A family file of ``SD_COMPAT_FAMILY_PATH`` is the user's: a broken one is a UserError naming the file."""
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     (tmp_path / "tiny-bad.json").write_text(text, encoding="utf-8")
     monkeypatch.setenv(FAMILY_PATH_ENV, str(tmp_path))

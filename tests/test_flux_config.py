@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import toml
 
-from sd_scripts_compat.config.kohya_args import FLUX_ARGS_TSV, arg_specs, build_argparser
-from sd_scripts_compat.config.settings_space import settings_from_files
+from sd_scripts_compat.config.resolved_run import settings_from_files
 from sd_scripts_compat.config.training_config import load_training_config
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_args import FLUX_ARGS_TSV, arg_specs, build_argparser
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_TSV = REPO.parent / "shared" / "reference" / "kohya" / "flux_train_network_args.tsv"

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.detect import detect_family
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.flux_files import save_flux_files
 from sd_scripts_compat.models.flux_layout import to_bfl, to_diffusers
 from sd_scripts_compat.models.single_file import save_single_file

@@ -22,8 +22,8 @@ import pytest
 import torch
 from fixtures.diffusers_load import load_lora_complaints
 
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import FusedLoRAModule, create_network
 from sd_scripts_compat.network.lora_file import (
     TrainingFacts,
@@ -169,7 +169,7 @@ def test_diffusers_flux_pipeline_loads_our_lora(tmp_path, variant):
 
 
 def test_lora_of_another_family_is_refused_in_one_line(flux_lora):
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
     from sd_scripts_compat.network.lora import create_network_from_weights
 
     bundle, _network, path = flux_lora

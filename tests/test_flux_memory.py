@@ -14,8 +14,8 @@ from autotune.estimate.dit_memory import (
 )
 from autotune.estimate.dit_speed import dit_step_flops, predict_dit_speed, swap_seconds
 from autotune.hardware.gpu_catalog import load_catalog, lookup_gpu
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 
 GIB = 2**30
 TINY = dict(patch_size=1, in_channels=64, num_layers=4, num_single_layers=6, attention_head_dim=16,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sd_scripts_compat.config.network_args import NetworkArgs, parse_network_args
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.network.lora import FusedLoRAModule, create_network
 from sd_scripts_compat.runtimes import load_base_model
 

@@ -18,8 +18,8 @@ from autotune.hardware.gpu_catalog import lookup_gpu
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_spec, gpu_from_vram, plan_training
 from autotune.planning.search import Predictor
 from autotune.planning.toml_writer import write_plan_files
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 
 try:
     FLUX = get_family("flux-dev")

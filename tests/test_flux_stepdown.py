@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autotune.recovery.ladder import Decision, Exhausted, LadderLimits, TrainSettings, memory_predictor, next_settings
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.families import get_family
 
 FLUX = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
                      optimizer_type="AdamW8bit", network_dim=16, network_alpha=8.0, mixed_precision="bf16",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.models.t5_tokenizer import find_t5_tokenizer, load_t5_tokenizer, train_unigram_t5_tokenizer
 from sd_scripts_compat.models.text_encoding import tokenize_flux
 from sd_scripts_compat.runtimes import encode_prompts, load_base_model

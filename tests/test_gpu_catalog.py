@@ -6,7 +6,7 @@ import pytest
 import toml
 
 from autotune.hardware.gpu_catalog import CATALOG_PATH, GpuSpec, find_gpu, load_catalog, lookup_gpu, normalize_gpu_name
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 
 @pytest.fixture(scope="module")

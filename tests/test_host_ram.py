@@ -19,8 +19,8 @@ from autotune.hardware.gpu_catalog import lookup_gpu
 from autotune.planning.host_ram import OS_RESERVE_BYTES, plan_host_ram
 from autotune.planning.planner import PlanRequest, Preferences, plan_training
 from autotune.planning.request import gpu_from_spec
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.settings import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
@@ -133,7 +133,7 @@ def test_predicted_ram_of_a_real_tiny_run_matches_its_peak_rss(tmp_path: Path) -
 
 
 WRITE_SD15 = ("import sys, torch; from sd_scripts_compat.models.build import build_modules; "
-              "from sd_scripts_compat.models.families import get_family; "
+              "from sd_scripts_compat.facts.families import get_family; "
               "from sd_scripts_compat.models.single_file import save_single_file; "
               "save_single_file(build_modules(get_family('sd15'), dtype=torch.float16), sys.argv[1], "
               "dtype=torch.float16)")

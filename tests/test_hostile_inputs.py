@@ -210,8 +210,8 @@ def tiny_model_with(path: Path, poison: str, value: float = float("nan")) -> Pat
     """builtin:tiny-sd15 as a single file, with one value of the first tensor whose name contains ``poison``."""
     from safetensors.torch import load_file, save_file
 
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.models.single_file import save_single_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -604,8 +604,8 @@ def sd3(root: Path, **overrides: object) -> list[str]:
 
 def sd3_lora(root: Path) -> Path:
     """A tiny-sd3 LoRA file as our engine writes it (kohya names, SD3.5 Medium metadata)."""
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
     from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, save_lora_file
 

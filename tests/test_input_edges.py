@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sd_scripts_compat.config.bounds import bound_problem
-from sd_scripts_compat.contract import error_summary
+from sd_scripts_compat.facts.contract import error_summary
 from tests.test_train_engine import ENV, ROOT, base_config, write_config
 
 
@@ -51,7 +51,7 @@ def test_sample_sizes_are_rounded_as_sd_scripts_renders_them():
 
 
 def test_a_bad_optimizer_argument_is_refused_before_anything_loads(tmp_path):
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
     from sd_scripts_compat.training.optim import check_optimizer_settings
 
     with pytest.raises(UserError, match="optimizer_args for AdamW"):

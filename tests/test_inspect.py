@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from sd_scripts_compat.config.network_args import NetworkArgs
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import create_network
 from sd_scripts_compat.network.lora_file import TrainingFacts, build_metadata, save_lora_file
 

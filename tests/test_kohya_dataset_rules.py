@@ -16,11 +16,11 @@ import toml
 from PIL import Image
 
 from sd_scripts_compat.config.dataset_config import folder_dataset_group, load_dataset_config
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.captions import read_caption
-from sd_scripts_compat.dataset.scan import caption_coverage, scan_dataset_folder
 from sd_scripts_compat.dataset.train_dataset import build_dataset
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_scan import caption_coverage, scan_dataset_folder
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 

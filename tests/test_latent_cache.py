@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 
 from sd_scripts_compat.caching.latent_cache import cache_latents, encode_images, latent_seed, offload
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.train_dataset import build_dataset
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 
 
 @pytest.fixture(scope="module")

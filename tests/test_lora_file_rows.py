@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import FusedTargets, create_network, iter_target_modules
 
 

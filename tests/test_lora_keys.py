@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sd_scripts_compat.config.network_args import NetworkArgs
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import create_network
 from sd_scripts_compat.network.lora_file import describe_lora
 

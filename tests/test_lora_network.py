@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from sd_scripts_compat.config.network_args import NetworkArgs
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import LoRAModule, create_network, create_network_from_weights
 
 

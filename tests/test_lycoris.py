@@ -14,9 +14,9 @@ import torch
 
 from sd_scripts_compat.config.network_args import MISSING_LYCORIS, parse_network_args
 from sd_scripts_compat.config.training_config import load_training_config
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora_file import read_lora_file
 from sd_scripts_compat.network.lycoris import create_lycoris_network
 from tests.test_train_engine import base_config, run_engine, write_config

@@ -24,7 +24,7 @@ from autotune.measure.store import (
     store_path,
 )
 from autotune.planning.planner import PlanRequest, nominal_dataset, plan_training
-from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.facts.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = "cpu:Test CPU"

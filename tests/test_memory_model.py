@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from autotune.estimate.memory_model import MemoryInputs, canonical_optimizer, predict_memory
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 KOHYA = Path(__file__).parent / "data" / "kohya"  # copies of shared/reference/kohya/keys_*.json
 BASE = MemoryInputs(family="sd15", resolution=512, batch_size=2, rank=16, gradient_checkpointing=False,

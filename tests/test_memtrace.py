@@ -86,8 +86,8 @@ def test_caching_and_fp8_change_resident_weights() -> None:
 
 def test_architecture_facts_lora_counts_match_the_network() -> None:
     """Per-rank module shapes in the facts give exactly the network's parameter count."""
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
 
     facts = architecture_facts("tiny-sdxl")

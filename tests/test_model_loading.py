@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules, load_tokenizer
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.loading import BUILTIN_IDS
 from sd_scripts_compat.models.single_file import original_state_dict, save_single_file
 from sd_scripts_compat.runtimes import load_base_model

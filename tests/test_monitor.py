@@ -8,7 +8,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from sd_scripts_compat.atomic import AppendOnlyFile
+from sd_scripts_compat.facts.atomic import AppendOnlyFile
 from sd_scripts_compat.training.monitor import (
     MONITOR_FILE,
     Monitor,

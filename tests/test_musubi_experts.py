@@ -19,8 +19,8 @@ from autotune.hardware.gpu_catalog import lookup_gpu
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_spec, gpu_from_vram, plan_training
 from autotune.planning.request import GIB
 from autotune.planning.toml_writer import write_plan_files
-from sd_scripts_compat.config.settings_space import OOM_POLICY, Limits, rungs
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.settings_space import OOM_POLICY, Limits, rungs
 
 ROOT = Path(__file__).resolve().parents[1]
 WAN22 = "wan2.2-t2v-a14b"
@@ -165,7 +165,7 @@ def test_pinned_block_swap_only_where_it_speeds_the_step_and_the_ram_allows() ->
 
 def test_the_oom_ladder_leaves_offloading_for_block_swap_of_both_experts() -> None:
     """musubi refuses block swap beside --offload_inactive_dit: the swap rung turns offloading off."""
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
     s = TrainSettings(high_noise_expert=True, offload_inactive_dit=True, fp8_base=True)
     swap = next(c for name, _, c in rungs(s, OOM_POLICY, Limits(max_blocks_to_swap=39)) if name == "swap")

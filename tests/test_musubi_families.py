@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family, musubi_flux2_split
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family, musubi_flux2_split
 from sd_scripts_compat.network.lora import create_network
 from tests.fixtures.local import REFERENCE
 

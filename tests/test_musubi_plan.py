@@ -19,8 +19,8 @@ from fixtures.local import REFERENCE
 from autotune.estimate.dit_memory import load_dit_calibration
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_vram, plan_training
 from autotune.planning.toml_writer import write_plan_files
-from sd_scripts_compat.config.musubi_args import MUSUBI_DATA, musubi_options
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.musubi_args import MUSUBI_DATA, musubi_options
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("qwen-image", "flux2-dev", "flux2-klein-4b", "flux2-klein-9b", "wan2.2-t2v-a14b", "wan2.1-t2v-1.3b",

@@ -20,8 +20,8 @@ from safetensors import safe_open
 
 from autotune.layout import DECISIONS_JSONL
 from autotune.recovery.musubi import remaining_divisor, true_step
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import OOM_POLICY, Limits, rungs
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import OOM_POLICY, Limits, rungs
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fixtures" / "fake_musubi_tuner"

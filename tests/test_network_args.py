@@ -17,9 +17,9 @@ import torch
 
 from sd_scripts_compat.config.network_args import block_count, block_lr_weight, parse_network_args, read_module_keys
 from sd_scripts_compat.config.training_config import load_training_config
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import block_index, create_network
 from sd_scripts_compat.network.lora_file import read_lora_file
 from sd_scripts_compat.runtimes import load_base_model

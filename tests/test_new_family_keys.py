@@ -10,8 +10,8 @@ import json
 
 import pytest
 
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import create_network
 from tests.fixtures.local import REFERENCE
 

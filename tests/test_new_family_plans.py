@@ -22,8 +22,8 @@ from autotune.planning.planner import PlanRequest, Preferences, gpu_from_vram, p
 from autotune.planning.search import Predictor
 from autotune.planning.toml_writer import write_plan_files
 from autotune.recovery.ladder import LadderLimits
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.detect import detect_family
-from sd_scripts_compat.models.families import get_family
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("sd3.5-medium", "sd3.5-large", "chroma", "lumina2", "hunyuan-image-2.1", "anima")

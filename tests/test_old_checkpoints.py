@@ -12,8 +12,8 @@ import pytest
 import toml
 import torch
 
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.single_file import original_state_dict
 from tests.test_run_e2e import make_dataset
 

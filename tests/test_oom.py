@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sd_scripts_compat.contract import is_oom_error
+from sd_scripts_compat.facts.contract import is_oom_error
 from sd_scripts_compat.training.faults import INJECT_ENV, OomInjector
 
 

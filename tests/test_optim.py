@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.training.optim import make_lr_scheduler, make_optimizer
 
 

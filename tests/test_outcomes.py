@@ -16,8 +16,7 @@ from autotune.recovery.attempt import AttemptResult
 from autotune.recovery.engine import AttemptFiles
 from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.watchdog import Job, supervise
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.contract import (
+from sd_scripts_compat.facts.contract import (
     BAD_DATA_EXIT_CODE,
     DISK_FULL_EXIT_CODE,
     DIVERGED,
@@ -30,6 +29,7 @@ from sd_scripts_compat.contract import (
     Outcome,
     classify,
 )
+from sd_scripts_compat.facts.settings import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,7 @@ class EchoEngine:
         return None
 
     def line_handler(self, events_dir: Path) -> Callable[[str], None]:
-        from sd_scripts_compat.contract import write_event
+        from sd_scripts_compat.facts.contract import write_event
 
         def feed(line: str) -> None:
             self.lines.append(line)

@@ -29,7 +29,7 @@ from autotune.planning.planner import (
     plan_training,
     scan_dataset,
 )
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 FAMILIES = ("sd15", "sd2", "sdxl")
 
@@ -349,7 +349,7 @@ def test_bad_goal_priority_preferences_are_user_errors():
 def test_pinned_resolution_follows_the_familys_own_bucket_rules():
     """--resolution is checked with the engine's own rule (``FamilySpec.resolution_problem``): the planner's own
     choice for a tiny family is accepted when pinned, and so is any size the engine trains it at."""
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     tiny = get_family("tiny-sd15")
     step = tiny.bucket_step

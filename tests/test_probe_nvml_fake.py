@@ -17,7 +17,7 @@ import pytest
 
 from autotune.hardware import probe as probe_module
 from autotune.hardware.probe import SystemProbe, probe_system
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 MIB = 1 << 20
 

@@ -18,7 +18,7 @@ import toml
 from autotune.report.analysis import build_report
 from autotune.report.load import RunFiles, load_run
 from sd_scripts_compat.dataset.train_dataset import DECODE_DELAY_ENV
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"

@@ -37,7 +37,7 @@ from autotune.recovery.attempt import address_space_limit
 from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits, memory_predictor
 from autotune.recovery.watchdog import Job, supervise
-from sd_scripts_compat.config.settings_space import settings_from_files
+from sd_scripts_compat.config.resolved_run import settings_from_files
 
 pytestmark = pytest.mark.skipif(
     not (Path(__file__).parents[1] / "sd_scripts_compat" / "train_network.py").is_file(),

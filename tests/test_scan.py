@@ -1,4 +1,4 @@
-"""The one dataset scan (sd_scripts_compat.dataset.scan) and everything that reads a dataset through it:
+"""The one dataset scan (sd_scripts_compat.facts.dataset_scan) and everything that reads a dataset through it:
 the engine's folder convention, `autotune plan`'s summary and `autotune run`'s check. Real folders and files."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from autotune.cli import main as autotune_main
 from autotune.launch.run import check_dataset, check_folder_convention
 from autotune.planning.planner import scan_dataset
 from sd_scripts_compat.config.dataset_config import folder_subsets
-from sd_scripts_compat.dataset.scan import (
+from sd_scripts_compat.facts.dataset_scan import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
     list_images,
@@ -21,7 +21,7 @@ from sd_scripts_compat.dataset.scan import (
     require_images,
     scan_dataset_folder,
 )
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 
 def touch(folder: Path, *names: str) -> None:

@@ -12,10 +12,10 @@ from fixtures.engine_runs import run_engine, toy_dataset
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.detect import detect_family
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.sd3_files import save_sd3_files, to_sd3
 from sd_scripts_compat.network.lora_file import read_lora_file
 from sd_scripts_compat.runtimes import load_base_model

@@ -18,8 +18,8 @@ from fixtures.diffusers_load import load_lora_complaints
 from fixtures.engine_runs import ENV
 from test_flux_lora_file import ATOL, _facts, _randomized_network
 
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.network.lora import FusedLoRAModule
 from sd_scripts_compat.network.lora_file import build_metadata, save_lora_file
 

@@ -32,9 +32,9 @@ from autotune.recovery.sd_scripts import (
     save_every_n_steps,
 )
 from autotune.recovery.watchdog import Job, supervise
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.settings import TrainSettings
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_sd_scripts"
 FAKE_SCRIPTS = FAKE / "sd-scripts"

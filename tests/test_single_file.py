@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.single_file import (
     Checkpoint,
     detect_family,

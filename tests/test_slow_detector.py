@@ -8,7 +8,7 @@ import json
 import threading
 
 from autotune.report.detector import LiveDetector, attempts, detect, watch
-from sd_scripts_compat.atomic import AppendOnlyFile
+from sd_scripts_compat.facts.atomic import AppendOnlyFile
 
 GIB = 2**30
 

@@ -32,8 +32,8 @@ from autotune.recovery.stability import (
     next_stable_settings,
 )
 from autotune.recovery.watchdog import Job, supervise
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.contract import DIVERGED_EXIT_CODE, EVENT_KINDS, read_event
+from sd_scripts_compat.facts.contract import DIVERGED_EXIT_CODE, EVENT_KINDS, read_event
+from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.training.faults import NAN_ENV, NanInjector
 from sd_scripts_compat.training.stability import (
     BASELINE_KEY,

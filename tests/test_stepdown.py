@@ -20,7 +20,7 @@ from autotune.recovery.ladder import (
     next_settings,
     rescale_factor,
 )
-from sd_scripts_compat.config.settings_space import config_values, dataset_values
+from sd_scripts_compat.facts.settings_space import config_values, dataset_values
 
 SDXL = TrainSettings(train_batch_size=4, gradient_accumulation_steps=2, resolution=(1024, 1024),
                      optimizer_type="AdamW", network_dim=32, network_alpha=16.0, mixed_precision="bf16",
@@ -169,7 +169,7 @@ def test_tiny_family_ladder_on_its_own_calibration():
     """tiny-sd15 on CPU (fp32, 128-256 px): predictions are the tiny family's own model, no borrowed twin,
     and the ladder walks down to the floor resolution in kohya's 64 px steps, as for the full-size families."""
     from autotune.estimate.memory_model import MemoryInputs, predict_memory
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     predict = memory_predictor("tiny-sd15", cuda=False)
     tiny = TrainSettings(train_batch_size=4, gradient_accumulation_steps=1, resolution=(256, 256), network_dim=16,
@@ -193,7 +193,7 @@ def _resolved_run(tmp_path, name: str, config: dict, subsets: list[dict]):
     """A run as the engine's own reader resolves it, from real config.toml + dataset.toml files."""
     import toml
 
-    from sd_scripts_compat.config.settings_space import settings_from_files
+    from sd_scripts_compat.config.resolved_run import settings_from_files
 
     folder = tmp_path / name
     folder.mkdir()
@@ -213,7 +213,7 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
 
     from autotune.hardware.probe import probe_system
     from autotune.launch.kohya_job import _limits
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     unet_only = replace(SDXL, cache_text_encoder_outputs=False, network_train_unet_only=True)
     resident = memory_predictor("sdxl")
@@ -245,7 +245,7 @@ def test_run_ladder_steps_tiny_families_like_full_size_ones(tmp_path):
 
     from autotune.hardware.probe import probe_system
     from autotune.launch.kohya_job import _limits
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     resolved = _resolved_run(tmp_path, "run", {}, [{"image_dir": "a"}])
     args = argparse.Namespace(memory_limit=20000, vram=None)

@@ -9,7 +9,7 @@ import pytest
 from autotune.planning.templates import FAMILIES, FAMILY_TIERS, TEMPLATE_DIR, write_templates
 from sd_scripts_compat.config.dataset_config import read_dataset_config
 from sd_scripts_compat.config.training_config import load_training_config
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.families import get_family
 
 
 def relative_files(root: Path) -> dict[str, bytes]:
@@ -62,7 +62,7 @@ def test_musubi_templates_hold_only_musubis_options(fresh):
 
     import toml
 
-    from sd_scripts_compat.config.musubi_args import musubi_options
+    from sd_scripts_compat.facts.musubi_args import musubi_options
 
     folders = [f for f in sorted(fresh.glob("*/*gb")) if get_family(f.parts[-2]).trainer == "musubi-tuner"]
     assert len(folders) == 28

@@ -7,11 +7,11 @@ import torch
 from PIL import Image
 
 from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.train_dataset import build_dataset
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.models.text_encoding import sdxl_time_ids, tokenize
 from sd_scripts_compat.runtimes import encode_prompts
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from sd_scripts_compat.facts.families import CLIP_TOKENIZER_DIR, get_family
 from sd_scripts_compat.models.build import load_tokenizer
-from sd_scripts_compat.models.families import CLIP_TOKENIZER_DIR, get_family
 
 PROMPTS = [
     "a photo of",

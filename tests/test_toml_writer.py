@@ -12,11 +12,11 @@ from autotune.hardware.gpu_catalog import lookup_gpu
 from autotune.planning.planner import PlanRequest, Preferences, gpu_from_spec, gpu_from_vram, plan_training
 from autotune.planning.toml_writer import SECTIONS, encode_value, render_config, write_plan_files
 from sd_scripts_compat.config.dataset_config import read_dataset_config
-from sd_scripts_compat.config.kohya_args import arg_specs
-from sd_scripts_compat.config.settings_space import settings_from_files
+from sd_scripts_compat.config.resolved_run import settings_from_files
 from sd_scripts_compat.config.training_config import dataset_group_from_config, load_training_config
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.kohya_args import arg_specs
 
 LORA_SCRIPTS_SECTIONS = {name for name, _ in SECTIONS} | {"others"}
 

@@ -14,7 +14,7 @@ import threading
 import pytest
 from test_ui_api import DATASET, ROOT, Server
 
-from sd_scripts_compat.contract import SCHEMA_VERSION
+from sd_scripts_compat.facts.contract import SCHEMA_VERSION
 
 RUN = {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "steps": 1}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sd_scripts_compat.models.families import get_family, model_config
+from sd_scripts_compat.facts.families import get_family, model_config
 from sd_scripts_compat.models.unet_names import diffusers_to_ldm_unet_name, ldm_to_diffusers_unet_name
 
 REFERENCE = Path(__file__).parent / "data" / "kohya"  # copies of shared/reference/kohya/keys_*.json

@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.config.training_config import load_training_config
 from sd_scripts_compat.dataset.train_dataset import TrainDataset, build_dataset
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
-from sd_scripts_compat.models.families import get_family
 from sd_scripts_compat.runtimes import TextOptions, runtime_for
 from sd_scripts_compat.runtimes.noise_prediction import NoiseSettings
 from sd_scripts_compat.training.conditioning import Conditioner

@@ -44,8 +44,8 @@ def test_a_plan_that_fails_stops_the_bench_with_its_message(tmp_path):
 
 
 def test_the_bare_loop_runs_the_plans_config_at_its_micro_batch_under_the_launcher(tmp_path):
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.models.single_file import save_single_file
 
     model = save_single_file(build_modules(get_family("tiny-sd15"), seed=0), tmp_path / "tiny.safetensors")
@@ -86,7 +86,7 @@ def test_peak_rss_is_the_programs_own_not_a_big_parents(tmp_path):
     launcher's read VmHWM. The parent here touches 600 MiB before it starts the child; the child's own is ~50."""
     import subprocess
 
-    child = "from sd_scripts_compat.contract import peak_rss_mib; print(peak_rss_mib())"
+    child = "from sd_scripts_compat.facts.contract import peak_rss_mib; print(peak_rss_mib())"
     parent = ("import subprocess, sys; big = bytearray(600 * 2**20); big[::4096] = b'x' * len(big[::4096]); "
               f"sys.stdout.write(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, "
               "check=True).stdout)")

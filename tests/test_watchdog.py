@@ -20,7 +20,7 @@ from autotune.layout import DECISIONS_JSONL, DECISIONS_LOG
 from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits
 from autotune.recovery.watchdog import Job, clean_partial_files, supervise
-from sd_scripts_compat.contract import newest_state
+from sd_scripts_compat.facts.contract import newest_state
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_engine.py"
 STEPS = 20

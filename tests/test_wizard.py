@@ -31,8 +31,8 @@ from autotune.planning.planner import (
 )
 from autotune.wizard import organise
 from autotune.wizard.overrides import Overrides, evaluate, settings_from_values
-from sd_scripts_compat.config.settings_space import settings_from_files
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.config.resolved_run import settings_from_files
+from sd_scripts_compat.facts.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "dataset"

@@ -32,7 +32,7 @@ from autotune.calibration.memtrace import (
     fakeify,
     steady_state_optimizer,
 )
-from sd_scripts_compat.models.families import FamilySpec, get_family, model_config
+from sd_scripts_compat.facts.families import FamilySpec, get_family, model_config
 
 if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle

@@ -14,8 +14,8 @@ def count_flops(family: str, resolution: int, *, gradient_checkpointing: bool, r
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
 
     spec = get_family(family)
@@ -47,8 +47,8 @@ def count_encoder_flops(family: str, resolution: int) -> dict[str, float]:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import create_network
 
     spec = get_family(family)
@@ -79,7 +79,7 @@ def fit_flops(family: str, resolutions: tuple[int, ...] | None = None) -> dict[s
     ``f0`` is fitted too: in the tiny families that part is a sizeable share of a step."""
     import numpy as np
 
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     spec = get_family(family)
     native = spec.resolution

@@ -349,7 +349,7 @@ def trace_training_step(
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
@@ -527,8 +527,8 @@ def architecture_facts(family: str, reference_resolution: int | None = None) -> 
 
     import torch
 
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora import iter_target_modules
 
     spec = get_family(family)

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune.launch.plan_options import finite
-from sd_scripts_compat.contract import Outcome
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.contract import Outcome
+from sd_scripts_compat.facts.errors import UserError
 
 ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves the first two steps out of its timing
 
@@ -125,8 +125,8 @@ def base_files(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path | No
 
 
 def _user_config(args: argparse.Namespace, base_dir: Path) -> tuple[Path, Path | None, Any]:
-    from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, write_toml
-    from sd_scripts_compat.config.settings_space import settings_from_files
+    from sd_scripts_compat.config.resolved_run import settings_from_files
+    from sd_scripts_compat.facts.kohya_toml import read_toml, set_config_values, write_toml
     from sd_scripts_compat.models.detect import detect_family
 
     base_dir.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _family_line(info: dict[str, Any]) -> str:
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     if info["family"]:
         return f"{info['family']} ({get_family(info['family']).description})"
@@ -58,7 +58,7 @@ def _tag_summary(raw: str) -> str:
 
 
 def _export(info: dict[str, Any], out: str) -> None:
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
     from sd_scripts_compat.network.diffusers_export import export_diffusers_file
 
     if not info["family"]:

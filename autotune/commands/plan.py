@@ -25,7 +25,7 @@ __all__ = ["add_arguments", "run"]
 def run(args: argparse.Namespace) -> int:
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     accept_pickle(args, "plan")
     if args.out:  # said before planning: --out never replaces a run's or the user's files, nor goes in the dataset

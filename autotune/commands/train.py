@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_of_config(config: Path, kohya_args: list[str]) -> str | None:
     """The base model named on the command line or in the config (sections flattened, as sd-scripts does)."""
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml
 
     if "--pretrained_model_name_or_path" in kohya_args:
         index = kohya_args.index("--pretrained_model_name_or_path")
@@ -49,8 +49,8 @@ def engine_script(model: str, config: Path, kohya_args: list[str]) -> str:
     sdxl_train_network or flux_train_network). A pickle checkpoint's family cannot be read from a header:
     without ``--allow_pickle`` it is the engine's one-line refusal now, with it the file's keys are read (the
     engine loads it again; pickles are the slow path)."""
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
+    from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES, detect_layout, read_checkpoint
     from sd_scripts_compat.models.detect import detect_family
 
@@ -64,7 +64,7 @@ def engine_script(model: str, config: Path, kohya_args: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     config = Path(args.config)
     ours, kohya_args = own_options(args.kohya_args)

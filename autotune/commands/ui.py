@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from autotune.ui.security import AccessPolicy
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port {args.port}: give a port between 1 and 65535, e.g. --port {DEFAULT_PORT}")
@@ -62,7 +62,7 @@ def engines(given: list[str] | None, python: str | None) -> dict[str, list[str]]
     registry's, ``launch.engines``; checked now, with absolute paths: runs start in the runs folder), each as the
     ``autotune run`` options it adds."""
     from autotune.launch.engines import OURS, parse_engine
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     offered: dict[str, list[str]] = {OURS: []}
     if python and len(given or []) != 1:
@@ -82,7 +82,7 @@ def serve(policy: AccessPolicy, runs: Path, offered: dict[str, list[str]] | None
     import uvicorn
 
     from autotune.ui.api import create_app
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     sock = socket.socket(socket.AF_INET6 if ":" in policy.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     if not args.yes and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UserError("no terminal to ask on: use `autotune plan DATASET --model M --out DIR` for configs, "

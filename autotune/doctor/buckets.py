@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from autotune.doctor.report import ERROR, WARNING, BucketRow, Problem
 from autotune.planning.resolution import bucket_rules
 from sd_scripts_compat.dataset.buckets import BucketConfig, Size
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.families import FamilySpec
 
 DEFAULT_RESOLUTION = 512  # without --model: SD1.x's native size
 STAND_IN_FAMILY = "sd15"  # without --model the bucket rules of a full-size family (all of them share them)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from autotune.doctor.report import ERROR, WARNING, Problem
 from sd_scripts_compat.dataset.captions import read_caption, tag_frequency
-from sd_scripts_compat.dataset.scan import CAPTION_EXTENSIONS, SubsetScan
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, SubsetScan
+from sd_scripts_compat.facts.errors import UserError
 
 TokenCounter = Callable[[list[str]], list[int]]
 TOKEN_LIMITS = (75, 150, 225)  # kohya's max_token_length None (75) / 150 / 225

@@ -22,17 +22,17 @@ from autotune.doctor.folders import scan_problems, unsupported_files
 from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck, check_image
 from autotune.doctor.report import ERROR, DoctorReport, DoctorSettings, Problem, SubsetFacts, sort_problems
 from autotune.doctor.videos import check_video, clip_summary
-from sd_scripts_compat.config.dataset_spec import caption_extension_problem, normalize_caption_extension
 from sd_scripts_compat.dataset.buckets import BucketConfig
-from sd_scripts_compat.dataset.scan import (
+from sd_scripts_compat.facts.dataset_scan import (
     IMAGE_EXTENSIONS,
     VIDEO_EXTENSIONS,
     DatasetScan,
     SubsetScan,
     scan_dataset_folder,
 )
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.dataset_spec import caption_extension_problem, normalize_caption_extension
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
 
 TOP_TAGS = 10
 
@@ -157,7 +157,7 @@ def options_from_config(config: str | os.PathLike[str], dataset_config: str | os
     """The doctor's options as a training config resolves them, read by the engine's own reader (kohya's
     precedence: dataset.toml over config.toml): resolution (the longer side), batch, caption extension,
     max_token_length. Without ``dataset_config`` the images are ``dataset_dir``'s, as `autotune run` trains."""
-    from sd_scripts_compat.config.settings_space import settings_from_files
+    from sd_scripts_compat.config.resolved_run import settings_from_files
 
     spec = resolve_family(model, family)
     script = spec.script if spec else "train_network"
@@ -173,7 +173,7 @@ def options_from_config(config: str | os.PathLike[str], dataset_config: str | os
 
 def _train_data_dir(dataset_dir: str | os.PathLike[str] | None) -> str | None:
     """The folder as train_data_dir, or its parent for an N_name folder given itself (its settings are the same)."""
-    from sd_scripts_compat.config.dataset_spec import parse_repeat_folder
+    from sd_scripts_compat.facts.dataset_spec import parse_repeat_folder
 
     if dataset_dir is None:
         return None

@@ -1,7 +1,7 @@
 """Folder-level problems: what the engine's one dataset scan skipped (its warnings, named by folder), files in
 an image format the engine does not read, and a dataset with nothing to train on.
 
-The folder rules are the scan's (``sd_scripts_compat.dataset.scan``); this module only turns what the scan
+The folder rules are the scan's (``sd_scripts_compat.facts.dataset_scan``); this module only turns what the scan
 says into problems, classifying skipped folders with the scan's own ``parse_repeat_folder``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from autotune.doctor.report import ERROR, WARNING, Problem
-from sd_scripts_compat.dataset.scan import (
+from sd_scripts_compat.facts.dataset_scan import (
     IMAGE_EXTENSIONS,
     MIN_REPEATS,
     DatasetScan,

@@ -16,7 +16,7 @@ from pathlib import Path
 from autotune.doctor.render_text import settings_line
 from autotune.doctor.report import DoctorReport, summary_line
 from autotune.own_files import HTML_MARK
-from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS
+from sd_scripts_compat.facts.dataset_scan import IMAGE_EXTENSIONS
 
 THUMB_PX = 128
 MAX_THUMBNAILS = 200  # bounds the page (~10-20 KB each) for a dataset where everything is wrong
@@ -106,11 +106,11 @@ def report_html(report: DoctorReport) -> str:
 
 
 def write_html(report: DoctorReport, path: str | Path) -> Path:
-    from sd_scripts_compat.atomic import write_text_atomic
+    from sd_scripts_compat.facts.atomic import write_text_atomic
 
     target = Path(path).expanduser()
     if not target.parent.is_dir():
-        from sd_scripts_compat.errors import UserError
+        from sd_scripts_compat.facts.errors import UserError
 
         raise UserError(f"--html {path}: folder {target.parent} does not exist; create it or write elsewhere")
     write_text_atomic(target, report_html(report))

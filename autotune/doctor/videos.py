@@ -14,7 +14,7 @@ from pathlib import Path
 
 from autotune.doctor.images import ImageCheck
 from autotune.doctor.report import ERROR, Problem
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 REENCODE = "re-encode it (e.g. ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4) or remove it"
 

@@ -70,11 +70,11 @@ from autotune.estimate.memory_model import (
     canonical_optimizer,
     optimizer_state_bytes,
 )
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 
 if TYPE_CHECKING:
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
 DIT_CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "dit_calibration.json"
 

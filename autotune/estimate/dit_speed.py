@@ -38,7 +38,7 @@ from autotune.estimate.dit_memory import (
     transformer_bytes,
 )
 from autotune.estimate.speed_model import EFFICIENCY_HALF_TFLOP, SpeedEstimate, card_rate_tflops
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.families import get_family
 
 # A DiT on the CPU (tiny-flux: tests and demos) as one effective FLOP rate: its steps are overhead-bound, so this
 # is what tiny-flux's runs measure on this project's 2-core machine (0.17 s per 256 px step of 4 micro-steps,

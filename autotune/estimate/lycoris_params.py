@@ -21,8 +21,8 @@ def lycoris_tensor_sizes(family: str, rank: int, network_args: tuple[str, ...],
     from collections import Counter
 
     from sd_scripts_compat.config.network_args import LYCORIS_MODULE, parse_network_args
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lycoris import create_lycoris_network
 
     entries = dict(entry.split("=", 1) for entry in network_args)

@@ -43,10 +43,10 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
 CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "memory_calibration.json"
 GIB = 2**30

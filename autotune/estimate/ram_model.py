@@ -120,7 +120,7 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
         latents_ram = images * 4 * (inputs.resolution // down) ** 2 * 4
     text_ram = 0
     if inputs.cache_text_encoder_outputs:
-        from sd_scripts_compat.models.families import get_family
+        from sd_scripts_compat.facts.families import get_family
 
         width = sum(int(t.config["hidden_size"]) for t in get_family(inputs.family).text_encoders)
         text_ram = images * TEXT_TOKENS * width * wbytes

@@ -103,7 +103,7 @@ def _poly(coef: list[float], pixels: float) -> float:
 def step_flops(inputs: Any, calibration: dict[str, Any] | None = None) -> StepFlops:
     """FLOPs of one micro-step for ``inputs`` (a ``MemoryInputs``), from the shipped fits."""
     from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     calibration = calibration or load_calibration()
     table = calibration.get("flops", {})

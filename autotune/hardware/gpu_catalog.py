@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 CATALOG_PATH = Path(__file__).resolve().parents[1] / "data" / "gpus.toml"
 

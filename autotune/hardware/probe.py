@@ -52,7 +52,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 SCHEMA_VERSION = 1
 GIB = 1 << 30

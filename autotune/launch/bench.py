@@ -22,8 +22,8 @@ from typing import Any
 
 from autotune.measure.learned import short_settings
 from autotune.measure.store import steady_seconds_per_step
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.settings import TrainSettings
 
 __all__ = ["BenchJob", "BenchPoint", "engine_argv", "measured_run_config", "parse_sweeps", "run_bench",
            "sweep_points"]
@@ -92,7 +92,7 @@ def apply_sweep_value(base: TrainSettings, key: str, text: str, option: str) -> 
     """``base`` with one sweep value set; batch keeps the effective batch (accumulation follows, as the
     planner's search does), resolution moves the bucket limit with it (twice the side, the planner's rule), rank
     keeps the LoRA's scale (alpha in proportion)."""
-    from sd_scripts_compat.config.settings_space import at_square_resolution
+    from sd_scripts_compat.facts.settings_space import at_square_resolution
 
     if key == "batch":
         batch = _positive(text, option)
@@ -118,7 +118,7 @@ def apply_sweep_value(base: TrainSettings, key: str, text: str, option: str) -> 
 
 def _compiled(base: TrainSettings, value: str, option: str) -> TrainSettings:
     """A compile sweep value: off, on (inductor), or one of sd-scripts' dynamo_backend choices."""
-    from sd_scripts_compat.config.kohya_args import arg_specs
+    from sd_scripts_compat.facts.kohya_args import arg_specs
 
     if value.lower() in ("0", "off", "false", "no"):
         return replace(base, torch_compile=False)
@@ -165,8 +165,8 @@ def sweep_points(base: TrainSettings, sweeps: Sequence[tuple[str, list[str]]]) -
 def bench_config(src: Path, dst: Path, settings: TrainSettings, base: TrainSettings, *, steps: int,
                  output_dir: Path) -> None:
     """The point's config: ``src`` with its settings, ``steps`` optimizer steps, nothing saved on the way."""
-    from sd_scripts_compat.config.kohya_toml import read_toml, set_config_values, write_toml
-    from sd_scripts_compat.config.settings_space import write_config
+    from sd_scripts_compat.facts.kohya_toml import read_toml, set_config_values, write_toml
+    from sd_scripts_compat.facts.settings_space import write_config
 
     write_config(src, dst, settings, base=base)
     document = _without(read_toml(dst), _NOT_IN_A_BENCH)
@@ -201,7 +201,7 @@ def measured_run_config(path: Path, *, model: str, dataset: Path, output_dir: Pa
     """A short measured run's config.toml (what the bench scripts train; kohya keys in ``kohya`` win): batch 1,
     rank 4, the UNet only, AdamW at 1e-4, fixed seed, no loader workers, cached latents, nothing saved on the
     way. Returns ``path``."""
-    from sd_scripts_compat.config.kohya_toml import write_toml
+    from sd_scripts_compat.facts.kohya_toml import write_toml
 
     values: dict[str, Any] = {
         "pretrained_model_name_or_path": model, "train_data_dir": str(dataset), "output_dir": str(output_dir),
@@ -217,7 +217,7 @@ def measured_run_config(path: Path, *, model: str, dataset: Path, output_dir: Pa
 def engine_argv(module: str, config: Path, events_dir: Path, *, dataset_config: Path | None = None,
                 extra: Sequence[str] = ()) -> list[str]:
     """The command line of one measured engine run (``python -m <module>``), its events in ``events_dir``."""
-    from sd_scripts_compat.contract import EVENTS_DIR_FLAG
+    from sd_scripts_compat.facts.contract import EVENTS_DIR_FLAG
 
     argv = [sys.executable, "-m", module, "--config_file", str(config)]
     if dataset_config is not None:
@@ -228,8 +228,8 @@ def engine_argv(module: str, config: Path, events_dir: Path, *, dataset_config: 
 def run_point(job: BenchJob, index: int, label: str, settings: TrainSettings) -> BenchPoint:
     """One engine child process for one point; its done.json / oom.json read back."""
     from autotune.recovery.attempt import child_env, run_attempt
-    from sd_scripts_compat.config.settings_space import write_dataset_config
-    from sd_scripts_compat.contract import Outcome
+    from sd_scripts_compat.facts.contract import Outcome
+    from sd_scripts_compat.facts.settings_space import write_dataset_config
 
     folder = job.workdir / f"point{index:02d}"
     folder.mkdir(parents=True, exist_ok=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.recovery.watchdog import Job
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
 
 ENTRY_POINT_GROUP = "lora_autotune.engines"
 OURS = "autotune"  # our engine's name on the web page and in a run's record (no --engine)

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.layout import CONFIG, DATASET_CONFIG, RUN_STATE, STATE_DIR
 from autotune.recovery.attempt import address_space_limit
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.quiet import VERBOSE_ENV
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
-    from sd_scripts_compat.dataset.scan import DatasetScan
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.dataset_scan import DatasetScan
+    from sd_scripts_compat.facts.families import FamilySpec
 
 
 def ours_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
@@ -107,7 +107,7 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: DatasetScan) -
     so. Returns the dataset config's path in ``out`` (None: the folder convention, which
     needs N_name subfolders: sd-scripts' ``train_data_dir`` does not read images directly in the folder).
     """
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
+    from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 
     dataset_dir = scan.root
     user = Path(args.config)
@@ -137,8 +137,8 @@ def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namesp
              model_family: Any) -> tuple[Any, Any]:
     """The family and the run as the engine will resolve it (its own reader, kohya's precedence), refused now if
     the family's own rules refuse it (a swap count over its maximum), before anything loads."""
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
-    from sd_scripts_compat.config.settings_space import settings_from_files
+    from sd_scripts_compat.config.resolved_run import settings_from_files
+    from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml
     from sd_scripts_compat.models.detect import detect_family
     from sd_scripts_compat.training.block_swap import check_blocks_to_swap
 
@@ -152,7 +152,7 @@ def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namesp
 
 
 def _saved_settings(values: dict[str, Any], out: Path) -> Any:
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
     try:
         return TrainSettings.from_event(values)

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.layout import RUN_STATE
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
-    from sd_scripts_compat.dataset.scan import DatasetScan
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.dataset_scan import DatasetScan
+    from sd_scripts_compat.facts.families import FamilySpec
 
 
 def early_check(args: argparse.Namespace) -> None:
@@ -48,8 +48,8 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sy
     from autotune.recovery.ladder import LadderLimits, memory_predictor
     from autotune.recovery.musubi import MusubiEngine, find_install, parse_engine
     from autotune.recovery.watchdog import Job
-    from sd_scripts_compat.config.kohya_toml import flat_values, read_toml
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml
+    from sd_scripts_compat.facts.settings import TrainSettings
 
     cuda = probe.accelerator == "cuda"
     saved = (read_json(out / RUN_STATE) or {}) if args.resume else {}

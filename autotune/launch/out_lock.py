@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from autotune.layout import LOCK_FILE
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 
 @contextlib.contextmanager

@@ -8,11 +8,11 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.planning.planner import Plan
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
 
 
 def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = None) -> tuple[Path, Path, Any]:

@@ -28,7 +28,7 @@ finite.__name__ = "finite number"
 def optimizer_name(text: str) -> str:
     """An argparse type: an optimizer by kohya's name in any case (sd-scripts compares them case-insensitively),
     as its canonical spelling ("adamw8bit" -> "AdamW8bit"); an unknown one is left for ``choices`` to refuse."""
-    from sd_scripts_compat.config.optimizers import optimizer_names
+    from sd_scripts_compat.facts.optimizers import optimizer_names
 
     by_key = {name.lower(): name for name in optimizer_names()}
     return by_key.get(text.strip().lower(), text)
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
     ``--steps`` are its timed steps (no steps pin)."""
     from autotune.planning.goals import GOALS, PRIORITIES
     from autotune.planning.request import EXPERTS
-    from sd_scripts_compat.config.optimizers import optimizer_names
+    from sd_scripts_compat.facts.optimizers import optimizer_names
 
     parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
                         help="folder of N_name image subfolders (N = repeats)")
@@ -131,7 +131,7 @@ def is_pickle(model: str) -> bool:
 def accept_pickle(args: argparse.Namespace, command: str) -> None:
     """A ``.ckpt`` / ``.pt`` model: a one-line refusal naming ``--allow-pickle``, or (with it) its family read
     once here, so no later step loads the pickle again."""
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
     from sd_scripts_compat.models.detect import detect_family
 
     if not is_pickle(args.model):
@@ -157,7 +157,7 @@ def build_request(args: argparse.Namespace, spec: Any = None) -> Any:
     gpus, cores, ram, probe_line, probe = _targets(args)
     if args.cpu_cores is not None:
         if args.cpu_cores < 1:
-            from sd_scripts_compat.errors import UserError
+            from sd_scripts_compat.facts.errors import UserError
 
             raise UserError(f"--cpu-cores {args.cpu_cores}: must be 1 or more")
         cores = args.cpu_cores
@@ -181,7 +181,7 @@ def given_model_files(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     from pathlib import Path
 
     from autotune.planning.profiles import model_file_keys
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     out = []
     for key in model_file_keys():
@@ -199,7 +199,7 @@ def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:
     """RAM the run may use: --ram GB (a total) less the OS reserve, else the probe's available RAM."""
     from autotune.planning.host_ram import OS_RESERVE_BYTES
     from autotune.planning.request import GIB
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     if args.ram is None:
         return available
@@ -226,7 +226,7 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str,
     """Cards, physical cores, available RAM, the probe's line and the probe (None: a named or --vram card)."""
     from autotune.hardware.gpu_catalog import lookup_gpu
     from autotune.planning.request import gpu_from_spec, gpu_from_vram
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     names, vrams = args.gpu or [], args.vram or []
     for size in vrams:

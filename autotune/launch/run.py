@@ -29,12 +29,12 @@ from autotune.layout import (
     run_root,
 )
 from autotune.own_files import refuse_foreign_configs, refuse_out_in_dataset, run_traces
-from sd_scripts_compat.errors import BadWeights, UserError
+from sd_scripts_compat.facts.errors import BadWeights, UserError
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
-    from sd_scripts_compat.dataset.scan import DatasetScan
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.dataset_scan import DatasetScan
+    from sd_scripts_compat.facts.families import FamilySpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,13 +106,18 @@ def dataset_folder(path: str, what: str = "dataset folder") -> Path:
 
 
 def check_dataset(folder: Path, frames: int | None = None) -> Any:
-    """Basic checks before anything heavy, with the planner's own scan (``sd_scripts_compat.dataset.scan``):
+    """Basic checks before anything heavy, with the planner's own scan (``sd_scripts_compat.facts.dataset_scan``):
     the folder exists and holds images (with ``frames`` > 1: videos, a clip dataset's), in N_name subfolders or
     directly in it (one subset, 1 repeat).
 
     Returns the ``DatasetScan``. A missing folder or one without them is a one-line UserError.
     """
-    from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, require_images, scan_dataset_folder
+    from sd_scripts_compat.facts.dataset_scan import (
+        IMAGE_EXTENSIONS,
+        VIDEO_EXTENSIONS,
+        require_images,
+        scan_dataset_folder,
+    )
 
     media = VIDEO_EXTENSIONS if (frames or 1) > 1 else IMAGE_EXTENSIONS
     return require_images(scan_dataset_folder(folder, media=media), media)
@@ -144,7 +149,7 @@ def describe_scan(scan: DatasetScan) -> str:
 
 def _prepare_output(out: Path, resume: bool) -> None:
     from autotune.recovery.attempt import read_json
-    from sd_scripts_compat.contract import newest_state
+    from sd_scripts_compat.facts.contract import newest_state
 
     if resume:
         if not (out / RUN_STATE).is_file():
@@ -283,7 +288,7 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
     import signal
 
     from autotune.recovery.watchdog import supervise
-    from sd_scripts_compat.contract import MONITOR_FILE, DiskFullError, Outcome
+    from sd_scripts_compat.facts.contract import MONITOR_FILE, DiskFullError, Outcome
 
     with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
         result = supervise(job)
@@ -414,7 +419,7 @@ def _remove_failed_start(out: Path, before: set[str] | None) -> None:
     so the same ``--out`` is free for the next try: what this call wrote goes, what was there stays."""
     import shutil
 
-    from sd_scripts_compat.contract import newest_state
+    from sd_scripts_compat.facts.contract import newest_state
 
     if not out.is_dir() or newest_state(out) is not None or newest_state(out / STATE_DIR) is not None:
         return

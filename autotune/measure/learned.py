@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.measure.store import Measurement, settings_key
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.contract import Outcome
+from sd_scripts_compat.facts.contract import Outcome
+from sd_scripts_compat.facts.settings import TrainSettings
 
 # fields compared by equality when judging "at least as heavy" (the rest are ordered: batch, size, rank, gc)
 _CATEGORICAL = ("optimizer_type", "network_train_unet_only", "mixed_precision", "fp8_base", "cache_latents",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.contract import Outcome
+from sd_scripts_compat.facts.contract import Outcome
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
@@ -147,7 +147,7 @@ def _warn(warn: Any, message: str) -> None:
 
 def record_measurements(new: Iterable[Measurement], path: Path | None = None) -> Path:
     """Add ``new`` to the store (replacing records of the same device, family, key and outcome); atomic."""
-    from sd_scripts_compat.atomic import write_json_atomic
+    from sd_scripts_compat.facts.atomic import write_json_atomic
 
     path = path or store_path()
     records = load_measurements(path)

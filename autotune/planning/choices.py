@@ -19,10 +19,10 @@ from autotune.planning.host_ram import default_workers
 from autotune.planning.profiles import FP8_FILE_KEY, plan_profile
 from autotune.planning.request import GIB, PlanRequest
 from autotune.planning.resolution import TINY_CPU_MAX_STEPS, bucket_rules, bucket_step_reason, is_tiny_scale
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import config_values
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import config_values
 
 OPTIMIZER_REASONS = {
     "AdamW8bit": "8-bit Adam state (2 bytes/param instead of 8), same quality in practice",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.facts.settings import TrainSettings
 
 BENCH_HINT = "autotune bench --sweep compile=off,on"
 

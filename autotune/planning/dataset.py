@@ -1,6 +1,6 @@
 """The planner's view of a dataset: images and repeats per folder, from the engine's one dataset scan.
 
-``scan_dataset`` summarises ``sd_scripts_compat.dataset.scan.scan_dataset_folder`` (the rules are
+``scan_dataset`` summarises ``sd_scripts_compat.facts.dataset_scan.scan_dataset_folder`` (the rules are
 there: ``N_name`` folders, image extensions, images directly in the folder as one subset) and picks
 the caption extension the dataset.toml will name; ``nominal_dataset`` stands in for one (templates).
 """
@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sd_scripts_compat.dataset.scan import (
+from sd_scripts_compat.facts.dataset_scan import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
     DatasetScan,

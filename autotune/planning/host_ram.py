@@ -21,8 +21,8 @@ from autotune.estimate.ram_model import (
     predict_ram,
 )
 from autotune.planning.request import PlanRequest
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.families import FamilySpec
+from sd_scripts_compat.facts.settings import TrainSettings
 
 OS_RESERVE_BYTES = 2 * GIB  # --ram GB is the machine's total: the OS, a desktop and the page cache keep this much
 

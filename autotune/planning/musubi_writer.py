@@ -8,7 +8,7 @@ The plan is made in kohya's names (one settings shape from planner to engine); h
 musubi's training script has keeps its name, ``cpu_offload_checkpointing`` becomes
 ``gradient_checkpointing_cpu_offload``, the dataset keys move into the dataset TOML, the caching keys become the
 two caching steps, and a key musubi has no option for is left out. Every option of every command is checked
-against the script's own option table (``sd_scripts_compat.config.musubi_args``) before anything is written.
+against the script's own option table (``sd_scripts_compat.facts.musubi_args``) before anything is written.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 
 from autotune.planning.planner import Plan
 from autotune.planning.profiles import plan_profile
-from sd_scripts_compat.config.kohya_toml import encode_value, loads
-from sd_scripts_compat.config.musubi_args import MUSUBI_NAMES, check_musubi_value, musubi_argv, musubi_options
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
+from sd_scripts_compat.facts.kohya_toml import encode_value, loads
+from sd_scripts_compat.facts.musubi_args import MUSUBI_NAMES, check_musubi_value, musubi_argv, musubi_options
 
 MUSUBI_SCRIPT = "musubi_train.sh"
 CACHE_FOLDER = "musubi_cache"  # inside the output folder: caching never writes into the user's dataset

@@ -7,9 +7,9 @@ from typing import Any
 
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.resolution import bucket_rules
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import dataset_values
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.families import FamilySpec
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import dataset_values
 
 
 def dataset_config(settings: TrainSettings, dataset: DatasetSummary, family: FamilySpec) -> dict[str, Any]:

@@ -122,13 +122,13 @@ from autotune.planning.resolution import (
     is_tiny_scale,
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.dataset.scan import VIDEO_EXTENSIONS
+from sd_scripts_compat.facts.dataset_scan import VIDEO_EXTENSIONS
+from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.models.detect import detect_family
 
 if TYPE_CHECKING:
     from autotune.measure.learned import LearnedFigures
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
 
 __all__ = [
     "CAPTION_EXTENSIONS", "DDP_EFFICIENCY", "GENERIC_GPU_NAME", "GIB", "GOALS", "GOAL_PROFILES", "IMAGE_EXTENSIONS",

@@ -3,7 +3,7 @@
 The planner asks a family's profile, never its name: whether its text encoders are cached and never trained,
 in which order the fallback ladder gives things up (``ladder``: named steps, see ``search.ladder``), which
 separate model files its script needs (FLUX: CLIP-L, T5-XXL, AE) and which fixed keys go into config.toml.
-The facts of the model itself come from the engine's family data (``sd_scripts_compat.models.families``): its
+The facts of the model itself come from the engine's family data (``sd_scripts_compat.facts.families``): its
 LoRA module (``network_module``) and how many blocks it swaps (``max_blocks_to_swap``).
 """
 
@@ -79,7 +79,7 @@ def _profiles(path: str = str(PROFILES_PATH)) -> dict[str, Any]:
 
 def plan_profile(family: str) -> PlanProfile:
     """The profile of ``family`` (a family listed under a profile's ``families``), else ``default``."""
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     data = _profiles()
     entry = next((p for k, p in data.items() if k != "_doc" and family in p.get("families", ())), data["default"])

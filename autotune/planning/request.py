@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.planning.dataset import DatasetSummary
 from autotune.planning.goals import GOALS, PRIORITIES
-from sd_scripts_compat.config.optimizers import optimizer_names
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.optimizers import optimizer_names
 
 if TYPE_CHECKING:
     from autotune.hardware.gpu_catalog import GpuSpec
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
 
 GIB = 1024**3
 # Cards without a name (--vram only) plan with these rates: a mid Ampere card, bf16 capable.

@@ -8,7 +8,7 @@ that a CPU plan of one is capped to a short run (``TINY_CPU_MAX_STEPS``).
 
 from __future__ import annotations
 
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.families import FamilySpec
 
 RESOLUTION_STEP = 64  # kohya's bucket_reso_steps default; latents must be multiples of 8 px, buckets of 64
 MIN_RESOLUTION_FRACTION = 5 / 8  # 1024 -> 640, 512 -> 320: below that a family's outputs fall apart

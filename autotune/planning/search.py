@@ -2,7 +2,7 @@
 
 Candidates are ``TrainSettings`` (kohya's names, the type the engine reports and the OOM ladder steps
 down from); the memory model reads them through ``inputs_for_settings``, the same mapping the ladder
-uses. The fallback points are the settings space's moves (``sd_scripts_compat.config.settings_space``) in the
+uses. The fallback points are the settings space's moves (``sd_scripts_compat.facts.settings_space``) in the
 planner's policy (:func:`planner_policy`: the family's order from its plan profile, any optimizer may become
 AdamW8bit, alpha = rank / 2, buckets twice the side); at each point, mildest first, every power-of-two
 micro-batch up to the effective batch and gradient checkpointing off/on are tried; the first point where
@@ -18,9 +18,9 @@ from autotune.planning.goals import GoalProfile, network_alpha
 from autotune.planning.profiles import plan_profile
 from autotune.planning.request import GpuTarget
 from autotune.planning.resolution import resolution_floor, step_and_floor
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import RUNGS, Limits, Policy, micro_batch_splits
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.families import FamilySpec
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import RUNGS, Limits, Policy, micro_batch_splits
 
 DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs make it cheap but not free
 

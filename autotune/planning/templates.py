@@ -20,8 +20,8 @@ from autotune.planning.dataset import nominal_dataset
 from autotune.planning.planner import Plan, plan_training
 from autotune.planning.request import GIB, PlanRequest, gpu_from_vram
 from autotune.planning.toml_writer import render_plan_files
-from sd_scripts_compat.atomic import write_text_atomic
-from sd_scripts_compat.models.families import get_family
+from sd_scripts_compat.facts.atomic import write_text_atomic
+from sd_scripts_compat.facts.families import get_family
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 TIERS_GB = (6, 8, 12, 16, 24, 48)

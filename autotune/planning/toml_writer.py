@@ -25,9 +25,9 @@ from typing import Any
 from autotune.layout import CONFIG, DATASET_CONFIG, PLAN_FILE
 from autotune.planning.planner import Plan
 from autotune.planning.request import GIB
-from sd_scripts_compat.atomic import write_text_atomic
-from sd_scripts_compat.config.kohya_toml import encode_value, flat_values, loads
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import write_text_atomic
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_toml import encode_value, flat_values, loads
 
 FORMATS = ("kohya", "lora-scripts")
 

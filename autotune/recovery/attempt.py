@@ -1,7 +1,7 @@
 """One attempt: spawn the engine as a child, pump its output, watch it, and report what happened as facts.
 
 The runner judges nothing: it returns an :class:`AttemptResult` whose ``outcome`` comes from the contract's pure
-:func:`sd_scripts_compat.contract.classify` over the :class:`~sd_scripts_compat.contract.ExitFacts` it saw
+:func:`sd_scripts_compat.facts.contract.classify` over the :class:`~sd_scripts_compat.facts.contract.ExitFacts` it saw
 (the exit code, a stall kill, a forwarded stop signal, the end of stderr, the event files). What to do next
 is the supervisor's (``recovery.watchdog``), and how a trainer is launched is its engine's (``recovery.engine``):
 the split accelerate's ``utils/memory.py`` keeps between "is this an OOM", "what next" and "run".
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune.recovery.stall import describe, stall_limit
-from sd_scripts_compat.contract import (
+from sd_scripts_compat.facts.contract import (
     DIVERGED,
     DONE,
     OOM,

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 OPTION = re.compile(r"(?<![\w-])--(?P<name>[A-Za-z0-9][A-Za-z0-9_]*)")  # an option named on a command line
 

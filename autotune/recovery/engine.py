@@ -3,7 +3,7 @@
 The supervisor (``recovery.watchdog.supervise``) never asks which trainer it runs: it asks the job's
 :class:`Engine` for the command line of an attempt, the newest state to resume from, a reader of the child's
 output (a trainer that does not write our events gets them made from its output), and the last word on an
-attempt's result. Our engine (:class:`CompatEngine`) follows the contract of ``sd_scripts_compat.contract``
+attempt's result. Our engine (:class:`CompatEngine`) follows the contract of ``sd_scripts_compat.facts.contract``
 itself, so its hooks are thin; the user's sd-scripts is ``recovery.sd_scripts.SdScriptsEngine``. A new trainer
 (musubi-tuner: ``recovery.musubi.MusubiEngine``) is one more class beside them, and no watchdog code changes.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from sd_scripts_compat.contract import (
+from sd_scripts_compat.facts.contract import (
     EVENTS_DIR_FLAG,
     RETRY_LOG_FLAG,
     SAVE_STATE_EVERY_FLAG,
@@ -27,7 +27,7 @@ from sd_scripts_compat.contract import (
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
     from autotune.recovery.decisions import DecisionLog
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
 
 @dataclass(frozen=True)

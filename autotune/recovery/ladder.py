@@ -5,7 +5,7 @@ memory prediction comes in as a callable (``predict(settings) -> MiB``) built fr
 model by :func:`memory_predictor`; a measurement from the failed run rescales it, because the
 failure itself proves the model was optimistic for this machine.
 
-The rungs are the settings space's (``sd_scripts_compat.config.settings_space``: the same moves the planner and
+The rungs are the settings space's (``sd_scripts_compat.facts.settings_space``: the same moves the planner and
 the wizard make), walked in the OOM policy's order (cheapest loss of quality/speed first):
   1. smaller micro-batch, more gradient accumulation (micro x accum, the effective batch, unchanged)
   2. gradient checkpointing on
@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import OOM_POLICY, Limits, rungs
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.families import FamilySpec
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import OOM_POLICY, Limits, rungs
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def rescale_factor(predicted_failed_mib: float, measured_mib: float | None, budg
 
 
 def _rungs(settings: TrainSettings, limits: LadderLimits) -> list[tuple[str, list[TrainSettings], str]]:
-    """Each rung of the OOM policy: (title, candidate settings mildest first, why) (``config.settings_space``)."""
+    """Each rung of the OOM policy: (title, candidate settings mildest first, why) (``facts.settings_space``)."""
     return [(rung.title, [c.settings for c in candidates], rung.why)
             for _, rung, candidates in rungs(settings, OOM_POLICY, limits)]
 

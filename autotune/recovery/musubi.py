@@ -44,18 +44,18 @@ from typing import TYPE_CHECKING, Any
 from autotune.layout import MUSUBI_LEDGER, STATE_DIR
 from autotune.recovery import checkout
 from autotune.recovery.sd_scripts import parse_bar, save_every_n_steps
-from sd_scripts_compat.atomic import write_json_atomic
-from sd_scripts_compat.config.kohya_toml import read_toml, set_dataset_values, write_toml
-from sd_scripts_compat.config.musubi_args import MUSUBI_NAMES
-from sd_scripts_compat.contract import DONE, PROGRESS, Outcome, write_event
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import write_json_atomic
+from sd_scripts_compat.facts.contract import DONE, PROGRESS, Outcome, write_event
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_toml import read_toml, set_dataset_values, write_toml
+from sd_scripts_compat.facts.musubi_args import MUSUBI_NAMES
 
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
     from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.engine import AttemptFiles
-    from sd_scripts_compat.config.settings import TrainSettings
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
+    from sd_scripts_compat.facts.settings import TrainSettings
 
 ENGINE_NAME = "musubi-tuner"
 PYTHON_PLACES = (".venv/bin/python", "venv/bin/python", ".venv/Scripts/python.exe", "venv/Scripts/python.exe")
@@ -137,8 +137,8 @@ def check_options(names: frozenset[str], wanted: list[str], source: str, script:
 def musubi_values(settings: TrainSettings, base: TrainSettings, script: str) -> dict[str, Any]:
     """The training-config values of ``settings`` that differ from ``base``, in musubi's names, those ``script``
     has (the dataset's values go to the dataset TOML)."""
-    from sd_scripts_compat.config.musubi_args import musubi_options
-    from sd_scripts_compat.config.settings_space import config_values
+    from sd_scripts_compat.facts.musubi_args import musubi_options
+    from sd_scripts_compat.facts.settings_space import config_values
 
     new, old = config_values(settings), config_values(base)
     table = musubi_options(script.removesuffix(".py"))
@@ -150,7 +150,7 @@ def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, ba
                         attempt: int, drop: tuple[str, ...], script: str) -> tuple[Path, Path]:
     """This attempt's config.toml and dataset.toml for musubi: the job's, with the settings the ladder changed
     (resolution, micro-batch and frames in the dataset; the rest in the config) and ``drop`` removed."""
-    from sd_scripts_compat.config.kohya_toml import set_config_values
+    from sd_scripts_compat.facts.kohya_toml import set_config_values
 
     values = musubi_values(settings, base, script)
     document = {k: v for k, v in set_config_values(read_toml(config), values).items() if k not in drop}

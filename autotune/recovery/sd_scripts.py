@@ -2,7 +2,7 @@
 
 Most users already trust an sd-scripts install; ``autotune run --engine sd-scripts=PATH`` plans, then runs
 *that* under the same OOM / kill / stall recovery our engine gets. sd-scripts does not follow our contract
-(``sd_scripts_compat.contract``), so this module stands in for it:
+(``sd_scripts_compat.facts.contract``), so this module stands in for it:
 
 - finding it: PATH itself, or where lora-scripts and kohya_ss keep it (:data:`SCRIPT_PLACES`), and the
   Python of the venv those projects create beside it;
@@ -44,16 +44,16 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.layout import SD_SCRIPTS_LEDGER, STATE_DIR
 from autotune.recovery import checkout
-from sd_scripts_compat.atomic import write_json_atomic, write_text_atomic
-from sd_scripts_compat.config.kohya_toml import flat_values, read_toml, set_config_values, write_toml
-from sd_scripts_compat.contract import PROGRESS, STATE_FILE, Outcome, state_step, write_event
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import write_json_atomic, write_text_atomic
+from sd_scripts_compat.facts.contract import PROGRESS, STATE_FILE, Outcome, state_step, write_event
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 
 if TYPE_CHECKING:
     from autotune.recovery.attempt import AttemptResult
     from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.engine import AttemptFiles
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
 
 ENGINE_NAME = "sd-scripts"
 TOKENIZER_DIR = f"{STATE_DIR}/sd_scripts_tokenizers"  # shipped tokenizers sd-scripts reads (it would download them)
@@ -322,7 +322,7 @@ def tokenizer_cache(out: Path, layout: str, pad_tokens: tuple[str, ...], t5: Pat
     (it has no other way to be given a tokenizer)."""
     import shutil
 
-    from sd_scripts_compat.models.families import CLIP_TOKENIZER_DIR
+    from sd_scripts_compat.facts.families import CLIP_TOKENIZER_DIR
 
     cache = out / TOKENIZER_DIR
     for index, hub_name in enumerate(TOKENIZER_HUB_NAMES[layout]):

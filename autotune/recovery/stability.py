@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sd_scripts_compat.config.settings import TrainSettings
+from sd_scripts_compat.facts.settings import TrainSettings
 
 RUNGS = ("precision", "learning rate", "gradient clipping", "learning rate again")
 RESTART = "restart"  # the watchdog's own step: same settings from step 0 when the state itself is damaged

@@ -1,5 +1,5 @@
 """When a silent engine has stalled: a limit per phase, scaled to the phase's work (what the engine said in
-``phase.json`` and ``progress.json``, see ``sd_scripts_compat.contract``).
+``phase.json`` and ``progress.json``, see ``sd_scripts_compat.facts.contract``).
 
 - before the engine names a phase (Python starting, torch importing) and in phases with items (caching, whose
   clock restarts with each image) or without (compiling a block for ``torch_compile``, validating, saving,

@@ -5,7 +5,7 @@ the OS OOM killer leaves nothing to catch, so the only reliable recovery is a fr
 resumes from the newest saved state. Three parts, each with one concern:
 
 - ``recovery.attempt`` runs one child (spawn, pump its output, watch for stalls, forward Ctrl-C) and returns
-  the facts, classified by the contract's pure ``classify`` into an :class:`~sd_scripts_compat.contract.Outcome`;
+  the facts, classified by the contract's pure ``classify`` into an :class:`~sd_scripts_compat.facts.contract.Outcome`;
 - ``recovery.engine``: the one protocol every trainer implements (our engine, the user's sd-scripts, ...);
 - this module decides by outcome: an OOM steps down on the memory ladder (``recovery.ladder``); a diverged run
   (a non-finite or exploding loss) is rolled back to its newest state, which the engine saves only from finite
@@ -46,10 +46,10 @@ from autotune.recovery.stability import (
     Unstable,
     next_stable_settings,
 )
-from sd_scripts_compat.atomic import write_json_atomic
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import write_config, write_dataset_config
-from sd_scripts_compat.contract import Outcome
+from sd_scripts_compat.facts.atomic import write_json_atomic
+from sd_scripts_compat.facts.contract import Outcome
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import write_config, write_dataset_config
 
 # ---------------------------------------------------------------- state folders and configs
 

@@ -212,7 +212,7 @@ def larger_batch(done: dict[str, Any], peak_bytes: float, total_bytes: float) ->
     """(micro-batch, predicted bytes, predicted samples/s speed-up) of the largest batch (up to 16x, 64) that fits."""
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
-    from sd_scripts_compat.config.settings import TrainSettings
+    from sd_scripts_compat.facts.settings import TrainSettings
 
     try:
         settings = TrainSettings.from_event(done["settings"])

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.layout import EVENTS_DIR, PLAN_FILE, RUN_STATE, run_root
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def load_run(folder: str | Path) -> RunFiles:
     """The run in ``folder`` (an ``autotune run --out`` or an events folder); a one-line UserError when there
     is none."""
     from autotune.report.detector import attempts
-    from sd_scripts_compat.contract import DONE, MONITOR_FILE, PROGRESS, read_event
+    from sd_scripts_compat.facts.contract import DONE, MONITOR_FILE, PROGRESS, read_event
     from sd_scripts_compat.training.monitor import read_monitor
 
     root = run_folder(Path(folder).expanduser())
@@ -86,7 +86,7 @@ def run_lora(path: Path) -> Path:
     (state folders and cache files left out)."""
     if not path.is_dir():
         return path
-    from sd_scripts_compat.contract import DONE, read_event
+    from sd_scripts_compat.facts.contract import DONE, read_event
 
     done = read_event(run_folder(path) / EVENTS_DIR, DONE) or read_event(path, DONE) or {}
     if done.get("output_file") and Path(done["output_file"]).is_file():

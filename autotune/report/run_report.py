@@ -15,8 +15,8 @@ def report_for(folder: Path, *, as_json: bool = False, html_path: Path | None = 
     report = build_report(files)
     if html_path is not None:
         from autotune.report.html import render_html
-        from sd_scripts_compat.atomic import write_text_atomic
-        from sd_scripts_compat.errors import UserError
+        from sd_scripts_compat.facts.atomic import write_text_atomic
+        from sd_scripts_compat.facts.errors import UserError
 
         try:
             write_text_atomic(html_path, render_html(report, files))

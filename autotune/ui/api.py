@@ -53,8 +53,8 @@ def checked_values(schema: CommandSchema, body: Any, policy: AccessPolicy) -> di
 
 def is_builtin(model: str) -> bool:
     """``builtin:NAME`` of a family the engine builds (anything else is a path, checked like any other)."""
+    from sd_scripts_compat.facts.families import family_names
     from sd_scripts_compat.models.detect import BUILTIN_PREFIX
-    from sd_scripts_compat.models.families import family_names
 
     return model.startswith(BUILTIN_PREFIX) and model.removeprefix(BUILTIN_PREFIX) in family_names()
 
@@ -298,7 +298,7 @@ def inspect_run(folder: Path, run_id: str, policy: AccessPolicy) -> dict[str, An
     """The run's LoRA as ``autotune inspect`` shows it, with its download path; a LoRA the run wrote outside its
     folder (its config's ``output_dir``) is shown when it lies in the allowed folders, without a download."""
     from autotune.report.load import run_lora
-    from sd_scripts_compat.errors import UserError, one_line
+    from sd_scripts_compat.facts.errors import UserError, one_line
     from sd_scripts_compat.network.lora_file import describe_lora_file
 
     path = run_lora(folder)
@@ -387,7 +387,7 @@ async def _in_thread(function: Any, *args: Any) -> Any:
     """A command's work (plans, dataset scans) off the event loop; its UserError becomes a 400."""
     from starlette.concurrency import run_in_threadpool
 
-    from sd_scripts_compat.errors import UserError, one_line
+    from sd_scripts_compat.facts.errors import UserError, one_line
 
     try:
         return await run_in_threadpool(function, *args)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.layout import DECISIONS_JSONL, EVENTS_DIR
-from sd_scripts_compat.contract import PROGRESS_LOG
+from sd_scripts_compat.facts.contract import PROGRESS_LOG
 
 POLL_S = 0.5
 FINAL = ("done", "failed", "interrupted", "unreadable")

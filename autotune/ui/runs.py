@@ -348,7 +348,7 @@ def _write_queue(ui_dir: Path, entries: list[QueueEntry]) -> None:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    from sd_scripts_compat.atomic import write_json_atomic
+    from sd_scripts_compat.facts.atomic import write_json_atomic
 
     write_json_atomic(path, data)
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 def start(args: argparse.Namespace) -> int:
     """``launch.run.start_run`` with ``autotune run``'s refusals: one line on stderr and the error's exit code."""
     from autotune.launch.run import start_run
-    from sd_scripts_compat.errors import UserError, one_line
+    from sd_scripts_compat.facts.errors import UserError, one_line
     from sd_scripts_compat.quiet import silence_harmless_library_messages
 
     silence_harmless_library_messages()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from autotune.wizard.overrides import Overrides
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 # flag -> Overrides field
 VALUE_FLAGS = {"batch_size": "train_batch_size", "grad_accum": "gradient_accumulation_steps", "rank": "network_dim",

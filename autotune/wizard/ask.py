@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 # A check returns None when the text is acceptable, else the reason it is not (shown under the prompt).
 Check = Callable[[str], "str | None"]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from autotune.wizard import steps
 from autotune.wizard.answers import check_flags, overrides_from_args
 from autotune.wizard.ask import Asker
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.planning.planner import Plan
@@ -35,7 +35,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
 
     from autotune.planning.planner import plan_training
     from autotune.wizard.review import review
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     check_flags(args)
     asker = Asker(console or Console(highlight=False), assume_yes=args.yes)
@@ -157,7 +157,7 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
                   "paths in them are this machine's) and run the command above.")
         return 0
     from autotune.launch.engines import engine_for
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     family = get_family(model.family)
     engine = engine_for(family)  # the registry's: ours where it trains the family, else the user's trainer

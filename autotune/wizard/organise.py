@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.dataset.scan import CAPTION_EXTENSIONS, IMAGE_EXTENSIONS
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, IMAGE_EXTENSIONS
+from sd_scripts_compat.facts.errors import UserError
 
 MODES = ("link", "copy")
 

@@ -39,15 +39,15 @@ from autotune.planning.planner import (
     plan_training,
 )
 from autotune.planning.resolution import MIN_BUCKET_RESO
-from sd_scripts_compat.config.settings import TrainSettings
-from sd_scripts_compat.config.settings_space import (
+from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings_space import (
     Limits,
     Policy,
     rungs,
     settings_from_values,
     with_dataset_values,
 )
-from sd_scripts_compat.models.families import get_family
 
 UNBOUNDED_BYTES = 1 << 50  # "memory is no object": the planner keeps every preference
 # Override field -> the planner preference it maps onto.

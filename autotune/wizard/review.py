@@ -13,7 +13,7 @@ from typing import Any
 
 from autotune.wizard.ask import Asker, Option, integer_check
 from autotune.wizard.overrides import LABELS, Evaluation, Overrides, describe, evaluate
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 GIB = 1024**3
 BAR_WIDTH = 40

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.layout import CONFIG, DATASET_CONFIG, DEFAULT_ROOT, STATE_DIR, run_name
 from autotune.wizard.ask import Asker, Option, integer_check
-from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, media_noun
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_scan import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, media_noun
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
@@ -188,7 +188,7 @@ def model_problem(text: str) -> str | None:
 
 def base_model(asker: Asker, args: argparse.Namespace) -> ModelChoice:
     """A path (validated, family detected and shown) or a built-in id; a pickle asks before loading."""
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.loading import BUILTIN_IDS
 
     while True:
@@ -227,7 +227,7 @@ def base_model(asker: Asker, args: argparse.Namespace) -> ModelChoice:
 def _family(asker: Asker, args: argparse.Namespace, model: str, pickle: bool = False) -> str:
     """Detected (headers and configs only; a pickle is loaded with weights_only), SD 2.x's prediction asked."""
     from autotune.planning.planner import detect_family
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     if pickle and args.family is None:
         asker.say(f"Reading {Path(model).name}'s keys to tell its family ...")
@@ -246,8 +246,8 @@ def _family(asker: Asker, args: argparse.Namespace, model: str, pickle: bool = F
 
 def _prediction_siblings(name: str) -> list[Any]:
     """Families a file cannot tell apart from ``name``: the same architecture, another prediction type."""
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.detect import UNET_DISTINGUISHING_KEYS, all_families
-    from sd_scripts_compat.models.families import get_family
 
     family = get_family(name)
     return [f for f in all_families() if f.single_file_layout == family.single_file_layout and f.tiny == family.tiny
@@ -292,7 +292,7 @@ def dataset_problem(text: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> str
 def clip_frames(asker: Asker, args: argparse.Namespace, family: str) -> int:
     """A video family's clip length (1 + 4k frames; 1 trains it on a folder of images); no question otherwise."""
     from autotune.planning.request import validate_frames
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     spec = get_family(family)
     if not (spec.musubi or {}).get("video"):

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import atomic_path, remove_stale_temp_files
 from sd_scripts_compat.caching.build_lock import images_locked
-from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.dataset.buckets import resize_and_crop
 from sd_scripts_compat.dataset.cache_entries import (
     LatentEntry,
@@ -37,7 +35,9 @@ from sd_scripts_compat.dataset.cache_entries import (
     load_latent_file,
 )
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset, image_to_tensor, load_image_rgb, mix_seed
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import atomic_path, remove_stale_temp_files
+from sd_scripts_compat.facts.contract import disk_full_guard
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     import torch

@@ -16,10 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import atomic_path, remove_stale_temp_files
 from sd_scripts_compat.caching.build_lock import images_locked
 from sd_scripts_compat.caching.latent_cache import CacheStats, module_fingerprint
-from sd_scripts_compat.contract import disk_full_guard
 from sd_scripts_compat.dataset.cache_entries import (
     TextEntry,
     entry_key,
@@ -30,7 +28,9 @@ from sd_scripts_compat.dataset.cache_entries import (
 )
 from sd_scripts_compat.dataset.captions import caption_is_deterministic, process_caption
 from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import atomic_path, remove_stale_temp_files
+from sd_scripts_compat.facts.contract import disk_full_guard
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.models.text_encoding import check_max_token_length, encode_clip_prompts
 
 if TYPE_CHECKING:

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.config.bounds import bound_problem
-from sd_scripts_compat.config.dataset_spec import (
+from sd_scripts_compat.facts.dataset_spec import (
     MIN_REPEATS,
     DatasetGroupSpec,
     DatasetSpec,
     SubsetSpec,
     parse_repeat_folder,
 )
-from sd_scripts_compat.config.kohya_toml import read_toml
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_toml import read_toml
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _levels_allowing(key: str) -> list[str]:
 
 
 def _extra_key_error(source: str, key: str, where: str, allowed: Mapping[str, str]) -> UserError:
-    from sd_scripts_compat.config.kohya_args import load_arg_specs
+    from sd_scripts_compat.facts.kohya_args import load_arg_specs
 
     levels = _levels_allowing(key)
     if levels:
@@ -345,7 +345,7 @@ def folder_subsets(data_dir: str | Path, *, is_reg: bool, option: str) -> list[d
 
     ``10_sks dog`` gives 10 repeats and class tokens "sks dog"; a folder whose name does not start
     with an integer (or starts with one below 1) is skipped with a warning, as sd-scripts does
-    (the rule is ``dataset.scan.parse_repeat_folder``, shared with autotune's dataset scan).
+    (the rule is ``facts.dataset_spec.parse_repeat_folder``, shared with autotune's dataset scan).
     Subfolders are taken in sorted order so runs do not depend on the file system's listing order.
     """
     root = Path(data_dir)

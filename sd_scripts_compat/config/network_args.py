@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
-from sd_scripts_compat.config.kohya_args import DATA_DIR
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_args import DATA_DIR
 
 LYCORIS_MODULE = "lycoris.kohya"
 # lycoris-lora's kohya entry point: the algorithms that train here (all wrap Linear / Conv2d)

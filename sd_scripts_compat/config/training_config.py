@@ -22,8 +22,10 @@ from typing import Any
 
 from sd_scripts_compat.config.bounds import MAX_VALUES, MIN_VALUES, bound_problem
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
-from sd_scripts_compat.config.dataset_spec import DatasetGroupSpec, DatasetSpec
-from sd_scripts_compat.config.kohya_args import (
+from sd_scripts_compat.config.network_args import LYCORIS_MODULE, NetworkArgs, parse_network_args
+from sd_scripts_compat.facts.dataset_spec import DatasetGroupSpec, DatasetSpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.kohya_args import (
     ArgSpec,
     arg_specs,
     build_argparser,
@@ -31,10 +33,8 @@ from sd_scripts_compat.config.kohya_args import (
     script_name,
     scripts_text,
 )
-from sd_scripts_compat.config.kohya_toml import flatten, read_toml
-from sd_scripts_compat.config.network_args import LYCORIS_MODULE, NetworkArgs, parse_network_args
-from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.kohya_toml import flatten, read_toml
+from sd_scripts_compat.facts.optimizers import OPTIMIZERS, SCHEDULERS
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def network_modules(script: str) -> tuple[str, ...]:
     ...) takes its families' module (the family data's ``network_module``)."""
     if script in NETWORK_MODULES:
         return NETWORK_MODULES[script]
-    from sd_scripts_compat.models.families import family_names, get_family
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     return tuple(dict.fromkeys(get_family(name).network_module for name in family_names()
                                if get_family(name).script == script))
@@ -250,7 +250,7 @@ class TrainingConfig:
     unet_lr: float | None = None
     text_encoder_lr: tuple[float, ...] | None = None  # one value for all encoders, or one per encoder
     # optimizer and schedule
-    optimizer_type: str = "AdamW"  # canonical name from sd_scripts_compat.config.optimizers
+    optimizer_type: str = "AdamW"  # canonical name from sd_scripts_compat.facts.optimizers
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # values through ast.literal_eval
     learning_rate: float = 2e-06
     lr_scheduler: str = "constant"
@@ -677,7 +677,7 @@ SEED_MAX = 2**32 - 1  # numpy's seed range, which sd-scripts' set_seed feeds
 
 def _check_contradictions(out: dict[str, Any], where: Any) -> None:
     """Settings that cannot both hold, or that would train on the wrong thing, said instead of one ignored."""
-    from sd_scripts_compat.config.dataset_spec import caption_extension_problem
+    from sd_scripts_compat.facts.dataset_spec import caption_extension_problem
 
     problem = caption_extension_problem(str(out["caption_extension"] or ""))
     if problem:
@@ -721,7 +721,7 @@ def _check_path_lengths(out: dict[str, Any], where: Any) -> None:
 def most_blocks_to_swap(script: str) -> int:
     """The most blocks any family of ``script`` swaps (FLUX.1: 35): the family data's rule, checked here before
     anything loads; the model's own family narrows it once the file is read (``FamilySpec.swap_split``)."""
-    from sd_scripts_compat.models.families import family_names, get_family
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     return max((get_family(name).max_blocks_to_swap for name in family_names()
                 if get_family(name).script == script), default=0)

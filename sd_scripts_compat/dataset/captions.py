@@ -13,8 +13,8 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from sd_scripts_compat.config.dataset_spec import SubsetSpec
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 
 def read_caption(image_path: str | Path, caption_extension: str) -> str | None:

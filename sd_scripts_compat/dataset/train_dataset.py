@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from sd_scripts_compat.config.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.dataset.buckets import (
     BucketAssignment,
     BucketConfig,
@@ -30,8 +29,9 @@ from sd_scripts_compat.dataset.buckets import (
 )
 from sd_scripts_compat.dataset.cache_entries import LatentEntry, TextEntry, read_latent_file, read_text_file
 from sd_scripts_compat.dataset.captions import base_caption, process_caption, tag_frequency
-from sd_scripts_compat.dataset.scan import IMAGE_EXTENSIONS, caption_coverage, list_images
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_scan import IMAGE_EXTENSIONS, caption_coverage, list_images
+from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     import torch

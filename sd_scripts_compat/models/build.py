@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.models.families import CLIP_TOKENIZER_DIR, FamilySpec, model_config
+from sd_scripts_compat.facts.families import CLIP_TOKENIZER_DIR, FamilySpec, model_config
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +83,7 @@ def family_tokenizers(family: FamilySpec, t5_tokenizer: str | None = None) -> li
 
 def tiny_twin(family: FamilySpec) -> FamilySpec:
     """The tiny family trained by the same script as ``family`` (same FLUX model type): what to try it with."""
-    from sd_scripts_compat.models.families import family_names, get_family
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     tiny = [get_family(name) for name in family_names() if get_family(name).tiny]
     return next((f for f in tiny if (f.kohya_script, f.flux_model_type) == (family.kohya_script,
@@ -105,7 +105,7 @@ def empty_modules(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
 def check_trainable(family: FamilySpec, *, builtin: bool) -> None:
     """Our engine trains this family (else one line naming sd-scripts' script for it), and a built-in is more than
     a shape-only full-size stand-in."""
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     if family.trainer == "musubi-tuner":
         raise UserError(f"{family.name}: {family.description} is not trained by this engine; musubi-tuner's "

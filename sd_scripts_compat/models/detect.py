@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec, family_names, get_family
 from sd_scripts_compat.models.checkpoint import PICKLE_SUFFIXES
-from sd_scripts_compat.models.families import FamilySpec, family_names, get_family
 
 BUILTIN_PREFIX = "builtin:"
 V_PRED_KEY = "v_pred"  # an empty tensor some tools (sd-scripts, ComfyUI) use to mark v-prediction SD2 files

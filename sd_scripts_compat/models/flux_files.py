@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.models.build import empty_modules
-from sd_scripts_compat.models.families import FamilySpec
 
 if TYPE_CHECKING:
     import torch
@@ -266,7 +266,7 @@ def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
 def write_part_file(path: Path, tensors: Mapping[str, torch.Tensor], dtype: Any) -> Path:
     from safetensors.torch import save_file
 
-    from sd_scripts_compat.atomic import atomic_path
+    from sd_scripts_compat.facts.atomic import atomic_path
 
     ready = {}
     for key, tensor in tensors.items():

@@ -20,9 +20,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec, family_names
 from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family, known_family
-from sd_scripts_compat.models.families import FamilySpec, family_names
 
 if TYPE_CHECKING:
     import torch

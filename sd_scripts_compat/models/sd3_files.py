@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
 
 if TYPE_CHECKING:
     import torch

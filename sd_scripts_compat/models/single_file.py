@@ -24,8 +24,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import atomic_path
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import atomic_path
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec, model_config
 from sd_scripts_compat.models.checkpoint import (
     SD1_TE_PREFIX,
     SD2_TE_PREFIX,
@@ -45,7 +46,6 @@ from sd_scripts_compat.models.detect import (
     choose_family,
     file_prediction,
 )
-from sd_scripts_compat.models.families import FamilySpec, model_config
 from sd_scripts_compat.models.unet_names import diffusers_to_ldm_unet_name
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 TINY_T5_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny_t5_tokenizer"
 BESIDE_NAMES = ("tokenizer_2", "t5_tokenizer", "t5xxl_tokenizer")  # folders looked for beside the t5xxl file

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     import torch

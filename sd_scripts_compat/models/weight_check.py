@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from sd_scripts_compat.errors import BadWeights
+from sd_scripts_compat.facts.errors import BadWeights
 
 if TYPE_CHECKING:
     import torch

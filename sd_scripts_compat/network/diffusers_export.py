@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -74,9 +74,9 @@ def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[s
     paths come from the family built on the meta device (nothing is allocated). Returns the tensors written."""
     from safetensors.torch import save_file
 
-    from sd_scripts_compat.atomic import atomic_path
+    from sd_scripts_compat.facts.atomic import atomic_path
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.models.families import get_family
     from sd_scripts_compat.network.lora_file import read_lora_file
 
     source, target = Path(lora), Path(out)

@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from sd_scripts_compat.config.network_args import SD_DOWN_UP_BLOCKS, NetworkArgs
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
-    from sd_scripts_compat.models.families import FamilySpec
 
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")

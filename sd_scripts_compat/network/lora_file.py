@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.atomic import write_bytes_atomic
-from sd_scripts_compat.contract import disk_full_guard
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import write_bytes_atomic
+from sd_scripts_compat.facts.contract import disk_full_guard
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.network.lora_header import TensorInfo, read_header
 
 if TYPE_CHECKING:
     import torch
 
-    from sd_scripts_compat.models.families import FamilySpec
+    from sd_scripts_compat.facts.families import FamilySpec
 
 SAI_MODEL_SPEC_VERSION = "1.0.1"
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
@@ -219,7 +219,7 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def match_families(layout: dict[str, Any]) -> list[str]:
     """Names of the known families whose key scheme and widths fit ``layout`` (shapes only)."""
-    from sd_scripts_compat.models.families import family_names, get_family
+    from sd_scripts_compat.facts.families import family_names, get_family
 
     found = []
     for name in family_names():
@@ -246,7 +246,7 @@ def match_families(layout: dict[str, Any]) -> list[str]:
 
 def _family_from_metadata(candidates: list[str], metadata: dict[str, str]) -> list[str]:
     """Narrow shape-based candidates (e.g. sd2 vs sd2-v) with the file's own metadata when it has any."""
-    from sd_scripts_compat.models.families import get_family
+    from sd_scripts_compat.facts.families import get_family
 
     version = metadata.get("ss_base_model_version")
     arch = metadata.get("modelspec.architecture", "").removesuffix("/lora")

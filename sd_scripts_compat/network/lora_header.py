@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.safetensors_file import Entry, read_entries
 
 DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "F8_E4M3": "fp8_e4m3",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from sd_scripts_compat.config.network_args import NetworkArgs, check_lycoris_installed
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec, family_names, get_family
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec, family_names, get_family
 
 if TYPE_CHECKING:
     import torch

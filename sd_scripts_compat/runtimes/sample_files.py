@@ -13,7 +13,7 @@ def write_each(prompts: list[Any], render: Any, *, step: int, out_dir: Path, nam
     its index) without gradients under autocast, written to ``out_dir/{name}_{index:02d}.png`` atomically."""
     import torch
 
-    from sd_scripts_compat.atomic import atomic_path
+    from sd_scripts_compat.facts.atomic import atomic_path
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

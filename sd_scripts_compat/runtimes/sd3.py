@@ -30,7 +30,7 @@ PARTS = ("clip_l", "clip_g", "t5xxl", "vae")  # kohya's SD3 part options
 def claims_source(text: str, stated: str | None, parts: Mapping[str, str | None]) -> bool:
     """``clip_g`` (SD3's own option), or a built-in, folder or .safetensors file whose family, told from its
     headers or configs alone, runs on this runtime."""
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
     from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family
 
     if parts.get("clip_g"):

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec, swap_split
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec, swap_split
 
 
 @dataclass

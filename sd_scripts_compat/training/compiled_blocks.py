@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sd_scripts_compat.contract import is_oom_error
+from sd_scripts_compat.facts.contract import is_oom_error
 
 BLOCK_LISTS = ("down_blocks", "up_blocks", "transformer_blocks", "single_transformer_blocks", "joint_blocks")
 SINGLE_BLOCKS = ("mid_block",)

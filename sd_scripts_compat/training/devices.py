@@ -68,7 +68,7 @@ def peak_memory_mib(device: Any) -> float:
     """Peak reserved CUDA memory, or the process's peak resident memory on CPU."""
     import torch
 
-    from sd_scripts_compat.contract import peak_rss_mib
+    from sd_scripts_compat.facts.contract import peak_rss_mib
 
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / 2**20

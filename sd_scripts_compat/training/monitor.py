@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.atomic import AppendOnlyFile
-from sd_scripts_compat.contract import MONITOR_FILE
+from sd_scripts_compat.facts.atomic import AppendOnlyFile
+from sd_scripts_compat.facts.contract import MONITOR_FILE
 
 __all__ = ["MONITOR_FILE", "Monitor", "NvmlSource", "PsutilSource", "read_monitor", "start_monitor"]
 MONITOR_SCHEMA = 1

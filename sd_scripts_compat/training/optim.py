@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sd_scripts_compat.config.optimizers import OPTIMIZERS, SCHEDULERS, optimizer_names
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.optimizers import OPTIMIZERS, SCHEDULERS, optimizer_names
 
 
 def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate: float,

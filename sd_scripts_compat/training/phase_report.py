@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from sd_scripts_compat.contract import ENGINE_PHASES, PHASE, write_event
+from sd_scripts_compat.facts.contract import ENGINE_PHASES, PHASE, write_event
 
 WRITE_EVERY_S = 1.0  # progress inside a phase is written at most this often
 _TIMER_EVENTS = {"validation": "validating", "save": "saving", "sample": "sampling"}  # PhaseTimer's names

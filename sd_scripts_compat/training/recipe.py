@@ -9,7 +9,7 @@ The order of the steps is the order of their effects on the RNG and the device, 
 The hot path does no per-step host syncs (the step losses and gradient norms stay on the device and
 are read at the first step, when the progress bar refreshes (about every 2 s) and before a save: see
 ``training.stability``, which also stops an unstable run), feeds cached latents when asked, and copies batches with
-pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.contract.write_event``.
+pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.facts.contract.write_event``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.contract import (
+from sd_scripts_compat.facts.contract import (
     DIVERGED,
     DIVERGED_EXIT_CODE,
     DONE,
@@ -36,8 +36,8 @@ from sd_scripts_compat.contract import (
     memory_figures,
     write_event,
 )
-from sd_scripts_compat.errors import UserError
-from sd_scripts_compat.models.families import FamilySpec
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.runtimes import TextOptions
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
 from sd_scripts_compat.training.compiled_blocks import (
@@ -73,9 +73,9 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from tqdm.auto import tqdm
 
-    from sd_scripts_compat.config.dataset_spec import DatasetSpec
     from sd_scripts_compat.config.training_config import TrainingConfig
     from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, TrainDataset
+    from sd_scripts_compat.facts.dataset_spec import DatasetSpec
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.network.lora import LoRANetwork
     from sd_scripts_compat.network.lycoris import LycorisNetwork
@@ -540,7 +540,7 @@ class Report:
 
 
 def report_run(config: TrainingConfig, process: Process, data: Data, inputs: Inputs) -> Report:
-    from sd_scripts_compat.config.settings_space import dataset_report, resolved_settings
+    from sd_scripts_compat.config.resolved_run import dataset_report, resolved_settings
 
     resolved = {"datasets": [dataset_report(data.spec)], "latents_cached": inputs.cached_latents,
                 "text_encoder_outputs_cached": inputs.cached_text,

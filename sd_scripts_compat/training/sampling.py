@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.quiet import libraries_quiet
 
 if TYPE_CHECKING:

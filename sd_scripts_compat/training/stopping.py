@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sd_scripts_compat.contract import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE
+from sd_scripts_compat.facts.contract import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

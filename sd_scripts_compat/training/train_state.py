@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.atomic import atomic_folder, atomic_path, write_text_atomic
-from sd_scripts_compat.contract import STATE_FILE, disk_full_guard
+from sd_scripts_compat.facts.atomic import atomic_folder, atomic_path, write_text_atomic
+from sd_scripts_compat.facts.contract import STATE_FILE, disk_full_guard
 
 TENSOR_FILE = "tensors.safetensors"
 
@@ -145,7 +145,7 @@ class LoadedState:
 def load_train_state(folder: Path) -> LoadedState:
     from safetensors.torch import load_file
 
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     folder = Path(folder)
     state_file, tensor_file = folder / STATE_FILE, folder / TENSOR_FILE

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # IMAGE_EXTENSIONS is defined with the dataset spec (the config reads it too) and imported from here by scanners
-from sd_scripts_compat.config.dataset_spec import IMAGE_EXTENSIONS, MIN_REPEATS, parse_repeat_folder
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.dataset_spec import IMAGE_EXTENSIONS, MIN_REPEATS, parse_repeat_folder
+from sd_scripts_compat.facts.errors import UserError
 
 CAPTION_EXTENSIONS = (".txt", ".caption")  # lora-scripts' default first, then sd-scripts' argparse default
 # musubi-tuner's dataset/media_utils.VIDEO_EXTENSIONS: it globs each, so only these exact suffixes are read

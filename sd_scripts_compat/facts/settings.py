@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from sd_scripts_compat.config.kohya_toml import parse_resolution
+from sd_scripts_compat.facts.kohya_toml import parse_resolution
 
 # fields added after events were first stored: a block written before them reads as their defaults
 _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_args": (),

@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 FAMILY_DIR = Path(__file__).resolve().parents[1] / "data" / "families"
 # further folders of family JSON files (os.pathsep-separated), read after ours: a family tried before it joins

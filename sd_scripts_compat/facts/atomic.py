@@ -117,7 +117,7 @@ def refuse_non_regular(target: Path) -> None:
     """UserError when ``target`` exists and is not a regular file (a symlink is judged by what it points to)."""
     import stat
 
-    from sd_scripts_compat.errors import UserError
+    from sd_scripts_compat.facts.errors import UserError
 
     try:
         mode = target.stat().st_mode

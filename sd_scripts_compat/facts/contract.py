@@ -60,8 +60,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.atomic import write_json_atomic
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import write_json_atomic
+from sd_scripts_compat.facts.errors import UserError
 
 SCHEMA_VERSION = 1
 

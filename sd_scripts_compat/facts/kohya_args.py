@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 ARGS_TSV = DATA_DIR / "kohya_train_network_args.tsv"

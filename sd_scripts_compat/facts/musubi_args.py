@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.errors import UserError
 
 MUSUBI_DATA = Path(__file__).resolve().parents[1] / "data" / "musubi"
 # kohya's option names that musubi spells otherwise (the one settings shape is kohya's)

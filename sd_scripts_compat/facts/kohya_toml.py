@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sd_scripts_compat.atomic import write_text_atomic
-from sd_scripts_compat.errors import UserError
+from sd_scripts_compat.facts.atomic import write_text_atomic
+from sd_scripts_compat.facts.errors import UserError
 
 
 def read_toml(path: str | os.PathLike[str], what: str = "config file") -> dict[str, Any]:
