@@ -19,7 +19,8 @@ from PIL import Image
 from safetensors import safe_open
 
 from autotune.layout import DECISIONS_JSONL
-from autotune.recovery.musubi import remaining_divisor, true_step
+from autotune.recovery.external import remaining_divisor
+from autotune.recovery.musubi import true_step
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import OOM_POLICY, Limits, rungs
 

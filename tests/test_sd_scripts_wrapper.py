@@ -19,18 +19,9 @@ import pytest
 import toml
 
 from autotune.layout import DECISIONS_LOG, SD_SCRIPTS_LEDGER
+from autotune.recovery.external import DEFAULT_IT_PER_S, parse_bar, save_every_n_steps
 from autotune.recovery.ladder import LadderLimits
-from autotune.recovery.sd_scripts import (
-    DEFAULT_IT_PER_S,
-    OptionReader,
-    check_import,
-    find_install,
-    locate,
-    parse_bar,
-    parse_engine,
-    prepare,
-    save_every_n_steps,
-)
+from autotune.recovery.sd_scripts import OptionReader, check_import, find_install, locate, parse_engine, prepare
 from autotune.recovery.watchdog import Job, supervise
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import get_family

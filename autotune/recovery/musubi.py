@@ -29,23 +29,30 @@ utils/train_utils.py at 30c658c), and what this module does about it:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.layout import MUSUBI_LEDGER, STATE_DIR
-from autotune.recovery import checkout
-from autotune.recovery.sd_scripts import parse_bar, save_every_n_steps
-from sd_scripts_compat.facts.atomic import write_json_atomic
-from sd_scripts_compat.facts.contract import DONE, PROGRESS, Outcome, write_event
+from autotune.recovery import external
+from autotune.recovery.external import (
+    SAVING,
+    ChildHooks,
+    StateLedger,
+    parse_bar,
+    remaining_divisor,
+    save_every_n_steps,
+    save_rate,
+    write_progress,
+)
+from sd_scripts_compat.facts.contract import DONE, Outcome, write_event
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.kohya_toml import read_toml, set_dataset_values, write_toml
 from sd_scripts_compat.facts.musubi_args import MUSUBI_NAMES
@@ -62,7 +69,6 @@ PYTHON_PLACES = (".venv/bin/python", "venv/bin/python", ".venv/Scripts/python.ex
 REQUIRED_OPTIONS = ("config_file", "dataset_config", "save_state", "save_every_n_steps", "resume", "max_train_steps",
                     "output_dir", "output_name")
 _STATE = re.compile(r"^(?P<name>.+)-from(?P<start>\d{8})-step(?P<step>\d{8})-state$")
-_SAVING = re.compile(r"saving state at step (?P<step>\d+)")
 
 
 # ---------------------------------------------------------------- finding and checking an install
@@ -105,7 +111,7 @@ def find_install(path: Path, python: str | None, family: FamilySpec) -> MusubiIn
 
 def find_python(root: Path, python: str | None) -> tuple[str, str]:
     """``--python``, else the venv in the checkout (its docs make one there), else this Python; and where from."""
-    return checkout.choose_python(python, (root,), PYTHON_PLACES, "musubi-tuner", "no venv in it")
+    return external.choose_python(python, (root,), PYTHON_PLACES, "musubi-tuner", "no venv in it")
 
 
 def offer(root: Path, python: str | None) -> list[str]:
@@ -119,9 +125,9 @@ def offer(root: Path, python: str | None) -> list[str]:
 
 def script_options(install: MusubiInstall, script: str, env: Mapping[str, str]) -> frozenset[str]:
     """The options ``script`` of this musubi-tuner accepts, read from its ``--help`` (its version's, not ours)."""
-    out, _ = checkout.read_help(install.python, install.scripts / script, cwd=install.root, env=install.env(env),
+    out, _ = external.read_help(install.python, install.scripts / script, cwd=install.root, env=install.env(env),
                                 fix="install musubi-tuner's requirements into that Python, or pass --python")
-    return frozenset(checkout.option_names(out))
+    return frozenset(external.option_names(out))
 
 
 def check_options(names: frozenset[str], wanted: list[str], source: str, script: str) -> None:
@@ -176,40 +182,15 @@ def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, ba
     return config_out, dataset_out
 
 
-def remaining_divisor(remaining: int, wanted: int) -> int:
-    """The largest save interval <= ``wanted`` that divides ``remaining``: a save falls on the target step."""
-    wanted = max(1, min(wanted, remaining))
-    return next(n for n in range(wanted, 0, -1) if remaining % n == 0)
-
-
 # ---------------------------------------------------------------- the ledger of true steps
 
 
-@dataclass
-class MusubiLedger:
-    """The run's target step and the state folders seen whole (their true step is in their name)."""
-
-    path: Path
-    target_steps: int | None = None
-    whole: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, path: Path) -> MusubiLedger:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(path, data.get("target_steps"), dict(data.get("whole") or {}))
-        except (OSError, ValueError, AttributeError):
-            return cls(path)
-
-    def save(self) -> None:
-        write_json_atomic(self.path, {"target_steps": self.target_steps, "whole": self.whole})
-
-    def newest(self, states_dir: Path) -> tuple[Path, int] | None:
-        present = [(step, name) for name, step in self.whole.items() if (states_dir / name).is_dir()]
-        if not present:
-            return None
-        step, name = max(present)
-        return states_dir / name, step
+def _folder_stamp(folder: Path) -> int | None:
+    """A state folder's modification time (None: not a folder); the ledger knows which are whole."""
+    try:
+        return folder.stat().st_mtime_ns if folder.is_dir() else None
+    except OSError:
+        return None
 
 
 def true_step(folder_name: str) -> int | None:
@@ -236,7 +217,7 @@ class MusubiWatch:
 
     def feed(self, line: str) -> None:
         with self.lock:
-            saving = _SAVING.search(line)
+            saving = SAVING.search(line)
             if saving:
                 self.announced = int(saving["step"])
                 return
@@ -273,7 +254,7 @@ class MusubiWatch:
     def _whole(self, step: int) -> None:
         name = f"{self.name}-step{step:08d}-state"
         if (self.engine.states_dir / name).is_dir():
-            self.engine.ledger.whole[name] = self.start + step
+            self.engine.ledger.states[name] = {"step": self.start + step, "confirmed": True}
             self.engine.ledger.save()
 
     def _whole_before(self, n: int) -> None:
@@ -282,20 +263,17 @@ class MusubiWatch:
         prefix = f"{self.name}-step"
         for folder in self.engine.states_dir.glob(f"{prefix}*-state"):
             step = folder.name[len(prefix):-len("-state")]
-            if step.isdigit() and int(step) < n and folder.name not in self.engine.ledger.whole:
+            if step.isdigit() and int(step) < n and folder.name not in self.engine.ledger.states:
                 self._whole(int(step))
 
     def _has_whole(self, step: int) -> bool:
-        return f"{self.name}-step{step:08d}-state" in self.engine.ledger.whole
+        return f"{self.name}-step{step:08d}-state" in self.engine.ledger.states
 
     def _progress(self, loss: float | None = None, phase: str | None = None) -> None:
         if self.events_dir is None:
             return
-        payload = {"step": self.start + (self.step or 0), "max_train_steps": self.engine.ledger.target_steps,
-                   "time": time.time(), "it_per_s": self.it_per_s, "loss": loss, "engine": ENGINE_NAME}
-        if phase:
-            payload["phase"] = phase
-        write_event(self.events_dir, PROGRESS, payload)
+        write_progress(self.events_dir, ENGINE_NAME, self.start + (self.step or 0), self.engine.ledger.target_steps,
+                       self.it_per_s, loss, phase)
         self.last_write = time.monotonic()
 
 
@@ -303,7 +281,7 @@ class MusubiWatch:
 
 
 @dataclass
-class MusubiEngine:
+class MusubiEngine(ChildHooks):
     """The user's musubi-tuner as an engine of the watchdog (``recovery.engine.Engine``)."""
 
     install: MusubiInstall
@@ -317,33 +295,20 @@ class MusubiEngine:
     env: dict[str, str]
     planned_it_per_s: float | None = None
     options: dict[str, frozenset[str]] = field(default_factory=dict)
-    ledger: MusubiLedger = field(init=False)
+    ledger: StateLedger = field(init=False)
     watch: MusubiWatch | None = None
     pid: int | None = None
     measured_it_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        self.ledger = MusubiLedger.load(self.run_dir / MUSUBI_LEDGER)
+        self.ledger = StateLedger.load(self.run_dir / MUSUBI_LEDGER)
 
     @property
     def states_dir(self) -> Path:
         return self.run_dir
 
     def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
-        return self.ledger.newest(states_dir)
-
-    def child_started(self, pid: int) -> None:
-        self.pid = pid
-
-    def stop_child(self) -> None:
-        from autotune.recovery.attempt import terminate_group
-
-        terminate_group(self.pid)
-
-    def line_handler(self, events_dir: Path) -> Callable[[str], None]:
-        assert self.watch is not None, "attempt_argv comes first"
-        self.watch.events_dir = events_dir
-        return self.watch.feed
+        return self.ledger.newest(states_dir, _folder_stamp)
 
     def _argv(self, command: tuple[str, ...], files: Mapping[str, Path]) -> list[str]:
         """One of the plan's commands for this checkout (the script under its ``src``), these model files (its
@@ -371,7 +336,7 @@ class MusubiEngine:
                                               self.base, self.run_dir / STATE_DIR, attempt, drop,
                                               self.family.kohya_script)
         self._cache(dataset, log)
-        rate, source = self._rate()
+        rate, source = save_rate(self.measured_it_per_s, self.planned_it_per_s)
         every = save_every_n_steps(self.save_every_s, rate, target)
         name = f"{self.output_name}-from{start:08d}"
         argv = [*self._argv(self.commands[2], {"config.toml": config}), "--output_dir", str(self.run_dir),
@@ -392,7 +357,7 @@ class MusubiEngine:
             self.options[script] = script_options(self.install, script, self.env)
             check_options(self.options[script], list(REQUIRED_OPTIONS) if script == self.family.kohya_script else [],
                           f"{self.install.scripts / script} (what autotune needs to save and resume)", script)
-        check_options(self.options[script], checkout.option_names(" ".join(argv[2:])),
+        check_options(self.options[script], external.option_names(" ".join(argv[2:])),
                       "autotune's command line for musubi-tuner", script)
 
     def _cache(self, dataset: Path, log: DecisionLog) -> None:
@@ -412,13 +377,6 @@ class MusubiEngine:
                 read = ", ".join(self.models.get(w[1:].lower(), w) for w in command if w.startswith("$"))
                 raise UserError(f"musubi-tuner's {script} failed: {lines[-1] if lines else 'no output'}; check the "
                                 f"file it read ({read}) and that musubi-tuner runs in {self.install.python}")
-
-    def _rate(self) -> tuple[float, str]:
-        if self.measured_it_per_s:
-            return self.measured_it_per_s, "measured in the last attempt"
-        if self.planned_it_per_s:
-            return self.planned_it_per_s / 2, "half the plan's prediction, to be safe"
-        return 1.0, "no measurement yet"
 
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         watch = self.watch

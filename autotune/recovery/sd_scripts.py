@@ -37,15 +37,26 @@ import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autotune.layout import SD_SCRIPTS_LEDGER, STATE_DIR
-from autotune.recovery import checkout
+from autotune.recovery import external
+from autotune.recovery.external import (
+    DEFAULT_IT_PER_S,
+    SAVING,
+    Bar,
+    ChildHooks,
+    StateLedger,
+    parse_bar,
+    save_every_n_steps,
+    save_rate,
+    write_progress,
+)
 from sd_scripts_compat.facts.atomic import write_json_atomic, write_text_atomic
-from sd_scripts_compat.facts.contract import PROGRESS, STATE_FILE, Outcome, state_step, write_event
+from sd_scripts_compat.facts.contract import STATE_FILE, Outcome, state_step
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 
@@ -82,61 +93,11 @@ TOKENIZER_HUB_NAMES = {"sd1": ("openai/clip-vit-large-patch14",), "sd2": ("stabi
                        # ASSUMED (library/strategy_sd3.py): CLIP_L / CLIP_G / T5_XXL_TOKENIZER_ID
                        "sd3": ("openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k",
                                "google/t5-v1_1-xxl")}
-DEFAULT_IT_PER_S = 1.0  # when neither a plan nor a measurement says: 1 step/s (saves more often than needed)
-COUNTER_LAG = 2  # steps our reading of the bar can trail sd-scripts' own save (see Ledger.observe)
+COUNTER_LAG = 2  # steps our reading of the bar can trail sd-scripts' own save (see AttemptWatch._fix_offset)
 
-_BAR = re.compile(r"(?:^|\r)\s*(?P<desc>[^|\r]*?):?\s*(?P<pct>\d+)%\|[^|]*\|\s*(?P<n>\d+)/(?P<total>\d+)"
-                  r"\s*\[(?P<inner>[^\]]*)\]")
-_RATE = re.compile(r"(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>it/s|s/it)")
-_LOSS = re.compile(r"avr_loss=(?P<loss>[-+0-9.eE]+|nan|inf)")
-# ASSUMED (train_util.save_and_remove_state_stepwise): logger.info(f"saving state at step {step_no}") on stderr
-_SAVING = re.compile(r"saving state at step (?P<step>\d+)")
 _EPOCH = re.compile(r"^\s*epoch (?P<epoch>\d+)/(?P<epochs>\d+)\s*$")
 _VERSION = re.compile(r"(?:sd-scripts|kohya)[^\n]*?\bv?(?P<v>\d+\.\d+(?:\.\d+)?\S*)|version[:= ]+v?(?P<w>\d+\.\d+\S*)",
                       re.IGNORECASE)
-
-
-# ---------------------------------------------------------------- progress lines
-
-
-@dataclass(frozen=True)
-class Bar:
-    """One tqdm redraw: its description, count, total and the rate and loss it shows (None: not yet)."""
-
-    desc: str
-    n: int
-    total: int
-    it_per_s: float | None
-    loss: float | None
-
-    @property
-    def is_steps(self) -> bool:
-        """sd-scripts' training bar is ``tqdm(..., desc="steps")``; others are caching / loading bars."""
-        return self.desc.strip().lower() == "steps"
-
-
-def parse_bar(line: str) -> Bar | None:
-    """A tqdm progress line as sd-scripts prints it, or None for any other line."""
-    match = _BAR.search(line)
-    if match is None:
-        return None
-    inner = match["inner"]
-    rate = _RATE.search(inner)
-    it_per_s = None
-    if rate is not None:
-        value = float(rate["value"])
-        it_per_s = value if rate["unit"] == "it/s" else (1.0 / value if value > 0 else None)
-    loss_match = _LOSS.search(inner)
-    loss = float(loss_match["loss"]) if loss_match else None
-    return Bar(match["desc"], int(match["n"]), int(match["total"]), it_per_s, loss)
-
-
-def save_every_n_steps(save_every_s: float, it_per_s: float | None, target_steps: int | None = None) -> int:
-    """Steps between state saves so that one comes about every ``save_every_s`` seconds at ``it_per_s``
-    (sd-scripts saves by step or epoch only). At least 1; never more than the run is long."""
-    rate = it_per_s if it_per_s and it_per_s > 0 else DEFAULT_IT_PER_S
-    steps = max(1, int(save_every_s * rate))
-    return min(steps, target_steps) if target_steps else steps
 
 
 # ---------------------------------------------------------------- finding and checking an install
@@ -183,7 +144,7 @@ def locate(path: Path) -> tuple[Path, str]:
 
 def choose_python(root: Path, scripts_dir: Path, given: str | None) -> tuple[str, str]:
     """``--python``, else the venv lora-scripts / kohya_ss create beside their code, else this Python."""
-    return checkout.choose_python(given, dict.fromkeys((root.resolve(), scripts_dir)), PYTHON_PLACES,
+    return external.choose_python(given, dict.fromkeys((root.resolve(), scripts_dir)), PYTHON_PLACES,
                                   "sd-scripts", "no venv beside it")
 
 
@@ -204,7 +165,7 @@ def check_import(install: Install, env: Mapping[str, str] | None = None, timeout
                         "with the Python of your sd-scripts venv") from None
     if done.returncode != 0:
         raise UserError(f"{install.python} cannot import sd-scripts' {LIBRARY_MODULE} from {install.scripts_dir}: "
-                        f"{checkout.last_line(done.stderr or done.stdout)}; install its requirements into that "
+                        f"{external.last_line(done.stderr or done.stdout)}; install its requirements into that "
                         "Python "
                         f"(pip install -r {install.scripts_dir / 'requirements.txt'}) or pass --python")
 
@@ -238,10 +199,10 @@ class OptionReader:
 
 
 def _read_help(install: Install, script: Path, env: Mapping[str, str] | None) -> ScriptOptions:
-    out, err = checkout.read_help(install.python, script, cwd=install.scripts_dir, env=env or os.environ,
+    out, err = external.read_help(install.python, script, cwd=install.scripts_dir, env=env or os.environ,
                                   fix="check that sd-scripts runs in that Python")
     version = _version(out + "\n" + err) or _git_version(install.scripts_dir) or "unknown"
-    return ScriptOptions(script, frozenset(checkout.option_names(out)), version)
+    return ScriptOptions(script, frozenset(external.option_names(out)), version)
 
 
 def _version(text: str) -> str | None:
@@ -351,52 +312,6 @@ def tokenizer_cache(out: Path, layout: str, pad_tokens: tuple[str, ...], t5: Pat
 # ---------------------------------------------------------------- the ledger of true steps
 
 
-@dataclass
-class Ledger:
-    """The true step of every state folder sd-scripts wrote while we watched, and the run's target step.
-
-    Kept in the output folder (``autotune run --resume`` reads it back). A folder whose ``train_state.json``
-    changed since it was recorded was rewritten unseen (possibly half): it is not resumed from; a folder we
-    never saw (a state the user brought) is taken at its own ``current_step``.
-    """
-
-    path: Path
-    target_steps: int | None = None
-    states: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, path: Path) -> Ledger:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return cls(path)
-        target = data.get("target_steps")
-        states = data.get("states") if isinstance(data.get("states"), dict) else {}
-        return cls(path, target if isinstance(target, int) else None, states)
-
-    def save(self) -> None:
-        write_json_atomic(self.path, {"target_steps": self.target_steps, "states": self.states})
-
-    def newest(self, states_dir: Path) -> tuple[Path, int] | None:
-        best: tuple[int, int, Path] | None = None
-        if not states_dir.is_dir():
-            return None
-        for folder in states_dir.iterdir():
-            mtime = _state_mtime(folder)
-            if mtime is None:
-                continue
-            entry = self.states.get(folder.name)
-            if entry is None:
-                step = state_step(folder)
-            elif entry.get("mtime_ns") == mtime and entry.get("confirmed"):
-                step = int(entry["step"])
-            else:
-                continue
-            if step is not None and (best is None or (step, mtime) > best[:2]):
-                best = (step, mtime, folder)
-        return (best[2], best[0]) if best else None
-
-
 def _state_mtime(folder: Path) -> int | None:
     """The modification time of a state folder's train_state.json (None: not a state folder)."""
     if folder.name.startswith(".") or not folder.name.endswith("-state"):
@@ -441,7 +356,7 @@ class AttemptWatch:
         with self.lock:
             bar = parse_bar(line)
             if bar is None:
-                epoch, saving = _EPOCH.match(line), _SAVING.search(line)
+                epoch, saving = _EPOCH.match(line), SAVING.search(line)
                 if epoch:
                     self.epoch = int(epoch["epoch"])
                 if saving:
@@ -481,12 +396,8 @@ class AttemptWatch:
     def _write_progress(self, loss: float | None = None, phase: str | None = None) -> None:
         if self.events_dir is None:
             return
-        payload = {"step": self.true_step if self.true_step is not None else self.resume_step, "epoch": self.epoch,
-                   "max_train_steps": self.engine.ledger.target_steps, "time": time.time(),
-                   "it_per_s": self.it_per_s, "loss": loss, "engine": ENGINE_NAME}
-        if phase:
-            payload["phase"] = phase
-        write_event(self.events_dir, PROGRESS, payload)
+        write_progress(self.events_dir, ENGINE_NAME, self.true_step if self.true_step is not None else self.resume_step,
+                       self.engine.ledger.target_steps, self.it_per_s, loss, phase, epoch=self.epoch)
         self.last_write = time.monotonic()
 
     def scan(self, *, final: bool, ok: bool) -> None:
@@ -565,7 +476,7 @@ class AttemptWatch:
 
 
 @dataclass
-class SdScriptsEngine:
+class SdScriptsEngine(ChildHooks):
     """The user's sd-scripts as an engine of the watchdog (``recovery.engine.Engine``)."""
 
     install: Install
@@ -576,7 +487,7 @@ class SdScriptsEngine:
     planned_it_per_s: float | None = None
     tokenizer_dir: Path | None = None
     extra_args: list[str] = field(default_factory=list)
-    ledger: Ledger = field(init=False)
+    ledger: StateLedger = field(init=False)
     measured_it_per_s: float | None = None
     pending: tuple[Path, int, int] | None = None  # relaunch from (state, its step) with this counter offset
     watch: AttemptWatch | None = None
@@ -584,27 +495,14 @@ class SdScriptsEngine:
     save_every: tuple[int, float, str] = (0, DEFAULT_IT_PER_S, "")  # this attempt's (steps, it/s, source)
 
     def __post_init__(self) -> None:
-        self.ledger = Ledger.load(self.output_dir / SD_SCRIPTS_LEDGER)
+        self.ledger = StateLedger.load(self.output_dir / SD_SCRIPTS_LEDGER)
 
     # -- hooks
 
     def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
         if self.pending is not None:
             return self.pending[0], self.pending[1]
-        return self.ledger.newest(states_dir)
-
-    def child_started(self, pid: int) -> None:
-        self.pid = pid
-
-    def stop_child(self) -> None:
-        from autotune.recovery.attempt import terminate_group
-
-        terminate_group(self.pid)
-
-    def line_handler(self, events_dir: Path) -> Callable[[str], None]:
-        assert self.watch is not None, "attempt_argv comes first"
-        self.watch.events_dir = events_dir
-        return self.watch.feed
+        return self.ledger.newest(states_dir, _state_mtime, state_step)
 
     def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
                      log: DecisionLog) -> list[str]:
@@ -634,7 +532,7 @@ class SdScriptsEngine:
 
     def _argv(self, config: Path, dataset: Path | None, state: tuple[Path, int] | None,
               target: int | None) -> list[str]:
-        rate, source = self._rate()
+        rate, source = save_rate(self.measured_it_per_s, self.planned_it_per_s)
         every = save_every_n_steps(self.save_every_s, rate, target)
         flat = flat_values(read_toml(config))
         argv = [self.install.python, str(self.options.script), "--config_file", str(config)]
@@ -649,17 +547,10 @@ class SdScriptsEngine:
         argv += list(self.extra_args)
         if state is not None:
             argv += ["--resume", str(state[0]), "--initial_step", str(state[1]), "--skip_until_initial_step"]
-        check_options(self.options, checkout.option_names(" ".join(argv[2:])),
+        check_options(self.options, external.option_names(" ".join(argv[2:])),
                       "autotune's command line for sd-scripts")
         self.save_every = (every, rate, source)
         return argv
-
-    def _rate(self) -> tuple[float, str]:
-        if self.measured_it_per_s:
-            return self.measured_it_per_s, "measured in the last attempt"
-        if self.planned_it_per_s:
-            return self.planned_it_per_s / 2, "half the plan's prediction, to be safe"
-        return DEFAULT_IT_PER_S, "no measurement yet"
 
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         watch = self.watch
@@ -672,7 +563,7 @@ class SdScriptsEngine:
         if watch.stop_reason is not None and result.outcome is Outcome.CRASH:
             return replace(result, outcome=Outcome.CONTINUE, message=watch.stop_reason)
         if result.outcome is Outcome.INTERRUPTED:  # ASSUMED: sd-scripts has no SIGINT handler (KeyboardInterrupt)
-            newest = self.ledger.newest(self.states_dir)
+            newest = self.ledger.newest(self.states_dir, _state_mtime, state_step)
             return replace(result, message="interrupted; sd-scripts saves no state on Ctrl-C: --resume continues "
                            f"from its last step save ({newest[0].name if newest else 'none yet'})")
         if result.outcome is not Outcome.DONE:
@@ -803,7 +694,7 @@ def train_with_sd_scripts(engine: str, python: str | None, *, family: FamilySpec
     options = OptionReader().options(install, family.kohya_script)
     print(f"sd-scripts version {options.version}")
     check_config(config, options)  # the wrapper keys it ignores stay: this is the user's own file
-    check_options(options, checkout.option_names(" ".join(kohya_args)), "the command line")
+    check_options(options, external.option_names(" ".join(kohya_args)), "the command line")
     argv = [install.python, str(options.script), "--config_file", str(config), *kohya_args]
     print(f"$ {shlex.join(argv)}", flush=True)
     return subprocess.run(argv).returncode
