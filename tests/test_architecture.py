@@ -404,8 +404,8 @@ ENGINE_MODULES = ("autotune.recovery.sd_scripts", "autotune.recovery.musubi", "a
 
 def engine_choices(source: str, engines: set[str]) -> list[str]:
     """Where code picks an engine itself: an engine's ``NAME=`` prefix or name compared or matched (a family's
-    ``trainer``, its data, is not a choice: the planner writes that trainer's files), or an engine's module
-    imported."""
+    ``trainer`` too: what the planner needs of a trainer is ``family.trains_with``, facts in the family data), or
+    an engine's module imported."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Attribute)
@@ -414,9 +414,7 @@ def engine_choices(source: str, engines: set[str]) -> list[str]:
         if isinstance(node, (ast.Compare, ast.Call)):
             parts = list(ast.walk(node))
             literals = {p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)}
-            reads_trainer = any(isinstance(p, ast.Attribute) and p.attr == "trainer" for p in parts) or any(
-                isinstance(p, ast.Name) and p.id == "trainer" for p in parts)
-            if literals & (engines | {f"{name}=" for name in engines}) and not reads_trainer:
+            if literals & (engines | {f"{name}=" for name in engines}):
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.ImportFrom) and node.module:
             found += [f"imports {name}" for name in (node.module, *(f"{node.module}.{a.name}" for a in node.names))
@@ -433,7 +431,8 @@ def test_the_engine_choice_check_finds_one_put_back():
     assert engine_choices("from autotune.recovery.musubi import find_install", engines)
     assert engine_choices("from autotune.recovery import sd_scripts", engines)
     assert not engine_choices('print("--engine sd-scripts=PATH")', engines)
-    assert not engine_choices('if family.trainer == "musubi-tuner":\n    pass', engines)
+    assert engine_choices('if family.trainer == "musubi-tuner":\n    pass', engines)
+    assert not engine_choices("if family.trains_with.caches_apart:\n    pass", engines)
 
 
 def test_no_engine_is_chosen_outside_the_registry():

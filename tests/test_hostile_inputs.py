@@ -12,6 +12,7 @@ case); the commands that start engines (``autotune run``, ``train``, ``bench``) 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -1156,12 +1157,18 @@ def test_a_broken_family_file_or_engine_package_is_one_line(tmp_path: Path):
     families, site = tmp_path / "families", tmp_path / "site"
     families.mkdir()
     (families / "tiny-bad.json").write_text("{not json", encoding="utf-8")
+    strangers = tmp_path / "strangers"  # a family trained by a trainer this version has no facts of
+    strangers.mkdir()
+    twin = json.loads((REPO / "sd_scripts_compat" / "data" / "families" / "tiny-sd15.json").read_text())
+    (strangers / "tiny-axolotl.json").write_text(json.dumps({**twin, "name": "tiny-axolotl", "trainer": "axolotl"}))
     info = site / "broken_engine-1.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-engine\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[lora_autotune.engines]\nbroken = no_such_module:ENGINE\n")
     cases = [({"SD_COMPAT_FAMILY_PATH": str(families)}, plan(tmp_path, model="builtin:tiny-bad"),
               "tiny-bad.json: not a family file"),
+             ({"SD_COMPAT_FAMILY_PATH": str(strangers)}, plan(tmp_path, model="builtin:tiny-axolotl"),
+              "trainer 'axolotl' is not one of sd-scripts, musubi-tuner"),
              ({"PYTHONPATH": os.pathsep.join(filter(None, [str(site), ENV.get("PYTHONPATH")]))},
               run(tmp_path, "--engine", f"broken={tmp_path}"), "engine 'broken'")]
     for extra, argv, needle in cases:

@@ -172,7 +172,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     spec = trace_family(family, config)
     bundle = build_bundle(spec, materialize=not fake)
     model = bundle.unet
-    if fp8_base and spec.trainer == "musubi-tuner":
+    if fp8_base and spec.trains_with.fp8_scaled_weights:
         musubi_fp8_scaled(model)
     elif fp8_base:
         from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8

@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     render(plan)
     if written:
-        trainer = plan.family.trainer
         print(f"wrote {written[0]} and {written[1]} "
-              f"({'musubi-tuner' if trainer == 'musubi-tuner' else args.format} format)")
+              f"({plan.family.trainer if plan.family.trains_with.caches_apart else args.format} format)")
     else:
         print("add --out DIR to write config.toml and dataset.toml", file=sys.stderr)
     return 0

@@ -333,12 +333,12 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     host_base = int(cal["host_ram_baseline_gib"] * GIB)
     # sd-scripts parks the encoders and AE on the host; musubi-tuner caches in separate processes and trains
     # without them
-    parked = 0 if family.trainer == "musubi-tuner" else ae + (encoders if inputs.cache_text_encoder_outputs else 0)
-    pinned = musubi_pinned_bytes(arch, inputs, split, host) if family.trainer == "musubi-tuner" else 0
+    parked = 0 if family.trains_with.caches_apart else ae + (encoders if inputs.cache_text_encoder_outputs else 0)
+    pinned = musubi_pinned_bytes(arch, inputs, split, host) if family.trains_with.host_swap_options else 0
     experts_host = inactive_expert_host_bytes(arch, inputs, host)
     loading = 2 * _all_elements(arch)  # a bf16 file passes through RAM whole (fp8_base casts after loading)
     # musubi's caching step on the CPU holds the encoders in RAM (sd-scripts' are counted in its loading already)
-    if family.trainer == "musubi-tuner" and inputs.cache_text_encoder_outputs and inputs.text_encoders_on_cpu:
+    if family.trains_with.caches_apart and inputs.cache_text_encoder_outputs and inputs.text_encoders_on_cpu:
         cpu_caching = encoders + cal["caching_transient_bytes"]
         if cpu_caching > loading:
             notes.append(f"host RAM peak is the text-encoder caching on the CPU ({cpu_caching / GIB:.1f} GiB)")
@@ -349,7 +349,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         pinned_host_bytes=pinned,  # the staging copies add to the host; pinned swapped blocks replace theirs
         host_ram_bytes=host + experts_host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
         + (pinned - host - experts_host if inputs.pinned_block_swap else pinned),
-        host_ram_loading_bytes=loading + host_base + (0 if family.trainer == "musubi-tuner" else encoders + ae)
+        host_ram_loading_bytes=loading + host_base + (0 if family.trains_with.caches_apart else encoders + ae)
         + (host if inputs.high_noise_expert else 0),  # the second expert loads beside the first's swapped blocks
         swapped_bytes=host)
 

@@ -46,7 +46,7 @@ class MusubiFiles:
 
 
 def is_musubi_plan(plan: Plan) -> bool:
-    return plan.family.trainer == "musubi-tuner"
+    return plan.family.trains_with.caches_apart
 
 
 def training_options(plan: Plan, family: FamilySpec) -> dict[str, Any]:

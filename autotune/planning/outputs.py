@@ -44,7 +44,7 @@ def launch_command(family: FamilySpec, devices: int, precision: str, output_dir:
     musubi-tuner trains, the script that caches and trains (``planning.musubi_writer``). ``cpu_threads``: accelerate
     turns it into OMP_NUM_THREADS, so 1 only where a GPU runs the step."""
     folder = Path(output_dir).expanduser().resolve() if output_dir is not None else None
-    if family.trainer == "musubi-tuner":
+    if family.trains_with.caches_apart:
         return ("bash", "musubi_train.sh" if folder is None else str(folder / "musubi_train.sh"))
     config = "config.toml" if folder is None else str(folder / "config.toml")
     cmd = ["accelerate", "launch", "--num_processes", str(devices)]

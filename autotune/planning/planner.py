@@ -336,7 +336,7 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
     found, predictor, usable, gpus, prefs = searched.found, searched.predictor, searched.usable, request.gpus, \
         request.preferences
     host_swap = decide_host_swap(fitting, predictor, usable=usable, host_ram=request.host_ram_bytes) \
-        if family.trainer == "musubi-tuner" and gpus else HostSwapChoice(fitting)
+        if family.trains_with.host_swap_options and gpus else HostSwapChoice(fitting)
     chosen = host_swap.chosen
     s = chosen.settings if prefs.alpha is None else replace(chosen.settings, network_alpha=prefs.alpha)
     effective_real = s.train_batch_size * s.gradient_accumulation_steps * devices

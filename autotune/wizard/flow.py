@@ -161,7 +161,7 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
 
     family = get_family(model.family)
     engine = engine_for(family)  # the registry's: ours where it trains the family, else the user's trainer
-    if family.trainer == "musubi-tuner":  # autotune run plans it again and supervises the user's musubi-tuner
+    if family.trains_with.caches_apart:  # autotune run plans it again and supervises its own scripts
         supervised = ["autotune", "run", str(data.folder), "--model", model.model, "--family", model.family,
                       *(["--frames", str(data.frames)] if data.frames > 1 else []),
                       *(["--experts", "both"] if both_experts else []), "--out", str(output.folder),

@@ -54,6 +54,25 @@ class TextEncoderSpec:
 
 
 @dataclass(frozen=True)
+class TrainerFacts:
+    """What the planner and the memory models need to know of the trainer of a family (``FamilySpec.trainer``);
+    which adapter supervises it is the tuner's engine registry's business."""
+
+    name: str
+    # caches latents and text-encoder outputs with its own scripts before training: a training process holds no
+    # VAE and no text encoders, and a plan is its dataset TOML, a --config_file and a script that caches, then trains
+    caches_apart: bool
+    # its block swap can stage through pinned host copies, and a two-expert model may offload the idle expert
+    host_swap_options: bool
+    fp8_scaled_weights: bool  # its fp8 base weights are scaled per tensor (musubi-tuner's --fp8_scaled)
+
+
+TRAINERS = {trainer.name: trainer for trainer in (
+    TrainerFacts("sd-scripts", caches_apart=False, host_swap_options=False, fp8_scaled_weights=False),
+    TrainerFacts("musubi-tuner", caches_apart=True, host_swap_options=True, fp8_scaled_weights=True))}
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     name: str
     description: str
@@ -208,6 +227,11 @@ class FamilySpec:
         return self.kohya_script.removesuffix(".py")
 
     @property
+    def trains_with(self) -> TrainerFacts:
+        """The facts of the trainer that trains it where our engine does not (``trainer``)."""
+        return TRAINERS[self.trainer]
+
+    @property
     def engine_module(self) -> str:
         """Our engine's module for ``kohya_script`` (``python -m sd_scripts_compat.sdxl_train_network``)."""
         return "sd_scripts_compat." + self.script
@@ -312,6 +336,8 @@ def _family_from_json(raw: dict[str, Any]) -> FamilySpec:
     raw["text_encoders"] = tuple(TextEncoderSpec(**te) for te in raw["text_encoders"])
     for key in ("transformer_block_groups", "lora_layout", "denoiser_extras", "header_markers"):
         raw[key] = tuple(raw.get(key, ()))
+    if raw.get("trainer", "sd-scripts") not in TRAINERS:
+        raise KeyError(f"trainer {raw['trainer']!r} is not one of {', '.join(TRAINERS)}")
     if "swap_count_keys" in raw:
         raw["swap_count_keys"] = tuple(raw["swap_count_keys"])
     return FamilySpec(**raw)

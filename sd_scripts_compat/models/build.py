@@ -103,16 +103,14 @@ def empty_modules(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
 
 
 def check_trainable(family: FamilySpec, *, builtin: bool) -> None:
-    """Our engine trains this family (else one line naming sd-scripts' script for it), and a built-in is more than
+    """Our engine trains this family (else one line naming its trainer's script), and a built-in is more than
     a shape-only full-size stand-in."""
     from sd_scripts_compat.facts.errors import UserError
 
-    if family.trainer == "musubi-tuner":
-        raise UserError(f"{family.name}: {family.description} is not trained by this engine; musubi-tuner's "
-                        f"{family.kohya_script} trains it (autotune plan --out DIR writes its files)")
     if not family.trained_here:
         raise UserError(f"{family.name}: {family.description} is not trained by this engine; train it with "
-                        f"sd-scripts' {family.kohya_script} (autotune run --engine sd-scripts=PATH supervises it)")
+                        f"{family.trainer}'s {family.kohya_script} (autotune run --engine {family.trainer}=PATH "
+                        "supervises it)")
     if builtin and family.builtin_meta_only:
         raise UserError(f"builtin:{family.name} is a full-size model with random weights, for shape-only probes; "
                         "to train, give the real model file as pretrained_model_name_or_path (or use "
