@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from sd_scripts_compat.facts.families import FamilySpec
+
 DEFAULT_ROOT = Path("output")
 
 CONFIG = "config.toml"
@@ -53,14 +55,14 @@ def is_run_name(name: str) -> bool:
     return re.fullmatch(RUN_NAME_PATTERN, name) is not None
 
 
-def run_name(dataset_dir: Path, family: str) -> str:
+def run_name(dataset_dir: Path, family: FamilySpec) -> str:
     """``<dataset folder>-<family>``, with anything but letters, digits, ``_`` and ``-`` made ``_`` (and the stem
     cut to 80 characters, so the name stays a ``RunName``)."""
     stem = re.sub(r"[^A-Za-z0-9_-]", "_", Path(dataset_dir).name).strip("_")[:80] or "lora"
-    return f"{stem}-{family}"
+    return f"{stem}-{family.name}"
 
 
-def default_out(dataset_dir: Path, family: str) -> Path:
+def default_out(dataset_dir: Path, family: FamilySpec) -> Path:
     return (DEFAULT_ROOT / run_name(dataset_dir, family)).resolve()
 
 

@@ -24,6 +24,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from sd_scripts_compat.facts.families import get_family
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FAMILIES = ("flux-dev", "chroma", "sd3.5-medium", "sd3.5-large", "lumina2", "hunyuan-image-2.1", "anima")
@@ -51,7 +53,7 @@ def _text_encoders(values: dict, family: str) -> str:
 
     if values.get("text_encoder_cpu"):
         return "on the CPU"
-    flag = plan_profile(family).te_fp8_flag  # the family's fp8 text-encoder option (fp8_vl, fp8_t5, ...)
+    flag = plan_profile(get_family(family)).te_fp8_flag  # the family's fp8 text-encoder option (fp8_vl, fp8_t5, ...)
     if (flag and values.get(flag)) or "fp8" in str(values.get("t5xxl", "")):
         return "fp8"
     return "16-bit"
@@ -77,19 +79,21 @@ def rows(families: list[str], rank: int | None, gpu_name: str, resolution: int |
         tiers = sorted(set(MUSUBI_TIERS) | set(PUBLISHED.get(family, {}))) if musubi else TIERS
         for tier in tiers:
             published = PUBLISHED.get(family, {}).get(tier, "")
-            plan = plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors", family=family,
+            plan = plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors",
+                                             family=get_family(family),
                                              gpus=(gpu_from_spec(spec, vram_gb=tier),), dataset=nominal_dataset(),
                                              cpu_physical_cores=8,
                                              host_ram_bytes=None if ram_gb is None else int(ram_gb * GIB),
                                              preferences=Preferences(
                                                  rank=rank, resolution=resolution, frames=frames if video else None,
-                                                 experts=experts if plan_profile(family).both_experts else None)))
+                                                 experts=experts if plan_profile(get_family(family)).both_experts
+                                                 else None)))
             if not plan.fits:
                 out.append(f"| {family} | {tier} | {published} | does not fit | | | | | | | | | | |")
                 continue
             s, p, values = plan.settings, plan.prediction, plan.kohya_values()
             fp8 = next((k for k in ("fp8_base", "fp8_scaled") if values.get(k)), "no")
-            inputs = dit_inputs_for_settings(family, s, t5_fp8=_text_encoders(values, family) == "fp8")
+            inputs = dit_inputs_for_settings(plan.family, s, t5_fp8=_text_encoders(values, family) == "fp8")
             size = f"{s.resolution[0]}" + (f" x {s.frames} frames" if s.frames > 1 else "")
             swap = f"{s.blocks_to_swap}" + (" pinned" if s.use_pinned_memory_for_block_swap else "") \
                 + (" (offload inactive expert)" if s.offload_inactive_dit else "")

@@ -27,6 +27,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from sd_scripts_compat.facts.families import get_family
+
 GIB = 1024**3
 NOT_TENSORS = ("cuda_context", "allocator_overhead", "safety_margin", "swap_buffers")
 TINY_TWINS = {"flux-dev": "tiny-flux", "chroma": "tiny-chroma", "sd3.5-medium": "tiny-sd3",
@@ -52,7 +54,8 @@ def make_dit_plan(family: str, tier_gb: float, spec: Any, goal: str) -> Any:
     from autotune.planning.request import PlanRequest, gpu_from_spec
 
     target = gpu_from_spec(spec, vram_gb=tier_gb, name=f"{spec.name} limited to {tier_gb:g} GB")
-    return plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", family=family, gpus=(target,),
+    return plan_training(PlanRequest(dataset_dir=None, model=f"builtin:{family}", family=get_family(family),
+                                     gpus=(target,),
                                      goal=goal, dataset=nominal_dataset(), cpu_physical_cores=8))
 
 
@@ -246,7 +249,7 @@ def offload_row(torch: Any, plan: Any, family: str, tier: float, steps: int, war
     from autotune.estimate.dit_speed import predict_dit_speed
 
     settings = replace(plan.settings, cpu_offload_checkpointing=True)
-    inputs = dit_inputs_for_settings(family, settings)
+    inputs = dit_inputs_for_settings(plan.family, settings)
     memory = predict_dit_memory(inputs)
     row = {"family": family, "tier_gb": tier, "case": "cpu_offload_checkpointing", "settings": plan.kohya_values(),
            "predicted_peak_bytes": memory.total_bytes,

@@ -32,6 +32,7 @@ from autotune.recovery.engine import CompatEngine  # noqa: E402
 from autotune.recovery.ladder import LadderLimits, memory_predictor  # noqa: E402
 from autotune.recovery.watchdog import Job, supervise  # noqa: E402
 from sd_scripts_compat.config.resolved_run import settings_from_files  # noqa: E402
+from sd_scripts_compat.facts.families import get_family  # noqa: E402
 
 
 def make_dataset(root: Path) -> Path:
@@ -121,7 +122,7 @@ def scenario(tmp: Path, data: Path, name: str, *, micro: int, accum: int, steps:
         job = Job(config_path=out / "config.toml", output_dir=out,
                   settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                   limits=LadderLimits(budget_mib=1e6, min_resolution=64, resolution_step=64),
-                  predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
+                  predict=memory_predictor(get_family("tiny-sd15"), cuda=False), env=env, echo=False,
                   train_output_dir=out / "output", engine=CompatEngine(save_state_every_s=save_every),
                   on_child_start=monitor.on_start)
         started = time.time()

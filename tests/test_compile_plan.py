@@ -18,6 +18,7 @@ from test_measure import DEVICE, REPO, _autotune, _done, _plan
 from autotune.measure.learned import LearnedFigures
 from autotune.measure.store import from_done_event, load_measurements
 from autotune.planning.compile_choice import BENCH_HINT
+from sd_scripts_compat.facts.families import get_family
 
 STEPS = 200
 DATASET = str(REPO / "examples" / "dataset")
@@ -70,12 +71,13 @@ def test_a_compiled_run_is_stored_under_a_compiled_key_with_its_compile_time_and
     settings = _plan().settings.to_event()
     done = {"settings": {**settings, "torch_compile": True, "dynamo_backend": "inductor"}, "step_seconds": [0.5] * 4,
             "torch_compile": {"backend": "inductor", "blocks": 5, "graphs": 5, "seconds": 42.0, "failure": None}}
-    record = from_done_event(done, device=DEVICE, family="tiny-sd15", source="run")
+    record = from_done_event(done, device=DEVICE, family=get_family("tiny-sd15"), source="run")
     assert record.key["torch_compile"] is True and record.compile_seconds == 42.0
     failed = {**done, "torch_compile": {**done["torch_compile"], "failure": "down_blocks.0: BackendCompilerFailed"}}
-    assert from_done_event(failed, device=DEVICE, family="tiny-sd15", source="run") is None  # it trained eager
+    tiny = get_family("tiny-sd15")
+    assert from_done_event(failed, device=DEVICE, family=tiny, source="run") is None  # it trained eager
     # the eager settings learn nothing from a compiled record: no exact match, and never scaled across
-    learned = LearnedFigures([record], DEVICE, "tiny-sd15")
+    learned = LearnedFigures([record], DEVICE, get_family("tiny-sd15"))
     assert learned.speed(settings, lambda values: 1.0).speed_source == "model"
     assert learned.compiled(settings) == record
 

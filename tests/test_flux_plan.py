@@ -34,7 +34,8 @@ TIERS = (8, 10, 12, 16, 24)
 
 
 def flux_plan(gpu, **prefs):
-    return plan_training(PlanRequest(dataset_dir=None, model="./models/flux-dev.safetensors", family="flux-dev",
+    return plan_training(PlanRequest(dataset_dir=None, model="./models/flux-dev.safetensors",
+                                     family=get_family("flux-dev"),
                                      gpus=(gpu,), cpu_physical_cores=8, preferences=Preferences(**prefs)))
 
 

@@ -25,7 +25,7 @@ def test_the_family_data_says_who_can_swap() -> None:
 
 
 def test_swap_comes_before_resolution_and_rank_and_takes_the_fewest_blocks() -> None:
-    predict = memory_predictor("flux-dev")
+    predict = memory_predictor(get_family("flux-dev"))
     budget = predict(replace(FLUX, blocks_to_swap=12)) + 1  # fits at 12 swapped blocks, not at 11
     decision = next_settings(FLUX, _limits(budget), predict, measured_mib=predict(FLUX))  # scale 1
     assert isinstance(decision, Decision)
@@ -35,7 +35,7 @@ def test_swap_comes_before_resolution_and_rank_and_takes_the_fewest_blocks() -> 
 
 
 def test_swap_is_capped_at_the_family_maximum_then_resolution_follows() -> None:
-    predict = memory_predictor("flux-dev")
+    predict = memory_predictor(get_family("flux-dev"))
     at_max = replace(FLUX, blocks_to_swap=35)
     budget = (predict(at_max) + predict(replace(at_max, resolution=(960, 960), max_bucket_reso=960))) / 2
     decision = next_settings(FLUX, _limits(budget), predict, measured_mib=predict(FLUX))  # scale 1
@@ -49,7 +49,7 @@ def test_a_family_that_cannot_swap_never_gets_the_rung() -> None:
     sd15 = TrainSettings(train_batch_size=1, gradient_accumulation_steps=1, resolution=(512, 512),
                          optimizer_type="AdamW8bit", network_dim=16, network_alpha=8.0, mixed_precision="fp16",
                          gradient_checkpointing=True, cache_latents=True)
-    predict = memory_predictor("sd15")
+    predict = memory_predictor(get_family("sd15"))
     exhausted = next_settings(sd15, _limits(1.0, "sd15"), predict, measured_mib=predict(sd15))
     assert isinstance(exhausted, Exhausted) and exhausted.floor.blocks_to_swap == 0
     assert not any("block swap" in step for step in exhausted.tried)

@@ -35,7 +35,8 @@ KINDS = {"flag": bool, "int": int, "float": (int, float), "str": str, "Path": st
 
 
 def plan(family: str, tier: int, **prefs):
-    return plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors", family=family,
+    return plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors",
+                                     family=get_family(family),
                                      gpus=(gpu_from_vram(tier),), cpu_physical_cores=8,
                                      preferences=Preferences(**prefs)))
 

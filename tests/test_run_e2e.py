@@ -38,6 +38,7 @@ from autotune.recovery.engine import CompatEngine
 from autotune.recovery.ladder import LadderLimits, memory_predictor
 from autotune.recovery.watchdog import Job, supervise
 from sd_scripts_compat.config.resolved_run import settings_from_files
+from sd_scripts_compat.facts.families import get_family
 
 pytestmark = pytest.mark.skipif(
     not (Path(__file__).parents[1] / "sd_scripts_compat" / "train_network.py").is_file(),
@@ -88,7 +89,7 @@ def make_job(tmp: Path, name: str, *, micro: int, accum: int, steps: int, resolu
     return Job(config_path=out / "config.toml", output_dir=out,
                settings=settings_from_files(out / "config.toml", None, sdxl=False).settings,
                limits=LadderLimits(budget_mib=budget, min_resolution=64, resolution_step=64),
-               predict=memory_predictor("tiny-sd15", cuda=False), env=env, echo=False,
+               predict=memory_predictor(get_family("tiny-sd15"), cuda=False), env=env, echo=False,
                train_output_dir=out / "output",
                engine=CompatEngine(save_state_every_s=kw.pop("save_state_every_s", 30.0)), **kw)
 
@@ -378,8 +379,8 @@ def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(
     """`output/<dataset>-<family>`: two models trained on one dataset never share a folder (was output/<dataset>)."""
     from autotune.layout import default_out, run_name
 
-    assert run_name(tmp_path / "my data!", "tiny-sd15") == "my_data-tiny-sd15"
-    assert default_out(tmp_path / "d", "sdxl") != default_out(tmp_path / "d", "tiny-flux")
+    assert run_name(tmp_path / "my data!", get_family("tiny-sd15")) == "my_data-tiny-sd15"
+    assert default_out(tmp_path / "d", get_family("sdxl")) != default_out(tmp_path / "d", get_family("tiny-flux"))
     examples = Path(__file__).resolve().parents[1] / "examples" / "dataset"
     done = subprocess.run([sys.executable, "-m", "autotune", "run", str(examples), "--model", "builtin:tiny-sd15",
                            "--steps", "2", "--skip-doctor"], cwd=tmp_path, capture_output=True,

@@ -20,6 +20,7 @@ from autotune.recovery.ladder import (
     next_settings,
     rescale_factor,
 )
+from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.facts.settings_space import config_values, dataset_values
 
 SDXL = TrainSettings(train_batch_size=4, gradient_accumulation_steps=2, resolution=(1024, 1024),
@@ -32,12 +33,12 @@ SD15 = TrainSettings(train_batch_size=4, gradient_accumulation_steps=1, resoluti
 
 @pytest.fixture(scope="module")
 def sdxl_predict():
-    return memory_predictor("sdxl")
+    return memory_predictor(get_family("sdxl"))
 
 
 @pytest.fixture(scope="module")
 def sd15_predict():
-    return memory_predictor("sd15")
+    return memory_predictor(get_family("sd15"))
 
 
 def test_smaller_micro_batch_first_keeps_effective_batch(sdxl_predict):
@@ -171,7 +172,7 @@ def test_tiny_family_ladder_on_its_own_calibration():
     from autotune.estimate.memory_model import MemoryInputs, predict_memory
     from sd_scripts_compat.facts.errors import UserError
 
-    predict = memory_predictor("tiny-sd15", cuda=False)
+    predict = memory_predictor(get_family("tiny-sd15"), cuda=False)
     tiny = TrainSettings(train_batch_size=4, gradient_accumulation_steps=1, resolution=(256, 256), network_dim=16,
                          network_alpha=8.0, mixed_precision="no", cache_latents=True)
     direct = predict_memory(MemoryInputs(
@@ -186,7 +187,7 @@ def test_tiny_family_ladder_on_its_own_calibration():
     floor = next_settings(tiny, replace(limits, budget_mib=0.001), predict, measured_mib=predict(tiny))
     assert isinstance(floor, Exhausted) and floor.floor.resolution == (128, 128)
     with pytest.raises(UserError, match="no memory calibration"):
-        memory_predictor("sd3")
+        memory_predictor(replace(get_family("sd15"), name="sd15-uncalibrated-twin"))
 
 
 def _resolved_run(tmp_path, name: str, config: dict, subsets: list[dict]):
@@ -216,8 +217,8 @@ def test_engine_side_text_encoder_caching_takes_the_encoders_off_the_prediction_
     from sd_scripts_compat.facts.families import get_family
 
     unet_only = replace(SDXL, cache_text_encoder_outputs=False, network_train_unet_only=True)
-    resident = memory_predictor("sdxl")
-    engine_cached = memory_predictor("sdxl", text_encoder_outputs_cached=True)
+    resident = memory_predictor(get_family("sdxl"))
+    engine_cached = memory_predictor(get_family("sdxl"), text_encoder_outputs_cached=True)
     assert engine_cached(unet_only) == resident(replace(unet_only, cache_text_encoder_outputs=True))
     assert engine_cached(unet_only) < resident(unet_only) - 1000  # SDXL's two encoders: over 1.5 GB in fp16
 

@@ -33,6 +33,7 @@ from autotune.wizard import organise
 from autotune.wizard.overrides import Overrides, evaluate, settings_from_values
 from sd_scripts_compat.config.resolved_run import settings_from_files
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "dataset"
@@ -497,7 +498,8 @@ def test_the_wizard_predicts_from_this_machines_measured_runs_as_autotune_plan_d
                               "--json", "--no-learn"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     settings = json.loads(planned.stdout)["settings"]
     device = device_key(probe_system(tmp_path, use_torch=False), cpu=True)
-    record = from_done_event({"settings": settings, "step_seconds": [0.5] * 8}, device=device, family="tiny-sd15",
+    record = from_done_event({"settings": settings, "step_seconds": [0.5] * 8}, device=device,
+                             family=get_family("tiny-sd15"),
                              source="bench")
     record_measurements([record])
     done = subprocess.run([sys.executable, "-m", "autotune", "wizard", str(EXAMPLES), "--model", "builtin:tiny-sd15",
@@ -535,7 +537,7 @@ def test_a_musubi_family_on_this_machine_is_offered_the_supervised_musubi_run(tm
     out = tmp_path / "out"
     output = steps.OutputChoice(goal="character", priority="balanced", name="x", folder=out, fmt="kohya")
     code = offer_training(asker, argparse.Namespace(start=False), hardware,
-                          steps.ModelChoice(model=str(dit), family="qwen-image"), data, output,
+                          steps.ModelChoice(model=str(dit), family=get_family("qwen-image")), data, output,
                           out / "config.toml", out / "dataset.toml")
     shown = screen.getvalue()
     assert code == 0

@@ -72,8 +72,9 @@ def cpu_point(family: str, settings: Any, seconds_per_micro_step: float, cores: 
     """A bench point's precision ("fp32" / "bf16") and its features, as the speed model counts them."""
     from autotune.estimate.memory_model import inputs_for_settings
     from autotune.estimate.speed_model import compute_precision, cpu_traffic_bytes, step_flops
+    from sd_scripts_compat.facts.families import get_family
 
-    inputs = inputs_for_settings(family, settings)
+    inputs = inputs_for_settings(get_family(family), settings)
     precision = "bf16" if compute_precision(inputs) == "bf16" else "fp32"
     flops = step_flops(inputs).total
     weights, activations = cpu_traffic_bytes(inputs, flops)

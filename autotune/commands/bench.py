@@ -28,6 +28,7 @@ from typing import Any
 from autotune.launch.plan_options import finite
 from sd_scripts_compat.facts.contract import Outcome
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import FamilySpec
 
 ENGINE_WARMUP_STEPS = 2  # the engine's TIMING_WARMUP_STEPS: done.json leaves the first two steps out of its timing
 
@@ -187,7 +188,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> int:
     device = device_key(probe)
     say(f"autotune bench {args.model} (family {family.name}) on {device}: {len(points)} point(s)")
     results = run_bench(job, points, progress=say)
-    stored = None if args.no_store else _store(results, device, family.name, args.memory_limit)
+    stored = None if args.no_store else _store(results, device, family, args.memory_limit)
     if args.json:
         print(json.dumps({"device": device, "family": family.name, "model": args.model, "steps": args.steps,
                           "warmup_steps": args.warmup, "points": [p.to_json() for p in results],
@@ -199,7 +200,7 @@ def _bench(args: argparse.Namespace, workdir: Path) -> int:
     return 0 if any(p.outcome == Outcome.DONE for p in results) else 1
 
 
-def _store(results: list[Any], device: str, family: str, budget_mib: float | None) -> Path | None:
+def _store(results: list[Any], device: str, family: FamilySpec, budget_mib: float | None) -> Path | None:
     from autotune.measure.store import from_done_event, from_oom_event, record_measurements
 
     records = []

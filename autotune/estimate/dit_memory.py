@@ -71,7 +71,7 @@ from autotune.estimate.memory_model import (
     optimizer_state_bytes,
 )
 from sd_scripts_compat.facts.errors import UserError
-from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.families import FamilySpec, get_family
 
 if TYPE_CHECKING:
     from sd_scripts_compat.facts.settings import TrainSettings
@@ -96,9 +96,9 @@ def dit_family_calibration(family: str, calibration: dict[str, Any] | None = Non
     return {**cal, **variant} if variant else cal
 
 
-def is_dit_family(family: str) -> bool:
+def is_dit_family(family: FamilySpec) -> bool:
     """True for the families this model covers (listed in the calibration file, not in code)."""
-    return family in load_dit_calibration()["families"]
+    return family.name in load_dit_calibration()["families"]
 
 
 @dataclass(frozen=True)
@@ -137,12 +137,12 @@ class DitMemoryInputs:
         return cls(family=family, frames=config.get("frames", 1), **{key: config[key] for key in keys})
 
 
-def dit_inputs_for_settings(family: str, settings: TrainSettings, *, t5_fp8: bool = False,
+def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_fp8: bool = False,
                              **overrides: Any) -> DitMemoryInputs:
     """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping)."""
     width, height = settings.resolution
     return DitMemoryInputs(
-        family=family, resolution=width, height=height if height != width else None,
+        family=family.name, resolution=width, height=height if height != width else None,
         batch_size=settings.train_batch_size, rank=settings.network_dim,
         gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
         fp8_base=settings.fp8_base, blocks_to_swap=settings.blocks_to_swap,

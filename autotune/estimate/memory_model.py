@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.facts.settings import TrainSettings
 
 CALIBRATION_PATH = Path(__file__).resolve().parents[1] / "data" / "memory_calibration.json"
@@ -97,7 +98,7 @@ class MemoryInputs:
         return replace(self, **changes)
 
 
-def inputs_for_settings(family: str, settings: TrainSettings, *, text_encoder_outputs_cached: bool = False,
+def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, text_encoder_outputs_cached: bool = False,
                         **overrides: Any) -> MemoryInputs:
     """The memory model's inputs for one ``TrainSettings`` (the planner's and the ladder's one mapping).
 
@@ -106,7 +107,7 @@ def inputs_for_settings(family: str, settings: TrainSettings, *, text_encoder_ou
     """
     width, height = settings.resolution
     return MemoryInputs(
-        family=family, resolution=width, height=height if height != width else None,
+        family=family.name, resolution=width, height=height if height != width else None,
         batch_size=settings.train_batch_size, rank=settings.network_dim,
         gradient_checkpointing=settings.gradient_checkpointing, optimizer=settings.optimizer_type,
         weight_dtype=settings.weight_dtype,

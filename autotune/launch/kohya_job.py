@@ -210,7 +210,7 @@ def _engine_caches_text(resolved: Any) -> bool:
 def _predictor(family: FamilySpec, resolved: Any, cuda: bool) -> Any:
     from autotune.recovery.ladder import memory_predictor
 
-    return memory_predictor(family.name, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
+    return memory_predictor(family, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
 
 
 def _usable_mib(plan: Plan) -> float | None:

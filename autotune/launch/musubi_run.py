@@ -76,7 +76,7 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sy
     limits = LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8) or base.fp8_base,
                                      te_cache_allowed=False)
     return Job(config_path=out / "config.toml", output_dir=out, settings=settings, limits=limits,
-               predict=memory_predictor(family.name, cuda=True), dataset_config_path=out / "dataset.toml", env=env,
+               predict=memory_predictor(family, cuda=True), dataset_config_path=out / "dataset.toml", env=env,
                cuda=cuda, max_retries=args.max_retries, stall_timeout_s=args.stall_timeout,
                resume=bool(args.resume), prior_retries=list(saved.get("retries") or []), train_output_dir=out,
                states_at=out, engine=engine, budget_kind="device",

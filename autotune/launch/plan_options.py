@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
+    from sd_scripts_compat.facts.families import FamilySpec
 
 
 def finite(text: str) -> float:
@@ -150,9 +151,11 @@ def _physical_cores() -> int:
     return int(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
-def build_request(args: argparse.Namespace, spec: Any = None) -> Any:
-    """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest."""
+def build_request(args: argparse.Namespace, family: FamilySpec | None = None) -> Any:
+    """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest; the family is detected
+    here, once, unless the caller already did (``family``)."""
     from autotune.planning.request import PlanRequest, Preferences
+    from sd_scripts_compat.models.detect import detect_family
 
     gpus, cores, ram, probe_line, probe = _targets(args)
     if args.cpu_cores is not None:
@@ -168,7 +171,8 @@ def build_request(args: argparse.Namespace, spec: Any = None) -> Any:
                         frames=getattr(args, "frames", None), experts=getattr(args, "experts", None))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
-    return PlanRequest(dataset_dir=args.dataset, model=args.model, family=args.family, spec=spec, gpus=tuple(gpus),
+    family = family or detect_family(args.model, args.family)
+    return PlanRequest(dataset_dir=args.dataset, model=args.model, family=family, gpus=tuple(gpus),
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
                        cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
                        host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,

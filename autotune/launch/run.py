@@ -228,7 +228,7 @@ def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: FamilySp
         if args.out and dataset_folder(args.out, "--out") != root:
             raise UserError(f"--resume {args.resume} is in the run {root}, but --out is {args.out}; give one of them")
         return root
-    out = dataset_folder(args.out, "--out") if args.out else default_out(dataset_dir, family.name)
+    out = dataset_folder(args.out, "--out") if args.out else default_out(dataset_dir, family)
     refuse_out_in_dataset(out, dataset_dir, "--out" if args.out else "the run's folder (--out)")
     return out
 
@@ -293,7 +293,7 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
     with _watching_for_slowdowns(out / EVENTS_DIR / MONITOR_FILE):
         result = supervise(job)
     if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
-        remember_attempts(result.attempts, probe, family.name, job.limits.budget_mib,
+        remember_attempts(result.attempts, probe, family, job.limits.budget_mib,
                           contended=_contended(out))
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
@@ -322,7 +322,7 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
     return 1
 
 
-def remember_attempts(attempts: list[Any], probe: SystemProbe, family: str, budget_mib: float | None,
+def remember_attempts(attempts: list[Any], probe: SystemProbe, family: FamilySpec, budget_mib: float | None,
                       contended: str | None = None) -> None:
     """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
     plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run.

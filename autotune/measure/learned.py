@@ -23,6 +23,7 @@ from typing import Any
 
 from autotune.measure.store import Measurement, settings_key
 from sd_scripts_compat.facts.contract import Outcome
+from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.facts.settings import TrainSettings
 
 # fields compared by equality when judging "at least as heavy" (the rest are ordered: batch, size, rank, gc)
@@ -85,8 +86,8 @@ def when_measured(m: Measurement) -> str:
 class LearnedFigures:
     """The store's records for one device and family, asked about one candidate at a time."""
 
-    def __init__(self, records: Sequence[Measurement], device: str, family: str) -> None:
-        mine = [r for r in records if r.device == device and r.family == family]
+    def __init__(self, records: Sequence[Measurement], device: str, family: FamilySpec) -> None:
+        mine = [r for r in records if r.device == device and r.family == family.name]
         self.device = device
         self.done = [r for r in mine if r.outcome == Outcome.DONE and r.micro_steps_per_s]
         self.ooms = [r for r in mine if r.outcome == Outcome.OOM]

@@ -24,6 +24,7 @@ from sd_scripts_compat.facts.contract import Outcome
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
+    from sd_scripts_compat.facts.families import FamilySpec
 
 SCHEMA_VERSION = 1
 STORE_NAME = "measurements.json"
@@ -171,7 +172,7 @@ def _stamped(item: Measurement) -> Measurement:
     return replace(item, measured_at=time.time())
 
 
-def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source: str) -> Measurement | None:
+def from_done_event(done: Mapping[str, Any], *, device: str, family: FamilySpec, source: str) -> Measurement | None:
     """A record from the engine's done.json (None without a steady-state timing: too few steps); its time is
     the median step (:func:`steady_seconds_per_step`). A ``torch_compile`` run is keyed as compiled and keeps its
     compile time; one whose compile failed is None (it trained eager under a compiled key)."""
@@ -181,7 +182,7 @@ def from_done_event(done: Mapping[str, Any], *, device: str, family: str, source
     if not isinstance(settings, dict) or seconds is None or (compiled is not None and compiled.get("failure")):
         return None
     memory: dict[str, float] = done["memory"] if isinstance(done.get("memory"), dict) else {}
-    return Measurement(device=device, family=family, settings=settings, outcome=Outcome.DONE, source=source,
+    return Measurement(device=device, family=family.name, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
                        peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
                        steps=len(done.get("step_seconds") or []),
@@ -197,11 +198,11 @@ def steady_seconds_per_step(done: Mapping[str, Any]) -> float | None:
     return statistics.median(steps) if steps else _number(done.get("seconds_per_step"))
 
 
-def from_oom_event(oom: Mapping[str, Any], *, device: str, family: str, source: str,
+def from_oom_event(oom: Mapping[str, Any], *, device: str, family: FamilySpec, source: str,
                    budget_mib: float | None) -> Measurement | None:
     settings = oom.get("settings")
     if not isinstance(settings, dict):
         return None
     memory: dict[str, float] = oom["memory"] if isinstance(oom.get("memory"), dict) else {}
-    return Measurement(device=device, family=family, settings=settings, outcome=Outcome.OOM, source=source,
+    return Measurement(device=device, family=family.name, settings=settings, outcome=Outcome.OOM, source=source,
                        memory=dict(memory), budget_mib=budget_mib)

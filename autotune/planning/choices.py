@@ -77,7 +77,7 @@ class PlanContext:
     @property
     def text_encoder_fp8(self) -> bool:
         """The largest text encoder is in fp8 for caching (SD3: only under fp8_base, which keeps the file's fp8)."""
-        return plan_profile(self.family.name).text_encoder_fp8(self.t5_fp8, self.settings.fp8_base)
+        return plan_profile(self.family).text_encoder_fp8(self.t5_fp8, self.settings.fp8_base)
 
     @property
     def side(self) -> int:
@@ -143,7 +143,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
         out.append(Choice("v2", True, "SD 2.x: OpenCLIP text encoder and 1024-wide cross-attention"))
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
-    profile = plan_profile(fam.name)
+    profile = plan_profile(fam)
     out += [Choice(key, path, reason) for key, (path, reason) in model_files(
         req, profile, c.text_encoder_fp8, both_experts=c.settings.high_noise_expert).items()]
     if c.text_encoder_fp8 and profile.te_fp8_flag and not c.te_cpu:
@@ -199,7 +199,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
 
 def _network(c: PlanContext) -> list[Choice]:
     s, req, goal = c.settings, c.request, c.goal
-    profile = plan_profile(c.family.name)
+    profile = plan_profile(c.family)
     pinned = req.preferences.rank
     rank_reason = ("your --rank" if pinned and s.network_dim == pinned
                    else f"goal {req.goal}: rank {goal.rank}" if s.network_dim == goal.rank
@@ -277,7 +277,7 @@ def _training(c: PlanContext) -> list[Choice]:
     ]
     if s.torch_compile:
         out.append(Choice("dynamo_backend", s.dynamo_backend, "the backend of the measured compiled run"))
-    profile = plan_profile(fam.name)
+    profile = plan_profile(fam)
     if s.fp8_base and fam.fp8_option:
         out.append(Choice(fam.fp8_option, True, "nothing fit with 16-bit weights: " + (profile.fp8_reason or (
             "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
@@ -320,7 +320,7 @@ def swap_reason(c: PlanContext) -> str:
     from autotune.estimate.dit_memory import dit_inputs_for_settings, predict_dit_memory
     from autotune.estimate.dit_speed import dit_step_flops, swap_seconds
 
-    inputs = dit_inputs_for_settings(c.family.name, c.settings, t5_fp8=c.text_encoder_fp8,
+    inputs = dit_inputs_for_settings(c.family, c.settings, t5_fp8=c.text_encoder_fp8,
                                      text_encoders_on_cpu=c.te_cpu)
     estimate = predict_dit_memory(inputs)
     double, single = c.family.swap_split(c.settings.blocks_to_swap)

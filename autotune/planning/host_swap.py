@@ -57,7 +57,7 @@ def _experts(chosen: Scored, predictor: Predictor, usable: int, host_ram: int | 
     if host_ram is not None and alt.host_ram > host_ram:
         return chosen, (f"{both}: offloading the inactive expert instead fits the card but needs "
                         f"{alt.host_ram / GIB:.1f} GiB of RAM, {host_ram / GIB:.1f} usable")
-    share = plan_profile(predictor.family.name).expert_switch_share()
+    share = plan_profile(predictor.family).expert_switch_share()
     if alt.it_per_s > chosen.it_per_s * (1 + 1e-9):
         return alt, (f"the inactive expert waits whole in host RAM and comes in when the sampled timestep crosses "
                      f"the boundary (~{share:.0%} of micro-steps): {_seconds(alt):.2f} s per micro-step against "
@@ -73,7 +73,7 @@ def _pinned(chosen: Scored, predictor: Predictor, host_ram: int | None) -> tuple
 
     s = chosen.settings
     alt = score(replace(s, use_pinned_memory_for_block_swap=True), predictor)
-    pinned = predict_dit_memory(dit_inputs_for_settings(predictor.family.name, alt.settings)).pinned_host_bytes
+    pinned = predict_dit_memory(dit_inputs_for_settings(predictor.family, alt.settings)).pinned_host_bytes
     if alt.it_per_s <= chosen.it_per_s * (1 + 1e-9):
         return chosen, (f"off: the swapped blocks' copies hide behind the compute ({_seconds(chosen):.2f} s per "
                         f"micro-step either way), so pinning would only lock {pinned / GIB:.1f} GiB of RAM")

@@ -134,7 +134,7 @@ def musubi_commands(plan: Plan) -> tuple[tuple[str, ...], ...]:
     text = step(facts["cache_text_encoder_outputs"], te_options)
     # the VAE too: musubi decodes sample images with it (its docs list it for training)
     dits = {"dit": models["dit"]}
-    two = plan_profile(plan.family.name).both_experts
+    two = plan_profile(plan.family).both_experts
     if two and plan.settings is not None and plan.settings.high_noise_expert:  # Wan 2.2: the second expert's file
         dits[two.file_key] = models[two.file_key]
     train = step(family.kohya_script, {"config_file": "config.toml", **dits, "vae": models["vae"]})

@@ -225,12 +225,12 @@ def _fp8_capable(gpu: GpuTarget, min_cc: tuple[int, int] | None) -> bool:
     return gpu.fp8_base_capable or (min_cc is not None and cc is not None and cc >= min_cc)
 
 
-def caching_needs_fp8_t5(family: str, usable: int, t5_fp8: bool = False) -> bool:
+def caching_needs_fp8_t5(family: FamilySpec, usable: int, t5_fp8: bool = False) -> bool:
     """True when caching the text-encoder outputs with a 16-bit T5-XXL (the family's largest text encoder;
     ``t5_fp8``: with it in fp8) would not fit ``usable`` bytes."""
     from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
 
-    estimate = predict_dit_memory(DitMemoryInputs(resolution=512, family=family, blocks_to_swap=0, t5_fp8=t5_fp8))
+    estimate = predict_dit_memory(DitMemoryInputs(resolution=512, family=family.name, blocks_to_swap=0, t5_fp8=t5_fp8))
     return estimate.caching_peak + estimate.components["safety_margin"] > usable
 
 
@@ -283,7 +283,7 @@ def plan_training(request: PlanRequest) -> Plan:
 
 def _search_plan(request: PlanRequest) -> _Searched:
     """The family, dataset and card read; the start point; the search over the settings space."""
-    family = request.spec or detect_family(request.model, request.family)
+    family = request.family or detect_family(request.model)
     validate_resolution(request.preferences.resolution, family)
     validate_frames(request.preferences.frames, family)
     media = VIDEO_EXTENSIONS if (request.preferences.frames or 1) > 1 else IMAGE_EXTENSIONS  # clips: its videos
@@ -298,13 +298,13 @@ def _search_plan(request: PlanRequest) -> _Searched:
     split = _pinned_split(prefs, effective, devices)
     effective = split[0] * split[1] * devices if split else effective
     preferred_opt = prefs.optimizer or PRIORITY_OPTIMIZER[request.priority]
-    profile = plan_profile(family.name)
+    profile = plan_profile(family)
     train_te = prefs.train_text_encoder if prefs.train_text_encoder is not None else (
         profile.train_text_encoder if profile.train_text_encoder is not None else not family.is_sdxl)
     # fp8 text encoder while caching where the trainer has it (musubi's FLUX.2 dev: Mistral 3 has no fp8 mode)
     te_fp8_offered = (family.musubi or {}).get("text_encoder_fp8", True) is not None
-    t5_fp8 = profile.has_te_fp8 and te_fp8_offered and caching_needs_fp8_t5(family.name, usable)
-    te_cpu = bool(profile.te_cpu_flag) and bool(gpus) and caching_needs_fp8_t5(family.name, usable, t5_fp8)
+    t5_fp8 = profile.has_te_fp8 and te_fp8_offered and caching_needs_fp8_t5(family, usable)
+    te_cpu = bool(profile.te_cpu_flag) and bool(gpus) and caching_needs_fp8_t5(family, usable, t5_fp8)
     both = wants_both_experts(request, profile.both_experts.file_key if profile.both_experts else None)
     start = start_point(family, side=prefs.resolution or family.resolution, rank=prefs.rank or goal.rank,
                         optimizer=preferred_opt, precision=precision, train_te=train_te, effective=effective,
@@ -312,7 +312,7 @@ def _search_plan(request: PlanRequest) -> _Searched:
                         high_noise_expert=both)
     fp8_ok = bool(gpus) and prefs.allow_fp8 and all(_fp8_capable(g, profile.fp8_min_compute_capability)
                                                      for g in gpus)
-    measured = learned_for(request, family.name, devices)
+    measured = learned_for(request, family, devices)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, te_cpu=te_cpu,
                           cpu_bf16=request.cpu_bf16, learned=measured, usable=usable)
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
@@ -407,7 +407,7 @@ def _pinned_split(prefs: Any, effective: int, devices: int) -> tuple[int, int] |
     return max(1, round(effective / (prefs.accum * devices))), prefs.accum
 
 
-def learned_for(request: PlanRequest, family: str, devices: int) -> LearnedFigures | None:
+def learned_for(request: PlanRequest, family: FamilySpec, devices: int) -> LearnedFigures | None:
     """This device's measurements for ``family`` (None: none given, or a multi-GPU plan, which no single-device
     measurement describes)."""
     if not request.measurements or request.measured_device is None or devices > 1:

@@ -15,6 +15,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from sd_scripts_compat.facts.families import FamilySpec
+
 PROFILES_PATH = Path(__file__).resolve().parents[1] / "data" / "plan_profiles.json"
 
 
@@ -77,14 +79,13 @@ def _profiles(path: str = str(PROFILES_PATH)) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def plan_profile(family: str) -> PlanProfile:
+def plan_profile(family: FamilySpec) -> PlanProfile:
     """The profile of ``family`` (a family listed under a profile's ``families``), else ``default``."""
-    from sd_scripts_compat.facts.families import get_family
-
     data = _profiles()
-    entry = next((p for k, p in data.items() if k != "_doc" and family in p.get("families", ())), data["default"])
+    entry = next((p for k, p in data.items() if k != "_doc" and family.name in p.get("families", ())),
+                 data["default"])
     return PlanProfile(
-        network_module=get_family(family).network_module,
+        network_module=family.network_module,
         network_module_reason=entry.get("network_module_reason",
                                         "kohya's LoRA (LierLa: linear layers of attention and MLPs)"),
         ladder=tuple(entry["ladder"]), train_text_encoder=entry.get("train_text_encoder"),
@@ -92,7 +93,7 @@ def plan_profile(family: str) -> PlanProfile:
         cache_text_encoder_outputs_reason=entry.get("cache_text_encoder_outputs_reason", ""),
         model_files={k: (v[0], v[1]) for k, v in entry.get("model_files", {}).items()},
         fixed=tuple((k, v, r) for k, v, r in entry.get("fixed", ())),
-        max_blocks_to_swap=get_family(family).max_blocks_to_swap,
+        max_blocks_to_swap=family.max_blocks_to_swap,
         fp8_min_compute_capability=(tuple(int(x) for x in entry["fp8_min_compute_capability"].split("."))
                                     if "fp8_min_compute_capability" in entry else None),  # type: ignore[arg-type]
         fp8_reason=entry.get("fp8_reason"), te_fp8_flag=entry.get("te_fp8_flag"),

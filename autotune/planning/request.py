@@ -90,8 +90,7 @@ class Preferences:
 class PlanRequest:
     dataset_dir: str | None
     model: str  # "builtin:sdxl" or a path (safetensors file / diffusers folder)
-    family: str | None = None  # detected from ``model`` when None
-    spec: FamilySpec | None = None  # the family the caller already detected (``autotune run``): not detected again
+    family: FamilySpec | None = None  # the family the edge turned the model (and --family) into; None: detected
     gpus: tuple[GpuTarget, ...] = ()  # empty: plan for this machine's CPU
     goal: str = "character"
     priority: str = "balanced"

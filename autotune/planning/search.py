@@ -30,7 +30,7 @@ def start_point(family: FamilySpec, *, side: int, rank: int, optimizer: str, pre
                 frames: int = 1, high_noise_expert: bool = False) -> TrainSettings:
     """The preferred settings before anything is given up (latents always cached; text-encoder outputs as the
     family's plan profile says, else cached for SDXL UNet-only training)."""
-    cache_te = plan_profile(family.name).cache_text_encoder_outputs
+    cache_te = plan_profile(family).cache_text_encoder_outputs
     return TrainSettings(
         train_batch_size=1, gradient_accumulation_steps=effective, resolution=(side, side),
         gradient_checkpointing=False, optimizer_type=optimizer, network_dim=rank, network_alpha=network_alpha(rank),
@@ -56,7 +56,7 @@ class Estimate:
     oom: str | None = None  # ran out of memory here before: not proposed
 
 
-def estimate_for_settings(family: str, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
+def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
                           cpu_bf16: bool = False, te_cpu: bool = False) -> tuple[Any, Any]:
     """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
@@ -100,7 +100,7 @@ class Predictor:
         self._cache: dict[TrainSettings, Estimate] = {}
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
-        return estimate_for_settings(self.family.name, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
+        return estimate_for_settings(self.family, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
                                      te_cpu=self.te_cpu)
 
     def model_rate(self, s: TrainSettings) -> float:
@@ -196,7 +196,7 @@ def planner_policy(family: FamilySpec, goal: GoalProfile) -> Policy:
     """The planner's walk of the settings space: the family's order (``plan_profiles.json``'s ``ladder``), any
     optimizer may become AdamW8bit (the plan writes its own rates), alpha = rank / 2, buckets twice the side, and
     the goal's rank floor before the last resort (``rank_min``)."""
-    return Policy(rungs=plan_profile(family.name).ladder, exact_micro_batches=False, switch_optimizer=True,
+    return Policy(rungs=plan_profile(family).ladder, exact_micro_batches=False, switch_optimizer=True,
                   alpha=network_alpha, bucket_follows="double", rank_floor=goal.rank_floor)
 
 

@@ -21,7 +21,7 @@ from autotune.planning.planner import Plan, plan_training
 from autotune.planning.request import GIB, PlanRequest, gpu_from_vram
 from autotune.planning.toml_writer import render_plan_files
 from sd_scripts_compat.facts.atomic import write_text_atomic
-from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.families import FamilySpec, get_family
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates"
 TIERS_GB = (6, 8, 12, 16, 24, 48)
@@ -41,9 +41,9 @@ TEMPLATE_CPU_CORES = 8  # a typical desktop; only max_data_loader_n_workers depe
 MODEL_PLACEHOLDER = "./models/{family}.safetensors"  # FLUX: ./models/flux-dev.safetensors (the transformer)
 
 
-def template_plan(family: str, tier_gb: int) -> Plan:
+def template_plan(family: FamilySpec, tier_gb: int) -> Plan:
     """The plan a template holds (deterministic: no probe, no dataset scan, relative paths)."""
-    request = PlanRequest(dataset_dir=None, model=MODEL_PLACEHOLDER.format(family=family), family=family,
+    request = PlanRequest(dataset_dir=None, model=MODEL_PLACEHOLDER.format(family=family.name), family=family,
                           gpus=(gpu_from_vram(tier_gb),), dataset=nominal_dataset(),
                           cpu_physical_cores=TEMPLATE_CPU_CORES,
                           probe_summary="none: template for a generic card of this size")
@@ -57,7 +57,7 @@ def template_files() -> dict[str, str]:
     for family in FAMILIES:
         for tier in FAMILY_TIERS[family]:
             folder = f"{family}/{tier}gb"
-            plan = template_plan(family, tier)
+            plan = template_plan(get_family(family), tier)
             if not plan.fits:
                 files[f"{folder}/DOES_NOT_FIT.txt"] = plan.message + "\n"
                 rows.append(f"| {family} | {tier} | does not fit | | | | | |")
@@ -69,7 +69,7 @@ def template_files() -> dict[str, str]:
             rows.append(f"| {family} | {tier} | {s.resolution[0]} | {s.train_batch_size} x "
                         f"{s.gradient_accumulation_steps} | {'on' if s.gradient_checkpointing else 'off'} | "
                         f"{s.network_dim} | {s.optimizer_type}"
-                        f"{f' + {get_family(family).fp8_option}' if s.fp8_base else ''}"
+                        f"{f' + {plan.family.fp8_option}' if s.fp8_base else ''}"
                         f"{f' + blocks_to_swap {s.blocks_to_swap}' if s.blocks_to_swap else ''} | "
                         f"{p.peak_bytes / GIB:.2f} |")
     files["README.md"] = "\n".join([

@@ -167,7 +167,7 @@ def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
     return f"{name}: {_short(change)} ({why})"
 
 
-def memory_predictor(family: str, *, text_encoder_outputs_cached: bool = False,
+def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = False,
                      cuda: bool = True) -> Callable[[TrainSettings], float]:
     """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
 
@@ -185,7 +185,7 @@ def memory_predictor(family: str, *, text_encoder_outputs_cached: bool = False,
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
         return lambda s: predict_dit_memory(dit_inputs_for_settings(family, s, **overrides)).training_total_bytes \
             / 2**20
-    family_calibration(family)  # an uncalibrated family fails here, with the fix, not at the first OOM
+    family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
         inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached,

@@ -212,12 +212,13 @@ def larger_batch(done: dict[str, Any], peak_bytes: float, total_bytes: float) ->
     """(micro-batch, predicted bytes, predicted samples/s speed-up) of the largest batch (up to 16x, 64) that fits."""
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.facts.settings import TrainSettings
 
     try:
         settings = TrainSettings.from_event(done["settings"])
         cached = bool((done.get("resolved") or {}).get("text_encoder_outputs_cached"))
-        base = inputs_for_settings(done["family"], settings, text_encoder_outputs_cached=cached)
+        base = inputs_for_settings(get_family(done["family"]), settings, text_encoder_outputs_cached=cached)
         scale = peak_bytes / predict_memory(base).peak_bytes  # this run's measured / predicted
         now = predict_speed(base, peak_tflops=100.0)  # any rate: only the ratio is used
         best = None

@@ -205,7 +205,7 @@ class RunStore:
         from sd_scripts_compat.models.detect import detect_family
 
         with self.lock:
-            base = name or run_name(Path(dataset), detect_family(model).name)
+            base = name or run_name(Path(dataset), detect_family(model))
             run_id, n = base, 1
             while (self.runs_dir / run_id).exists() or (self.ui_dir / f"{run_id}.json").exists():
                 n += 1

@@ -35,7 +35,6 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
 
     from autotune.planning.planner import plan_training
     from autotune.wizard.review import review
-    from sd_scripts_compat.facts.families import get_family
 
     check_flags(args)
     asker = Asker(console or Console(highlight=False), assume_yes=args.yes)
@@ -47,7 +46,7 @@ def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
     data = steps.dataset(asker, args, steps.clip_frames(asker, args, model.family))
     healthy = steps.doctor(asker, model, data)
     output = steps.goal_and_output(asker, args, data, model.family)
-    start = overrides_from_args(args, family_tiny=get_family(model.family).tiny,
+    start = overrides_from_args(args, family_tiny=model.family.tiny,
                                 on_gpu=bool(hardware.gpus))
     request = build_request(hardware, model, data, output, experts)
     base = plan_training(request)
@@ -138,7 +137,7 @@ def run_command(model: steps.ModelChoice, data: steps.DatasetChoice, output: ste
                 dataset_toml: Path) -> list[str]:
     """``autotune run`` with the written files, into their folder (``autotune.layout``: the LoRA, ``state/`` and
     ``logs/`` beside the configs)."""
-    return ["run", str(data.folder), "--model", model.model, "--family", model.family, "--config", str(config),
+    return ["run", str(data.folder), "--model", model.model, "--family", model.family.name, "--config", str(config),
             "--dataset-config", str(dataset_toml), "--out", str(output.folder),
             *(["--allow-pickle"] if model.allow_pickle else [])]
 
@@ -157,12 +156,11 @@ def offer_training(asker: Asker, args: argparse.Namespace, hardware: steps.Hardw
                   "paths in them are this machine's) and run the command above.")
         return 0
     from autotune.launch.engines import engine_for
-    from sd_scripts_compat.facts.families import get_family
 
-    family = get_family(model.family)
+    family = model.family
     engine = engine_for(family)  # the registry's: ours where it trains the family, else the user's trainer
     if family.trains_with.caches_apart:  # autotune run plans it again and supervises its own scripts
-        supervised = ["autotune", "run", str(data.folder), "--model", model.model, "--family", model.family,
+        supervised = ["autotune", "run", str(data.folder), "--model", model.model, "--family", family.name,
                       *(["--frames", str(data.frames)] if data.frames > 1 else []),
                       *(["--experts", "both"] if both_experts else []), "--out", str(output.folder),
                       *engine.option.split()]

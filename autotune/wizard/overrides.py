@@ -39,7 +39,7 @@ from autotune.planning.planner import (
     plan_training,
 )
 from autotune.planning.resolution import MIN_BUCKET_RESO
-from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import (
     Limits,
@@ -80,9 +80,7 @@ class Overrides:
 class Target:
     """What a prediction needs besides the settings: the family, the devices and the data."""
 
-    family: str
-    is_sdxl: bool
-    tiny: bool
+    family: FamilySpec
     gpus: tuple[Any, ...]
     cpu_cores: int
     usable_bytes: int
@@ -94,13 +92,12 @@ class Target:
 
     @classmethod
     def of(cls, request: PlanRequest, plan: Plan) -> Target:
-        spec = plan.family
         assert plan.prediction is not None and plan.dataset is not None, "a fitting plan"
-        return cls(family=plan.family.name, is_sdxl=spec.is_sdxl, tiny=spec.tiny, gpus=tuple(request.gpus),
+        return cls(family=plan.family, gpus=tuple(request.gpus),
                    cpu_cores=request.cpu_physical_cores, usable_bytes=plan.prediction.usable_bytes,
                    views_per_epoch=plan.dataset.views_per_epoch,
                    t5_fp8=_te_flag(plan, "fp8"), te_cpu=_te_flag(plan, "cpu"), cpu_bf16=request.cpu_bf16,
-                   learned=learned_for(request, plan.family.name, max(1, len(request.gpus))))
+                   learned=learned_for(request, plan.family, max(1, len(request.gpus))))
 
     @property
     def devices(self) -> int:
@@ -112,7 +109,7 @@ def _te_flag(plan: Plan, form: str) -> bool:
     on the CPU (the family's flag)."""
     from autotune.planning.profiles import plan_profile
 
-    values, profile = plan.kohya_values(), plan_profile(plan.family.name)
+    values, profile = plan.kohya_values(), plan_profile(plan.family)
     if form == "cpu":
         return bool(profile.te_cpu_flag and values.get(profile.te_cpu_flag))
     return "fp8" in str(values.get("t5xxl", "")) or bool(profile.te_fp8_flag and values.get(profile.te_fp8_flag))
@@ -183,7 +180,7 @@ def predict_fit(target: Target, settings: TrainSettings, epochs: int) -> Fit:
     this machine's measured figures where the store has them)."""
     from autotune.planning.search import Predictor
 
-    predictor = Predictor(get_family(target.family), target.gpus, target.cpu_cores, t5_fp8=target.t5_fp8,
+    predictor = Predictor(target.family, target.gpus, target.cpu_cores, t5_fp8=target.t5_fp8,
                           te_cpu=target.te_cpu,
                           cpu_bf16=target.cpu_bf16, learned=target.learned, usable=target.usable_bytes)
     estimate = predictor.predict(settings)
@@ -229,7 +226,7 @@ def evaluate(request: PlanRequest, base: Plan, overrides: Overrides) -> Evaluati
     real = base if prefs == request.preferences else plan_training(replace(request, preferences=prefs))
     honoured = real.fits and honours(real, overrides)
     template = real if honoured else plan_training(_unbounded(request, prefs))
-    wanted = with_preference_values(settings_from_values(template.kohya_values()), overrides, target.is_sdxl)
+    wanted = with_preference_values(settings_from_values(template.kohya_values()), overrides, target.family.is_sdxl)
     if not honoured:
         # The knobs the user left to the planner: its choice where it found one, else the smallest.
         known = settings_from_values(real.kohya_values()) if real.fits else None
@@ -414,9 +411,9 @@ def one_knob_changes(target: Target, wanted: TrainSettings) -> list[list[tuple[O
     """Per knob, its candidate values mildest first (the caller keeps the first that fits): the settings space's
     moves in the wizard's policy (one knob at a time from the user's values; alpha = rank / 2, buckets twice the
     side, resolution only for full-size families), each told back as the override that makes it."""
-    policy = Policy(rungs=WIZARD_RUNGS if not target.tiny else WIZARD_RUNGS[:-1], exact_micro_batches=False,
+    policy = Policy(rungs=WIZARD_RUNGS if not target.family.tiny else WIZARD_RUNGS[:-1], exact_micro_batches=False,
                     switch_optimizer=True, alpha=network_alpha, bucket_follows="double")
-    limits = Limits(is_sdxl=target.is_sdxl, resolution_step=RESOLUTION_STEP, min_resolution=MIN_BUCKET_RESO)
+    limits = Limits(is_sdxl=target.family.is_sdxl, resolution_step=RESOLUTION_STEP, min_resolution=MIN_BUCKET_RESO)
     out = []
     for _, _, candidates in rungs(wanted, policy, limits):
         out.append([(overrides_for(wanted, c.settings), c.settings) for c in candidates])

@@ -20,6 +20,7 @@ from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
+    from sd_scripts_compat.facts.families import FamilySpec
 
 GIB = 1024**3
 
@@ -159,7 +160,7 @@ def _limited(target: Any, vram_gb: float | None) -> Any:
 @dataclass(frozen=True)
 class ModelChoice:
     model: str  # builtin:ID or an absolute path, as config.toml names it
-    family: str
+    family: FamilySpec  # detected once, here
     allow_pickle: bool = False
 
 
@@ -224,7 +225,7 @@ def base_model(asker: Asker, args: argparse.Namespace) -> ModelChoice:
         asker.say("Choose another model.")
 
 
-def _family(asker: Asker, args: argparse.Namespace, model: str, pickle: bool = False) -> str:
+def _family(asker: Asker, args: argparse.Namespace, model: str, pickle: bool = False) -> FamilySpec:
     """Detected (headers and configs only; a pickle is loaded with weights_only), SD 2.x's prediction asked."""
     from autotune.planning.planner import detect_family
     from sd_scripts_compat.facts.families import get_family
@@ -240,8 +241,9 @@ def _family(asker: Asker, args: argparse.Namespace, model: str, pickle: bool = F
                             [Option(f"{f.prediction_type} ({f.description})", f.name) for f in siblings],
                             default=name, flag="--family", given=args.family,
                             explanation="SD 2 files often do not say; 768 px models are usually v-prediction")
-    asker.say(f"Model family [bold]{name}[/bold]: {get_family(name).description}", markup=True)
-    return name
+    family = get_family(name)
+    asker.say(f"Model family [bold]{name}[/bold]: {family.description}", markup=True)
+    return family
 
 
 def _prediction_siblings(name: str) -> list[Any]:
@@ -289,12 +291,10 @@ def dataset_problem(text: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> str
     return None
 
 
-def clip_frames(asker: Asker, args: argparse.Namespace, family: str) -> int:
+def clip_frames(asker: Asker, args: argparse.Namespace, spec: FamilySpec) -> int:
     """A video family's clip length (1 + 4k frames; 1 trains it on a folder of images); no question otherwise."""
     from autotune.planning.request import validate_frames
-    from sd_scripts_compat.facts.families import get_family
 
-    spec = get_family(family)
     if not (spec.musubi or {}).get("video"):
         validate_frames(args.frames, spec)  # --frames on an image family: one line
         return 1
@@ -314,7 +314,7 @@ def clip_frames(asker: Asker, args: argparse.Namespace, family: str) -> int:
                           "(1 + 4k, e.g. 33 or 81); 1 trains it on a folder of images"))
 
 
-def experts(asker: Asker, args: argparse.Namespace, family: str) -> str | None:
+def experts(asker: Asker, args: argparse.Namespace, family: FamilySpec) -> str | None:
     """Wan 2.2 A14B: the low-noise expert alone or both in one run (musubi's ``--dit_high_noise``); no question for
     a family with one DiT (``--experts both`` there is refused by the plan, in one line)."""
     from autotune.planning.profiles import plan_profile
@@ -325,8 +325,8 @@ def experts(asker: Asker, args: argparse.Namespace, family: str) -> str | None:
                                     Option("both experts in one run (one LoRA; the high-noise file as "
                                            "--dit_high_noise; more memory)", "both")],
                         default="low", flag="--experts", given=args.experts,
-                        explanation=f"{family} is two 14B experts: the high-noise one denoises timesteps from 875, "
-                        "the low-noise one those below; musubi-tuner trains one or both")
+                        explanation=f"{family.name} is two 14B experts: the high-noise one denoises timesteps from "
+                        "875, the low-noise one those below; musubi-tuner trains one or both")
 
 
 def dataset(asker: Asker, args: argparse.Namespace, frames: int = 1) -> DatasetChoice:
@@ -356,7 +356,7 @@ def doctor(asker: Asker, model: ModelChoice, data: DatasetChoice) -> bool:
     from autotune.doctor import check_before_training
 
     try:
-        lines = check_before_training(data.folder, model=model.model, family=model.family,
+        lines = check_before_training(data.folder, model=model.model, spec=model.family,
                                       frames=data.frames if data.frames > 1 else None)
     except UserError as error:
         asker.say(f"  doctor: {error}", style="red")
@@ -450,7 +450,7 @@ def output_problem(text: str) -> str | None:
     return None
 
 
-def goal_and_output(asker: Asker, args: argparse.Namespace, data: DatasetChoice, family: str) -> OutputChoice:
+def goal_and_output(asker: Asker, args: argparse.Namespace, data: DatasetChoice, family: FamilySpec) -> OutputChoice:
     from autotune.planning.planner import GOAL_PROFILES, GOALS, PRIORITIES
 
     goal = asker.choose("Goal", [Option(f"{g}: {GOAL_HELP[g]} (rank {GOAL_PROFILES[g].rank})", g) for g in GOALS],
