@@ -35,6 +35,8 @@ from autotune.calibration.memtrace import (
 from sd_scripts_compat.facts.families import FamilySpec, get_family, model_config
 
 if TYPE_CHECKING:
+    import torch
+
     from sd_scripts_compat.models.build import ModelBundle
 
 DEFAULT_FAMILY = "flux-dev"
@@ -48,7 +50,8 @@ def trace_family(family: str | FamilySpec = DEFAULT_FAMILY, config: dict[str, An
     return replace(spec, unet={"_class_name": spec.unet["_class_name"], **config})
 
 
-def build_bundle(spec: FamilySpec, *, materialize: bool = False, dtype: Any = None, device: str = "cpu") -> Any:
+def build_bundle(spec: FamilySpec, *, materialize: bool = False, dtype: torch.dtype | None = None,
+                 device: str = "cpu") -> Any:
     """The engine's modules of ``spec`` on the meta device, the denoiser frozen in ``dtype`` (bf16); with
     ``materialize`` the denoiser gets real random weights (N(0, 0.02)) on ``device`` (a GPU draws 12 B of them in
     seconds, a host core in minutes), the rest stays meta."""

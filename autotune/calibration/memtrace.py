@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from sd_scripts_compat.models.build import ModelBundle
 
 WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
@@ -484,8 +486,8 @@ def _forward_backward(bundle: ModelBundle, spec: Any, counter: LiveBytesCounter,
     del loss
 
 
-def _text_conditioning(bundle: ModelBundle, batch_size: int, train_text_encoder: bool, cached: bool, dtype: Any,
-                       autocast_dtype: Any) -> tuple[Any, Any]:
+def _text_conditioning(bundle: ModelBundle, batch_size: int, train_text_encoder: bool, cached: bool,
+                       dtype: torch.dtype, autocast_dtype: Any) -> tuple[Any, Any]:
     """UNet conditioning: cached embeddings, or the text encoders run (with grad only when trained).
 
     Mirrors how the trainer conditions: each encoder's ``hidden_state`` choice ("last" or

@@ -179,7 +179,8 @@ def latent_geometry(vae: Any) -> tuple[int, int]:
     return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
 
 
-def cache_latents(dataset: TrainDataset, vae: Any, *, device: Any = "cpu", dtype: Any = None, vae_batch_size: int = 1,
+def cache_latents(dataset: TrainDataset, vae: Any, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype | None = None, vae_batch_size: int = 1,
                   to_disk: bool = False, scaling_factor: float | None = None, vae_key: str | None = None,
                   is_main_process: bool = True, cache_dir: Path | None = None,
                   progress: Callable[[int], None] | None = None) -> CacheStats:

@@ -34,13 +34,15 @@ from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.models.text_encoding import check_max_token_length, encode_clip_prompts
 
 if TYPE_CHECKING:
+    import torch
+
     from sd_scripts_compat.models.build import ModelBundle
 
 TE_CACHE_FORMAT = "lora-autotune-te/1"
 
 
 def _text_metadata(caption: str, key: str, max_token_length: int | None, clip_skip: int | None,
-                   dtype: Any) -> dict[str, str]:
+                   dtype: torch.dtype | None) -> dict[str, str]:
     return {"format": TE_CACHE_FORMAT, "caption": caption, "text_encoders": key,
             "max_token_length": str(max_token_length), "clip_skip": str(clip_skip), "dtype": str(dtype)}
 
@@ -101,7 +103,8 @@ def _encode_captions(unique: list[str], encode: Callable[[list[str]], Any], batc
     return encoded
 
 
-def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: Any = "cpu", dtype: Any = None,
+def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: str | torch.device = "cpu",
+                               dtype: torch.dtype | None = None,
                                batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
                                clip_skip: int | None = None, is_main_process: bool = True,
                                cache_dir: Path | None = None, encode: Any = None, variant: str = "",

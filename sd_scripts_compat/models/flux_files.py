@@ -130,7 +130,7 @@ def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = 
 
 
 def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, t5xxl: str | None,
-                           ae: str | None, dtype: Any) -> ModelBundle:
+                           ae: str | None, dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.checkpoint import read_checkpoint
     from sd_scripts_compat.models.flux_layout import to_diffusers
@@ -149,8 +149,8 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
                        extra={"format": "bfl_single_file", "t5xxl": t5xxl})
 
 
-def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | None], dtype: Any,
-                 vae_dtype: Any) -> ModelBundle:
+def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | None], dtype: torch.dtype | None,
+                 vae_dtype: torch.dtype | None) -> ModelBundle:
     """A diffusers FLUX pipeline folder (or a lone transformer folder plus the part files)."""
     import torch
     import transformers
@@ -192,7 +192,8 @@ def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | No
                        extra={"format": "diffusers", "t5xxl": given.get("t5xxl")})
 
 
-def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: Any, vae_dtype: Any) -> None:
+def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: torch.dtype | None,
+                   vae_dtype: torch.dtype | None) -> None:
     """Load each part file that was given into the bundle (replacing a folder's or a built-in's part)."""
     from sd_scripts_compat.models.single_file import vae_from_state
 
@@ -263,7 +264,7 @@ def save_flux_files(bundle: ModelBundle, folder: str | os.PathLike[str],
     return out
 
 
-def write_part_file(path: Path, tensors: Mapping[str, torch.Tensor], dtype: Any) -> Path:
+def write_part_file(path: Path, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Path:
     from safetensors.torch import save_file
 
     from sd_scripts_compat.facts.atomic import atomic_path

@@ -120,8 +120,8 @@ def _tokenizer(option: str | None, beside: str | None) -> Path | None:
     return find_t5_tokenizer(option, beside)
 
 
-def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | None], dtype: Any,
-                      vae_dtype: Any) -> ModelBundle:
+def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | None], dtype: torch.dtype | None,
+                      vae_dtype: torch.dtype | None) -> ModelBundle:
     from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
     from sd_scripts_compat.models.build import ModelBundle, empty_modules
@@ -153,7 +153,8 @@ def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | No
     return bundle
 
 
-def _load_part(bundle: ModelBundle, option: str, state: Mapping[str, torch.Tensor], path: Path, dtype: Any) -> None:
+def _load_part(bundle: ModelBundle, option: str, state: Mapping[str, torch.Tensor], path: Path,
+               dtype: torch.dtype | None) -> None:
     """One part's tensors (prefix removed) into the bundle's module, names converted, every shape checked."""
     from sd_scripts_compat.models.build import empty_modules
     from sd_scripts_compat.models.flux_files import t5_state
@@ -178,7 +179,8 @@ def _load_part(bundle: ModelBundle, option: str, state: Mapping[str, torch.Tenso
     bundle.text_encoders[index] = encoder
 
 
-def _replace_parts(bundle: ModelBundle, parts: Mapping[str, str | None], dtype: Any, vae_dtype: Any) -> None:
+def _replace_parts(bundle: ModelBundle, parts: Mapping[str, str | None], dtype: torch.dtype | None,
+                   vae_dtype: torch.dtype | None) -> None:
     """Each part given as its own file, read and loaded in place of the bundle's (a wrong file: one line)."""
     from sd_scripts_compat.models.checkpoint import read_checkpoint
 

@@ -416,7 +416,8 @@ def load_single_file(path: str | os.PathLike[str], *, family: str | FamilySpec |
                        extra={"format": "single_file", "metadata": checkpoint.metadata})
 
 
-def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: Path, dtype: Any) -> Any:
+def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: Path,
+                   dtype: torch.dtype | None) -> Any:
     """The family's AutoencoderKL from a VAE's tensors in original or diffusers names (``first_stage_model.``
     removed), every shape checked; a VAE of another latent width is one line naming the file."""
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
@@ -435,7 +436,7 @@ def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: 
     return vae
 
 
-def load_vae_file(path: str | os.PathLike[str], family: FamilySpec, dtype: Any) -> Any:
+def load_vae_file(path: str | os.PathLike[str], family: FamilySpec, dtype: torch.dtype | None) -> Any:
     """sd-scripts' ``vae`` option: a VAE file (alone, or inside a checkpoint under ``first_stage_model.``)."""
     path = Path(path).expanduser()
     tensors = read_checkpoint(path, dtype_of=lambda key: dtype).state

@@ -106,7 +106,7 @@ def _final_layer_norm(encoder: Any) -> Any:
 
 
 def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_skip: int | None = None,
-                  dtype: Any = None) -> TextConditioning:
+                  dtype: torch.dtype | None = None) -> TextConditioning:
     """Encode ids from :func:`tokenize` (one tensor per text encoder). Keeps autograd, so a trained
     text encoder LoRA gets gradients; wrap in ``torch.no_grad()`` when it is frozen."""
     import torch
@@ -146,7 +146,7 @@ def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_sk
 
 
 def encode_clip_prompts(bundle: ModelBundle, captions: list[str], *, max_token_length: int | None = None,
-                        clip_skip: int | None = None, dtype: Any = None) -> TextConditioning:
+                        clip_skip: int | None = None, dtype: torch.dtype | None = None) -> TextConditioning:
     """Tokenize and encode captions with every CLIP text encoder of the bundle (on their current devices): SD
     1.x/2.x and SDXL. Each family's runtime chooses its own encoding (``runtimes.encode_prompts``)."""
     ids = [tokenize(tokenizer, captions, max_token_length) for tokenizer in bundle.tokenizers]
@@ -183,7 +183,7 @@ def tokenize_flux(bundle: ModelBundle, captions: list[str],
 
 
 def encode_flux_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, apply_t5_attn_mask: bool = False,
-                       dtype: Any = None) -> TextConditioning:
+                       dtype: torch.dtype | None = None) -> TextConditioning:
     """Encode :func:`tokenize_flux` ids: CLIP-L pooled output (none for Chroma) + T5 last hidden state (keeps
     autograd)."""
     import torch
@@ -231,7 +231,7 @@ def tokenize_sd3(bundle: ModelBundle, captions: list[str], t5xxl_max_token_lengt
 
 
 def encode_sd3_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, apply_lg_attn_mask: bool = False,
-                      apply_t5_attn_mask: bool = False, dtype: Any = None) -> TextConditioning:
+                      apply_t5_attn_mask: bool = False, dtype: torch.dtype | None = None) -> TextConditioning:
     """The context (B, 77 + T5 tokens, T5 width) and pooled vector (B, CLIP-L + CLIP-G projections); keeps
     autograd (a text-encoder LoRA trains through it)."""
     import torch
@@ -260,7 +260,7 @@ def encode_sd3_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, appl
 
 
 def sdxl_time_ids(original_sizes_hw: torch.Tensor, crop_top_lefts: torch.Tensor, target_sizes_hw: torch.Tensor,
-                  dtype: Any = None) -> torch.Tensor:
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """SDXL's size conditioning, (B, 6): original (h, w), crop (top, left), target (h, w); diffusers'
     UNet embeds it itself (``added_cond_kwargs={"text_embeds": pooled, "time_ids": ...}``)."""
     import torch

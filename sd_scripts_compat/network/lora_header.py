@@ -12,10 +12,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.safetensors_file import Entry, read_entries
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "F8_E4M3": "fp8_e4m3",
                "F8_E5M2": "fp8_e5m2"}
@@ -36,7 +39,7 @@ class TensorInfo:
         return math.prod(self.shape)
 
     @classmethod
-    def of(cls, tensor: Any) -> TensorInfo:
+    def of(cls, tensor: torch.Tensor) -> TensorInfo:
         """A loaded torch tensor's info (or the info itself)."""
         if isinstance(tensor, TensorInfo):
             return tensor

@@ -65,7 +65,8 @@ def flux_mu(image_tokens: int, base_shift: float = 0.5, max_shift: float = 1.15)
     return base_shift + slope * (image_tokens - 256)
 
 
-def _density(settings: FlowMatchSettings, batch: int, generator: torch.Generator, device: Any) -> torch.Tensor:
+def _density(settings: FlowMatchSettings, batch: int, generator: torch.Generator,
+             device: str | torch.device) -> torch.Tensor:
     """u in [0, 1) per sample for the "sigma" sampling: uniform, logit-normal or mode (SD3 paper, 3.1)."""
     import torch
 
@@ -79,7 +80,7 @@ def _density(settings: FlowMatchSettings, batch: int, generator: torch.Generator
 
 
 def sample_sigmas(settings: FlowMatchSettings, batch: int, latent_hw: tuple[int, int], generator: torch.Generator,
-                  device: Any, schedule: tuple[torch.Tensor, torch.Tensor] | None = None
+                  device: str | torch.device, schedule: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(timesteps in [0, 1000], sigmas in [0, 1]) for one batch, per ``timestep_sampling``."""
     import torch
@@ -171,7 +172,8 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return x.permute(0, 3, 1, 4, 2, 5).reshape(b, c, height * 2, width * 2)
 
 
-def image_ids(height: int, width: int, device: Any = None, dtype: Any = None) -> torch.Tensor:
+def image_ids(height: int, width: int, device: str | torch.device | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
     """[h*w, 3] position ids of the packed image tokens: (0, row, column)."""
     import torch
 
@@ -181,7 +183,7 @@ def image_ids(height: int, width: int, device: Any = None, dtype: Any = None) ->
     return ids.reshape(height * width, 3)
 
 
-def text_ids(length: int, device: Any = None, dtype: Any = None) -> torch.Tensor:
+def text_ids(length: int, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[L, 3] zeros: FLUX gives text tokens no position (T5 encoded it)."""
     import torch
 
@@ -239,11 +241,11 @@ class FlowMatchingObjective:
     """FLUX.1's objective with the interface of ``objectives.NoisePredictionObjective``: :meth:`forward`
     (under autocast), :meth:`loss` (outside), :meth:`fixed_forward` (validation at timestep t: sigma t/1000)."""
 
-    def __init__(self, settings: FlowMatchSettings, device: Any) -> None:
+    def __init__(self, settings: FlowMatchSettings, device: str | torch.device) -> None:
         self.settings = settings
         self.schedule = shifted_schedule(settings.discrete_flow_shift)
 
-    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any,
+    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
                 generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
@@ -252,14 +254,15 @@ class FlowMatchingObjective:
                                           generator, latents.device, self.schedule)
         return self._predict(denoiser, latents, hidden, added, noise, timesteps, sigmas)
 
-    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, timestep: int,
-                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
+                      timestep: int, noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
         sigmas = torch.full((latents.shape[0],), timestep / NUM_TRAIN_TIMESTEPS, device=latents.device)
         return self._predict(denoiser, latents, hidden, added, noise, sigmas * NUM_TRAIN_TIMESTEPS, sigmas)
 
-    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: Any, added: Any, noise: torch.Tensor,
+    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
+                 noise: torch.Tensor,
                  timesteps: torch.Tensor, sigmas: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         noisy = noisy_latents(latents, noise, sigmas)
         added = added or {}

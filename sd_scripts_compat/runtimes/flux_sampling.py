@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from sd_scripts_compat.models.build import ModelBundle
 
 
@@ -34,7 +36,7 @@ def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: in
 
 
 def render_flux_sample(bundle: ModelBundle, encode: Any, prompt: str, *, width: int, height: int, steps: int,
-                       guidance: float, seed: int, device: Any, dtype: Any) -> Any:
+                       guidance: float, seed: int, device: str | torch.device, dtype: torch.dtype) -> Any:
     """One image (a PIL image). ``encode(captions) -> (t5_hidden, pooled, t5_mask or None)``."""
     import torch
 
@@ -62,7 +64,7 @@ def render_flux_sample(bundle: ModelBundle, encode: Any, prompt: str, *, width: 
 
 
 def render_flux_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
-                        name: str, device: Any, dtype: Any) -> list[Path]:
+                        name: str, device: str | torch.device, dtype: torch.dtype) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     from sd_scripts_compat.runtimes.sample_files import write_each
 

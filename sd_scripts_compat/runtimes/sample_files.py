@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def write_each(prompts: list[Any], render: Any, *, step: int, out_dir: Path, name: str, device: Any,
-               dtype: Any) -> list[Path]:
+def write_each(prompts: list[Any], render: Any, *, step: int, out_dir: Path, name: str, device: str | torch.device,
+               dtype: torch.dtype) -> list[Path]:
     """``render(sample, width, height, seed)`` for each prompt (sizes made whole ``step`` px, the seed its ``--d`` or
     its index) without gradients under autocast, written to ``out_dir/{name}_{index:02d}.png`` atomically."""
     import torch

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from sd_scripts_compat.models.build import ModelBundle
 
 SAMPLE_SHIFT = 3.0  # sd-scripts: "3.0 is for SD3"
@@ -35,8 +37,8 @@ def sd3_sigmas(steps: int, shift: float = SAMPLE_SHIFT) -> Any:
     return torch.cat([_shifted(timesteps, shift), torch.zeros(1)])
 
 
-def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: int, height: int, seed: int, device: Any,
-                      dtype: Any) -> Any:
+def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: int, height: int, seed: int,
+                      device: str | torch.device, dtype: torch.dtype) -> Any:
     """One image (a PIL image). ``encode(captions)`` gives a ``TextConditioning`` (hidden states, pooled)."""
     import torch
     from PIL import Image
@@ -63,8 +65,8 @@ def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: i
     return Image.fromarray(pixels)
 
 
-def render_sd3_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, out_dir: Path, name: str, device: Any,
-                       dtype: Any) -> list[Path]:
+def render_sd3_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, out_dir: Path, name: str,
+                       device: str | torch.device, dtype: torch.dtype) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     from sd_scripts_compat.runtimes.sample_files import write_each
 

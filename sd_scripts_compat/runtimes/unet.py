@@ -60,8 +60,7 @@ def text_cache_key(options: TextOptions) -> tuple[int | None, str]:
 
 
 def conditioning(bundle: ModelBundle, hidden: torch.Tensor, pooled: torch.Tensor | None,
-                 mask: torch.Tensor | None, batch: Mapping[str, Any],
-                 options: TextOptions) -> tuple[Any, Any]:
+                 mask: torch.Tensor | None, batch: Mapping[str, Any], options: TextOptions) -> tuple[Any, Any]:
     """SD 1.x/2.x: the hidden states alone; SDXL: its pooled text embedding and size ids as well."""
     from sd_scripts_compat.models.text_encoding import sdxl_time_ids
 
@@ -110,7 +109,7 @@ def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, c
 
 
 def render_with_pipeline(bundle: ModelBundle, prompts: list[Any], *, sampler: str, out_dir: Path, name: str,
-                         device: Any, dtype: Any, clip_skip: int | None = None) -> list[Path]:
+                         device: str | torch.device, dtype: torch.dtype, clip_skip: int | None = None) -> list[Path]:
     """Render each prompt to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     import torch
 

@@ -26,10 +26,13 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec, swap_split
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -56,7 +59,7 @@ class _Slot:
 class BlockSwap:
     """Swaps ``swapped`` (indices into ``blocks``, the forward order) between host and ``device``."""
 
-    def __init__(self, blocks: Sequence[Any], swapped: Sequence[int], device: Any,
+    def __init__(self, blocks: Sequence[Any], swapped: Sequence[int], device: str | torch.device,
                  checkpointing: Callable[[], bool] = lambda: False) -> None:
         import torch
 
@@ -78,7 +81,7 @@ class BlockSwap:
             self.slots[index] = slot
             module.forward = self._wrap(slot, module.forward)
 
-    def _master(self, tensor: Any) -> Any:
+    def _master(self, tensor: torch.Tensor) -> Any:
         import torch
 
         host = tensor.detach().to("cpu")
@@ -165,7 +168,7 @@ class BlockSwap:
     def _saved_tensor_hooks(self, slot: _Slot) -> Any:
         import torch
 
-        def pack(tensor: Any) -> Any:
+        def pack(tensor: torch.Tensor) -> Any:
             index = slot.storages.get(tensor.untyped_storage().data_ptr()) if slot.resident else None
             if index is None or tensor.dtype != slot.params[index].dtype:
                 return tensor
@@ -271,7 +274,7 @@ def check_blocks_to_swap(family: FamilySpec, blocks_to_swap: int) -> tuple[int, 
     return family.swap_split(blocks_to_swap)
 
 
-def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any,
+def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: str | torch.device,
                            family: FamilySpec | None = None) -> BlockSwap | None:
     """Swap the last blocks of a diffusers transformer (the family's ``transformer_block_groups``: FLUX's
     ``transformer_blocks`` then ``single_transformer_blocks``, Lumina's ``layers`` ...) as ``family``'s rule splits
@@ -292,7 +295,7 @@ def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: Any,
     return BlockSwap(blocks, swapped, device, checkpointing=lambda: bool(transformer.gradient_checkpointing))
 
 
-def place_except_swapped(model: Any, swap: BlockSwap | None, device: Any, dtype: Any) -> None:
+def place_except_swapped(model: Any, swap: BlockSwap | None, device: str | torch.device, dtype: torch.dtype) -> None:
     """Cast ``model`` to ``dtype`` and move it to ``device``, except the swapped blocks (they rest on the host)."""
     import torch
 

@@ -4,10 +4,13 @@ the one gradient all-reduce. Each is a function of its arguments only."""
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def place(module: Any, device: Any, dtype: Any) -> None:
+def place(module: Any, device: str | torch.device, dtype: torch.dtype) -> None:
     """Move a module; cast only when its dtype differs (diffusers warns on every dtype cast)."""
     if next(module.parameters()).dtype == dtype:
         module.to(device)
@@ -30,7 +33,7 @@ def channels_last_pays(device_type: str, compute_dtype: Any, capability: tuple[i
     return device_type == "cuda" and half and capability is not None and capability >= (7, 0)
 
 
-def channels_last_for(device: Any, compute_dtype: Any, conv_unet: bool) -> bool:
+def channels_last_for(device: torch.device, compute_dtype: Any, conv_unet: bool) -> bool:
     """The rule for this process's device (a ``torch.device``): only a conv UNet, where ``channels_last_pays``."""
     import torch
 
@@ -47,7 +50,7 @@ def to_channels_last(unet: Any) -> None:
     unet.to(memory_format=torch.channels_last)
 
 
-def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """A batch's tensors on ``device``; ``non_blocking`` on CUDA, where the loader pinned them."""
     import torch
 
@@ -56,7 +59,7 @@ def to_device(batch: dict[str, Any], device: Any) -> dict[str, Any]:
             for k, v in batch.items()}
 
 
-def free_device_memory(device: Any) -> None:
+def free_device_memory(device: torch.device) -> None:
     import torch
 
     gc.collect()
@@ -64,7 +67,7 @@ def free_device_memory(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def peak_memory_mib(device: Any) -> float:
+def peak_memory_mib(device: torch.device) -> float:
     """Peak reserved CUDA memory, or the process's peak resident memory on CPU."""
     import torch
 

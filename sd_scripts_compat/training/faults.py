@@ -15,7 +15,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 INJECT_ENV = "SD_COMPAT_INJECT_OOM"
 NAN_ENV = "SD_COMPAT_INJECT_NAN"
@@ -171,7 +174,7 @@ class FaultyObjective:
         self.inner, self.plan, self.step, self.vae_scale = inner, plan, step, vae_scale
         self._poison_step: int | None = None  # the step of the training forward whose loss comes next
 
-    def forward(self, denoiser: Any, latents: Any, *args: Any) -> Any:
+    def forward(self, denoiser: Any, latents: torch.Tensor, *args: Any) -> Any:
         step = self.step()
         if self.plan.freeze is not None:
             self.plan.freeze.check(step)

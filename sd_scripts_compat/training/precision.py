@@ -10,10 +10,13 @@ saving back.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def fp8_supported(device: Any) -> bool:
+def fp8_supported(device: str | torch.device) -> bool:
     """float8 storage needs compute capability 8.9+ on CUDA to be worth it; CPU tensors support the dtype."""
     import torch
 

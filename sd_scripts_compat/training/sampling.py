@@ -20,6 +20,8 @@ from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.quiet import libraries_quiet
 
 if TYPE_CHECKING:
+    import torch
+
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.training.conditioning import Conditioner
 
@@ -155,9 +157,8 @@ def _prompt_from_table(path: Path, table: Any, default: SamplePrompt) -> SampleP
     return _checked(sample, f"{path.name}: {sample.prompt[:60]}")
 
 
-def sample_during_training(bundle: ModelBundle, config: Any, accelerator: Any, dtype: Any,
-                           resolution: tuple[int, int], *, out_dir: Path, name: str,
-                           conditioner: Conditioner) -> None:
+def sample_during_training(bundle: ModelBundle, config: Any, accelerator: Any, dtype: torch.dtype,
+                           resolution: tuple[int, int], *, out_dir: Path, name: str, conditioner: Conditioner) -> None:
     """Render ``sample_prompts`` on the main process with the LoRA as trained so far.
 
     Encoders that caching moved off the device come back for the render and leave again; the

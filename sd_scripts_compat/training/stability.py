@@ -43,7 +43,10 @@ import math
 import os
 import statistics
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 NO_CHECK_ENV = "SD_COMPAT_NO_DIVERGENCE_CHECK"
 BUFFER_STEPS = 1024  # device slots; a full buffer is read early (one sync per 1024 steps at worst)
@@ -139,8 +142,8 @@ class StabilityGuard:
     baseline is read from and written into it).
     """
 
-    def __init__(self, device: Any, params: list[Any], optimizer: Any, *, scaled: bool, extra: dict[str, Any],
-                 enabled: bool | None = None) -> None:
+    def __init__(self, device: str | torch.device, params: list[Any], optimizer: Any, *, scaled: bool,
+                 extra: dict[str, Any], enabled: bool | None = None) -> None:
         import torch
 
         self.enabled = os.environ.get(NO_CHECK_ENV, "") not in ("1", "true") if enabled is None else enabled

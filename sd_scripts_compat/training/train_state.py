@@ -13,10 +13,13 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.atomic import atomic_folder, atomic_path, write_text_atomic
 from sd_scripts_compat.facts.contract import STATE_FILE, disk_full_guard
+
+if TYPE_CHECKING:
+    import torch
 
 TENSOR_FILE = "tensors.safetensors"
 
@@ -74,7 +77,7 @@ def _decode(value: Any, tensors: dict[str, Any]) -> Any:
     return value
 
 
-def step_generator(seed: int, global_step: int, micro_step: int, device: Any) -> Any:
+def step_generator(seed: int, global_step: int, micro_step: int, device: str | torch.device) -> Any:
     """A generator that depends only on (seed, step): resumed runs draw the same noise."""
     import torch
 

@@ -8,10 +8,13 @@ sd-scripts.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.runtimes.noise_prediction import NoiseSettings
 from sd_scripts_compat.training.conditioning import Conditioner
+
+if TYPE_CHECKING:
+    import torch
 
 VALIDATION_TIMESTEPS = (100, 300, 500, 700, 900)
 
@@ -21,8 +24,9 @@ class ValidationRun:
     the history of ``(step, loss)`` measured so far."""
 
     def __init__(self, dataset: Any, config: Any, seed: int, *, unet: Any, conditioner: Conditioner,
-                 noise_scheduler: Any = None, dtype: Any, accelerator: Any, noise_settings: NoiseSettings | None = None,
-                 alphas_cumprod: Any = None, objective: Any = None) -> None:
+                 noise_scheduler: Any = None, dtype: torch.dtype, accelerator: Any,
+                 noise_settings: NoiseSettings | None = None, alphas_cumprod: Any = None,
+                 objective: Any = None) -> None:
         from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
 
         self.dataset = dataset
@@ -52,8 +56,8 @@ class ValidationRun:
         return loss
 
 
-def validation_loss(dataset: Any, unet: Any, conditioner: Conditioner, objective: Any, dtype: Any, device: Any,
-                    seed: int, timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS,
+def validation_loss(dataset: Any, unet: Any, conditioner: Conditioner, objective: Any, dtype: torch.dtype,
+                    device: torch.device, seed: int, timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS,
                     max_batches: int | None = None) -> float:
     """Mean loss over the held-out batches (the first ``max_batches`` when given) at each of
     ``timesteps`` (of 1000; FLUX: sigma t/1000), with noise drawn from ``seed``; ``objective`` is the run's
