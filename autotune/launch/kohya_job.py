@@ -18,16 +18,26 @@ from sd_scripts_compat.quiet import VERBOSE_ENV
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
+    from autotune.recovery.engine import Engine
+    from autotune.recovery.ladder import LadderLimits
+    from autotune.recovery.stability import StabilityLimits
+    from autotune.recovery.watchdog import Job
+    from sd_scripts_compat.config.resolved_run import ResolvedRun
     from sd_scripts_compat.facts.dataset_scan import DatasetScan
     from sd_scripts_compat.facts.families import FamilySpec
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    # make_engine(family, config, train_output, plan): the engine, and where its states are looked for
+    MakeEngine = Callable[[FamilySpec, Path, Path, Plan | None], tuple[Engine, Path | None]]
 
 
 def ours_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
-             family: FamilySpec) -> Any:
+             family: FamilySpec) -> Job:
     """The watchdog's job for our engine: its state folders under ``out``."""
     from autotune.recovery.engine import CompatEngine
 
-    def engine(family: FamilySpec, config_path: Path, train_output: Path, plan: Plan) -> tuple[Any, Path | None]:
+    def engine(family: FamilySpec, config_path: Path, train_output: Path,
+               plan: Plan | None) -> tuple[Engine, Path | None]:
         return CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every), \
             out / STATE_DIR
 
@@ -35,12 +45,13 @@ def ours_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Syst
 
 
 def sd_scripts_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
-                   family: FamilySpec) -> Any:
+                   family: FamilySpec) -> Job:
     """The watchdog's job for the user's sd-scripts: its states beside the LoRA (it has no option for another
     folder)."""
     from autotune.recovery.sd_scripts import prepare
 
-    def engine(family: FamilySpec, config_path: Path, train_output: Path, plan: Plan) -> tuple[Any, Path | None]:
+    def engine(family: FamilySpec, config_path: Path, train_output: Path,
+               plan: Plan | None) -> tuple[Engine, Path | None]:
         return prepare(args.engine, args.python, family=family, config=config_path, output_dir=out,
                        states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
                        planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None), None
@@ -49,7 +60,7 @@ def sd_scripts_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe
 
 
 def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
-              model_family: FamilySpec, make_engine: Callable[[Any, Path, Path, Any], tuple[Any, Path | None]]) -> Any:
+              model_family: FamilySpec, make_engine: MakeEngine) -> Job:
     """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
     ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
     from autotune.recovery.attempt import read_json
@@ -86,7 +97,7 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
 
 
 def _configs(args: argparse.Namespace, out: Path, scan: DatasetScan,
-             family: FamilySpec) -> tuple[Path, Path | None, Any]:
+             family: FamilySpec) -> tuple[Path, Path | None, Plan | None]:
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
     being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
     the step-down budget, a wrapped trainer's first save interval)."""
@@ -134,7 +145,7 @@ def _copy_user_configs(args: argparse.Namespace, out: Path, scan: DatasetScan) -
 
 
 def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namespace,
-             model_family: Any) -> tuple[Any, Any]:
+             model_family: FamilySpec) -> tuple[FamilySpec, ResolvedRun]:
     """The family and the run as the engine will resolve it (its own reader, kohya's precedence), refused now if
     the family's own rules refuse it (a swap count over its maximum), before anything loads."""
     from sd_scripts_compat.config.resolved_run import settings_from_files
@@ -151,7 +162,7 @@ def _resolve(config_path: Path, dataset_path: Path | None, args: argparse.Namesp
     return family, resolved
 
 
-def _saved_settings(values: dict[str, Any], out: Path) -> Any:
+def _saved_settings(values: dict[str, Any], out: Path) -> TrainSettings:
     from sd_scripts_compat.facts.settings import TrainSettings
 
     try:
@@ -161,8 +172,8 @@ def _saved_settings(values: dict[str, Any], out: Path) -> Any:
                         "start a new run with another --out") from None
 
 
-def _limits(probe: SystemProbe, family: FamilySpec, resolved: Any, args: argparse.Namespace, cuda: bool,
-            usable_mib: float | None) -> Any:
+def _limits(probe: SystemProbe, family: FamilySpec, resolved: ResolvedRun, args: argparse.Namespace, cuda: bool,
+            usable_mib: float | None) -> LadderLimits:
     """What the ladder may do on this machine, and the memory it must fit in (MiB).
 
     The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
@@ -187,7 +198,7 @@ def _limits(probe: SystemProbe, family: FamilySpec, resolved: Any, args: argpars
                                    te_cache_allowed=te_cache_allowed)
 
 
-def _stability_limits(probe: SystemProbe, cuda: bool) -> Any:
+def _stability_limits(probe: SystemProbe, cuda: bool) -> StabilityLimits:
     """The stability ladder may move fp16 to bf16 only on a card that computes in bf16."""
     from autotune.recovery.stability import StabilityLimits
 
@@ -195,25 +206,25 @@ def _stability_limits(probe: SystemProbe, cuda: bool) -> Any:
     return StabilityLimits(bf16_supported=bool(gpu and gpu.bf16))
 
 
-def _captions_randomized(resolved: Any) -> bool:
+def _captions_randomized(resolved: ResolvedRun) -> bool:
     """A caption option (shuffle, dropout, warm-up) on any subset, wherever the dataset.toml set it."""
     from sd_scripts_compat.dataset.captions import caption_is_deterministic
 
     return any(caption_is_deterministic(subset) is not None for subset in resolved.dataset.subsets)
 
 
-def _engine_caches_text(resolved: Any) -> bool:
+def _engine_caches_text(resolved: ResolvedRun) -> bool:
     """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
     return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
 
 
-def _predictor(family: FamilySpec, resolved: Any, cuda: bool) -> Any:
+def _predictor(family: FamilySpec, resolved: ResolvedRun, cuda: bool) -> Callable[[TrainSettings], float]:
     from autotune.recovery.ladder import memory_predictor
 
     return memory_predictor(family, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
 
 
-def _usable_mib(plan: Plan) -> float | None:
+def _usable_mib(plan: Plan | None) -> float | None:
     """A GPU plan's usable VRAM is the step-down budget; a CPU plan (fp32 or bf16) leaves it to the probed RAM."""
     if plan is None or not plan.prediction or not plan.settings or plan.device == "CPU":
         return None

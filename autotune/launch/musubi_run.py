@@ -18,6 +18,7 @@ from sd_scripts_compat.facts.errors import UserError
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
+    from autotune.recovery.watchdog import Job
     from sd_scripts_compat.facts.dataset_scan import DatasetScan
     from sd_scripts_compat.facts.families import FamilySpec
 
@@ -41,7 +42,7 @@ def early_check(args: argparse.Namespace) -> None:
 
 
 def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
-               family: FamilySpec) -> Any:
+               family: FamilySpec) -> Job:
     """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
     from autotune.planning.musubi_writer import musubi_commands
     from autotune.recovery.attempt import read_json
@@ -63,6 +64,7 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sy
         commands = tuple(tuple(command) for command in saved["musubi_commands"])
     else:
         plan = _plan(args, out, family)
+        assert plan.settings is not None and plan.prediction is not None, "plan_into refuses a plan that does not fit"
         base = settings = plan.settings
         budget, planned = plan.prediction.usable_bytes / 2**20, plan.prediction.it_per_s
         commands = musubi_commands(plan)  # musubi_train.sh's, so a run trains exactly what the plan wrote
@@ -84,7 +86,7 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sy
                             "musubi_commands": [list(command) for command in commands], "planned_it_per_s": planned})
 
 
-def _plan(args: argparse.Namespace, out: Path, family: FamilySpec) -> Any:
+def _plan(args: argparse.Namespace, out: Path, family: FamilySpec) -> Plan:
     """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's."""
     from autotune.launch.plan_into import plan_into
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.errors import UserError
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from sd_scripts_compat.facts.families import FamilySpec
 
 
-def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = None) -> tuple[Path, Path, Any]:
+def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = None) -> tuple[Path, Path, Plan]:
     """Plan with `autotune plan`'s own request builder (``family``: the run's detected ``FamilySpec``); write
     config.toml + dataset.toml into ``out``. Returns both paths and the plan."""
     from autotune.launch.plan_options import build_request, render

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
+    from autotune.planning.request import PlanRequest
     from sd_scripts_compat.facts.families import FamilySpec
 
 
@@ -151,7 +152,7 @@ def _physical_cores() -> int:
     return int(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
-def build_request(args: argparse.Namespace, family: FamilySpec | None = None) -> Any:
+def build_request(args: argparse.Namespace, family: FamilySpec | None = None) -> PlanRequest:
     """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest; the family is detected
     here, once, unless the caller already did (``family``)."""
     from autotune.planning.request import PlanRequest, Preferences

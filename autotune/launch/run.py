@@ -32,6 +32,9 @@ from autotune.own_files import refuse_foreign_configs, refuse_out_in_dataset, ru
 from sd_scripts_compat.facts.errors import BadWeights, UserError
 
 if TYPE_CHECKING:
+    import contextlib
+    from collections.abc import Iterator
+
     from autotune.hardware.probe import SystemProbe
     from sd_scripts_compat.facts.dataset_scan import DatasetScan
     from sd_scripts_compat.facts.families import FamilySpec
@@ -105,7 +108,7 @@ def dataset_folder(path: str, what: str = "dataset folder") -> Path:
 # ---------------------------------------------------------------- dataset check
 
 
-def check_dataset(folder: Path, frames: int | None = None) -> Any:
+def check_dataset(folder: Path, frames: int | None = None) -> DatasetScan:
     """Basic checks before anything heavy, with the planner's own scan (``sd_scripts_compat.facts.dataset_scan``):
     the folder exists and holds images (with ``frames`` > 1: videos, a clip dataset's), in N_name subfolders or
     directly in it (one subset, 1 repeat).
@@ -363,7 +366,7 @@ def _contended(out: Path) -> str | None:
         return None
 
 
-def _watching_for_slowdowns(monitor_file: Path) -> Any:
+def _watching_for_slowdowns(monitor_file: Path) -> contextlib.AbstractContextManager[None]:
     """A thread that reads the engine's monitor file while it trains and prints a warning line when the run
     spills into shared memory, swaps or throttles (``autotune.report.detector``)."""
     import contextlib
@@ -372,7 +375,7 @@ def _watching_for_slowdowns(monitor_file: Path) -> Any:
     from autotune.report.detector import watch
 
     @contextlib.contextmanager
-    def watching() -> Any:
+    def watching() -> Iterator[None]:
         stop = threading.Event()
         thread = threading.Thread(target=watch, args=(monitor_file, lambda line: print(line, flush=True), stop),
                                   name="autotune-slow-run-detector", daemon=True)
@@ -398,7 +401,7 @@ def _print_report(out: Path) -> None:
     print(f"\n{text.rstrip()}\nreport page: {out / REPORT_HTML} (again with: autotune report {out})")
 
 
-def run_family(args: argparse.Namespace) -> Any:
+def run_family(args: argparse.Namespace) -> FamilySpec:
     """The model's ``FamilySpec``, detected once for the whole run (``--family`` states it where the file cannot;
     a pickle checkpoint is read only with ``--allow-pickle``)."""
     from sd_scripts_compat.models.detect import detect_family
