@@ -67,7 +67,8 @@ def _read(path: str | os.PathLike[str], option: str, header_only: bool,
     return dict(checkpoint.shapes) if header_only else checkpoint.state
 
 
-def _fill(module: Any, state: Mapping[str, torch.Tensor], part: str, path: Path, dtype: torch.dtype | None) -> None:
+def _fill(module: torch.nn.Module, state: Mapping[str, torch.Tensor], part: str, path: Path,
+          dtype: torch.dtype | None) -> None:
     """Every parameter from the file, shapes checked (one line naming the file otherwise)."""
     from sd_scripts_compat.models.single_file import _strict_load
 
@@ -81,7 +82,7 @@ def clip_l_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
             if not k.startswith(("text_projection", "logit_scale"))}
 
 
-def t5_state(tensors: Mapping[str, torch.Tensor], module: Any) -> dict[str, torch.Tensor]:
+def t5_state(tensors: Mapping[str, torch.Tensor], module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """t5xxl.safetensors -> T5EncoderModel names; the tied embedding is stored once as either name."""
     state = dict(tensors)
     for a, b in (("shared.weight", "encoder.embed_tokens.weight"), ("encoder.embed_tokens.weight", "shared.weight")):

@@ -96,7 +96,8 @@ def _shape_signature(modules: list[Any]) -> list[dict[str, tuple[int, ...]]]:
     return [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in modules]
 
 
-def check_folder_shapes(spec: FamilySpec, unet: Any, vae: Any, text_encoders: list[Any], folder: Path) -> None:
+def check_folder_shapes(spec: FamilySpec, unet: torch.nn.Module, vae: torch.nn.Module, text_encoders: list[Any],
+                        folder: Path) -> None:
     """The strict check after loading: the modules have exactly the state-dict shapes of ``spec``, the
     family ``models.detect`` read from the folder's configs (a one-line UserError naming the first
     difference otherwise)."""

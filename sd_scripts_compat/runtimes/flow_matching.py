@@ -245,8 +245,8 @@ class FlowMatchingObjective:
         self.settings = settings
         self.schedule = shifted_schedule(settings.discrete_flow_shift)
 
-    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                added: dict[str, Any] | None, generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
         noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
@@ -254,16 +254,17 @@ class FlowMatchingObjective:
                                           generator, latents.device, self.schedule)
         return self._predict(denoiser, latents, hidden, added, noise, timesteps, sigmas)
 
-    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                      timestep: int, noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def fixed_forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                      added: dict[str, Any] | None, timestep: int,
+                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
         sigmas = torch.full((latents.shape[0],), timestep / NUM_TRAIN_TIMESTEPS, device=latents.device)
         return self._predict(denoiser, latents, hidden, added, noise, sigmas * NUM_TRAIN_TIMESTEPS, sigmas)
 
-    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                 noise: torch.Tensor,
-                 timesteps: torch.Tensor, sigmas: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def _predict(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                 added: dict[str, Any] | None, noise: torch.Tensor, timesteps: torch.Tensor,
+                 sigmas: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         noisy = noisy_latents(latents, noise, sigmas)
         added = added or {}
         prediction = flux_prediction(denoiser, noisy, timesteps, hidden, added.get("pooled"), added.get("t5_attn_mask"),

@@ -72,20 +72,22 @@ class NoisePredictionObjective:
     def __init__(self, noise_scheduler: Any, alphas_cumprod: Any, noise: NoiseSettings) -> None:
         self.noise_scheduler, self.alphas_cumprod, self.noise = noise_scheduler, alphas_cumprod, noise
 
-    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                added: dict[str, Any] | None, generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
         step_noise, timesteps = sample_noise_and_timesteps(latents, self.noise, generator)
         return self._predict(denoiser, latents, hidden, added, step_noise, timesteps)
 
-    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                      timestep: int, noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def fixed_forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                      added: dict[str, Any] | None, timestep: int,
+                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
         steps = torch.full((latents.shape[0],), timestep, device=latents.device, dtype=torch.long)
         return self._predict(denoiser, latents, hidden, added, noise, steps)
 
-    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                 noise: torch.Tensor, timesteps: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def _predict(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                 added: dict[str, Any] | None, noise: torch.Tensor,
+                 timesteps: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         prediction = denoiser(noisy, timesteps, hidden, added_cond_kwargs=added).sample
         return prediction, (latents, noise, timesteps)

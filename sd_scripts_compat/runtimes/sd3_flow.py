@@ -58,23 +58,25 @@ class Sd3FlowObjective:
     def __init__(self, settings: Sd3FlowSettings) -> None:
         self.settings = settings
 
-    def forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                added: dict[str, Any] | None, generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
         noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
         timesteps = sample_timesteps(self.settings, latents.shape[0], generator, latents.device)
         return self._predict(denoiser, latents, hidden, added, noise, timesteps)
 
-    def fixed_forward(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                      timestep: int, noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def fixed_forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                      added: dict[str, Any] | None, timestep: int,
+                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         import torch
 
         timesteps = torch.full((latents.shape[0],), float(timestep), device=latents.device)
         return self._predict(denoiser, latents, hidden, added, noise, timesteps)
 
-    def _predict(self, denoiser: Any, latents: torch.Tensor, hidden: torch.Tensor, added: dict[str, Any] | None,
-                 noise: torch.Tensor, timesteps: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def _predict(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                 added: dict[str, Any] | None, noise: torch.Tensor,
+                 timesteps: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         sigmas = (timesteps / NUM_TRAIN_TIMESTEPS).view(-1, 1, 1, 1)
         noisy = sigmas.to(latents.dtype) * noise + (1.0 - sigmas.to(latents.dtype)) * latents
         out = denoiser(hidden_states=noisy, encoder_hidden_states=hidden, pooled_projections=(added or {})["pooled"],

@@ -274,7 +274,7 @@ def check_blocks_to_swap(family: FamilySpec, blocks_to_swap: int) -> tuple[int, 
     return family.swap_split(blocks_to_swap)
 
 
-def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: str | torch.device,
+def enable_flux_block_swap(transformer: torch.nn.Module, blocks_to_swap: int, device: str | torch.device,
                            family: FamilySpec | None = None) -> BlockSwap | None:
     """Swap the last blocks of a diffusers transformer (the family's ``transformer_block_groups``: FLUX's
     ``transformer_blocks`` then ``single_transformer_blocks``, Lumina's ``layers`` ...) as ``family``'s rule splits
@@ -295,7 +295,8 @@ def enable_flux_block_swap(transformer: Any, blocks_to_swap: int, device: str | 
     return BlockSwap(blocks, swapped, device, checkpointing=lambda: bool(transformer.gradient_checkpointing))
 
 
-def place_except_swapped(model: Any, swap: BlockSwap | None, device: str | torch.device, dtype: torch.dtype) -> None:
+def place_except_swapped(model: torch.nn.Module, swap: BlockSwap | None, device: str | torch.device,
+                         dtype: torch.dtype) -> None:
     """Cast ``model`` to ``dtype`` and move it to ``device``, except the swapped blocks (they rest on the host)."""
     import torch
 

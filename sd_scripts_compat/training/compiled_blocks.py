@@ -16,15 +16,18 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.contract import is_oom_error
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_LISTS = ("down_blocks", "up_blocks", "transformer_blocks", "single_transformer_blocks", "joint_blocks")
 SINGLE_BLOCKS = ("mid_block",)
 
 
-def repeated_blocks(denoiser: Any) -> list[tuple[str, Any]]:
+def repeated_blocks(denoiser: torch.nn.Module) -> list[tuple[str, Any]]:
     """The denoiser's repeated blocks, each with its module name (``down_blocks.0``, ``mid_block``, ...)."""
     blocks = [(f"{name}.{i}", block) for name in BLOCK_LISTS for i, block in enumerate(getattr(denoiser, name, ()))]
     return blocks + [(name, getattr(denoiser, name)) for name in SINGLE_BLOCKS
@@ -69,7 +72,7 @@ class CompiledBlocks:
                       "torch_compile to skip the attempt)", stacklevel=2)
 
 
-def compile_blocks(denoiser: Any, backend: str) -> CompiledBlocks:
+def compile_blocks(denoiser: torch.nn.Module, backend: str) -> CompiledBlocks:
     """Compile each repeated block of ``denoiser`` lazily (at its first call) with ``backend``."""
     import torch._dynamo
     from torch._dynamo.callback import on_compile_end, on_compile_start

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def place(module: Any, device: str | torch.device, dtype: torch.dtype) -> None:
+def place(module: torch.nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
     """Move a module; cast only when its dtype differs (diffusers warns on every dtype cast)."""
     if next(module.parameters()).dtype == dtype:
         module.to(device)

@@ -174,7 +174,7 @@ class FaultyObjective:
         self.inner, self.plan, self.step, self.vae_scale = inner, plan, step, vae_scale
         self._poison_step: int | None = None  # the step of the training forward whose loss comes next
 
-    def forward(self, denoiser: Any, latents: torch.Tensor, *args: Any) -> Any:
+    def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, *args: Any) -> Any:
         step = self.step()
         if self.plan.freeze is not None:
             self.plan.freeze.check(step)

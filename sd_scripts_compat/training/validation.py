@@ -23,7 +23,7 @@ class ValidationRun:
     """When to validate (validate_every_n_*), how (the model, noise and seed it was built with), and
     the history of ``(step, loss)`` measured so far."""
 
-    def __init__(self, dataset: Any, config: Any, seed: int, *, unet: Any, conditioner: Conditioner,
+    def __init__(self, dataset: Any, config: Any, seed: int, *, unet: torch.nn.Module, conditioner: Conditioner,
                  noise_scheduler: Any = None, dtype: torch.dtype, accelerator: Any,
                  noise_settings: NoiseSettings | None = None, alphas_cumprod: Any = None,
                  objective: Any = None) -> None:
@@ -56,7 +56,7 @@ class ValidationRun:
         return loss
 
 
-def validation_loss(dataset: Any, unet: Any, conditioner: Conditioner, objective: Any, dtype: torch.dtype,
+def validation_loss(dataset: Any, unet: torch.nn.Module, conditioner: Conditioner, objective: Any, dtype: torch.dtype,
                     device: torch.device, seed: int, timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS,
                     max_batches: int | None = None) -> float:
     """Mean loss over the held-out batches (the first ``max_batches`` when given) at each of
