@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
 
 WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
@@ -147,7 +148,7 @@ class LiveBytesCounter:
         return _Mode()
 
 
-def latent_downsample(spec: Any) -> int:
+def latent_downsample(spec: FamilySpec) -> int:
     """Image pixels per latent pixel along a side: ``FamilySpec.latent_downsample`` (from the VAE config)."""
     return int(spec.latent_downsample)
 
@@ -401,8 +402,9 @@ def trace_training_step(
     )
 
 
-def _counted_step(bundle: ModelBundle, spec: Any, counter: LiveBytesCounter, optimizer: str, lora_params: list[Any],
-                  frozen: list[Any], attention: str, step: dict[str, Any]) -> tuple[bool, int, int]:
+def _counted_step(bundle: ModelBundle, spec: FamilySpec, counter: LiveBytesCounter, optimizer: str,
+                  lora_params: list[Any], frozen: list[Any], attention: str,
+                  step: dict[str, Any]) -> tuple[bool, int, int]:
     """One forward, backward and optimizer step under ``counter`` (inside the caller's fake mode): whether the
     optimizer state was simulated, its bytes, and the LoRA gradients' bytes."""
     opt, simulated, state_tensors = steady_state_optimizer(optimizer, lora_params)
@@ -420,7 +422,7 @@ def _counted_step(bundle: ModelBundle, spec: Any, counter: LiveBytesCounter, opt
     return simulated, optimizer_state_bytes, lora_grad_bytes
 
 
-def _build_for_trace(spec: Any, rank: int, weight_dtype: str, mixed_precision: str, train_text_encoder: bool,
+def _build_for_trace(spec: FamilySpec, rank: int, weight_dtype: str, mixed_precision: str, train_text_encoder: bool,
                      gradient_checkpointing: bool, network_alpha: float | None,
                      lora_builder: Callable[[Any, int, float, bool], Any] | None, fake: bool) -> tuple[Any, Any, Any]:
     """The family's modules (meta device when ``fake``) in the traced dtype, with the LoRA applied."""
@@ -449,9 +451,9 @@ def _build_for_trace(spec: Any, rank: int, weight_dtype: str, mixed_precision: s
     return bundle, network, module_dtype
 
 
-def _forward_backward(bundle: ModelBundle, spec: Any, counter: LiveBytesCounter, *, batch_size: int, resolution: int,
-                      module_dtype: Any, autocast_dtype: Any, cache_latents: bool, train_text_encoder: bool,
-                      cache_text_encoder_outputs: bool) -> None:
+def _forward_backward(bundle: ModelBundle, spec: FamilySpec, counter: LiveBytesCounter, *, batch_size: int,
+                      resolution: int, module_dtype: Any, autocast_dtype: Any, cache_latents: bool,
+                      train_text_encoder: bool, cache_text_encoder_outputs: bool) -> None:
     """One micro-step's inputs, forward and backward, each phase named on ``counter``."""
     import torch
 

@@ -3,9 +3,12 @@ epoch, then the problems grouped by kind (errors first), each line naming its fi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.doctor.report import ERROR, DoctorReport, Problem, summary_line
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 BAR_WIDTH = 20
 
@@ -18,7 +21,7 @@ def settings_line(report: DoctorReport) -> str:
             f"max_token_length {s.max_token_length}")
 
 
-def print_report(report: DoctorReport, console: Any = None) -> None:
+def print_report(report: DoctorReport, console: Console | None = None) -> None:
     """Print with rich (imported here: only the human view needs it)."""
     from rich.console import Console
     from rich.markup import escape

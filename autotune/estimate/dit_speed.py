@@ -28,7 +28,7 @@ Without offloading the switch re-points tensors and costs nothing.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.estimate.dit_memory import (
     DitMemoryInputs,
@@ -39,6 +39,9 @@ from autotune.estimate.dit_memory import (
 )
 from autotune.estimate.speed_model import EFFICIENCY_HALF_TFLOP, SpeedEstimate, card_rate_tflops
 from sd_scripts_compat.facts.families import get_family
+
+if TYPE_CHECKING:
+    from autotune.hardware.gpu_catalog import GpuSpec
 
 # A DiT on the CPU (tiny-flux: tests and demos) as one effective FLOP rate: its steps are overhead-bound, so this
 # is what tiny-flux's runs measure on this project's 2-core machine (0.17 s per 256 px step of 4 micro-steps,
@@ -70,7 +73,7 @@ def _attention_pairs(group: dict[str, Any], img: int, txt: int) -> int:
     return img * img + img * txt if group.get("attention") == "cross" else (img + txt) ** 2
 
 
-def swap_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+def swap_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that the swapped weights spend on the host link (0 without swap)."""
     cal = dit_family_calibration(inputs.family, calibration)
     if not inputs.blocks_to_swap:
@@ -82,7 +85,8 @@ def swap_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] 
     return 4.0 * host / (link * 1e9 * efficiency)
 
 
-def expert_switch_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+def expert_switch_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None,
+                          calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step of moving Wan 2.2's experts between host and card (``offload_inactive_dit``):
     each switch moves one expert down and the other up, whole, in pageable memory; 0 without offloading."""
     if not (inputs.high_noise_expert and inputs.offload_inactive_dit):
@@ -103,7 +107,7 @@ def expert_switch_share(boundary: float, shift: float, sigmoid_scale: float = 1.
     return 2.0 * p * (1.0 - p)
 
 
-def offload_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, Any] | None = None) -> float:
+def offload_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that ``cpu_offload_checkpointing``'s block inputs spend on the host link (down in
     the forward, up in the backward; 0 without it)."""
     cal = dit_family_calibration(inputs.family, calibration)
@@ -111,7 +115,7 @@ def offload_seconds(inputs: DitMemoryInputs, gpu: Any, calibration: dict[str, An
     return 2.0 * offloaded_checkpoint_bytes(cal, inputs) / (link * 1e9 * cal["speed"]["link_efficiency"])
 
 
-def predict_dit_speed(inputs: DitMemoryInputs, gpu: Any = None, *, steps: int = 1,
+def predict_dit_speed(inputs: DitMemoryInputs, gpu: GpuSpec | None = None, *, steps: int = 1,
                        gradient_accumulation_steps: int = 1, cpu_cores: int | None = None,
                        calibration: dict[str, Any] | None = None) -> SpeedEstimate:
     """Seconds per optimizer step: max(compute, swap transfer) per micro-step, times the accumulation."""

@@ -43,7 +43,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autotune.estimate.memory_model import MemoryInputs
+    from autotune.hardware.gpu_catalog import GpuSpec
 
 EFFICIENCY_MAX = 0.33
 EFFICIENCY_HALF_TFLOP = 3.5
@@ -100,7 +104,7 @@ def _poly(coef: list[float], pixels: float) -> float:
     return sum(c * pixels**i for i, c in enumerate(coef))
 
 
-def step_flops(inputs: Any, calibration: dict[str, Any] | None = None) -> StepFlops:
+def step_flops(inputs: MemoryInputs, calibration: dict[str, Any] | None = None) -> StepFlops:
     """FLOPs of one micro-step for ``inputs`` (a ``MemoryInputs``), from the shipped fits."""
     from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
     from sd_scripts_compat.facts.errors import UserError
@@ -135,7 +139,7 @@ def efficiency(tflop_per_micro_step: float) -> float:
     return EFFICIENCY_MAX * w / (w + EFFICIENCY_HALF_TFLOP)
 
 
-def card_rate_tflops(gpu: Any, precision: str) -> float:
+def card_rate_tflops(gpu: GpuSpec, precision: str) -> float:
     """The catalogue rate for the compute precision: bf16/fp16 tensor rate, else plain fp32."""
     if precision == "bf16":
         rate = getattr(gpu, "bf16_tensor_tflops", None) or getattr(gpu, "fp16_tensor_tflops", None)
@@ -146,7 +150,7 @@ def card_rate_tflops(gpu: Any, precision: str) -> float:
     return float(rate or gpu.fp32_tflops)
 
 
-def compute_precision(inputs: Any) -> str:
+def compute_precision(inputs: MemoryInputs) -> str:
     mixed = getattr(inputs, "mixed_precision", None)
     if mixed in ("fp16", "bf16"):
         return mixed
@@ -165,7 +169,8 @@ def cpu_coefficients(precision: str, native_bf16: bool) -> CpuCoefficients:
     return replace(CPU_FP32, gflops_per_core=CPU_FP32.gflops_per_core / CPU_BF16_SLOWDOWN)
 
 
-def cpu_traffic_bytes(inputs: Any, flops: float, calibration: dict[str, Any] | None = None) -> tuple[float, float]:
+def cpu_traffic_bytes(inputs: MemoryInputs, flops: float,
+                      calibration: dict[str, Any] | None = None) -> tuple[float, float]:
     """The CPU model's two traffic terms of one micro-step: (frozen UNet weight bytes at the compute dtype,
     activation bytes of the work done). Shared with the calibration that fits their rates."""
     from autotune.estimate.memory_model import family_calibration, predict_memory
@@ -180,7 +185,7 @@ def cpu_traffic_bytes(inputs: Any, flops: float, calibration: dict[str, Any] | N
     return weights * compute_bytes, activations
 
 
-def cpu_micro_step_seconds(inputs: Any, flops: float, cores: int, native_bf16: bool,
+def cpu_micro_step_seconds(inputs: MemoryInputs, flops: float, cores: int, native_bf16: bool,
                            calibration: dict[str, Any] | None = None) -> float:
     """Seconds of one micro-step on ``cores`` CPU cores: overhead + weight traffic + FLOPs + activation traffic."""
     k = cpu_coefficients(compute_precision(inputs), native_bf16)
@@ -198,9 +203,9 @@ def cpu_bf16_speed(native: bool) -> str:
     return f"this CPU has no native bf16: bf16 autocast is emulated, about {CPU_BF16_SLOWDOWN:g}x slower than fp32"
 
 
-def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accumulation_steps: int = 1,
-                  peak_tflops: float | None = None, cpu_cores: int | None = None, cpu_bf16: bool = False,
-                  calibration: dict[str, Any] | None = None) -> SpeedEstimate:
+def predict_speed(inputs: MemoryInputs, gpu: GpuSpec | None = None, *, steps: int = 1,
+                  gradient_accumulation_steps: int = 1, peak_tflops: float | None = None, cpu_cores: int | None = None,
+                  cpu_bf16: bool = False, calibration: dict[str, Any] | None = None) -> SpeedEstimate:
     """Seconds per optimizer step and for ``steps`` steps.
 
     The rate is ``peak_tflops`` when given (a plain number), else the ``gpu``'s catalogue rate
@@ -212,7 +217,11 @@ def predict_speed(inputs: Any, gpu: Any = None, *, steps: int = 1, gradient_accu
     precision = compute_precision(inputs)
     tflop = flops.total / 1e12
     if peak_tflops is not None or gpu is not None:
-        rate = float(peak_tflops) if peak_tflops is not None else card_rate_tflops(gpu, precision)
+        if peak_tflops is not None:
+            rate = float(peak_tflops)
+        else:
+            assert gpu is not None
+            rate = card_rate_tflops(gpu, precision)
         eff = efficiency(tflop)
         device = getattr(gpu, "name", None) or f"{rate:g} TFLOP/s"
     else:

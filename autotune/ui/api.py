@@ -26,6 +26,7 @@ from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
 
 if TYPE_CHECKING:
     from autotune.planning.planner import Plan
+    from autotune.ui.runs import RunStore
 
 MAX_BODY_BYTES = 1 << 20  # a request body (the largest real one, a run with every option, is under 4 KiB)
 TOO_LARGE = f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only"
@@ -262,7 +263,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
                                  headers={"Cache-Control": "no-cache"})
 
 
-def serve_queue(store: Any) -> None:
+def serve_queue(store: RunStore) -> None:
     """Start the next queued run whenever none trains (a restarted server keeps serving the queue it finds)."""
     while True:
         try:

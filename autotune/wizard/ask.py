@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # A check returns None when the text is acceptable, else the reason it is not (shown under the prompt).
 Check = Callable[[str], "str | None"]
@@ -31,7 +34,7 @@ class Option:
 class Asker:
     """Asks on the terminal, or answers from a flag or from the default (``assume_yes``)."""
 
-    def __init__(self, console: Any, assume_yes: bool = False) -> None:
+    def __init__(self, console: Console, assume_yes: bool = False) -> None:
         self.console = console
         self.assume_yes = assume_yes
 

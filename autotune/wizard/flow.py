@@ -27,10 +27,12 @@ from autotune.wizard.ask import Asker
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from autotune.planning.planner import Plan
 
 
-def run_wizard(args: argparse.Namespace, console: Any = None) -> int:
+def run_wizard(args: argparse.Namespace, console: Console | None = None) -> int:
     from rich.console import Console
 
     from autotune.planning.planner import plan_training

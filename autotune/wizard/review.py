@@ -9,11 +9,15 @@ is a one-line error naming what would.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.wizard.ask import Asker, Option, integer_check
 from autotune.wizard.overrides import LABELS, Evaluation, Overrides, describe, evaluate
 from sd_scripts_compat.facts.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.planning.planner import Plan
+    from autotune.planning.request import PlanRequest
 
 GIB = 1024**3
 BAR_WIDTH = 40
@@ -28,7 +32,7 @@ KNOB_OF_KEY = {"train_batch_size": "train_batch_size", "gradient_accumulation_st
                "gradient_checkpointing": "gradient_checkpointing", "network_train_unet_only": "train_text_encoder"}
 
 
-def review(asker: Asker, request: Any, base: Any, start: Overrides, accept: bool = False) -> Evaluation:
+def review(asker: Asker, request: PlanRequest, base: Plan, start: Overrides, accept: bool = False) -> Evaluation:
     """Show, change, re-predict until the user accepts a fitting plan; returns that evaluation.
     ``accept`` (``--accept``) answers the first "Next" question as ``--yes`` would."""
     current = evaluate(request, base, start)
@@ -150,7 +154,7 @@ def precisions(on_gpu: bool) -> tuple[str, ...]:
     return ("bf16", "fp16", "no") if on_gpu else ("no", "bf16")
 
 
-def ask_change(asker: Asker, current: Evaluation, request: Any, base: Any) -> Overrides:
+def ask_change(asker: Asker, current: Evaluation, request: PlanRequest, base: Plan) -> Overrides:
     """Which value, then the new value; returns the one-field change."""
     from autotune.planning.planner import OPTIMIZERS
 

@@ -18,7 +18,7 @@ import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.config.bounds import MAX_VALUES, MIN_VALUES, bound_problem
 from sd_scripts_compat.config.dataset_config import describe_value, folder_dataset_group, load_dataset_config
@@ -35,6 +35,9 @@ from sd_scripts_compat.facts.kohya_args import (
 )
 from sd_scripts_compat.facts.kohya_toml import flatten, read_toml
 from sd_scripts_compat.facts.optimizers import OPTIMIZERS, SCHEDULERS
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -546,7 +549,7 @@ def _normalize_legacy(values: dict[str, Any], out: dict[str, Any], origins: _Ori
             out["optimizer_type"] = optimizer
 
 
-def _normalize_values(out: dict[str, Any], where: Any) -> None:
+def _normalize_values(out: dict[str, Any], where: Callable[[str], str]) -> None:
     """Paths as strings, "W,H" pairs, key=value lists, one text-encoder rate, every bounded option in bounds."""
     for name in ("dataset_config", "resume", "train_data_dir", "reg_data_dir", "pretrained_model_name_or_path",
                  "output_dir", "logging_dir", "sample_prompts", "config_file"):
@@ -579,7 +582,7 @@ def _normalize_values(out: dict[str, Any], where: Any) -> None:
                         f"got {out['validation_split']!r}")
 
 
-def _normalize_network(out: dict[str, Any], where: Any, script: str) -> None:
+def _normalize_network(out: dict[str, Any], where: Callable[[str], str], script: str) -> None:
     """The network module this script takes (its default when unset), its rank, and its ``network_args``."""
     modules = network_modules(script)
     if out["network_module"] is None:
@@ -603,7 +606,7 @@ def _normalize_network(out: dict[str, Any], where: Any, script: str) -> None:
                                              where=where("network_args"))
 
 
-def _normalize_outputs(out: dict[str, Any], where: Any, script: str, warnings: list[str]) -> None:
+def _normalize_outputs(out: dict[str, Any], where: Callable[[str], str], script: str, warnings: list[str]) -> None:
     """What is written (safetensors only, tensorboard logs), full fp16/bf16, kohya's v2 flags, what is cached."""
     if out["save_model_as"] is None:
         out["save_model_as"] = "safetensors"
@@ -636,7 +639,7 @@ CHANGES_WHAT_TRAINS = {
                                        "train the UNet too); train with your sd-scripts (autotune run --engine "
                                        "sd-scripts=PATH), or drop it",
 }
-def _normalize_schedule(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+def _normalize_schedule(out: dict[str, Any], where: Callable[[str], str], warnings: list[str]) -> None:
     """The optimizer and scheduler by kohya's names, the warm-up as steps or a ratio, and the pairs sd-scripts
     warns about (constant with a warm-up: ignored) or that cannot go together (adafactor's schedule elsewhere)."""
     warmup = out["lr_warmup_steps"]
@@ -675,7 +678,7 @@ def _check_not_implemented(raw: dict[str, Any], specs: dict[str, Any], origins: 
 SEED_MAX = 2**32 - 1  # numpy's seed range, which sd-scripts' set_seed feeds
 
 
-def _check_contradictions(out: dict[str, Any], where: Any) -> None:
+def _check_contradictions(out: dict[str, Any], where: Callable[[str], str]) -> None:
     """Settings that cannot both hold, or that would train on the wrong thing, said instead of one ignored."""
     from sd_scripts_compat.facts.dataset_spec import caption_extension_problem
 
@@ -701,7 +704,7 @@ NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows file s
 SAVED_NAME_EXTRA = 40  # what the engine adds to output_name: "-step00001234-state.old", ".safetensors", a temp part
 
 
-def _check_path_lengths(out: dict[str, Any], where: Any) -> None:
+def _check_path_lengths(out: dict[str, Any], where: Callable[[str], str]) -> None:
     """Path components the file system cannot hold, said now rather than at the first save after loading."""
     for name in ("output_dir", "logging_dir", "autotune_state_dir", "train_data_dir", "reg_data_dir", "dataset_config",
                  "pretrained_model_name_or_path", "network_weights", "sample_prompts", "resume"):
@@ -727,7 +730,7 @@ def most_blocks_to_swap(script: str) -> int:
                 if get_family(name).script == script), default=0)
 
 
-def _normalize_offload(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+def _normalize_offload(out: dict[str, Any], where: Callable[[str], str], warnings: list[str]) -> None:
     """cpu_offload_checkpointing as sd-scripts' transformer scripts take it: it turns gradient checkpointing on
     (said), and block swap cannot go with it."""
     if not out["cpu_offload_checkpointing"]:
@@ -740,7 +743,7 @@ def _normalize_offload(out: dict[str, Any], where: Any, warnings: list[str]) -> 
         warnings.append("cpu_offload_checkpointing turns gradient_checkpointing on (as in sd-scripts)")
 
 
-def _normalize_sd3(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+def _normalize_sd3(out: dict[str, Any], where: Callable[[str], str], warnings: list[str]) -> None:
     """sd3_train_network's own rules, as sd-scripts applies them (fp8_base_unet implies fp8_base)."""
     if out["fp8_base_unet"]:
         out["fp8_base"] = True
@@ -755,7 +758,7 @@ def _normalize_sd3(out: dict[str, Any], where: Any, warnings: list[str]) -> None
         warnings.append(f"{where('max_token_length')}: not used by SD3 (77 CLIP tokens, t5xxl_max_token_length T5)")
 
 
-def _normalize_flux(out: dict[str, Any], where: Any, warnings: list[str]) -> None:
+def _normalize_flux(out: dict[str, Any], where: Callable[[str], str], warnings: list[str]) -> None:
     """flux_train_network's own rules, as sd-scripts applies them; Chroma's (``model_type = "chroma"``) as its
     docs and ``assert_extra_args`` state them: the T5 mask on, guidance 0 (Chroma is not distilled)."""
     if out["model_type"] == "chroma":

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from PIL import Image
+
+    from sd_scripts_compat.facts.dataset_spec import DatasetSpec
 
 Size = tuple[int, int]  # (width, height)
 
@@ -129,7 +131,7 @@ class BucketConfig:
     bucket_no_upscale: bool = False
 
     @classmethod
-    def of(cls, spec: Any) -> BucketConfig:
+    def of(cls, spec: DatasetSpec) -> BucketConfig:
         """The bucketing keys of a resolved ``DatasetSpec``, as the dataset builder uses them."""
         return cls(spec.resolution, spec.enable_bucket, spec.min_bucket_reso, spec.max_bucket_reso,
                    spec.bucket_reso_steps, spec.bucket_no_upscale)

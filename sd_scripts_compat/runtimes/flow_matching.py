@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
+
 NUM_TRAIN_TIMESTEPS = 1000
 
 
@@ -39,7 +41,7 @@ class FlowMatchSettings:
     guidance_scale: float = 3.5
 
     @classmethod
-    def from_config(cls, config: Any) -> FlowMatchSettings:
+    def from_config(cls, config: TrainingConfig) -> FlowMatchSettings:
         return cls(timestep_sampling=config.timestep_sampling, sigmoid_scale=config.sigmoid_scale,
                    discrete_flow_shift=config.discrete_flow_shift, model_prediction_type=config.model_prediction_type,
                    weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
@@ -277,7 +279,7 @@ class FlowMatchingObjective:
         return flow_loss(prediction, flow_target(latents, noise), weighting, loss_weights)
 
 
-def flux_metadata(config: Any) -> dict[str, str]:
+def flux_metadata(config: TrainingConfig) -> dict[str, str]:
     """The ``ss_`` keys sd-scripts adds to a FLUX.1 LoRA's metadata (every value a string, as kohya writes)."""
     names = ("model_type", "apply_t5_attn_mask", "weighting_scheme", "logit_mean", "logit_std", "mode_scale",
              "guidance_scale", "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")

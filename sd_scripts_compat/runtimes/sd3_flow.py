@@ -18,6 +18,8 @@ from sd_scripts_compat.runtimes.flow_matching import NUM_TRAIN_TIMESTEPS, flow_l
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
+
 
 @dataclass(frozen=True)
 class Sd3FlowSettings:
@@ -32,7 +34,7 @@ class Sd3FlowSettings:
     max_timestep: int = NUM_TRAIN_TIMESTEPS
 
     @classmethod
-    def from_config(cls, config: Any) -> Sd3FlowSettings:
+    def from_config(cls, config: TrainingConfig) -> Sd3FlowSettings:
         return cls(weighting_scheme=config.weighting_scheme, logit_mean=config.logit_mean,
                    logit_std=config.logit_std, mode_scale=config.mode_scale, training_shift=config.training_shift,
                    min_timestep=config.min_timestep or 0,
@@ -88,7 +90,7 @@ class Sd3FlowObjective:
         return flow_loss(prediction, latents, loss_weighting(self.settings.weighting_scheme, sigmas), loss_weights)
 
 
-def sd3_metadata(config: Any) -> dict[str, str]:
+def sd3_metadata(config: TrainingConfig) -> dict[str, str]:
     """The ``ss_`` keys sd-scripts adds to an SD3 LoRA's metadata (every value a string, as kohya writes)."""
     names = ("apply_lg_attn_mask", "apply_t5_attn_mask", "weighting_scheme", "logit_mean", "logit_std", "mode_scale")
     return {f"ss_{name}": str(getattr(config, name)) for name in names}

@@ -19,9 +19,12 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.training_config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class RunPaths:
     states_root: Path  # where state folders go: output_dir, as in sd-scripts, unless --autotune_state_dir
 
     @classmethod
-    def create(cls, config: Any) -> RunPaths:
+    def create(cls, config: TrainingConfig) -> RunPaths:
         """The run's paths from ``output_dir`` / ``output_name``; the output folders exist and are writable."""
         output_dir = Path(config.output_dir or "output")
         paths = cls(output_dir, safe_output_name(config.output_name or "last"),
@@ -79,7 +82,7 @@ class SavePolicy:
     keep_step_states: int | None
 
     @classmethod
-    def from_config(cls, config: Any) -> SavePolicy:
+    def from_config(cls, config: TrainingConfig) -> SavePolicy:
         return cls(save_state=bool(config.save_state),
                    keep_epoch_files=config.save_last_n_epochs, keep_step_files=config.save_last_n_steps,
                    keep_epoch_states=config.save_last_n_epochs_state or config.save_last_n_epochs,

@@ -8,10 +8,13 @@ sd-scripts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.optimizers import OPTIMIZERS, SCHEDULERS, optimizer_names
+
+if TYPE_CHECKING:
+    import torch
 
 
 def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate: float,
@@ -74,7 +77,7 @@ def _fused_adamw_supported(param_groups: list[dict[str, Any]]) -> bool:
                                 for p in params)
 
 
-def make_lr_scheduler(name: str, optimizer: Any, *, num_training_steps: int, num_warmup_steps: int,
+def make_lr_scheduler(name: str, optimizer: torch.optim.Optimizer, *, num_training_steps: int, num_warmup_steps: int,
                       num_cycles: int = 1, power: float = 1.0, learning_rate: float | None = None,
                       scheduler_args: dict[str, Any] | None = None) -> Any:
     from diffusers.optimization import get_scheduler

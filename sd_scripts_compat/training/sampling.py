@@ -22,6 +22,7 @@ from sd_scripts_compat.quiet import libraries_quiet
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.training.conditioning import Conditioner
 
@@ -157,7 +158,7 @@ def _prompt_from_table(path: Path, table: Any, default: SamplePrompt) -> SampleP
     return _checked(sample, f"{path.name}: {sample.prompt[:60]}")
 
 
-def sample_during_training(bundle: ModelBundle, config: Any, accelerator: Any, dtype: torch.dtype,
+def sample_during_training(bundle: ModelBundle, config: TrainingConfig, accelerator: Any, dtype: torch.dtype,
                            resolution: tuple[int, int], *, out_dir: Path, name: str, conditioner: Conditioner) -> None:
     """Render ``sample_prompts`` on the main process with the LoRA as trained so far.
 

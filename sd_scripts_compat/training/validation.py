@@ -16,6 +16,8 @@ from sd_scripts_compat.training.conditioning import Conditioner
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.config.training_config import TrainingConfig
+
 VALIDATION_TIMESTEPS = (100, 300, 500, 700, 900)
 
 
@@ -23,8 +25,8 @@ class ValidationRun:
     """When to validate (validate_every_n_*), how (the model, noise and seed it was built with), and
     the history of ``(step, loss)`` measured so far."""
 
-    def __init__(self, dataset: Any, config: Any, seed: int, *, unet: torch.nn.Module, conditioner: Conditioner,
-                 noise_scheduler: Any = None, dtype: torch.dtype, accelerator: Any,
+    def __init__(self, dataset: Any, config: TrainingConfig, seed: int, *, unet: torch.nn.Module,
+                 conditioner: Conditioner, noise_scheduler: Any = None, dtype: torch.dtype, accelerator: Any,
                  noise_settings: NoiseSettings | None = None, alphas_cumprod: Any = None,
                  objective: Any = None) -> None:
         from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
@@ -56,9 +58,9 @@ class ValidationRun:
         return loss
 
 
-def validation_loss(dataset: Any, unet: torch.nn.Module, conditioner: Conditioner, objective: Any, dtype: torch.dtype,
-                    device: torch.device, seed: int, timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS,
-                    max_batches: int | None = None) -> float:
+def validation_loss(dataset: Any, unet: torch.nn.Module, conditioner: Conditioner, objective: Any,
+                    dtype: torch.dtype, device: torch.device, seed: int,
+                    timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS, max_batches: int | None = None) -> float:
     """Mean loss over the held-out batches (the first ``max_batches`` when given) at each of
     ``timesteps`` (of 1000; FLUX: sigma t/1000), with noise drawn from ``seed``; ``objective`` is the run's
     (``objectives.NoisePredictionObjective`` or ``flow_matching.FlowMatchingObjective``)."""
