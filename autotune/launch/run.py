@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from autotune.hardware.probe import SystemProbe
+    from autotune.recovery.watchdog import Job
     from sd_scripts_compat.facts.dataset_scan import DatasetScan
     from sd_scripts_compat.facts.families import FamilySpec
 
@@ -284,7 +285,7 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Da
                           ours=kind.own_measurements)
 
 
-def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job: Any, family: FamilySpec,
+def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job: Job, family: FamilySpec,
                    ours: bool) -> int:
     """Train ``job`` under the watchdog; its exit code, or a UserError."""
     import json

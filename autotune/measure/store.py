@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from sd_scripts_compat.facts.contract import Outcome
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from autotune.hardware.probe import SystemProbe
     from sd_scripts_compat.facts.families import FamilySpec
 
@@ -121,7 +123,7 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def load_measurements(path: Path | None = None, warn: Any = None) -> list[Measurement]:
+def load_measurements(path: Path | None = None, warn: Callable[[str], None] | None = None) -> list[Measurement]:
     """Every record in the store; [] when it is missing, and [] with one warning when it is unreadable."""
     path = path or store_path()
     try:
@@ -142,7 +144,7 @@ def load_measurements(path: Path | None = None, warn: Any = None) -> list[Measur
         return []
 
 
-def _warn(warn: Any, message: str) -> None:
+def _warn(warn: Callable[[str], None] | None, message: str) -> None:
     (warn or (lambda text: print(f"warning: {text}", file=sys.stderr)))(message)
 
 

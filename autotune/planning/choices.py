@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.layout import LOGS_DIR
 from autotune.planning.dataset import DatasetSummary
@@ -23,6 +23,9 @@ from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import config_values
+
+if TYPE_CHECKING:
+    from autotune.planning.profiles import PlanProfile
 
 OPTIMIZER_REASONS = {
     "AdamW8bit": "8-bit Adam state (2 bytes/param instead of 8), same quality in practice",
@@ -85,7 +88,7 @@ class PlanContext:
         return self.settings.resolution[0]
 
 
-def model_files(req: PlanRequest, profile: Any, text_encoder_fp8: bool,
+def model_files(req: PlanRequest, profile: PlanProfile, text_encoder_fp8: bool,
                 both_experts: bool = False) -> dict[str, tuple[str, str]]:
     """The separate model files the family's script takes (FLUX: CLIP-L, T5-XXL, AE; Wan 2.2's second expert
     when both train), each the file the user gave or a placeholder to edit; none for a builtin:<id> model, none
@@ -307,7 +310,7 @@ def _training(c: PlanContext) -> list[Choice]:
     return out
 
 
-def fixed_keys(profile: Any, both_experts: bool) -> tuple[tuple[str, Any, str], ...]:
+def fixed_keys(profile: PlanProfile, both_experts: bool) -> tuple[tuple[str, Any, str], ...]:
     """The profile's fixed keys; with two experts, its one-expert keys replaced by the two-expert ones."""
     two = profile.both_experts
     if not (two and both_experts):

@@ -128,6 +128,7 @@ from sd_scripts_compat.models.detect import detect_family
 
 if TYPE_CHECKING:
     from autotune.measure.learned import LearnedFigures
+    from autotune.planning.search import Estimate
     from sd_scripts_compat.facts.families import FamilySpec
 
 __all__ = [
@@ -423,7 +424,7 @@ def _learned_lines(excluded: dict[TrainSettings, str]) -> tuple[str, ...]:
     return tuple(f"not proposed: {short_settings(s)}: {why}" for s, why in excluded.items())
 
 
-def _sources(estimate: Any) -> dict[str, Any]:
+def _sources(estimate: Estimate) -> dict[str, Any]:
     return {"speed_source": estimate.speed_source, "speed_basis": estimate.speed_basis,
             "memory_source": estimate.memory_source}
 

@@ -21,7 +21,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import threading
 
 GIB = 2**30
 SPILL_SLOWDOWN = 3.0  # it/s at most a third of the run's pace ...
@@ -226,7 +229,7 @@ class LiveDetector:
         return records
 
 
-def watch(path: Path, say: Callable[[str], None], stop: Any, every_s: float = 5.0) -> None:
+def watch(path: Path, say: Callable[[str], None], stop: threading.Event, every_s: float = 5.0) -> None:
     """Poll ``path`` every ``every_s`` until ``stop`` (a threading.Event) is set; ``say`` each new finding."""
     detector = LiveDetector(path)
     while not stop.wait(every_s):

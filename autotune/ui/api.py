@@ -26,7 +26,7 @@ from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
 
 if TYPE_CHECKING:
     from autotune.planning.planner import Plan
-    from autotune.ui.runs import RunStore
+    from autotune.ui.runs import EngineChoice, RunStore
 
 MAX_BODY_BYTES = 1 << 20  # a request body (the largest real one, a run with every option, is under 4 KiB)
 TOO_LARGE = f"the request body is over {MAX_BODY_BYTES // 1024} KiB; send the options only"
@@ -273,7 +273,7 @@ def serve_queue(store: RunStore) -> None:
         time.sleep(1.0)
 
 
-def engine_choice(name: str, options: list[str]) -> Any:
+def engine_choice(name: str, options: list[str]) -> EngineChoice | None:
     """The offered engine's record (its ``--engine`` / ``--python`` as ``autotune ui`` was started); None: ours."""
     from autotune.ui.runs import EngineChoice
 
@@ -283,7 +283,7 @@ def engine_choice(name: str, options: list[str]) -> Any:
     return EngineChoice(name=name, engine=values["--engine"], python=values.get("--python"))
 
 
-def check_engine(choice: Any, args: Any) -> None:
+def check_engine(choice: EngineChoice, args: Any) -> None:
     """The user's engine (an ``EngineChoice``) refuses what it cannot train (a built-in model, another trainer's
     family) before any folder is made, as ``autotune run`` does (``launch.engines.check_engine``)."""
     from argparse import Namespace

@@ -19,7 +19,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autotune.wizard import steps
 from autotune.wizard.answers import check_flags, overrides_from_args
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from autotune.planning.planner import Plan
+    from autotune.planning.request import PlanRequest
 
 
 def run_wizard(args: argparse.Namespace, console: Console | None = None) -> int:
@@ -68,7 +69,7 @@ def run_wizard(args: argparse.Namespace, console: Console | None = None) -> int:
 
 
 def build_request(hardware: steps.Hardware, model: steps.ModelChoice, data: steps.DatasetChoice,
-                  output: steps.OutputChoice, experts: str | None = None) -> Any:
+                  output: steps.OutputChoice, experts: str | None = None) -> PlanRequest:
     from autotune.measure.store import load_measurements
     from autotune.planning.planner import PlanRequest, Preferences
 

@@ -34,7 +34,9 @@ from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    import PIL.Image
     import torch
+    import torch.utils.data
 
 DECODE_DELAY_ENV = "SD_COMPAT_TEST_DECODE_DELAY"
 
@@ -152,7 +154,7 @@ def _bomb_message(path: Path) -> str:
 HIGH_BIT_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
-def to_rgb(image: Any) -> Any:
+def to_rgb(image: Any) -> PIL.Image.Image:
     """An opened PIL image as RGB: alpha dropped (as sd-scripts does without ``alpha_mask``), 16-bit and float
     greyscale scaled to 8 bits (0..65535 and 0..1 respectively) rather than clipped."""
     import numpy as np
@@ -169,7 +171,7 @@ def to_rgb(image: Any) -> Any:
     return Image.fromarray(grey).convert("RGB")
 
 
-def load_image_rgb(path: Path) -> Any:
+def load_image_rgb(path: Path) -> PIL.Image.Image:
     """The image as an RGB PIL image (see :func:`to_rgb`); an undecodable file is a one-line UserError."""
     from PIL import Image, UnidentifiedImageError
 
@@ -570,7 +572,7 @@ class BucketBatchSampler:
 
 
 def make_dataloader(dataset: TrainDataset, sampler: BucketBatchSampler, *, num_workers: int = 0,
-                    persistent_workers: bool = False, pin_memory: bool = False) -> Any:
+                    persistent_workers: bool = False, pin_memory: bool = False) -> torch.utils.data.DataLoader[Any]:
     """A torch DataLoader over whole batches (kohya's ``max_data_loader_n_workers`` and
     ``persistent_data_loader_workers``); ``persistent_workers`` needs ``num_workers > 0``."""
     import torch

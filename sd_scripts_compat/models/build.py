@@ -56,7 +56,7 @@ def build_text_encoder(config: dict[str, Any]) -> Any:
     return cls(cls.config_class(**model_config(config)))
 
 
-def build_denoiser(config: dict[str, Any]) -> Any:
+def build_denoiser(config: dict[str, Any]) -> torch.nn.Module:
     """The diffusers denoiser named by ``_class_name`` (UNet2DConditionModel, FluxTransformer2DModel)."""
     import diffusers
 

@@ -53,7 +53,7 @@ def legacy_hash(buffer: bytes) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- write
-def resolve_save_dtype(save_dtype: Any) -> torch.dtype | None:
+def resolve_save_dtype(save_dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` (keep), "float"/"fp16"/"bf16" (sd-scripts' save_precision names) or a torch dtype."""
     import torch
 
@@ -66,7 +66,7 @@ def resolve_save_dtype(save_dtype: Any) -> torch.dtype | None:
 
 
 def save_lora_file(path: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], metadata: dict[str, str],
-                   save_dtype: Any = None) -> dict[str, str]:
+                   save_dtype: str | torch.dtype | None = None) -> dict[str, str]:
     """Write a kohya LoRA safetensors file atomically (temp file in the same folder, then ``os.replace``).
 
     Floating tensors (``alpha`` included, as sd-scripts does) are cast to ``save_dtype``; the hashes are

@@ -23,12 +23,12 @@ SAMPLE_SHIFT = 3.0  # sd-scripts: "3.0 is for SD3"
 TIMESTEPS = 1000
 
 
-def _shifted(t: Any, shift: float) -> Any:
+def _shifted(t: torch.Tensor, shift: float) -> torch.Tensor:
     t = t / TIMESTEPS
     return t if shift == 1.0 else shift * t / (1 + (shift - 1) * t)
 
 
-def sd3_sigmas(steps: int, shift: float = SAMPLE_SHIFT) -> Any:
+def sd3_sigmas(steps: int, shift: float = SAMPLE_SHIFT) -> torch.Tensor:
     """``steps`` sigmas from 1 down, then 0 (sd3_train_utils.get_all_sigmas)."""
     import torch
 

@@ -17,6 +17,7 @@ import glob
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,14 +161,14 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _prune_newest(paths: Any, keep: int | None) -> None:
+def _prune_newest(paths: Iterable[Path], keep: int | None) -> None:
     """Keep the newest ``keep`` (zero-padded names sort by epoch)."""
     if keep:
         for old in sorted(paths)[:-keep]:
             _remove(old)
 
 
-def _prune_steps(paths: Any, keep: int | None, step: int, ending: str) -> None:
+def _prune_steps(paths: Iterable[Path], keep: int | None, step: int, ending: str) -> None:
     """Keep those of the last ``keep`` steps, as sd-scripts does: step s stays while s > step - keep."""
     if not keep:
         return

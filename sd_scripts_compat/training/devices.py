@@ -78,7 +78,7 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak_rss_mib()
 
 
-def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> Any:
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's wrapper (its state dict is what a state folder holds)."""
     return getattr(optimizer, "optimizer", optimizer)
 

@@ -104,7 +104,7 @@ class NanInjector:
         steps = _step_rules(NAN_ENV, environ)
         return None if steps is None else cls(steps, marker_dir)
 
-    def poison(self, step: int, loss: Any) -> Any:
+    def poison(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """``loss``, or NaN times it when step ``step`` is to be poisoned (the first time only)."""
         if step in self.steps and _marker_fires(self.marker_dir, f"injected-nan-step{step}"):
             return loss * float("nan")

@@ -79,7 +79,7 @@ def _fused_adamw_supported(param_groups: list[dict[str, Any]]) -> bool:
 
 def make_lr_scheduler(name: str, optimizer: torch.optim.Optimizer, *, num_training_steps: int, num_warmup_steps: int,
                       num_cycles: int = 1, power: float = 1.0, learning_rate: float | None = None,
-                      scheduler_args: dict[str, Any] | None = None) -> Any:
+                      scheduler_args: dict[str, Any] | None = None) -> torch.optim.lr_scheduler.LRScheduler:
     from diffusers.optimization import get_scheduler
 
     if name == "adafactor" or (type(optimizer).__name__ == "Adafactor" and optimizer.defaults.get("relative_step")):

@@ -116,7 +116,7 @@ class DivergenceRule:
                 "loss_history": [[s, _finite_or_none(loss), _finite_or_none(norm)] for s, loss, norm in self.history]}
 
 
-def total_norm(tensors: list[Any]) -> Any:
+def total_norm(tensors: list[Any]) -> torch.Tensor:
     """The 2-norm over all tensors, as a float32 device scalar (no sync); NaN/inf when any value is."""
     import torch
 
@@ -157,7 +157,7 @@ class StabilityGuard:
         self.rule = DivergenceRule(scaled=scaled, baseline=extra.get(BASELINE_KEY))
         self.tripped: dict[str, Any] | None = None
 
-    def add_loss(self, loss: Any) -> None:
+    def add_loss(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss, summed into this step's slot on the device."""
         self.buffer[0, self.slot].add_(loss.detach())
         self.micro += 1

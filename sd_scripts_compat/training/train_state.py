@@ -77,7 +77,7 @@ def _decode(value: Any, tensors: dict[str, Any]) -> Any:
     return value
 
 
-def step_generator(seed: int, global_step: int, micro_step: int, device: str | torch.device) -> Any:
+def step_generator(seed: int, global_step: int, micro_step: int, device: str | torch.device) -> torch.Generator:
     """A generator that depends only on (seed, step): resumed runs draw the same noise."""
     import torch
 
