@@ -28,7 +28,7 @@ def test_adamw_is_fused_on_cpu_and_takes_the_same_step_as_the_per_tensor_loop():
     loop, _ = make_optimizer("adamw", loop_groups, 1e-4, {"weight_decay": 0.01, "foreach": False})
     assert fused.defaults["fused"] is True
     assert not loop.defaults.get("fused")
-    assert name == "torch.optim.AdamW(weight_decay=0.01)"  # ss_optimizer records what the user asked for
+    assert name == "torch.optim.adamw.AdamW(weight_decay=0.01)"  # ss_optimizer records what the user asked for
     for _ in range(3):
         fused.step()
         loop.step()
@@ -39,9 +39,10 @@ def test_adamw_is_fused_on_cpu_and_takes_the_same_step_as_the_per_tensor_loop():
 
 def test_a_users_fused_or_foreach_choice_is_kept():
     optimizer, name = make_optimizer("AdamW", lora_like_groups(), 1e-4, {"fused": False})
-    assert optimizer.defaults["fused"] is False and name == "torch.optim.AdamW(fused=False)"
+    assert optimizer.defaults["fused"] is False and name == "torch.optim.adamw.AdamW(fused=False)"
     optimizer, _ = make_optimizer("AdamW", lora_like_groups(), 1e-4, {"foreach": True})
     assert optimizer.defaults["foreach"] is True and not optimizer.defaults.get("fused")
+    assert make_optimizer("AdamW", lora_like_groups(), 1e-4, {})[1] == "torch.optim.adamw.AdamW"  # no "()"
 
 
 @pytest.mark.parametrize(("kohya_name", "class_name"), [

@@ -271,10 +271,12 @@ class TrainDataset:
         errors = [abs(r.assignment.ar_error) for r in self.records]
         return {"buckets": buckets, "mean_img_ar_error": sum(errors) / len(errors) if errors else 0.0}
 
-    def dataset_dirs(self) -> dict[str, dict[str, int]]:
-        """kohya's ``ss_dataset_dirs``: folder name -> repeats and image count."""
+    def dataset_dirs(self, reg: bool = False) -> dict[str, dict[str, int]]:
+        """kohya's ``ss_dataset_dirs`` (``reg``: ``ss_reg_dataset_dirs``): folder name -> repeats and image count."""
         dirs: dict[str, dict[str, int]] = {}
         for i, subset in enumerate(self.spec.subsets):
+            if subset.is_reg != reg:
+                continue
             count = sum(1 for r in self.records if r.subset_index == i)
             if count:
                 dirs[Path(subset.image_dir).name] = {"n_repeats": subset.num_repeats, "img_count": count}

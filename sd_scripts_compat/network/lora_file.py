@@ -379,7 +379,7 @@ class TrainingFacts:
     network_dim: int
     network_alpha: float | int | None
     learning_rate: float
-    optimizer: str  # e.g. "torch.optim.adamw.AdamW(weight_decay=0.01)"
+    optimizer: str  # e.g. "torch.optim.adamw.AdamW(weight_decay=0.01)", "torch.optim.adamw.AdamW"
     resolution: tuple[int, int]
     training_started_at: float  # time.time()
     session_id: int
@@ -420,6 +420,9 @@ class TrainingFacts:
     description: str | None = None
     license: str | None = None
     tags: str | None = None
+    # sd-scripts' keys from its options, its dataset and its model files (``network.kohya_keys``); ``ss_datasets``
+    # among them (a dataset config) replaces the batch, resolution and folder keys of a ``train_data_dir`` run
+    kohya_keys: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -466,8 +469,13 @@ def build_metadata(family: FamilySpec, facts: TrainingFacts) -> dict[str, str]:
         "ss_dataset_dirs": json.dumps(facts.dataset_dirs),
         "ss_tag_frequency": json.dumps(facts.tag_frequency),
         "ss_sd_model_name": facts.sd_model_name,
-        "ss_vae_name": facts.vae_name,
     }
+    if facts.vae_name is not None:
+        ss["ss_vae_name"] = facts.vae_name
+    if "ss_datasets" in facts.kohya_keys:  # sd-scripts writes these only for a train_data_dir run
+        for key in ("ss_batch_size_per_device", "ss_total_batch_size", "ss_resolution"):
+            del ss[key]
+    ss.update(facts.kohya_keys)
     if facts.network_args:
         ss["ss_network_args"] = json.dumps(facts.network_args)
     if facts.training_finished_at is not None:

@@ -46,8 +46,10 @@ def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate:
     except (TypeError, ValueError, RuntimeError) as error:  # an unknown keyword; a value the optimizer refuses
         # (betas=(2, 0)); options that cannot go together (fused and foreach)
         raise UserError(f"optimizer_args for {canonical}: {str(error).replace('`', '')}") from None
+    # ss_optimizer as sd-scripts writes it: the class's own module, its args in parentheses only when there are any
     args_text = ",".join(f"{k}={v}" for k, v in optimizer_args.items())
-    return optimizer, f"{module_name}.{class_name}({args_text})"
+    name = f"{optimizer_class.__module__}.{optimizer_class.__name__}"
+    return optimizer, f"{name}({args_text})" if args_text else name
 
 
 def _check_betas(canonical: str, kwargs: dict[str, Any]) -> None:

@@ -551,6 +551,7 @@ def report_run(config: TrainingConfig, process: Process, data: Data, inputs: Inp
 def build_checkpointer(config: TrainingConfig, process: Process, model: Model, data: Data, inputs: Inputs,
                        network: Network, optimization: Optimization, report: Report,
                        guard: StabilityGuard | None = None) -> Checkpointer:
+    from sd_scripts_compat.network.kohya_keys import dataset_keys, file_keys, option_keys
     from sd_scripts_compat.network.lora_file import TrainingFacts
 
     retries = _read_retry_log(config.autotune_retry_log)
@@ -574,6 +575,8 @@ def build_checkpointer(config: TrainingConfig, process: Process, model: Model, d
         sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
         tag_frequency=data.train.tag_frequencies, dataset_dirs=data.train.dataset_dirs(),
         training_comment=config.training_comment,
+        kohya_keys={**option_keys(config, data.validation.num_train_images if data.validation else 0),
+                    **dataset_keys(config, data.train), **file_keys(config)},
         extra={**({"ss_autotune_retries": json.dumps(retries)} if retries else {}),
                **model.runtime.file_metadata(config)},
     )

@@ -1,0 +1,201 @@
+"""The ``ss_*`` keys sd-scripts' ``train_network.py`` writes from its options, its dataset and its model files,
+beside those :func:`~sd_scripts_compat.network.lora_file.build_metadata` writes from the run's own figures.
+
+sd-scripts writes ``str(value)`` of each: an option as argparse holds it after its checks (``None``, ``0.0``,
+``l2``, a ``(w, h)`` tuple), a flag as ``str(bool(...))``. Which option drives which key (``OPTION_KEYS``):
+
+| key | option | written as |
+| --- | --- | --- |
+| ``ss_full_fp16`` | ``full_fp16`` | flag |
+| ``ss_lowram`` | ``lowram`` | value |
+| ``ss_multires_noise_iterations`` | ``multires_noise_iterations`` | value |
+| ``ss_multires_noise_discount`` | ``multires_noise_discount`` | value |
+| ``ss_adaptive_noise_scale`` | ``adaptive_noise_scale`` | value |
+| ``ss_zero_terminal_snr`` | ``zero_terminal_snr`` | value |
+| ``ss_caption_dropout_rate`` | ``caption_dropout_rate`` | value |
+| ``ss_caption_dropout_every_n_epochs`` | ``caption_dropout_every_n_epochs`` | value |
+| ``ss_caption_tag_dropout_rate`` | ``caption_tag_dropout_rate`` | value |
+| ``ss_face_crop_aug_range`` | ``face_crop_aug_range`` | value |
+| ``ss_prior_loss_weight`` | ``prior_loss_weight`` | value |
+| ``ss_scale_weight_norms`` | ``scale_weight_norms`` | value |
+| ``ss_ip_noise_gamma`` | ``ip_noise_gamma`` | value |
+| ``ss_debiased_estimation`` | ``debiased_estimation_loss`` | flag |
+| ``ss_noise_offset_random_strength`` | ``noise_offset_random_strength`` | value |
+| ``ss_ip_noise_gamma_random_strength`` | ``ip_noise_gamma_random_strength`` | value |
+| ``ss_loss_type`` | ``loss_type`` | value |
+| ``ss_huber_schedule`` | ``huber_schedule`` | value |
+| ``ss_huber_scale`` | ``huber_scale`` | value |
+| ``ss_huber_c`` | ``huber_c`` | value |
+| ``ss_fp8_base`` | ``fp8_base`` | flag |
+| ``ss_fp8_base_unet`` | ``fp8_base_unet`` | flag |
+| ``ss_validation_seed`` | ``validation_seed`` | value |
+| ``ss_validation_split`` | ``validation_split`` | value |
+| ``ss_max_validation_steps`` | ``max_validation_steps`` | value |
+| ``ss_validate_every_n_epochs`` | ``validate_every_n_epochs`` | value |
+| ``ss_validate_every_n_steps`` | ``validate_every_n_steps`` | value |
+| ``ss_resize_interpolation`` | ``resize_interpolation`` | value |
+
+The dataset (:func:`dataset_keys`): a run from ``train_data_dir`` writes the flat keys (``ss_color_aug``,
+``ss_flip_aug``, ``ss_random_crop``, ``ss_shuffle_caption``, ``ss_keep_tokens`` from the options;
+``ss_enable_bucket``, ``ss_bucket_no_upscale``, ``ss_min_bucket_reso``, ``ss_max_bucket_reso`` from the dataset;
+``ss_dataset_dirs``, ``ss_reg_dataset_dirs``, ``ss_tag_frequency``, ``ss_bucket_info`` as JSON); a run from a
+``dataset_config`` writes ``ss_datasets`` (one JSON record per dataset, its subsets inside) with
+``ss_tag_frequency`` and ``ss_dataset_dirs``, and none of the flat keys. The model files (:func:`file_keys`): a base
+model or ``vae`` that is a path gets AUTOMATIC1111's old hash (``ss_sd_model_hash`` / ``ss_vae_hash``: 8 hex digits
+of the SHA-256 of the 64 KiB at 1 MiB) and the file's SHA-256 (``ss_new_sd_model_hash`` / ``ss_new_vae_hash``), as
+``library/train_util.py``'s ``model_hash`` and ``calculate_sha256`` compute them (a folder: ``IsADirectory``).
+``ss_sd_scripts_commit_hash`` names this engine and its version instead of an sd-scripts commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.dataset.train_dataset import TrainDataset
+
+FLAG, VALUE = "flag", "value"
+OPTION_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("ss_full_fp16", "full_fp16", FLAG), ("ss_lowram", "lowram", VALUE),
+    ("ss_multires_noise_iterations", "multires_noise_iterations", VALUE),
+    ("ss_multires_noise_discount", "multires_noise_discount", VALUE),
+    ("ss_adaptive_noise_scale", "adaptive_noise_scale", VALUE), ("ss_zero_terminal_snr", "zero_terminal_snr", VALUE),
+    ("ss_caption_dropout_rate", "caption_dropout_rate", VALUE),
+    ("ss_caption_dropout_every_n_epochs", "caption_dropout_every_n_epochs", VALUE),
+    ("ss_caption_tag_dropout_rate", "caption_tag_dropout_rate", VALUE),
+    ("ss_face_crop_aug_range", "face_crop_aug_range", VALUE), ("ss_prior_loss_weight", "prior_loss_weight", VALUE),
+    ("ss_scale_weight_norms", "scale_weight_norms", VALUE), ("ss_ip_noise_gamma", "ip_noise_gamma", VALUE),
+    ("ss_debiased_estimation", "debiased_estimation_loss", FLAG),
+    ("ss_noise_offset_random_strength", "noise_offset_random_strength", VALUE),
+    ("ss_ip_noise_gamma_random_strength", "ip_noise_gamma_random_strength", VALUE),
+    ("ss_loss_type", "loss_type", VALUE), ("ss_huber_schedule", "huber_schedule", VALUE),
+    ("ss_huber_scale", "huber_scale", VALUE), ("ss_huber_c", "huber_c", VALUE),
+    ("ss_fp8_base", "fp8_base", FLAG), ("ss_fp8_base_unet", "fp8_base_unet", FLAG),
+    ("ss_validation_seed", "validation_seed", VALUE), ("ss_validation_split", "validation_split", VALUE),
+    ("ss_max_validation_steps", "max_validation_steps", VALUE),
+    ("ss_validate_every_n_epochs", "validate_every_n_epochs", VALUE),
+    ("ss_validate_every_n_steps", "validate_every_n_steps", VALUE),
+    ("ss_resize_interpolation", "resize_interpolation", VALUE),
+)
+FLAT_OPTION_KEYS = (("ss_color_aug", "color_aug", FLAG), ("ss_flip_aug", "flip_aug", FLAG),
+                    ("ss_random_crop", "random_crop", FLAG), ("ss_shuffle_caption", "shuffle_caption", FLAG),
+                    ("ss_keep_tokens", "keep_tokens", VALUE))
+
+
+def option_value(config: TrainingConfig, name: str) -> Any:
+    """An sd-scripts option as its ``args`` holds it: ours where the config reader keeps it, else what the user gave,
+    else the option table's default (the reader refuses a value our engine would not honour)."""
+    from sd_scripts_compat.facts.kohya_args import arg_specs
+
+    if hasattr(config, name):
+        return getattr(config, name)
+    if name in config.raw:
+        return config.raw[name]
+    spec = arg_specs(script=config.script).get(name)
+    return spec.default if spec is not None else None
+
+
+def _written(config: TrainingConfig, table: tuple[tuple[str, str, str], ...]) -> dict[str, Any]:
+    out = {}
+    for key, option, form in table:
+        value = option_value(config, option)
+        if option == "face_crop_aug_range" and isinstance(value, str):
+            value = tuple(float(part) for part in value.split(","))  # sd-scripts' prepare_dataset_args
+        out[key] = bool(value) if form == FLAG else value
+    return out
+
+
+def option_keys(config: TrainingConfig, num_validation_images: int) -> dict[str, Any]:
+    """The keys sd-scripts writes straight from its options (``OPTION_KEYS``), and the validation image count."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        engine = f"lora-autotune {version('lora-autotune')}"
+    except PackageNotFoundError:
+        engine = "lora-autotune"
+    return {"ss_num_validation_images": num_validation_images, **_written(config, OPTION_KEYS),
+            "ss_sd_scripts_commit_hash": engine}
+
+
+def dataset_keys(config: TrainingConfig, dataset: TrainDataset) -> dict[str, Any]:
+    """The dataset's keys: the flat ones for a ``train_data_dir`` run, ``ss_datasets`` for a dataset config."""
+    if config.dataset_config:
+        return {"ss_datasets": json.dumps([_dataset_record(dataset)]),
+                "ss_tag_frequency": json.dumps(dataset.tag_frequencies),
+                "ss_dataset_dirs": json.dumps(dataset.dataset_dirs())}
+    spec = dataset.spec
+    return {**_written(config, FLAT_OPTION_KEYS), "ss_enable_bucket": bool(spec.enable_bucket),
+            "ss_bucket_no_upscale": bool(spec.bucket_no_upscale), "ss_min_bucket_reso": spec.min_bucket_reso,
+            "ss_max_bucket_reso": spec.max_bucket_reso, "ss_dataset_dirs": json.dumps(dataset.dataset_dirs()),
+            "ss_reg_dataset_dirs": json.dumps(dataset.dataset_dirs(reg=True)),
+            "ss_tag_frequency": json.dumps(dataset.tag_frequencies),
+            "ss_bucket_info": json.dumps(dataset.bucket_info())}
+
+
+def _dataset_record(dataset: TrainDataset) -> dict[str, Any]:
+    """One ``ss_datasets`` entry, as sd-scripts records a DreamBooth-style dataset and its subsets."""
+    spec = dataset.spec
+    subsets = []
+    for index, subset in enumerate(spec.subsets):
+        record = {"img_count": sum(1 for r in dataset.records if r.subset_index == index),
+                  "num_repeats": subset.num_repeats, "color_aug": bool(subset.color_aug),
+                  "flip_aug": bool(subset.flip_aug), "random_crop": bool(subset.random_crop),
+                  "shuffle_caption": bool(subset.shuffle_caption), "keep_tokens": subset.keep_tokens,
+                  "keep_tokens_separator": subset.keep_tokens_separator,
+                  "secondary_separator": subset.secondary_separator, "enable_wildcard": bool(subset.enable_wildcard),
+                  "caption_prefix": subset.caption_prefix, "caption_suffix": subset.caption_suffix,
+                  "resize_interpolation": subset.resize_interpolation}
+        if subset.image_dir:
+            record["image_dir"] = os.path.basename(subset.image_dir)
+        if subset.metadata_file is None:  # DreamBooth-style: class tokens and the regularization flag
+            record.update(class_tokens=subset.class_tokens, is_reg=subset.is_reg)
+        else:  # fine-tuning style: captions from a metadata file
+            record["metadata_file"] = os.path.basename(subset.metadata_file)
+        subsets.append(record)
+    width, height = spec.resolution
+    dreambooth = all(s.metadata_file is None for s in spec.subsets)
+    return {"is_dreambooth": dreambooth, "batch_size_per_device": spec.batch_size,
+            "num_train_images": dataset.num_train_images, "num_reg_images": dataset.num_reg_images,
+            "resolution": [width, height], "enable_bucket": bool(spec.enable_bucket),
+            "min_bucket_reso": spec.min_bucket_reso, "max_bucket_reso": spec.max_bucket_reso,
+            "tag_frequency": dataset.tag_frequencies, "bucket_info": dataset.bucket_info(),
+            "resize_interpolation": spec.resize_interpolation, "subsets": subsets}
+
+
+def model_hash(path: str | os.PathLike[str]) -> str:
+    """AUTOMATIC1111's old model hash: the first 8 hex digits of the SHA-256 of 64 KiB read at 1 MiB."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0x100000)
+            return hashlib.sha256(handle.read(0x10000)).hexdigest()[:8]
+    except IsADirectoryError:
+        return "IsADirectory"
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The whole file's SHA-256 (AUTOMATIC1111's new hash), read 1 MiB at a time."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    except IsADirectoryError:
+        return "IsADirectory"
+    return digest.hexdigest()
+
+
+def file_keys(config: TrainingConfig) -> dict[str, Any]:
+    """The base model's and the VAE's hashes and names where they are paths (a built-in has no file)."""
+    out: dict[str, Any] = {}
+    for option, prefix in (("pretrained_model_name_or_path", "sd_model"), ("vae", "vae")):
+        given = option_value(config, option)
+        if given and os.path.exists(given):
+            out[f"ss_{prefix}_hash"] = model_hash(given)
+            out[f"ss_new_{prefix}_hash"] = file_sha256(given)
+            out[f"ss_{prefix}_name"] = Path(given).name
+    return out
