@@ -44,7 +44,8 @@ The dataset (:func:`dataset_keys`): a run from ``train_data_dir`` writes the fla
 model or ``vae`` that is a path gets AUTOMATIC1111's old hash (``ss_sd_model_hash`` / ``ss_vae_hash``: 8 hex digits
 of the SHA-256 of the 64 KiB at 1 MiB) and the file's SHA-256 (``ss_new_sd_model_hash`` / ``ss_new_vae_hash``), as
 ``library/train_util.py``'s ``model_hash`` and ``calculate_sha256`` compute them (a folder: ``IsADirectory``).
-``ss_sd_scripts_commit_hash`` names this engine and its version instead of an sd-scripts commit.
+``ss_sd_scripts_commit_hash`` and ``modelspec.implementation_version`` name this engine and its version where
+sd-scripts writes its commit.
 """
 
 from __future__ import annotations
@@ -111,15 +112,17 @@ def _written(config: TrainingConfig, table: tuple[tuple[str, str, str], ...]) ->
 
 
 def option_keys(config: TrainingConfig, num_validation_images: int) -> dict[str, Any]:
-    """The keys sd-scripts writes straight from its options (``OPTION_KEYS``), and the validation image count."""
+    """The keys sd-scripts writes straight from its options (``OPTION_KEYS``), the validation image count, and the
+    implementation's name where sd-scripts writes its own commit (``modelspec.implementation_version`` too)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        engine = f"lora-autotune {version('lora-autotune')}"
+        release = version("lora-autotune")
     except PackageNotFoundError:
-        engine = "lora-autotune"
+        release = "unknown"
     return {"ss_num_validation_images": num_validation_images, **_written(config, OPTION_KEYS),
-            "ss_sd_scripts_commit_hash": engine}
+            "ss_sd_scripts_commit_hash": f"lora-autotune {release}",
+            "modelspec.implementation_version": f"lora-autotune/{release}"}
 
 
 def dataset_keys(config: TrainingConfig, dataset: TrainDataset) -> dict[str, Any]:
