@@ -6,21 +6,10 @@ double weight (a common accident when folders are merged or repeats are faked by
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from autotune.doctor.report import WARNING, Problem
-
-CHUNK_BYTES = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of the file's bytes, read in 1 MiB chunks (hashlib.file_digest needs Python 3.11)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+from sd_scripts_compat.facts.hashes import file_sha256
 
 
 def duplicate_problems(images: list[tuple[str, Path]]) -> list[Problem]:

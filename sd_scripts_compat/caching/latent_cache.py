@@ -38,6 +38,7 @@ from sd_scripts_compat.dataset.train_dataset import ImageRecord, TrainDataset, i
 from sd_scripts_compat.facts.atomic import atomic_path, remove_stale_temp_files
 from sd_scripts_compat.facts.contract import disk_full_guard
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.hashes import file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -49,14 +50,6 @@ CACHE_FORMAT = "lora-autotune-latents/1"
 class CacheStats:
     encoded: int  # images run through the encoder in this call
     reused: int  # images whose disk cache was valid
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def module_fingerprint(module: Any) -> str:

@@ -50,11 +50,12 @@ sd-scripts writes its commit.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.facts.hashes import file_legacy_hash, file_sha256
 
 if TYPE_CHECKING:
     from sd_scripts_compat.config.training_config import TrainingConfig
@@ -104,9 +105,7 @@ def option_value(config: TrainingConfig, name: str) -> Any:
 def _written(config: TrainingConfig, table: tuple[tuple[str, str, str], ...]) -> dict[str, Any]:
     out = {}
     for key, option, form in table:
-        value = option_value(config, option)
-        if option == "face_crop_aug_range" and isinstance(value, str):
-            value = tuple(float(part) for part in value.split(","))  # sd-scripts' prepare_dataset_args
+        value = option_value(config, option)  # the reader holds face_crop_aug_range as a tuple, as sd-scripts does
         out[key] = bool(value) if form == FLAG else value
     return out
 
@@ -170,35 +169,14 @@ def _dataset_record(dataset: TrainDataset) -> dict[str, Any]:
             "resize_interpolation": spec.resize_interpolation, "subsets": subsets}
 
 
-def model_hash(path: str | os.PathLike[str]) -> str:
-    """AUTOMATIC1111's old model hash: the first 8 hex digits of the SHA-256 of 64 KiB read at 1 MiB."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0x100000)
-            return hashlib.sha256(handle.read(0x10000)).hexdigest()[:8]
-    except IsADirectoryError:
-        return "IsADirectory"
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """The whole file's SHA-256 (AUTOMATIC1111's new hash), read 1 MiB at a time."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    except IsADirectoryError:
-        return "IsADirectory"
-    return digest.hexdigest()
-
-
 def file_keys(config: TrainingConfig) -> dict[str, Any]:
     """The base model's and the VAE's hashes and names where they are paths (a built-in has no file)."""
     out: dict[str, Any] = {}
     for option, prefix in (("pretrained_model_name_or_path", "sd_model"), ("vae", "vae")):
         given = option_value(config, option)
         if given and os.path.exists(given):
-            out[f"ss_{prefix}_hash"] = model_hash(given)
-            out[f"ss_new_{prefix}_hash"] = file_sha256(given)
+            folder = os.path.isdir(given)  # sd-scripts' hash functions answer "IsADirectory" for a folder
+            out[f"ss_{prefix}_hash"] = "IsADirectory" if folder else file_legacy_hash(given)
+            out[f"ss_new_{prefix}_hash"] = "IsADirectory" if folder else file_sha256(given)
             out[f"ss_{prefix}_name"] = Path(given).name
     return out

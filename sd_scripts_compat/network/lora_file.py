@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sd_scripts_compat.facts.atomic import write_bytes_atomic
 from sd_scripts_compat.facts.contract import disk_full_guard
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.hashes import legacy_hash
 from sd_scripts_compat.network.lora_header import TensorInfo, read_header
 
 if TYPE_CHECKING:
@@ -33,8 +34,6 @@ SAI_MODEL_SPEC_VERSION = "1.0.1"
 IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
 IMPL_DIFFUSERS = "diffusers"
 NETWORK_MODULE = "networks.lora"
-_LEGACY_OFFSET = 0x100000  # 1 MiB
-_LEGACY_LENGTH = 0x10000  # 64 KiB
 _TE_PREFIXES = ("lora_te1", "lora_te2", "lora_te3", "lora_te")
 _DTYPE_NAMES = {"float": "float32", "fp32": "float32", "float32": "float32", "fp16": "float16",
                 "float16": "float16", "half": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -45,11 +44,6 @@ def model_hash(buffer: bytes) -> str:
     """sha256 of the tensor-data part of a safetensors buffer (after the length and the header JSON)."""
     header_len = int.from_bytes(buffer[:8], "little")
     return hashlib.sha256(memoryview(buffer)[8 + header_len:]).hexdigest()
-
-
-def legacy_hash(buffer: bytes) -> str:
-    """First 8 hex digits of the sha256 of the 64 KiB at offset 1 MiB (empty when the buffer is shorter)."""
-    return hashlib.sha256(memoryview(buffer)[_LEGACY_OFFSET:_LEGACY_OFFSET + _LEGACY_LENGTH]).hexdigest()[:8]
 
 
 # ----------------------------------------------------------------------------------------------- write
