@@ -38,7 +38,12 @@ def raw_request(port: int, method: str, path: str, headers: dict[str, str], body
     sender.start()
     response = http.client.HTTPResponse(sock, method=method)
     response.begin()
-    data = response.read()
+    try:
+        data = response.read()
+    except (http.client.IncompleteRead, ConnectionResetError) as error:
+        # a server that refuses a body it did not read closes with that body unread: the kernel resets the
+        # connection, and the answer's own body may be lost after its status line (a busy machine's race)
+        data = getattr(error, "partial", b"")
     sender.join()
     sock.close()
     try:
@@ -164,6 +169,8 @@ def test_wrong_types_ranges_and_names_are_400(server, body, said):
 def test_huge_deep_and_odd_bodies_are_refused_with_4xx(server):
     headers = own(server, Origin=server.origin, **{"Content-Type": "application/json"})
     big = b'{"gpu": "' + b"x" * (50 << 20) + b'"}'
+    status, answer = raw_request(server.port, "POST", "/api/plan", {**headers, "Content-Length": str(len(big))})
+    assert status == 413, answer  # refused on its Content-Length, before a byte of it (none sent: no reset race)
     status, answer = raw_request(server.port, "POST", "/api/plan", headers, big)
     assert status == 413, answer
     chunked = {**headers, "Transfer-Encoding": "chunked"}  # no Content-Length: the stream is counted
