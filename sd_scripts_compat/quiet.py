@@ -18,7 +18,10 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import TextIO
 
 VERBOSE_ENV = "LORA_AUTOTUNE_VERBOSE"
 NOISY_LIBRARIES = ("diffusers", "transformers", "torch", "accelerate", "huggingface_hub")
@@ -63,7 +66,7 @@ def our_warnings_as_lines(program: str) -> None:
     python_shows = warnings.showwarning
     package = os.path.dirname(os.path.abspath(__file__))
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
              line: str | None = None) -> None:
         if not str(filename).startswith(package):
             python_shows(message, category, filename, lineno, file, line)

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     import torch
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
@@ -81,7 +83,7 @@ def read_tensors(path: str | os.PathLike[str], dtype_of: Callable[[str], torch.d
     return tensors
 
 
-def _torch_dtypes(torch: Any) -> dict[str, Any]:
+def _torch_dtypes(torch: ModuleType) -> dict[str, Any]:
     return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
             "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}

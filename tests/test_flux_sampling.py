@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import torch
 from PIL import Image
 
+from sd_scripts_compat.facts.sample_prompts import SamplePrompt, parse_prompt_line
 from sd_scripts_compat.runtimes.flux_sampling import flux_schedule, render_flux_samples
-from sd_scripts_compat.training.sampling import SamplePrompt, parse_prompt_line
 
 SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
              "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,

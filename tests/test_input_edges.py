@@ -42,7 +42,7 @@ def test_a_bare_memory_error_is_an_oom_not_a_crash(tmp_path):
 
 
 def test_sample_sizes_are_rounded_as_sd_scripts_renders_them():
-    from sd_scripts_compat.training.sampling import SamplePrompt, parse_prompt_line
+    from sd_scripts_compat.facts.sample_prompts import SamplePrompt, parse_prompt_line
 
     with pytest.warns(UserWarning, match="500x70 rendered at 496x64"):
         sample = parse_prompt_line("a toy --w 500 --h 70", SamplePrompt(prompt=""))

@@ -83,12 +83,13 @@ def test_one_fault_plan_wraps_the_objective_and_leaves_validation_alone(tmp_path
     step = [2]
     wrapped = plan.wrap(Echo(), lambda: step[0], vae_scale=8)
     latents = torch.ones(1, 4, 1, 1)  # 1 x 8 x 8 = 64 px: under the OOM rule
-    prediction, state = wrapped.fixed_forward(None, latents)
+    hidden, generator = torch.zeros(1, 77, 8), torch.Generator()  # the objectives' own arguments (Echo ignores them)
+    prediction, state = wrapped.fixed_forward(None, latents, hidden, None, 500, latents)
     assert torch.isfinite(wrapped.loss(prediction, state, None)).all()  # validation at step 2: untouched
-    prediction, state = wrapped.forward(None, latents)
+    prediction, state = wrapped.forward(None, latents, hidden, None, generator)
     assert torch.isnan(wrapped.loss(prediction, state, None)).all()  # the training forward's loss at step 2
-    prediction, state = wrapped.forward(None, latents)
+    prediction, state = wrapped.forward(None, latents, hidden, None, generator)
     assert torch.isfinite(wrapped.loss(prediction, state, None)).all()  # once only (its marker file)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        wrapped.forward(None, torch.ones(2, 4, 1, 1))  # 2 x 8 x 8 = 128 px > 100
+        wrapped.forward(None, torch.ones(2, 4, 1, 1), hidden, None, generator)  # 2 x 8 x 8 = 128 px > 100
     assert wrapped.noise == "the objective's own attribute"

@@ -14,7 +14,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.facts.settings import TrainSettings
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def fit_cpu_speed(points: Sequence[CpuPoint], gflops_per_core: float | None = No
     return float(overhead), rate(per_weight_byte), flop_rate, rate(per_activation_byte)
 
 
-def cpu_point(family: str, settings: Any, seconds_per_micro_step: float, cores: int) -> tuple[str, CpuPoint]:
+def cpu_point(family: str, settings: TrainSettings, seconds_per_micro_step: float, cores: int) -> tuple[str, CpuPoint]:
     """A bench point's precision ("fp32" / "bf16") and its features, as the speed model counts them."""
     from autotune.estimate.memory_model import inputs_for_settings
     from autotune.estimate.speed_model import compute_precision, cpu_traffic_bytes, step_flops

@@ -36,8 +36,10 @@ from sd_scripts_compat.facts.families import FamilySpec, get_family, model_confi
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import ModelMixin
 
     from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.network.lora import LoRANetwork
 
 DEFAULT_FAMILY = "flux-dev"
 
@@ -51,7 +53,7 @@ def trace_family(family: str | FamilySpec = DEFAULT_FAMILY, config: dict[str, An
 
 
 def build_bundle(spec: FamilySpec, *, materialize: bool = False, dtype: torch.dtype | None = None,
-                 device: str = "cpu") -> Any:
+                 device: str = "cpu") -> ModelBundle:
     """The engine's modules of ``spec`` on the meta device, the denoiser frozen in ``dtype`` (bf16); with
     ``materialize`` the denoiser gets real random weights (N(0, 0.02)) on ``device`` (a GPU draws 12 B of them in
     seconds, a host core in minutes), the rest stays meta."""
@@ -71,7 +73,7 @@ def build_bundle(spec: FamilySpec, *, materialize: bool = False, dtype: torch.dt
     return bundle
 
 
-def engine_lora(bundle: ModelBundle, rank: int, alpha: float | None = None) -> Any:
+def engine_lora(bundle: ModelBundle, rank: int, alpha: float | None = None) -> LoRANetwork:
     """The engine's kohya LoRA network on the bundle's denoiser (where its weights are), applied, in fp32."""
     import torch
 
@@ -84,7 +86,7 @@ def engine_lora(bundle: ModelBundle, rank: int, alpha: float | None = None) -> A
     return network
 
 
-def enable_checkpointing(model: Any) -> None:
+def enable_checkpointing(model: ModelMixin) -> None:
     """diffusers' gradient checkpointing, with a checkpoint function that takes keyword arguments (diffusers'
     own does not, and HunyuanImage's blocks pass ``attention_mask=`` to it)."""
     import functools
@@ -96,12 +98,12 @@ def enable_checkpointing(model: Any) -> None:
     model.train()
 
 
-def block_lists(model: Any, spec: FamilySpec) -> list[list[Any]]:
+def block_lists(model: ModelMixin, spec: FamilySpec) -> list[list[Any]]:
     """The denoiser's block lists in the family's swap order (``transformer_block_groups``)."""
     return [list(getattr(model, group["modules"])) for group in spec.transformer_block_groups]
 
 
-def swapped_weights(model: Any, spec: FamilySpec, blocks_to_swap: int) -> list[Any]:
+def swapped_weights(model: ModelMixin, spec: FamilySpec, blocks_to_swap: int) -> list[Any]:
     """The ``.weight`` tensors sd-scripts keeps on the host: of the last blocks of each group the split names."""
     import torch
 
@@ -148,7 +150,7 @@ class _SwapAwareCounter(LiveBytesCounter):
         super().__init__()
         self.host = host
 
-    def _track(self, tensor: Any) -> None:
+    def _track(self, tensor: torch.Tensor) -> None:
         import torch
 
         if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided \
@@ -222,7 +224,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames)
 
 
-def musubi_fp8_scaled(model: Any) -> int:
+def musubi_fp8_scaled(model: ModelMixin) -> int:
     """musubi-tuner's ``--fp8_base --fp8_scaled`` as it runs (``modules/fp8_optimization_utils``): each frozen
     Linear weight stored in float8 with a per-channel scale, dequantized to bf16 in every forward
     (``fp8_linear_forward_patch``: ``weight.to(bf16) * scale_weight``) and handed to ``F.linear``, which keeps that
@@ -240,15 +242,16 @@ def musubi_fp8_scaled(model: Any) -> int:
         layer.register_buffer("scale_weight", torch.ones(layer.out_features, 1, dtype=torch.bfloat16,
                                                          device=layer.weight.device))
 
-        def forward(x: Any, layer: Any = layer) -> Any:
-            return F.linear(x, layer.weight.to(layer.scale_weight.dtype) * layer.scale_weight, layer.bias)
+        def forward(x: torch.Tensor, layer: torch.nn.Linear = layer) -> torch.Tensor:
+            scale = layer.get_buffer("scale_weight")
+            return F.linear(x, layer.weight.to(scale.dtype) * scale, layer.bias)
 
         setattr(layer, "forward", forward)  # noqa: B010 - an instance attribute over the class's method
         count += 1
     return count
 
 
-def _flow_step(model: Any, counter: LiveBytesCounter, latents: Any, inputs: dict[str, Any], *,
+def _flow_step(model: ModelMixin, counter: LiveBytesCounter, latents: torch.Tensor, inputs: dict[str, Any], *,
                pack: Callable[[Any], Any] = lambda x: x) -> None:
     """One flow-matching step: noise the latents, run the denoiser on ``inputs`` under bf16 autocast, MSE to
     the velocity, backward. ``pack`` turns the noisy latents into the denoiser's ``hidden_states``."""
@@ -268,7 +271,7 @@ def _flow_step(model: Any, counter: LiveBytesCounter, latents: Any, inputs: dict
     del loss
 
 
-def _latents(model: Any, spec: FamilySpec, batch_size: int, resolution: int) -> Any:
+def _latents(model: ModelMixin, spec: FamilySpec, batch_size: int, resolution: int) -> torch.Tensor:
     """Cached latents of one batch: [B, C, side, side] in latent pixels, fp32 as the cache holds them."""
     import torch
 
@@ -276,13 +279,13 @@ def _latents(model: Any, spec: FamilySpec, batch_size: int, resolution: int) -> 
     return torch.empty(batch_size, model.config.in_channels, side, side, dtype=torch.float32)
 
 
-def _text(batch_size: int, tokens: int, width: int) -> Any:
+def _text(batch_size: int, tokens: int, width: int) -> torch.Tensor:
     import torch
 
     return torch.empty(batch_size, tokens, width, dtype=torch.bfloat16)
 
 
-def _flux_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _flux_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                            resolution: int, text_tokens: int) -> None:
     """FLUX.1 and Chroma: packed 2x2 latent tokens, cached T5 (and CLIP-L pooled) outputs, ids, guidance (what
     flux_train_network feeds; Chroma takes neither pooled output nor guidance)."""
@@ -301,7 +304,7 @@ def _flux_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySp
     _flow_step(model, counter, latents, inputs)
 
 
-def _sd3_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _sd3_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                           resolution: int, text_tokens: int) -> None:
     """SD3: latent image in, CLIP-L/G + T5 context (77 + 256 tokens of 4096) and the 2048-wide pooled vector."""
     import torch
@@ -314,7 +317,7 @@ def _sd3_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpe
     _flow_step(model, counter, latents, inputs)
 
 
-def _lumina_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _lumina_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                              resolution: int, text_tokens: int) -> None:
     """Lumina 2: latent image in, Gemma2 hidden states, an all-ones caption mask (captions padded alike take
     the unmasked attention). Its rotary embedder reads caption lengths on the host, which a fake tensor cannot
@@ -348,7 +351,7 @@ def _on_real_tensors(forward: Callable[..., Any]) -> Callable[..., Any]:
     return real
 
 
-def _hunyuan_image_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _hunyuan_image_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                                     resolution: int, text_tokens: int) -> None:
     """HunyuanImage-2.1: 64-channel latents of the 32x VAE and the text context. The model packs the valid
     Qwen2.5-VL and byT5 tokens by boolean indexing (a data-dependent shape a fake tensor cannot take), so the
@@ -361,7 +364,7 @@ def _hunyuan_image_forward_backward(model: Any, counter: LiveBytesCounter, spec:
     _flow_step(model, counter, latents, inputs)
 
 
-def _cosmos_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _cosmos_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                              resolution: int, text_tokens: int) -> None:
     """Anima (Cosmos-Predict2 DiT): one-frame video latents, the LLM adapter's 512 x 1024 context (the adapter's
     own small transient is not traced), and the padding mask the model concatenates as a channel, given at
@@ -386,7 +389,7 @@ def _cosmos_forward_backward(model: Any, counter: LiveBytesCounter, spec: Family
     _flow_step(model, counter, latents, inputs)
 
 
-def _qwen_image_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _qwen_image_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                                  resolution: int, text_tokens: int) -> None:
     """Qwen-Image (musubi-tuner): 2x2-packed 16-channel latents (64 per token), the cached Qwen2.5-VL states with
     their mask, and the latent grid each sample's rotary table is built for."""
@@ -407,7 +410,7 @@ def _qwen_image_forward_backward(model: Any, counter: LiveBytesCounter, spec: Fa
         model.pos_embed = rope
 
 
-def _flux2_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _flux2_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                             resolution: int, text_tokens: int) -> None:
     """FLUX.2 (musubi-tuner): 2x2-packed 32-channel AE latents (128 per token), the cached Mistral 3 / Qwen3
     states, 4-axis position ids, and guidance for dev (klein has no guidance embedder)."""
@@ -423,7 +426,7 @@ def _flux2_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilyS
     _flow_step(model, counter, latents, inputs)
 
 
-def _wan_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _wan_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                           resolution: int, text_tokens: int, frames: int = 1) -> None:
     """Wan (musubi-tuner): video latents [B, 16, 1 + (frames - 1) / 4, side / 8, side / 8] of the causal VAE
     and the cached UMT5 states the blocks cross-attend to (512 tokens)."""
@@ -437,7 +440,7 @@ def _wan_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpe
     _flow_step(model, counter, latents, inputs)
 
 
-def _zimage_forward_backward(model: Any, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
+def _zimage_forward_backward(model: ModelMixin, counter: LiveBytesCounter, spec: FamilySpec, batch_size: int,
                              resolution: int, text_tokens: int) -> None:
     """Z-Image (musubi-tuner): per-sample lists of [16, 1, side / 8, side / 8] latents and [tokens, 2560] Qwen3
     states (the model pads and joins them into one sequence itself); ``t`` in 0-1."""
@@ -460,7 +463,7 @@ def _zimage_forward_backward(model: Any, counter: LiveBytesCounter, spec: Family
     del loss
 
 
-def _host_ones(batch_size: int, tokens: int) -> Any:
+def _host_ones(batch_size: int, tokens: int) -> torch.Tensor:
     """An all-ones attention mask made outside the fake mode (the model reads it on the host)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -469,14 +472,14 @@ def _host_ones(batch_size: int, tokens: int) -> Any:
         return torch.ones(batch_size, tokens, dtype=torch.bool)
 
 
-def _block_sizes(block: Any) -> dict[str, int]:
+def _block_sizes(block: torch.nn.Module) -> dict[str, int]:
     """Elements of one block: all, ``.weight`` tensors (what a swap moves), Linear weights (fp8 under fp8_base)."""
     import torch
 
     return {
         "elements": sum(p.numel() for p in block.parameters()),
-        "swap_elements": sum(m.weight.numel() for m in block.modules()
-                             if isinstance(getattr(m, "weight", None), torch.Tensor)),
+        "swap_elements": sum(weight.numel() for m in block.modules()
+                             if isinstance(weight := getattr(m, "weight", None), torch.Tensor)),
         "fp8_elements": sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear)),
     }
 
@@ -517,7 +520,7 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
     network = engine_lora(bundle, rank=1)
     lora: Counter[str] = Counter(f"{m.lora_down.in_features}x{m.lora_up.out_features}" for m in network.unet_loras)
 
-    def macs(block: Any, prefixes: list[str]) -> int:
+    def macs(block: torch.nn.Module, prefixes: list[str]) -> int:
         return sum(m.weight.numel() for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)
                    and name.startswith(tuple(prefixes)) and "norm" not in name)
 

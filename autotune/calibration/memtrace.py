@@ -25,10 +25,15 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.network.lora import LoRANetwork
 
 WEIGHT_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Lion", "Prodigy", "Adafactor")
@@ -101,7 +106,7 @@ class LiveBytesCounter:
         self.peak = self.current
         self.peak_phase = self.phase
 
-    def _track(self, tensor: Any) -> None:
+    def _track(self, tensor: torch.Tensor) -> None:
         import torch
 
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
@@ -115,7 +120,7 @@ class LiveBytesCounter:
         self.current += nbytes
 
     def _finalizer(self, key: int, nbytes: int) -> Callable[[Any], None]:
-        def release(_ref: Any) -> None:
+        def release(_ref: object) -> None:
             entry = self._live.get(key)
             if entry is not None and entry[1] is _ref:
                 del self._live[key]
@@ -130,7 +135,7 @@ class LiveBytesCounter:
             self.peak = self.current
             self.peak_phase = self.phase
 
-    def mode(self) -> Any:
+    def mode(self) -> TorchDispatchMode:
         """The ``TorchDispatchMode`` that feeds this counter (entered outermost, after FakeTensorMode)."""
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
@@ -153,7 +158,7 @@ def latent_downsample(spec: FamilySpec) -> int:
     return int(spec.latent_downsample)
 
 
-def torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
     import torch
 
     table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -162,7 +167,7 @@ def torch_dtype(name: str) -> Any:
     return table[name]
 
 
-def fakeify(modules: Iterable[Any], fake_mode: Any) -> None:
+def fakeify(modules: Iterable[Any], fake_mode: FakeTensorMode) -> None:
     """Replace every meta parameter / buffer with an empty fake CPU tensor of the same shape and dtype.
 
     Shared (tied) tensors stay shared. Done per tensor because ``Module.to()`` fails under FakeTensorMode.
@@ -289,7 +294,7 @@ def steady_state_optimizer(optimizer: str, params: list[Any]) -> tuple[Any, bool
     return opt, simulated, _optimizer_state_tensors(opt)
 
 
-def _optimizer_state_tensors(opt: Any) -> list[Any]:
+def _optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[Any]:
     import torch
 
     if isinstance(opt, _SimulatedOptimizer):
@@ -297,7 +302,7 @@ def _optimizer_state_tensors(opt: Any) -> list[Any]:
     return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def _attention_context(attention: str) -> Any:
+def _attention_context(attention: str) -> AbstractContextManager[None]:
     """sdpa / flash / xformers all save O(N) per head on a GPU: the CPU flash kernel stands in for them."""
     import contextlib
 
@@ -310,7 +315,7 @@ def _attention_context(attention: str) -> Any:
     raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, not {attention!r}")
 
 
-def build_lora(bundle: ModelBundle, rank: int, alpha: float, train_text_encoder: bool) -> Any:
+def build_lora(bundle: ModelBundle, rank: int, alpha: float, train_text_encoder: bool) -> LoRANetwork:
     """kohya's LoRA network (sd_scripts_compat.network.lora), applied on the meta device; returns the network."""
     from sd_scripts_compat.network.lora import create_network
 
@@ -452,8 +457,8 @@ def _build_for_trace(spec: FamilySpec, rank: int, weight_dtype: str, mixed_preci
 
 
 def _forward_backward(bundle: ModelBundle, spec: FamilySpec, counter: LiveBytesCounter, *, batch_size: int,
-                      resolution: int, module_dtype: Any, autocast_dtype: Any, cache_latents: bool,
-                      train_text_encoder: bool, cache_text_encoder_outputs: bool) -> None:
+                      resolution: int, module_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+                      cache_latents: bool, train_text_encoder: bool, cache_text_encoder_outputs: bool) -> None:
     """One micro-step's inputs, forward and backward, each phase named on ``counter``."""
     import torch
 
@@ -489,7 +494,7 @@ def _forward_backward(bundle: ModelBundle, spec: FamilySpec, counter: LiveBytesC
 
 
 def _text_conditioning(bundle: ModelBundle, batch_size: int, train_text_encoder: bool, cached: bool,
-                       dtype: torch.dtype, autocast_dtype: Any) -> tuple[Any, Any]:
+                       dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> tuple[Any, Any]:
     """UNet conditioning: cached embeddings, or the text encoders run (with grad only when trained).
 
     Mirrors how the trainer conditions: each encoder's ``hidden_state`` choice ("last" or
@@ -538,7 +543,7 @@ def architecture_facts(family: str, reference_resolution: int | None = None) -> 
     spec = get_family(family)
     bundle = build_modules(spec, device="meta", seed=None)
 
-    def sizes(module: Any) -> dict[str, int]:
+    def sizes(module: torch.nn.Module) -> dict[str, int]:
         floating = sum(p.numel() for p in module.parameters())
         other = 0
         for buf in module.buffers():
@@ -592,7 +597,7 @@ def _attention_scores(bundle: ModelBundle, resolution: int) -> dict[str, float]:
     calls: list[tuple[int, int, int]] = []
     original = F.scaled_dot_product_attention
 
-    def recording(q: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         calls.append((q.shape[-3] if q.dim() == 4 else 1, q.shape[-2], k.shape[-2]))
         return original(q, k, *args, **kwargs)
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from autotune.doctor.report import ERROR, WARNING, Problem
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import PIL.Image
 
 # Pillow's own default Image.MAX_IMAGE_PIXELS (a quarter GiB of 24-bit pixels, ~9459 x 9459). Past it Pillow
 # warns of a decompression bomb and decoding costs ~0.3 GB of RAM per image; past twice it Pillow refuses to
@@ -100,7 +105,7 @@ def _read_header(path: Path, rel: str) -> tuple[tuple[int, int], str, int] | Pro
             return Problem(ERROR, "unreadable", rel, f"{what}; the engine stops when it reaches it", REPLACE)
 
 
-def _orientation(image: Any) -> int:
+def _orientation(image: PIL.Image.Image) -> int:
     try:
         return int(image.getexif().get(EXIF_ORIENTATION, 1))
     except Exception:  # a broken EXIF block only means we cannot tell the rotation
@@ -163,7 +168,7 @@ def _mode_problems(path: Path, rel: str, mode: str) -> list[Problem]:
     return found
 
 
-def _engine_rgb(path: Path) -> Any:
+def _engine_rgb(path: Path) -> npt.NDArray[np.uint8]:
     """The engine's picture of the file, as a uint8 (H, W, 3) array."""
     import numpy as np
 

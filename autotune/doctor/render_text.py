@@ -3,12 +3,13 @@ epoch, then the problems grouped by kind (errors first), each line naming its fi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autotune.doctor.report import ERROR, DoctorReport, Problem, summary_line
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
 BAR_WIDTH = 20
 
@@ -42,7 +43,7 @@ def print_report(report: DoctorReport, console: Console | None = None) -> None:
     console.print(f"{summary_line(report)}: {verdict}", soft_wrap=True)
 
 
-def _subsets_table(report: DoctorReport) -> Any:
+def _subsets_table(report: DoctorReport) -> Table:
     from rich.table import Table
 
     table = Table(title="subsets (captions: found/missing/orphaned/empty)", title_justify="left")
@@ -61,7 +62,7 @@ def tag_lines(report: DoctorReport, count: int = 5) -> list[str]:
                     for s in report.subsets if s.top_tags]
 
 
-def _buckets_table(report: DoctorReport) -> Any:
+def _buckets_table(report: DoctorReport) -> Table:
     from rich.table import Table
 
     table = Table(title=f"buckets at {report.settings.resolution} px, batch {report.settings.batch_size}",

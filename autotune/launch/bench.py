@@ -197,7 +197,7 @@ class BenchJob:
 
 
 def measured_run_config(path: Path, *, model: str, dataset: Path, output_dir: Path, resolution: int, steps: int,
-                        **kohya: Any) -> Path:
+                        **kohya: object) -> Path:
     """A short measured run's config.toml (what the bench scripts train; kohya keys in ``kohya`` win): batch 1,
     rank 4, the UNet only, AdamW at 1e-4, fixed seed, no loader workers, cached latents, nothing saved on the
     way. Returns ``path``."""

@@ -11,9 +11,12 @@ how to measure one; the compile time is part of the plan's time prediction when 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.settings import TrainSettings
+
+if TYPE_CHECKING:
+    from autotune.measure.learned import LearnedFigures
 
 BENCH_HINT = "autotune bench --sweep compile=off,on"
 
@@ -30,7 +33,7 @@ class CompileDecision:
     basis: str = ""  # which measurement, when (the prediction's speed_basis when on)
 
 
-def decide_compile(learned: Any, settings: TrainSettings, eager_seconds_per_step: float, steps: int,
+def decide_compile(learned: LearnedFigures | None, settings: TrainSettings, eager_seconds_per_step: float, steps: int,
                    usable_mib: float | None) -> CompileDecision:
     """``learned``: this device's :class:`~autotune.measure.learned.LearnedFigures` (None: no measurements);
     ``eager_seconds_per_step``: the plan's predicted optimizer step; ``usable_mib``: the GPU memory a run may use
@@ -38,7 +41,7 @@ def decide_compile(learned: Any, settings: TrainSettings, eager_seconds_per_step
     from autotune.measure.learned import when_measured
 
     record = learned.compiled(settings.to_event()) if learned else None
-    if record is None or not record.seconds_per_step:
+    if learned is None or record is None or not record.seconds_per_step:
         return CompileDecision(False, f"eager: no compiled run of these settings measured here ({BENCH_HINT} "
                                       "measures one; plans compile where it saves more than its compile time)")
     backend = str(record.settings.get("dynamo_backend") or "inductor")

@@ -128,6 +128,7 @@ from sd_scripts_compat.models.detect import detect_family
 
 if TYPE_CHECKING:
     from autotune.measure.learned import LearnedFigures
+    from autotune.planning.request import Preferences
     from autotune.planning.search import Estimate
     from sd_scripts_compat.facts.families import FamilySpec
 
@@ -396,16 +397,15 @@ def compiled(prediction: Prediction, compiling: CompileDecision) -> Prediction:
                    compile_seconds=compiling.compile_seconds, speed_source="measured", speed_basis=compiling.basis)
 
 
-def _pinned_split(prefs: Any, effective: int, devices: int) -> tuple[int, int] | None:
+def _pinned_split(prefs: Preferences, effective: int, devices: int) -> tuple[int, int] | None:
     """The user's (micro-batch, accumulation): both given; the batch alone (accumulation makes up the goal's
     effective batch); or the accumulation alone (the micro-batch makes up the rest)."""
-    if prefs.batch is None and prefs.accum is None:
-        return None
-    if prefs.batch is not None and prefs.accum is not None:
-        return prefs.batch, prefs.accum
-    if prefs.batch is not None:
-        return prefs.batch, max(1, round(effective / (prefs.batch * devices)))
-    return max(1, round(effective / (prefs.accum * devices))), prefs.accum
+    batch, accum = prefs.batch, prefs.accum
+    if batch is not None:
+        return batch, accum if accum is not None else max(1, round(effective / (batch * devices)))
+    if accum is not None:
+        return max(1, round(effective / (accum * devices))), accum
+    return None
 
 
 def learned_for(request: PlanRequest, family: FamilySpec, devices: int) -> LearnedFigures | None:

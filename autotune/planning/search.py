@@ -12,7 +12,7 @@ something fits wins.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.planning.goals import GoalProfile, network_alpha
 from autotune.planning.profiles import plan_profile
@@ -21,6 +21,9 @@ from autotune.planning.resolution import resolution_floor, step_and_floor
 from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import RUNGS, Limits, Policy, micro_batch_splits
+
+if TYPE_CHECKING:
+    from autotune.measure.learned import LearnedFigures
 
 DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs make it cheap but not free
 
@@ -87,7 +90,8 @@ class Predictor:
     ran out of memory here is made not to fit (``excluded`` keeps why, for the plan to show)."""
 
     def __init__(self, family: FamilySpec, gpus: tuple[GpuTarget, ...], cpu_cores: int, t5_fp8: bool = False,
-                 cpu_bf16: bool = False, learned: Any = None, usable: int = 0, te_cpu: bool = False) -> None:
+                 cpu_bf16: bool = False, learned: LearnedFigures | None = None, usable: int = 0,
+                 te_cpu: bool = False) -> None:
         self.family = family
         self.gpus = gpus
         self.cpu_cores = cpu_cores
@@ -128,18 +132,18 @@ class Predictor:
                           host_ram=int(getattr(estimate, "host_ram_bytes", 0)),
                           host_ram_loading=int(getattr(estimate, "host_ram_loading_bytes", 0)))
         if self.learned:
-            result = self._with_measurements(s, result)
+            result = self._with_measurements(self.learned, s, result)
         self._cache[s] = result
         return result
 
-    def _with_measurements(self, s: TrainSettings, e: Estimate) -> Estimate:
+    def _with_measurements(self, learned: LearnedFigures, s: TrainSettings, e: Estimate) -> Estimate:
         """The measured speed (and GPU peak) of ``s`` where the store has them; a recorded OOM makes it not fit."""
         event = s.to_event()
-        oom = self.learned.oom_reason(event, self.usable / 2**20)
+        oom = learned.oom_reason(event, self.usable / 2**20)
         if oom is not None:
             self.excluded[s] = oom
             return replace(e, required=max(e.required, self.usable + 1), oom=oom)
-        got = self.learned.speed(event, lambda values: self.model_rate(TrainSettings.from_event(values)))
+        got = learned.speed(event, lambda values: self.model_rate(TrainSettings.from_event(values)))
         if got.micro_steps_per_s is None:
             return e
         e = replace(e, it_per_s=float(got.micro_steps_per_s), speed_source=got.speed_source,

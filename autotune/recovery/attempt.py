@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from autotune.recovery.stall import describe, stall_limit
 from sd_scripts_compat.facts.contract import (
@@ -38,6 +38,10 @@ from sd_scripts_compat.facts.contract import (
     event_path,
     read_event,
 )
+
+if TYPE_CHECKING:
+    from types import FrameType
+    from typing import IO
 
 ALLOC_CONF = "expandable_segments:True"
 
@@ -111,11 +115,12 @@ def read_json(path: Path) -> dict[str, Any] | None:
 _ENGINE_ERROR_LINE = re.compile(r"^(sdxl_|flux_)?train_network: ")
 
 
-def _segments(stream: Any) -> Iterator[bytes]:
+def _segments(stream: IO[bytes]) -> Iterator[bytes]:
     """A child's output cut after each ``\n`` and also after each ``\r``: a progress bar (tqdm, as
     sd-scripts prints it) redraws itself with ``\r`` and writes no ``\n`` until it closes."""
     pending = b""
-    while chunk := stream.read1(65536):
+    read = getattr(stream, "read1", stream.read)  # a buffered pipe's read1: what has arrived, not a full 64 KiB
+    while chunk := read(65536):
         pending += chunk
         while (cut := _first_break(pending)) >= 0:
             yield pending[: cut + 1]
@@ -132,7 +137,7 @@ def _first_break(data: bytes) -> int:
     return cut + 1 if data[cut:cut + 2] == b"\r\n" else cut
 
 
-def _pump(stream: Any, sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock,
+def _pump(stream: IO[bytes], sinks: list[TextIO], tail: deque[str] | None, lock: threading.Lock,
           on_line: Callable[[str], None] | None = None) -> None:
     """Copy ``stream`` to ``sinks`` (the log first, then the screen) line by line."""
     for raw in _segments(stream):
@@ -204,7 +209,8 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 @contextlib.contextmanager
-def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int], continued: list[float]) -> Any:
+def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int],
+                             continued: list[float]) -> Iterator[None]:
     """While the child runs, SIGINT (Ctrl-C) and SIGTERM (``kill``, ``docker stop``, a scheduler) sent to us go
     to the child: the engine stops at the next step boundary, saves its state, ends its DataLoader workers and
     exits; we wait for it. Sent to the engine's process only: a worker killed by SIGTERM would fail the step in
@@ -217,12 +223,12 @@ def _forwarding_stop_signals(proc: subprocess.Popen[bytes], received: list[int],
         yield
         return
 
-    def forward(number: int, _frame: Any) -> None:
+    def forward(number: int, _frame: FrameType | None) -> None:
         received.append(number)
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(number)
 
-    def suspend(_number: int, _frame: Any) -> None:
+    def suspend(_number: int, _frame: FrameType | None) -> None:
         _signal_group(proc, signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGSTOP)  # we stop here; SIGCONT (fg, bg, kill -CONT) carries on below
         _signal_group(proc, signal.SIGCONT)

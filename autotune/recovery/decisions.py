@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from autotune.layout import DECISIONS_JSONL, DECISIONS_LOG
 
@@ -20,7 +19,7 @@ class DecisionLog:
         self.text = output_dir / DECISIONS_LOG
         self.echo = echo
 
-    def write(self, event: str, text: str, *, show: bool = True, **data: Any) -> None:
+    def write(self, event: str, text: str, *, show: bool = True, **data: object) -> None:
         """Record a decision; ``show=False`` keeps it off the screen (a final error the caller reports)."""
         record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event, "text": text, **data}
         with open(self.jsonl, "a", encoding="utf-8") as handle:

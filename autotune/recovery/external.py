@@ -105,7 +105,7 @@ def parse_bar(line: str) -> Bar | None:
 
 
 def write_progress(events_dir: Path, engine: str, step: int, target: int | None, it_per_s: float | None,
-                   loss: float | None = None, phase: str | None = None, **more: Any) -> None:
+                   loss: float | None = None, phase: str | None = None, **more: object) -> None:
     """The attempt's progress event, in true steps (``more``: what one trainer adds, e.g. sd-scripts' epoch)."""
     payload = {"step": step, **more, "max_train_steps": target, "time": time.time(), "it_per_s": it_per_s,
                "loss": loss, "engine": engine}

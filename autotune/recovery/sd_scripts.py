@@ -61,6 +61,8 @@ from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml, set_config_values, write_toml
 
 if TYPE_CHECKING:
+    import argparse
+
     from autotune.recovery.attempt import AttemptResult
     from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.engine import AttemptFiles
@@ -607,7 +609,7 @@ def early_check(engine: str, python: str | None, model: str | None) -> Install:
     return install
 
 
-def check(args: Any) -> None:
+def check(args: argparse.Namespace) -> None:
     """``autotune run --engine sd-scripts=PATH``'s cheap refusals (``early_check``), before planning."""
     early_check(args.engine, args.python, args.model)
 

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autotune.layout import (
     CHILD_LOG,
@@ -50,6 +50,9 @@ from sd_scripts_compat.facts.atomic import write_json_atomic
 from sd_scripts_compat.facts.contract import Outcome
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import write_config, write_dataset_config
+
+if TYPE_CHECKING:
+    from autotune.recovery.stability import StabilityDecision
 
 # ---------------------------------------------------------------- state folders and configs
 
@@ -330,10 +333,9 @@ def _after_divergence(job: Job, result: AttemptResult, settings: TrainSettings,
                                 last_reason=str(event.get("reason") or result.message))
 
 
-def _retry_record(attempt: int, result: AttemptResult, decision: Any, reason: str, failed_step: int | None,
-                  resume_step: int, lost: int | None) -> dict[str, Any]:
+def _retry_record(attempt: int, result: AttemptResult, decision: Decision | StabilityDecision | None, reason: str,
+                  failed_step: int | None, resume_step: int, lost: int | None) -> dict[str, Any]:
     """One entry of the retry log (and of ``ss_autotune_retries``): what failed, what changed, why."""
-    oom = isinstance(decision, Decision)
     record: dict[str, Any] = {
         "attempt": attempt,
         "failure": result.outcome,
@@ -344,8 +346,8 @@ def _retry_record(attempt: int, result: AttemptResult, decision: Any, reason: st
         "changes": {k: list(v) for k, v in (decision.changes.items()
                                              if isinstance(decision, (Decision, StabilityDecision)) else [])},
         "reason": reason,
-        "predicted_mib": round(decision.predicted_mib, 1) if oom else None,
-        "scale": round(decision.scale, 3) if oom else None,
+        "predicted_mib": round(decision.predicted_mib, 1) if isinstance(decision, Decision) else None,
+        "scale": round(decision.scale, 3) if isinstance(decision, Decision) else None,
         "resume_step": resume_step,
         "steps_lost": lost,
         "seconds_in_attempt": round(result.seconds, 2),

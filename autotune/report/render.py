@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 GIB = 2**30
 PHASE_LABELS = {
@@ -45,7 +48,7 @@ def render_text(report: dict[str, Any], width: int = 100) -> str:
     return console.export_text()
 
 
-def _phase_table(table: dict[str, Any]) -> Any:
+def _phase_table(table: dict[str, Any]) -> Table:
     from rich.table import Table
 
     out = Table()
@@ -61,7 +64,7 @@ def _phase_table(table: dict[str, Any]) -> Any:
     return out
 
 
-def _device_table(devices: list[dict[str, Any]]) -> Any:
+def _device_table(devices: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
     out = Table()

@@ -15,8 +15,9 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request  # at module level: FastAPI reads the handlers' annotations by name
 
@@ -25,6 +26,9 @@ from autotune.ui.schemas import BadBody, CommandSchema, given
 from autotune.ui.security import TOKEN_COOKIE, AccessPolicy, Refused
 
 if TYPE_CHECKING:
+    from starlette.middleware.base import RequestResponseEndpoint
+    from starlette.responses import Response
+
     from autotune.planning.planner import Plan
     from autotune.ui.runs import EngineChoice, RunStore
 
@@ -38,6 +42,8 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
     "Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Resource-Policy": "same-origin",
 }
+
+T = TypeVar("T")
 
 
 def checked_values(schema: CommandSchema, body: Any, policy: AccessPolicy) -> dict[str, Any]:
@@ -133,7 +139,7 @@ def add_guards(app: FastAPI, policy: AccessPolicy) -> None:
     from fastapi.responses import JSONResponse
 
     @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Any:
+    async def guard(request: Request, call_next: RequestResponseEndpoint) -> Response:
         try:
             check_request(policy, request)
             response = await call_next(request)
@@ -283,7 +289,7 @@ def engine_choice(name: str, options: list[str]) -> EngineChoice | None:
     return EngineChoice(name=name, engine=values["--engine"], python=values.get("--python"))
 
 
-def check_engine(choice: EngineChoice, args: Any) -> None:
+def check_engine(choice: EngineChoice, args: argparse.Namespace) -> None:
     """The user's engine (an ``EngineChoice``) refuses what it cannot train (a built-in model, another trainer's
     family) before any folder is made, as ``autotune run`` does (``launch.engines.check_engine``)."""
     from argparse import Namespace
@@ -384,7 +390,7 @@ class Schemas:
         return self.built[key]
 
 
-async def _in_thread(function: Any, *args: Any) -> Any:
+async def _in_thread(function: Callable[..., T], *args: object) -> T:
     """A command's work (plans, dataset scans) off the event loop; its UserError becomes a 400."""
     from starlette.concurrency import run_in_threadpool
 

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from autotune.layout import DECISIONS_JSONL, EVENTS_DIR
 from sd_scripts_compat.facts.contract import PROGRESS_LOG
@@ -24,11 +24,19 @@ FINAL = ("done", "failed", "interrupted", "unreadable")
 MAX_SECONDS = 24 * 3600.0  # a stream a browser left open ends after a day; the page reconnects
 
 
+class RunStates(Protocol):
+    """What the stream reads of the run store (``ui.runs.RunStore``, which imports this module)."""
+
+    runs_dir: Path
+
+    def state(self, run_id: str) -> tuple[str, str | None]: ...
+
+
 def _event(name: str, data: Any) -> str:
     return f"event: {name}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
-def run_events(store: Any, run_id: str) -> Iterator[str]:
+def run_events(store: RunStates, run_id: str) -> Iterator[str]:
     folder = store.runs_dir / run_id
     sent_samples, last_progress, last_state = set(), None, None
     progress_log, decisions = JsonLines(folder / EVENTS_DIR / PROGRESS_LOG), JsonLines(folder / DECISIONS_JSONL)

@@ -14,10 +14,13 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, IMAGE_EXTENSIONS
 from sd_scripts_compat.facts.errors import UserError
+
+if TYPE_CHECKING:
+    from autotune.planning.dataset import DatasetSummary
 
 MODES = ("link", "copy")
 
@@ -60,7 +63,7 @@ class FlatLayout:
     def subset_dir(self) -> Path:
         return self.target / f"{self.repeats}_{self.trigger}"
 
-    def summary(self, flat: Any) -> Any:
+    def summary(self, flat: DatasetSummary) -> DatasetSummary:
         """The dataset summary the planner would get from the organised folder, from the flat folder's scan
         (same images and captions; one subset with the repeats and the trigger as class tokens)."""
         (subset,) = flat.subsets

@@ -20,6 +20,8 @@ from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
+    from autotune.planning.dataset import DatasetSummary
+    from autotune.planning.request import GpuTarget
     from sd_scripts_compat.facts.families import FamilySpec
 
 GIB = 1024**3
@@ -144,7 +146,7 @@ def _cpu_key(probe: SystemProbe) -> str:
     return device_key(probe, cpu=True)
 
 
-def _limited(target: Any, vram_gb: float | None) -> Any:
+def _limited(target: GpuTarget, vram_gb: float | None) -> GpuTarget:
     """``--vram`` on a probed card: plan as if it had only that much (others' share still counts)."""
     if vram_gb is None:
         return target
@@ -366,7 +368,7 @@ def doctor(asker: Asker, model: ModelChoice, data: DatasetChoice) -> bool:
     return True
 
 
-def show_dataset(asker: Asker, summary: Any) -> None:
+def show_dataset(asker: Asker, summary: DatasetSummary) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -384,7 +386,7 @@ def show_dataset(asker: Asker, summary: Any) -> None:
         asker.say(f"  problem: {warning}", style="yellow")
 
 
-def _offer_organise(asker: Asker, args: argparse.Namespace, folder: Path, summary: Any) -> DatasetChoice:
+def _offer_organise(asker: Asker, args: argparse.Namespace, folder: Path, summary: DatasetSummary) -> DatasetChoice:
     from autotune.wizard import organise
 
     asker.say(f"The images sit directly in {folder}; kohya's train_data_dir and `autotune run` read "

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.caching.build_lock import images_locked
 from sd_scripts_compat.dataset.buckets import resize_and_crop
@@ -42,6 +42,7 @@ from sd_scripts_compat.facts.hashes import file_sha256
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import AutoencoderKL
 
 CACHE_FORMAT = "lora-autotune-latents/1"
 
@@ -52,7 +53,7 @@ class CacheStats:
     reused: int  # images whose disk cache was valid
 
 
-def module_fingerprint(module: Any) -> str:
+def module_fingerprint(module: torch.nn.Module) -> str:
     """A short id of a module's config and weights (per-tensor sums and absolute sums), so cached
     outputs of another VAE / text encoder are not reused. One pass over the weights."""
     import torch
@@ -71,11 +72,11 @@ def module_fingerprint(module: Any) -> str:
     return digest.hexdigest()[:16]
 
 
-def vae_fingerprint(vae: Any) -> str:
+def vae_fingerprint(vae: AutoencoderKL) -> str:
     return module_fingerprint(vae)
 
 
-def offload(module: Any, device: str = "cpu") -> None:
+def offload(module: torch.nn.Module, device: str = "cpu") -> None:
     """Move a module off the accelerator once it is no longer needed, and free the cached blocks."""
     import torch
 
@@ -85,14 +86,14 @@ def offload(module: Any, device: str = "cpu") -> None:
         torch.cuda.empty_cache()
 
 
-def latent_factors(vae: Any) -> dict[str, float]:
+def latent_factors(vae: AutoencoderKL) -> dict[str, float]:
     """The VAE's latent transform as :func:`encode_images` keywords: ``(z - shift_factor) * scaling_factor``
     (FLUX's 16-channel AE has a shift; the SD VAEs have none)."""
     return {"scaling_factor": float(vae.config.scaling_factor),
             "shift_factor": float(getattr(vae.config, "shift_factor", None) or 0.0)}
 
 
-def encode_images(vae: Any, images: torch.Tensor, *, scaling_factor: float,
+def encode_images(vae: AutoencoderKL, images: torch.Tensor, *, scaling_factor: float,
                   noise_seeds: list[int] | None = None, shift_factor: float = 0.0) -> torch.Tensor:
     """Images (B,3,H,W in [-1,1]) -> scaled latents (float32, on the VAE's device).
 
@@ -166,13 +167,13 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
-def latent_geometry(vae: Any) -> tuple[int, int]:
+def latent_geometry(vae: AutoencoderKL) -> tuple[int, int]:
     """(latent channels, spatial downscale) of a diffusers VAE: 4 and 8 for SD, 16 and 8 for FLUX's AE."""
     config = vae.config
     return int(config.latent_channels), 2 ** (len(config.block_out_channels) - 1)
 
 
-def cache_latents(dataset: TrainDataset, vae: Any, *, device: str | torch.device = "cpu",
+def cache_latents(dataset: TrainDataset, vae: AutoencoderKL, *, device: str | torch.device = "cpu",
                   dtype: torch.dtype | None = None, vae_batch_size: int = 1,
                   to_disk: bool = False, scaling_factor: float | None = None, vae_key: str | None = None,
                   is_main_process: bool = True, cache_dir: Path | None = None,
@@ -228,8 +229,8 @@ def cache_latents(dataset: TrainDataset, vae: Any, *, device: str | torch.device
     return CacheStats(encoded=encoded, reused=len(dataset.records) - encoded)
 
 
-def _place_files(dataset: TrainDataset, cache_dir: Path | None, expected: Any, problem: Any,
-                 is_main_process: bool) -> None:
+def _place_files(dataset: TrainDataset, cache_dir: Path | None, expected: Callable[[ImageRecord], dict[str, str]],
+                 problem: Callable[[ImageRecord], str | None], is_main_process: bool) -> None:
     """Register each record's disk file (beside the image, or under ``cache_dir`` when the image's folder is
     not writable and holds no valid entry); the main process first removes what a killed run left."""
     if is_main_process:
@@ -269,8 +270,8 @@ def latent_seed(record: ImageRecord) -> int:
     return mix_seed("latent", f"{record.path.parent.name}/{record.path.name}", record.bucket)
 
 
-def _encode_batch(dataset: TrainDataset, vae: Any, batch: list[ImageRecord], factor: float, shift: float,
-                  to_disk: bool, expected: Any) -> None:
+def _encode_batch(dataset: TrainDataset, vae: AutoencoderKL, batch: list[ImageRecord], factor: float, shift: float,
+                  to_disk: bool, expected: Callable[[ImageRecord], dict[str, str]]) -> None:
     import torch
     from PIL import ImageOps
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.models.text_encoding import TextConditioning
 
 TE_CACHE_FORMAT = "lora-autotune-te/1"
 
@@ -104,10 +105,10 @@ def _encode_captions(unique: list[str], encode: Callable[[list[str]], Any], batc
 
 
 def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, device: str | torch.device = "cpu",
-                               dtype: torch.dtype | None = None,
-                               batch_size: int = 1, to_disk: bool = False, max_token_length: int | None = None,
-                               clip_skip: int | None = None, is_main_process: bool = True,
-                               cache_dir: Path | None = None, encode: Any = None, variant: str = "",
+                               dtype: torch.dtype | None = None, batch_size: int = 1, to_disk: bool = False,
+                               max_token_length: int | None = None, clip_skip: int | None = None,
+                               is_main_process: bool = True, cache_dir: Path | None = None,
+                               encode: Callable[[list[str]], TextConditioning] | None = None, variant: str = "",
                                progress: Callable[[int], None] | None = None) -> CacheStats:
     """Encode each image's caption once (kohya's ``cache_text_encoder_outputs[_to_disk]``), after which
     the text encoders may leave the device (``latent_cache.offload``). Captions must be fixed:
@@ -164,7 +165,7 @@ def cache_text_encoder_outputs(dataset: TrainDataset, bundle: ModelBundle, *, de
     if unique:
         for encoder in bundle.text_encoders:
             encoder.to(device=device) if dtype is None else encoder.to(device=device, dtype=dtype)
-    def clip_encode(chunk: list[str]) -> Any:
+    def clip_encode(chunk: list[str]) -> TextConditioning:
         return encode_clip_prompts(bundle, chunk, max_token_length=length, clip_skip=clip_skip, dtype=dtype)
 
     encoded = _encode_captions(unique, encode or clip_encode, batch_size, progress)

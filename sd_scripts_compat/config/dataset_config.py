@@ -205,7 +205,7 @@ def _check_table(source: str, table: Any, where: str, allowed: Mapping[str, str]
     return checked
 
 
-def validate_user_config(user_config: Any, source: str) -> dict[str, Any]:
+def validate_user_config(user_config: object, source: str) -> dict[str, Any]:
     """Check a parsed dataset config against kohya's schema; return it with values converted.
 
     The result has ``general`` (dict) and ``datasets`` (list of dicts, each with ``subsets``).

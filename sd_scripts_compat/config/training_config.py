@@ -37,6 +37,7 @@ from sd_scripts_compat.facts.kohya_toml import flatten, read_toml
 from sd_scripts_compat.facts.optimizers import OPTIMIZERS, SCHEDULERS
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -377,7 +378,7 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
 FILE_EXTENSIONS = ("allow_pickle",)
 
 
-def _add_extension_flags(parser: Any) -> None:
+def _add_extension_flags(parser: argparse.ArgumentParser) -> None:
     import argparse
 
     group = parser.add_argument_group("lora-autotune extensions (command line; allow_pickle also in the config)")
@@ -666,7 +667,7 @@ def _normalize_schedule(out: dict[str, Any], where: Callable[[str], str], warnin
                         f"{out['optimizer_type']} use another lr_scheduler (e.g. cosine)")
 
 
-def _check_not_implemented(raw: dict[str, Any], specs: dict[str, Any], origins: Any, warnings: list[str]) -> None:
+def _check_not_implemented(raw: dict[str, Any], specs: dict[str, Any], origins: _Origins, warnings: list[str]) -> None:
     """sd-scripts options set away from their default that this engine does not implement: a warning, or a
     refusal for those whose omission would train something else (``CHANGES_WHAT_TRAINS``)."""
     for name in sorted(name for name in set(raw) - IMPLEMENTED if not _is_inactive(specs[name], raw[name])):

@@ -154,7 +154,7 @@ def _bomb_message(path: Path) -> str:
 HIGH_BIT_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
-def to_rgb(image: Any) -> PIL.Image.Image:
+def to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:
     """An opened PIL image as RGB: alpha dropped (as sd-scripts does without ``alpha_mask``), 16-bit and float
     greyscale scaled to 8 bits (0..65535 and 0..1 respectively) rather than clipped."""
     import numpy as np
@@ -192,7 +192,7 @@ def load_image_rgb(path: Path) -> PIL.Image.Image:
             raise UserError(f"{path}: cannot decode image ({what}); replace or delete the file") from None
 
 
-def image_to_tensor(image: Any) -> torch.Tensor:
+def image_to_tensor(image: PIL.Image.Image) -> torch.Tensor:
     """PIL RGB -> float32 CHW in [-1, 1] (kohya's ToTensor + Normalize(0.5, 0.5))."""
     import numpy as np
     import torch

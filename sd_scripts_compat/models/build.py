@@ -13,6 +13,7 @@ from sd_scripts_compat.facts.families import CLIP_TOKENIZER_DIR, FamilySpec, mod
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -29,12 +30,13 @@ class ModelBundle:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def denoiser(self) -> Any:
+    def denoiser(self) -> torch.nn.Module:
         """The family's denoiser whatever its kind (the field keeps the name ``unet`` for old callers)."""
         return self.unet
 
 
-def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endoftext|>", max_length: int = 77) -> Any:
+def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endoftext|>",
+                   max_length: int = 77) -> PreTrainedTokenizerBase:
     """A CLIP tokenizer from ``folder`` (a model's own tokenizer) or from the vocabulary we ship.
 
     transformers 5 ignores ``vocab_file=``/``merges_file=`` keyword paths, so we always go through
@@ -48,7 +50,7 @@ def load_tokenizer(folder: str | None = None, pad_token: str | None = "<|endofte
     return CLIPTokenizer.from_pretrained(source, model_max_length=max_length, local_files_only=True, **kwargs)
 
 
-def build_text_encoder(config: dict[str, Any]) -> Any:
+def build_text_encoder(config: dict[str, Any]) -> torch.nn.Module:
     """A transformers text encoder named by ``_class_name`` (CLIPTextModel, T5EncoderModel, ...) from its config."""
     import transformers
 

@@ -162,7 +162,7 @@ def _family_of_single_file(path: Path, stated: str | None, stated_by: str,
 # ------------------------------------------------------------------------------------- shared pieces
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     return (list(a) if isinstance(a, (list, tuple)) else a) == (list(b) if isinstance(b, (list, tuple)) else b)
 
 

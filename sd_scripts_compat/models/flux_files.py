@@ -26,6 +26,8 @@ from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.models.build import empty_modules
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
     from sd_scripts_compat.models.build import ModelBundle
@@ -41,7 +43,7 @@ _EXPECTED = {"clip_l": "clip_l.safetensors (CLIP-L text encoder)", "t5xxl": "t5x
              "t5xxl_fp8_e4m3fn.safetensors", "ae": "ae.safetensors (FLUX.1's 16-channel autoencoder)"}
 
 
-def _kind_of(keys: Any) -> str | None:
+def _kind_of(keys: Iterable[str]) -> str | None:
     keys = list(keys)
     if any(k.startswith(("model.diffusion_model.input_blocks", "first_stage_model.", "cond_stage_model.",
                          "conditioner.")) for k in keys):

@@ -17,7 +17,10 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
+    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel
     from torch import nn
 
 # BFL name inside a block -> diffusers names inside the block, in BFL's stacking order (one name: not fused)
@@ -85,7 +88,8 @@ def block_tables(config: Mapping[str, Any]) -> Iterator[tuple[str, str, dict[str
         yield f"single_blocks.{i}", f"single_transformer_blocks.{i}", SINGLE_BLOCK, SINGLE_BLOCK_NORMS
 
 
-def lora_targets(transformer: Any) -> Iterator[tuple[str, tuple[nn.Module, ...]]]:
+def lora_targets(
+        transformer: FluxTransformer2DModel | ChromaTransformer2DModel) -> Iterator[tuple[str, tuple[nn.Module, ...]]]:
     """``(bfl_name, linears)`` for every Linear kohya's ``networks.lora_flux`` wraps by default (the
     DoubleStreamBlock / SingleStreamBlock Linears), with the diffusers modules that make up a fused one.
     Chroma's blocks have no modulation Linears (its approximator feeds them), so they yield none."""
@@ -180,7 +184,7 @@ def _strip(key: str) -> str:
     return key
 
 
-def is_bfl_transformer(keys: Any) -> bool:
+def is_bfl_transformer(keys: Iterable[str]) -> bool:
     """Whether a file's keys are a BFL-layout FLUX transformer (with or without a ComfyUI prefix)."""
     return any(_strip(k).startswith("double_blocks.") for k in keys) and any(
         _strip(k).startswith("img_in.") for k in keys)

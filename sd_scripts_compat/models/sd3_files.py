@@ -191,7 +191,7 @@ def _replace_parts(bundle: ModelBundle, parts: Mapping[str, str | None], dtype: 
         path = Path(os.fspath(given)).expanduser()
         part_dtype = vae_dtype if option == "vae" else dtype
 
-        def held_as(key: str, d: Any = part_dtype) -> Any:
+        def held_as(key: str, d: torch.dtype | None = part_dtype) -> torch.dtype | None:
             return d
 
         checkpoint = read_checkpoint(path, dtype_of=held_as)

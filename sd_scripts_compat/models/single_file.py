@@ -49,7 +49,11 @@ from sd_scripts_compat.models.detect import (
 from sd_scripts_compat.models.unet_names import diffusers_to_ldm_unet_name
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     from sd_scripts_compat.models.build import ModelBundle
 
@@ -78,7 +82,7 @@ def _vae_name_to_original(name: str, config: Mapping[str, Any]) -> str:
     return name
 
 
-def original_vae_state(vae: Any) -> dict[str, torch.Tensor]:
+def original_vae_state(vae: AutoencoderKL) -> dict[str, torch.Tensor]:
     """A diffusers AutoencoderKL's tensors under the original VAE names, without ``first_stage_model.`` (the
     layout of FLUX.1's ae.safetensors and of the VAE inside SD / SD3 single files)."""
     config = dict(vae.config)
@@ -91,7 +95,7 @@ def original_vae_state(vae: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _clip_state(prefix: str, text_encoder: Any) -> dict[str, torch.Tensor]:
+def _clip_state(prefix: str, text_encoder: torch.nn.Module) -> dict[str, torch.Tensor]:
     """transformers CLIP text model -> ``<prefix>embeddings...`` (the original SD1 / SDXL-TE1 layout)."""
     out = {}
     for name, tensor in text_encoder.state_dict().items():
@@ -101,7 +105,8 @@ def _clip_state(prefix: str, text_encoder: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _open_clip_state(prefix: str, text_encoder: Any, extra_layer: bool) -> tuple[dict[str, torch.Tensor], set[str]]:
+def _open_clip_state(prefix: str, text_encoder: CLIPTextModel | CLIPTextModelWithProjection,
+                     extra_layer: bool) -> tuple[dict[str, torch.Tensor], set[str]]:
     """transformers CLIP -> OpenCLIP layout with fused q/k/v ``in_proj``.
 
     ``extra_layer``: SD2 checkpoints hold 24 resblocks while diffusers' SD2 text encoder keeps the 23 it
@@ -332,7 +337,7 @@ def _only(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.T
 
 
 def _convert_open_clip(tensors: Mapping[str, torch.Tensor], prefix: str, config: Mapping[str, Any],
-                       convert: Any) -> dict[str, Any]:
+                       convert: Callable[..., dict[str, torch.Tensor]]) -> dict[str, Any]:
     """OpenCLIP -> transformers names, first dropping blocks beyond the ones our text encoder keeps.
 
     diffusers skips SD2's unused 24th block by a hard-coded key list (``resblocks.23``); dropping by our
@@ -357,7 +362,7 @@ def _convert_open_clip(tensors: Mapping[str, torch.Tensor], prefix: str, config:
     return convert(fake_model, kept, prefix=prefix)
 
 
-def _strict_load(module: Any, state: Mapping[str, torch.Tensor], part: str, path: Path,
+def _strict_load(module: torch.nn.Module, state: Mapping[str, torch.Tensor], part: str, path: Path,
                  dtype: torch.dtype | None) -> None:
     """Load converted weights into an empty (meta) module; every parameter must come from the file."""
     import torch
@@ -417,7 +422,7 @@ def load_single_file(path: str | os.PathLike[str], *, family: str | FamilySpec |
 
 
 def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: Path,
-                   dtype: torch.dtype | None) -> Any:
+                   dtype: torch.dtype | None) -> AutoencoderKL:
     """The family's AutoencoderKL from a VAE's tensors in original or diffusers names (``first_stage_model.``
     removed), every shape checked; a VAE of another latent width is one line naming the file."""
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
@@ -436,7 +441,7 @@ def vae_from_state(state: Mapping[str, torch.Tensor], family: FamilySpec, path: 
     return vae
 
 
-def load_vae_file(path: str | os.PathLike[str], family: FamilySpec, dtype: torch.dtype | None) -> Any:
+def load_vae_file(path: str | os.PathLike[str], family: FamilySpec, dtype: torch.dtype | None) -> AutoencoderKL:
     """sd-scripts' ``vae`` option: a VAE file (alone, or inside a checkpoint under ``first_stage_model.``)."""
     path = Path(path).expanduser()
     tensors = read_checkpoint(path, dtype_of=lambda key: dtype).state

@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TINY_T5_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tiny_t5_tokenizer"
 BESIDE_NAMES = ("tokenizer_2", "t5_tokenizer", "t5xxl_tokenizer")  # folders looked for beside the t5xxl file
@@ -51,7 +54,7 @@ def missing_tokenizer_message(t5xxl: str | os.PathLike[str] | None) -> str:
             f"or spiece.model) to {where} or name it with t5xxl_tokenizer = \"DIR\" (it is never downloaded)")
 
 
-def load_t5_tokenizer(source: str | os.PathLike[str], max_length: int) -> Any:
+def load_t5_tokenizer(source: str | os.PathLike[str], max_length: int) -> PreTrainedTokenizerBase:
     """A ``T5TokenizerFast`` from a folder holding tokenizer.json, or a tokenizer.json, local files only.
 
     A spiece.model alone is refused: transformers 5 without sentencepiece silently builds a wrong
@@ -74,7 +77,7 @@ def load_t5_tokenizer(source: str | os.PathLike[str], max_length: int) -> Any:
                         "folder or its tokenizer.json") from None
 
 
-def train_unigram_t5_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int) -> Any:
+def train_unigram_t5_tokenizer(corpus: Iterable[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerBase:
     """A T5-style tokenizer (Unigram with the SentencePiece ``▁`` word marker, ``</s>`` appended, ids
     <pad>=0 </s>=1 <unk>=2) trained on ``corpus`` with the ``tokenizers`` library: small and offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

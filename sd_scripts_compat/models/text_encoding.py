@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
     from sd_scripts_compat.models.build import ModelBundle
 
@@ -48,7 +49,8 @@ def check_max_token_length(max_token_length: int | None) -> int:
     return max_token_length
 
 
-def tokenize(tokenizer: Any, captions: list[str], max_token_length: int | None = None) -> torch.Tensor:
+def tokenize(tokenizer: PreTrainedTokenizerBase, captions: list[str],
+             max_token_length: int | None = None) -> torch.Tensor:
     """Token ids shaped (B, chunks, 77) following sd-scripts' long-prompt rules.
 
     When the pad token is the EOS token (SD1) every chunk is ``BOS + 75 ids + last id``. Otherwise
@@ -99,10 +101,10 @@ def _first_eos_positions(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     return first.where(is_eos.any(dim=-1), ids.shape[-1] - 1)
 
 
-def _final_layer_norm(encoder: Any) -> Any:
+def _final_layer_norm(encoder: torch.nn.Module) -> torch.nn.Module:
     """transformers 5 puts ``final_layer_norm`` on the model itself; 4.x had it under ``text_model``."""
     norm = getattr(encoder, "final_layer_norm", None)
-    return norm if norm is not None else encoder.text_model.final_layer_norm
+    return norm if norm is not None else encoder.get_submodule("text_model.final_layer_norm")
 
 
 def encode_tokens(bundle: ModelBundle, token_ids: list[torch.Tensor], *, clip_skip: int | None = None,

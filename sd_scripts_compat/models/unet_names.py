@@ -119,7 +119,7 @@ def _resnet_rest_to_diffusers(rest: list[str]) -> list[str]:
     return rest
 
 
-def _join(*parts: Any) -> str:
+def _join(*parts: object) -> str:
     return ".".join(str(p) for p in parts if p != "")
 
 

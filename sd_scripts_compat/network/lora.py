@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -167,7 +167,7 @@ class LoRAModule(nn.Module):
             scale = scale / (1.0 - self.rank_dropout)  # keep the expected output unchanged
         return self.lora_up(lx) * (self.multiplier * scale)
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         base_out = self._saved_forward(x, *args, **kwargs)
         if self.multiplier == 0:
             return base_out
@@ -278,11 +278,11 @@ class FusedLoRAModule(LoRAModule):
             self._shared = None  # every part has had it: do not keep activations alive
         return lx, scale
 
-    def _part_forward(self, index: int) -> Any:
+    def _part_forward(self, index: int) -> Callable[..., torch.Tensor]:
         saved = self._part_saved[index][0]
         start, stop = self.offsets[index], self.offsets[index + 1]
 
-        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        def forward(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
             base_out = saved(x, *args, **kwargs)
             if self.multiplier == 0:
                 return base_out
@@ -294,7 +294,7 @@ class FusedLoRAModule(LoRAModule):
 
         return forward
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         """The fused layer's output, parts stacked on the last axis (what kohya's fused Linear returns)."""
         return torch.cat([part(x) for part in self.targets.parts], dim=-1)
 
@@ -497,7 +497,8 @@ def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None, p
     return groups
 
 
-def _new_module(lora_name: str, base: Any, dim: int, alpha: float | None, **kwargs: Any) -> LoRAModule:
+def _new_module(lora_name: str, base: torch.nn.Module | FusedTargets, dim: int, alpha: float | None,
+                **kwargs: Any) -> LoRAModule:
     # Parameters are created on the base module's device (meta stays meta: shapes only).
     if isinstance(base, FusedTargets):
         return FusedLoRAModule(lora_name, base, dim, alpha, **kwargs)

@@ -12,12 +12,14 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.safetensors_file import Entry, read_entries
 
 if TYPE_CHECKING:
+    from typing import BinaryIO
+
     import torch
 
 DTYPE_NAMES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F64": "fp64", "F8_E4M3": "fp8_e4m3",
@@ -61,7 +63,7 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, TensorInfo], di
     return tensors, metadata
 
 
-def _info(handle: Any, entry: Entry) -> TensorInfo:
+def _info(handle: BinaryIO, entry: Entry) -> TensorInfo:
     value = None
     if not entry.shape:
         handle.seek(entry.start)

@@ -22,9 +22,13 @@ from sd_scripts_compat.config.network_args import NetworkArgs, check_lycoris_ins
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from lycoris.kohya import LycorisNetworkKohya  # untyped library (mypy reads it as Any)
+
     from sd_scripts_compat.models.build import ModelBundle
 
-def _import_kohya_entry(quiet: bool) -> Any:
+def _import_kohya_entry(quiet: bool) -> ModuleType:
     check_lycoris_installed()
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel notice on import
     import lycoris.kohya
@@ -66,7 +70,7 @@ class LycorisNetwork(nn.Module):
     """lycoris-lora's network behind the interface the training loop uses (``apply_to``, parameter groups,
     kohya state dicts); its ``inner`` is the package's ``LycorisNetworkKohya``."""
 
-    def __init__(self, bundle: ModelBundle, inner: Any, names: dict[str, str]) -> None:
+    def __init__(self, bundle: ModelBundle, inner: LycorisNetworkKohya, names: dict[str, str]) -> None:
         super().__init__()
         self.bundle = bundle
         self.inner = inner

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel
 
     from sd_scripts_compat.config.training_config import TrainingConfig
 
@@ -192,8 +193,9 @@ def text_ids(length: int, device: str | torch.device | None = None, dtype: torch
     return torch.zeros(length, 3, device=device, dtype=dtype)
 
 
-def flux_prediction(transformer: Any, noisy: torch.Tensor, timesteps: torch.Tensor, t5_hidden: torch.Tensor,
-                    pooled: torch.Tensor | None, t5_mask: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
+def flux_prediction(transformer: FluxTransformer2DModel | ChromaTransformer2DModel, noisy: torch.Tensor,
+                    timesteps: torch.Tensor, t5_hidden: torch.Tensor, pooled: torch.Tensor | None,
+                    t5_mask: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
     """The transformer's velocity for unpacked latents [B, C, H, W] (returned unpacked, same shape).
 
     ``timesteps`` are in [0, 1000] (diffusers' FLUX transformer multiplies its input by 1000, hence the

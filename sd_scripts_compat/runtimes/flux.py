@@ -91,7 +91,7 @@ def render_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, c
                    out_dir: Path, name: str, device: torch.device, dtype: torch.dtype) -> list[Path]:
     from sd_scripts_compat.runtimes.flux_sampling import render_flux_samples
 
-    def texts(captions: list[str]) -> tuple[Any, Any, Any]:
+    def texts(captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(T5 hidden states, pooled CLIP-L, T5 mask or None)."""
         encoded = encode(captions)
         mask = getattr(encoded, "attention_mask", None) if config.apply_t5_attn_mask else None

@@ -13,12 +13,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
+    from collections.abc import Callable
 
+    import PIL.Image
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from sd_scripts_compat.facts.sample_prompts import SamplePrompt
     from sd_scripts_compat.models.build import ModelBundle
 
+    # captions -> (T5 hidden states, pooled CLIP-L, T5 mask or None)
+    FluxEncode = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
-def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: int) -> Any:
+
+def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: int) -> FlowMatchEulerDiscreteScheduler:
     """The scheduler, set to ``steps`` shifted sigmas for an image of ``image_tokens`` packed tokens."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -26,7 +34,7 @@ def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: in
     from sd_scripts_compat.runtimes.flow_matching import flux_mu
 
     config = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
-    scheduler: Any = FlowMatchEulerDiscreteScheduler(**config)  # diffusers' schedulers are untyped for mypy
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
     sigmas = np.linspace(1.0, 1.0 / steps, steps)
     if scheduler.config.use_dynamic_shifting:
         scheduler.set_timesteps(sigmas=sigmas, mu=flux_mu(image_tokens))
@@ -35,8 +43,8 @@ def flux_schedule(scheduler_config: dict[str, Any], steps: int, image_tokens: in
     return scheduler
 
 
-def render_flux_sample(bundle: ModelBundle, encode: Any, prompt: str, *, width: int, height: int, steps: int,
-                       guidance: float, seed: int, device: str | torch.device, dtype: torch.dtype) -> Any:
+def render_flux_sample(bundle: ModelBundle, encode: FluxEncode, prompt: str, *, width: int, height: int, steps: int,
+                       guidance: float, seed: int, device: str | torch.device, dtype: torch.dtype) -> PIL.Image.Image:
     """One image (a PIL image). ``encode(captions) -> (t5_hidden, pooled, t5_mask or None)``."""
     import torch
 
@@ -52,7 +60,7 @@ def render_flux_sample(bundle: ModelBundle, encode: Any, prompt: str, *, width: 
     for t in scheduler.timesteps:
         timestep = t.expand(latents.shape[0]).to(device)
         velocity = flux_prediction(transformer, latents, timestep, t5_hidden.to(device, dtype),
-                                   pooled.to(device, dtype), mask, guidance)
+                                   None if pooled is None else pooled.to(device, dtype), mask, guidance)
         latents = scheduler.step(velocity, t, latents, return_dict=False)[0]
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     parameter = next(vae.parameters())
@@ -63,13 +71,13 @@ def render_flux_sample(bundle: ModelBundle, encode: Any, prompt: str, *, width: 
     return Image.fromarray(pixels)
 
 
-def render_flux_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, guidance_scale: float, out_dir: Path,
-                        name: str, device: str | torch.device, dtype: torch.dtype) -> list[Path]:
+def render_flux_samples(bundle: ModelBundle, prompts: list[Any], encode: FluxEncode, *, guidance_scale: float,
+                        out_dir: Path, name: str, device: str | torch.device, dtype: torch.dtype) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     from sd_scripts_compat.runtimes.sample_files import write_each
 
-    def render(sample: Any, width: int, height: int, seed: int) -> Any:
-        guidance = sample.guidance if getattr(sample, "guidance", None) is not None else guidance_scale
+    def render(sample: SamplePrompt, width: int, height: int, seed: int) -> PIL.Image.Image:
+        guidance = sample.guidance if sample.guidance is not None else guidance_scale
         return render_flux_sample(bundle, encode, sample.prompt, width=width, height=height, steps=sample.steps,
                                   guidance=guidance, seed=seed, device=device, dtype=dtype)
 

@@ -8,10 +8,21 @@ through or was resumed at step N. The UNet runtime's objective (``runtimes.unet`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+
+class NoiseScheduler(Protocol):
+    """What the objective calls on diffusers' ``DDPMScheduler`` (mypy cannot read diffusers' lazy classes)."""
+
+    alphas_cumprod: torch.Tensor
+
+    def add_noise(self, original_samples: torch.Tensor, noise: torch.Tensor,
+                  timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def get_velocity(self, sample: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -41,8 +52,8 @@ def sample_noise_and_timesteps(latents: torch.Tensor, settings: NoiseSettings,
     return noise, timesteps
 
 
-def diffusion_target(noise_scheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
-                     v_parameterization: bool) -> torch.Tensor:
+def diffusion_target(noise_scheduler: NoiseScheduler, latents: torch.Tensor, noise: torch.Tensor,
+                     timesteps: torch.Tensor, v_parameterization: bool) -> torch.Tensor:
     if v_parameterization:
         return noise_scheduler.get_velocity(latents, noise, timesteps)
     return noise
@@ -69,7 +80,8 @@ class NoisePredictionObjective:
     autocast and :meth:`loss` outside it; validation calls :meth:`fixed_forward` at a fixed timestep.
     (The family's ``objective`` picks this or ``flow_matching.FlowMatchingObjective``; same interface.)"""
 
-    def __init__(self, noise_scheduler: Any, alphas_cumprod: Any, noise: NoiseSettings) -> None:
+    def __init__(self, noise_scheduler: NoiseScheduler, alphas_cumprod: torch.Tensor,
+                 noise: NoiseSettings) -> None:
         self.noise_scheduler, self.alphas_cumprod, self.noise = noise_scheduler, alphas_cumprod, noise
 
     def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,

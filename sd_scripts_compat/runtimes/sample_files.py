@@ -7,11 +7,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import PIL.Image
     import torch
 
+    from sd_scripts_compat.facts.sample_prompts import SamplePrompt
 
-def write_each(prompts: list[Any], render: Any, *, step: int, out_dir: Path, name: str, device: str | torch.device,
-               dtype: torch.dtype) -> list[Path]:
+
+def write_each(prompts: list[Any], render: Callable[[SamplePrompt, int, int, int], PIL.Image.Image], *, step: int,
+               out_dir: Path, name: str, device: str | torch.device, dtype: torch.dtype) -> list[Path]:
     """``render(sample, width, height, seed)`` for each prompt (sizes made whole ``step`` px, the seed its ``--d`` or
     its index) without gradients under autocast, written to ``out_dir/{name}_{index:02d}.png`` atomically."""
     import torch

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import PIL.Image
     import torch
 
+    from sd_scripts_compat.facts.sample_prompts import SamplePrompt
     from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.runtimes import Encode
 
 SAMPLE_SHIFT = 3.0  # sd-scripts: "3.0 is for SD3"
 TIMESTEPS = 1000
@@ -37,8 +40,8 @@ def sd3_sigmas(steps: int, shift: float = SAMPLE_SHIFT) -> torch.Tensor:
     return torch.cat([_shifted(timesteps, shift), torch.zeros(1)])
 
 
-def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: int, height: int, seed: int,
-                      device: str | torch.device, dtype: torch.dtype) -> Any:
+def render_sd3_sample(bundle: ModelBundle, encode: Encode, sample: SamplePrompt, *, width: int, height: int, seed: int,
+                      device: str | torch.device, dtype: torch.dtype) -> PIL.Image.Image:
     """One image (a PIL image). ``encode(captions)`` gives a ``TextConditioning`` (hidden states, pooled)."""
     import torch
     from PIL import Image
@@ -49,6 +52,7 @@ def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: i
     x = torch.randn(shape, dtype=torch.float32, generator=torch.Generator("cpu").manual_seed(seed)).to(device, dtype)
     positive, negative = encode([sample.prompt]), encode([sample.negative_prompt or ""])
     hidden = torch.cat([positive.encoder_hidden_states, negative.encoder_hidden_states]).to(device, dtype)
+    assert positive.pooled is not None and negative.pooled is not None  # SD3's CLIP-L and -G always pool
     pooled = torch.cat([positive.pooled, negative.pooled]).to(device, dtype)
     sigmas = sd3_sigmas(sample.steps).to(device)
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
@@ -65,12 +69,12 @@ def render_sd3_sample(bundle: ModelBundle, encode: Any, sample: Any, *, width: i
     return Image.fromarray(pixels)
 
 
-def render_sd3_samples(bundle: ModelBundle, prompts: list[Any], encode: Any, *, out_dir: Path, name: str,
+def render_sd3_samples(bundle: ModelBundle, prompts: list[Any], encode: Encode, *, out_dir: Path, name: str,
                        device: str | torch.device, dtype: torch.dtype) -> list[Path]:
     """Render each ``SamplePrompt`` to ``out_dir/{name}_{index:02d}.png`` (written atomically)."""
     from sd_scripts_compat.runtimes.sample_files import write_each
 
-    def render(sample: Any, width: int, height: int, seed: int) -> Any:
+    def render(sample: SamplePrompt, width: int, height: int, seed: int) -> PIL.Image.Image:
         return render_sd3_sample(bundle, encode, sample, width=width, height=height, seed=seed, device=device,
                                  dtype=dtype)
 

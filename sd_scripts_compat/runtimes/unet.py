@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import PIL.Image
     import torch
+    from diffusers import DiffusionPipeline
 
     from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.facts.sample_prompts import SamplePrompt
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
     from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
@@ -86,7 +89,7 @@ def build_objective(config: TrainingConfig, device: torch.device, bundle: ModelB
     return NoisePredictionObjective(noise_scheduler, noise_scheduler.alphas_cumprod.to(device), noise)
 
 
-def build_pipeline(bundle: ModelBundle, sampler: str) -> Any:
+def build_pipeline(bundle: ModelBundle, sampler: str) -> DiffusionPipeline:
     import diffusers
 
     scheduler_class = getattr(diffusers, SAMPLERS.get(sampler.lower(), "DDIMScheduler"))
@@ -119,7 +122,7 @@ def render_with_pipeline(bundle: ModelBundle, prompts: list[Any], *, sampler: st
     pipeline.set_progress_bar_config(disable=True)
     extra = {"clip_skip": clip_skip - 1} if clip_skip and clip_skip > 1 and not bundle.family.is_sdxl else {}
 
-    def render(sample: Any, width: int, height: int, seed: int) -> Any:
+    def render(sample: SamplePrompt, width: int, height: int, seed: int) -> PIL.Image.Image:
         return pipeline(prompt=sample.prompt, negative_prompt=sample.negative_prompt or None, width=width,
                         height=height, num_inference_steps=sample.steps, guidance_scale=sample.guidance_scale,
                         generator=torch.Generator(device="cpu").manual_seed(seed), **extra).images[0]

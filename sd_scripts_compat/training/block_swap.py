@@ -26,7 +26,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec, swap_split
@@ -81,7 +81,7 @@ class BlockSwap:
             self.slots[index] = slot
             module.forward = self._wrap(slot, module.forward)
 
-    def _master(self, tensor: torch.Tensor) -> Any:
+    def _master(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch
 
         host = tensor.detach().to("cpu")
@@ -145,7 +145,7 @@ class BlockSwap:
     def _wrap(self, slot: _Slot, forward: Callable[..., Any]) -> Callable[..., Any]:
         import torch
 
-        def swapped_forward(*args: Any, **kwargs: Any) -> Any:
+        def swapped_forward(*args: object, **kwargs: object) -> object:
             self._ready(slot)
             upcoming = self._neighbour(slot.index, +1)
             if upcoming is not None and not slot.held:
@@ -165,21 +165,21 @@ class BlockSwap:
 
         return swapped_forward
 
-    def _saved_tensor_hooks(self, slot: _Slot) -> Any:
+    def _saved_tensor_hooks(self, slot: _Slot) -> torch.autograd.graph.saved_tensors_hooks:
         import torch
 
-        def pack(tensor: torch.Tensor) -> Any:
+        def pack(tensor: torch.Tensor) -> torch.Tensor | _WeightView:
             index = slot.storages.get(tensor.untyped_storage().data_ptr()) if slot.resident else None
             if index is None or tensor.dtype != slot.params[index].dtype:
                 return tensor
-            return (_WeightRef, index, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+            return _WeightView(index, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
-        def unpack(packed: Any) -> Any:
-            if not (isinstance(packed, tuple) and packed and packed[0] is _WeightRef):
+        def unpack(packed: torch.Tensor | _WeightView) -> torch.Tensor:
+            if not isinstance(packed, _WeightView):
                 return packed
             if not slot.resident:
                 raise RuntimeError(f"block swap: block {slot.index} is not on the device for its backward")
-            _, index, shape, stride, offset = packed
+            index, shape, stride, offset = packed
             return slot.params[index].data.as_strided(shape, stride, offset)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -200,7 +200,7 @@ class BlockSwap:
         kwargs = {**kwargs, **dict(zip(names, marked[len(positions):]))}
         return tuple(replaced), kwargs
 
-    def _mark_outputs(self, slot: _Slot, output: Any) -> Any:
+    def _mark_outputs(self, slot: _Slot, output: object) -> object:
         import torch
 
         items = list(output) if isinstance(output, tuple) else [output]
@@ -239,26 +239,32 @@ class BlockSwap:
         return [slot.index for slot in self.slots.values() if slot.resident]
 
 
-class _WeightRef:
-    """Marks a saved tensor that is (a view of) a swapped block's weight."""
+class _WeightView(NamedTuple):
+    """A saved tensor that is (a view of) a swapped block's weight: which weight, and the view's geometry."""
+
+    weight: int  # the slot's parameter index
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int | torch.SymInt
 
 
 @functools.cache
-def _call_on_backward() -> Any:
+def _call_on_backward() -> type[torch.autograd.Function]:
     """An autograd identity whose backward first calls ``hook()``: it marks where a block's backward begins
     (its outputs) and ends (its inputs). Built once, lazily, so torch is imported only when training."""
     import torch
 
     class CallOnBackward(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, hook: Callable[[], None], *tensors: Any) -> Any:  # type: ignore[override]
+        def forward(ctx: Any, hook: Callable[[], None],  # type: ignore[override]  # autograd's ctx takes attributes
+                    *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
             ctx.hook = hook
             ctx.set_materialize_grads(False)
             out = tuple(t.view_as(t) for t in tensors)
             return out if len(out) > 1 else out[0]
 
         @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        def backward(ctx: Any, *grads: object) -> tuple[object, ...]:  # type: ignore[override]
             ctx.hook()
             return (None, *grads)
 

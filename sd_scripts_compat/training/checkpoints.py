@@ -26,6 +26,7 @@ from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.training.train_state import TrainCounters
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Checkpointer:
     is_main_process: bool
     guard: Any = None
 
-    def save_state(self, folder: Path, counters: Any) -> Path:
+    def save_state(self, folder: Path, counters: TrainCounters) -> Path:
         from sd_scripts_compat.training.train_state import save_train_state
 
         if self.guard is not None:
@@ -121,7 +122,7 @@ class Checkpointer:
         return save_train_state(folder, lora_state=self.network.kohya_state_dict(), optimizer=self.optimizer,
                                 lr_scheduler=self.lr_scheduler, counters=counters, settings=self.settings)
 
-    def save_lora(self, path: Path, counters: Any, *, final: bool) -> None:
+    def save_lora(self, path: Path, counters: TrainCounters, *, final: bool) -> None:
         from sd_scripts_compat.network.lora_file import build_metadata, save_lora_file
 
         if self.guard is not None:
@@ -134,7 +135,7 @@ class Checkpointer:
         save_lora_file(path, self.network.kohya_state_dict(), build_metadata(self.family, facts),
                        save_dtype=self.save_dtype)
 
-    def save_intermediate(self, counters: Any, *, suffix: str, step: int | None) -> None:
+    def save_intermediate(self, counters: TrainCounters, *, suffix: str, step: int | None) -> None:
         """An intermediate LoRA (+ state with save_state) at an epoch end (``step`` None) or a step;
         then the old ones beyond save_last_n_* / save_last_n_*_state go."""
         if not self.is_main_process:

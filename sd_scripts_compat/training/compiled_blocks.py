@@ -49,10 +49,10 @@ class CompiledBlocks:
     def seconds(self) -> float:
         return sum(end - start for start, end in self.spans)
 
-    def compile_begun(self, *_: Any) -> None:
+    def compile_begun(self, *_: object) -> None:
         self._open.append(time.time())
 
-    def compile_ended(self, *_: Any) -> None:
+    def compile_ended(self, *_: object) -> None:
         began = self._open.pop() if self._open else None
         if began is not None and not self._open:
             self.spans.append((began, time.time()))
@@ -105,10 +105,11 @@ def report_compiles(listener: Callable[[bool], None]) -> None:
     on_compile_end(lambda *_: listener(False))
 
 
-def _guarded(name: str, block: Any, compiled_call: Any, compiled: CompiledBlocks) -> Any:
+def _guarded(name: str, block: torch.nn.Module, compiled_call: Callable[..., Any],
+             compiled: CompiledBlocks) -> Callable[..., Any]:
     """The block's compiled call; a compile failure switches every block to eager and runs this one eagerly."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: object, **kwargs: object) -> object:
         try:
             return compiled_call(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - compile failures fall back; everything else re-raises

@@ -9,6 +9,7 @@ from sd_scripts_compat.runtimes import FamilyRuntime, TextOptions
 
 if TYPE_CHECKING:
     from sd_scripts_compat.models.build import ModelBundle
+    from sd_scripts_compat.models.text_encoding import TextConditioning
 
 
 class Conditioner:
@@ -19,7 +20,7 @@ class Conditioner:
         self.bundle, self.runtime, self.options = bundle, runtime, options
         self.dtype = options.dtype
 
-    def encode(self, captions: list[str], *, train: bool = False) -> Any:
+    def encode(self, captions: list[str], *, train: bool = False) -> TextConditioning:
         """The runtime's ``encode_prompts`` with this run's options (a ``TextConditioning``)."""
         import torch
 

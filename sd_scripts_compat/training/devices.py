@@ -18,7 +18,7 @@ def place(module: torch.nn.Module, device: str | torch.device, dtype: torch.dtyp
         module.to(device, dtype=dtype)
 
 
-def channels_last_pays(device_type: str, compute_dtype: Any, capability: tuple[int, int] | None) -> bool:
+def channels_last_pays(device_type: str, compute_dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
     """Whether a conv UNet's convolutions run faster channels_last on this device.
 
     Yes on CUDA tensor cores (compute capability 7.0+) in fp16 / bf16: cuDNN's tensor-core convolutions run
@@ -33,7 +33,7 @@ def channels_last_pays(device_type: str, compute_dtype: Any, capability: tuple[i
     return device_type == "cuda" and half and capability is not None and capability >= (7, 0)
 
 
-def channels_last_for(device: torch.device, compute_dtype: Any, conv_unet: bool) -> bool:
+def channels_last_for(device: torch.device, compute_dtype: torch.dtype, conv_unet: bool) -> bool:
     """The rule for this process's device (a ``torch.device``): only a conv UNet, where ``channels_last_pays``."""
     import torch
 
@@ -41,13 +41,13 @@ def channels_last_for(device: torch.device, compute_dtype: Any, conv_unet: bool)
     return conv_unet and channels_last_pays(device.type, compute_dtype, capability)
 
 
-def to_channels_last(unet: Any) -> None:
+def to_channels_last(unet: torch.nn.Module) -> None:
     """The UNet's frozen 4-D weights stored channels_last, once. Its convolutions then run channels_last (PyTorch
     follows the weight's layout or the input's), and so do a LoCon's conv adapters on their channels_last inputs;
     the LoRA's own weights, and with them the optimizer's moments and the saved state, stay contiguous."""
     import torch
 
-    unet.to(memory_format=torch.channels_last)
+    unet.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stub omits memory_format
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.runtimes import Objective
+
 INJECT_ENV = "SD_COMPAT_INJECT_OOM"
 NAN_ENV = "SD_COMPAT_INJECT_NAN"
 FREEZE_ENV = "SD_COMPAT_INJECT_FREEZE"
@@ -162,7 +164,7 @@ class FaultPlan:
         freeze = FreezeInjector.from_env(marker_dir, environ)
         return cls(oom, nan, freeze) if oom or nan or freeze else None
 
-    def wrap(self, objective: Any, step: Callable[[], int], vae_scale: int) -> FaultyObjective:
+    def wrap(self, objective: Objective, step: Callable[[], int], vae_scale: int) -> FaultyObjective:
         return FaultyObjective(objective, self, step, vae_scale)
 
 
@@ -170,11 +172,12 @@ class FaultyObjective:
     """A training objective with the plan's faults: an OOM raised as a micro-batch's forward starts, a NaN loss
     after that forward. Validation's ``fixed_forward`` passes untouched; everything else is the objective's."""
 
-    def __init__(self, inner: Any, plan: FaultPlan, step: Callable[[], int], vae_scale: int) -> None:
+    def __init__(self, inner: Objective, plan: FaultPlan, step: Callable[[], int], vae_scale: int) -> None:
         self.inner, self.plan, self.step, self.vae_scale = inner, plan, step, vae_scale
         self._poison_step: int | None = None  # the step of the training forward whose loss comes next
 
-    def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, *args: Any) -> Any:
+    def forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                added: dict[str, Any] | None, generator: torch.Generator) -> tuple[torch.Tensor, tuple[Any, ...]]:
         step = self.step()
         if self.plan.freeze is not None:
             self.plan.freeze.check(step)
@@ -182,14 +185,16 @@ class FaultyObjective:
             self.plan.oom.check(step, latents.shape[0], latents.shape[2] * self.vae_scale,
                                 latents.shape[3] * self.vae_scale)
         self._poison_step = step
-        return self.inner.forward(denoiser, latents, *args)
+        return self.inner.forward(denoiser, latents, hidden, added, generator)
 
-    def fixed_forward(self, *args: Any, **kwargs: Any) -> Any:
+    def fixed_forward(self, denoiser: torch.nn.Module, latents: torch.Tensor, hidden: torch.Tensor,
+                      added: dict[str, Any] | None, timestep: int,
+                      noise: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
         self._poison_step = None
-        return self.inner.fixed_forward(*args, **kwargs)
+        return self.inner.fixed_forward(denoiser, latents, hidden, added, timestep, noise)
 
-    def loss(self, *args: Any) -> Any:
-        loss = self.inner.loss(*args)
+    def loss(self, prediction: torch.Tensor, state: tuple[Any, ...], loss_weights: torch.Tensor) -> torch.Tensor:
+        loss = self.inner.loss(prediction, state, loss_weights)
         step, self._poison_step = self._poison_step, None
         return self.plan.nan.poison(step, loss) if step is not None and self.plan.nan is not None else loss
 

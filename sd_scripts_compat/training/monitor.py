@@ -31,10 +31,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sd_scripts_compat.facts.atomic import AppendOnlyFile
 from sd_scripts_compat.facts.contract import MONITOR_FILE
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 __all__ = ["MONITOR_FILE", "Monitor", "NvmlSource", "PsutilSource", "read_monitor", "start_monitor"]
 MONITOR_SCHEMA = 1
@@ -46,11 +49,13 @@ _THROTTLE_NAMES = {
     "HwThermalSlowdown": "hw_thermal", "HwPowerBrakeSlowdown": "power_brake",
 }
 
+T = TypeVar("T")
+
 
 class NvmlSource:
     """The GPUs through NVML; :meth:`open` returns None where NVML cannot start (no driver, no library)."""
 
-    def __init__(self, nvml: Any, handles: list[tuple[int, Any]]) -> None:
+    def __init__(self, nvml: ModuleType, handles: list[tuple[int, Any]]) -> None:
         self.nvml = nvml
         self.handles = handles
         self.reason_bits = {name: getattr(nvml, f"nvmlClocksEventReason{key}", None) or
@@ -58,7 +63,7 @@ class NvmlSource:
                             for key, name in _THROTTLE_NAMES.items()}
 
     @classmethod
-    def open(cls, nvml: Any = None) -> NvmlSource | None:
+    def open(cls, nvml: ModuleType | None = None) -> NvmlSource | None:
         try:
             if nvml is None:
                 import pynvml
@@ -78,7 +83,7 @@ class NvmlSource:
     def sample(self) -> list[dict[str, Any]]:
         return [self._sample_one(i, h) for i, h in self.handles]
 
-    def _sample_one(self, index: int, handle: Any) -> dict[str, Any]:
+    def _sample_one(self, index: int, handle: object) -> dict[str, Any]:
         nvml = self.nvml
         util = _call(nvml.nvmlDeviceGetUtilizationRates, handle)
         memory = _call(nvml.nvmlDeviceGetMemoryInfo, handle)
@@ -104,9 +109,11 @@ class NvmlSource:
 class PsutilSource:
     """This process's CPU % and resident memory, the system's available RAM and swap (psutil)."""
 
-    def __init__(self, psutil: Any = None, pid: int | None = None) -> None:
+    def __init__(self, psutil: ModuleType | None = None, pid: int | None = None) -> None:
         if psutil is None:
-            import psutil
+            import psutil as psutil_module
+
+            psutil = psutil_module
         self.psutil = psutil
         self.process = psutil.Process(pid)
         self.process.cpu_percent(None)  # the first call starts the interval; it returns 0.0
@@ -227,7 +234,7 @@ def _psutil_source() -> PsutilSource | None:
         return None
 
 
-def _call(function: Callable[..., Any], *args: Any) -> Any:
+def _call(function: Callable[..., Any], *args: object) -> T | None:
     """One NVML / psutil query; None where the card or the OS does not support it."""
     try:
         return function(*args)

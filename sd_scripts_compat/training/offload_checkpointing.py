@@ -10,10 +10,13 @@ tensor of the whole graph, not the checkpoints alone, and diffusers has no such 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-def offloaded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+def offloaded_checkpoint(function: Callable[..., T], *args: object, **kwargs: Any) -> T:
     """``torch.utils.checkpoint.checkpoint(function, *args)`` (non-reentrant) with the tensor ``args`` kept on the
     host between forward and backward; gradients flow back through the copies to the device tensors."""
     import torch
@@ -24,7 +27,7 @@ def offloaded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(function, *args, use_reentrant=False, **kwargs)
     host = tuple(a.to("cpu", non_blocking=True) if isinstance(a, torch.Tensor) else a for a in args)
 
-    def on_device(*inputs: Any) -> Any:
+    def on_device(*inputs: object) -> T:
         return function(*(a.to(device, non_blocking=True) if isinstance(a, torch.Tensor) else a for a in inputs))
 
     return checkpoint(on_device, *host, use_reentrant=False, **kwargs)

@@ -63,7 +63,7 @@ def _upcast_functions() -> tuple[Any, Any]:
     return Fp8Linear, Fp8Conv2d
 
 
-def store_frozen_weights_in_fp8(module: torch.nn.Module, compute_dtype: Any) -> int:
+def store_frozen_weights_in_fp8(module: torch.nn.Module, compute_dtype: torch.dtype) -> int:
     """Cast every frozen Linear/Conv2d weight under ``module`` to float8_e4m3fn; returns how many."""
     import torch
 

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 
     import torch
     from accelerate import Accelerator
+    from diffusers import ModelMixin
     from tqdm.auto import tqdm
 
     from sd_scripts_compat.config.training_config import TrainingConfig
@@ -125,9 +126,9 @@ def setup_process(config: TrainingConfig) -> Process:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from sd_scripts_compat.facts.sample_prompts import read_sample_prompts
     from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
     from sd_scripts_compat.training.optim import check_optimizer_settings
-    from sd_scripts_compat.training.sampling import read_sample_prompts
 
     check_optimizer_settings(config.optimizer_type or "AdamW", config.learning_rate, config.optimizer_args)
     if config.sample_prompts:  # read now: a bad line is said before the model loads, not at the first sample
@@ -474,7 +475,7 @@ def build_optimization(config: TrainingConfig, process: Process, network: Networ
                         warmup_steps=warmup_steps)
 
 
-def build_objective(config: TrainingConfig, process: Process, model: Model) -> Objective:
+def build_objective(config: TrainingConfig, process: Process, model: Model) -> FamilyObjective:
     """The family's training objective, from its runtime: DDPM noise prediction (SD), flow matching (FLUX.1,
     SD3); each gives the loop ``forward`` / ``loss`` / ``fixed_forward``."""
     return model.runtime.build_objective(config, process.device, model.bundle, model.v_parameterization)
@@ -659,10 +660,11 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     if network.compiled is not None:
         report_compiles(reporter.compiling)
     optimization = build_optimization(config, process, network, data)
-    objective = build_objective(config, process, model)
+    family_objective = build_objective(config, process, model)
     counters = resume(config, process, network, optimization, data)
+    objective: Objective = family_objective
     if process.faults is not None:  # tests' injected OOM / NaN: the loop below never looks for them
-        objective = process.faults.wrap(objective, lambda: counters.global_step, model.vae_scale)
+        objective = process.faults.wrap(family_objective, lambda: counters.global_step, model.vae_scale)
     report = report_run(config, process, data, inputs)
     guard = build_guard(process, network, optimization, counters)
     checkpointer = build_checkpointer(config, process, model, data, inputs, network, optimization, report, guard)
@@ -1035,7 +1037,7 @@ def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
     return family_for_kohya_flags(bool(config.v2), bool(config.v_parameterization))
 
 
-def _enable_xformers(unet: Any) -> None:
+def _enable_xformers(unet: ModelMixin) -> None:
     try:
         import xformers  # noqa: F401
     except ImportError:

@@ -125,7 +125,7 @@ def total_norm(tensors: list[Any]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)))
 
 
-def fused_torch_adam(optimizer: Any) -> bool:
+def fused_torch_adam(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Adam/AdamW with ``fused=True``: the only optimizers whose kernel reads ``found_inf``
     (the others refuse the attribute)."""
     import torch
@@ -142,7 +142,7 @@ class StabilityGuard:
     baseline is read from and written into it).
     """
 
-    def __init__(self, device: str | torch.device, params: list[Any], optimizer: Any, *, scaled: bool,
+    def __init__(self, device: str | torch.device, params: list[Any], optimizer: torch.optim.Optimizer, *, scaled: bool,
                  extra: dict[str, Any], enabled: bool | None = None) -> None:
         import torch
 
@@ -172,7 +172,8 @@ class StabilityGuard:
             grad_norm = total_norm([p.grad for p in self.params if p.grad is not None])
         self.buffer[1, self.slot].copy_(grad_norm)
         if self.fused:
-            self.optimizer.found_inf = (~torch.isfinite(self.buffer[0, self.slot] + grad_norm)).float()
+            self.optimizer.found_inf = (  # type: ignore[attr-defined]  # fused Adam reads it if present
+                ~torch.isfinite(self.buffer[0, self.slot] + grad_norm)).float()
 
     def after_optimizer_step(self, step: int) -> None:
         """The step with 0-based index ``step`` is done; a full buffer is read now."""

@@ -30,9 +30,12 @@ import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.contract import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -81,7 +84,7 @@ class StopSignals:
             for number, handler in stops._previous.items():
                 signal.signal(number, handler)
 
-    def _handle(self, number: int, _frame: Any) -> None:
+    def _handle(self, number: int, _frame: FrameType | None) -> None:
         if self.received is None:
             self.received = number
         _orphaned_output_to_devnull()

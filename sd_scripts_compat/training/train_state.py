@@ -107,8 +107,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                     counters: TrainCounters, settings: dict[str, Any]) -> Path:
+def save_train_state(folder: Path, *, lora_state: dict[str, Any], optimizer: torch.optim.Optimizer,
+                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler, counters: TrainCounters,
+                     settings: dict[str, Any]) -> Path:
     """Write a complete state folder atomically (temp folder, then rename over any old one)."""
     from safetensors.torch import save_file
 

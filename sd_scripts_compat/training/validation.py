@@ -8,15 +8,20 @@ sd-scripts.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sd_scripts_compat.runtimes.noise_prediction import NoiseSettings
 from sd_scripts_compat.training.conditioning import Conditioner
 
 if TYPE_CHECKING:
     import torch
+    from accelerate import Accelerator
 
     from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.dataset.train_dataset import TrainDataset
+    from sd_scripts_compat.runtimes import Objective
+    from sd_scripts_compat.runtimes.noise_prediction import NoiseScheduler
+    from sd_scripts_compat.training.faults import FaultyObjective
 
 VALIDATION_TIMESTEPS = (100, 300, 500, 700, 900)
 
@@ -25,10 +30,11 @@ class ValidationRun:
     """When to validate (validate_every_n_*), how (the model, noise and seed it was built with), and
     the history of ``(step, loss)`` measured so far."""
 
-    def __init__(self, dataset: Any, config: TrainingConfig, seed: int, *, unet: torch.nn.Module,
-                 conditioner: Conditioner, noise_scheduler: Any = None, dtype: torch.dtype, accelerator: Any,
-                 noise_settings: NoiseSettings | None = None, alphas_cumprod: Any = None,
-                 objective: Any = None) -> None:
+    def __init__(self, dataset: TrainDataset, config: TrainingConfig, seed: int, *, unet: torch.nn.Module,
+                 conditioner: Conditioner, noise_scheduler: NoiseScheduler | None = None, dtype: torch.dtype,
+                 accelerator: Accelerator, noise_settings: NoiseSettings | None = None,
+                 alphas_cumprod: torch.Tensor | None = None,
+                 objective: Objective | FaultyObjective | None = None) -> None:
         from sd_scripts_compat.runtimes.noise_prediction import NoisePredictionObjective
 
         self.dataset = dataset
@@ -38,8 +44,12 @@ class ValidationRun:
         self.seed = config.validation_seed if config.validation_seed is not None else seed
         self.unet, self.conditioner, self.noise_scheduler = unet, conditioner, noise_scheduler
         self.dtype, self.accelerator = dtype, accelerator
-        self.objective = objective or NoisePredictionObjective(noise_scheduler, alphas_cumprod,
-                                                               noise_settings or NoiseSettings())
+        if objective is None:
+            if noise_scheduler is None:
+                raise ValueError("ValidationRun needs the run's objective or its noise scheduler")
+            alphas = alphas_cumprod if alphas_cumprod is not None else noise_scheduler.alphas_cumprod
+            objective = NoisePredictionObjective(noise_scheduler, alphas, noise_settings or NoiseSettings())
+        self.objective = objective
         self.history: list[tuple[int, float]] = []
 
     def due(self, step: int, *, epoch_end: bool, epoch: int = 0) -> bool:
@@ -58,8 +68,8 @@ class ValidationRun:
         return loss
 
 
-def validation_loss(dataset: Any, unet: torch.nn.Module, conditioner: Conditioner, objective: Any,
-                    dtype: torch.dtype, device: torch.device, seed: int,
+def validation_loss(dataset: TrainDataset, unet: torch.nn.Module, conditioner: Conditioner,
+                    objective: Objective | FaultyObjective, dtype: torch.dtype, device: torch.device, seed: int,
                     timesteps: tuple[int, ...] = VALIDATION_TIMESTEPS, max_batches: int | None = None) -> float:
     """Mean loss over the held-out batches (the first ``max_batches`` when given) at each of
     ``timesteps`` (of 1000; FLUX: sigma t/1000), with noise drawn from ``seed``; ``objective`` is the run's
