@@ -83,7 +83,8 @@ def summarise(scan: DatasetScan) -> DatasetSummary:
                                   num_captions=len(found)))
     caption_extension = max(CAPTION_EXTENSIONS, key=lambda ext: (counts[ext], ext == ".txt"))
     warnings = list(scan.warnings)
-    elsewhere = caption_coverage([i for s in scan.subsets for i in s.images], caption_extension).problem()
+    elsewhere = caption_coverage([i for s in scan.subsets for i in s.images], caption_extension,
+                                 [s.listing for s in scan.subsets]).problem()
     if elsewhere:
         warnings.append(elsewhere)
     for s in subsets:

@@ -29,7 +29,7 @@ from sd_scripts_compat.dataset.buckets import (
 )
 from sd_scripts_compat.dataset.cache_entries import LatentEntry, TextEntry, read_latent_file, read_text_file
 from sd_scripts_compat.dataset.captions import base_caption, process_caption, tag_frequency
-from sd_scripts_compat.facts.dataset_scan import IMAGE_EXTENSIONS, caption_coverage, list_images
+from sd_scripts_compat.facts.dataset_scan import IMAGE_EXTENSIONS, FolderListing, caption_coverage
 from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.facts.errors import UserError
 
@@ -77,20 +77,22 @@ class BatchKey:
     items: tuple[int, ...]  # ImageRecord indices
 
 
-def _scan_dir(image_dir: Path) -> list[Path]:
+def _scan_dir(image_dir: Path) -> tuple[list[Path], FolderListing]:
     if not image_dir.is_dir():
         raise UserError(f"image_dir {image_dir}: not a directory; fix the path in train_data_dir / dataset_config")
-    paths = list_images(image_dir)
+    listing = FolderListing.read(image_dir)
+    paths = listing.images()
     if not paths:
         raise UserError(f"image_dir {image_dir}: no images ({', '.join(IMAGE_EXTENSIONS)}); add images or remove "
                         "the subset")
-    return paths
+    return paths, listing
 
 
-def _warn_about_captions(subset: SubsetSpec, paths: list[Path], captions: list[str], empty: list[Path]) -> None:
+def _warn_about_captions(subset: SubsetSpec, paths: list[Path], captions: list[str], empty: list[Path],
+                         listing: FolderListing) -> None:
     """Say when captions will not train as the user probably meant: caption files under another extension
     than ``caption_extension`` (never read), blank caption files, images with no caption at all."""
-    coverage = caption_coverage(paths, subset.caption_extension)
+    coverage = caption_coverage(paths, subset.caption_extension, [listing])
     if coverage.problem():
         warnings.warn(f"{subset.image_dir}: {coverage.line()}; {coverage.problem()}", stacklevel=3)
     blank = [path for path, caption in zip(paths, captions) if not caption.strip()
@@ -436,7 +438,7 @@ def _read_subsets(spec: DatasetSpec, *, validating: bool, validation_seed: int, 
         _check_subset(subset)
         if validating and subset.is_reg:
             continue
-        paths = _scan_dir(Path(subset.image_dir))
+        paths, listing = _scan_dir(Path(subset.image_dir))
         if spec.validation_split > 0 and not subset.is_reg:
             paths = split_for_validation(paths, spec.validation_split, validation_seed, training=not validating)
         repeats = 1 if validating else subset.num_repeats
@@ -449,7 +451,7 @@ def _read_subsets(spec: DatasetSpec, *, validating: bool, validation_seed: int, 
             size = read_image_size(path) if verify_images else _header_size(path)
             captions.append(caption)
             (reg_entries if subset.is_reg else train_entries).append((subset_index, path, caption, size, repeats))
-        _warn_about_captions(subset, paths, captions, empty)
+        _warn_about_captions(subset, paths, captions, empty, listing)
         if not subset.is_reg:
             counts = frequencies.setdefault(Path(subset.image_dir).name, {})
             for tag, n in tag_frequency(captions).items():

@@ -2,8 +2,10 @@
 
 Every reader of a dataset folder goes through here, so they cannot disagree about it: the engine's
 folder convention (``train_data_dir``) and image listing, ``autotune plan`` (counting images and
-repeats) and ``autotune run`` (checking the folder before anything heavy). The scan only lists and
-stats files; it never opens an image.
+repeats) and ``autotune run`` (checking the folder before anything heavy). The scan lists each folder once
+(``FolderListing``: one ``os.scandir``, whose entries say file or folder without a ``stat`` of their own) and
+answers every question from that listing: which files are images, which are hidden, which images have captions.
+It never opens a file, so its cost grows with the number of files and nothing else.
 
 The rules (sd-scripts'):
 
@@ -53,18 +55,61 @@ def listed(media: tuple[str, ...]) -> str:
 
 def is_image(path: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> bool:
     """An image (any letter case), or with ``media=VIDEO_EXTENSIONS`` a video as musubi-tuner globs them."""
-    return (path.suffix if media is VIDEO_EXTENSIONS else path.suffix.lower()) in media
+    return is_image_name(path.name, media)
+
+
+def is_image_name(name: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> bool:
+    """``is_image`` for a file name (a listing's entry): its last suffix, as ``Path.suffix`` reads it."""
+    suffix = os.path.splitext(name)[1]
+    return (suffix if media is VIDEO_EXTENSIONS else suffix.lower()) in media
+
+
+@dataclass(frozen=True)
+class FolderListing:
+    """One folder as one ``os.scandir`` saw it: the names of its files and of its subfolders (links followed, as
+    ``Path.is_file`` / ``is_dir`` follow them). Every rule of the scan reads a folder through one of these."""
+
+    folder: Path
+    files: frozenset[str]
+    folders: tuple[str, ...]  # sorted
+
+    @classmethod
+    def read(cls, folder: Path) -> FolderListing:
+        files, folders = set(), []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file():
+                        files.add(entry.name)
+                    elif entry.is_dir():
+                        folders.append(entry.name)
+                except OSError:  # a link to nowhere, or gone since the listing: neither a file nor a folder
+                    continue
+        return cls(folder, frozenset(files), tuple(sorted(folders)))
+
+    def images(self, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> list[Path]:
+        """The images (or videos), sorted by name (so runs never depend on the listing order); hidden files are
+        not images, as in sd-scripts."""
+        return [self.folder / name for name in sorted(self.files)
+                if not name.startswith(".") and is_image_name(name, media)]
+
+    def hidden_images(self, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> int:
+        """Image-named files that ``images`` passes over because their name starts with a dot."""
+        return sum(1 for name in self.files if name.startswith(".") and is_image_name(name, media))
+
+    def caption_suffixes(self) -> dict[str, list[str]]:
+        """Stem -> the caption-like suffixes (``.txt`` / ``.caption`` in any letter case) of its files, sorted."""
+        found: dict[str, list[str]] = {}
+        for name in sorted(self.files):
+            stem, suffix = os.path.splitext(name)
+            if suffix.lower() in CAPTION_EXTENSIONS:
+                found.setdefault(stem, []).append(suffix)
+        return found
 
 
 def list_images(folder: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> list[Path]:
-    """The images (or videos) directly in ``folder``, sorted by name (so runs never depend on the listing order);
-    hidden files are not images, as in sd-scripts."""
-    return sorted(p for p in folder.iterdir() if not p.name.startswith(".") and p.is_file() and is_image(p, media))
-
-
-def hidden_images(folder: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> int:
-    """Image-named files that ``list_images`` passes over because their name starts with a dot."""
-    return sum(1 for p in folder.iterdir() if p.name.startswith(".") and is_image(p, media) and p.is_file())
+    """The images (or videos) directly in ``folder`` (``FolderListing.images``)."""
+    return FolderListing.read(folder).images(media)
 
 
 @dataclass(frozen=True)
@@ -89,21 +134,26 @@ class CaptionCoverage:
                 f"(caption_extension = \"{self.extension}\"); set caption_extension = \"{other}\" or rename the files")
 
 
-def caption_coverage(images: Iterable[Path], extension: str) -> CaptionCoverage:
+def caption_coverage(images: Iterable[Path], extension: str,
+                     listings: Iterable[FolderListing] = ()) -> CaptionCoverage:
     """Captions present under ``extension`` (exact case, as the engine and sd-scripts open them) and the other
-    caption-like files (``.txt`` / ``.caption`` in any case) of the images without one."""
-    listing: dict[Path, set[str]] = {}
+    caption-like files (``.txt`` / ``.caption`` in any case) of the images without one. Each folder is read
+    once: from ``listings`` when the caller has them, else listed here."""
+    known = {listing.folder: listing for listing in listings}
+    suffixes: dict[Path, dict[str, list[str]]] = {}
     captioned, total = 0, 0
     elsewhere: dict[str, int] = {}
     for image in images:
         total += 1
-        names = listing.setdefault(image.parent, {p.name for p in image.parent.iterdir()})
-        if image.stem + extension in names:
+        listing = known.get(image.parent)
+        if listing is None:
+            listing = known[image.parent] = FolderListing.read(image.parent)
+        if image.stem + extension in listing.files:
             captioned += 1
             continue
-        others = [name[len(image.stem):] for name in names
-                  if name.startswith(image.stem + ".") and name[len(image.stem):].lower() in CAPTION_EXTENSIONS]
-        for other in others[:1]:
+        if listing.folder not in suffixes:
+            suffixes[listing.folder] = listing.caption_suffixes()
+        for other in suffixes[listing.folder].get(image.stem, [])[:1]:
             elsewhere[other] = elsewhere.get(other, 0) + 1
     return CaptionCoverage(extension=extension, images=total, captioned=captioned, elsewhere=elsewhere)
 
@@ -120,6 +170,7 @@ class SubsetScan:
     class_tokens: str | None
     images: tuple[Path, ...]
     caption_files: dict[str, tuple[Path, ...]] = field(hash=False)
+    listing: FolderListing = field(hash=False, repr=False)  # the folder as the scan read it, for its other readers
 
     @property
     def num_images(self) -> int:
@@ -142,6 +193,7 @@ class DatasetScan:
     subsets: tuple[SubsetScan, ...]
     warnings: tuple[str, ...]
     top_level: bool  # the one subset is ``root`` itself: images directly in the folder, 1 repeat
+    listing: FolderListing = field(hash=False, repr=False)  # ``root`` as the scan read it
 
     @property
     def num_images(self) -> int:
@@ -153,12 +205,13 @@ class DatasetScan:
         return sum(s.num_images * s.num_repeats for s in self.subsets)
 
 
-def _subset(folder: Path, repeats: int, tokens: str | None, images: list[Path],
+def _subset(listing: FolderListing, repeats: int, tokens: str | None, images: list[Path],
             caption_extensions: tuple[str, ...]) -> SubsetScan:
-    captions = {ext: tuple(c for c in (image.with_suffix(ext) for image in images) if c.is_file())
+    captions = {ext: tuple(listing.folder / name for name in (image.stem + ext for image in images)
+                           if name in listing.files)
                 for ext in caption_extensions}
-    return SubsetScan(folder=folder, num_repeats=repeats, class_tokens=tokens, images=tuple(images),
-                      caption_files=captions)
+    return SubsetScan(folder=listing.folder, num_repeats=repeats, class_tokens=tokens, images=tuple(images),
+                      caption_files=captions, listing=listing)
 
 
 def scan_dataset_folder(path: str | os.PathLike[str], caption_extensions: tuple[str, ...] = CAPTION_EXTENSIONS,
@@ -182,7 +235,8 @@ def scan_dataset_folder(path: str | os.PathLike[str], caption_extensions: tuple[
     warnings: list[str] = []
     repeat_folders = 0
     hidden = 0
-    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    top_listing = FolderListing.read(root)
+    for folder in (root / name for name in top_listing.folders if not name.startswith(".")):
         parsed = parse_repeat_folder(folder.name)
         if parsed is None:
             warnings.append(f"{folder.name}/ skipped: not named N_name (N = repeats, e.g. 10_{folder.name}), "
@@ -194,25 +248,27 @@ def scan_dataset_folder(path: str | os.PathLike[str], caption_extensions: tuple[
             warnings.append(f"{folder.name}/ skipped: {repeats} repeats means its images are seen 0 times "
                             "(sd-scripts skips it); name it e.g. 1_" + (tokens or "name"))
             continue
-        images = list_images(folder, media)
-        hidden += hidden_images(folder, media)
+        listing = FolderListing.read(folder)
+        images = listing.images(media)
+        hidden += listing.hidden_images(media)
         if not images:
             warnings.append(f"{folder.name}/ holds no {noun} ({listed(media)}); skipped")
             continue
-        subsets.append(_subset(folder, repeats, tokens or None, images, caption_extensions))
-    top = list_images(root, media)
+        subsets.append(_subset(listing, repeats, tokens or None, images, caption_extensions))
+    top = top_listing.images(media)
     if top and repeat_folders:
         warnings.append(f"{len(top)} {noun[:-1]}(s) directly in {root.name}/ not used: with N_name subfolders, "
                         f"only their {noun} are read")
     top_level = bool(top) and not repeat_folders
     if top_level:
-        hidden += hidden_images(root, media)
+        hidden += top_listing.hidden_images(media)
         repeats, own_tokens = _own_repeats(root)
-        subsets.append(_subset(root, repeats, own_tokens, top, caption_extensions))
+        subsets.append(_subset(top_listing, repeats, own_tokens, top, caption_extensions))
     if hidden:
         warnings.append(f"{hidden} hidden {noun[:-1]} file(s) skipped (names starting with '.', such as macOS ._ "
                         "files), as sd-scripts skips them")
-    return DatasetScan(root=root, subsets=tuple(subsets), warnings=tuple(warnings), top_level=top_level)
+    return DatasetScan(root=root, subsets=tuple(subsets), warnings=tuple(warnings), top_level=top_level,
+                       listing=top_listing)
 
 
 def _own_repeats(folder: Path) -> tuple[int, str | None]:
