@@ -1,3 +1,4 @@
 from autotune.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # a spawned worker (the doctor's image pool) imports this module again, as __mp_main__
+    raise SystemExit(main())

@@ -11,6 +11,7 @@ unsupported formats, alpha / palette / 16-bit / CMYK images and what the engine 
 decompression bombs (over 89.5 MP: only the header is read), exact duplicates, caption length in CLIP tokens
 against max_token_length, class tokens missing from captions, top tags; then the bucket histogram for the
 resolution and batch, the images whose bucket is smaller than a batch, and the true steps per epoch.
+Images are decoded over every core, with a progress bar on a terminal; --quick reads their headers only.
 
 Exit status: 0 when the report has no errors (warnings allowed), and also with errors unless --strict;
 1 with --strict when there is an error; 2 for bad input (no such folder, a bad option).
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", metavar="REPORT.html", default=None,
                         help="also write a self-contained HTML page: bucket histogram, thumbnails of problem images")
     parser.add_argument("--strict", action="store_true", help="exit 1 when there is an error (warnings never fail)")
+    parser.add_argument("--quick", action="store_true",
+                        help="read image headers only (sizes, modes, EXIF rotation): seconds for 100,000 images, but a "
+                        "truncated or corrupt file, alpha and 16-bit pictures go unseen")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
         refuse_foreign_page(Path(args.html), "--html")
         refuse_out_in_dataset(Path(args.html), Path(args.dataset), "--html")
     from autotune.doctor.diagnose import diagnose_options
+    from autotune.progress import stderr_progress
 
-    report = diagnose_options(args)
+    with stderr_progress("checking images") as progress:
+        report = diagnose_options(args, progress)
     written = None
     if args.html:
         from autotune.doctor.render_html import write_html

@@ -1,20 +1,21 @@
 """Captions as the engine will read them: found, missing, orphaned, empty; their length in CLIP tokens against
 ``max_token_length``; the folder's class (trigger) tokens in them; and the tag frequency.
 
-Captions are read with the engine's own ``read_caption`` (first line of ``<stem><caption_extension>``, an
-empty file or one that is not UTF-8 is an error there), and counted with the CLIP tokenizer the project
-ships, so the doctor cannot disagree with training about what a caption is.
+Captions are read with the engine's own reader (``caption_text``, then ``first_line``: what ``read_caption``
+trains; an empty file or one that is not UTF-8 is an error there), each file once, and counted with the CLIP
+tokenizer the project ships, so the doctor cannot disagree with training about what a caption is.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.doctor.report import ERROR, WARNING, Problem
-from sd_scripts_compat.dataset.captions import read_caption, tag_frequency
+from autotune.doctor.report import ERROR, WARNING, Problem, rel_name
+from sd_scripts_compat.dataset.captions import caption_text, first_line, tag_frequency
 from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, SubsetScan
 from sd_scripts_compat.facts.errors import UserError
 
@@ -47,10 +48,6 @@ def shipped_token_counter() -> TokenCounter:
     return count
 
 
-def _rel(path: Path, root: Path) -> str:
-    return path.relative_to(root).as_posix()
-
-
 def check_captions(subset: SubsetScan, root: Path, extension: str, count_tokens: TokenCounter,
                    max_token_length: int) -> CaptionFacts:
     """Every caption check of one subset folder."""
@@ -61,17 +58,17 @@ def check_captions(subset: SubsetScan, root: Path, extension: str, count_tokens:
     empty = 0
     for image in subset.images:
         path = image.with_name(image.stem + extension)
-        if not path.is_file():
+        if path.name not in subset.listing.files:
             missing.append(image)
-            problems += _other_extension(image, root, extension)
+            problems += _other_extension(subset, image, root, extension)
             captions.append(subset.class_tokens or "")
             continue
-        text, problem = _read(image, path, root, extension)
+        text, problem = _read(path, root)
         if problem is not None:
             problems.append(problem)
             empty += problem.code in ("caption-empty", "caption-blank")
         if text is not None:
-            read.append((_rel(path, root), text))
+            read.append((rel_name(path, root), text))
         captions.append(text or "")
     problems += _missing(subset, missing, root, extension)
     orphans = _orphans(subset, root)
@@ -90,11 +87,13 @@ def top_tags(captions: tuple[str, ...], count: int) -> tuple[tuple[str, int], ..
     return tuple(sorted(frequency.items(), key=lambda item: (-item[1], item[0]))[:count])
 
 
-def _read(image: Path, path: Path, root: Path, extension: str) -> tuple[str | None, Problem | None]:
+def _read(path: Path, root: Path) -> tuple[str | None, Problem | None]:
     """The caption the engine reads (its first line), or the error the engine would stop with."""
-    rel = _rel(path, root)
+    rel = rel_name(path, root)
     try:
-        text = read_caption(image, extension)
+        whole = caption_text(path)
+    except FileNotFoundError:  # gone since the listing
+        return None, None
     except OSError as exc:
         return None, Problem(ERROR, "caption-unreadable", rel, f"the caption file cannot be read "
                              f"({exc.__class__.__name__}); the engine stops at it", "fix its permissions or re-save it")
@@ -105,29 +104,25 @@ def _read(image: Path, path: Path, root: Path, extension: str) -> tuple[str | No
                                  "write a caption, or delete the file to train the image with the class tokens")
         return None, Problem(ERROR, "caption-not-utf8", rel, "the caption file is not UTF-8; the engine stops at it",
                              "re-save it as UTF-8")
-    if text is None:  # vanished between the listing and the read
-        return None, None
+    text = first_line(whole)
     if not text:
         return "", Problem(WARNING, "caption-blank", rel, "the first line is blank and the engine reads only the "
                            "first line, so the image trains with an empty caption", "put the caption on the first line")
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except OSError:  # gone or locked since the engine's read: the first line is all that matters
-        lines = [text]
+    lines = [line for line in whole.splitlines() if line.strip()]
     if len(lines) > 1:
         return text, Problem(WARNING, "caption-multiline", rel, f"{len(lines)} lines: the engine reads only the "
                              "first, the rest is never trained", "join the lines into one, separated by commas")
     return text, None
 
 
-def _other_extension(image: Path, root: Path, extension: str) -> list[Problem]:
+def _other_extension(subset: SubsetScan, image: Path, root: Path, extension: str) -> list[Problem]:
     """A caption beside the image with another caption extension: the engine never reads it."""
     variants = dict.fromkeys(v for ext in CAPTION_EXTENSIONS for v in (ext, ext.upper()) if v != extension)
-    return [Problem(WARNING, "caption-other-extension", _rel(other, root),
+    return [Problem(WARNING, "caption-other-extension", rel_name(other, root),
                     f"not read: the captions read are {extension} (caption_extension; file names are case-sensitive)",
                     f"rename it to {image.stem}{extension}, or set caption_extension = \"{other.suffix}\"")
             for other in (image.with_name(image.stem + ext) for ext in variants)
-            if other.is_file()]
+            if other.name in subset.listing.files]
 
 
 def _missing(subset: SubsetScan, missing: list[Path], root: Path, extension: str) -> list[Problem]:
@@ -139,29 +134,30 @@ def _missing(subset: SubsetScan, missing: list[Path], root: Path, extension: str
         "an empty caption (the folder name gives no class tokens)"
     fix = f"write a {extension} caption beside each image (e.g. with a tagger)"
     if len(missing) == len(subset.images):
-        return [Problem(WARNING, "caption-none", _rel(subset.folder, root) if subset.folder != root else ".",
+        return [Problem(WARNING, "caption-none", rel_name(subset.folder, root) if subset.folder != root else ".",
                         f"no {extension} captions: every image trains with {trains}", fix)]
-    return [Problem(WARNING, "caption-missing", _rel(image, root), f"no {image.stem}{extension}: it trains with "
+    return [Problem(WARNING, "caption-missing", rel_name(image, root), f"no {image.stem}{extension}: it trains with "
                     f"{trains}", fix) for image in missing]
 
 
 def _orphans(subset: SubsetScan, root: Path) -> list[Problem]:
     """Caption files whose image is not there (or is in a format the engine does not read)."""
     stems = {image.stem for image in subset.images}
-    files = sorted(p for p in subset.folder.iterdir() if p.is_file())
+    files = [(name, *os.path.splitext(name)) for name in sorted(subset.listing.files)]  # names: no Path per file
     other_files: dict[str, list[str]] = {}
-    for path in files:
-        if path.suffix not in CAPTION_EXTENSIONS:
-            other_files.setdefault(path.stem, []).append(path.name)
+    for name, stem, suffix in files:
+        if suffix not in CAPTION_EXTENSIONS:
+            other_files.setdefault(stem, []).append(name)
     problems = []
-    for path in files:
-        if path.suffix not in CAPTION_EXTENSIONS or path.stem in stems:
+    for name, stem, suffix in files:
+        if suffix not in CAPTION_EXTENSIONS or stem in stems:
             continue
-        others = other_files.get(path.stem, [])
+        others = other_files.get(stem, [])
         why = f"its image {others[0]} is a format the engine does not read" if others else \
-            f"there is no image {path.stem}.* beside it"
-        problems.append(Problem(WARNING, "caption-orphan", _rel(path, root), f"caption without an image: {why}, "
-                                "so it is never read", "add or convert the image, or delete the caption"))
+            f"there is no image {stem}.* beside it"
+        problems.append(Problem(WARNING, "caption-orphan", rel_name(subset.folder / name, root),
+                                f"caption without an image: {why}, so it is never read",
+                                "add or convert the image, or delete the caption"))
     return problems
 
 

@@ -18,9 +18,26 @@ from typing import Any
 from autotune.doctor.buckets import DEFAULT_RESOLUTION, STAND_IN_FAMILY, BucketItem, bucket_config, plan_buckets
 from autotune.doctor.captions import TokenCounter, check_captions, shipped_token_counter, top_tags
 from autotune.doctor.duplicates import duplicate_problems
+from autotune.doctor.file_facts import (
+    FileFacts,
+    cached_sha256,
+    check_from_json,
+    check_kind,
+    check_to_json,
+    file_identities,
+)
 from autotune.doctor.folders import scan_problems, unsupported_files
-from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck, check_image
-from autotune.doctor.report import ERROR, DoctorReport, DoctorSettings, Problem, SubsetFacts, sort_problems
+from autotune.doctor.image_pool import Progress, check_images
+from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck
+from autotune.doctor.report import (
+    ERROR,
+    DoctorReport,
+    DoctorSettings,
+    Problem,
+    SubsetFacts,
+    rel_name,
+    sort_problems,
+)
 from autotune.doctor.videos import check_video, clip_summary
 from sd_scripts_compat.dataset.buckets import BucketConfig
 from sd_scripts_compat.facts.dataset_scan import (
@@ -50,7 +67,7 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
              resolution: int | None = None, batch: int | None = None, caption_extension: str | None = None,
              max_token_length: int | None = None, count_tokens: TokenCounter | None = None,
              buckets: BucketConfig | None = None, frames: int | None = None,
-             spec: FamilySpec | None = None) -> DoctorReport:
+             spec: FamilySpec | None = None, quick: bool = False, progress: Progress | None = None) -> DoctorReport:
     """Check a dataset folder for everything that would silently shrink it, crash the run or train garbage.
 
     ``model``/``family`` pick the bucket rules and the default resolution (the family's native size, else
@@ -58,7 +75,9 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     defaults to the planner's choice; ``max_token_length`` is kohya's (None = 75). ``count_tokens`` replaces
     the shipped CLIP tokenizer (callers that check many datasets load it once). ``buckets``: a config's own
     bucketing keys (``options_from_config``) instead of the planner's for the resolution. ``frames`` above 1: a
-    clip dataset of a video family, its videos checked instead (``videos.check_video``).
+    clip dataset of a video family, its videos checked instead (``videos.check_video``). ``quick``: image headers
+    only (no decode: a truncated or corrupt body, alpha and 16-bit pictures go unseen). ``progress(done, total)``
+    is told as the images are checked (over the cores: ``image_pool``).
     """
     from autotune.planning.dataset import summarise
     from autotune.planning.request import validate_resolution
@@ -88,28 +107,30 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
                               bucket_reso_steps=config.bucket_reso_steps, min_bucket_reso=config.min_bucket_reso,
                               max_bucket_reso=config.max_bucket_reso, bucket_no_upscale=config.bucket_no_upscale,
                               caption_extension=extension, max_token_length=limit,
-                              bomb_limit_pixels=BOMB_LIMIT_PIXELS, frames=frames)
+                              bomb_limit_pixels=BOMB_LIMIT_PIXELS, frames=frames, quick=quick)
     problems: list[Problem] = scan_problems(scan)
     clips = {}
     if frames > 1:
         assert spec is not None  # _clip_frames: clips only for a video family
-        clips = {v: check_video(v, _rel(v, scan.root), frames, spec.temporal_stride)
+        clips = {v: check_video(v, rel_name(v, scan.root), frames, spec.temporal_stride)
                  for s in scan.subsets for v in s.images}
-    checks = {v: check for v, (check, _) in clips.items()} or \
-        {image: check_image(image, _rel(image, scan.root)) for s in scan.subsets for image in s.images}
+    with FileFacts.open() as kept:  # what earlier commands learned of these files
+        checks = {v: check for v, (check, _) in clips.items()} or \
+            _image_checks(kept, [i for s in scan.subsets for i in s.images], scan.root, quick, progress)
+        problems += duplicate_problems([(rel_name(image, scan.root), check) for image, check in checks.items()],
+                                       lambda paths: cached_sha256(kept, paths))
     counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))
     subsets, items = [], []
     for subset in scan.subsets:
         facts, found = _subset(scan, subset, checks, extension, counter, limit)
         subsets.append(facts)
         problems += found
-        items += [BucketItem(_rel(i, scan.root), checks[i].size, subset.num_repeats)  # type: ignore[arg-type]
+        items += [BucketItem(rel_name(i, scan.root), checks[i].size, subset.num_repeats)  # type: ignore[arg-type]
                   for i in subset.images if checks[i].usable]
-    problems += duplicate_problems([(_rel(image, scan.root), image) for image in checks])
     rows, bucket_problems, steps = plan_buckets(items, config, batch)
     problems += bucket_problems
     failed = {p.file for p in problems if p.severity == ERROR}
-    subsets = [replace(facts, usable_images=sum(_rel(i, scan.root) not in failed for i in subset.images),
+    subsets = [replace(facts, usable_images=sum(rel_name(i, scan.root) not in failed for i in subset.images),
                        clips=clip_summary([f for v in subset.images if (f := clips[v][1])]) if clips else None)
                for facts, subset in zip(subsets, scan.subsets)]
     return DoctorReport(root=str(scan.root), settings=settings, subsets=tuple(subsets), buckets=rows,
@@ -130,8 +151,24 @@ def _clip_frames(frames: int | None, spec: FamilySpec | None) -> int:
     return frames
 
 
-def _rel(path: Path, root: Path) -> str:
-    return path.relative_to(root).as_posix()
+def _image_checks(facts: FileFacts, images: list[Path], root: Path, quick: bool,
+                  progress: Progress | None) -> dict[Path, ImageCheck]:
+    """Each image's check: kept from an earlier command for a file unchanged since (a full check serves a quick
+    one too), else made now (over the cores) and kept."""
+    named = {image: rel_name(image, root) for image in images}
+    identities = file_identities(images)
+    found: dict[Path, ImageCheck] = {}
+    for kind in (check_kind(quick=False), check_kind(quick=True))[:2 if quick else 1]:
+        for path, text in facts.known(kind, {p: i for p, i in identities.items() if p not in found}).items():
+            check = check_from_json(path, named[path], text)
+            if check is not None:
+                found[path] = check
+    todo = [image for image in images if image not in found]
+    checked = check_images([(image, named[image]) for image in todo], quick=quick, progress=progress)
+    facts.keep(check_kind(quick), [(c.path, identities[c.path], check_to_json(c)) for c in checked
+                                   if c.path in identities])
+    found.update(zip(todo, checked))
+    return {image: found[image] for image in images}
 
 
 def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck], extension: str,
@@ -142,7 +179,7 @@ def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck
     captions = check_captions(subset, scan.root, extension, counter, limit)
     problems += captions.problems
     modes = Counter(checks[image].mode or "unknown" for image in subset.images)
-    facts = SubsetFacts(folder=_rel(subset.folder, scan.root) if subset.folder != scan.root else ".",
+    facts = SubsetFacts(folder=rel_name(subset.folder, scan.root) if subset.folder != scan.root else ".",
                         num_repeats=subset.num_repeats, class_tokens=subset.class_tokens, images=subset.num_images,
                         usable_images=0,  # known once the buckets are made (an image too small for any)
                         captions_found=captions.found, captions_missing=captions.missing,
@@ -203,7 +240,7 @@ def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | N
     return brief(report)
 
 
-def diagnose_options(args: argparse.Namespace) -> DoctorReport:
+def diagnose_options(args: argparse.Namespace, progress: Progress | None = None) -> DoctorReport:
     """The report for ``autotune doctor``'s parsed options (the CLI and the web app's ``POST /api/doctor``)."""
     given: dict[str, Any] = {"resolution": args.resolution, "batch": args.batch, "frames": args.frames,
                                 "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
@@ -215,4 +252,5 @@ def diagnose_options(args: argparse.Namespace) -> DoctorReport:
         given = {key: value if value is not None else configured.get(key) for key, value in given.items()}
     elif args.dataset_config:
         raise UserError("--dataset-config needs --config (the training config it belongs to)")
-    return diagnose(args.dataset, model=args.model, family=args.family, **given)
+    return diagnose(args.dataset, model=args.model, family=args.family, quick=args.quick, progress=progress,
+                    **given)

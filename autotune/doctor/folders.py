@@ -7,9 +7,10 @@ says into problems, classifying skipped folders with the scan's own ``parse_repe
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from autotune.doctor.report import ERROR, WARNING, Problem
+from autotune.doctor.report import ERROR, WARNING, Problem, rel_name
 from sd_scripts_compat.facts.dataset_scan import (
     IMAGE_EXTENSIONS,
     MIN_REPEATS,
@@ -26,7 +27,7 @@ SUPPORTED = ", ".join(IMAGE_EXTENSIONS)
 
 def scan_problems(scan: DatasetScan) -> list[Problem]:
     """One warning per scan warning, naming the folder it is about; an error when nothing is left to train."""
-    folders = sorted((p for p in scan.root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+    folders = sorted((scan.root / name for name in scan.listing.folders if not name.startswith(".")),
                      key=lambda p: -len(p.name))  # longest first: "10_a b/" must not match a folder "10_a"
     problems = []
     for warning in scan.warnings:
@@ -55,8 +56,8 @@ def _folder_fix(name: str) -> str:
 
 def unsupported_files(subset: SubsetScan, root: Path) -> list[Problem]:
     """Image files the scan passes over because of their format: they silently never train."""
-    return [Problem(WARNING, "unsupported-format", path.relative_to(root).as_posix(),
-                    f"{path.suffix.lower()} is not a format the engine reads ({SUPPORTED}); the file is skipped",
+    return [Problem(WARNING, "unsupported-format", rel_name(subset.folder / name, root),
+                    f"{suffix} is not a format the engine reads ({SUPPORTED}); the file is skipped",
                     "convert it to PNG (or JPEG) if it should train, or move it out of the dataset")
-            for path in sorted(subset.folder.iterdir())
-            if path.is_file() and path.suffix.lower() in UNSUPPORTED_IMAGE_EXTENSIONS]
+            for name in sorted(subset.listing.files)
+            if (suffix := os.path.splitext(name)[1].lower()) in UNSUPPORTED_IMAGE_EXTENSIONS]

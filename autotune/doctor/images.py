@@ -45,6 +45,7 @@ class ImageCheck:
     size: tuple[int, int] | None
     mode: str | None
     problems: tuple[Problem, ...]
+    file_bytes: int | None = None  # its length on disk (the duplicate check compares only files of equal length)
 
     @property
     def usable(self) -> bool:
@@ -52,31 +53,35 @@ class ImageCheck:
         return self.size is not None and not any(p.severity == ERROR for p in self.problems)
 
 
-def check_image(path: Path, rel: str) -> ImageCheck:
-    """All checks on one file; ``rel`` is its name in problems. Decodes it only below BOMB_LIMIT_PIXELS."""
-    if path.stat().st_size == 0:
+def check_image(path: Path, rel: str, quick: bool = False) -> ImageCheck:
+    """All checks on one file; ``rel`` is its name in problems. Decodes it only below BOMB_LIMIT_PIXELS, and not
+    at all when ``quick`` (the header alone: size, mode, EXIF rotation; a truncated or corrupt body, alpha and
+    16-bit pictures are not looked at)."""
+    length = path.stat().st_size
+    if length == 0:
         return ImageCheck(path, None, None, (Problem(ERROR, "empty-file", rel, "the file is empty (0 bytes); the "
-                                                     "engine stops when it reaches it", REPLACE),))
+                                                     "engine stops when it reaches it", REPLACE),), length)
     header = _read_header(path, rel)
     if isinstance(header, Problem):
-        return ImageCheck(path, None, None, (header,))
+        return ImageCheck(path, None, None, (header,), length)
     size, mode, orientation = header
     if size[0] * size[1] > BOMB_LIMIT_PIXELS:
-        return ImageCheck(path, size, mode, (_bomb(rel, size),))
-    problems = _decode_problems(path, rel)
-    if problems:
-        return ImageCheck(path, size, mode, problems)
+        return ImageCheck(path, size, mode, (_bomb(rel, size),), length)
+    if not quick:
+        problems, orientation = _decode_problems(path, rel, orientation)
+        if problems:
+            return ImageCheck(path, size, mode, problems, length)
     try:
-        found = _mode_problems(path, rel, mode)
+        found = _mode_problems(path, rel, mode, decode=not quick)
     except Exception as exc:  # it decoded, yet a conversion failed: the engine's would too
         return ImageCheck(path, size, mode, (Problem(ERROR, "mode-unsupported", rel, f"mode {mode}: converting it "
-                                                     f"fails ({exc.__class__.__name__})", REPLACE),))
+                                                     f"fails ({exc.__class__.__name__})", REPLACE),), length)
     if orientation in ROTATIONS:
         found.append(Problem(WARNING, "exif-rotation", rel,
                              f"EXIF says it is stored {ROTATIONS[orientation]} (orientation {orientation}); the "
                              "engine ignores EXIF, so it trains that way, in the bucket of its stored shape",
                              "save it upright (e.g. PIL.ImageOps.exif_transpose) without the orientation tag"))
-    return ImageCheck(path, size, mode, tuple(found))
+    return ImageCheck(path, size, mode, tuple(found), length)
 
 
 def _bomb(rel: str, size: tuple[int, int] | None, claimed: str = "") -> Problem:
@@ -105,7 +110,11 @@ def _read_header(path: Path, rel: str) -> tuple[tuple[int, int], str, int] | Pro
             return Problem(ERROR, "unreadable", rel, f"{what}; the engine stops when it reaches it", REPLACE)
 
 
-def _orientation(image: PIL.Image.Image) -> int:
+def _orientation(image: PIL.Image.Image, loaded: bool = False) -> int:
+    """The EXIF orientation known so far. Pillow's PNG reader decodes the whole picture to look for an eXIf chunk
+    after it, so an unloaded PNG answers from the chunks before its pixels (``_decode_problems`` asks again)."""
+    if image.format == "PNG" and not loaded and "exif" not in image.info:
+        return 1
     try:
         return int(image.getexif().get(EXIF_ORIENTATION, 1))
     except Exception:  # a broken EXIF block only means we cannot tell the rotation
@@ -129,8 +138,9 @@ def _unchecked_header(path: Path) -> tuple[tuple[int, int], str] | None:
         return None
 
 
-def _decode_problems(path: Path, rel: str) -> tuple[Problem, ...]:
-    """Pillow's integrity check (verify) and a full decode (load), which is what catches a truncated JPEG."""
+def _decode_problems(path: Path, rel: str, orientation: int) -> tuple[tuple[Problem, ...], int]:
+    """Pillow's integrity check (verify) and a full decode (load), which is what catches a truncated JPEG; and the
+    EXIF orientation as the decoded file tells it (a PNG's eXIf chunk may follow its pixels)."""
     from PIL import Image
 
     with warnings.catch_warnings():
@@ -139,6 +149,8 @@ def _decode_problems(path: Path, rel: str) -> tuple[Problem, ...]:
             try:
                 with Image.open(path) as image:
                     getattr(image, stage)()
+                    if stage == "load" and image.format == "PNG":
+                        orientation = _orientation(image, loaded=True)
             except Exception as exc:  # a hostile file may make Pillow raise anything
                 truncated = "truncated" in str(exc).lower()
                 when = "while caching latents or at the first step that draws it" if stage == "load" \
@@ -146,15 +158,16 @@ def _decode_problems(path: Path, rel: str) -> tuple[Problem, ...]:
                 what = "it is truncated (the file ends early)" if truncated else \
                     f"it is corrupt ({exc.__class__.__name__}: {exc})"
                 return (Problem(ERROR, "truncated" if truncated else "corrupt", rel,
-                                f"{what}; the engine stops {when}", REPLACE),)
-    return ()
+                                f"{what}; the engine stops {when}", REPLACE),), orientation
+    return (), orientation
 
 
-def _mode_problems(path: Path, rel: str, mode: str) -> list[Problem]:
-    """What the engine's RGB conversion does to this mode, where it is not simply right."""
+def _mode_problems(path: Path, rel: str, mode: str, decode: bool = True) -> list[Problem]:
+    """What the engine's RGB conversion does to this mode, where it is not simply right (without ``decode``, only
+    what the mode alone says)."""
     if mode in HIGH_BIT_MODES:
-        return _high_bit(path, rel, mode)
-    found = _alpha(path, rel, mode)
+        return _high_bit(path, rel, mode) if decode else []
+    found = _alpha(path, rel, mode) if decode else []
     if mode == "P":
         found.append(Problem(WARNING, "palette", rel, "palette image: the engine converts it to RGB faithfully, "
                              "but the LoRA learns its few colours (banding, dithering), fine only for pixel art",
@@ -163,7 +176,7 @@ def _mode_problems(path: Path, rel: str, mode: str) -> list[Problem]:
         found.append(Problem(WARNING, "cmyk", rel, "CMYK image: the engine converts it to RGB with Pillow's naive "
                              "formula, ignoring any colour profile, so its colours shift",
                              "convert it to sRGB in an image editor and save it as PNG or JPEG"))
-    if mode not in PLAIN_MODES:
+    if mode not in PLAIN_MODES and decode:
         found += _engine_fails(path, rel, mode)
     return found
 

@@ -19,7 +19,7 @@ def settings_line(report: DoctorReport) -> str:
     family = f"family {s.family}" if s.family else "no --model: a full-size family's rules"
     return (f"for {s.resolution} px ({family}), batch {s.batch_size}; buckets in {s.bucket_reso_steps} px steps, "
             f"sides from {s.min_bucket_reso} px, no upscale; captions {s.caption_extension}; "
-            f"max_token_length {s.max_token_length}")
+            f"max_token_length {s.max_token_length}" + ("; --quick: headers only, no image decoded" if s.quick else ""))
 
 
 def print_report(report: DoctorReport, console: Console | None = None) -> None:

@@ -54,12 +54,14 @@ def read_video(path: Path) -> VideoFacts | str:
 
 def check_video(path: Path, rel: str, clip_frames: int, stride: int = 4) -> tuple[ImageCheck, VideoFacts | None]:
     """One video as the doctor's per-file check (its frame size as the bucket size) and its facts."""
-    if path.stat().st_size == 0:
+    length = path.stat().st_size
+    if length == 0:
         return ImageCheck(path, None, None, (Problem(ERROR, "empty-file", rel, "the file is empty (0 bytes); "
                                                      "musubi-tuner stops when it reaches it", REENCODE),)), None
     facts = read_video(path)
     if isinstance(facts, str):
-        return ImageCheck(path, None, None, (Problem(ERROR, "video-unreadable", rel, facts, REENCODE),)), None
+        return ImageCheck(path, None, None, (Problem(ERROR, "video-unreadable", rel, facts, REENCODE),),
+                          length), None
     problems: tuple[Problem, ...] = ()
     if facts.frames < clip_frames:
         fewer = 1 + (facts.frames - 1) // stride * stride
@@ -68,7 +70,7 @@ def check_video(path: Path, rel: str, clip_frames: int, stride: int = 4) -> tupl
                             f"planned clip of {clip_frames}, so musubi-tuner's frame_extraction \"head\" makes no "
                             "sample of it",
                             f"use a longer clip, or plan clips of {fewer} frames (--frames {fewer})"),)
-    return ImageCheck(path, facts.size, f"{facts.frames} frames", problems), facts  # the folder's frame histogram
+    return ImageCheck(path, facts.size, f"{facts.frames} frames", problems, length), facts  # the frame histogram
 
 
 def clip_summary(facts: list[VideoFacts]) -> str:

@@ -28,6 +28,12 @@ def read_caption(image_path: str | Path, caption_extension: str) -> str | None:
     caption_path = path.with_name(path.stem + caption_extension)
     if not caption_path.is_file():
         return None
+    return first_line(caption_text(caption_path))
+
+
+def caption_text(caption_path: Path) -> str:
+    """A caption file's whole text as ``read_caption`` reads it (a byte-order mark dropped); a one-line UserError
+    for a file that is empty or not UTF-8."""
     try:
         text = caption_path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -35,6 +41,11 @@ def read_caption(image_path: str | Path, caption_extension: str) -> str | None:
     if text == "":
         raise UserError(f"{caption_path}: caption file is empty; write a caption or delete the file "
                         "to fall back to the class tokens")
+    return text
+
+
+def first_line(text: str) -> str:
+    """What trains of a caption file's text: its first line, stripped."""
     return text.splitlines()[0].strip() if text.splitlines() else ""
 
 

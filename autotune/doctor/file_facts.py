@@ -1,0 +1,158 @@
+"""What the doctor learned about each file, kept between commands: a second `autotune doctor` (or the checks
+`autotune run` and the web app make before training) reads no image it has already checked, unchanged.
+
+One SQLite file in the user cache folder (``measure.store.cache_dir``; never the dataset folder). A row is keyed
+by the file's absolute path and by what was learned: an image check (of this version of the checks and of
+Pillow, full or ``--quick``) or the file's sha256; it holds the file's length and modification time (ns), so a
+file that changed no longer matches and is checked again. A cache that cannot be opened, read or written is
+passed over with one warning: the checks then run as if it were empty. Hand-written over ``sqlite3`` (one
+table; no library keeps per-file facts keyed by a file's identity).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+from autotune.doctor.images import ImageCheck
+from autotune.doctor.report import Problem
+
+FACTS_NAME = "file_facts.sqlite"
+CHECKS_VERSION = 1  # raise it when an image check changes what it finds: the rows of older checks are then unused
+SCHEMA = ("CREATE TABLE IF NOT EXISTS facts (path TEXT NOT NULL, kind TEXT NOT NULL, bytes INTEGER NOT NULL, "
+          "mtime_ns INTEGER NOT NULL, value TEXT NOT NULL, PRIMARY KEY (path, kind))")
+
+Identity = tuple[int, int]  # (length, modification time in ns)
+
+
+def identity(path: Path) -> Identity | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
+def check_kind(quick: bool) -> str:
+    import PIL
+
+    return f"image-check/{CHECKS_VERSION}/pillow-{PIL.__version__}/{'quick' if quick else 'full'}"
+
+
+class FileFacts:
+    """The cache, open for one command (``with FileFacts.open() as facts``); every method is safe to call when
+    the cache could not be opened (``connection`` None): it then remembers nothing."""
+
+    def __init__(self, connection: sqlite3.Connection | None) -> None:
+        self.connection = connection
+
+    @classmethod
+    def open(cls, folder: Path | None = None) -> FileFacts:
+        from autotune.measure.store import cache_dir
+
+        path = (folder or cache_dir()) / FACTS_NAME
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            connection = sqlite3.connect(path, timeout=30)
+            connection.execute(SCHEMA)
+        except (OSError, sqlite3.Error) as error:
+            warnings.warn(f"{path}: the doctor's file cache cannot be used ({error}); every image is checked",
+                          stacklevel=2)
+            return cls(None)
+        return cls(connection)
+
+    def __enter__(self) -> FileFacts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+
+    def known(self, kind: str, files: dict[Path, Identity]) -> dict[Path, str]:
+        """The values of ``kind`` kept for those of ``files`` (path -> identity) that are unchanged since."""
+        if self.connection is None or not files:
+            return {}
+        lowest, highest = min(map(str, files)), max(map(str, files))
+        try:
+            rows = self.connection.execute("SELECT path, bytes, mtime_ns, value FROM facts WHERE kind = ? AND "
+                                           "path BETWEEN ? AND ?", (kind, lowest, highest)).fetchall()
+        except sqlite3.Error as error:
+            self._lost(error)
+            return {}
+        found = {}
+        for path, length, mtime_ns, value in rows:
+            file = Path(path)
+            if files.get(file) == (length, mtime_ns):
+                found[file] = value
+        return found
+
+    def keep(self, kind: str, values: Iterable[tuple[Path, Identity, str]]) -> None:
+        if self.connection is None:
+            return
+        try:
+            with self.connection:
+                self.connection.executemany("INSERT OR REPLACE INTO facts VALUES (?, ?, ?, ?, ?)",
+                                            [(str(path), kind, ident[0], ident[1], value)
+                                             for path, ident, value in values])
+        except sqlite3.Error as error:
+            self._lost(error)
+
+    def _lost(self, error: sqlite3.Error) -> None:
+        warnings.warn(f"the doctor's file cache failed ({error}); continuing without it", stacklevel=3)
+        self.connection = None
+
+
+def check_to_json(check: ImageCheck) -> str:
+    """A check without its path and its problems' file names (a file is named by the folder it is checked from)."""
+    return json.dumps({"size": check.size, "mode": check.mode, "bytes": check.file_bytes,
+                       "problems": [[p.severity, p.code, p.message, p.fix] for p in check.problems]})
+
+
+def check_from_json(path: Path, rel: str, text: str) -> ImageCheck | None:
+    """The check kept for ``path`` named ``rel``, or None when the row is not one this version wrote."""
+    try:
+        data = json.loads(text)
+        size = tuple(data["size"]) if data["size"] is not None else None
+        problems = tuple(Problem(severity, code, rel, message, fix)
+                         for severity, code, message, fix in data["problems"])
+        return ImageCheck(path, size, data["mode"], problems, data["bytes"])  # type: ignore[arg-type]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def cached_sha256(facts: FileFacts, paths: list[Path]) -> dict[Path, str]:
+    """Each file's sha256: kept ones unread, the others read (once) and kept; a file that cannot be read is left
+    out (the image checks report it)."""
+    from sd_scripts_compat.facts.hashes import file_sha256
+
+    identities = file_identities(paths)
+    digests = facts.known("sha256", identities)
+    fresh = []
+    for path, ident in identities.items():
+        if path in digests:
+            continue
+        try:
+            digests[path] = file_sha256(path)
+        except OSError:
+            continue
+        fresh.append((path, ident, digests[path]))
+    facts.keep("sha256", fresh)
+    return digests
+
+
+def file_identities(paths: Iterable[Path]) -> dict[Path, Identity]:
+    """Each readable file's identity (a file gone since the listing is left out: its check reports it)."""
+    found = {}
+    for path in paths:
+        ident = identity(path)
+        if ident is not None:
+            found[path] = ident
+    return found
+
