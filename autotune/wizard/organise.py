@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, IMAGE_EXTENSIONS
+from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, IMAGE_EXTENSIONS, FolderListing
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ def plan_layout(source: Path, target: Path, repeats: int, trigger: str, mode: st
         raise UserError(f"--organise-into {target}: {problem}")
     source = source.expanduser().resolve()
     wanted = IMAGE_EXTENSIONS + CAPTION_EXTENSIONS
-    files = tuple(sorted(p for p in source.iterdir() if p.is_file() and p.suffix.lower() in wanted))
+    listing = FolderListing.read(source)  # one listing, no stat per file: a flat folder may hold 100,000 images
+    files = tuple(source / name for name in sorted(listing.files) if os.path.splitext(name)[1].lower() in wanted)
     return FlatLayout(source=source, target=target.expanduser().resolve(), repeats=repeats,
                       trigger=safe_name(trigger), mode=mode, files=files)
 
