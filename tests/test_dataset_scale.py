@@ -37,7 +37,8 @@ def make_dataset(root: Path, count: int, folders: int = 2) -> Path:
 
 class Reads:
     """Folder listings, the entries they yield, and file opens in this process, while it is patched in
-    (``os.scandir`` / ``os.listdir`` / ``Path.iterdir``; ``open``, which Pillow, pathlib and the hashing go through).
+    (``os.scandir`` / ``os.listdir`` / ``Path.iterdir``; ``open``, which Pillow, pathlib and the hashing go through,
+    and safetensors' ``safe_open`` / ``load_file``, which open in Rust: the caches' entries).
     Entries catch a listing repeated per image even when the number of listings looks fine."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, under: Path) -> None:
@@ -50,6 +51,11 @@ class Reads:
         monkeypatch.setattr(Path, "iterdir", lambda path: _Entries(self, path, iterdir(path)))
         for module in (builtins, io):
             monkeypatch.setattr(module, "open", self._opening(module.open))
+        import safetensors
+        import safetensors.torch
+
+        for module, name in ((safetensors, "safe_open"), (safetensors.torch, "load_file")):  # opened by Rust
+            monkeypatch.setattr(module, name, self._opening(getattr(module, name)))
 
     def mine(self, target: object) -> bool:
         return isinstance(target, (str, os.PathLike)) and os.fspath(target).startswith(self.under)
@@ -246,3 +252,39 @@ def test_images_checked_over_two_workers_equal_those_checked_here(tmp_path):
     assert pooled == check_images(images, workers=1)
     assert seen == list(range(1, len(images) + 1))
     assert [p.code for c in pooled for p in c.problems] == ["truncated"]
+
+
+def _cached_dataset(root: Path):  # noqa: ANN202 - a TrainDataset with its latents and text outputs on disk
+    from sd_scripts_compat.dataset.train_dataset import build_dataset
+    from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
+
+    subsets = tuple(SubsetSpec(str(folder), num_repeats=1, caption_extension=".txt", class_tokens=folder.name[2:])
+                    for folder in sorted(root.iterdir()))
+    return build_dataset(DatasetSpec(subsets=subsets, resolution=(64, 64), batch_size=1, enable_bucket=True,
+                                     min_bucket_reso=32, max_bucket_reso=128, bucket_reso_steps=16), seed=0)
+
+
+def test_the_caches_lookups_read_each_entry_once(tmp_path):
+    """The latent and text-encoder caches on disk, looked up again (every entry there): listings and opens per image
+    do not grow from 300 to 1,200 images."""
+    import torch
+
+    from sd_scripts_compat.caching.latent_cache import cache_latents
+    from sd_scripts_compat.caching.text_cache import cache_text_encoder_outputs
+    from sd_scripts_compat.runtimes import load_base_model
+
+    bundle = load_base_model("builtin:tiny-sd15")
+    per_image = {}
+    for count in (300, 1200):
+        root = make_dataset(tmp_path / str(count), count)
+        for _ in range(2):  # the first pass writes every entry; the second only looks them up
+            dataset = _cached_dataset(root)
+            with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+                reads = Reads(patch, root)
+                latents = cache_latents(dataset, bundle.vae, to_disk=True, vae_batch_size=16)
+                texts = cache_text_encoder_outputs(dataset, bundle, to_disk=True, batch_size=16)
+        assert latents.encoded == 0 and texts.encoded == 0, (latents, texts)
+        per_image[count] = {kind: reads.counts[kind] / count for kind in ("listings", "entries", "opens")}
+    small, large = per_image[300], per_image[1200]
+    assert large["listings"] <= small["listings"] and large["entries"] <= small["entries"] * 1.01, per_image
+    assert large["opens"] <= small["opens"] + 0.25, per_image
