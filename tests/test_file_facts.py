@@ -41,7 +41,7 @@ def test_a_second_doctor_reads_no_image_and_reports_the_same(dataset, tmp_path):
         reads = Reads(patch, dataset)
         second = _doctor(dataset)
         quick = _doctor(dataset, quick=True)  # a full check serves a quick one too
-    assert _image_opens(reads) == 0, reads.opened.most_common(3)
+    assert _image_opens(reads) == 0 and not reads.opened, reads.opened.most_common(3)  # nor a caption
     assert second == first
     assert [p for p in quick.problems] == [p for p in first.problems]
     assert any(p.code == "duplicate" for p in second.problems)
@@ -54,11 +54,14 @@ def test_a_changed_file_is_checked_again(dataset):
     broken = dataset / "5_style1" / "img00001.png"
     data = broken.read_bytes()
     broken.write_bytes(data[: len(data) // 2])  # truncated: another length and another time
+    caption = dataset / "5_style0" / "img00010.txt"
+    caption.write_text("style0, first\nsecond line")
     with pytest.MonkeyPatch.context() as patch:
         reads = Reads(patch, dataset)
         report = _doctor(dataset)
     assert [(p.code, p.file) for p in report.errors] == [("truncated", "5_style1/img00001.png")]
-    assert {path.name for path, _ in reads.opened.items() if path.suffix == ".png"} == {"img00001.png"}
+    assert ("caption-multiline", "5_style0/img00010.txt") in [(p.code, p.file) for p in report.problems]
+    assert {path.name for path in reads.opened} == {"img00001.png", "img00010.txt"}
 
 
 def test_a_quick_check_does_not_serve_a_full_one(dataset):

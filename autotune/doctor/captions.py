@@ -20,6 +20,8 @@ from sd_scripts_compat.facts.dataset_scan import CAPTION_EXTENSIONS, SubsetScan
 from sd_scripts_compat.facts.errors import UserError
 
 TokenCounter = Callable[[list[str]], list[int]]
+CaptionReading = tuple[str | None, Problem | None]  # the caption the engine trains (None: none), what is wrong
+CaptionReader = Callable[[list[Path]], dict[Path, CaptionReading]]  # caption files -> their readings
 TOKEN_LIMITS = (75, 150, 225)  # kohya's max_token_length None (75) / 150 / 225
 
 
@@ -49,21 +51,24 @@ def shipped_token_counter() -> TokenCounter:
 
 
 def check_captions(subset: SubsetScan, root: Path, extension: str, count_tokens: TokenCounter,
-                   max_token_length: int) -> CaptionFacts:
-    """Every caption check of one subset folder."""
+                   max_token_length: int, reader: CaptionReader | None = None) -> CaptionFacts:
+    """Every caption check of one subset folder; ``reader`` reads its caption files (default: each one now; the
+    doctor's keeps what it read, ``file_facts``)."""
     problems: list[Problem] = []
     captions: list[str] = []
     read: list[tuple[str, str]] = []  # (caption file, text) of the captions that were read
     missing: list[Path] = []
     empty = 0
-    for image in subset.images:
-        path = image.with_name(image.stem + extension)
-        if path.name not in subset.listing.files:
+    files = {image: image.with_name(image.stem + extension) for image in subset.images}
+    present = [path for path in files.values() if path.name in subset.listing.files]
+    readings = reader(present) if reader is not None else {path: read_caption_file(path, root) for path in present}
+    for image, path in files.items():
+        if path not in readings:
             missing.append(image)
             problems += _other_extension(subset, image, root, extension)
             captions.append(subset.class_tokens or "")
             continue
-        text, problem = _read(path, root)
+        text, problem = readings[path]
         if problem is not None:
             problems.append(problem)
             empty += problem.code in ("caption-empty", "caption-blank")
@@ -87,7 +92,7 @@ def top_tags(captions: tuple[str, ...], count: int) -> tuple[tuple[str, int], ..
     return tuple(sorted(frequency.items(), key=lambda item: (-item[1], item[0]))[:count])
 
 
-def _read(path: Path, root: Path) -> tuple[str | None, Problem | None]:
+def read_caption_file(path: Path, root: Path) -> CaptionReading:
     """The caption the engine reads (its first line), or the error the engine would stop with."""
     rel = rel_name(path, root)
     try:

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from autotune.doctor.buckets import DEFAULT_RESOLUTION, STAND_IN_FAMILY, BucketItem, bucket_config, plan_buckets
-from autotune.doctor.captions import TokenCounter, check_captions, shipped_token_counter, top_tags
+from autotune.doctor.captions import CaptionReader, TokenCounter, check_captions, shipped_token_counter, top_tags
 from autotune.doctor.duplicates import duplicate_problems
 from autotune.doctor.file_facts import (
     FileFacts,
+    cached_captions,
     cached_sha256,
     check_from_json,
     check_kind,
@@ -119,14 +120,15 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
             _image_checks(kept, [i for s in scan.subsets for i in s.images], scan.root, quick, progress)
         problems += duplicate_problems([(rel_name(image, scan.root), check) for image, check in checks.items()],
                                        lambda paths: cached_sha256(kept, paths))
-    counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))
-    subsets, items = [], []
-    for subset in scan.subsets:
-        facts, found = _subset(scan, subset, checks, extension, counter, limit)
-        subsets.append(facts)
-        problems += found
-        items += [BucketItem(rel_name(i, scan.root), checks[i].size, subset.num_repeats)  # type: ignore[arg-type]
-                  for i in subset.images if checks[i].usable]
+        counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))
+        subsets, items = [], []
+        for subset in scan.subsets:
+            facts, found = _subset(scan, subset, checks, extension, counter, limit,
+                                   lambda paths: cached_captions(kept, paths, scan.root))
+            subsets.append(facts)
+            problems += found
+            items += [BucketItem(rel_name(i, scan.root), checks[i].size, subset.num_repeats)  # type: ignore[arg-type]
+                      for i in subset.images if checks[i].usable]
     rows, bucket_problems, steps = plan_buckets(items, config, batch)
     problems += bucket_problems
     failed = {p.file for p in problems if p.severity == ERROR}
@@ -172,11 +174,11 @@ def _image_checks(facts: FileFacts, images: list[Path], root: Path, quick: bool,
 
 
 def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck], extension: str,
-            counter: TokenCounter, limit: int) -> tuple[SubsetFacts, list[Problem]]:
+            counter: TokenCounter, limit: int, reader: CaptionReader) -> tuple[SubsetFacts, list[Problem]]:
     """One folder's facts and problems: its images' checks, its captions, its unsupported files."""
     problems = [p for image in subset.images for p in checks[image].problems]
     problems += unsupported_files(subset, scan.root)
-    captions = check_captions(subset, scan.root, extension, counter, limit)
+    captions = check_captions(subset, scan.root, extension, counter, limit, reader)
     problems += captions.problems
     modes = Counter(checks[image].mode or "unknown" for image in subset.images)
     facts = SubsetFacts(folder=rel_name(subset.folder, scan.root) if subset.folder != scan.root else ".",

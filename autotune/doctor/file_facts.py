@@ -1,12 +1,12 @@
 """What the doctor learned about each file, kept between commands: a second `autotune doctor` (or the checks
-`autotune run` and the web app make before training) reads no image it has already checked, unchanged.
+`autotune run` and the web app make before training) reads no image or caption it has already read, unchanged.
 
 One SQLite file in the user cache folder (``measure.store.cache_dir``; never the dataset folder). A row is keyed
 by the file's absolute path and by what was learned: an image check (of this version of the checks and of
-Pillow, full or ``--quick``) or the file's sha256; it holds the file's length and modification time (ns), so a
-file that changed no longer matches and is checked again. A cache that cannot be opened, read or written is
-passed over with one warning: the checks then run as if it were empty. Hand-written over ``sqlite3`` (one
-table; no library keeps per-file facts keyed by a file's identity).
+Pillow, full or ``--quick``), a caption file's reading, or the file's sha256; it holds the file's length and
+modification time (ns), so a file that changed no longer matches and is read again. A cache that cannot be
+opened, read or written is passed over with one warning: the checks then run as if it were empty. Hand-written
+over ``sqlite3`` (one table; no library keeps per-file facts keyed by a file's identity).
 """
 
 from __future__ import annotations
@@ -14,18 +14,24 @@ from __future__ import annotations
 import json
 import sqlite3
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from autotune.doctor.images import ImageCheck
-from autotune.doctor.report import Problem
+from autotune.doctor.report import Problem, rel_name
+
+if TYPE_CHECKING:
+    from autotune.doctor.captions import CaptionReading
 
 FACTS_NAME = "file_facts.sqlite"
 CHECKS_VERSION = 1  # raise it when an image check changes what it finds: the rows of older checks are then unused
+CAPTION_KIND = f"caption/{CHECKS_VERSION}"
 SCHEMA = ("CREATE TABLE IF NOT EXISTS facts (path TEXT NOT NULL, kind TEXT NOT NULL, bytes INTEGER NOT NULL, "
           "mtime_ns INTEGER NOT NULL, value TEXT NOT NULL, PRIMARY KEY (path, kind))")
 
 Identity = tuple[int, int]  # (length, modification time in ns)
+T = TypeVar("T")
 
 
 def identity(path: Path) -> Identity | None:
@@ -127,24 +133,62 @@ def check_from_json(path: Path, rel: str, text: str) -> ImageCheck | None:
         return None
 
 
+def kept_or_made(facts: FileFacts, kind: str, paths: list[Path], make: Callable[[Path], T | None],
+                 dump: Callable[[T], str], load: Callable[[Path, str], T | None]) -> dict[Path, T]:
+    """Each file's fact of ``kind``: the kept one where the file is unchanged, else ``make(path)`` (None: none,
+    the file is left out), kept for next time."""
+    identities = file_identities(paths)
+    found: dict[Path, T] = {}
+    for path, text in facts.known(kind, identities).items():
+        value = load(path, text)
+        if value is not None:
+            found[path] = value
+    fresh = []
+    for path in paths:
+        if path in found:
+            continue
+        made = make(path)
+        if made is None:
+            continue
+        found[path] = made
+        if path in identities:
+            fresh.append((path, identities[path], dump(made)))
+    facts.keep(kind, fresh)
+    return found
+
+
 def cached_sha256(facts: FileFacts, paths: list[Path]) -> dict[Path, str]:
-    """Each file's sha256: kept ones unread, the others read (once) and kept; a file that cannot be read is left
-    out (the image checks report it)."""
+    """Each file's sha256, read once ever while it is unchanged; a file that cannot be read is left out (the
+    image checks report it)."""
     from sd_scripts_compat.facts.hashes import file_sha256
 
-    identities = file_identities(paths)
-    digests = facts.known("sha256", identities)
-    fresh = []
-    for path, ident in identities.items():
-        if path in digests:
-            continue
+    def digest(path: Path) -> str | None:
         try:
-            digests[path] = file_sha256(path)
+            return file_sha256(path)
         except OSError:
-            continue
-        fresh.append((path, ident, digests[path]))
-    facts.keep("sha256", fresh)
-    return digests
+            return None
+
+    return kept_or_made(facts, "sha256", paths, digest, str, lambda _, text: text)
+
+
+def cached_captions(facts: FileFacts, paths: list[Path], root: Path) -> dict[Path, CaptionReading]:
+    """Each caption file as the doctor reads it (``captions.read_caption_file``), read once while it is unchanged."""
+    from autotune.doctor.captions import read_caption_file
+
+    def dump(reading: CaptionReading) -> str:
+        text, problem = reading
+        return json.dumps([text, None if problem is None else [problem.severity, problem.code, problem.message,
+                                                               problem.fix]])
+
+    def load(path: Path, kept: str) -> CaptionReading | None:
+        try:
+            text, problem = json.loads(kept)
+            return text, None if problem is None else Problem(problem[0], problem[1], rel_name(path, root),
+                                                             problem[2], problem[3])
+        except (ValueError, TypeError, IndexError):
+            return None
+
+    return kept_or_made(facts, CAPTION_KIND, paths, lambda path: read_caption_file(path, root), dump, load)
 
 
 def file_identities(paths: Iterable[Path]) -> dict[Path, Identity]:
