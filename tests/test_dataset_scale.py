@@ -288,3 +288,27 @@ def test_the_caches_lookups_read_each_entry_once(tmp_path):
     small, large = per_image[300], per_image[1200]
     assert large["listings"] <= small["listings"] and large["entries"] <= small["entries"] * 1.01, per_image
     assert large["opens"] <= small["opens"] + 0.25, per_image
+
+
+def test_the_folder_browser_and_the_organise_step_list_a_flat_folder_once(tmp_path, monkeypatch):
+    """A flat folder of 2,000 images with captions: the web app's folder browser and the wizard's organise step
+    each list it once and open nothing (no stat per entry either: their listing says what each entry is)."""
+    from autotune.ui.api import browse_folder
+    from autotune.ui.security import AccessPolicy
+    from autotune.wizard.organise import plan_layout
+
+    flat = make_dataset(tmp_path / "data", 2000, folders=1) / "5_style0"
+    (flat / "sub").mkdir()
+    (flat / "model.safetensors").touch()
+    stats = Counter()
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.update([os.fspath(path).startswith(str(flat))]),
+                                                            real_stat(path, *a, **k))[1])
+    with pytest.MonkeyPatch.context() as patch:
+        reads = Reads(patch, flat)
+        listed = browse_folder(AccessPolicy("127.0.0.1", 0, None, (tmp_path,)), str(flat))
+        layout = plan_layout(flat, tmp_path / "out", 5, "style", "link")
+    assert listed["folders"] == ["sub"] and listed["files"] == ["model.safetensors"]
+    assert len(layout.files) == 2000 + 1960  # the images and their captions (1 in 50 has none; .TXT counts)
+    assert reads.counts["listings"] == 2 and reads.counts["opens"] == 0, reads.counts
+    assert stats[True] <= 4, stats  # the folder itself, not its entries
