@@ -10,6 +10,7 @@ import builtins
 import io
 import os
 import random
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -252,6 +253,11 @@ def test_images_checked_over_two_workers_equal_those_checked_here(tmp_path):
     assert pooled == check_images(images, workers=1)
     assert seen == list(range(1, len(images) + 1))
     assert [p.code for c in pooled for p in c.problems] == ["truncated"]
+    from_a_thread: list[object] = []  # as the web app calls it: threads alive, so the workers are spawned
+    worker = threading.Thread(target=lambda: from_a_thread.append(check_images(images, workers=2)))
+    worker.start()
+    worker.join()
+    assert from_a_thread == [pooled]
 
 
 def _cached_dataset(root: Path):  # noqa: ANN202 - a TrainDataset with its latents and text outputs on disk
