@@ -97,3 +97,19 @@ def test_the_cli_doctor_twice_reads_the_cache_and_says_nothing_of_it(dataset, tm
     with sqlite3.connect(tmp_path / "cache" / "file_facts.sqlite") as db:
         kinds = dict(db.execute("SELECT kind, count(*) FROM facts GROUP BY kind").fetchall())
     assert kinds[next(k for k in kinds if k.endswith("/full"))] == 62 and kinds["sha256"] >= 2, kinds
+
+
+
+def test_a_file_in_error_is_checked_again_each_time(dataset):
+    """An image the engine would stop at is never kept: a file mended without a change to its length or time (a
+    permission fixed with chmod, a copy restored with its times) would otherwise keep its error."""
+    image = dataset / "5_style0" / "img00004.png"
+    good, times = image.read_bytes(), os.stat(image)
+    bad = bytearray(good)
+    bad[-40:-12] = bytes(28)  # the same length: the last pixel data zeroed, so the decode or the CRC fails
+    image.write_bytes(bytes(bad))
+    os.utime(image, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert [p.file for p in _doctor(dataset).errors] == ["5_style0/img00004.png"]
+    image.write_bytes(good)
+    os.utime(image, ns=(times.st_atime_ns, times.st_mtime_ns))  # mended, same length, same time
+    assert _doctor(dataset).ok

@@ -26,6 +26,7 @@ from autotune.doctor.file_facts import (
     check_kind,
     check_to_json,
     file_identities,
+    keeps,
 )
 from autotune.doctor.folders import scan_problems, unsupported_files
 from autotune.doctor.image_pool import Progress, check_images
@@ -168,7 +169,7 @@ def _image_checks(facts: FileFacts, images: list[Path], root: Path, quick: bool,
     todo = [image for image in images if image not in found]
     checked = check_images([(image, named[image]) for image in todo], quick=quick, progress=progress)
     facts.keep(check_kind(quick), [(c.path, identities[c.path], check_to_json(c)) for c in checked
-                                   if c.path in identities])
+                                   if c.path in identities and keeps(c)])
     found.update(zip(todo, checked))
     return {image: found[image] for image in images}
 

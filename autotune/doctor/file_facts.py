@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from autotune.doctor.images import ImageCheck
-from autotune.doctor.report import Problem, rel_name
+from autotune.doctor.report import ERROR, Problem, rel_name
 
 if TYPE_CHECKING:
     from autotune.doctor.captions import CaptionReading
@@ -115,6 +115,12 @@ class FileFacts:
         self.connection = None
 
 
+def keeps(check: ImageCheck) -> bool:
+    """Whether a check is kept: not one with an error, which is checked again each time (a file made readable
+    by ``chmod`` keeps its modification time, and errors are few)."""
+    return not any(problem.severity == ERROR for problem in check.problems)
+
+
 def check_to_json(check: ImageCheck) -> str:
     """A check without its path and its problems' file names (a file is named by the folder it is checked from)."""
     return json.dumps({"size": check.size, "mode": check.mode, "bytes": check.file_bytes,
@@ -134,9 +140,9 @@ def check_from_json(path: Path, rel: str, text: str) -> ImageCheck | None:
 
 
 def kept_or_made(facts: FileFacts, kind: str, paths: list[Path], make: Callable[[Path], T | None],
-                 dump: Callable[[T], str], load: Callable[[Path, str], T | None]) -> dict[Path, T]:
+                 dump: Callable[[T], str | None], load: Callable[[Path, str], T | None]) -> dict[Path, T]:
     """Each file's fact of ``kind``: the kept one where the file is unchanged, else ``make(path)`` (None: none,
-    the file is left out), kept for next time."""
+    the file is left out), kept for next time unless ``dump`` says None."""
     identities = file_identities(paths)
     found: dict[Path, T] = {}
     for path, text in facts.known(kind, identities).items():
@@ -151,8 +157,9 @@ def kept_or_made(facts: FileFacts, kind: str, paths: list[Path], make: Callable[
         if made is None:
             continue
         found[path] = made
-        if path in identities:
-            fresh.append((path, identities[path], dump(made)))
+        dumped = dump(made)
+        if path in identities and dumped is not None:
+            fresh.append((path, identities[path], dumped))
     facts.keep(kind, fresh)
     return found
 
@@ -175,8 +182,10 @@ def cached_captions(facts: FileFacts, paths: list[Path], root: Path) -> dict[Pat
     """Each caption file as the doctor reads it (``captions.read_caption_file``), read once while it is unchanged."""
     from autotune.doctor.captions import read_caption_file
 
-    def dump(reading: CaptionReading) -> str:
+    def dump(reading: CaptionReading) -> str | None:
         text, problem = reading
+        if problem is not None and problem.severity == ERROR:
+            return None  # read again next time: a permission fixed or a file re-saved may not change its time
         return json.dumps([text, None if problem is None else [problem.severity, problem.code, problem.message,
                                                                problem.fix]])
 
