@@ -217,3 +217,31 @@ def test_a_page_on_another_origin_or_a_rebound_name_gets_nothing_through(tmp_pat
     finally:
         site.shutdown()
         assert "Traceback" not in server.stop()
+
+
+def test_a_failed_run_says_why_and_offers_only_what_the_server_does(tmp_path, browser):
+    """A run that failed before training (``--steps 0``, found by planning): its page shows the one line it failed
+    with, Stop is disabled (nothing runs) and Resume enabled; the runs page says why in its row."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+    from test_ui_runs import RUN, wait_for
+
+    server = Server(tmp_path)
+    try:
+        status, _ = server.call("POST", "/api/runs", {**RUN, "steps": 0, "name": "zero"})
+        assert status == 201
+        wait_for(server, "zero", ("failed",))
+        browser.get(f"http://127.0.0.1:{server.port}/#/run/zero")
+        wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+        wait.until(lambda b: "--steps 0: must be 1 or more" in b.find_element(By.ID, "run-message").text)
+        assert browser.find_element(By.ID, "run-state").text == "failed"
+        assert not browser.find_element(By.ID, "stop").is_enabled()
+        assert browser.find_element(By.ID, "resume").is_enabled()
+        browser.find_element(By.ID, "nav-runs").click()
+        wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#runs tr[data-run='zero'] .why")))
+        assert "--steps 0" in browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='zero'] .why").text
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()

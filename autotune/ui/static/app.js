@@ -225,13 +225,18 @@ function renderNew() {
 async function renderRuns() {
   const data = await api("GET", "/api/runs");
   view.replaceChildren(el("h2", {}, "Runs"), el("table", {id: "runs"},
-    el("tr", {}, ...["run", "state", "step", "it/s", "ETA"].map(h => el("th", {}, h))),
+    el("tr", {}, ...["run", "state", "step", "it/s", "ETA", "why"].map(h => el("th", {}, h))),
     ...data.runs.map(r => el("tr", {"data-run": r.id}, el("td", {}, el("a", {href: "#/run/" + r.id}, r.id)),
       el("td", {class: "state"}, r.state), el("td", {}, r.step == null ? "-" : `${r.step} / ${r.max_train_steps}`),
-      el("td", {}, r.it_per_s ? r.it_per_s.toFixed(2) : "-"), el("td", {}, duration(r.eta_s))))));
+      el("td", {}, r.it_per_s ? r.it_per_s.toFixed(2) : "-"), el("td", {}, duration(r.eta_s)),
+      el("td", {class: "why"}, EXPLAINED.includes(r.state) ? r.message || "" : "")))));
 }
 
 // ---- one run ------------------------------------------------------------------------------------
+
+const LIVE = ["running", "stepping down", "rolled back", "queued"];  // what Stop can stop
+const RESUMABLE = ["failed", "interrupted"];  // what the server resumes (it answers 409 to the others)
+const EXPLAINED = ["failed", "interrupted", "unreadable"];  // states whose one line says why
 
 function curve(id, points, label) {
   const width = 500, height = 120;
@@ -295,13 +300,20 @@ async function renderRun(id) {
   const decisions = el("ol", {id: "decisions"});
   const samples = el("div", {class: "samples", id: "samples"});
   const report = el("div", {id: "report"});
-  const show = (state, step, total, rate) => status.replaceChildren(el("span", {class: "state", id: "run-state"},
-    state), ` step ${step ?? "-"} / ${total ?? "-"}, ${rate ? rate.toFixed(2) + " it/s" : "-"}`);
+  const why = el("p", {id: "run-message", class: "why"});
+  const stop = el("button", {id: "stop", onclick: () => api("POST", `/api/runs/${id}/stop`)}, "Stop (state saved)");
+  const resume = el("button", {id: "resume", onclick: async () => {
+    await api("POST", `/api/runs/${id}/resume`); renderRun(id); }}, "Resume");
+  const show = (state, step, total, rate) => {
+    status.replaceChildren(el("span", {class: "state", id: "run-state"}, state),
+      ` step ${step ?? "-"} / ${total ?? "-"}, ${rate ? rate.toFixed(2) + " it/s" : "-"}`);
+    stop.disabled = !LIVE.includes(state);
+    resume.disabled = !RESUMABLE.includes(state);
+  };
+  const explain = (state, message) => why.replaceChildren(EXPLAINED.includes(state) && message ? message : "");
   show(info.state, info.step, info.max_train_steps, info.it_per_s);
-  view.replaceChildren(el("h2", {}, "Run ", id), el("p", {}, `engine ${info.engine}`), status,
-    el("button", {id: "stop", onclick: () => api("POST", `/api/runs/${id}/stop`)}, "Stop (state saved)"),
-    el("button", {id: "resume", onclick: async () => { await api("POST", `/api/runs/${id}/resume`); renderRun(id); }},
-      "Resume"),
+  explain(info.state, info.message);
+  view.replaceChildren(el("h2", {}, "Run ", id), el("p", {}, `engine ${info.engine}`), status, why, stop, resume,
     memoryBox, charts, el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples, report);
   if (stream) stream.close();
   stream = new EventSource(withToken(`/api/runs/${encodeURIComponent(id)}/events`));
@@ -312,7 +324,12 @@ async function renderRun(id) {
       curve("speed-curve", series(rates), "it/s"), curve("memory-curve", series(memory), "peak memory MiB"));
     memoryBox.replaceChildren(memoryView(info, peak));
   };
-  stream.addEventListener("state", e => { last.state = JSON.parse(e.data).state; show(last.state, last.step, last.total, last.rate); });
+  stream.addEventListener("state", e => {
+    const s = JSON.parse(e.data);
+    last.state = s.state;
+    show(last.state, last.step, last.total, last.rate);
+    explain(s.state, s.message);
+  });
   stream.addEventListener("progress", e => {
     const p = JSON.parse(e.data);
     Object.assign(last, {step: p.step, total: p.max_train_steps, rate: p.it_per_s});
