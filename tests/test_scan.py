@@ -16,7 +16,7 @@ from sd_scripts_compat.config.dataset_config import folder_subsets
 from sd_scripts_compat.facts.dataset_scan import (
     CAPTION_EXTENSIONS,
     IMAGE_EXTENSIONS,
-    list_images,
+    FolderListing,
     parse_repeat_folder,
     require_images,
     scan_dataset_folder,
@@ -44,7 +44,7 @@ def test_one_extension_list_in_any_case(tmp_path):
     assert IMAGE_EXTENSIONS == (".png", ".jpg", ".jpeg", ".webp", ".bmp")
     touch(tmp_path, "a.PNG", "b.webp", "c.bmp", "d.jpeg", "e.JPG", "f.gif", "g.txt", "h.png.txt")
     (tmp_path / "dir.png").mkdir()
-    assert [p.name for p in list_images(tmp_path)] == ["a.PNG", "b.webp", "c.bmp", "d.jpeg", "e.JPG"]
+    assert [p.name for p in FolderListing.read(tmp_path).images()] == ["a.PNG", "b.webp", "c.bmp", "d.jpeg", "e.JPG"]
 
 
 def test_n_name_subfolders_repeats_tokens_and_captions(tmp_path):

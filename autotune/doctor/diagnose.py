@@ -18,18 +18,9 @@ from typing import Any
 from autotune.doctor.buckets import DEFAULT_RESOLUTION, STAND_IN_FAMILY, BucketItem, bucket_config, plan_buckets
 from autotune.doctor.captions import CaptionReader, TokenCounter, check_captions, shipped_token_counter, top_tags
 from autotune.doctor.duplicates import duplicate_problems
-from autotune.doctor.file_facts import (
-    FileFacts,
-    cached_captions,
-    cached_sha256,
-    check_from_json,
-    check_kind,
-    check_to_json,
-    file_identities,
-    keeps,
-)
+from autotune.doctor.file_facts import FileFacts, cached_captions, cached_checks, cached_sha256
 from autotune.doctor.folders import scan_problems, unsupported_files
-from autotune.doctor.image_pool import Progress, check_images
+from autotune.doctor.image_pool import Progress
 from autotune.doctor.images import BOMB_LIMIT_PIXELS, ImageCheck
 from autotune.doctor.report import (
     ERROR,
@@ -118,7 +109,7 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
                  for s in scan.subsets for v in s.images}
     with FileFacts.open() as kept:  # what earlier commands learned of these files
         checks = {v: check for v, (check, _) in clips.items()} or \
-            _image_checks(kept, [i for s in scan.subsets for i in s.images], scan.root, quick, progress)
+            cached_checks(kept, [i for s in scan.subsets for i in s.images], scan.root, quick, progress)
         problems += duplicate_problems([(rel_name(image, scan.root), check) for image, check in checks.items()],
                                        lambda paths: cached_sha256(kept, paths))
         counter = count_tokens or (shipped_token_counter() if scan.subsets else (lambda captions: []))
@@ -152,26 +143,6 @@ def _clip_frames(frames: int | None, spec: FamilySpec | None) -> int:
 
     validate_frames(frames, spec)
     return frames
-
-
-def _image_checks(facts: FileFacts, images: list[Path], root: Path, quick: bool,
-                  progress: Progress | None) -> dict[Path, ImageCheck]:
-    """Each image's check: kept from an earlier command for a file unchanged since (a full check serves a quick
-    one too), else made now (over the cores) and kept."""
-    named = {image: rel_name(image, root) for image in images}
-    identities = file_identities(images)
-    found: dict[Path, ImageCheck] = {}
-    for kind in (check_kind(quick=False), check_kind(quick=True))[:2 if quick else 1]:
-        for path, text in facts.known(kind, {p: i for p, i in identities.items() if p not in found}).items():
-            check = check_from_json(path, named[path], text)
-            if check is not None:
-                found[path] = check
-    todo = [image for image in images if image not in found]
-    checked = check_images([(image, named[image]) for image in todo], quick=quick, progress=progress)
-    facts.keep(check_kind(quick), [(c.path, identities[c.path], check_to_json(c)) for c in checked
-                                   if c.path in identities and keeps(c)])
-    found.update(zip(todo, checked))
-    return {image: found[image] for image in images}
 
 
 def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck], extension: str,

@@ -11,6 +11,7 @@ over ``sqlite3`` (one table; no library keeps per-file facts keyed by a file's i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import warnings
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from autotune.doctor.image_pool import Progress, check_images
 from autotune.doctor.images import ImageCheck
 from autotune.doctor.report import ERROR, Problem, rel_name
 
@@ -32,14 +34,6 @@ SCHEMA = ("CREATE TABLE IF NOT EXISTS facts (path TEXT NOT NULL, kind TEXT NOT N
 
 Identity = tuple[int, int]  # (length, modification time in ns)
 T = TypeVar("T")
-
-
-def identity(path: Path) -> Identity | None:
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_size, stat.st_mtime_ns
 
 
 def check_kind(quick: bool) -> str:
@@ -115,53 +109,54 @@ class FileFacts:
         self.connection = None
 
 
-def keeps(check: ImageCheck) -> bool:
-    """Whether a check is kept: not one with an error, which is checked again each time (a file made readable
-    by ``chmod`` keeps its modification time, and errors are few)."""
-    return not any(problem.severity == ERROR for problem in check.problems)
-
-
-def check_to_json(check: ImageCheck) -> str:
-    """A check without its path and its problems' file names (a file is named by the folder it is checked from)."""
-    return json.dumps({"size": check.size, "mode": check.mode, "bytes": check.file_bytes,
-                       "problems": [[p.severity, p.code, p.message, p.fix] for p in check.problems]})
-
-
-def check_from_json(path: Path, rel: str, text: str) -> ImageCheck | None:
-    """The check kept for ``path`` named ``rel``, or None when the row is not one this version wrote."""
-    try:
-        data = json.loads(text)
-        size = tuple(data["size"]) if data["size"] is not None else None
-        problems = tuple(Problem(severity, code, rel, message, fix)
-                         for severity, code, message, fix in data["problems"])
-        return ImageCheck(path, size, data["mode"], problems, data["bytes"])  # type: ignore[arg-type]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def kept_or_made(facts: FileFacts, kind: str, paths: list[Path], make: Callable[[Path], T | None],
-                 dump: Callable[[T], str | None], load: Callable[[Path, str], T | None]) -> dict[Path, T]:
-    """Each file's fact of ``kind``: the kept one where the file is unchanged, else ``make(path)`` (None: none,
-    the file is left out), kept for next time unless ``dump`` says None."""
+def kept_or_made(facts: FileFacts, kinds: tuple[str, ...], paths: list[Path],
+                 make: Callable[[list[Path]], dict[Path, T]], dump: Callable[[T], str | None],
+                 load: Callable[[Path, str], T | None]) -> dict[Path, T]:
+    """Each file's fact: the kept one of the first of ``kinds`` that has it for the file unchanged, else made now
+    (``make`` of those files at once; a file it leaves out has none) and kept under the last kind, unless ``dump``
+    says None (read again next time)."""
     identities = file_identities(paths)
     found: dict[Path, T] = {}
-    for path, text in facts.known(kind, identities).items():
-        value = load(path, text)
-        if value is not None:
-            found[path] = value
-    fresh = []
-    for path in paths:
-        if path in found:
-            continue
-        made = make(path)
-        if made is None:
-            continue
-        found[path] = made
-        dumped = dump(made)
-        if path in identities and dumped is not None:
-            fresh.append((path, identities[path], dumped))
-    facts.keep(kind, fresh)
-    return found
+    for kind in kinds:
+        for path, text in facts.known(kind, {p: i for p, i in identities.items() if p not in found}).items():
+            value = load(path, text)
+            if value is not None:
+                found[path] = value
+    made = make([path for path in paths if path not in found])
+    fresh = [(path, identities[path], dumped) for path, value in made.items()
+             if path in identities and (dumped := dump(value)) is not None]
+    facts.keep(kinds[-1], fresh)
+    return {**found, **made}
+
+
+def cached_checks(facts: FileFacts, images: list[Path], root: Path, quick: bool,
+                  progress: Progress | None) -> dict[Path, ImageCheck]:
+    """Each image's check (``image_pool.check_images``, over the cores), kept for a file unchanged since; a full
+    check serves a quick one too. A check with an error is not kept: a file made readable by ``chmod``, or a copy
+    restored with its times, keeps its length and time, and errors are few."""
+    named = {image: rel_name(image, root) for image in images}
+
+    def make(todo: list[Path]) -> dict[Path, ImageCheck]:
+        return dict(zip(todo, check_images([(path, named[path]) for path in todo], quick=quick, progress=progress)))
+
+    def dump(check: ImageCheck) -> str | None:
+        if any(problem.severity == ERROR for problem in check.problems):
+            return None
+        return json.dumps({"size": check.size, "mode": check.mode, "bytes": check.file_bytes,
+                           "problems": [_row(problem) for problem in check.problems]})
+
+    def load(path: Path, text: str) -> ImageCheck | None:
+        try:
+            data = json.loads(text)
+            size = tuple(data["size"]) if data["size"] is not None else None
+            problems = tuple(_problem(row, named[path]) for row in data["problems"])
+            return ImageCheck(path, size, data["mode"], problems, data["bytes"])  # type: ignore[arg-type]
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    kinds = (check_kind(quick=False), check_kind(quick=True)) if quick else (check_kind(quick=False),)
+    found = kept_or_made(facts, kinds, images, make, dump, load)
+    return {image: found[image] for image in images}
 
 
 def cached_sha256(facts: FileFacts, paths: list[Path]) -> dict[Path, str]:
@@ -169,43 +164,53 @@ def cached_sha256(facts: FileFacts, paths: list[Path]) -> dict[Path, str]:
     image checks report it)."""
     from sd_scripts_compat.facts.hashes import file_sha256
 
-    def digest(path: Path) -> str | None:
-        try:
-            return file_sha256(path)
-        except OSError:
-            return None
+    def make(todo: list[Path]) -> dict[Path, str]:
+        digests = {}
+        for path in todo:
+            with contextlib.suppress(OSError):
+                digests[path] = file_sha256(path)
+        return digests
 
-    return kept_or_made(facts, "sha256", paths, digest, str, lambda _, text: text)
+    return kept_or_made(facts, ("sha256",), paths, make, str, lambda _, text: text)
 
 
 def cached_captions(facts: FileFacts, paths: list[Path], root: Path) -> dict[Path, CaptionReading]:
-    """Each caption file as the doctor reads it (``captions.read_caption_file``), read once while it is unchanged."""
+    """Each caption file as the doctor reads it (``captions.read_caption_file``), read once while it is unchanged;
+    one with an error is read again next time (as an image check with one)."""
     from autotune.doctor.captions import read_caption_file
 
     def dump(reading: CaptionReading) -> str | None:
         text, problem = reading
         if problem is not None and problem.severity == ERROR:
-            return None  # read again next time: a permission fixed or a file re-saved may not change its time
-        return json.dumps([text, None if problem is None else [problem.severity, problem.code, problem.message,
-                                                               problem.fix]])
+            return None
+        return json.dumps([text, None if problem is None else _row(problem)])
 
     def load(path: Path, kept: str) -> CaptionReading | None:
         try:
-            text, problem = json.loads(kept)
-            return text, None if problem is None else Problem(problem[0], problem[1], rel_name(path, root),
-                                                             problem[2], problem[3])
+            text, row = json.loads(kept)
+            return text, None if row is None else _problem(row, rel_name(path, root))
         except (ValueError, TypeError, IndexError):
             return None
 
-    return kept_or_made(facts, CAPTION_KIND, paths, lambda path: read_caption_file(path, root), dump, load)
+    return kept_or_made(facts, (CAPTION_KIND,), paths, lambda todo: {p: read_caption_file(p, root) for p in todo},
+                        dump, load)
+
+
+def _row(problem: Problem) -> list[str]:
+    """A problem as kept: without its file's name (a file is named by the folder it is checked from)."""
+    return [problem.severity, problem.code, problem.message, problem.fix]
+
+
+def _problem(row: list[str], rel: str) -> Problem:
+    severity, code, message, fix = row
+    return Problem(severity, code, rel, message, fix)  # type: ignore[arg-type]
 
 
 def file_identities(paths: Iterable[Path]) -> dict[Path, Identity]:
     """Each readable file's identity (a file gone since the listing is left out: its check reports it)."""
     found = {}
     for path in paths:
-        ident = identity(path)
-        if ident is not None:
-            found[path] = ident
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            found[path] = (stat.st_size, stat.st_mtime_ns)
     return found
-

@@ -53,13 +53,9 @@ def listed(media: tuple[str, ...]) -> str:
     return ", ".join(dict.fromkeys(m.lower() for m in media))
 
 
-def is_image(path: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> bool:
-    """An image (any letter case), or with ``media=VIDEO_EXTENSIONS`` a video as musubi-tuner globs them."""
-    return is_image_name(path.name, media)
-
-
 def is_image_name(name: str, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> bool:
-    """``is_image`` for a file name (a listing's entry): its last suffix, as ``Path.suffix`` reads it."""
+    """An image (any letter case), or with ``media=VIDEO_EXTENSIONS`` a video as musubi-tuner globs them, by the
+    file name's last suffix (as ``Path.suffix`` reads it)."""
     suffix = os.path.splitext(name)[1]
     return (suffix if media is VIDEO_EXTENSIONS else suffix.lower()) in media
 
@@ -105,11 +101,6 @@ class FolderListing:
             if suffix.lower() in CAPTION_EXTENSIONS:
                 found.setdefault(stem, []).append(suffix)
         return found
-
-
-def list_images(folder: Path, media: tuple[str, ...] = IMAGE_EXTENSIONS) -> list[Path]:
-    """The images (or videos) directly in ``folder`` (``FolderListing.images``)."""
-    return FolderListing.read(folder).images(media)
 
 
 @dataclass(frozen=True)
