@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -96,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
-    from sd_scripts_compat.quiet import silence_harmless_library_messages
+    from sd_scripts_compat.quiet import our_warnings_as_lines, silence_harmless_library_messages
 
     silence_harmless_library_messages()  # plan and bench import lycoris / bitsandbytes, which log at import
+    our_warnings_as_lines(f"autotune {args.command}", also=(os.path.dirname(os.path.abspath(__file__)),))
     try:
         return int(args._run(args) or 0)
     except UserError as error:

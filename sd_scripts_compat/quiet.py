@@ -55,20 +55,20 @@ class _DropMatching(logging.Filter):
         return not any(p.search(message) for p in self.patterns)
 
 
-def our_warnings_as_lines(program: str) -> None:
-    """The engine's own warnings (``warnings.warn`` in ``sd_scripts_compat``) as one line each in the style of its
-    errors, ``train_network: warning: ...``, instead of Python's file, line and source; others as Python shows
-    them. Set once by the entry point, for its process."""
-    import os
+def our_warnings_as_lines(program: str, also: tuple[str, ...] = ()) -> None:
+    """The engine's own warnings (``warnings.warn`` in ``sd_scripts_compat``, and in the package folders ``also``
+    names: the tuner's CLI passes its own) as one line each in the style of its errors, ``train_network: warning:
+    ...``, instead of Python's file, line and source; others as Python shows them. Set once by the entry point,
+    for its process."""
     import sys
     import warnings
 
     python_shows = warnings.showwarning
-    package = os.path.dirname(os.path.abspath(__file__))
+    packages = (os.path.dirname(os.path.abspath(__file__)), *also)
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
              line: str | None = None) -> None:
-        if not str(filename).startswith(package):
+        if not str(filename).startswith(packages):
             python_shows(message, category, filename, lineno, file, line)
             return
         print(f"{program}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)

@@ -113,3 +113,17 @@ def test_a_file_in_error_is_checked_again_each_time(dataset):
     image.write_bytes(good)
     os.utime(image, ns=(times.st_atime_ns, times.st_mtime_ns))  # mended, same length, same time
     assert _doctor(dataset).ok
+
+
+def test_the_cli_with_a_broken_cache_says_so_in_one_line_and_checks_everything(dataset, tmp_path):
+    """A cache file that is not a database: the doctor's stderr is one line (no Python warning, no traceback), its
+    report the one it gives without a cache, and it exits 0."""
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "file_facts.sqlite").write_bytes(b"not a database" * 100)
+    command = [sys.executable, "-m", "autotune", "doctor", str(dataset), "--model", "builtin:tiny-sd15",
+               "--resolution", "128", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ,
+                            "AUTOTUNE_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith(
+        "autotune doctor: warning: ") and "file cache cannot be used" in result.stderr, result.stderr
