@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from sd_scripts_compat.facts.families import get_family
+
 SIZES = ((64, 64), (64, 96), (96, 64), (80, 64), (64, 112))
 
 
@@ -118,7 +120,7 @@ def _plan(dataset: Path) -> None:
 def _doctor(dataset: Path, quick: bool = False) -> None:
     from autotune.doctor.diagnose import diagnose
 
-    assert diagnose(dataset, model="builtin:tiny-sd15", resolution=64, quick=quick).subsets
+    assert diagnose(dataset, family=get_family("tiny-sd15"), resolution=64, quick=quick).subsets
 
 
 def _loader(dataset: Path) -> None:

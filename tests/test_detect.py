@@ -145,8 +145,8 @@ def test_cheap_and_strict_detection_agree_on_a_real_checkpoint(tmp_path):
 
 def test_kohya_flags_name_a_family():
     assert family_for_kohya_flags(False, False) is None and family_for_kohya_flags(False, True) is None
-    assert family_for_kohya_flags(True, False) == "sd2"
-    assert family_for_kohya_flags(True, True) == "sd2-v"
+    assert family_for_kohya_flags(True, False) == get_family("sd2")
+    assert family_for_kohya_flags(True, True) == get_family("sd2-v")
 
 
 def test_family_facts_are_consistent():

@@ -27,6 +27,7 @@ from autotune.doctor.render_json import FORMAT, report_dict
 from sd_scripts_compat.dataset.train_dataset import build_dataset
 from sd_scripts_compat.facts.dataset_spec import DatasetSpec, SubsetSpec
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.families import get_family
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "dataset"
@@ -202,7 +203,7 @@ def test_example_dataset_has_no_errors_and_matches_the_engine():
     report = diagnose(EXAMPLES)
     assert report.ok and {p.code for p in report.warnings} <= {"small"}
     for batch in (1, 3, 4):
-        tiny = diagnose(EXAMPLES, model="builtin:tiny-sd15", batch=batch)
+        tiny = diagnose(EXAMPLES, family=get_family("tiny-sd15"), batch=batch)
         assert tiny.ok and all(p.code in ("bucket-under-batch", "small") for p in tiny.problems)
         s = tiny.settings
         spec = DatasetSpec(subsets=tuple(SubsetSpec(image_dir=str(EXAMPLES / f.folder), num_repeats=f.num_repeats,
@@ -214,7 +215,7 @@ def test_example_dataset_has_no_errors_and_matches_the_engine():
         engine = build_dataset(spec, seed=0)
         assert tiny.steps_per_epoch == engine.num_batches() == len(engine.batches_for_epoch(0))
         assert {(r.width, r.height): r.views for r in tiny.buckets} == engine.bucket_counts()
-    at_native = diagnose(EXAMPLES, model="builtin:tiny-sd15")
+    at_native = diagnose(EXAMPLES, family=get_family("tiny-sd15"))
     assert at_native.ok and {p.code for p in at_native.problems} <= {"small"}
 
 
@@ -298,20 +299,20 @@ def test_run_refuses_a_dataset_with_errors(tmp_path, capsys):
     assert "img1.txt" in err and "autotune doctor" in err and "--skip-doctor" in err
     assert not (tmp_path / "o").exists()
     (folder / "img1.txt").write_text("toy, another picture", encoding="utf-8")
-    lines = check_before_training(tmp_path / "data", model="builtin:tiny-sd15")
-    assert lines[0] == summary_line(diagnose(tmp_path / "data", model="builtin:tiny-sd15"))
+    lines = check_before_training(tmp_path / "data", family=get_family("tiny-sd15"))
+    assert lines[0] == summary_line(diagnose(tmp_path / "data", family=get_family("tiny-sd15")))
     assert "0 errors" in lines[0]
 
 
 def test_check_before_training_raises_user_error(planted):
     with pytest.raises(UserError, match="autotune doctor"):
-        check_before_training(planted[0], model="no/such/model.ckpt")  # an undetectable model: full-size rules
+        check_before_training(planted[0], family=None)  # no family told: full-size rules
 
 
 def test_a_small_bucket_names_its_real_cause():
     """320 x 256 is not small, nor extreme: at 256 px its same-area bucket in 64 px steps is 256 x 192, so the
     warning names the aspect ratio and offers the two real fixes; a 288 x 224 image is small (no upscale)."""
-    report = diagnose(EXAMPLES, model="builtin:tiny-sd15")
+    report = diagnose(EXAMPLES, family=get_family("tiny-sd15"))
     by_file = {Path(p.file).name: p for p in report.problems if p.code == "small"}
     elongated, small = by_file["triangle_00.png"], by_file["square_03.jpg"]
     assert "aspect ratio 1.25" in elongated.message and "min_bucket_reso = 192" in elongated.fix

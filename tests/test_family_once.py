@@ -29,12 +29,36 @@ raise SystemExit(code)
 """
 
 
-def test_a_run_detects_the_family_once(tmp_path):
+def _detections(tmp_path: Path, *argv: str) -> str:
+    """The DETECTED line of ``autotune ARGV``: where detect_family was called from, and how often."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    argv = ["run", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15", "--steps", "2", "--vram", "8",
-            "--out", str(tmp_path / "run")]
     done = subprocess.run([sys.executable, "-c", COUNTING, *argv], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("DETECTED"))
+    return next(line for line in done.stdout.splitlines() if line.startswith("DETECTED"))
+
+
+def _config(tmp_path: Path) -> Path:
+    config = tmp_path / "config.toml"
+    config.write_text('max_train_steps = 2\nresolution = "32,32"\nnetwork_dim = 4\noptimizer_type = "AdamW"\n'
+                      'max_data_loader_n_workers = 0\n', encoding="utf-8")
+    return config
+
+
+def test_a_run_detects_the_family_once(tmp_path):
+    line = _detections(tmp_path, "run", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15",
+                       "--steps", "2", "--vram", "8", "--out", str(tmp_path / "run"))
     assert line == "DETECTED {'run.py:run_family': 1}", line
+
+
+def test_a_run_with_a_config_detects_the_family_once(tmp_path):
+    """With --config, the doctor reads the config's settings for the same family (it detected again before)."""
+    line = _detections(tmp_path, "run", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15",
+                       "--config", str(_config(tmp_path)), "--out", str(tmp_path / "run"))
+    assert line == "DETECTED {'run.py:run_family': 1}", line
+
+
+def test_the_doctor_with_a_config_detects_the_family_once(tmp_path):
+    line = _detections(tmp_path, "doctor", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15",
+                       "--config", str(_config(tmp_path)))
+    assert line == "DETECTED {'diagnose.py:resolve_family': 1}", line

@@ -13,11 +13,13 @@ import pytest
 from PIL import Image
 from test_dataset_scale import Reads, make_dataset
 
+from sd_scripts_compat.facts.families import get_family
+
 
 def _doctor(dataset: Path, quick: bool = False):  # noqa: ANN202 - a DoctorReport
     from autotune.doctor.diagnose import diagnose
 
-    return diagnose(dataset, model="builtin:tiny-sd15", resolution=128, quick=quick)
+    return diagnose(dataset, family=get_family("tiny-sd15"), resolution=128, quick=quick)
 
 
 def _image_opens(reads: Reads) -> int:

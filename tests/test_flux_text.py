@@ -9,7 +9,7 @@ import torch
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.models.t5_tokenizer import find_t5_tokenizer, load_t5_tokenizer, train_unigram_t5_tokenizer
 from sd_scripts_compat.models.text_encoding import tokenize_flux
-from sd_scripts_compat.runtimes import encode_prompts, load_base_model
+from sd_scripts_compat.runtimes import TextOptions, encode_prompts, load_base_model
 
 CAPTIONS = ["a photo of sks dog", "a red chair in a garden, studio light, high quality, detailed portrait"]
 
@@ -21,7 +21,7 @@ def tiny():
 
 def test_conditioning_shapes_and_pooled_output(tiny):
     with torch.no_grad():
-        cond = encode_prompts(tiny, CAPTIONS, t5xxl_max_token_length=32)
+        cond = encode_prompts(tiny, CAPTIONS, TextOptions(t5xxl_max_token_length=32))
         clip_ids = tiny.tokenizers[0](CAPTIONS, max_length=77, padding="max_length", truncation=True,
                                       return_tensors="pt").input_ids
         pooled = tiny.text_encoders[0](clip_ids).pooler_output
@@ -38,15 +38,15 @@ def test_conditioning_shapes_and_pooled_output(tiny):
 
 def test_apply_t5_attn_mask_changes_only_what_it_should(tiny):
     with torch.no_grad():
-        plain = encode_prompts(tiny, CAPTIONS, t5xxl_max_token_length=24)
-        masked = encode_prompts(tiny, CAPTIONS, t5xxl_max_token_length=24, apply_t5_attn_mask=True)
-        alone = encode_prompts(tiny, CAPTIONS[:1], t5xxl_max_token_length=24, apply_t5_attn_mask=True)
+        plain = encode_prompts(tiny, CAPTIONS, TextOptions(t5xxl_max_token_length=24))
+        masked = encode_prompts(tiny, CAPTIONS, TextOptions(t5xxl_max_token_length=24, apply_t5_attn_mask=True))
+        alone = encode_prompts(tiny, CAPTIONS[:1], TextOptions(t5xxl_max_token_length=24, apply_t5_attn_mask=True))
     real = int(masked.attention_mask[0].sum())
     assert not torch.allclose(plain.encoder_hidden_states[0, :real], masked.encoder_hidden_states[0, :real])
     assert torch.equal(plain.pooled, masked.pooled)
     assert torch.allclose(alone.encoder_hidden_states[0], masked.encoder_hidden_states[0], atol=1e-6)
     with pytest.raises(UserError, match="t5xxl_max_token_length = 0 must be a positive integer"):
-        encode_prompts(tiny, CAPTIONS, t5xxl_max_token_length=0)
+        encode_prompts(tiny, CAPTIONS, TextOptions(t5xxl_max_token_length=0))
 
 
 def test_t5_tokenizer_is_found_locally_or_named_in_one_line(tmp_path, tiny):

@@ -138,11 +138,11 @@ def test_detect_full_size_families_from_shapes():
     assert detect_family(_shape_only_checkpoint("sd2", extra={"v_pred": (0,)})).name == "sd2-v"
     assert detect_family(_shape_only_checkpoint("sd2", metadata={"modelspec.prediction_type": "v"})).name == "sd2-v"
     # SD2 768-v files often carry no marker: the user's stated family decides
-    assert detect_family(_shape_only_checkpoint("sd2"), stated="sd2-v").name == "sd2-v"
+    assert detect_family(_shape_only_checkpoint("sd2"), stated=get_family("sd2-v")).name == "sd2-v"
     with pytest.raises(UserError, match="sd2-v checkpoint but family sd2 was requested"):
-        detect_family(_shape_only_checkpoint("sd2", extra={"v_pred": (0,)}), stated="sd2")
+        detect_family(_shape_only_checkpoint("sd2", extra={"v_pred": (0,)}), stated=get_family("sd2"))
     with pytest.raises(UserError, match="sd15.safetensors is a sd15 checkpoint but family sdxl"):
-        detect_family(_shape_only_checkpoint("sd15"), stated="sdxl")
+        detect_family(_shape_only_checkpoint("sd15"), stated=get_family("sdxl"))
 
 
 def test_sd2_cross_attention_width_is_1024():

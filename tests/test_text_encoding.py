@@ -13,7 +13,7 @@ from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import get_family
 from sd_scripts_compat.models.build import build_modules
 from sd_scripts_compat.models.text_encoding import sdxl_time_ids, tokenize
-from sd_scripts_compat.runtimes import encode_prompts
+from sd_scripts_compat.runtimes import TextOptions, encode_prompts
 
 LONG = ", ".join(f"tag{i} word{i}" for i in range(60))  # well over 75 tokens
 
@@ -48,7 +48,7 @@ def test_tokenize_chunks_follow_kohya_rules(sdxl):
 
 @pytest.mark.parametrize("length,tokens", [(None, 77), (75, 77), (150, 152), (225, 227)])
 def test_sd15_shapes(sd15, length, tokens):
-    out = encode_prompts(sd15, ["a cat", LONG], max_token_length=length)
+    out = encode_prompts(sd15, ["a cat", LONG], TextOptions(max_token_length=length))
     assert out.encoder_hidden_states.shape == (2, tokens, 32) and out.pooled is None
 
 
@@ -57,8 +57,8 @@ def test_sd15_clip_skip_is_layer_then_final_norm(sd15):
     ids = tokenize(sd15.tokenizers[0], ["a cat"], None)[:, 0]
     with torch.no_grad():
         out = encoder(ids, output_hidden_states=True)
-        skip2 = encode_prompts(sd15, ["a cat"], clip_skip=2).encoder_hidden_states
-        skip1 = encode_prompts(sd15, ["a cat"], clip_skip=1).encoder_hidden_states
+        skip2 = encode_prompts(sd15, ["a cat"], TextOptions(clip_skip=2)).encoder_hidden_states
+        skip1 = encode_prompts(sd15, ["a cat"], TextOptions(clip_skip=1)).encoder_hidden_states
     torch.testing.assert_close(skip2, encoder.final_layer_norm(out.hidden_states[-2]))
     torch.testing.assert_close(skip1, out.last_hidden_state)
     assert not torch.allclose(skip1, skip2)
@@ -67,7 +67,7 @@ def test_sd15_clip_skip_is_layer_then_final_norm(sd15):
 @pytest.mark.parametrize("length,tokens", [(75, 77), (225, 227)])
 def test_sdxl_shapes_and_pooled(sdxl, length, tokens):
     with torch.no_grad():
-        out = encode_prompts(sdxl, ["a cat", LONG], max_token_length=length)
+        out = encode_prompts(sdxl, ["a cat", LONG], TextOptions(max_token_length=length))
     assert out.encoder_hidden_states.shape == (2, tokens, 64)  # 32 + 32 features
     assert out.pooled.shape == (2, 32)
     # pooled == transformers' text_embeds of the first window (EOS is the largest id there)
@@ -86,7 +86,7 @@ def test_long_prompt_join_keeps_bos_content_and_last(sd15):
     ids = tokenize(sd15.tokenizers[0], [LONG], 150)
     with torch.no_grad():
         states = sd15.text_encoders[0](ids[0]).last_hidden_state  # (2, 77, D)
-        joined = encode_prompts(sd15, [LONG], max_token_length=150).encoder_hidden_states[0]
+        joined = encode_prompts(sd15, [LONG], TextOptions(max_token_length=150)).encoder_hidden_states[0]
     torch.testing.assert_close(joined[0], states[0, 0])
     torch.testing.assert_close(joined[1:76], states[0, 1:76])
     torch.testing.assert_close(joined[76:151], states[1, 1:76])
@@ -116,7 +116,7 @@ def test_te_cache_equals_live_encoding_memory_and_disk(tmp_path, sdxl):
     assert stats.encoded == 2  # two distinct captions
     batch = memory.collate([0, 1, 2], epoch=0, step=0)
     with torch.no_grad():
-        live = encode_prompts(sdxl, batch["captions"], max_token_length=150)
+        live = encode_prompts(sdxl, batch["captions"], TextOptions(max_token_length=150))
     assert batch["captions"][0] == "photo of a cat"
     torch.testing.assert_close(batch["encoder_hidden_states"], live.encoder_hidden_states, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(batch["pooled"], live.pooled, rtol=1e-5, atol=1e-6)

@@ -59,12 +59,13 @@ def _tag_summary(raw: str) -> str:
 
 def _export(info: dict[str, Any], out: str) -> None:
     from sd_scripts_compat.facts.errors import UserError
+    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.network.diffusers_export import export_diffusers_file
 
     if not info["family"]:
         raise UserError(f"{info['file']}: its model family is not known ({_family_line(info)}), so its modules "
                         "cannot be named for diffusers")
-    count = export_diffusers_file(info["file"], out, info["family"])
+    count = export_diffusers_file(info["file"], out, get_family(info["family"]))
     print(f"wrote {out}: {count} tensors under diffusers' names (load with pipe.load_lora_weights)")
 
 

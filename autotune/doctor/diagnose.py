@@ -56,35 +56,35 @@ def resolve_family(model: str | None, family: str | None) -> FamilySpec | None:
     return known_family(family) if family else None
 
 
-def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, family: str | None = None,
+def diagnose(dataset_dir: str | os.PathLike[str], *, family: FamilySpec | None = None,
              resolution: int | None = None, batch: int | None = None, caption_extension: str | None = None,
              max_token_length: int | None = None, count_tokens: TokenCounter | None = None,
              buckets: BucketConfig | None = None, frames: int | None = None,
-             spec: FamilySpec | None = None, quick: bool = False, progress: Progress | None = None) -> DoctorReport:
+             quick: bool = False, progress: Progress | None = None) -> DoctorReport:
     """Check a dataset folder for everything that would silently shrink it, crash the run or train garbage.
 
-    ``model``/``family`` pick the bucket rules and the default resolution (the family's native size, else
-    512 px); ``batch`` (default 1) decides which buckets are smaller than a batch; ``caption_extension``
-    defaults to the planner's choice; ``max_token_length`` is kohya's (None = 75). ``count_tokens`` replaces
-    the shipped CLIP tokenizer (callers that check many datasets load it once). ``buckets``: a config's own
-    bucketing keys (``options_from_config``) instead of the planner's for the resolution. ``frames`` above 1: a
-    clip dataset of a video family, its videos checked instead (``videos.check_video``). ``quick``: image headers
-    only (no decode: a truncated or corrupt body, alpha and 16-bit pictures go unseen). ``progress(done, total)``
-    is told as the images are checked (over the cores: ``image_pool``).
+    ``family`` (the caller's detected ``FamilySpec``: ``resolve_family`` at the edge) picks the bucket rules and the
+    default resolution (the family's native size, else 512 px); ``batch`` (default 1) decides which buckets are
+    smaller than a batch; ``caption_extension`` defaults to the planner's choice; ``max_token_length`` is kohya's
+    (None = 75). ``count_tokens`` replaces the shipped CLIP tokenizer (callers that check many datasets load it
+    once). ``buckets``: a config's own bucketing keys (``options_from_config``) instead of the planner's for the
+    resolution. ``frames`` above 1: a clip dataset of a video family, its videos checked instead
+    (``videos.check_video``). ``quick``: image headers only (no decode: a truncated or corrupt body, alpha and
+    16-bit pictures go unseen). ``progress(done, total)`` is told as the images are checked (over the cores:
+    ``image_pool``).
     """
     from autotune.planning.dataset import summarise
     from autotune.planning.request import validate_resolution
     from sd_scripts_compat.models.detect import known_family
     from sd_scripts_compat.models.text_encoding import check_max_token_length
 
-    spec = spec or resolve_family(model, family)  # ``spec``: the caller's detected family
-    frames = _clip_frames(frames, spec)
+    frames = _clip_frames(frames, family)
     scan = scan_dataset_folder(dataset_dir, media=VIDEO_EXTENSIONS if frames > 1 else IMAGE_EXTENSIONS)
-    side = resolution if resolution is not None else (spec.resolution if spec else DEFAULT_RESOLUTION)
+    side = resolution if resolution is not None else (family.resolution if family else DEFAULT_RESOLUTION)
     if side <= 0:
         raise UserError(f"--resolution {side}: must be a positive number of pixels (e.g. 512)")
-    if spec and buckets is None:  # a pinned --resolution, as the planner checks it (FLUX: multiples of 16, ...)
-        validate_resolution(resolution, spec)
+    if family and buckets is None:  # a pinned --resolution, as the planner checks it (FLUX: multiples of 16, ...)
+        validate_resolution(resolution, family)
     batch = 1 if batch is None else batch
     if batch < 1:
         raise UserError(f"--batch {batch}: must be 1 or more")
@@ -94,9 +94,9 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
         if problem:
             raise UserError(f"--caption-extension {caption_extension}: {problem}")
     limit = check_max_token_length(max_token_length)
-    config = buckets if buckets is not None else bucket_config(spec or known_family(STAND_IN_FAMILY), side)
+    config = buckets if buckets is not None else bucket_config(family or known_family(STAND_IN_FAMILY), side)
     extension = caption_extension or summarise(scan).caption_extension
-    settings = DoctorSettings(family=spec.name if spec else None, resolution=side, batch_size=batch,
+    settings = DoctorSettings(family=family.name if family else None, resolution=side, batch_size=batch,
                               bucket_reso_steps=config.bucket_reso_steps, min_bucket_reso=config.min_bucket_reso,
                               max_bucket_reso=config.max_bucket_reso, bucket_no_upscale=config.bucket_no_upscale,
                               caption_extension=extension, max_token_length=limit,
@@ -104,8 +104,8 @@ def diagnose(dataset_dir: str | os.PathLike[str], *, model: str | None = None, f
     problems: list[Problem] = scan_problems(scan)
     clips = {}
     if frames > 1:
-        assert spec is not None  # _clip_frames: clips only for a video family
-        clips = {v: check_video(v, rel_name(v, scan.root), frames, spec.temporal_stride)
+        assert family is not None  # _clip_frames: clips only for a video family
+        clips = {v: check_video(v, rel_name(v, scan.root), frames, family.temporal_stride)
                  for s in scan.subsets for v in s.images}
     with FileFacts.open() as kept:  # what earlier commands learned of these files
         checks = {v: check for v, (check, _) in clips.items()} or \
@@ -163,16 +163,15 @@ def _subset(scan: DatasetScan, subset: SubsetScan, checks: dict[Path, ImageCheck
 
 
 def options_from_config(config: str | os.PathLike[str], dataset_config: str | os.PathLike[str] | None, *,
-                        model: str | None, family: str | None,
+                        family: FamilySpec | None,
                         dataset_dir: str | os.PathLike[str] | None = None) -> dict[str, object]:
     """The doctor's options as a training config resolves them, read by the engine's own reader (kohya's
     precedence: dataset.toml over config.toml): resolution (the longer side), batch, caption extension,
     max_token_length. Without ``dataset_config`` the images are ``dataset_dir``'s, as `autotune run` trains."""
     from sd_scripts_compat.config.resolved_run import settings_from_files
 
-    spec = resolve_family(model, family)
-    script = spec.script if spec else "train_network"
-    default = (spec.resolution, spec.resolution) if spec else (DEFAULT_RESOLUTION, DEFAULT_RESOLUTION)
+    script = family.script if family else "train_network"
+    default = (family.resolution, family.resolution) if family else (DEFAULT_RESOLUTION, DEFAULT_RESOLUTION)
     resolved = settings_from_files(Path(config), Path(dataset_config) if dataset_config is not None else None,
                                    script=script, default_resolution=default,
                                    train_data_dir=_train_data_dir(dataset_dir))
@@ -192,20 +191,13 @@ def _train_data_dir(dataset_dir: str | os.PathLike[str] | None) -> str | None:
     return str(path.parent if parse_repeat_folder(path.name) and scan_dataset_folder(path).top_level else path)
 
 
-def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | None = None,
-                          family: str | None = None, spec: FamilySpec | None = None, **options: object) -> list[str]:
+def check_before_training(dataset_dir: str | os.PathLike[str], *, family: FamilySpec | None,
+                          **options: object) -> list[str]:
     """For `autotune run` and the wizard: the brief lines to show, or a one-line UserError on errors.
-
-    A model whose family cannot be told cheaply is checked with a full-size family's bucket rules: the
-    caller's own model check says what is wrong with it, in its own words, later."""
+    ``family`` is the caller's detected family (None: a full-size family's bucket rules)."""
     from autotune.doctor.report import brief
 
-    if spec is None:
-        try:
-            spec = resolve_family(model, family)
-        except UserError:
-            model = family = None
-    report = diagnose(dataset_dir, model=model, family=family, spec=spec, **options)  # type: ignore[arg-type]
+    report = diagnose(dataset_dir, family=family, **options)  # type: ignore[arg-type]
     if report.errors:
         first = report.errors[0]
         more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
@@ -216,15 +208,14 @@ def check_before_training(dataset_dir: str | os.PathLike[str], *, model: str | N
 
 def diagnose_options(args: argparse.Namespace, progress: Progress | None = None) -> DoctorReport:
     """The report for ``autotune doctor``'s parsed options (the CLI and the web app's ``POST /api/doctor``)."""
+    family = resolve_family(args.model, args.family)  # detected once, for the config's reading and the checks
     given: dict[str, Any] = {"resolution": args.resolution, "batch": args.batch, "frames": args.frames,
                                 "caption_extension": args.caption_extension, "max_token_length": args.max_token_length}
     if args.config:
-        configured = options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
-                                         dataset_dir=args.dataset)
+        configured = options_from_config(args.config, args.dataset_config, family=family, dataset_dir=args.dataset)
         if args.resolution is None:  # the config's bucketing, unless --resolution asks for the planner's
             given["buckets"] = configured["buckets"]
         given = {key: value if value is not None else configured.get(key) for key, value in given.items()}
     elif args.dataset_config:
         raise UserError("--dataset-config needs --config (the training config it belongs to)")
-    return diagnose(args.dataset, model=args.model, family=args.family, quick=args.quick, progress=progress,
-                    **given)
+    return diagnose(args.dataset, family=family, quick=args.quick, progress=progress, **given)

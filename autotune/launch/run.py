@@ -206,8 +206,7 @@ def start_run(args: argparse.Namespace) -> int:
     if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
         from autotune.doctor import check_before_training
 
-        print("\n".join(check_before_training(dataset_dir, model=args.model, family=args.family, spec=family,
-                                               **_doctor_options(args))))
+        print("\n".join(check_before_training(dataset_dir, family=family, **_doctor_options(args, family))))
     out = _output_folder(args, dataset_dir, family)
     if not args.resume and out.is_dir() and not run_traces(out):  # a run's own folder: _prepare_output says
         refuse_foreign_configs(out)  # the user's configs are never written over
@@ -237,14 +236,13 @@ def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: FamilySp
     return out
 
 
-def _doctor_options(args: argparse.Namespace) -> dict[str, Any]:
+def _doctor_options(args: argparse.Namespace, family: FamilySpec) -> dict[str, Any]:
     """What the doctor checks for: the settings --config (+ --dataset-config) will train with, else the pins."""
     if not args.config:
         return {"resolution": args.resolution, **({"frames": args.frames} if getattr(args, "frames", None) else {})}
     from autotune.doctor.diagnose import options_from_config
 
-    return options_from_config(args.config, args.dataset_config, model=args.model, family=args.family,
-                               dataset_dir=args.dataset)
+    return options_from_config(args.config, args.dataset_config, family=family, dataset_dir=args.dataset)
 
 
 def _checked_fingerprint(args: argparse.Namespace, out: Path, dataset_dir: Path) -> dict[str, Any]:

@@ -358,7 +358,7 @@ def doctor(asker: Asker, model: ModelChoice, data: DatasetChoice) -> bool:
     from autotune.doctor import check_before_training
 
     try:
-        lines = check_before_training(data.folder, model=model.model, spec=model.family,
+        lines = check_before_training(data.folder, family=model.family,
                                       frames=data.frames if data.frames > 1 else None)
     except UserError as error:
         asker.say(f"  doctor: {error}", style="red")

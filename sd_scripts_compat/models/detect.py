@@ -54,16 +54,19 @@ def known_family(name: str, stated_by: str = "--family") -> FamilySpec:
     return get_family(name)
 
 
-def detect_family(model: str | os.PathLike[str], stated: str | None = None, *,
+def detect_family(model: str | os.PathLike[str], stated: str | FamilySpec | None = None, *,
                   stated_by: str = "--family", allow_pickle: bool = False) -> FamilySpec:
     """The family of ``builtin:ID``, a diffusers folder or a ``.safetensors`` file, from headers and configs.
 
-    ``stated`` is the user's word for it (e.g. ``sd2-v`` for an SD2 768-v file without a v-prediction
-    marker); ``stated_by`` names where it came from in error messages. A model that contradicts it is a
-    UserError; a model that cannot be read cheaply (missing, a pickle checkpoint) takes it on trust,
-    so a plan can be made for a model that is elsewhere. ``allow_pickle``: the user allowed a ``.ckpt`` /
-    ``.pt``; unless stated, it is loaded (``torch.load(weights_only=True)``) to read its family.
+    ``stated`` is the user's word for it (e.g. ``sd2-v`` for an SD2 768-v file without a v-prediction marker: a name
+    at the edge, the engine's ``FamilySpec`` of kohya's flags inside); ``stated_by`` names where it came from in
+    error messages. A model that contradicts it is a UserError; a model that cannot be read cheaply (missing, a
+    pickle checkpoint) takes it on trust, so a plan can be made for a model that is elsewhere. ``allow_pickle``: the
+    user allowed a ``.ckpt`` / ``.pt``; unless stated, it is loaded (``torch.load(weights_only=True)``) to read its
+    family.
     """
+    if isinstance(stated, FamilySpec):
+        stated = stated.name
     if stated is not None:
         known_family(stated, stated_by)
     text = os.fspath(model)
@@ -266,10 +269,10 @@ def choose_family(matched: list[FamilySpec], prediction: str | None, stated: str
     return detected
 
 
-def family_for_kohya_flags(v2: bool, v_parameterization: bool) -> str | None:
+def family_for_kohya_flags(v2: bool, v_parameterization: bool) -> FamilySpec | None:
     """The full-size family kohya's ``--v2`` / ``--v_parameterization`` flags name, None without ``--v2``
     (kohya has no family flag; without ``--v2`` the file decides)."""
     if not v2:
         return None
     wanted = "v_prediction" if v_parameterization else "epsilon"
-    return next(f.name for f in all_families() if f.v2 and not f.tiny and f.prediction_type == wanted)
+    return next(f for f in all_families() if f.v2 and not f.tiny and f.prediction_type == wanted)

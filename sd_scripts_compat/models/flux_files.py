@@ -94,7 +94,7 @@ def t5_state(tensors: Mapping[str, torch.Tensor], module: torch.nn.Module) -> di
 
 
 def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = None, t5xxl: str | None = None,
-                    ae: str | None = None, t5xxl_tokenizer: str | None = None, family: str | None = None,
+                    ae: str | None = None, t5xxl_tokenizer: str | None = None, family: FamilySpec | None = None,
                     device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """The FLUX bundle from kohya's four options (see the module docstring); every failure one line. Weights are

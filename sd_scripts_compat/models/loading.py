@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec, family_names
-from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family, known_family
+from sd_scripts_compat.models.detect import BUILTIN_PREFIX, ENGINE_STATED_BY, detect_family
 
 if TYPE_CHECKING:
     import torch
@@ -35,17 +35,15 @@ DIFFUSERS_TEXT_PARTS = ("text_encoder", "text_encoder_2")
 DIFFUSERS_TOKENIZER_PARTS = ("tokenizer", "tokenizer_2")
 
 
-def before_loading(family: str | None) -> None:
-    """What every load does first: a stated family must exist (one line otherwise); the test hook's delay."""
-    if family is not None:
-        known_family(family, ENGINE_STATED_BY)
+def before_loading() -> None:
+    """What every load does first: the test hook's delay."""
     if os.environ.get(LOAD_DELAY_ENV):
         import time
 
         time.sleep(float(os.environ[LOAD_DELAY_ENV]))
 
 
-def load_sd_model(text: str, *, family: str | None, allow_pickle: bool, device: str | torch.device,
+def load_sd_model(text: str, *, family: FamilySpec | None, allow_pickle: bool, device: str | torch.device,
                   dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
     """A built-in, a diffusers folder or an original-layout single file (SD 1/2/XL; every built-in)."""
     if text.startswith(BUILTIN_PREFIX):
@@ -72,7 +70,7 @@ def replace_vae(bundle: ModelBundle, vae: str | None, *, device: str | torch.dev
     return bundle
 
 
-def _load_builtin(model: str, *, family: str | None, device: str | torch.device,
+def _load_builtin(model: str, *, family: FamilySpec | None, device: str | torch.device,
                   dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.build import build_modules
 
@@ -127,7 +125,7 @@ def _first_difference(want: list[dict[str, tuple[int, ...]]], got: list[dict[str
     return "same shapes"
 
 
-def load_diffusers_folder(folder: str | os.PathLike[str], *, family: str | None = None,
+def load_diffusers_folder(folder: str | os.PathLike[str], *, family: FamilySpec | None = None,
                           device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                           vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """A diffusers pipeline folder (``model_index.json``), read with local files only.

@@ -76,7 +76,7 @@ def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def load_sd3_model(pretrained: str | os.PathLike[str], *, parts: Mapping[str, str | None],
-                   t5xxl_tokenizer: str | None = None, family: str | None = None,
+                   t5xxl_tokenizer: str | None = None, family: FamilySpec | None = None,
                    device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                    vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """The SD3 bundle from sd-scripts' options (see the module docstring); ``parts`` maps ``clip_l`` / ``clip_g``

@@ -260,13 +260,13 @@ def _mismatch(shapes: Mapping[str, tuple[int, ...]], expected: Mapping[str, tupl
     return None
 
 
-def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None,
+def detect_family(checkpoint: Checkpoint, stated: FamilySpec | None = None,
                   candidates: Iterable[FamilySpec] | None = None) -> FamilySpec:
     """The family of a single file: the cheap candidates of ``models.detect`` (layout, first conv), then
     every tensor shape, then ``detect.choose_family`` (stated family, v-prediction markers).
 
-    A ``FamilySpec`` passed as ``stated`` is the only candidate (custom variants, tests). A stated
-    family name that the file contradicts is a UserError naming both. A file of a family sd-scripts trains for us
+    A stated family outside the family data is the only candidate (custom variants, tests). A stated
+    family that the file contradicts is a UserError naming both. A file of a family sd-scripts trains for us
     (Lumina 2, HunyuanImage-2.1, Anima: told by its header) is a UserError naming sd-scripts' script; an SD3 file
     never comes here (``models.sd3_files``).
     """
@@ -277,10 +277,9 @@ def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None
         raise UserError(f"{checkpoint.path}: a {own[0].description} file; this engine does not train it, "
                         f"sd-scripts' {own[0].kohya_script} does (autotune run --engine sd-scripts=PATH)")
     layout = detect_layout(checkpoint)
-    if isinstance(stated, FamilySpec):
+    pool = list(candidates) if candidates is not None else all_families()
+    if stated is not None and stated not in pool:
         pool = [stated]
-    else:
-        pool = list(candidates) if candidates is not None else all_families()
     matched, reasons = [], []
     for family in checkpoint_candidates(checkpoint.shapes, layout, pool):
         reason = _mismatch(checkpoint.shapes, expected_shapes(family))
@@ -288,7 +287,7 @@ def detect_family(checkpoint: Checkpoint, stated: str | FamilySpec | None = None
             matched.append(family)
         else:
             reasons.append(f"{family.name}: {reason}")
-    stated_name = stated.name if isinstance(stated, FamilySpec) else stated
+    stated_name = stated.name if stated is not None else None
     if not matched:
         detail = "; ".join(reasons[:2]) or "no family of that layout"
         wanted = f" (requested family {stated_name})" if stated_name else ""
@@ -385,7 +384,7 @@ def _strict_load(module: torch.nn.Module, state: Mapping[str, torch.Tensor], par
     module.load_state_dict(converted, strict=True, assign=True)
 
 
-def load_single_file(path: str | os.PathLike[str], *, family: str | FamilySpec | None = None,
+def load_single_file(path: str | os.PathLike[str], *, family: FamilySpec | None = None,
                      allow_pickle: bool = False, device: str | torch.device = "cpu",
                      dtype: torch.dtype | None = None, vae_dtype: torch.dtype | None = None) -> ModelBundle:
     """Load an original-layout checkpoint into a ModelBundle of diffusers/transformers modules, each tensor cast

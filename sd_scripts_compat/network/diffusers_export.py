@@ -23,6 +23,7 @@ from sd_scripts_compat.facts.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
 
 
@@ -69,13 +70,12 @@ def to_diffusers_lora(state: Mapping[str, torch.Tensor], bundle: ModelBundle) ->
 COPY_MARK = {"written_by": "lora-autotune inspect --diffusers-out"}  # a later export may replace only such a file
 
 
-def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[str], family: str) -> int:
+def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[str], family: FamilySpec) -> int:
     """Write ``lora`` (a kohya file of ``family``) as a diffusers-named copy at ``out``, atomically; the module
     paths come from the family built on the meta device (nothing is allocated). Returns the tensors written."""
     from safetensors.torch import save_file
 
     from sd_scripts_compat.facts.atomic import atomic_path
-    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.network.lora_file import read_lora_file
 
@@ -85,7 +85,7 @@ def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[s
     if target.suffix.lower() != ".safetensors":
         raise UserError(f"{target}: the diffusers copy is a .safetensors file; give a name ending in .safetensors")
     state, _ = read_lora_file(source)
-    tensors = to_diffusers_lora(state, build_modules(get_family(family), device="meta", seed=None))
+    tensors = to_diffusers_lora(state, build_modules(family, device="meta", seed=None))
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt", **COPY_MARK})

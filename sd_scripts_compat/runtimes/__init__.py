@@ -57,10 +57,10 @@ class FamilyRuntime(Protocol):
 
     LOAD_PRIORITY: int  # which runtime's ``claims_source`` is asked first (lowest first; ties by name)
 
-    def claims_source(self, text: str, stated: str | None, parts: Mapping[str, str | None]) -> bool:
+    def claims_source(self, text: str, stated: FamilySpec | None, parts: Mapping[str, str | None]) -> bool:
         """Whether this runtime loads the base model ``text`` (with kohya's part options ``parts``)."""
 
-    def load(self, text: str, *, stated: str | None, parts: Mapping[str, str | None], allow_pickle: bool,
+    def load(self, text: str, *, stated: FamilySpec | None, parts: Mapping[str, str | None], allow_pickle: bool,
              device: str | torch.device, dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
         """Files and folders to modules: the bundle, its ``family`` detected (and checked against ``stated``)."""
 
@@ -117,7 +117,7 @@ def all_runtimes() -> list[FamilyRuntime]:
     return [runtime for runtime, _ in sorted(runtimes, key=lambda pair: (pair[0].LOAD_PRIORITY, pair[1]))]
 
 
-def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, allow_pickle: bool = False,
+def load_base_model(spec: str | os.PathLike[str], *, family: FamilySpec | None = None, allow_pickle: bool = False,
                     device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                     vae_dtype: torch.dtype | None = None, **parts: str | None) -> ModelBundle:
     """Load (or build) a base model: every way a user holds one (``models.loading`` lists them), loaded by the
@@ -131,7 +131,7 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
     unknown = sorted(set(parts) - set(PART_OPTIONS))
     if unknown:
         raise TypeError(f"load_base_model: unknown part options {unknown}")
-    before_loading(family)
+    before_loading()
     text = os.fspath(spec)
     for runtime in all_runtimes():
         if runtime.claims_source(text, family, parts):
@@ -140,6 +140,6 @@ def load_base_model(spec: str | os.PathLike[str], *, family: str | None = None, 
     raise UserError(f"{text}: no runtime loads this model")  # the UNet runtime claims every other source
 
 
-def encode_prompts(bundle: ModelBundle, captions: list[str], **options: Any) -> TextConditioning:
-    """Encode ``captions`` the way the bundle's family does (``TextOptions`` fields as keywords)."""
-    return runtime_for(bundle.family).encode_prompts(bundle, captions, TextOptions(**options))
+def encode_prompts(bundle: ModelBundle, captions: list[str], options: TextOptions | None = None) -> TextConditioning:
+    """Encode ``captions`` the way the bundle's family does."""
+    return runtime_for(bundle.family).encode_prompts(bundle, captions, options or TextOptions())

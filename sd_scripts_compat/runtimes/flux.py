@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
     from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
@@ -24,7 +25,7 @@ LOAD_PRIORITY = 10
 PARTS = ("clip_l", "t5xxl", "ae", "t5xxl_tokenizer")  # kohya's FLUX.1 part options
 
 
-def claims_source(text: str, stated: str | None, parts: Mapping[str, str | None]) -> bool:
+def claims_source(text: str, stated: FamilySpec | None, parts: Mapping[str, str | None]) -> bool:
     """Any of FLUX.1's part options, or a FLUX transformer file or folder on its own (a built-in loads as the
     UNet runtime builds every built-in)."""
     return any(parts.get(key) for key in PARTS) or _is_flux_source(text)
@@ -48,7 +49,7 @@ def _is_flux_source(text: str) -> bool:
     return is_bfl_transformer(read_checkpoint(path, header_only=True).shapes)
 
 
-def load(text: str, *, stated: str | None, parts: Mapping[str, str | None], allow_pickle: bool,
+def load(text: str, *, stated: FamilySpec | None, parts: Mapping[str, str | None], allow_pickle: bool,
          device: str | torch.device, dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.flux_files import load_flux_model
     from sd_scripts_compat.models.loading import replace_vae

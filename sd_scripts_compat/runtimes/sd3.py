@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
     from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
@@ -27,7 +28,7 @@ LOAD_PRIORITY = 0  # asked first: its clip_g, and SD3 files that would otherwise
 PARTS = ("clip_l", "clip_g", "t5xxl", "vae")  # kohya's SD3 part options
 
 
-def claims_source(text: str, stated: str | None, parts: Mapping[str, str | None]) -> bool:
+def claims_source(text: str, stated: FamilySpec | None, parts: Mapping[str, str | None]) -> bool:
     """``clip_g`` (SD3's own option), or a built-in, folder or .safetensors file whose family, told from its
     headers or configs alone, runs on this runtime."""
     from sd_scripts_compat.facts.errors import UserError
@@ -45,7 +46,7 @@ def claims_source(text: str, stated: str | None, parts: Mapping[str, str | None]
         return False  # the family's own loader says what is wrong, in its words
 
 
-def load(text: str, *, stated: str | None, parts: Mapping[str, str | None], allow_pickle: bool,
+def load(text: str, *, stated: FamilySpec | None, parts: Mapping[str, str | None], allow_pickle: bool,
          device: str | torch.device, dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.sd3_files import load_sd3_model
 

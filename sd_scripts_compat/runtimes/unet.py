@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from sd_scripts_compat.config.training_config import TrainingConfig
+    from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.facts.sample_prompts import SamplePrompt
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.text_encoding import TextConditioning
@@ -35,11 +36,11 @@ SAMPLERS = {
 }
 
 
-def claims_source(text: str, stated: str | None, parts: Mapping[str, str | None]) -> bool:
+def claims_source(text: str, stated: FamilySpec | None, parts: Mapping[str, str | None]) -> bool:
     return True
 
 
-def load(text: str, *, stated: str | None, parts: Mapping[str, str | None], allow_pickle: bool,
+def load(text: str, *, stated: FamilySpec | None, parts: Mapping[str, str | None], allow_pickle: bool,
          device: str | torch.device, dtype: torch.dtype | None, vae_dtype: torch.dtype | None) -> ModelBundle:
     """A built-in, a diffusers folder or a single file; kohya's ``vae`` replaces its VAE."""
     from sd_scripts_compat.models.loading import load_sd_model, replace_vae

@@ -1028,7 +1028,7 @@ def _family_from_headers(config: TrainingConfig, sdxl: bool) -> FamilySpec | Non
     return family
 
 
-def _stated_family(config: TrainingConfig, sdxl: bool) -> str | None:
+def _stated_family(config: TrainingConfig, sdxl: bool) -> FamilySpec | None:
     """The family the user's flags state (kohya has no family flag: sdxl entry point, v2, v_parameterization)."""
     from sd_scripts_compat.models.detect import family_for_kohya_flags
 
