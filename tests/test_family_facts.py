@@ -52,7 +52,7 @@ def planner_swaps(family: str) -> set[int]:
 def oom_ladder_swaps(family: str) -> set[int]:
     """Every swap count the OOM ladder's block-swap rung may step to from a run without swap."""
     spec = get_family(family)
-    limits = LadderLimits.for_family(spec, budget_mib=1.0, fp8_supported=True)
+    limits = LadderLimits.for_family(spec, budget_mib=1.0, fp8_supported=True, te_cache_allowed=True)
     settings = start_point(spec, side=spec.resolution, rank=16, optimizer="AdamW", precision="bf16",
                            train_te=False, effective=4, attention="sdpa")
     rung = next(candidates for name, candidates, _ in _rungs(settings, limits) if name == "block swap")
@@ -100,7 +100,7 @@ def test_every_size_the_planner_or_the_ladder_proposes_trains_in_the_engine(fami
                         effective=4, attention="sdpa")
     planned = {point.resolution for _, point in ladder(start, spec, GOAL_PROFILES["character"],
                                                        fp8_ok=True)} | {start.resolution}
-    limits = LadderLimits.for_family(spec, budget_mib=1.0)
+    limits = LadderLimits.for_family(spec, budget_mib=1.0, fp8_supported=False, te_cache_allowed=True)
     stepped = {s.resolution for name, candidates, _ in _rungs(replace(start, train_batch_size=2), limits)
                for s in candidates}
     for width, height in planned | stepped:

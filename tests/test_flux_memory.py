@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -78,8 +79,8 @@ def test_fp8_t5_is_what_lets_a_small_card_cache_text_encoder_outputs() -> None:
 def test_swap_costs_nothing_until_the_link_is_the_bottleneck() -> None:
     gpu = lookup_gpu("RTX 4090")
     base = DitMemoryInputs(resolution=1024, gradient_checkpointing=True)
-    assert predict_dit_speed(base, gpu).it_per_s == predict_dit_speed(base.with_(blocks_to_swap=8), gpu).it_per_s
-    small = base.with_(resolution=256, blocks_to_swap=35)
+    assert predict_dit_speed(base, gpu).it_per_s == predict_dit_speed(replace(base, blocks_to_swap=8), gpu).it_per_s
+    small = replace(base, resolution=256, blocks_to_swap=35)
     assert swap_seconds(small, gpu) > dit_step_flops(small)["total"] / 165e12
     assert predict_dit_speed(small, gpu).seconds_per_step == pytest.approx(swap_seconds(small, gpu))
     slow = lookup_gpu("RTX 4060 Ti 16GB")  # PCIe 4.0 x8: half a 4090's link

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,47 +17,47 @@ BASE = MemoryInputs(family="sd15", resolution=512, batch_size=2, rank=16, gradie
 
 
 def tensor_peak(**changes: object) -> int:
-    return predict_memory(BASE.with_(**changes)).tensor_peak_bytes
+    return predict_memory(replace(BASE, **changes)).tensor_peak_bytes
 
 
 @pytest.mark.parametrize("family", ["sd15", "sd2", "sd2-v", "sdxl"])
 def test_more_batch_resolution_rank_need_more_memory(family: str) -> None:
-    base = BASE.with_(family=family)
+    base = replace(BASE, family=family)
     for field, values in (("batch_size", (1, 2, 4, 8)), ("resolution", (256, 512, 768, 1024)),
                           ("rank", (4, 16, 64, 128))):
-        peaks = [predict_memory(base.with_(**{field: v})).tensor_peak_bytes for v in values]
+        peaks = [predict_memory(replace(base, **{field: v})).tensor_peak_bytes for v in values]
         assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks), (family, field, peaks)
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
 def test_checkpointing_and_8bit_and_caching_save_memory(family: str) -> None:
-    base = BASE.with_(family=family, resolution=1024 if family == "sdxl" else 512)
-    on = predict_memory(base.with_(gradient_checkpointing=True))
-    off = predict_memory(base.with_(gradient_checkpointing=False))
+    base = replace(BASE, family=family, resolution=1024 if family == "sdxl" else 512)
+    on = predict_memory(replace(base, gradient_checkpointing=True))
+    off = predict_memory(replace(base, gradient_checkpointing=False))
     assert on.components["activations"] < off.components["activations"]
-    state = {opt: predict_memory(base.with_(optimizer=opt)).components["optimizer_state"]
+    state = {opt: predict_memory(replace(base, optimizer=opt)).components["optimizer_state"]
              for opt in ("AdamW", "AdamW8bit", "Lion", "Prodigy", "Adafactor")}
     assert state["AdamW8bit"] < state["Lion"] < state["AdamW"] < state["Prodigy"]
     assert state["Adafactor"] < state["AdamW8bit"]
     assert state["AdamW8bit"] == pytest.approx(state["AdamW"] / 4, rel=0.05)
-    cached = predict_memory(base.with_(cache_latents=True, cache_text_encoder_outputs=True))
+    cached = predict_memory(replace(base, cache_latents=True, cache_text_encoder_outputs=True))
     assert cached.components["weights_text_encoders"] == 0 and cached.components["weights_vae"] == 0
-    resident = predict_memory(base.with_(cache_latents=False, cache_text_encoder_outputs=False))
+    resident = predict_memory(replace(base, cache_latents=False, cache_text_encoder_outputs=False))
     assert resident.components["weights_text_encoders"] > 0 and resident.components["weights_vae"] > 0
-    trained = predict_memory(base.with_(train_text_encoder=True))
+    trained = predict_memory(replace(base, train_text_encoder=True))
     assert trained.components["weights_text_encoders"] > 0
     assert trained.lora_params > cached.lora_params
-    fp8 = predict_memory(base.with_(weight_dtype="fp8"))
-    fp16 = predict_memory(base.with_(weight_dtype="fp16"))
-    fp32 = predict_memory(base.with_(weight_dtype="fp32"))
+    fp8 = predict_memory(replace(base, weight_dtype="fp8"))
+    fp16 = predict_memory(replace(base, weight_dtype="fp16"))
+    fp32 = predict_memory(replace(base, weight_dtype="fp32"))
     assert fp8.components["weights_unet"] < fp16.components["weights_unet"] < fp32.components["weights_unet"]
     assert fp32.components["activations"] > fp16.components["activations"]
-    math = predict_memory(base.with_(attention="math", gradient_checkpointing=False))
+    math = predict_memory(replace(base, attention="math", gradient_checkpointing=False))
     assert math.components["activations"] > off.components["activations"]
 
 
 def test_components_sum_to_total() -> None:
-    estimate = predict_memory(BASE.with_(family="sdxl", resolution=1024, train_text_encoder=True,
+    estimate = predict_memory(replace(BASE, family="sdxl", resolution=1024, train_text_encoder=True,
                                          cache_latents=False, cache_text_encoder_outputs=False))
     parts = estimate.components
     assert sum(parts.values()) == estimate.total_bytes
@@ -76,7 +77,7 @@ def test_lora_param_count_matches_kohya_reference(keys_file: str, family: str, c
         pytest.skip(f"{path} not present")
     keys = json.loads(path.read_text())
     expected = sum(_numel(shape) for key, (shape, _dtype) in keys.items() if not key.endswith(".alpha"))
-    estimate = predict_memory(BASE.with_(family=family, rank=16, conv_dim=conv_dim, train_text_encoder=True))
+    estimate = predict_memory(replace(BASE, family=family, rank=16, conv_dim=conv_dim, train_text_encoder=True))
     assert estimate.lora_params == expected
     assert estimate.components["lora_params"] == 4 * expected == estimate.components["lora_grads"]
 
@@ -90,12 +91,12 @@ def _numel(shape: list[int]) -> int:
 
 def test_bad_input_is_a_user_error() -> None:
     with pytest.raises(UserError, match="optimizer"):
-        predict_memory(BASE.with_(optimizer="SGDNesterov"))
+        predict_memory(replace(BASE, optimizer="SGDNesterov"))
     with pytest.raises(UserError, match="family"):
-        predict_memory(BASE.with_(family="sd3"))
+        predict_memory(replace(BASE, family="sd3"))
     assert canonical_optimizer("pagedadamw8bit") == "AdamW8bit"
-    assert predict_memory(BASE.with_(optimizer="adamw8bit")).components["optimizer_state"] == \
-        predict_memory(BASE.with_(optimizer="AdamW8bit")).components["optimizer_state"]
+    assert predict_memory(replace(BASE, optimizer="adamw8bit")).components["optimizer_state"] == \
+        predict_memory(replace(BASE, optimizer="AdamW8bit")).components["optimizer_state"]
 
 
 @pytest.mark.slow
@@ -125,15 +126,15 @@ def test_tiny_families_are_calibrated_from_their_own_traces(family: str) -> None
     assert not any(b.startswith("activations") for b in cal["borrowed"])
     assert load_calibration()["flops"][family]["latent_downsample"] == 8
     tiny = MemoryInputs(family=family, resolution=256, batch_size=1, rank=8, optimizer="AdamW", weight_dtype="fp32")
-    peaks = [predict_memory(tiny.with_(resolution=r)).tensor_peak_bytes for r in (64, 128, 256, 384, 512)]
+    peaks = [predict_memory(replace(tiny, resolution=r)).tensor_peak_bytes for r in (64, 128, 256, 384, 512)]
     assert peaks == sorted(peaks) and len(set(peaks)) == 5
     with pytest.raises(UserError, match="resolution must be >= 64 px"):
-        predict_memory(tiny.with_(resolution=32))
+        predict_memory(replace(tiny, resolution=32))
     from autotune.calibration.flops import count_flops
     from autotune.estimate.speed_model import step_flops
 
     counted = count_flops(family, 192, gradient_checkpointing=True)  # 192 px: between the counted 128/256/512
-    shipped = step_flops(tiny.with_(resolution=192, gradient_checkpointing=True))
+    shipped = step_flops(replace(tiny, resolution=192, gradient_checkpointing=True))
     assert shipped.unet_forward == pytest.approx(counted["forward"], rel=0.01)
     assert shipped.unet_backward == pytest.approx(counted["backward"], rel=0.01)
 

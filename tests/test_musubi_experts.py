@@ -62,13 +62,13 @@ def test_pinned_swap_locks_every_swapped_block_of_each_expert_and_copies_faster(
     gpu = lookup_gpu("RTX 4090")
     for experts in (1, 2):
         base = wan(high_noise_expert=experts == 2)
-        pinned = predict_dit_memory(base.with_(pinned_block_swap=True))
+        pinned = predict_dit_memory(replace(base, pinned_block_swap=True))
         plain = predict_dit_memory(base)
         largest = plain.pinned_host_bytes // 2  # two staging copies of the largest swapped block
         assert pinned.pinned_host_bytes == experts * plain.swapped_bytes + largest
         assert pinned.host_ram_bytes == plain.host_ram_bytes - largest  # the staging copies are not needed
     small = wan(resolution=256, batch_size=1)  # a short step: the copies bound it
-    assert predict_dit_speed(small.with_(pinned_block_swap=True), gpu).seconds_per_step < \
+    assert predict_dit_speed(replace(small, pinned_block_swap=True), gpu).seconds_per_step < \
         predict_dit_speed(small, gpu).seconds_per_step
 
 

@@ -5,6 +5,8 @@ as the model assumes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autotune.calibration.dit_memtrace import trace_latent_caching
@@ -59,11 +61,11 @@ def test_text_encoder_caching_on_the_cpu_counts_in_host_ram() -> None:
     from autotune.estimate.dit_memory import encoder_bytes, load_dit_calibration
 
     inputs = DitMemoryInputs(family="qwen-image", resolution=1024, blocks_to_swap=40)
-    on_gpu, on_cpu = predict_dit_memory(inputs), predict_dit_memory(inputs.with_(text_encoders_on_cpu=True))
+    on_gpu, on_cpu = predict_dit_memory(inputs), predict_dit_memory(replace(inputs, text_encoders_on_cpu=True))
     assert on_cpu.caching_peak < on_gpu.caching_peak
     calibration = copy.deepcopy(load_dit_calibration())
     calibration["variants"]["qwen-image"]["caching_transient_bytes"] = 100 * 2**30
-    big = predict_dit_memory(inputs.with_(text_encoders_on_cpu=True), calibration)
+    big = predict_dit_memory(replace(inputs, text_encoders_on_cpu=True), calibration)
     encoders = encoder_bytes(dit_family_calibration("qwen-image")["architecture"], False)
     assert big.host_ram_loading_bytes - on_cpu.host_ram_loading_bytes > 50 * 2**30
     assert big.host_ram_loading_bytes >= encoders + 100 * 2**30

@@ -126,7 +126,7 @@ def test_family_rules_reach_the_config() -> None:
 def test_ladder_swaps_up_to_each_familys_maximum_and_skips_fp8_where_the_script_has_none() -> None:
     for family in FAMILIES:
         spec = get_family(family)
-        limits = LadderLimits.for_family(spec, budget_mib=8000.0, fp8_supported=True)
+        limits = LadderLimits.for_family(spec, budget_mib=8000.0, fp8_supported=True, te_cache_allowed=True)
         assert limits.max_blocks_to_swap == spec.max_blocks_to_swap
         assert limits.fp8_option == spec.fp8_option
     assert get_family("anima").fp8_option is None and get_family("hunyuan-image-2.1").fp8_option == "fp8_scaled"

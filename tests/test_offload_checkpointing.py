@@ -6,6 +6,8 @@ takes the plain path); ``bench/gpu_validate_dit.py`` measures the offloaded case
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from fixtures.engine_runs import run_engine
@@ -21,7 +23,7 @@ def test_memory_and_speed_models_move_the_block_inputs_to_the_host():
     from autotune.hardware.gpu_catalog import lookup_gpu
 
     base = DitMemoryInputs(family="flux-dev", resolution=1024, batch_size=2, gradient_checkpointing=True)
-    offload = base.with_(cpu_offload_checkpointing=True)
+    offload = replace(base, cpu_offload_checkpointing=True)
     kept, moved = predict_dit_memory(base), predict_dit_memory(offload)
     stored = offloaded_checkpoint_bytes(dit_family_calibration("flux-dev"), offload)
     # FLUX.1: 57 blocks, the 56 not in flight: 2 bytes x 3072 x (4096 image + 512 text tokens) x batch 2
@@ -31,7 +33,7 @@ def test_memory_and_speed_models_move_the_block_inputs_to_the_host():
     assert moved.components["activations"] > 0
     card = lookup_gpu("RTX 4090")
     assert offload_seconds(offload, card) > 0 == offload_seconds(base, card)
-    no_gc = base.with_(gradient_checkpointing=False, cpu_offload_checkpointing=True)
+    no_gc = replace(base, gradient_checkpointing=False, cpu_offload_checkpointing=True)
     assert offloaded_checkpoint_bytes(dit_family_calibration("flux-dev"), no_gc) == 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from autotune.calibration.flops import count_flops
@@ -36,11 +38,11 @@ def test_shipped_fits_reproduce_reference_figures() -> None:
     sdxl = step_flops(SDXL)
     assert sdxl.unet_forward == pytest.approx(6.76e12, rel=0.05)
     assert sdxl.total == pytest.approx(14.70e12, rel=0.05)
-    assert step_flops(SDXL.with_(gradient_checkpointing=True)).total == pytest.approx(19.89e12, rel=0.05)
-    assert step_flops(SDXL.with_(batch_size=4)).total == pytest.approx(4 * sdxl.total, rel=1e-9)
-    uncached = step_flops(SD15.with_(cache_latents=False, cache_text_encoder_outputs=False))
+    assert step_flops(replace(SDXL, gradient_checkpointing=True)).total == pytest.approx(19.89e12, rel=0.05)
+    assert step_flops(replace(SDXL, batch_size=4)).total == pytest.approx(4 * sdxl.total, rel=1e-9)
+    uncached = step_flops(replace(SD15, cache_latents=False, cache_text_encoder_outputs=False))
     assert uncached.vae_encode > 0 and uncached.text_encoders > 0
-    trained = step_flops(SD15.with_(train_text_encoder=True))
+    trained = step_flops(replace(SD15, train_text_encoder=True))
     assert trained.text_encoders > uncached.text_encoders
 
 
@@ -48,11 +50,11 @@ def test_predictions_behave() -> None:
     fast = predict_speed(SD15, peak_tflops=100.0, steps=1000)
     assert fast.total_seconds == pytest.approx(1000 * fast.seconds_per_step)
     assert fast.it_per_s == pytest.approx(1 / fast.seconds_per_step)
-    big = predict_speed(SD15.with_(batch_size=8), peak_tflops=100.0)
+    big = predict_speed(replace(SD15, batch_size=8), peak_tflops=100.0)
     assert big.seconds_per_step > fast.seconds_per_step
     assert big.efficiency > fast.efficiency  # bigger steps use the card better
     assert 8 / big.seconds_per_step > 1 / fast.seconds_per_step  # so samples/s rise with batch
-    gc = predict_speed(SD15.with_(gradient_checkpointing=True), peak_tflops=100.0)
+    gc = predict_speed(replace(SD15, gradient_checkpointing=True), peak_tflops=100.0)
     assert gc.seconds_per_step > fast.seconds_per_step
     ga = predict_speed(SD15, peak_tflops=100.0, gradient_accumulation_steps=4)
     assert ga.seconds_per_step == pytest.approx(4 * fast.seconds_per_step)
@@ -67,8 +69,8 @@ def test_gpu_catalogue_rate_by_precision() -> None:
     from autotune.hardware.gpu_catalog import lookup_gpu
 
     gpu = lookup_gpu("RTX 4090")
-    fp16 = predict_speed(SD15.with_(weight_dtype="fp16"), gpu)
-    fp32 = predict_speed(SD15.with_(weight_dtype="fp32"), gpu)
+    fp16 = predict_speed(replace(SD15, weight_dtype="fp16"), gpu)
+    fp32 = predict_speed(replace(SD15, weight_dtype="fp32"), gpu)
     assert fp16.peak_tflops == gpu.fp16_tensor_tflops
     assert fp32.peak_tflops == gpu.fp32_tflops
     assert fp32.seconds_per_step > fp16.seconds_per_step
@@ -84,17 +86,17 @@ def test_cpu_micro_step_is_overhead_traffic_and_flops_and_native_bf16_pays_off_o
                         mixed_precision="no")
     fp32 = predict_speed(tiny, cpu_cores=2)
     assert CPU_FP32.overhead_s < fp32.seconds_per_step < 2 * CPU_FP32.overhead_s
-    four = predict_speed(tiny.with_(batch_size=4), cpu_cores=2)
+    four = predict_speed(replace(tiny, batch_size=4), cpu_cores=2)
     assert 4 / four.seconds_per_step > 1 / fp32.seconds_per_step  # the overhead is shared by the batch
-    assert predict_speed(tiny.with_(mixed_precision="bf16"), cpu_cores=2, cpu_bf16=True).seconds_per_step > \
+    assert predict_speed(replace(tiny, mixed_precision="bf16"), cpu_cores=2, cpu_bf16=True).seconds_per_step > \
         fp32.seconds_per_step
-    full = SD15.with_(resolution=256, rank=32, batch_size=4, gradient_checkpointing=False)
-    native = predict_speed(full.with_(mixed_precision="bf16"), cpu_cores=2, cpu_bf16=True)
-    plain = predict_speed(full.with_(mixed_precision="no"), cpu_cores=2)
-    emulated = predict_speed(full.with_(mixed_precision="bf16"), cpu_cores=2, cpu_bf16=False)
+    full = replace(SD15, resolution=256, rank=32, batch_size=4, gradient_checkpointing=False)
+    native = predict_speed(replace(full, mixed_precision="bf16"), cpu_cores=2, cpu_bf16=True)
+    plain = predict_speed(replace(full, mixed_precision="no"), cpu_cores=2)
+    emulated = predict_speed(replace(full, mixed_precision="bf16"), cpu_cores=2, cpu_bf16=False)
     assert native.seconds_per_step < plain.seconds_per_step < emulated.seconds_per_step
     assert 1.5 < plain.seconds_per_step / native.seconds_per_step < 2.5
-    checkpointed = predict_speed(full.with_(mixed_precision="no", gradient_checkpointing=True), cpu_cores=2)
+    checkpointed = predict_speed(replace(full, mixed_precision="no", gradient_checkpointing=True), cpu_cores=2)
     assert checkpointed.seconds_per_step > plain.seconds_per_step  # the recompute costs, never saves
 
 

@@ -127,8 +127,6 @@ class DitMemoryInputs:
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
 
-    def with_(self, **changes: Any) -> DitMemoryInputs:
-        return replace(self, **changes)
 
     @classmethod
     def of_trace(cls, config: dict[str, Any], family: str) -> DitMemoryInputs:
@@ -137,9 +135,9 @@ class DitMemoryInputs:
         return cls(family=family, frames=config.get("frames", 1), **{key: config[key] for key in keys})
 
 
-def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_fp8: bool = False,
-                             **overrides: Any) -> DitMemoryInputs:
-    """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping)."""
+def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_fp8: bool = False) -> DitMemoryInputs:
+    """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping); what
+    the settings do not hold (the machine's, the plan's profile) a caller adds with ``dataclasses.replace``."""
     width, height = settings.resolution
     return DitMemoryInputs(
         family=family.name, resolution=width, height=height if height != width else None,
@@ -151,8 +149,7 @@ def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_f
         t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
         frames=settings.frames,
         pinned_block_swap=settings.use_pinned_memory_for_block_swap and settings.blocks_to_swap > 0,
-        high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit,
-        **overrides)
+        high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit)
 
 
 @dataclass(frozen=True)
@@ -285,7 +282,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     """Predict both phases' peak VRAM and the host RAM of one FLUX LoRA step (see the module doc)."""
     if inputs.batch_size < 1 or inputs.rank < 1:
         raise UserError(f"FLUX memory model input {inputs}: batch_size and rank must be >= 1")
-    inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
+    inputs = replace(inputs, optimizer=canonical_optimizer(inputs.optimizer))
     cal = dit_family_calibration(inputs.family, calibration)
     arch = cal["architecture"]
     family = get_family(inputs.family)

@@ -94,12 +94,10 @@ class MemoryInputs:
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
 
-    def with_(self, **changes: Any) -> MemoryInputs:
-        return replace(self, **changes)
 
 
-def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, text_encoder_outputs_cached: bool = False,
-                        **overrides: Any) -> MemoryInputs:
+def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *,
+                        text_encoder_outputs_cached: bool = False) -> MemoryInputs:
     """The memory model's inputs for one ``TrainSettings`` (the planner's and the ladder's one mapping).
 
     ``text_encoder_outputs_cached``: the text encoders are off the device whatever the settings say
@@ -115,7 +113,6 @@ def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, text_enc
         cache_latents=settings.cache_latents,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs or text_encoder_outputs_cached,
         attention=settings.attention, network_module=settings.network_module, network_args=settings.network_args,
-        **overrides,
     )
 
 
@@ -333,7 +330,7 @@ def _activations(cal: dict[str, Any], shared: dict[str, Any], inputs: MemoryInpu
 def predict_memory(inputs: MemoryInputs, calibration: dict[str, Any] | None = None) -> MemoryEstimate:
     """Predict the peak VRAM of one training step of ``inputs``, by component (see the module doc)."""
     _validate(inputs)
-    inputs = inputs.with_(optimizer=canonical_optimizer(inputs.optimizer))
+    inputs = replace(inputs, optimizer=canonical_optimizer(inputs.optimizer))
     calibration = calibration or load_calibration()
     cal = family_calibration(inputs.family, calibration)
     arch = cal["architecture"]

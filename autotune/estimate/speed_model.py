@@ -179,7 +179,7 @@ def cpu_traffic_bytes(inputs: MemoryInputs, flops: float,
     weights = family_calibration(inputs.family, calibration)["architecture"]["unet"]["float_elements"]
     activations: float = predict_memory(inputs, calibration).components["activations"]
     if getattr(inputs, "gradient_checkpointing", False):  # it keeps fewer activations but does all that work,
-        plain = inputs.with_(gradient_checkpointing=False)  # and the recompute again
+        plain = replace(inputs, gradient_checkpointing=False)  # and the recompute again
         activations = (predict_memory(plain, calibration).components["activations"]
                        * flops / step_flops(plain, calibration).total)
     return weights * compute_bytes, activations

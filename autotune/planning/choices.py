@@ -8,7 +8,7 @@ each key in config.toml and the "reason" column of ``autotune plan``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -323,8 +323,8 @@ def swap_reason(c: PlanContext) -> str:
     from autotune.estimate.dit_memory import dit_inputs_for_settings, predict_dit_memory
     from autotune.estimate.dit_speed import dit_step_flops, swap_seconds
 
-    inputs = dit_inputs_for_settings(c.family, c.settings, t5_fp8=c.text_encoder_fp8,
-                                     text_encoders_on_cpu=c.te_cpu)
+    inputs = replace(dit_inputs_for_settings(c.family, c.settings, t5_fp8=c.text_encoder_fp8),
+                     text_encoders_on_cpu=c.te_cpu)
     estimate = predict_dit_memory(inputs)
     double, single = c.family.swap_split(c.settings.blocks_to_swap)
     blocks = (f"{double} double + {single} single" if c.family.swap_block_counts[1]

@@ -72,8 +72,8 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
 
         profile = plan_profile(family)
         te_fp8 = profile.text_encoder_fp8(t5_fp8, s.fp8_base)
-        flux = dit_inputs_for_settings(family, s, t5_fp8=te_fp8, text_encoders_on_cpu=te_cpu,
-                                       expert_switch_share=profile.expert_switch_share())
+        flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8), text_encoders_on_cpu=te_cpu,
+                       expert_switch_share=profile.expert_switch_share())
         return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed

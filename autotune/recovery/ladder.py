@@ -39,7 +39,8 @@ class LadderLimits(Limits):
     budget_mib: float = 0.0  # usable memory on the device (VRAM, or RAM / address-space limit on CPU)
 
     @classmethod
-    def for_family(cls, family: FamilySpec, budget_mib: float, **machine: Any) -> LadderLimits:
+    def for_family(cls, family: FamilySpec, budget_mib: float, *, fp8_supported: bool,
+                   te_cache_allowed: bool) -> LadderLimits:
         """The limits the family's data sets (swap maximum, resolution step and floor), with the machine's
         (budget, fp8, text-encoder caching) on top."""
         from autotune.planning.resolution import step_and_floor
@@ -47,7 +48,8 @@ class LadderLimits(Limits):
         step, floor = step_and_floor(family)
         return cls(budget_mib=budget_mib, is_sdxl=family.is_sdxl, resolution_step=step, min_resolution=floor,
                    max_blocks_to_swap=family.max_blocks_to_swap, fp8_option=family.fp8_option,
-                   frame_step=family.temporal_stride or 4, **machine)
+                   frame_step=family.temporal_stride or 4, fp8_supported=fp8_supported,
+                   te_cache_allowed=te_cache_allowed)
 
 
 @dataclass(frozen=True)
@@ -179,17 +181,22 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     :func:`next_settings` is what ties the figures to this machine.
     """
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
-    from autotune.estimate.memory_model import family_calibration, inputs_for_settings, predict_memory
+    from autotune.estimate.memory_model import (
+        DEFAULT_CUDA_CONTEXT_GIB,
+        DEFAULT_SAFETY_MARGIN_GIB,
+        family_calibration,
+        inputs_for_settings,
+        predict_memory,
+    )
 
-    overrides: dict[str, Any] = {} if cuda else {"cuda_context_gib": 0.0, "safety_margin_gib": 0.0}
+    context, margin = (DEFAULT_CUDA_CONTEXT_GIB, DEFAULT_SAFETY_MARGIN_GIB) if cuda else (0.0, 0.0)
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
-        return lambda s: predict_dit_memory(dit_inputs_for_settings(family, s, **overrides)).training_total_bytes \
-            / 2**20
+        return lambda s: predict_dit_memory(replace(dit_inputs_for_settings(family, s), cuda_context_gib=context,
+                                                    safety_margin_gib=margin)).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
-        inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached,
-                                     **overrides)
-        return predict_memory(inputs).total_bytes / 2**20
+        inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached)
+        return predict_memory(replace(inputs, cuda_context_gib=context, safety_margin_gib=margin)).total_bytes / 2**20
 
     return predict

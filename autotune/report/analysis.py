@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from autotune.report.detector import detect, training_samples
@@ -223,7 +224,7 @@ def larger_batch(done: dict[str, Any], peak_bytes: float, total_bytes: float) ->
         now = predict_speed(base, peak_tflops=100.0)  # any rate: only the ratio is used
         best = None
         for batch in range(base.batch_size + 1, min(16 * base.batch_size, 64) + 1):
-            bigger = base.with_(batch_size=batch)
+            bigger = replace(base, batch_size=batch)
             predicted = predict_memory(bigger).total_bytes * scale
             if predicted > total_bytes:
                 break

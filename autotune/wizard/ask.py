@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sd_scripts_compat.facts.errors import UserError
 
@@ -23,12 +23,15 @@ if TYPE_CHECKING:
 Check = Callable[[str], "str | None"]
 
 
+V = TypeVar("V")
+
+
 @dataclass(frozen=True)
-class Option:
+class Option(Generic[V]):
     """One answer of a multiple-choice question: what is shown and the value it stands for."""
 
     title: str
-    value: Any
+    value: V
 
 
 class Asker:
@@ -57,8 +60,8 @@ class Asker:
 
     # ---- questions -------------------------------------------------------------------------------
 
-    def choose(self, message: str, options: Sequence[Option], *, default: Any, explanation: str = "",
-               flag: str | None = None, given: Any = None) -> Any:
+    def choose(self, message: str, options: Sequence[Option[V]], *, default: V, explanation: str = "",
+               flag: str | None = None, given: V | None = None) -> V:
         """One of ``options`` (by value); ``given`` must be one of their values."""
         values = [option.value for option in options]
         if default not in values:

@@ -43,10 +43,10 @@ def review(asker: Asker, request: PlanRequest, base: Plan, start: Overrides, acc
                 raise UserError(_flag_error(current))
             asker.say(f"Plan accepted ({'--yes' if asker.assume_yes else '--accept'}).")
             return current
-        options = []
+        options: list[Option[str | int]] = []  # an int: the suggestion of that index
         if current.fits:
             options.append(Option("accept: write the files", "accept"))
-        options += [Option(f"use: {s.label} (peak {s.fit.peak_bytes / GIB:.2f} GiB)", ("use", i))
+        options += [Option(f"use: {s.label} (peak {s.fit.peak_bytes / GIB:.2f} GiB)", i)
                     for i, s in enumerate(current.suggestions)]
         options.append(Option("change a value", "change"))
         if current.overrides.pinned():
@@ -61,8 +61,8 @@ def review(asker: Asker, request: PlanRequest, base: Plan, start: Overrides, acc
         elif action == "change":
             change = ask_change(asker, current, request, base)
             current = evaluate(request, base, current.overrides.merged(change))
-        else:
-            current = evaluate(request, base, current.suggestions[action[1]].overrides)
+        elif isinstance(action, int):
+            current = evaluate(request, base, current.suggestions[action].overrides)
 
 
 def show(asker: Asker, current: Evaluation) -> None:
@@ -178,12 +178,14 @@ def ask_change(asker: Asker, current: Evaluation, request: PlanRequest, base: Pl
     old = shown[knob]
     on_gpu = bool(request.gpus)
     if knob in ("gradient_checkpointing", "train_text_encoder"):
-        new: Any = asker.choose(f"{LABELS[knob]}", [Option("on", True), Option("off", False)], default=not old)
+        new: bool | int | str = asker.choose(f"{LABELS[knob]}", [Option("on", True), Option("off", False)],
+                                             default=not old)
     elif knob == "optimizer_type":
-        new = asker.choose("optimizer", [Option(name, name) for name in OPTIMIZERS], default=old)
+        new = asker.choose("optimizer", [Option(name, name) for name in OPTIMIZERS], default=settings.optimizer_type)
     elif knob == "mixed_precision":
+        precision = settings.mixed_precision
         new = asker.choose("precision", [Option(name, name) for name in precisions(on_gpu)],
-                           default=old if old in precisions(on_gpu) else precisions(on_gpu)[0])
+                           default=precision if precision in precisions(on_gpu) else precisions(on_gpu)[0])
     else:
         limits = {"train_batch_size": (1, 64), "gradient_accumulation_steps": (1, 256), "network_dim": (1, 1024),
                   "resolution": (256, 4096), "max_train_epochs": (1, 10000)}[knob]
@@ -193,7 +195,8 @@ def ask_change(asker: Asker, current: Evaluation, request: PlanRequest, base: Pl
             return number(text) or knob_problem(knob, int(text.strip()), tiny, on_gpu)
 
         new = int(asker.text(f"{LABELS[knob]} (now {old})", default=str(old), check=check))
-    return Overrides(**{knob: new})
+    pinned: dict[str, Any] = {knob: new}  # the knob the user picked: a field of Overrides (LABELS' keys)
+    return Overrides(**pinned)
 
 
 def _flag_error(current: Evaluation) -> str:

@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,8 @@ from sd_scripts_compat.config.network_args import SD_DOWN_UP_BLOCKS, NetworkArgs
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
 
@@ -205,11 +207,20 @@ class FusedTargets:
         return self.parts[0].weight
 
 
+class LoRAModuleOptions(TypedDict, total=False):
+    """``LoRAModule``'s keyword options, as ``create_network`` passes them on to every module."""
+
+    multiplier: float
+    dropout: float | None
+    rank_dropout: float | None
+    module_dropout: float | None
+
+
 class FusedLoRAModule(LoRAModule):
     """A LoRA module whose ``lora_up`` rows are split across ``targets.parts`` (see the module docstring)."""
 
     def __init__(self, lora_name: str, targets: FusedTargets, dim: int, alpha: float | int | None,
-                 **kwargs: Any) -> None:
+                 **kwargs: Unpack[LoRAModuleOptions]) -> None:
         stand_in = nn.Linear(targets.in_features, targets.out_features, bias=False, device="meta")
         super().__init__(lora_name, stand_in, dim, alpha, **kwargs)
         device = targets.weight.device
@@ -498,7 +509,7 @@ def _lora_groups(loras: list[LoRAModule], lr: float, plus_ratio: float | None, p
 
 
 def _new_module(lora_name: str, base: torch.nn.Module | FusedTargets, dim: int, alpha: float | None,
-                **kwargs: Any) -> LoRAModule:
+                **kwargs: Unpack[LoRAModuleOptions]) -> LoRAModule:
     # Parameters are created on the base module's device (meta stays meta: shapes only).
     if isinstance(base, FusedTargets):
         return FusedLoRAModule(lora_name, base, dim, alpha, **kwargs)
@@ -519,8 +530,8 @@ def create_network(bundle: ModelBundle, *, network_dim: int = 4, network_alpha: 
     args = args or NetworkArgs()
     if network_dim is None or network_dim < 1:
         raise UserError(f"network_dim must be a positive integer, got {network_dim!r}")
-    options = {"multiplier": multiplier, "dropout": dropout, "rank_dropout": args.rank_dropout,
-               "module_dropout": args.module_dropout}
+    options = LoRAModuleOptions(multiplier=multiplier, dropout=dropout, rank_dropout=args.rank_dropout,
+                                module_dropout=args.module_dropout)
     conv = args.conv_dim is not None or args.conv_block_dims is not None
     sdxl = bundle.family.unet_lora_names == "sgm"
     modules = []
