@@ -527,3 +527,41 @@ def import_graph_of(folder: Path) -> set[str]:
         is_package = parts[-1] == "__init__"
         names |= imported_names(".".join(parts[:-1] if is_package else parts), path, is_package)
     return names
+
+
+# ---- past the edge a family is a FamilySpec (the CLI, wizard, web app and config reader convert it once) -----
+
+# where a name is right: detection and the doctor's resolve_family turn the user's word into the object, and the
+# estimate models' inputs are records keyed by name, as their calibration JSON and the published rows are
+FAMILY_NAME_TAKERS = {"resolve_family", "family_calibration", "dit_family_calibration", "of_trace",
+                      "activation_tokens", "lycoris_tensor_sizes"}
+DETECTION = ENGINE / "models" / "detect.py"  # the converter itself: a stated name against the model's files
+BENCH_TOOLS = ROOT / "autotune" / "calibration"  # the tracers bench/ drives: their inputs are its command line
+
+
+def family_names_taken(source: str) -> list[str]:
+    """``function(parameter)`` for each parameter named like a family whose annotation lets a ``str`` in."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in FAMILY_NAME_TAKERS:
+            continue
+        for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+            annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            if arg.arg in ("family", "stated") and re.search(r"\bstr\b", annotation):
+                found.append(f"{node.name}({arg.arg}: {annotation})")
+    return found
+
+
+def test_the_family_name_check_finds_one_put_back():
+    assert family_names_taken("def load(text: str, *, family: str | None = None):\n    pass") == [
+        "load(family: str | None)"]
+    assert family_names_taken("def plan(stated: str | FamilySpec):\n    pass") == ["plan(stated: str | FamilySpec)"]
+    assert not family_names_taken("def load(spec: str | os.PathLike[str], family: FamilySpec | None):\n    pass")
+    assert not family_names_taken("def resolve_family(model: str, family: str):\n    pass")
+
+
+def test_past_the_edge_a_family_is_a_familyspec():
+    found = [f"{path.relative_to(ROOT)}: {taken}" for package in (ENGINE, ROOT / "autotune")
+             for path in sorted(package.rglob("*.py")) if BENCH_TOOLS not in path.parents and path != DETECTION
+             for taken in family_names_taken(path.read_text(encoding="utf-8"))]
+    assert found == []
