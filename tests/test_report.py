@@ -243,9 +243,9 @@ def test_a_run_beside_a_cpu_burner_is_reported_as_contention_not_compute_bound(t
 
 @pytest.mark.slow
 def test_a_contended_run_teaches_plans_nothing_about_speed(tmp_path):
-    """`autotune run` beside CPU burners: its speed is the burners' leftovers, so it stays out of the
-    measurement store (a later plan still predicts from the model) and the run says why. (A quickstart run beside
-    a CI job once taught the plan 4.4 s per step for a 0.27 s step: 16x off.)"""
+    """`autotune run` beside CPU burners: its speed is the burners' leftovers, so it stays out of the measurement
+    store (a later plan still predicts from the model) and the run says why; its memory still counts. (A
+    quickstart run beside a CI job once taught the plan 4.4 s per step for a 0.27 s step: 16x off.)"""
     pins = ["--model", "builtin:tiny-sd15", "--resolution", "256", "--steps", "16"]
     # two burners per core and two trainer threads (whatever OMP_NUM_THREADS the caller set): a third of the CPU
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 2))]
@@ -262,4 +262,5 @@ def test_a_contended_run_teaches_plans_nothing_about_speed(tmp_path):
     plan = subprocess.run([sys.executable, "-m", "autotune", "plan", str(DATASET), *pins, "--json"],
                           capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           timeout=300)
-    assert json.loads(plan.stdout)["prediction"]["speed_source"] == "model"
+    prediction = json.loads(plan.stdout)["prediction"]
+    assert prediction["speed_source"] == "model" and prediction["memory_source"] == "measured"

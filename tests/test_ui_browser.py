@@ -62,6 +62,7 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
         browser.find_element(By.ID, "check").click()
         wait.until(seen.presence_of_element_located((By.ID, "plan-table")))
         assert "12 images" in text("#doctor-summary") and text("#buckets")
+        assert text("#plan-sources") == "memory: model; speed: model"  # a fresh store: nothing measured here yet
         # each problem image as the engine crops it to its bucket (examples/dataset has small ones)
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#problems img.thumb") and all(
             b.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", img)

@@ -323,7 +323,8 @@ def render(plan: Plan) -> None:
                   f"device), {p.samples_per_s:.3g} "
                   f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]"
                   + (f" (with {human_seconds(p.compile_seconds)} compiling)" if p.compile_seconds else ""))
-    console.print(f"speed: [bold]{p.speed_source}[/bold] ({p.speed_basis}); memory: {p.memory_source}")
+    console.print(f"speed: [bold]{p.speed_source}[/bold] ({p.speed_basis}); memory: [bold]{p.memory_source}[/bold]"
+                  + (f" ({p.memory_basis})" if p.memory_source != "model" else ""))
     for line in plan.learned:
         console.print(f"learned: {line}")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")

@@ -33,12 +33,14 @@ from sd_scripts_compat.facts.errors import BadWeights, UserError
 
 if TYPE_CHECKING:
     import contextlib
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from autotune.hardware.probe import SystemProbe
+    from autotune.measure.store import Measurement
     from autotune.recovery.watchdog import Job
     from sd_scripts_compat.facts.dataset_scan import DatasetScan
     from sd_scripts_compat.facts.families import FamilySpec
+    from sd_scripts_compat.facts.settings import TrainSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -296,7 +298,7 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
         result = supervise(job)
     if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
         remember_attempts(result.attempts, probe, family, job.limits.budget_mib,
-                          contended=_contended(out))
+                          contended=_contended(out), predict=job.predict)
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
                           "output_file": result.output_file, "final_settings": result.final_settings.to_event(),
@@ -325,11 +327,14 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
 
 
 def remember_attempts(attempts: list[Any], probe: SystemProbe, family: FamilySpec, budget_mib: float | None,
-                      contended: str | None = None) -> None:
+                      contended: str | None = None, predict: Callable[[TrainSettings], float] | None = None) -> None:
     """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
     plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run.
     A run that shared the CPU with other work (``contended``: why) keeps its speed out: the plan would learn the
-    other work's share as this machine's speed; its out-of-memory attempts still count."""
+    other work's share as this machine's speed; its memory figures and out-of-memory attempts still count.
+    ``predict``: the run's memory model (MiB), whose figure each record keeps beside the measured one."""
+    from dataclasses import replace
+
     from autotune.measure.store import device_key, from_done_event, from_oom_event, record_measurements
 
     device = device_key(probe)
@@ -337,12 +342,13 @@ def remember_attempts(attempts: list[Any], probe: SystemProbe, family: FamilySpe
     if contended:
         print(f"this run's speed is not kept for future plans: {contended}")
     for attempt in attempts:
-        if attempt.done_event and not contended:
-            records.append(from_done_event(attempt.done_event, device=device, family=family, source="run"))
+        if attempt.done_event:
+            record = from_done_event(attempt.done_event, device=device, family=family, source="run")
+            records.append(replace(record, seconds_per_step=None, steps=0) if record and contended else record)
         elif attempt.oom_event:
             records.append(from_oom_event(attempt.oom_event, device=device, family=family, source="run",
                                           budget_mib=budget_mib))
-    records = [r for r in records if r is not None]
+    records = [_with_prediction(r, predict) for r in records if r is not None]
     if not records:
         return
     try:
@@ -350,6 +356,19 @@ def remember_attempts(attempts: list[Any], probe: SystemProbe, family: FamilySpe
     except OSError as error:
         print(f"warning: could not store this run's measurements ({error}); plans will not learn from it",
               file=sys.stderr)
+
+
+def _with_prediction(record: Measurement, predict: Callable[[TrainSettings], float] | None) -> Measurement:
+    from dataclasses import replace
+
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    if predict is None:
+        return record
+    try:
+        return replace(record, predicted_mib=round(predict(TrainSettings.from_event(record.settings)), 1))
+    except (TypeError, ValueError, KeyError):  # settings of another version: the measured figures still count
+        return record
 
 
 def _contended(out: Path) -> str | None:

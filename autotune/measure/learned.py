@@ -7,6 +7,11 @@ of memory on this device.
   the closest batch, resolution and rank) is scaled by the speed model's ratio between the two settings
   (source ``"measured-scaled"``): the model's error on this machine mostly cancels in the ratio.
 - **Model** otherwise (source ``"model"``).
+- **Memory** the same way: a finished run of the candidate's key gives its measured peak (CUDA max reserved on a
+  GPU, peak resident memory on a CPU: the figure the plan is checked against); otherwise the memory model's
+  prediction is multiplied by measured / predicted of the nearest finished run of the same device and family. The
+  factor lowers a prediction only when that run's settings were at least as heavy as the candidate's: a lighter
+  run that needed less than predicted says nothing about a heavier one.
 - **Compiled** (``torch_compile``): a compiled record answers only a compiled candidate, exactly or scaled from
   another compiled one, never an eager one; :meth:`LearnedFigures.compiled` gives the planner the compiled run of
   its chosen settings (planning.compile_choice weighs it against the compile time).
@@ -51,8 +56,17 @@ class Learned:
     micro_steps_per_s: float | None
     speed_source: str  # "measured" | "measured-scaled" | "model"
     speed_basis: str  # one line: which record, when
-    peak_mib: float | None = None  # measured peak reserved on a GPU (exact key only)
     oom: str | None = None  # why the candidate is not proposed
+
+
+@dataclass(frozen=True)
+class LearnedMemory:
+    """A candidate's peak memory as this device measured it (or the model's, corrected), and where it came from."""
+
+    peak_mib: float | None  # None: the model's own figure stands
+    source: str  # "measured" | "measured-scaled" | "model"
+    basis: str  # one line: which record, when, and the factor
+    factor: float = 1.0  # what the model's prediction was multiplied by
 
 
 def _area(key: dict[str, Any]) -> int:
@@ -90,10 +104,11 @@ class LearnedFigures:
         mine = [r for r in records if r.device == device and r.family == family.name]
         self.device = device
         self.done = [r for r in mine if r.outcome == Outcome.DONE and r.micro_steps_per_s]
+        self.peaks = [r for r in mine if r.outcome == Outcome.DONE and r.peak_memory_mib]
         self.ooms = [r for r in mine if r.outcome == Outcome.OOM]
 
     def __bool__(self) -> bool:
-        return bool(self.done or self.ooms)
+        return bool(self.done or self.peaks or self.ooms)
 
     def oom_reason(self, settings: dict[str, Any], usable_mib: float) -> str | None:
         key = settings_key(settings)
@@ -117,10 +132,9 @@ class LearnedFigures:
         key = settings_key(settings)
         exact = next((r for r in reversed(self.done) if r.key == key), None)
         if exact is not None:
-            reserved = exact.memory.get("cuda_max_reserved_mib") if not self.device.startswith("cpu:") else None
             return Learned(exact.micro_steps_per_s, "measured",
                            f"{exact.source} on {self.device}, {when_measured(exact)}: "
-                           f"{exact.seconds_per_step:.4g} s per step over {exact.steps} steps", peak_mib=reserved)
+                           f"{exact.seconds_per_step:.4g} s per step over {exact.steps} steps")
         alike = [r for r in self.done if r.key["torch_compile"] == key["torch_compile"]]  # never scaled across
         if not alike:
             return Learned(None, "model", "speed model")
@@ -133,3 +147,28 @@ class LearnedFigures:
                        f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
                        f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}, "
                        f"{k['mixed_precision']}) x the speed model's ratio {ratio:.3g}")
+
+    def memory(self, settings: dict[str, Any], model_mib: Callable[[dict[str, Any]], float]) -> LearnedMemory:
+        """The measured (or corrected) peak MiB of ``settings``; ``model_mib`` is the memory model's peak of a
+        settings block."""
+        key = settings_key(settings)
+        exact = next((r for r in reversed(self.peaks) if r.key == key), None)
+        if exact is not None and exact.peak_memory_mib is not None:
+            return LearnedMemory(exact.peak_memory_mib, "measured",
+                                 f"{exact.source} on {self.device}, {when_measured(exact)}: peak "
+                                 f"{exact.peak_memory_mib:.0f} MiB", exact.peak_memory_mib / model_mib(settings))
+        alike = [r for r in self.peaks if r.key["torch_compile"] == key["torch_compile"]]
+        if not alike:
+            return LearnedMemory(None, "model", "memory model")
+        nearest = min(alike, key=lambda r: _distance(key, r.key))
+        measured, predicted = nearest.peak_memory_mib or 0.0, model_mib(nearest.settings)
+        if predicted <= 0:
+            return LearnedMemory(None, "model", "memory model")
+        ratio = measured / predicted
+        factor = ratio if ratio >= 1.0 or heavier_or_equal(nearest.key, key) else 1.0
+        k = nearest.key
+        kept = "" if factor == ratio else "; not lowered: that run was lighter than this one"
+        return LearnedMemory(model_mib(settings) * factor, "measured-scaled",
+                             f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
+                             f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}): measured "
+                             f"{measured:.0f} MiB / model {predicted:.0f} MiB = x{ratio:.3g}{kept}", factor)

@@ -12,6 +12,7 @@ replaces the older one. Written atomically; a store that cannot be read is ignor
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ SCHEMA_VERSION = 1
 STORE_NAME = "measurements.json"
 CACHE_ENV = "AUTOTUNE_CACHE_DIR"
 MAX_RECORDS = 1000  # oldest dropped first; a record is ~1 KB
+MAX_FIGURE = 2.0**40  # a figure above this (MiB, seconds) is no measurement: a store edited by hand or garbled
 # TrainSettings fields that change a micro-step's time or peak memory (learning rates and clipping do not)
 KEY_FIELDS = ("train_batch_size", "gradient_accumulation_steps", "resolution", "gradient_checkpointing",
               "optimizer_type", "network_dim", "network_train_unet_only", "mixed_precision", "fp8_base",
@@ -91,6 +93,7 @@ class Measurement:
     steps: int = 0  # how many timed steps the figure is the mean of
     measured_at: float = 0.0  # unix time
     compile_seconds: float | None = None  # torch_compile: the seconds its blocks took to compile (a one-off cost)
+    predicted_mib: float | None = None  # what the run's memory model predicted for these settings, beside the peak
 
     @property
     def key(self) -> dict[str, Any]:
@@ -106,21 +109,34 @@ class Measurement:
         return {"device": self.device, "family": self.family, "settings": self.settings, "outcome": self.outcome,
                 "source": self.source, "seconds_per_step": self.seconds_per_step,
                 "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "budget_mib": self.budget_mib,
-                "steps": self.steps, "measured_at": self.measured_at, "compile_seconds": self.compile_seconds}
+                "steps": self.steps, "measured_at": self.measured_at, "compile_seconds": self.compile_seconds,
+                "predicted_mib": self.predicted_mib}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> Measurement:
         return cls(device=str(value["device"]), family=str(value["family"]), settings=dict(value["settings"]),
                    outcome=str(value["outcome"]), source=str(value.get("source", "run")),
                    seconds_per_step=_number(value.get("seconds_per_step")),
-                   peak_memory_mib=_number(value.get("peak_memory_mib")), memory=dict(value.get("memory") or {}),
+                   peak_memory_mib=_number(value.get("peak_memory_mib")), memory=_figures(value.get("memory")),
                    budget_mib=_number(value.get("budget_mib")), steps=int(value.get("steps") or 0),
                    measured_at=float(value.get("measured_at") or 0.0),
-                   compile_seconds=_number(value.get("compile_seconds")))
+                   compile_seconds=_number(value.get("compile_seconds")),
+                   predicted_mib=_number(value.get("predicted_mib")))
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A figure as a float; None for what is no measurement (not a number, NaN, infinite, negative or huge)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and 0.0 <= number <= MAX_FIGURE else None
+
+
+def _figures(value: Any) -> dict[str, float]:
+    """A ``memory`` block's figures that are measurements (``_number``); the rest left out."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(k): n for k, v in value.items() if (n := _number(v)) is not None}
 
 
 def load_measurements(path: Path | None = None, warn: Callable[[str], None] | None = None) -> list[Measurement]:
@@ -149,15 +165,22 @@ def _warn(warn: Callable[[str], None] | None, message: str) -> None:
 
 
 def record_measurements(new: Iterable[Measurement], path: Path | None = None) -> Path:
-    """Add ``new`` to the store (replacing records of the same device, family, key and outcome); atomic."""
+    """Add ``new`` to the store (replacing records of the same device, family, key and outcome); atomic. A
+    finished record without a speed (its run shared the CPU) keeps the speed of the record it replaces."""
+    from dataclasses import replace
+
     from sd_scripts_compat.facts.atomic import write_json_atomic
 
     path = path or store_path()
     records = load_measurements(path)
     for item in new:
         item = item if item.measured_at else _stamped(item)
-        records = [r for r in records if not (r.device == item.device and r.family == item.family
-                                              and r.key == item.key and r.outcome == item.outcome)]
+        same = [r for r in records if r.device == item.device and r.family == item.family and r.key == item.key
+                and r.outcome == item.outcome]
+        timed = next((r for r in reversed(same) if r.seconds_per_step), None)
+        if item.outcome == Outcome.DONE and not item.seconds_per_step and timed is not None:
+            item = replace(item, seconds_per_step=timed.seconds_per_step, steps=timed.steps)
+        records = [r for r in records if r not in same]
         if item.outcome == Outcome.DONE:  # a run that now fits clears an older OOM of the same settings
             records = [r for r in records if not (r.outcome == Outcome.OOM and r.device == item.device
                                                   and r.family == item.family and r.key == item.key)]
@@ -183,10 +206,9 @@ def from_done_event(done: Mapping[str, Any], *, device: str, family: FamilySpec,
     compiled = done.get("torch_compile") if isinstance(done.get("torch_compile"), dict) else None
     if not isinstance(settings, dict) or seconds is None or (compiled is not None and compiled.get("failure")):
         return None
-    memory: dict[str, float] = done["memory"] if isinstance(done.get("memory"), dict) else {}
     return Measurement(device=device, family=family.name, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
-                       peak_memory_mib=_number(done.get("peak_memory")), memory=dict(memory),
+                       peak_memory_mib=_number(done.get("peak_memory")), memory=_figures(done.get("memory")),
                        steps=len(done.get("step_seconds") or []),
                        compile_seconds=_number(compiled.get("seconds")) if compiled is not None else None)
 
@@ -205,6 +227,5 @@ def from_oom_event(oom: Mapping[str, Any], *, device: str, family: FamilySpec, s
     settings = oom.get("settings")
     if not isinstance(settings, dict):
         return None
-    memory: dict[str, float] = oom["memory"] if isinstance(oom.get("memory"), dict) else {}
     return Measurement(device=device, family=family.name, settings=settings, outcome=Outcome.OOM, source=source,
-                       memory=dict(memory), budget_mib=budget_mib)
+                       memory=_figures(oom.get("memory")), budget_mib=budget_mib)

@@ -156,7 +156,9 @@ class Prediction:
     optimizer_steps: int
     speed_source: str = "model"  # "measured" (this device ran these settings), "measured-scaled" or "model"
     speed_basis: str = "speed model"  # which measurement, when
-    memory_source: str = "model"  # "measured": a GPU run of these exact settings
+    memory_source: str = "model"  # "measured" (this device ran these settings), "measured-scaled" or "model"
+    memory_basis: str = "memory model"  # which measurement, when, and measured / predicted
+    memory_factor: float = 1.0  # what the memory model's peak was multiplied by
     ram_peak_bytes: int = 0  # predicted peak host RAM (autotune.estimate.ram_model)
     ram_usable_bytes: int | None = None  # host RAM the run may use; None: not known, not checked
     ram_components: tuple[tuple[str, int], ...] = ()
@@ -426,7 +428,8 @@ def _learned_lines(excluded: dict[TrainSettings, str]) -> tuple[str, ...]:
 
 def _sources(estimate: Estimate) -> dict[str, Any]:
     return {"speed_source": estimate.speed_source, "speed_basis": estimate.speed_basis,
-            "memory_source": estimate.memory_source}
+            "memory_source": estimate.memory_source, "memory_basis": estimate.memory_basis,
+            "memory_factor": estimate.memory_factor}
 
 
 # TrainSettings fields the plan's choices write (the search itself never varies them)

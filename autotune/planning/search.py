@@ -55,7 +55,9 @@ class Estimate:
     host_ram_loading: int = 0  # ... and while loading (FLUX: the transformer file passes through RAM)
     speed_source: str = "model"  # "measured" | "measured-scaled" | "model" (autotune.measure.learned)
     speed_basis: str = "speed model"
-    memory_source: str = "model"  # "measured": a GPU run of these exact settings
+    memory_source: str = "model"  # "measured" | "measured-scaled" | "model" (autotune.measure.learned)
+    memory_basis: str = "memory model"
+    memory_factor: float = 1.0  # measured / predicted applied to the model's peak
     oom: str | None = None  # ran out of memory here before: not proposed
 
 
@@ -102,6 +104,7 @@ class Predictor:
         self.usable = usable
         self.excluded: dict[TrainSettings, str] = {}
         self._cache: dict[TrainSettings, Estimate] = {}
+        self._model_cache: dict[TrainSettings, Estimate] = {}
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
         return estimate_for_settings(self.family, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
@@ -113,8 +116,19 @@ class Predictor:
         return min(float(speed_of(gpu.spec if gpu is not None else None).it_per_s) for gpu in self.gpus or (None,))
 
     def predict(self, s: TrainSettings) -> Estimate:
-        """Memory on one device and micro-steps/s of the slowest device."""
+        """Memory on one device and micro-steps/s of the slowest device (this device's measurements applied)."""
         hit = self._cache.get(s)
+        if hit is not None:
+            return hit
+        result = self.model_estimate(s)
+        if self.learned:
+            result = self._with_measurements(self.learned, s, result)
+        self._cache[s] = result
+        return result
+
+    def model_estimate(self, s: TrainSettings) -> Estimate:
+        """What the memory and speed models alone predict for ``s``."""
+        hit = self._model_cache.get(s)
         if hit is not None:
             return hit
         estimate, speed_of = self._models(s)
@@ -131,26 +145,27 @@ class Predictor:
                           components=tuple((str(k), int(v)) for k, v in components.items()), it_per_s=min(rates),
                           host_ram=int(getattr(estimate, "host_ram_bytes", 0)),
                           host_ram_loading=int(getattr(estimate, "host_ram_loading_bytes", 0)))
-        if self.learned:
-            result = self._with_measurements(self.learned, s, result)
-        self._cache[s] = result
+        self._model_cache[s] = result
         return result
 
     def _with_measurements(self, learned: LearnedFigures, s: TrainSettings, e: Estimate) -> Estimate:
-        """The measured speed (and GPU peak) of ``s`` where the store has them; a recorded OOM makes it not fit."""
+        """The measured (or scaled) speed and peak of ``s`` where the store has them; a recorded OOM makes it not
+        fit."""
         event = s.to_event()
         oom = learned.oom_reason(event, self.usable / 2**20)
         if oom is not None:
             self.excluded[s] = oom
             return replace(e, required=max(e.required, self.usable + 1), oom=oom)
         got = learned.speed(event, lambda values: self.model_rate(TrainSettings.from_event(values)))
-        if got.micro_steps_per_s is None:
-            return e
-        e = replace(e, it_per_s=float(got.micro_steps_per_s), speed_source=got.speed_source,
-                    speed_basis=got.speed_basis)
-        if got.peak_mib:
-            peak = int(got.peak_mib * 2**20)
-            e = replace(e, required=e.required - e.peak + peak, peak=peak, memory_source="measured")
+        if got.micro_steps_per_s is not None:
+            e = replace(e, it_per_s=float(got.micro_steps_per_s), speed_source=got.speed_source,
+                        speed_basis=got.speed_basis)
+        memory = learned.memory(event, lambda values: self.model_estimate(TrainSettings.from_event(values)).peak
+                                / 2**20)
+        if memory.peak_mib is not None:
+            peak = int(memory.peak_mib * 2**20)
+            e = replace(e, required=e.required - e.peak + peak, peak=peak, memory_source=memory.source,
+                        memory_basis=memory.basis, memory_factor=memory.factor)
         return e
 
 

@@ -1,0 +1,132 @@
+"""Memory learned per device and family: a measured setting uses its measured peak, a nearby one the memory
+model's prediction times measured / predicted of its nearest measured neighbour, never lowered on the word of a
+lighter run; hostile store records (NaN, negative, huge, another machine's) teach nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autotune.measure.learned import LearnedFigures
+from autotune.measure.store import Measurement, load_measurements, settings_key, store_path
+from autotune.planning.planner import PlanRequest, nominal_dataset, plan_training
+from sd_scripts_compat.facts.families import get_family
+from sd_scripts_compat.facts.settings import TrainSettings
+
+REPO = Path(__file__).resolve().parent.parent
+DEVICE = "cpu:Test CPU"
+TINY = get_family("tiny-sd15")
+
+
+def _request(records=()) -> PlanRequest:
+    return PlanRequest(dataset_dir=None, model="builtin:tiny-sd15", dataset=nominal_dataset(), cpu_physical_cores=2,
+                       cpu_memory_bytes=8 * 2**30, measurements=tuple(records), measured_device=DEVICE)
+
+
+def _done(settings: TrainSettings, peak_mib: float | None, device: str = DEVICE) -> Measurement:
+    return Measurement(device=device, family="tiny-sd15", settings=settings.to_event(), outcome="done",
+                       source="run", seconds_per_step=1.0, peak_memory_mib=peak_mib, steps=4, measured_at=1.0e9)
+
+
+def _model_mib(values: dict) -> float:
+    """A stand-in memory model: 1000 MiB per sample of the micro-batch."""
+    return 1000.0 * values["train_batch_size"]
+
+
+BASE = replace(plan_training(_request()).settings, gradient_accumulation_steps=1)
+
+
+def _at(batch: int) -> TrainSettings:
+    return replace(BASE, train_batch_size=batch)
+
+
+def _learned(*records: Measurement) -> LearnedFigures:
+    return LearnedFigures(records, DEVICE, TINY)
+
+
+def test_a_measured_setting_uses_its_peak_and_a_nearby_one_is_scaled_by_its_neighbour():
+    exact = _learned(_done(_at(2), 2600.0)).memory(_at(2).to_event(), _model_mib)
+    assert (exact.peak_mib, exact.source, exact.factor) == (2600.0, "measured", pytest.approx(1.3))
+    scaled = _learned(_done(_at(2), 2600.0)).memory(_at(4).to_event(), _model_mib)
+    assert scaled.source == "measured-scaled" and scaled.factor == pytest.approx(1.3)
+    assert scaled.peak_mib == pytest.approx(4000.0 * 1.3)
+    assert "measured 2600 MiB / model 2000 MiB = x1.3" in scaled.basis
+    # the nearest neighbour answers: batch 3's run, not batch 1's
+    two = _learned(_done(_at(1), 1500.0), _done(_at(3), 3300.0)).memory(_at(4).to_event(), _model_mib)
+    assert two.factor == pytest.approx(1.1)
+
+
+def test_a_lighter_run_never_lowers_a_heavier_settings_prediction_but_a_heavier_run_does():
+    lighter = _learned(_done(_at(1), 800.0)).memory(_at(4).to_event(), _model_mib)
+    assert lighter.factor == 1.0 and lighter.peak_mib == pytest.approx(4000.0)
+    assert "not lowered" in lighter.basis
+    heavier = _learned(_done(_at(8), 6400.0)).memory(_at(4).to_event(), _model_mib)
+    assert heavier.factor == pytest.approx(0.8) and heavier.peak_mib == pytest.approx(3200.0)
+
+
+@pytest.mark.parametrize("figure", [math.nan, -512.0, math.inf, 1e300, "2600", True])
+def test_a_record_whose_peak_is_no_measurement_teaches_nothing(tmp_path, monkeypatch, figure):
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    record = _done(_at(2), 2600.0).to_json()
+    record["peak_memory_mib"] = figure
+    record["memory"] = {"cuda_max_reserved_mib": figure, "peak_rss_mib": 100.0}
+    store_path().write_text(json.dumps({"schema_version": 1, "records": [record]}), encoding="utf-8")
+    (loaded,) = load_measurements()
+    assert loaded.peak_memory_mib is None and loaded.memory == {"peak_rss_mib": 100.0}
+    memory = _learned(loaded).memory(_at(2).to_event(), _model_mib)
+    assert (memory.peak_mib, memory.source) == (None, "model")
+
+
+def test_the_plan_says_where_its_memory_figure_comes_from_and_another_machines_records_do_not_count():
+    model = plan_training(_request())
+    assert model.prediction.memory_source == "model" and model.prediction.memory_factor == 1.0
+    chosen = model.settings
+    measured_mib = 1.5 * model.prediction.peak_bytes / 2**20
+    exact = plan_training(_request([_done(chosen, measured_mib)]))
+    assert exact.settings == chosen and exact.prediction.memory_source == "measured"
+    assert exact.prediction.peak_bytes == int(measured_mib * 2**20)
+    assert exact.prediction.memory_factor == pytest.approx(1.5, rel=1e-3)
+    other_rank = plan_training(_request([_done(chosen.with_rank(chosen.network_dim * 2, 4.0), 10 * measured_mib)]))
+    out = other_rank.to_dict()["prediction"]
+    assert out["memory_source"] == "measured-scaled" and out["memory_factor"] > 1.0
+    assert "model" in out["memory_basis"] and "run on cpu:Test CPU" in out["memory_basis"]
+    elsewhere = plan_training(_request([_done(chosen, measured_mib, device="cpu:Another CPU")]))
+    assert elsewhere.prediction.memory_source == "model"
+    assert elsewhere.prediction.peak_bytes == model.prediction.peak_bytes
+
+
+def _autotune(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", *argv], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=900)
+
+
+def test_a_run_stores_its_peak_beside_the_prediction_and_the_next_plan_uses_it(tmp_path):
+    """A real run of the quickstart's plan on this CPU stores its measured peak and the memory model's
+    prediction; `autotune plan` for this machine then predicts that peak (source "measured") and a larger
+    micro-batch from it (source "measured-scaled")."""
+    env = {**os.environ, "AUTOTUNE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    dataset = str(REPO / "examples" / "dataset")
+    run = _autotune("run", dataset, "--model", "builtin:tiny-sd15", "--steps", "6", "--out", str(tmp_path / "run"),
+                    env=env)
+    assert run.returncode == 0, run.stderr[-2000:]  # (beside other work it keeps its memory, not its speed)
+    stored = json.loads((tmp_path / "cache" / "measurements.json").read_text(encoding="utf-8"))["records"]
+    (record,) = stored
+    assert record["peak_memory_mib"] > 100 and record["predicted_mib"] > 0
+    plan = json.loads(_autotune("plan", dataset, "--model", "builtin:tiny-sd15", "--json", env=env).stdout)
+    assert settings_key(plan["settings"]) == settings_key(record["settings"])  # (--steps moved the warmup)
+    assert plan["prediction"]["memory_source"] == "measured"
+    assert plan["prediction"]["peak_bytes"] == int(record["peak_memory_mib"] * 2**20)
+    batch = plan["settings"]["train_batch_size"] * 2
+    bigger = json.loads(_autotune("plan", dataset, "--model", "builtin:tiny-sd15", "--json", "--batch", str(batch),
+                                  env=env).stdout)
+    assert bigger["prediction"]["memory_source"] == "measured-scaled"
+    assert bigger["prediction"]["peak_bytes"] > plan["prediction"]["peak_bytes"]
+    text = " ".join(_autotune("plan", dataset, "--model", "builtin:tiny-sd15", env=env).stdout.split())
+    assert "memory: measured (run on cpu:" in text
