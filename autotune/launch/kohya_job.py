@@ -92,6 +92,7 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
         engine=engine,
         stability=_stability_limits(probe, cuda),
+        images_per_s=_images_per_s(family, probe, cuda) if _steps_up(args, engine) else None,
     )
     return job
 
@@ -216,6 +217,29 @@ def _captions_randomized(resolved: ResolvedRun) -> bool:
 def _engine_caches_text(resolved: ResolvedRun) -> bool:
     """Our engine encodes fixed captions once when no text-encoder LoRA trains (UNet-only)."""
     return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
+
+
+def _steps_up(args: argparse.Namespace, engine: Engine) -> bool:
+    """Our engine steps up (it stops at a step boundary with its state saved when asked); ``--no-step-up``
+    keeps the plan's settings. The user's sd-scripts saves no state when stopped, so it does not, yet."""
+    from autotune.recovery.engine import CompatEngine
+
+    return isinstance(engine, CompatEngine) and not getattr(args, "no_step_up", False)
+
+
+def _images_per_s(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Callable[[TrainSettings], float]:
+    """The speed model's images per second on this machine's first card (or its CPU), for the step-up check."""
+    from autotune.launch.plan_options import targets_from_probe
+    from autotune.planning.search import estimate_for_settings
+
+    gpus, cores, _, _ = targets_from_probe(probe)
+    spec = gpus[0].spec if cuda and gpus else None
+
+    def rate(settings: TrainSettings) -> float:
+        speed = estimate_for_settings(family, settings, cores)[1](spec)
+        return float(speed.it_per_s) * settings.train_batch_size
+
+    return rate
 
 
 def _predictor(family: FamilySpec, resolved: ResolvedRun, cuda: bool) -> Callable[[TrainSettings], float]:

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-changed", action="store_true",
                         help="with --resume: continue even though the dataset, model or options changed since the "
                              "run started (the changes are recorded in the run)")
+    parser.add_argument("--no-step-up", action="store_true",
+                        help="keep the plan's settings: never step up into measured headroom (our engine steps up "
+                             "after its first steady steps when a larger setting fits and is >= 10%% faster)")
     parser.add_argument("--max-retries", type=int, default=5,
                         help="retries after OOM / divergence / kill / stall (default 5)")
     parser.add_argument("--stall-timeout", type=finite, default=600.0,

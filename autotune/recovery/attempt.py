@@ -61,18 +61,21 @@ class AttemptResult:
     stop_signal: int | None = None  # SIGINT / SIGTERM that we received and forwarded (outcome "interrupted")
     peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
     peak_vm_mib: float | None = None  # peak address space: the figure RLIMIT_AS caps
+    yielded: bool = False  # we asked it to stop at a step boundary (a step up), not the user
 
     @classmethod
     def from_facts(cls, facts: ExitFacts, *, seconds: float, peak_rss_mib: float | None,
-                   peak_vm_mib: float | None) -> AttemptResult:
+                   peak_vm_mib: float | None, yielded: bool = False) -> AttemptResult:
         outcome, message = classify(facts)
+        if yielded and outcome is Outcome.INTERRUPTED and facts.stop_signal is None:
+            outcome, message = Outcome.STEP_UP, "stopped at a step boundary for a step up; state saved"
         events = facts.events
         return cls(outcome=outcome, returncode=facts.returncode, message=message,
                    oom_event=events.get(OOM) if outcome is Outcome.OOM else None,
                    done_event=events.get(DONE) if outcome is Outcome.DONE else None,
                    diverged_event=events.get(DIVERGED) if outcome is Outcome.DIVERGED else None,
                    last_progress=events.get(PROGRESS), seconds=seconds, stop_signal=facts.stop_signal,
-                   peak_rss_mib=peak_rss_mib, peak_vm_mib=peak_vm_mib)
+                   peak_rss_mib=peak_rss_mib, peak_vm_mib=peak_vm_mib, yielded=yielded)
 
 
 def address_space_limit(limit_mib: float) -> Callable[[], None]:
@@ -252,6 +255,7 @@ class _Watch:
     peak_vm: float | None = None
     stalled_after_s: float | None = None
     stalled_in: str | None = None
+    yielded: bool = False  # on_progress asked for a stop at the step boundary
 
 
 def run_attempt(
@@ -268,6 +272,7 @@ def run_attempt(
     stop_grace_s: float = 120.0,
     on_start: Callable[[int], None] | None = None,
     on_line: Callable[[str], None] | None = None,
+    on_progress: Callable[[dict[str, Any], float | None], bool] | None = None,
 ) -> AttemptResult:
     """Run one child to its end, streaming its output to the screen and ``log_path``.
 
@@ -277,7 +282,8 @@ def run_attempt(
     A stall is no change in ``progress.json`` or ``phase.json`` for longer than the engine's phase allows
     (``recovery.stall``: ``stall_timeout_s`` scaled to the phase's work; counted from launch until the first
     file). ``on_line`` sees every line of both streams (an engine adapter turns another trainer's output
-    into progress events with it: ``autotune.recovery.sd_scripts``).
+    into progress events with it: ``autotune.recovery.sd_scripts``). ``on_progress(progress, peak_vm_mib)`` sees
+    each new progress event; True asks the child to stop at its step boundary (SIGTERM: it saves its state).
     """
     events_dir.mkdir(parents=True, exist_ok=True)
     clear_events(events_dir)
@@ -302,18 +308,20 @@ def run_attempt(
             on_start(proc.pid)
         with _forwarding_stop_signals(proc, stops, continued):
             watch = _watch(proc, events_dir, stops, continued, stall_timeout_s=stall_timeout_s,
-                           poll_s=poll_s, kill_grace_s=kill_grace_s, stop_grace_s=stop_grace_s)
+                           poll_s=poll_s, kill_grace_s=kill_grace_s, stop_grace_s=stop_grace_s,
+                           on_progress=on_progress)
         for pump in pumps:
             pump.join(5)
     events = {kind: read_event(events_dir, kind) for kind in (PROGRESS, OOM, DIVERGED, DONE)}
     facts = ExitFacts(returncode=proc.returncode, stalled_after_s=watch.stalled_after_s, stalled_in=watch.stalled_in,
                       stop_signal=stops[0] if stops else None, stderr_tail=tuple(err_tail), events=events)
     return AttemptResult.from_facts(facts, seconds=time.monotonic() - started, peak_rss_mib=watch.peak_rss,
-                                    peak_vm_mib=watch.peak_vm)
+                                    peak_vm_mib=watch.peak_vm, yielded=watch.yielded)
 
 
 def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], continued: list[float], *,
-           stall_timeout_s: float, poll_s: float, kill_grace_s: float, stop_grace_s: float) -> _Watch:
+           stall_timeout_s: float, poll_s: float, kill_grace_s: float, stop_grace_s: float,
+           on_progress: Callable[[dict[str, Any], float | None], bool] | None = None) -> _Watch:
     """Poll the child until it exits: sample its memory, kill it on a stall, give a forwarded stop its grace.
     The stall clock restarts when ``progress.json`` or ``phase.json`` changes and when a Ctrl-Z suspension
     ends (``continued``); its limit follows the phase (``recovery.stall``)."""
@@ -328,7 +336,7 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
         rss, vm = proc_memory_mib(proc.pid)
         seen.peak_rss = max(filter(None, (seen.peak_rss, rss)), default=None)
         seen.peak_vm = max(filter(None, (seen.peak_vm, vm)), default=None)
-        if stops:  # the engine is saving its state: no stall detection now, only a last deadline
+        if stops or seen.yielded:  # the engine is saving its state: no stall detection now, only a last deadline
             stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
             if time.monotonic() > stop_deadline:
                 _signal_group(proc, signal.SIGKILL)
@@ -340,6 +348,10 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
             last_mtimes, last_change = mtimes, time.monotonic()
             phase, progress = read_event(events_dir, PHASE), read_event(events_dir, PROGRESS)
             limit = stall_limit(phase, progress, stall_timeout_s)
+            if progress and on_progress is not None and on_progress(progress, seen.peak_vm):
+                seen.yielded = True
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)  # the engine's process only: its workers end with it
         elif time.monotonic() - last_change > limit and seen.stalled_after_s is None:
             seen.stalled_after_s, seen.stalled_in = limit, describe(read_event(events_dir, PHASE))
             _signal_group(proc, signal.SIGTERM)

@@ -10,7 +10,9 @@ resumes from the newest saved state. Three parts, each with one concern:
 - this module decides by outcome: an OOM steps down on the memory ladder (``recovery.ladder``); a diverged run
   (a non-finite or exploding loss) is rolled back to its newest state, which the engine saves only from finite
   weights, and steps through the stability ladder (``recovery.stability``); a stall or a short stop resumes as
-  it was; the rest is final. Every decision goes to the same decision log and retry log (``ss_autotune_retries``
+  it was; after an attempt's first steady steps, measured headroom steps up (``recovery.step_up``: the attempt
+  stops at a step boundary and the next resumes with larger settings); the rest is final. Every decision goes to
+  the same decision log and retry log (``ss_autotune_retries``
   in the final LoRA; config.final.toml holds the changed keys).
 """
 
@@ -46,6 +48,7 @@ from autotune.recovery.stability import (
     Unstable,
     next_stable_settings,
 )
+from autotune.recovery.step_up import StepUp, UpWatcher, next_step_up
 from sd_scripts_compat.facts.atomic import write_json_atomic
 from sd_scripts_compat.facts.contract import Outcome
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -113,6 +116,7 @@ class Job:
     budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
     stability: StabilityLimits = field(default_factory=StabilityLimits)
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
+    images_per_s: Callable[[TrainSettings], float] | None = None  # the speed model; None: no stepping up
 
     @property
     def states_dir(self) -> Path:
@@ -147,6 +151,7 @@ class _Run:
     attempts: list[AttemptResult] = field(default_factory=list)
     tried: list[TrainSettings] = field(default_factory=list)  # settings that ran out of memory
     resume_ok: bool = False
+    step_up: StepUp | None = None  # what the last attempt stopped for
 
     def result(self, ok: bool, outcome: Outcome, message: str, output: str | None = None) -> RunResult:
         return RunResult(ok, outcome, message, output, self.settings, self.retries, self.attempts)
@@ -159,14 +164,14 @@ class _Next:
     settings: TrainSettings
     reason: str
     resume_compatible: bool = True
-    decision: Decision | StabilityDecision | None = None
+    decision: Decision | StabilityDecision | StepUp | None = None
 
 
 def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[Path, Path | None]:
     if settings == job.settings:
         return job.config_path, job.dataset_config_path
     config = job.output_dir / STATE_DIR / f"config.attempt{attempt}.toml"
-    header = f"# attempt {attempt} after a step-down (out of memory or instability): {settings.describe()}\n"
+    header = f"# attempt {attempt} after a step down (out of memory, instability) or up: {settings.describe()}\n"
     write_config(job.config_path, config, settings, header, base=job.settings,
                  fp8_option=job.limits.fp8_option)
     dataset = None
@@ -210,13 +215,18 @@ def supervise(job: Job) -> RunResult:
         run.attempts.append(result)
         if result.outcome is Outcome.DONE:
             return _finished(run, result)
+        if result.outcome is Outcome.STEP_UP and run.step_up is not None:
+            _retry(run, attempt, result, _Next(run.step_up.settings, run.step_up.reason, decision=run.step_up),
+                   _failed_step(result))
+            attempt += 1
+            continue
         if result.outcome.final:
             # a final error is shown once, by the caller (`autotune run: error: ...`), not here as well
             run.log.write(result.outcome, result.message, returncode=result.returncode,
                           show=result.outcome is Outcome.INTERRUPTED)
             return run.result(False, result.outcome, result.message)
         failed_step = _failed_step(result)
-        if len(run.retries) >= job.max_retries:
+        if sum(r.get("failure") != Outcome.STEP_UP for r in run.retries) >= job.max_retries:
             message = (f"giving up after {len(run.retries)} retries ({result.outcome} at step {failed_step}); "
                        f"last settings: {run.settings.describe()}; see {job.output_dir / DECISIONS_LOG}")
             run.log.write("give_up", message)
@@ -246,19 +256,38 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
     if state is not None:
         log.write("resume", f"attempt {attempt}: resuming from {state[0].name} at step {state[1]}",
                   state=str(state[0]), step=state[1])
+    watcher = _up_watcher(run)
     result = run_attempt(argv, env=child_env(job.env, job.cuda), events_dir=files.events_dir,
                          log_path=job.output_dir / CHILD_LOG, stall_timeout_s=job.stall_timeout_s, echo=job.echo,
                          preexec_fn=job.preexec_fn, on_start=job.child_started,
-                         on_line=job.engine.line_handler(files.events_dir))
+                         on_line=job.engine.line_handler(files.events_dir),
+                         on_progress=watcher.see if watcher is not None else None)
+    run.step_up = watcher.decision if watcher is not None else None
     return job.engine.finish(result, log)
+
+
+def _up_watcher(run: _Run) -> UpWatcher | None:
+    """The attempt's step-up check (None: ``--no-step-up``, or no speed model for this engine)."""
+    job = run.job
+    images_per_s = job.images_per_s
+    if images_per_s is None:
+        return None
+
+    def decide(settings: TrainSettings, measured: float) -> StepUp | None:
+        return next_step_up(settings, budget_mib=job.limits.budget_mib, measured_mib=measured, predict=job.predict,
+                            images_per_s=images_per_s, tried=run.tried)
+
+    return UpWatcher(run.settings, decide, job.budget_kind)
 
 
 def _finished(run: _Run, result: AttemptResult) -> RunResult:
     job = run.job
     output = (result.done_event or {}).get("output_file")
     _write_final_configs(job, run.settings)
-    retries = len(run.retries)
-    run.log.write("done", f"finished after {retries} retr{'y' if retries == 1 else 'ies'}; LoRA: {output}; "
+    ups = sum(r.get("failure") == Outcome.STEP_UP for r in run.retries)
+    retries = len(run.retries) - ups
+    stepped = f" and {ups} step{'' if ups == 1 else 's'} up" if ups else ""
+    run.log.write("done", f"finished after {retries} retr{'y' if retries == 1 else 'ies'}{stepped}; LoRA: {output}; "
                   "final settings in config.final.toml", output_file=output, settings=run.settings.to_event())
     clean_partial_files(job.output_dir)
     clean_partial_files(job.states_dir)
@@ -302,7 +331,8 @@ def _retry(run: _Run, attempt: int, result: AttemptResult, step: _Next, failed_s
     restart = "" if step.resume_compatible else " (the saved state does not fit the new network/optimizer: restarting)"
     if isinstance(step.decision, StabilityDecision) and step.decision.rung == RESTART:
         restart = " (restarting from step 0: the saved state is set aside)"
-    run.log.write(result.outcome, f"attempt {attempt} failed: {result.outcome} at step {failed_step} "
+    ended = "stopped for a step up" if result.outcome is Outcome.STEP_UP else f"failed: {result.outcome}"
+    run.log.write(result.outcome, f"attempt {attempt} {ended} at step {failed_step} "
                   f"({result.message[:200]}); next: {step.settings.describe()} because {step.reason}; "
                   f"resume at step {resume_step}, {lost} step(s) lost{restart}", **record)
     if not step.resume_compatible:
@@ -333,7 +363,8 @@ def _after_divergence(job: Job, result: AttemptResult, settings: TrainSettings,
                                 last_reason=str(event.get("reason") or result.message))
 
 
-def _retry_record(attempt: int, result: AttemptResult, decision: Decision | StabilityDecision | None, reason: str,
+def _retry_record(attempt: int, result: AttemptResult, decision: Decision | StabilityDecision | StepUp | None,
+                  reason: str,
                   failed_step: int | None, resume_step: int, lost: int | None) -> dict[str, Any]:
     """One entry of the retry log (and of ``ss_autotune_retries``): what failed, what changed, why."""
     record: dict[str, Any] = {
@@ -343,11 +374,10 @@ def _retry_record(attempt: int, result: AttemptResult, decision: Decision | Stab
         "message": result.message[:300],
         "memory": (result.oom_event or {}).get("memory") or {"peak_rss_mib": result.peak_rss_mib,
                                                               "peak_vm_mib": result.peak_vm_mib},
-        "changes": {k: list(v) for k, v in (decision.changes.items()
-                                             if isinstance(decision, (Decision, StabilityDecision)) else [])},
+        "changes": {k: list(v) for k, v in (decision.changes.items() if decision is not None else [])},
         "reason": reason,
-        "predicted_mib": round(decision.predicted_mib, 1) if isinstance(decision, Decision) else None,
-        "scale": round(decision.scale, 3) if isinstance(decision, Decision) else None,
+        "predicted_mib": round(decision.predicted_mib, 1) if isinstance(decision, (Decision, StepUp)) else None,
+        "scale": round(decision.scale, 3) if isinstance(decision, (Decision, StepUp)) else None,
         "resume_step": resume_step,
         "steps_lost": lost,
         "seconds_in_attempt": round(result.seconds, 2),
@@ -375,7 +405,7 @@ def _retire_states(output_dir: Path) -> None:
 
 def _write_final_configs(job: Job, settings: TrainSettings) -> None:
     header = ("# settings that finally worked (written by autotune run"
-              f"{'' if settings == job.settings else ' after a step-down: out of memory or instability'}): "
+              f"{'' if settings == job.settings else ' after a step down or up: see logs/decisions.log'}): "
               f"{settings.describe()}\n")
     write_config(job.config_path, job.output_dir / FINAL_CONFIG, settings, header, base=job.settings,
                  fp8_option=job.limits.fp8_option)

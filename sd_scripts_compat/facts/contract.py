@@ -175,6 +175,7 @@ class Outcome(str, Enum):
     DIVERGED = "diverged"  # non-finite or exploding loss: roll back (recovery.stability)
     STALL = "stall"  # no progress for too long: killed, resumed with the same settings
     CONTINUE = "continue"  # the engine stopped short of its last step (an adapter's relaunch): resume as it is
+    STEP_UP = "step_up"  # stopped at a step boundary because the supervisor asked: resume with larger settings
     USER_ERROR = "user_error"  # bad input, one line: final
     DISK_FULL = "disk_full"  # no space for a save: final (a smaller batch needs no less disk)
     BAD_DATA = "bad_data"  # NaN / Inf in the base model or the LoRA to start from: final, not a divergence
@@ -200,7 +201,7 @@ class Outcome(str, Enum):
     @property
     def same_settings(self) -> bool:
         """Retried from the newest state with the settings that ran (nothing about them was at fault)."""
-        return self in (Outcome.STALL, Outcome.CONTINUE)
+        return self in (Outcome.STALL, Outcome.CONTINUE, Outcome.STEP_UP)
 
 
 @dataclass(frozen=True)
