@@ -58,6 +58,12 @@ def test_a_move_that_ran_out_of_memory_here_is_never_taken_again_nor_anything_he
     assert up.settings.train_batch_size == 1 and not up.settings.gradient_checkpointing  # the next rung
 
 
+def test_a_pinned_micro_batch_is_left_as_given():
+    fixed = frozenset({"train_batch_size", "gradient_accumulation_steps"})
+    up = next_step_up(BASE, budget_mib=10000.0, measured_mib=2000.0, predict=_mib, images_per_s=_speed, fixed=fixed)
+    assert (up.settings.train_batch_size, up.settings.gradient_checkpointing) == (1, False)
+
+
 def test_a_move_that_does_not_pay_ten_percent_is_not_taken():
     flat = next_step_up(BASE, budget_mib=10000.0, measured_mib=2000.0, predict=_mib,
                         images_per_s=lambda s: 1.0 + 0.05 * s.train_batch_size)
@@ -94,7 +100,10 @@ def _run(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = No
     config.write_text(toml.dumps({"max_train_steps": steps, "resolution": "64,64", "network_dim": 4,
                                   "optimizer_type": "AdamW", "max_data_loader_n_workers": 0, "train_batch_size": 1,
                                   "gradient_accumulation_steps": 4, "gradient_checkpointing": True,
-                                  "caption_extension": ".txt", "seed": 1}), encoding="utf-8")
+                                  "caption_extension": ".txt", "seed": 1, "learning_rate": 1e-4,
+                                  # still warming up at the end: the last rate says which step the schedule is at
+                                  "lr_scheduler": "constant_with_warmup", "lr_warmup_steps": 2 * steps}),
+                      encoding="utf-8")
     out = tmp_path / name
     done = subprocess.run([sys.executable, "-m", "autotune", "run", str(REPO / "examples" / "dataset"), "--model",
                            "builtin:tiny-sd15", "--config", str(config), "--out", str(out), *extra],
@@ -128,6 +137,14 @@ def test_a_run_steps_up_into_measured_headroom_and_ends_at_its_step_with_the_sam
     assert not (kept / "logs" / "retries.json").exists() or json.loads(
         (kept / "logs" / "retries.json").read_text(encoding="utf-8")) == []
     assert _finished_at(kept) == STEPS
+    assert _last_lr(out) == pytest.approx(_last_lr(kept), rel=1e-9)  # the same schedule, step for step
+
+
+def _last_lr(out: Path) -> float:
+    lines = (out / "logs" / "events" / "progress.jsonl").read_text(encoding="utf-8").splitlines()
+    last = json.loads(lines[-1])
+    assert last["step"] == STEPS
+    return float(last["lr"])
 
 
 def test_a_step_up_that_runs_out_of_memory_steps_down_once_and_never_tries_that_rung_again(tmp_path):

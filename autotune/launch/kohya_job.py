@@ -93,6 +93,7 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
         engine=engine,
         stability=_stability_limits(probe, cuda),
         images_per_s=_images_per_s(family, probe, cuda) if _steps_up(args, engine) else None,
+        fixed=_pinned(args),
     )
     return job
 
@@ -225,6 +226,12 @@ def _steps_up(args: argparse.Namespace, engine: Engine) -> bool:
     from autotune.recovery.engine import CompatEngine
 
     return isinstance(engine, CompatEngine) and not getattr(args, "no_step_up", False)
+
+
+def _pinned(args: argparse.Namespace) -> frozenset[str]:
+    """The settings a step up leaves as the user gave them: ``--batch`` / ``--accum`` pin the micro-batch split."""
+    split = getattr(args, "batch", None) is not None or getattr(args, "accum", None) is not None
+    return frozenset({"train_batch_size", "gradient_accumulation_steps"} if split else ())
 
 
 def _images_per_s(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Callable[[TrainSettings], float]:

@@ -9,7 +9,8 @@ off, fewer swapped blocks, 16-bit base weights instead of fp8. A move is taken w
 - the memory model, tied to this machine by measured / predicted of the running settings, predicts it within
   :data:`HEADROOM` of the budget (the planner's own margin is in the model's figure on a GPU);
 - the speed model predicts at least :data:`MIN_GAIN` more images per second;
-- no setting at least as heavy ran out of memory in this run (``tried``): a rung that failed is never retried.
+- no setting at least as heavy ran out of memory in this run (``tried``): a rung that failed is never retried;
+- it changes no setting the user pinned (``fixed``: ``--batch`` / ``--accum`` keep the micro-batch as given).
 
 What is learned (effective batch, learning rates, resolution, rank) never changes, so the run resumes at the
 same step from the state it saves at the step boundary. :class:`UpWatcher` is the attempt's side: it sees the
@@ -65,14 +66,17 @@ def _oomed(candidate: TrainSettings, tried: Sequence[TrainSettings]) -> bool:
 
 def next_step_up(current: TrainSettings, *, budget_mib: float, measured_mib: float,
                  predict: Callable[[TrainSettings], float], images_per_s: Callable[[TrainSettings], float],
-                 tried: Sequence[TrainSettings] = ()) -> StepUp | None:
-    """The first move up that fits, pays and never ran out of memory here; None when there is none."""
+                 tried: Sequence[TrainSettings] = (), fixed: frozenset[str] = frozenset()) -> StepUp | None:
+    """The first move up that fits, pays, never ran out of memory here and leaves ``fixed`` fields alone; None
+    when there is none."""
     predicted_now = predict(current)
     if predicted_now <= 0 or measured_mib <= 0 or budget_mib <= 0:
         return None
     scale = measured_mib / predicted_now
     speed_now = images_per_s(current)
     for title, candidate in _moves(current):
+        if fixed & candidate.changed_from(current).keys():
+            continue
         needed = predict(candidate) * scale
         gain = images_per_s(candidate) / speed_now if speed_now > 0 else 0.0
         if needed > HEADROOM * budget_mib or gain < MIN_GAIN or _oomed(candidate, tried):

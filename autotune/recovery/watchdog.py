@@ -117,6 +117,7 @@ class Job:
     stability: StabilityLimits = field(default_factory=StabilityLimits)
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
     images_per_s: Callable[[TrainSettings], float] | None = None  # the speed model; None: no stepping up
+    fixed: frozenset[str] = frozenset()  # TrainSettings fields the user pinned: a step up leaves them as given
 
     @property
     def states_dir(self) -> Path:
@@ -275,7 +276,7 @@ def _up_watcher(run: _Run) -> UpWatcher | None:
 
     def decide(settings: TrainSettings, measured: float) -> StepUp | None:
         return next_step_up(settings, budget_mib=job.limits.budget_mib, measured_mib=measured, predict=job.predict,
-                            images_per_s=images_per_s, tried=run.tried)
+                            images_per_s=images_per_s, tried=run.tried, fixed=job.fixed)
 
     return UpWatcher(run.settings, decide, job.budget_kind)
 
