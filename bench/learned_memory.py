@@ -29,14 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
 MIB = 2**20
+sys.path.insert(0, str(ROOT))
 
 
 def autotune(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "autotune", *argv], cwd=ROOT, capture_output=True, text=True,
-                          env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"autotune {' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return done
+    from bench.learned_plan import autotune as run_cli  # how a bench runs the CLI: one place
+
+    return run_cli(*argv, env=env)
 
 
 def planned(model: str, batch: int, env: dict[str, str], *extra: str) -> dict:
