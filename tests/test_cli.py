@@ -40,6 +40,17 @@ def test_help_names_every_family_and_keeps_examples_one_a_line():
     assert "\n    autotune bench DATASET --model M --sweep batch=1,2,4,8        # one run per micro-batch\n" in bench
 
 
+def test_plan_help_lists_every_builtin_model_and_card_whole():
+    from autotune.hardware.gpu_catalog import load_catalog
+    from sd_scripts_compat.facts.families import family_names
+
+    text = autotune("plan", "--help").stdout
+    lines = text[text.index("built-in models"):].splitlines()
+    names = {name.strip() for line in lines for name in line.split(",")}
+    assert {f"builtin:{name}" for name in family_names()} <= names
+    assert {spec.name for spec in load_catalog()} <= names  # "RTX 4060 Ti 16GB" never split over two lines
+
+
 def test_console_script_entry_point():
     script = Path(sys.executable).parent / ("autotune.exe" if os.name == "nt" else "autotune")
     if not script.exists():

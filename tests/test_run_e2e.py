@@ -404,3 +404,21 @@ def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(
         assert shown.returncode == 0 and said in shown.stdout, (command, target, shown.stderr[-2000:])
         if command == "inspect":  # still without torch
             assert not [line for line in shown.stderr.splitlines() if line.endswith("| torch")]
+
+
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path):
+    """`--resume` of a run that finished trained it again and wrote over its LoRA; now it is one line, exit 0."""
+    data, out = make_dataset(tmp_path, images=2), tmp_path / "run"
+    first = _cli(str(data), "--model", "builtin:tiny-sd15", "--steps", "2", "--vram", "8", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+
+    def files() -> dict[str, tuple[int, int]]:
+        return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns) for p in out.rglob("*")
+                if p.is_file()}
+
+    before = files()
+    again = _cli(str(data), "--model", "builtin:tiny-sd15", "--steps", "2", "--vram", "8", "--out", str(out),
+                 "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "this run has finished" in again.stdout and "--resume changes nothing" in again.stdout
+    assert files() == before

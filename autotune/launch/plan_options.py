@@ -52,9 +52,28 @@ def resolution_side(text: str) -> int:
 resolution_side.__name__ = "resolution"
 
 
+def models_and_cards() -> str:
+    """The epilog of `--help`: every built-in model (``--model builtin:ID``) and every catalogue card (``--gpu``)."""
+    import textwrap
+
+    from autotune.hardware.gpu_catalog import load_catalog
+    from sd_scripts_compat.facts.families import family_names
+
+    def listed(title: str, names: list[str]) -> str:  # a name is never split over two lines
+        text = ", ".join(name.replace(" ", "\u00a0") for name in names)
+        wrapped = textwrap.fill(text, 100, initial_indent="  ", subsequent_indent="  ")
+        return f"{title}\n" + wrapped.replace("\u00a0", " ")
+
+    return "\n\n".join([listed("built-in models (--model builtin:ID; the tiny ones train in seconds on a CPU):",
+                                 [f"builtin:{name}" for name in family_names()]),
+                          listed("catalogue cards (--gpu NAME; --vram GB for any other):",
+                                 [spec.name for spec in load_catalog()])])
+
+
 def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True, bench: bool = False) -> None:
     """The plan's options; ``bench``: for ``autotune bench``, which writes no configs (no ``--out``) and whose
-    ``--steps`` are its timed steps (no steps pin)."""
+    ``--steps`` are its timed steps (no steps pin). `--help` ends with the built-in models and catalogue cards."""
+    parser.epilog = "\n\n".join(filter(None, [parser.epilog, models_and_cards()]))
     from autotune.planning.goals import GOALS, PRIORITIES
     from autotune.planning.request import EXPERTS
     from sd_scripts_compat.facts.optimizers import optimizer_names

@@ -18,6 +18,7 @@ from autotune.launch.engines import check_engine, parse_engine
 from autotune.launch.plan_options import finite
 from autotune.layout import (
     CONFIG,
+    DECISIONS_JSONL,
     DECISIONS_LOG,
     EVENTS_DIR,
     FINAL_CONFIG,
@@ -208,11 +209,16 @@ def start_run(args: argparse.Namespace) -> int:
         from autotune.planning.request import validate_resolution
 
         validate_resolution(args.resolution, family)
+    out = _output_folder(args, dataset_dir, family)
+    finished = _finished_line(out) if args.resume else None
+    if finished is not None:  # training it again would write over its LoRA: nothing to continue
+        print(f"{out}: this run has finished ({finished}); --resume changes nothing. Train again with another "
+              "--out, or with more --steps into a new folder")
+        return 0
     if not args.skip_doctor:  # a one-line UserError on errors, before anything is written
         from autotune.doctor import check_before_training
 
         print("\n".join(check_before_training(dataset_dir, family=family, **_doctor_options(args, family))))
-    out = _output_folder(args, dataset_dir, family)
     if not args.resume and out.is_dir() and not run_traces(out):  # a run's own folder: _prepare_output says
         refuse_foreign_configs(out)  # the user's configs are never written over
     before = _entries(out)
@@ -224,6 +230,24 @@ def start_run(args: argparse.Namespace) -> int:
             if not args.resume:
                 _remove_failed_start(out, before)
             raise
+
+
+def _finished_line(out: Path) -> str | None:
+    """The watchdog's last word on the run in ``out`` when that is "done" (its line); None otherwise."""
+    import json
+
+    try:
+        lines = (out / DECISIONS_JSONL).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line being written, or damaged: the one before it decides
+        if isinstance(record, dict):
+            return str(record.get("text", "")) if record.get("event") == "done" else None
+    return None
 
 
 def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: FamilySpec) -> Path:
