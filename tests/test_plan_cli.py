@@ -171,3 +171,13 @@ def test_pins_that_contradict_are_one_line(tmp_path):
         done = autotune("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sd15", "--vram", "12", *args)
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and said in lines[0], (args, done.stderr)
+
+
+def test_strict_refuses_a_pin_that_forces_another_setting_down_in_one_line(tmp_path):
+    argv = ("plan", str(dataset_dir(tmp_path)), "--model", "builtin:sdxl", "--vram", "8", "--batch", "4")
+    said = autotune(*argv)
+    assert said.returncode == 0 and "your pin: your micro-batch 4 x 1 forces rank 32 -> 8" in " ".join(
+        said.stdout.split())
+    refused = autotune(*argv, "--strict")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "--strict: your micro-batch 4 x 1 forces" in refused.stderr

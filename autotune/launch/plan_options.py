@@ -136,6 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="config layout: kohya (flat) or lora-scripts (sectioned)")
     if not bench:
         parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+    parser.add_argument("--strict", dest="strict_pins", action="store_true",
+                        help="refuse (exit 2) a plan in which your --batch / --accum forces another setting down "
+                             "(rank, resolution, ...) that the planner's own split would keep")
     parser.add_argument("--no-learn", action="store_true",
                         help="plan from the models alone, ignoring this machine's measured runs and benches")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -197,7 +200,7 @@ def build_request(args: argparse.Namespace, family: FamilySpec | None = None) ->
                        cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
                        host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,
                        measured_device=device, allow_pickle=bool(args.allow_pickle and is_pickle(args.model)),
-                       model_files=given_model_files(args))
+                       model_files=given_model_files(args), strict=bool(getattr(args, "strict_pins", False)))
 
 
 def given_model_files(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -346,6 +349,8 @@ def render(plan: Plan) -> None:
                   + (f" ({p.memory_basis})" if p.memory_source != "model" else ""))
     for line in plan.learned:
         console.print(f"learned: {line}")
+    for line in plan.pin_costs:
+        console.print(f"[yellow]your pin:[/yellow] {line} (--strict refuses such a plan)")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
     if p.ram_peak_bytes:
         of = f" of {p.ram_usable_bytes / GIB:.2f} GiB usable" if p.ram_usable_bytes is not None else " (not checked)"

@@ -123,6 +123,7 @@ from autotune.planning.resolution import (
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
 from sd_scripts_compat.facts.dataset_scan import VIDEO_EXTENSIONS
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.models.detect import detect_family
 
@@ -187,6 +188,7 @@ class Plan:
     probe_summary: str
     output_dir: str | None
     learned: tuple[str, ...] = ()  # what the measurements taught: settings not proposed (OOM here), and why
+    pin_costs: tuple[str, ...] = ()  # what the user's pinned micro-batch split forced down, against the planner's
     # accelerate's --num_cpu_threads_per_process (it sets OMP_NUM_THREADS, torch's intra-op threads): 1 where a GPU
     # runs the step, the physical cores where the CPU does
     cpu_threads: int = 1
@@ -264,6 +266,7 @@ class _Searched:
     measured: LearnedFigures | None
     predictor: Predictor
     found: SearchResult
+    pin_costs: tuple[str, ...] = ()
 
 
 def plan_training(request: PlanRequest) -> Plan:
@@ -278,7 +281,9 @@ def plan_training(request: PlanRequest) -> Plan:
         priority=request.priority, device=device, num_processes=searched.devices, dataset=searched.dataset,
         cpu_threads=cpu_threads, fallbacks=found.fallbacks, warnings=tuple(searched.dataset.warnings),
         probe_summary=request.probe_summary, output_dir=request.output_dir,
-        learned=_learned_lines(searched.predictor.excluded))
+        learned=_learned_lines(searched.predictor.excluded), pin_costs=searched.pin_costs)
+    if request.strict and searched.pin_costs:
+        raise UserError(f"--strict: {searched.pin_costs[0]}; pin a smaller split, or drop --strict to accept it")
     if found.chosen is None:
         return Plan(fits=False, message=_nothing_fits(found.smallest, gpus, device), settings=None, choices=(),
                     dataset_config={}, prediction=None, launch_command=(), **common)
@@ -328,9 +333,34 @@ def _search_plan(request: PlanRequest) -> _Searched:
         found = replace(found, fallbacks=(f"your micro-batch {split[0]} x {split[1]} does not fit (needs "
                                           f"{need:.1f} GiB at the smallest settings, {usable / GIB:.1f} usable): "
                                           "the fastest split that does", *found.fallbacks))
+    costs: tuple[str, ...] = ()
+    if split and found.chosen is not None and found.fallbacks:  # did the user's split cost what the plan's would not?
+        free = search(start, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
+                      predictor=predictor)
+        costs = pin_costs(split, found.chosen.settings, free.chosen.settings if free.chosen else None)
     return _Searched(family=family, dataset=dataset, goal=goal, devices=devices, precision=precision,
                      precision_reason=precision_reason, usable=usable, preferred_opt=preferred_opt, t5_fp8=t5_fp8,
-                     te_cpu=te_cpu, measured=measured, predictor=predictor, found=found)
+                     te_cpu=te_cpu, measured=measured, predictor=predictor, found=found, pin_costs=costs)
+
+
+def pin_costs(split: tuple[int, int], pinned: TrainSettings, free: TrainSettings | None) -> tuple[str, ...]:
+    """What a pinned (micro-batch, accumulation) forced down that the planner's own split keeps: one line, or ()."""
+    if free is None:
+        return ()
+    lowered = []
+    if pinned.network_dim < free.network_dim:
+        lowered.append(f"rank {free.network_dim} -> {pinned.network_dim}")
+    if pinned.resolution[0] * pinned.resolution[1] < free.resolution[0] * free.resolution[1]:
+        lowered.append(f"resolution {free.resolution[0]} -> {pinned.resolution[0]}")
+    if pinned.network_train_unet_only and not free.network_train_unet_only:
+        lowered.append("the text encoders no longer trained")
+    if pinned.frames < free.frames:
+        lowered.append(f"frames {free.frames} -> {pinned.frames}")
+    if not lowered:
+        return ()
+    return (f"your micro-batch {split[0]} x {split[1]} forces {', '.join(lowered)} to fit (the planner's "
+            f"{free.train_batch_size} x {free.gradient_accumulation_steps} keeps rank {free.network_dim} at "
+            f"{free.resolution[0]} px)",)
 
 
 def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, common: dict[str, Any], device: str,

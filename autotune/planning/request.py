@@ -106,6 +106,7 @@ class PlanRequest:
     host_ram_bytes: int | None = None  # RAM the run may use (probe: available; --ram: total - reserve); None: unchecked
     allow_pickle: bool = False  # the model is a .ckpt / .pt the user allowed (the config says allow_pickle)
     model_files: tuple[tuple[str, str], ...] = ()  # (kohya key, path) the user gave: --clip_l FILE, --t5xxl FILE ...
+    strict: bool = False  # --strict: refuse a plan in which the pinned micro-batch split forces another setting down
 
 
 def gpu_from_spec(spec: GpuSpec, vram_gb: float | None = None, held_bytes: int = 0,
