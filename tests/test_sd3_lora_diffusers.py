@@ -96,3 +96,35 @@ def test_copy_of_a_lora_is_refused_in_one_line_when_it_would_overwrite(tmp_path)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert said in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "sd3.5-medium", "sd3.5-large"])
+def test_inspect_knows_an_sd3_lora_of_the_mmdit_alone(name):
+    """A UNet-only SD3.5 LoRA (no text-encoder keys to tell it by) was "an SD 1.x/2.x-layout model", family
+    unknown, and --diffusers-out refused it: its joint_blocks keys (the family data's block table) and its hidden
+    width now name the family, without the metadata too."""
+    from sd_scripts_compat.network.lora import create_network
+    from sd_scripts_compat.network.lora_file import describe_lora
+    from sd_scripts_compat.network.lora_header import TensorInfo
+
+    bundle = build_modules(get_family(name), device="meta", seed=None)  # full size: shapes only, as a header reads
+    network = create_network(bundle, network_dim=4, network_alpha=4.0, train_text_encoder=False)
+    state = {key: TensorInfo(tuple(value.shape), "fp32", 4.0 if key.endswith(".alpha") else None)
+             for key, value in network.kohya_state_dict().items()}
+    assert not any(key.startswith("lora_te") for key in state)
+    info = describe_lora(state)
+    assert info["family"] == name and info["unet_names"] == "table", info["family_label"]
+
+
+def test_inspect_writes_the_diffusers_copy_of_a_unet_only_sd3_lora(tmp_path):
+    from sd_scripts_compat.network.lora import create_network
+
+    bundle = build_modules(get_family("tiny-sd3"), seed=0)
+    path = tmp_path / "unet_only.safetensors"
+    network = create_network(bundle, network_dim=4, network_alpha=4.0, train_text_encoder=False)
+    save_lora_file(path, network.kohya_state_dict(), build_metadata(bundle.family, _facts()))
+    copy = tmp_path / "copy.safetensors"
+    result = subprocess.run([sys.executable, "-m", "autotune", "inspect", str(path), "--diffusers-out", str(copy)],
+                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {copy}" in result.stdout and "tiny-sd3" in result.stdout

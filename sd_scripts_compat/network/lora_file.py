@@ -172,6 +172,8 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
     cross = None
     width = None  # a FLUX transformer's hidden width
     te_widths: dict[str, int] = {}
+    tables = _table_block_prefixes()
+    blocks: set[str] = set()  # the block-table prefixes the keys use
     for key, value in state_dict.items():
         if not key.endswith(".lora_down.weight"):
             continue
@@ -185,16 +187,19 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
                 unet_names = unet_names or "diffusers"
             elif body.startswith(("double_blocks_", "single_blocks_")):
                 unet_names = "bfl"  # FLUX (Black Forest Labs' names, as kohya trains it)
+            elif body.startswith(tables):
+                unet_names = unet_names or "table"  # the family data's block table (SD3's joint_blocks, ...)
+                blocks.add(next(prefix for prefix in tables if body.startswith(prefix)))
             if name.endswith("_attn2_to_k") and cross is None:
                 cross = int(value.shape[1])
-            if name.endswith("_img_attn_proj") and width is None:
-                width = int(value.shape[1])
+            if name.endswith(("_img_attn_proj", "_x_block_attn_proj")) and width is None:
+                width = int(value.shape[1])  # the transformer's hidden width (FLUX.1's image stream, SD3's x)
         elif part != "other":
             te_prefixes[part] += 1
             if name.endswith(("_self_attn_q_proj", "_SelfAttention_q")) and part not in te_widths:
                 te_widths[part] = int(value.shape[1])
     layout: dict[str, Any] = {"te_prefixes": dict(te_prefixes), "unet_names": unet_names, "cross_attention_dim": cross,
-              "te_widths": te_widths, "denoiser_width": width}
+              "te_widths": te_widths, "denoiser_width": width, "block_prefixes": sorted(blocks)}
     matches = match_families(layout)
     if matches:
         label = " / ".join(matches)
@@ -211,6 +216,19 @@ def lora_layout(state_dict: dict[str, Any]) -> dict[str, Any]:
     return layout
 
 
+def _block_prefixes(family: FamilySpec) -> list[str]:
+    """The kohya key prefixes of a family's block table (``joint_blocks_`` for SD3, ``blocks_`` for Wan, ...)."""
+    return [entry["kohya"].split("{i}")[0].replace(".", "_") for entry in family.lora_layout if "{i}" in entry["kohya"]]
+
+
+def _table_block_prefixes() -> tuple[str, ...]:
+    """Every family's block-table prefixes, the FLUX names excepted (read as FLUX.1's above)."""
+    from sd_scripts_compat.facts.families import family_names, get_family
+
+    prefixes = {prefix for name in family_names() for prefix in _block_prefixes(get_family(name))}
+    return tuple(sorted(prefixes - {"double_blocks_", "single_blocks_"}))
+
+
 def match_families(layout: dict[str, Any]) -> list[str]:
     """Names of the known families whose key scheme and widths fit ``layout`` (shapes only)."""
     from sd_scripts_compat.facts.families import family_names, get_family
@@ -224,6 +242,8 @@ def match_families(layout: dict[str, Any]) -> list[str]:
         if set(layout["te_prefixes"]) - set(prefixes):
             continue
         if layout["unet_names"] and layout["unet_names"] != family.unet_lora_names:
+            continue
+        if set(layout.get("block_prefixes") or ()) - set(_block_prefixes(family)):
             continue
         if layout["cross_attention_dim"] is not None and layout["cross_attention_dim"] != family.unet.get(
                 "cross_attention_dim"):
