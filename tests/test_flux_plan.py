@@ -196,3 +196,25 @@ def test_tiny_flux_plans_on_the_cpu_with_its_own_calibration() -> None:
     plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:tiny-flux", cpu_physical_cores=2))
     assert plan.fits and plan.family.name == "tiny-flux" and plan.settings.blocks_to_swap == 0
     assert plan.kohya_values()["network_module"] == "networks.lora_flux"
+
+
+def test_file_keys_the_user_did_not_give_are_marked_to_fill_in_and_a_builtin_says_what_sd_scripts_needs(tmp_path):
+    """A FLUX file without --clip_l / --t5xxl / --ae: their keys are written with placeholder paths that the plan
+    marks (``placeholder``, "fill in" in each reason and a line in the text); a given file is not; a built-in
+    (whose parts are built in) says which files sd-scripts would take."""
+    def plan(model, files=()):
+        return plan_training(PlanRequest(dataset_dir=None, model=model, family=get_family("flux-dev"),
+                                         gpus=(gpu_from_vram(16),), cpu_physical_cores=8, model_files=files))
+
+    given = tmp_path / "my_ae.safetensors"
+    planned = plan(str(tmp_path / "flux1-dev.safetensors"), files=(("ae", str(given)),))
+    marked = {c.key: c for c in planned.choices if c.key in ("clip_l", "t5xxl", "ae")}
+    assert marked["clip_l"].placeholder and marked["t5xxl"].placeholder and not marked["ae"].placeholder
+    assert marked["clip_l"].reason.startswith("fill in your file (or plan with --clip_l FILE)")
+    assert marked["ae"].value == str(given) and marked["ae"].reason == "the file you gave"
+    assert {c["key"] for c in planned.to_dict()["choices"] if c["placeholder"]} == {"clip_l", "t5xxl"}
+    config = toml.loads(write_plan_files(planned, tmp_path / "out")[0].read_text(encoding="utf-8"))
+    assert config["clip_l"] == marked["clip_l"].value and config["ae"] == str(given)
+    builtin = plan("builtin:flux-dev")
+    (note,) = [c for c in builtin.choices if c.key == "model_files"]
+    assert not note.kohya and "--model FILE --clip_l FILE --t5xxl FILE --ae FILE" in note.reason

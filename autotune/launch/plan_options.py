@@ -349,6 +349,11 @@ def render(plan: Plan) -> None:
                   + (f" ({p.memory_basis})" if p.memory_source != "model" else ""))
     for line in plan.learned:
         console.print(f"learned: {line}")
+    fill = [c for c in plan.choices if c.placeholder]
+    if fill:
+        console.print("[yellow]fill in:[/yellow] " + ", ".join(f"{c.key} = {c.value}" for c in fill)
+                      + " are placeholders: edit config.toml, or plan with "
+                      + " ".join(f"--{c.key} FILE" for c in fill))
     for line in plan.pin_costs:
         console.print(f"[yellow]your pin:[/yellow] {line} (--strict refuses such a plan)")
     console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")

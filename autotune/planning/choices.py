@@ -43,6 +43,7 @@ class Choice:
     value: Any
     reason: str
     kohya: bool = True
+    placeholder: bool = False  # a path for the user to fill in: no file was given for it
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,15 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     if fam.v_parameterization:
         out.append(Choice("v_parameterization", True, "768-v model: the UNet predicts v, not noise"))
     profile = plan_profile(fam)
-    out += [Choice(key, path, reason) for key, (path, reason) in model_files(
-        req, profile, c.text_encoder_fp8, both_experts=c.settings.high_noise_expert).items()]
+    given = dict(req.model_files)
+    files = model_files(req, profile, c.text_encoder_fp8, both_experts=c.settings.high_noise_expert)
+    out += [Choice(key, path, reason if key in given else f"fill in your file (or plan with --{key} FILE): {reason}",
+                   placeholder=key not in given) for key, (path, reason) in files.items()]
+    kept = [key for key in profile.model_files if key != FP8_FILE_KEY and key not in given]
+    if req.model.startswith("builtin:") and kept:  # sd-scripts would take these as files
+        out.append(Choice("model_files", "built in", f"this built-in brings its own {', '.join(kept)}; for "
+                          f"sd-scripts, plan its files: --model FILE {' '.join(f'--{k} FILE' for k in kept)}",
+                          kohya=False))
     if c.text_encoder_fp8 and profile.te_fp8_flag and not c.te_cpu:
         out.append(Choice(profile.te_fp8_flag, True, "caching the text-encoder outputs with the 16-bit "
                           "text encoder would not fit this card: its weights in fp8 while caching"))
