@@ -307,6 +307,18 @@ def test_pipe_every_question_has_a_flag(tmp_path):
     assert "(from --goal)" in shown and "Plan accepted (--accept)" in shown and "* your value" in shown
 
 
+def test_the_wizard_takes_plan_and_runs_flag_names_and_every_optimizer(tmp_path):
+    """`--batch` / `--accum` as `autotune plan` and `run` spell them (the old `--batch-size` / `--grad-accum` still
+    work), and `--optimizer` takes every optimizer they do, not three."""
+    out = tmp_path / "out"
+    code, _ = drive([str(EXAMPLES), "--cpu", "--model", "builtin:tiny-sd15", "--out", str(out), "--batch", "2",
+                     "--accum", "3", "--optimizer", "lion", "--accept", "--no-start", "--yes"], keys="")
+    assert code == 0
+    config = toml.loads((out / "config.toml").read_text())
+    assert (config["train_batch_size"], config["gradient_accumulation_steps"], config["optimizer_type"]) == (2, 3,
+                                                                                                              "Lion")
+
+
 def test_pipe_fake_nvml_two_gpus_pick_which(tmp_path):
     from autotune.hardware.probe import GpuInfo, probe_system
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autotune.launch.plan_options import finite
+from autotune.launch.plan_options import finite, optimizer_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from autotune.planning.planner import GOALS, OPTIMIZERS, PRIORITIES
+    from autotune.planning.planner import GOALS, PRIORITIES
     from autotune.planning.request import EXPERTS
+    from sd_scripts_compat.facts.optimizers import optimizer_names
 
     parser.add_argument("dataset", nargs="?", default=None, metavar="DATASET",
                         help="folder of N_name image subfolders, or a flat folder of images")
@@ -55,12 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     goal.add_argument("--out", metavar="DIR", help="folder for config.toml + dataset.toml (default output/<name>)")
     goal.add_argument("--format", choices=("kohya", "lora-scripts"), help="config layout (default kohya)")
     values = parser.add_argument_group("plan values (each re-predicted; one that does not fit is refused)")
-    values.add_argument("--batch-size", type=int, help="micro-batch (train_batch_size)")
-    values.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps")
+    values.add_argument("--batch", "--batch-size", "--train_batch_size", dest="batch_size", type=int,
+                        help="micro-batch (train_batch_size), as `autotune plan` / `run` take it")
+    values.add_argument("--accum", "--grad-accum", "--gradient_accumulation_steps", dest="grad_accum", type=int,
+                        help="gradient_accumulation_steps")
     values.add_argument("--rank", type=int, help="LoRA rank (network_dim)")
     values.add_argument("--resolution", type=int, help="training resolution in px")
     values.add_argument("--epochs", type=int, help="max_train_epochs")
-    values.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer_type")
+    values.add_argument("--optimizer", "--optimizer_type", type=optimizer_name, choices=optimizer_names(),
+                        metavar="NAME", help=f"optimizer_type: {', '.join(optimizer_names())}")
     values.add_argument("--precision", choices=("bf16", "fp16", "no"), help="mixed_precision")
     values.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="gradient checkpointing on / off")

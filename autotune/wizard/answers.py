@@ -29,10 +29,11 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.organise == "no" and (args.repeats or args.trigger or args.organise_into):
         raise UserError("--organise no keeps the flat folder; --repeats / --trigger / --organise-into need "
                         "--organise link or --organise copy")
-    for name in ("batch_size", "grad_accum", "rank", "epochs", "repeats"):
+    for name, flag in (("batch_size", "--batch"), ("grad_accum", "--accum"), ("rank", "--rank"),
+                       ("epochs", "--epochs"), ("repeats", "--repeats")):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+            raise UserError(f"{flag} {value}: must be 1 or more")
 
 
 def overrides_from_args(args: argparse.Namespace, family_tiny: bool, on_gpu: bool) -> Overrides:

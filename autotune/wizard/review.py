@@ -136,15 +136,16 @@ def memory_line(peak: int, required: int, usable: int, cpu: bool = False) -> str
 
 def knob_problem(knob: str, value: Any, family_tiny: bool, on_gpu: bool) -> str | None:
     """Why a value cannot be set, or None; the same rules for a typed value and a flag's."""
-    from autotune.planning.planner import OPTIMIZERS, RESOLUTION_STEP
+    from autotune.planning.planner import RESOLUTION_STEP
+    from sd_scripts_compat.facts.optimizers import optimizer_names
 
     if knob == "resolution":
         if family_tiny:
             return "the tiny test families train at their native size only"
         if value < 256 or value % RESOLUTION_STEP or value > 4096:
             return f"must be a multiple of {RESOLUTION_STEP} from 256 to 4096"
-    if knob == "optimizer_type" and value not in OPTIMIZERS:
-        return f"choose one of {', '.join(OPTIMIZERS)}"
+    if knob == "optimizer_type" and value not in optimizer_names():  # every one `autotune plan` / `run` take
+        return f"choose one of {', '.join(optimizer_names())}"
     if knob == "mixed_precision" and value not in precisions(on_gpu):
         return f"choose one of {', '.join(precisions(on_gpu))}"
     return None
@@ -156,7 +157,7 @@ def precisions(on_gpu: bool) -> tuple[str, ...]:
 
 def ask_change(asker: Asker, current: Evaluation, request: PlanRequest, base: Plan) -> Overrides:
     """Which value, then the new value; returns the one-field change."""
-    from autotune.planning.planner import OPTIMIZERS
+    from sd_scripts_compat.facts.optimizers import optimizer_names
 
     values = {choice.key: choice.value for choice in current.plan.choices}
     settings = current.settings
@@ -181,7 +182,8 @@ def ask_change(asker: Asker, current: Evaluation, request: PlanRequest, base: Pl
         new: bool | int | str = asker.choose(f"{LABELS[knob]}", [Option("on", True), Option("off", False)],
                                              default=not old)
     elif knob == "optimizer_type":
-        new = asker.choose("optimizer", [Option(name, name) for name in OPTIMIZERS], default=settings.optimizer_type)
+        new = asker.choose("optimizer", [Option(name, name) for name in optimizer_names()],
+                           default=settings.optimizer_type)
     elif knob == "mixed_precision":
         precision = settings.mixed_precision
         new = asker.choose("precision", [Option(name, name) for name in precisions(on_gpu)],
