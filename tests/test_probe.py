@@ -179,3 +179,24 @@ def test_probe_reports_this_cpus_bf16(live):
         flags = Path("/proc/cpuinfo").read_text().split()
         assert cpu.avx512_bf16 == ("avx512_bf16" in flags) and cpu.amx_bf16 == ("amx_bf16" in flags)
         assert cpu.bf16_native == (cpu.avx512_bf16 or cpu.amx_bf16 or "bf16" in flags)
+
+
+def test_without_a_gpu_only_xformers_is_said_to_need_cuda():
+    """bitsandbytes has a CPU backend (its AdamW8bit steps here, with 8-bit state; test_train_engine trains with
+    it); the probe said it needed a CUDA GPU. xformers does."""
+    import torch
+    from bitsandbytes.optim import AdamW8bit
+
+    from autotune.hardware.probe import LIBRARY_NAMES, LibraryInfo, _library_notes
+
+    weight = torch.nn.Parameter(torch.ones(64, 64))
+    optimizer = AdamW8bit([weight], lr=1e-2)
+    (weight ** 2).sum().backward()
+    optimizer.step()
+    assert optimizer.state[weight]["state1"].dtype == torch.uint8 and weight.detach().max() < 1.0
+
+    libraries = {name: LibraryInfo(installed=True, version="1.0", build="cpu" if name == "torch" else None)
+                 for name in LIBRARY_NAMES}
+    notes: list[str] = []
+    _library_notes([], libraries, notes, measured=True)
+    assert notes == ["xformers 1.0 is installed but needs a CUDA GPU for its kernels"]

@@ -733,10 +733,8 @@ def _library_notes(nvidia: list[GpuInfo], libraries: dict[str, LibraryInfo], not
     elif nvidia and measured and torch.build == "cpu":
         notes.append(f"torch {torch.version} is a CPU build: training would not use the GPU; install a CUDA build "
                      "of torch")
-    if not nvidia:
-        for name in ("xformers", "bitsandbytes"):
-            if libraries[name].installed:
-                notes.append(f"{name} {libraries[name].version} is installed but needs a CUDA GPU for its kernels")
+    if not nvidia and libraries["xformers"].installed:  # bitsandbytes has a CPU backend: its 8-bit optimizers train
+        notes.append(f"xformers {libraries['xformers'].version} is installed but needs a CUDA GPU for its kernels")
 
 
 # --- human view ---------------------------------------------------------------------------------------------------
