@@ -509,3 +509,22 @@ def test_a_pinned_split_that_forces_rank_and_resolution_down_says_so_and_strict_
         plan_for("sdxl", card, preferences=Preferences(batch=4), strict=True)
     fits = plan_for("sdxl", [gpu_from_vram(24)], preferences=Preferences(batch=2), strict=True)
     assert fits.pin_costs == () and fits.settings.train_batch_size == 2  # a pin that costs nothing is planned
+
+
+def test_the_bucket_and_checkpoint_reasons_say_what_their_numbers_are():
+    """At 256 px the smallest bucket side is the resolution itself (it said "half the resolution"); a one-epoch
+    run leaves one LoRA (it said "about four checkpoints")."""
+    def reason(plan, key):
+        return next(c for c in plan.choices if c.key == key)
+
+    tiny = plan_for("tiny-sd15", [gpu_from_vram(8)])
+    assert reason(tiny, "min_bucket_reso").value == 256 == tiny.settings.resolution[0]
+    assert reason(tiny, "min_bucket_reso").reason.startswith("the resolution itself (256 px)")
+    full = plan_for("sd15", [gpu_from_vram(8)])
+    assert reason(full, "min_bucket_reso").value == 256 and reason(full, "min_bucket_reso").reason.startswith("half")
+    epochs = reason(full, "max_train_epochs").value
+    every = reason(full, "save_every_n_epochs")
+    files = len([e for e in range(1, epochs) if e % every.value == 0]) + 1  # sd-scripts: epoch saves, then the last
+    assert every.reason.startswith(f"{files} LoRA files to compare, one every {every.value} epoch")
+    one = plan_for("sd15", [gpu_from_vram(8)], preferences=Preferences(epochs=1))
+    assert reason(one, "save_every_n_epochs").reason == "a one-epoch run: the LoRA at its end is the only one"

@@ -176,9 +176,10 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     out += [
         Choice("resolution", c.values["resolution"], res_reason + "; activation memory grows with its square"),
         Choice("enable_bucket", True, "keeps each image's aspect ratio; bucket area never exceeds resolution^2"),
-        Choice("min_bucket_reso", min_bucket, "half the resolution: narrower buckets waste pixels"),
-        Choice("max_bucket_reso", c.values["max_bucket_reso"], "twice the resolution: tall/wide images keep their "
-               "shape"),
+        Choice("min_bucket_reso", min_bucket, min_bucket_reason(min_bucket, c.side, step)),
+        Choice("max_bucket_reso", c.values["max_bucket_reso"],
+               ("twice the resolution" if c.values["max_bucket_reso"] == 2 * c.side
+                else f"{c.values['max_bucket_reso']} px") + ": tall/wide images keep their shape"),
         Choice("bucket_reso_steps", step, bucket_step_reason(step)),
         Choice("bucket_no_upscale", True, "small images are not blown up past their own size"),
         *([Choice("target_frames", c.settings.frames,
@@ -373,7 +374,7 @@ def _saving(c: PlanContext) -> list[Choice]:
         Choice("output_name", output_name(c.request, c.dataset, c.family), "dataset folder and family"),
         Choice("save_model_as", "safetensors", "safe format, kohya's default"),
         Choice("save_precision", "fp16", "half-size LoRA files, loadable everywhere"),
-        Choice("save_every_n_epochs", max(1, math.ceil(c.epochs / 4)), "about four checkpoints to compare"),
+        Choice("save_every_n_epochs", max(1, math.ceil(c.epochs / 4)), checkpoints_reason(c.epochs)),
         Choice("logging_dir", logging_dir, "TensorBoard logs"),
         Choice("log_with", "tensorboard", "loss curves without an account"),
     ]
@@ -387,3 +388,22 @@ def _informational(c: PlanContext) -> list[Choice]:
         out.append(Choice("fallbacks", ", ".join(c.fallbacks), "given up, in this order, because nothing fit before",
                           kohya=False))
     return out
+
+
+def min_bucket_reason(min_bucket: int, side: int, step: int) -> str:
+    """Why the smallest bucket side is what it is, in the plan's own numbers."""
+    half = side // 2 // step * step
+    if min_bucket == half:
+        return "half the resolution: narrower buckets waste pixels"
+    if min_bucket == side:
+        return f"the resolution itself ({side} px): half of it would be below the {min_bucket} px floor of bucket sides"
+    return f"the {min_bucket} px floor of bucket sides (half the resolution would be {half} px)"
+
+
+def checkpoints_reason(epochs: int) -> str:
+    """What ``save_every_n_epochs`` gives: how many LoRA files the run leaves to compare."""
+    every = max(1, math.ceil(epochs / 4))
+    if epochs <= 1:
+        return "a one-epoch run: the LoRA at its end is the only one"
+    count = epochs // every + (1 if epochs % every else 0)  # the last epoch's LoRA is written whatever the rhythm
+    return f"{count} LoRA files to compare, one every {every} epoch{'s' if every > 1 else ''}"
