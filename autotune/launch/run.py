@@ -18,7 +18,6 @@ from autotune.launch.engines import check_engine, parse_engine
 from autotune.launch.plan_options import finite
 from autotune.layout import (
     CONFIG,
-    DECISIONS_JSONL,
     DECISIONS_LOG,
     EVENTS_DIR,
     FINAL_CONFIG,
@@ -234,20 +233,10 @@ def start_run(args: argparse.Namespace) -> int:
 
 def _finished_line(out: Path) -> str | None:
     """The watchdog's last word on the run in ``out`` when that is "done" (its line); None otherwise."""
-    import json
+    from autotune.recovery.decisions import last_decision
 
-    try:
-        lines = (out / DECISIONS_JSONL).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line being written, or damaged: the one before it decides
-        if isinstance(record, dict):
-            return str(record.get("text", "")) if record.get("event") == "done" else None
-    return None
+    record = last_decision(out)
+    return str(record.get("text", "")) if record is not None and record.get("event") == "done" else None
 
 
 def _output_folder(args: argparse.Namespace, dataset_dir: Path, family: FamilySpec) -> Path:

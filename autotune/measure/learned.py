@@ -153,10 +153,12 @@ class LearnedFigures:
         settings block."""
         key = settings_key(settings)
         exact = next((r for r in reversed(self.peaks) if r.key == key), None)
+        model = model_mib(settings)
         if exact is not None and exact.peak_memory_mib is not None:
+            factor = exact.peak_memory_mib / model if model > 0 else 1.0
             return LearnedMemory(exact.peak_memory_mib, "measured",
                                  f"{exact.source} on {self.device}, {when_measured(exact)}: peak "
-                                 f"{exact.peak_memory_mib:.0f} MiB", exact.peak_memory_mib / model_mib(settings))
+                                 f"{exact.peak_memory_mib:.0f} MiB", factor)
         alike = [r for r in self.peaks if r.key["torch_compile"] == key["torch_compile"]]
         if not alike:
             return LearnedMemory(None, "model", "memory model")
@@ -168,7 +170,7 @@ class LearnedFigures:
         factor = ratio if ratio >= 1.0 or heavier_or_equal(nearest.key, key) else 1.0
         k = nearest.key
         kept = "" if factor == ratio else "; not lowered: that run was lighter than this one"
-        return LearnedMemory(model_mib(settings) * factor, "measured-scaled",
+        return LearnedMemory(model * factor, "measured-scaled",
                              f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
                              f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}): measured "
                              f"{measured:.0f} MiB / model {predicted:.0f} MiB = x{ratio:.3g}{kept}", factor)

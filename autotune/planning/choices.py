@@ -369,12 +369,13 @@ def output_name(request: PlanRequest, dataset: DatasetSummary, family: FamilySpe
 
 def _saving(c: PlanContext) -> list[Choice]:
     output_dir, logging_dir = output_paths(c.request)
+    every = max(1, math.ceil(c.epochs / 4))  # about four LoRA files to compare
     return [
         Choice("output_dir", output_dir, "trained LoRA files go here"),
         Choice("output_name", output_name(c.request, c.dataset, c.family), "dataset folder and family"),
         Choice("save_model_as", "safetensors", "safe format, kohya's default"),
         Choice("save_precision", "fp16", "half-size LoRA files, loadable everywhere"),
-        Choice("save_every_n_epochs", max(1, math.ceil(c.epochs / 4)), checkpoints_reason(c.epochs)),
+        Choice("save_every_n_epochs", every, checkpoints_reason(c.epochs, every)),
         Choice("logging_dir", logging_dir, "TensorBoard logs"),
         Choice("log_with", "tensorboard", "loss curves without an account"),
     ]
@@ -400,9 +401,8 @@ def min_bucket_reason(min_bucket: int, side: int, step: int) -> str:
     return f"the {min_bucket} px floor of bucket sides (half the resolution would be {half} px)"
 
 
-def checkpoints_reason(epochs: int) -> str:
-    """What ``save_every_n_epochs`` gives: how many LoRA files the run leaves to compare."""
-    every = max(1, math.ceil(epochs / 4))
+def checkpoints_reason(epochs: int, every: int) -> str:
+    """What ``save_every_n_epochs`` = ``every`` gives: how many LoRA files the run leaves to compare."""
     if epochs <= 1:
         return "a one-epoch run: the LoRA at its end is the only one"
     count = epochs // every + (1 if epochs % every else 0)  # the last epoch's LoRA is written whatever the rhythm

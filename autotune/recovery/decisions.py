@@ -28,3 +28,20 @@ class DecisionLog:
             handle.write(f"{record['time']} {event}: {text}\n")
         if self.echo and show:  # on stdout with the progress: stderr holds only errors
             print(f"[autotune] {text}", flush=True)
+
+
+def last_decision(output_dir: Path) -> dict[str, object] | None:
+    """The newest whole decision in ``output_dir``'s log (a line being written, or damaged, is passed over); None
+    without a log."""
+    try:
+        lines = (output_dir / DECISIONS_JSONL).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            return record
+    return None

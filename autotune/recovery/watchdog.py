@@ -227,8 +227,8 @@ def supervise(job: Job) -> RunResult:
                           show=result.outcome is Outcome.INTERRUPTED)
             return run.result(False, result.outcome, result.message)
         failed_step = _failed_step(result)
-        if sum(r.get("failure") != Outcome.STEP_UP for r in run.retries) >= job.max_retries:
-            message = (f"giving up after {len(run.retries)} retries ({result.outcome} at step {failed_step}); "
+        if _failures(run) >= job.max_retries:
+            message = (f"giving up after {_failures(run)} retries ({result.outcome} at step {failed_step}); "
                        f"last settings: {run.settings.describe()}; see {job.output_dir / DECISIONS_LOG}")
             run.log.write("give_up", message)
             return run.result(False, Outcome.RETRIES_EXHAUSTED, message)
@@ -267,6 +267,11 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
     return job.engine.finish(result, log)
 
 
+def _failures(run: _Run) -> int:
+    """The retries that count against ``--max-retries``: every one but a step up."""
+    return sum(r.get("failure") != Outcome.STEP_UP for r in run.retries)
+
+
 def _up_watcher(run: _Run) -> UpWatcher | None:
     """The attempt's step-up check (None: ``--no-step-up``, or no speed model for this engine)."""
     job = run.job
@@ -285,8 +290,8 @@ def _finished(run: _Run, result: AttemptResult) -> RunResult:
     job = run.job
     output = (result.done_event or {}).get("output_file")
     _write_final_configs(job, run.settings)
-    ups = sum(r.get("failure") == Outcome.STEP_UP for r in run.retries)
-    retries = len(run.retries) - ups
+    retries = _failures(run)
+    ups = len(run.retries) - retries
     stepped = f" and {ups} step{'' if ups == 1 else 's'} up" if ups else ""
     run.log.write("done", f"finished after {retries} retr{'y' if retries == 1 else 'ies'}{stepped}; LoRA: {output}; "
                   "final settings in config.final.toml", output_file=output, settings=run.settings.to_event())
