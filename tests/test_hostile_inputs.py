@@ -243,6 +243,10 @@ def lora_with(path: Path, value: float) -> Path:
 # ---------------------------------------------------------------- the corpus
 
 CLI = [
+    Case("plan-strict-pin-forces-rank-down", lambda t: plan(t, "--vram", "8", "--batch", "4", "--strict",
+                                                          model="builtin:sdxl"), "--strict: your micro-batch 4 x 1"),
+    Case("wizard-accum-zero", lambda t: ["autotune", "wizard", str(dataset(t)), "--model", TINY, "--cpu", "--accum",
+                                         "0", "--yes"], "--accum 0"),
     Case("plan-epochs-negative", lambda t: plan(t, "--epochs", "-1"), "--epochs -1"),
     Case("plan-epochs-zero", lambda t: plan(t, "--epochs", "0"), "--epochs 0"),
     Case("plan-rank-zero", lambda t: plan(t, "--rank", "0"), "--rank 0"),
