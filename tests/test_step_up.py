@@ -105,8 +105,10 @@ def _run(tmp_path: Path, name: str, *extra: str, env: dict[str, str] | None = No
                                   "lr_scheduler": "constant_with_warmup", "lr_warmup_steps": 2 * steps}),
                       encoding="utf-8")
     out = tmp_path / name
+    # the budget pinned (64 GiB of address space, its peak sampled): free RAM on a busy machine decides nothing
     done = subprocess.run([sys.executable, "-m", "autotune", "run", str(REPO / "examples" / "dataset"), "--model",
-                           "builtin:tiny-sd15", "--config", str(config), "--out", str(out), *extra],
+                           "builtin:tiny-sd15", "--config", str(config), "--out", str(out), "--memory-limit",
+                           "65536", *extra],
                           capture_output=True, text=True, cwd=tmp_path, timeout=900,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     assert done.returncode == 0, done.stderr[-3000:]
