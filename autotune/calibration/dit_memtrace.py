@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from autotune.calibration.cuda_autocast import autocast_rules as op_lists
 from autotune.calibration.memtrace import (
     LiveBytesCounter,
     _storage_bytes,
@@ -138,6 +139,7 @@ class DitTraceResult:
     peak_phase: str
     seconds: float
     frames: int = 1  # video frames of one sample (Wan); 1 for an image
+    autocast_rules: str = "cuda"  # whose autocast op lists the step ran under (autotune.calibration.cuda_autocast)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -162,12 +164,15 @@ class _SwapAwareCounter(LiveBytesCounter):
 def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int, batch_size: int = 1,
                    rank: int = 16, gradient_checkpointing: bool = True, optimizer: str = "AdamW8bit",
                    fp8_base: bool = False, blocks_to_swap: int = 0, config: dict[str, Any] | None = None,
-                   text_tokens: int | None = None, frames: int = 1, fake: bool = True) -> DitTraceResult:
+                   text_tokens: int | None = None, frames: int = 1, fake: bool = True,
+                   autocast_rules: str = "cuda") -> DitTraceResult:
     """One LoRA step of ``family`` (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
     ``config``: another denoiser config (tests use a tiny one); ``text_tokens``: the text length (default: the
     family's T5 length); ``fake=False``: the same step on real CPU tensors with random weights (tiny configs: how
-    the tests check the fake figure against a real run)."""
+    the tests check the fake figure against a real run); ``autocast_rules``: ``"cuda"`` casts as a GPU does (the
+    traces GPU plans are fitted to), ``"cpu"`` as CPU autocast does (``autotune.calibration.cuda_autocast``)."""
+
     import contextlib
 
     import torch
@@ -200,7 +205,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         state_bytes = _storage_bytes(state)
         counter.register([*frozen, *lora_params, *state])
         counter.reset_peak()
-        with counter.mode():
+        with counter.mode(), op_lists(autocast_rules):
             FORWARDS[spec.denoiser_class](model, counter, spec, batch_size, resolution,
                                           text_tokens or spec.denoiser_text_tokens,
                                           **({"frames": frames} if frames > 1 else {}))
@@ -221,7 +226,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         weights_bytes=weights_bytes, swapped_weight_bytes=swapped_bytes, lora_param_bytes=_storage_bytes(lora_params),
         lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
-        peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames)
+        peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames,
+        autocast_rules=autocast_rules)
 
 
 def musubi_fp8_scaled(model: ModelMixin) -> int:
@@ -551,8 +557,8 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
     }
 
 
-def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY,
-                               tokens: int | None = None) -> dict[str, int]:
+def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY, tokens: int | None = None,
+                               autocast_rules: str = "cuda") -> dict[str, int]:
     """Peak live bytes of caching one caption: the family's text encoders (FLUX.1: CLIP-L and T5-XXL; SD3 adds
     CLIP-G; Lumina's Gemma2, HunyuanImage's Qwen2.5-VL + byT5, Anima's Qwen3), all resident as sd-scripts
     keeps them, each run in turn on a caption of its own token length under no_grad on fake tensors, built
@@ -561,7 +567,8 @@ def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY,
     length of every encoder that is not CLIP.
 
     Returns the weights and the transient above them (hidden states, T5's fp32 attention scores, an LLM's
-    logits), the figure the transformer model adds to the encoders' weights for the caching phase."""
+    logits), the figure the transformer model adds to the encoders' weights for the caching phase, under
+    ``autocast_rules`` (CUDA's op lists by default: sd-scripts caches on the GPU)."""
     import torch
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -579,7 +586,7 @@ def trace_text_encoder_caching(family: str | FamilySpec = DEFAULT_FAMILY,
     with fake_mode:
         counter.register(weights)
         counter.reset_peak()
-        with counter.mode(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with counter.mode(), torch.no_grad(), op_lists(autocast_rules), torch.autocast("cpu", dtype=torch.bfloat16):
             for encoder, length in zip(encoders, lengths):
                 encoder(input_ids=torch.zeros(1, length, dtype=torch.long))
     weight_bytes = _storage_bytes(weights)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from autotune.calibration.cuda_autocast import autocast_rules as op_lists
+
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
@@ -74,6 +76,7 @@ class TraceResult:
     phase_peaks: dict[str, int]  # highest live bytes seen in each phase (vae_encode, forward, backward, ...)
     optimizer_state_simulated: bool  # True where the optimizer's kernels cannot run on fake tensors
     seconds: float
+    autocast_rules: str = "cuda"  # whose autocast op lists the step ran under (autotune.calibration.cuda_autocast)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -342,15 +345,16 @@ def trace_training_step(
     network_alpha: float | None = None,
     lora_builder: Callable[[Any, int, float, bool], Any] | None = None,
     fake: bool = True,
+    autocast_rules: str = "cuda",
 ) -> TraceResult:
     """Trace one LoRA training step of a built-in family on fake CPU tensors; peak live tensor bytes.
 
-    ``mixed_precision`` defaults to the weight dtype (fp32/fp8 -> fp16 autocast for fp8, none for
-    fp32). LoRA parameters are fp32, as kohya keeps them. Text encoders are resident when trained or
-    when their outputs are not cached (then run under no_grad); the VAE is resident and encodes the
-    batch under no_grad when latents are not cached. ``lora_builder`` lets tests use another network.
-    ``fake=False`` runs the same step on real CPU tensors with random weights (tiny families only):
-    how the tests check the fake figure against a real run.
+    ``mixed_precision`` defaults to the weight dtype (fp32/fp8 -> fp16 autocast for fp8, none for fp32). LoRA
+    parameters are fp32, as kohya keeps them. Text encoders are resident when trained or when their outputs are not
+    cached (then run under no_grad); the VAE is resident and encodes the batch under no_grad when latents are not
+    cached. ``lora_builder`` lets tests use another network. ``fake=False`` runs the same step on real CPU tensors
+    with random weights (tiny families only): how the tests check the fake figure against a real run.
+    ``autocast_rules``: whose op lists autocast follows, ``"cuda"`` (GPU plans) or ``"cpu"`` (``cuda_autocast``).
     """
     import contextlib
 
@@ -367,9 +371,8 @@ def trace_training_step(
     spec = get_family(family)
     bundle, network, module_dtype = _build_for_trace(spec, rank, weight_dtype, mixed_precision, train_text_encoder,
                                                      gradient_checkpointing, network_alpha, lora_builder, fake)
-    text_encoders_resident = train_text_encoder or not cache_text_encoder_outputs
     resident: list[Any] = [bundle.unet, network]
-    if text_encoders_resident:
+    if train_text_encoder or not cache_text_encoder_outputs:  # trained, or encoding uncached captions
         resident += bundle.text_encoders
     if not cache_latents:
         resident.append(bundle.vae)
@@ -389,7 +392,7 @@ def trace_training_step(
                 autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision),
                 cache_latents=cache_latents, train_text_encoder=train_text_encoder,
                 cache_text_encoder_outputs=cache_text_encoder_outputs)
-    with fake_mode:
+    with fake_mode, op_lists(autocast_rules):
         simulated, optimizer_state_bytes, lora_grad_bytes = _counted_step(
             bundle, spec, counter, optimizer, lora_params, frozen, attention, step)
 
@@ -403,7 +406,7 @@ def trace_training_step(
         lora_grad_bytes=lora_grad_bytes, optimizer_state_bytes=optimizer_state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, phase_peaks=dict(counter.phase_peaks), optimizer_state_simulated=simulated,
-        seconds=round(time.perf_counter() - started, 2),
+        seconds=round(time.perf_counter() - started, 2), autocast_rules=autocast_rules,
     )
 
 
