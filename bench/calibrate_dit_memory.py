@@ -4,6 +4,12 @@
     python bench/calibrate_dit_memory.py                     # FLUX.1 (the file's top level) and tiny-flux
     python bench/calibrate_dit_memory.py --family sd3.5-large --family chroma ...   # a family's variants entry
     python bench/calibrate_dit_memory.py --table [--family F]  # only the table, from the shipped traces
+    python bench/calibrate_dit_memory.py --rules cpu --family tiny-flux  # CPU autocast's coefficients (CPU plans)
+
+Traces run under CUDA autocast's op lists by default (``--rules cuda``: ``autotune.calibration.cuda_autocast``;
+layer_norm, softmax, exp and pow in fp32 as on a GPU): their coefficients are an entry's own, what GPU plans
+read. ``--rules cpu`` traces under CPU autocast's lists and writes the entry's ``cpu_rules`` (what a CPU plan
+reads), leaving the rest as it is; the traces of each rule set have their own folder.
 
 Activation coefficients per checkpointing setting come from four traces each (512 / 1024 px x rank 16 / 64,
 batch 1, AdamW8bit, bf16 weights): ``act = c0 + c1*rank + batch*tokens*(a + b*rank)`` with tokens = packed image
@@ -115,7 +121,18 @@ def _key(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True)
 
 
-def collect(traces_path: Path, configs: list[dict], family: str = "flux-dev") -> dict[str, dict]:
+RULE_KEYS = ("activations", "fp8_extra", "caching_transient_bytes")  # what the autocast op lists change
+
+
+def with_rules(old: dict, new: dict, rules: str) -> dict:
+    """An entry with ``new`` fitted coefficients: under CUDA's rules they are the entry's own (its ``cpu_rules`` and
+    what another script wrote, as ``latent_caching``, kept); under CPU's they become its ``cpu_rules``."""
+    if rules == "cpu":
+        return {**old, "cpu_rules": {key: new[key] for key in RULE_KEYS if key in new}}
+    return {**old, **new}
+
+
+def collect(traces_path: Path, configs: list[dict], family: str = "flux-dev", rules: str = "cuda") -> dict[str, dict]:
     """Trace every config not already in the traces file (saved after each, so an interrupted run resumes)."""
     from autotune.calibration.dit_memtrace import trace_dit_step
 
@@ -123,7 +140,7 @@ def collect(traces_path: Path, configs: list[dict], family: str = "flux-dev") ->
     for cfg in configs:
         if _key(cfg) in stored:
             continue
-        result = trace_dit_step(family, **cfg).to_dict()
+        result = trace_dit_step(family, **cfg, autocast_rules=rules).to_dict()
         stored[_key(cfg)] = result
         traces_path.write_text(json.dumps(stored, indent=1, sort_keys=True))
         print(f"traced {cfg}: {result['peak_bytes'] / GIB:.2f} GiB in {result['seconds']} s", flush=True)
@@ -137,13 +154,14 @@ TINY_FIT += [dict(resolution=256, batch_size=1, rank=4, gradient_checkpointing=g
                   fp8_base=True, blocks_to_swap=0) for gc in (True, False)]
 
 
-def tiny_variant(name: str = TINY) -> dict:
+def tiny_variant(name: str = TINY, rules: str = "cuda") -> dict:
     """A tiny twin's own entry (tiny-flux, tiny-chroma: the engine's test models for demos and CPU tests): its
     architecture and coefficients, traced on the engine's own model and LoRA network (a second or two in all)."""
     from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_dit_step
 
     architecture = dit_architecture_facts(name)
-    traces = {_key(cfg): trace_dit_step(name, **cfg, text_tokens=architecture["text_tokens"]).to_dict()
+    traces = {_key(cfg): trace_dit_step(name, **cfg, text_tokens=architecture["text_tokens"],
+                                        autocast_rules=rules).to_dict()
               for cfg in TINY_FIT}
     return {"architecture": architecture, **fit(traces, architecture, TINY_FIT, name)}
 
@@ -207,28 +225,28 @@ def _trace_rows(traces: dict[str, dict], fit_configs: list[dict], validation: li
             for cfg in fit_configs + validation]
 
 
-def family_variant(family: str, traces_path: Path) -> dict:
+def family_variant(family: str, traces_path: Path, rules: str = "cuda") -> dict:
     """A transformer family's ``variants`` entry: its architecture, fit, caching transient and traces."""
     from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_text_encoder_caching
 
     fit_configs, validation = family_fit(family), family_validation(family)
-    traces = collect(traces_path, fit_configs + validation, family)
+    traces = collect(traces_path, fit_configs + validation, family, rules)
     architecture = dit_architecture_facts(family)
     return {"architecture": architecture, **fit(traces, architecture, fit_configs, family),
-            "caching_transient_bytes": trace_text_encoder_caching(family)["transient_bytes"],
+            "caching_transient_bytes": trace_text_encoder_caching(family, autocast_rules=rules)["transient_bytes"],
             "traces": _trace_rows(traces, fit_configs, validation)}
 
 
-def flux_calibration(traces_path: Path) -> dict:
+def flux_calibration(traces_path: Path, rules: str = "cuda") -> dict:
     """FLUX.1's top-level entry (dev and schnell) and tiny-flux's variant."""
     import torch
 
     from autotune.calibration.dit_memtrace import dit_architecture_facts, trace_text_encoder_caching
 
-    traces = collect(traces_path, FIT + VALIDATION)
+    traces = collect(traces_path, FIT + VALIDATION, rules=rules)
     architecture = dit_architecture_facts()
     return {"generated_by": "bench/calibrate_dit_memory.py", "torch": torch.__version__,
-            "caching_transient_bytes": trace_text_encoder_caching()["transient_bytes"],
+            "caching_transient_bytes": trace_text_encoder_caching(autocast_rules=rules)["transient_bytes"],
             "architecture": architecture, **fit(traces, architecture), "traces": _trace_rows(traces, FIT, VALIDATION)}
 
 
@@ -243,26 +261,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", action="append", default=[],
                         help="a transformer family other than FLUX.1 (repeatable); none: FLUX.1 and tiny-flux")
-    parser.add_argument("--traces", type=Path, default=ROOT / "bench" / "dit_traces",
-                        help="folder of the traces files (one per family), so a rerun only traces what is new")
+    parser.add_argument("--traces", type=Path, default=ROOT / "bench" / "results" / "dit_traces",
+                        help="folder of the traces files (one per family and rule set), so a rerun only traces what "
+                        "is new")
+    parser.add_argument("--rules", choices=("cuda", "cpu"), default="cuda",
+                        help="whose autocast op lists the traces follow (cpu: writes each entry's cpu_rules)")
     parser.add_argument("--table", action="store_true", help="print the table from the shipped calibration")
     args = parser.parse_args(argv)
     calibration = json.loads(DIT_CALIBRATION_PATH.read_text()) if DIT_CALIBRATION_PATH.is_file() else {}
     if args.table:
         print_table(calibration, args.family or ["flux-dev"])
         return 0
-    args.traces.mkdir(parents=True, exist_ok=True)
+    folder = args.traces / args.rules
+    folder.mkdir(parents=True, exist_ok=True)
     variants = dict(calibration.get("variants", {}))
     families = list(calibration.get("families", []))
-    if not args.family:
-        calibration.update(flux_calibration(args.traces / "flux-dev.json"))  # keeps hand-kept sections
+    if not args.family:  # keeps hand-kept sections
+        calibration = with_rules(calibration, flux_calibration(folder / "flux-dev.json", args.rules), args.rules)
         calibration.get("assumed", {}).pop("caching_transient_bytes", None)  # traced now
-        variants[TINY] = tiny_variant()
+        variants[TINY] = with_rules(variants.get(TINY, {}), tiny_variant(rules=args.rules), args.rules)
         names = ["flux-dev", "flux-schnell", TINY]
     else:
         for family in args.family:
-            variants[family] = tiny_variant(family) if get_family(family).tiny else \
-                family_variant(family, args.traces / f"{family}.json")
+            new = tiny_variant(family, args.rules) if get_family(family).tiny else \
+                family_variant(family, folder / f"{family}.json", args.rules)
+            variants[family] = with_rules(variants.get(family, {}), new, args.rules)
         names = args.family
     calibration["variants"] = variants
     calibration["families"] = families + [name for name in names if name not in families]

@@ -18,6 +18,11 @@ refits SD1.5 and SDXL (and SD2, which borrows SD1.5's terms) from the rows of
 Traces (``autotune.calibration.memtrace``) are the ground truth; the analytic model (``autotune.estimate.memory_model``)
 is what the planner uses. "fit" rows are the traces the coefficients come from, "held-out" rows are
 configurations the fit never saw (other resolutions, ranks, optimizers, dtypes).
+
+Traces run under CUDA autocast's op lists (``--rules cuda``, the default: ``autotune.calibration.cuda_autocast``;
+layer_norm, softmax, exp and pow in fp32 as on a GPU) and their coefficients are each family's own, what GPU plans
+read; ``--rules cpu`` traces under CPU autocast's and writes each refitted family's ``cpu_rules`` (what a CPU plan
+reads) only. Each rule set keeps its own traces file.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TRACES = ROOT / "bench" / "results" / "memory_traces.jsonl"  # raw traces (ignored by git), for --reuse
+TRACES = {"cpu": ROOT / "bench" / "results" / "memory_traces.jsonl",  # raw traces (ignored by git), for --reuse
+          "cuda": ROOT / "bench" / "results" / "memory_traces_cuda.jsonl"}
+RULE_KEYS = ("activations", "fp8_extra", "text_encoder_train_per_sample", "vae_encode_per_image_pixel")
 FIT_CONFIGS = ROOT / "autotune" / "data" / "memory_fit_configs.json"  # full-size fit and check rows
 NATIVE = {"sd15": 512, "sd2": 768, "sdxl": 1024, "tiny-sd15": 256, "tiny-sdxl": 256}
 TINY = ("tiny-sd15", "tiny-sdxl")
@@ -110,28 +117,29 @@ def key(cfg: dict[str, object]) -> str:
     return json.dumps(cfg, sort_keys=True)
 
 
-def load_traces() -> dict[str, dict[str, object]]:
+def load_traces(rules: str = "cuda") -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
-    if TRACES.is_file():
-        for line in TRACES.read_text().splitlines():
+    if TRACES[rules].is_file():
+        for line in TRACES[rules].read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
                 out[key(row["config"])] = row["result"]
     return out
 
 
-def run_traces(configs: list[dict[str, object]], known: dict[str, dict[str, object]], fresh: bool) -> None:
+def run_traces(configs: list[dict[str, object]], known: dict[str, dict[str, object]], fresh: bool,
+               rules: str = "cuda") -> None:
     from autotune.calibration.memtrace import trace_training_step
 
-    TRACES.parent.mkdir(parents=True, exist_ok=True)
+    TRACES[rules].parent.mkdir(parents=True, exist_ok=True)
     for cfg in configs:
         if not fresh and key(cfg) in known:
             continue
         cfg_args = {k: v for k, v in cfg.items() if k not in ("family", "gradient_checkpointing")}
         result = trace_training_step(cfg["family"], gradient_checkpointing=cfg["gradient_checkpointing"],
-                                     **cfg_args).to_dict()
+                                     autocast_rules=rules, **cfg_args).to_dict()
         known[key(cfg)] = result
-        with TRACES.open("a") as fh:
+        with TRACES[rules].open("a") as fh:
             fh.write(json.dumps({"config": cfg, "result": result}) + "\n")
         print(f"traced {cfg['family']} {cfg['resolution']}px bs{cfg['batch_size']} r{cfg['rank']} "
               f"gc={int(cfg['gradient_checkpointing'])} {cfg['optimizer']} {cfg['weight_dtype']} "
@@ -139,10 +147,11 @@ def run_traces(configs: list[dict[str, object]], known: dict[str, dict[str, obje
               f"peak {result['peak_bytes'] / 2**30:.3f} GiB in {result['seconds']:.1f} s", flush=True)
 
 
-def _inputs(cfg: dict[str, object]):  # noqa: ANN202
+def _inputs(cfg: dict[str, object], rules: str = "cuda"):  # noqa: ANN202
     from autotune.estimate.memory_model import MemoryInputs
 
-    return MemoryInputs(family=cfg["family"], resolution=cfg["resolution"], batch_size=cfg["batch_size"],
+    return MemoryInputs(autocast_rules=rules, family=cfg["family"], resolution=cfg["resolution"],
+                        batch_size=cfg["batch_size"],
                         rank=cfg["rank"], gradient_checkpointing=cfg["gradient_checkpointing"],
                         optimizer=cfg["optimizer"], weight_dtype=cfg["weight_dtype"],
                         train_text_encoder=cfg["train_text_encoder"], cache_latents=cfg["cache_latents"],
@@ -365,6 +374,25 @@ def _modules(arch: dict[str, object]) -> int:
     return sum(arch["lora_modules"]["unet"]["linear"].values())
 
 
+def with_rules(shipped: dict[str, object], calibration: dict[str, object], fitted: list[str],
+               rules: str) -> dict[str, object]:
+    """The file to write: under CUDA's rules the new fit with each family's ``cpu_rules`` carried over from the
+    shipped file; under CPU's the shipped file with the ``fitted`` families' ``cpu_rules`` replaced by the fit."""
+    import copy
+
+    if rules == "cpu":
+        out = copy.deepcopy(shipped)
+        for family in fitted:
+            new = calibration["families"][family]
+            out["families"][family]["cpu_rules"] = {k: new[k] for k in RULE_KEYS if k in new}
+        return out
+    for family, entry in calibration["families"].items():
+        old = shipped.get("families", {}).get(family, {})
+        if "cpu_rules" in old:
+            entry["cpu_rules"] = old["cpu_rules"]
+    return calibration
+
+
 def write_json(path: Path, data: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
@@ -372,7 +400,7 @@ def write_json(path: Path, data: dict[str, object]) -> None:
 
 
 def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibration: dict[str, object],
-                title: str) -> float:
+                title: str, rules: str = "cuda") -> float:
     from autotune.estimate.memory_model import predict_memory
 
     print(f"\n{title}")
@@ -381,7 +409,7 @@ def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibra
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for cfg, res in rows:
-        pred = predict_memory(_inputs(cfg), calibration).tensor_peak_bytes
+        pred = predict_memory(_inputs(cfg, rules), calibration).tensor_peak_bytes
         err = (pred - res["peak_bytes"]) / res["peak_bytes"] * 100
         worst = max(worst, abs(err))
         print(f"| {cfg['family']} | {cfg['resolution']} | {cfg['batch_size']} | {cfg['rank']} | "
@@ -393,7 +421,7 @@ def print_table(rows: list[tuple[dict[str, object], dict[str, object]]], calibra
     return worst
 
 
-def refit_families(selected: list[str], reuse: bool = False) -> int:
+def refit_families(selected: list[str], reuse: bool = False, rules: str = "cuda") -> int:
     """Fresh traces, FLOP counts and fits for ``selected`` only, merged into the shipped JSON.
 
     Every other family's entry and FLOP fit, the shared factors and the other families' trace rows are
@@ -414,8 +442,9 @@ def refit_families(selected: list[str], reuse: bool = False) -> int:
         print(f"note: shipped calibration is from torch {shipped['torch']}, these traces from {torch.__version__}")
     started = time.perf_counter()
     wanted = {key(c) for c in fit_grid() + held_out_grid() if c["family"] in selected}
-    known = {k: v for k, v in load_traces().items() if k in wanted} if reuse else {}
-    run_traces([c for c in fit_grid() + held_out_grid() if c["family"] in selected], known, fresh=not reuse)
+    known = {k: v for k, v in load_traces(rules).items() if k in wanted} if reuse else {}
+    run_traces([c for c in fit_grid() + held_out_grid() if c["family"] in selected], known, fresh=not reuse,
+               rules=rules)
     print(f"tracing took {time.perf_counter() - started:.0f} s")
     # SD2 borrows SD1.5's activation terms: refitting SD1.5 re-derives them
     dependents = [f for f in ("sd2", "sd2-v") if "sd15" in selected and f not in selected]
@@ -429,12 +458,14 @@ def refit_families(selected: list[str], reuse: bool = False) -> int:
     traces += [{"config": c, "peak_bytes": r["peak_bytes"], "seconds": r["seconds"], "used_for_fit": key(c) in fit_keys}
                for c, r in rows]
     calibration.update(flops=flops, generated_by=shipped["generated_by"], torch=shipped["torch"], traces=traces)
+    calibration = with_rules(shipped, calibration, [*selected, *dependents], rules)
     write_json(CALIBRATION_PATH, calibration)
     load_calibration.cache_clear()
-    print(f"wrote {CALIBRATION_PATH} ({', '.join(selected)} refitted, every other row as shipped)")
-    worst_fit = print_table([r for r in rows if key(r[0]) in fit_keys], calibration, "Fit traces vs analytic model")
+    print(f"wrote {CALIBRATION_PATH} ({', '.join(selected)} refitted under {rules} rules, every other row as shipped)")
+    worst_fit = print_table([r for r in rows if key(r[0]) in fit_keys], calibration, "Fit traces vs analytic model",
+                            rules)
     worst_held = print_table([r for r in rows if key(r[0]) not in fit_keys], calibration,
-                             "Held-out traces vs analytic model")
+                             "Held-out traces vs analytic model", rules)
     return 0 if max(worst_fit, worst_held) <= 10 else 1
 
 
@@ -449,13 +480,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(run N processes side by side)")
     parser.add_argument("--families", default=None, help="comma-separated, e.g. tiny-sd15,tiny-sdxl: trace, count "
                         "and refit only these; every other family's rows stay as shipped (see refit_families)")
+    parser.add_argument("--rules", choices=("cuda", "cpu"), default="cuda",
+                        help="whose autocast op lists the traces follow (cpu: writes each family's cpu_rules)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.families is not None:
-        return refit_families([f.strip() for f in args.families.split(",") if f.strip()], reuse=args.reuse)
-    known = {} if not args.reuse else load_traces()
-    if args.reuse:
-        known = load_traces()
+        return refit_families([f.strip() for f in args.families.split(",") if f.strip()], reuse=args.reuse,
+                              rules=args.rules)
+    known = load_traces(args.rules) if args.reuse else {}
     started = time.perf_counter()
     from autotune.calibration.memtrace import architecture_facts
     from autotune.estimate.memory_model import CALIBRATION_PATH, load_calibration
@@ -483,12 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         calibration = load_calibration()
         configs = held_out_grid() + [c for c in fit_grid() if _is_core(c) and c["batch_size"] == 4][:4]
         fresh: dict[str, dict[str, object]] = {}
-        run_traces(configs, fresh, fresh=True)
+        run_traces(configs, fresh, fresh=True, rules=args.rules)
         worst = print_table([(json.loads(k), v) for k, v in fresh.items()], calibration,
-                            "Shipped calibration vs fresh traces")
+                            "Shipped calibration vs fresh traces", args.rules)
         return 0 if worst <= 10 else 1
     index, parts = (int(x) for x in args.part.split("/"))
-    run_traces((fit_grid() + held_out_grid())[index::parts], known, fresh=not args.reuse)
+    run_traces((fit_grid() + held_out_grid())[index::parts], known, fresh=not args.reuse, rules=args.rules)
     print(f"tracing took {time.perf_counter() - started:.0f} s")
     if args.trace_only:
         return 0
@@ -503,12 +535,15 @@ def main(argv: list[str] | None = None) -> int:
     calibration["torch"] = torch.__version__
     calibration["traces"] = [{"config": c, "peak_bytes": r["peak_bytes"], "seconds": r["seconds"],
                               "used_for_fit": key(c) in fit_keys} for c, r in rows]
-    write_json(CALIBRATION_PATH, calibration)
+    shipped = json.loads(CALIBRATION_PATH.read_text(encoding="utf-8"))
+    write_json(CALIBRATION_PATH, with_rules(shipped, calibration, list(architectures), args.rules))
     load_calibration.cache_clear()
-    print(f"wrote {CALIBRATION_PATH}")
-    worst_fit = print_table([r for r in rows if key(r[0]) in fit_keys], calibration, "Fit traces vs analytic model")
+    print(f"wrote {CALIBRATION_PATH} ({args.rules} rules)")
+    calibration = load_calibration()
+    worst_fit = print_table([r for r in rows if key(r[0]) in fit_keys], calibration, "Fit traces vs analytic model",
+                            args.rules)
     worst_held = print_table([r for r in rows if key(r[0]) not in fit_keys], calibration,
-                             "Held-out traces vs analytic model")
+                             "Held-out traces vs analytic model", args.rules)
     return 0 if max(worst_fit, worst_held) <= 10 else 1
 
 

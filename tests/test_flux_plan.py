@@ -144,6 +144,10 @@ def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tm
     offloaded = {row["family"]: row for row in rows if row.get("case") == "cpu_offload_checkpointing"}
     families = ["flux-dev", "chroma", "sd3.5-medium", "sd3.5-large", "lumina2", "hunyuan-image-2.1", "anima"]
     assert [(c["family"], c["tier_gb"]) for c in cases] == [(f, t) for f in families for t in (8, 24)]
+    skipped = [c for c in cases if "skipped" in c]  # HunyuanImage from 1280 px (CUDA's fp32 norms) needs > 8 GB
+    assert [(c["family"], c["tier_gb"]) for c in skipped] == [("hunyuan-image-2.1", 8)]
+    assert "needs 9.7 GiB" in skipped[0]["skipped"]
+    cases = [c for c in cases if "skipped" not in c]
     assert all(c["dry_run"] and c["predicted_peak_bytes"] <= c["usable_bytes"] for c in cases)
     flux = {c["tier_gb"]: c for c in cases if c["family"] == "flux-dev"}
     assert flux[8]["blocks_to_swap"] > flux[24]["blocks_to_swap"] == 0
@@ -155,7 +159,8 @@ def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tm
     (layout,) = [row for row in rows if row.get("case") == "layout"]
     assert layout["family"] == "sdxl" and layout["rule"] is False and "rule_right" in layout
     assert [layout[k]["channels_last"] for k in ("contiguous", "channels_last")] == [False, True]
-    assert all(layout[k]["timed_micro_steps"] == 2 and not layout[k]["oom"] for k in ("contiguous", "channels_last"))
+    # at least the 2 asked for, in whole optimizer steps of the 24 GB plan's accumulation
+    assert all(layout[k]["timed_micro_steps"] >= 2 and not layout[k]["oom"] for k in ("contiguous", "channels_last"))
     # the 24 GB plans that checkpoint without swapping, once more with cpu_offload_checkpointing: less VRAM
     assert "flux-dev" in offloaded and all(row["tier_gb"] == 24 for row in offloaded.values())
     for family, row in offloaded.items():

@@ -495,14 +495,14 @@ def test_tiny_family_plan_cli_subprocess(family, tmp_path):
 
 def test_a_pinned_split_that_forces_rank_and_resolution_down_says_so_and_strict_refuses():
     """SDXL on 8 GB: the planner's own 1 x 4 keeps rank 32 at 1024 px; a pinned micro-batch 4 fits only at rank 8
-    and 768 px, which the plan now says (it said only "lowered from 32 to fit memory"), and --strict refuses."""
+    and 640 px, which the plan now says (it said only "lowered from 32 to fit memory"), and --strict refuses."""
     card = [gpu_from_vram(8)]
     own = plan_for("sdxl", card)
     assert own.pin_costs == () and own.settings.network_dim == 32 and own.settings.resolution == (1024, 1024)
     pinned = plan_for("sdxl", card, preferences=Preferences(batch=4))
     assert pinned.settings.train_batch_size == 4
     (line,) = pinned.pin_costs
-    assert "your micro-batch 4 x 1 forces rank 32 -> 8, resolution 1024 -> 768" in line
+    assert "your micro-batch 4 x 1 forces rank 32 -> 8, resolution 1024 -> 640" in line
     assert "the planner's 1 x 4 keeps rank 32 at 1024 px" in line
     assert pinned.to_dict()["pin_costs"] == [line]
     with pytest.raises(UserError, match="--strict: your micro-batch 4 x 1 forces"):

@@ -7,7 +7,9 @@ encoders and AE, the text length, and the activation fit; the swap split is the 
 (``FamilySpec.swap_split``, one count per block group). FLUX.1 is the first instance (19 double + 38 single
 blocks, CLIP-L + T5-XXL run once while caching): a new family adds its entry and a calibration fit, not a
 module. Fast (no torch); FLUX.1's entry is fitted by ``bench/calibrate_dit_memory.py`` from fake-tensor traces
-of the full-size transformer (``autotune.calibration.dit_memtrace``, generic over DiT families).
+of the full-size transformer (``autotune.calibration.dit_memtrace``, generic over DiT families) under CUDA
+autocast's op lists (``calibration.cuda_autocast``); a CPU plan (``autocast_rules="cpu"``) reads the coefficients
+traced under CPU autocast's, kept in each entry's ``cpu_rules``.
 
 Training-phase tensor peak = resident transformer weights + LoRA params + grads + optimizer state + activations:
 
@@ -88,12 +90,18 @@ def load_dit_calibration(path: str = str(DIT_CALIBRATION_PATH)) -> dict[str, Any
     return json.loads(file.read_text(encoding="utf-8"))
 
 
-def dit_family_calibration(family: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+def dit_family_calibration(family: str, calibration: dict[str, Any] | None = None,
+                           autocast_rules: str = "cuda") -> dict[str, Any]:
     """The calibration of one FLUX family: the file's top level (FLUX.1's 12 B transformer, shared by dev and
-    schnell) with the family's own ``variants`` entry (architecture, activation coefficients) over it."""
+    schnell) with the family's own ``variants`` entry (architecture, activation coefficients) over it; under
+    ``autocast_rules="cpu"`` (a CPU plan) the coefficients its ``cpu_rules`` entry holds (traced under CPU
+    autocast's op lists) replace those traced under CUDA's."""
     cal = calibration or load_dit_calibration()
     variant = cal.get("variants", {}).get(family)
-    return {**cal, **variant} if variant else cal
+    entry = {**cal, **variant} if variant else cal
+    if autocast_rules == "cpu":
+        return {**entry, **(variant or cal).get("cpu_rules", {})}
+    return entry
 
 
 def is_dit_family(family: FamilySpec) -> bool:
@@ -126,7 +134,7 @@ class DitMemoryInputs:
     cuda_context_gib: float = DEFAULT_CUDA_CONTEXT_GIB
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
-
+    autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
 
     @classmethod
     def of_trace(cls, config: dict[str, Any], family: str) -> DitMemoryInputs:
@@ -283,7 +291,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     if inputs.batch_size < 1 or inputs.rank < 1:
         raise UserError(f"FLUX memory model input {inputs}: batch_size and rank must be >= 1")
     inputs = replace(inputs, optimizer=canonical_optimizer(inputs.optimizer))
-    cal = dit_family_calibration(inputs.family, calibration)
+    cal = dit_family_calibration(inputs.family, calibration, inputs.autocast_rules)
     arch = cal["architecture"]
     family = get_family(inputs.family)
     split = family.swap_split(inputs.blocks_to_swap)

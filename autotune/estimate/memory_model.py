@@ -19,7 +19,10 @@ safety margin:
 - Safety margin: 0.5 GiB by default, kept free for fragmentation spikes and the display / other
   processes' growth.
 
-Activations per calibrated family and gradient-checkpointing setting (fp16/bf16 autocast, SDPA/flash):
+Activations per calibrated family and gradient-checkpointing setting (fp16/bf16 autocast, SDPA/flash), traced
+under CUDA autocast's op lists (``calibration.cuda_autocast``: norms, softmax, exp and pow in fp32, as a GPU runs
+them); a CPU plan (``autocast_rules="cpu"``) reads the coefficients traced under CPU autocast's, kept in each
+entry's ``cpu_rules``:
 SDXL and SD1.5 (traced at two resolutions, batch 1-8, rank 8-128) have one plane per phase of the step,
 ``c0 + c1*rank + batch*(d + latent_pixels*(a + b*rank))`` for the forward's and the backward's peak over the
 persistent bytes without gradients (``d``: per image), each raised onto the upper envelope of its fit traces;
@@ -93,6 +96,7 @@ class MemoryInputs:
     cuda_context_gib: float = DEFAULT_CUDA_CONTEXT_GIB
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
+    autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
 
 
 
@@ -161,7 +165,10 @@ def load_calibration(path: str = str(CALIBRATION_PATH)) -> dict[str, Any]:
     return json.loads(file.read_text(encoding="utf-8"))
 
 
-def family_calibration(family: str, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+def family_calibration(family: str, calibration: dict[str, Any] | None = None,
+                       autocast_rules: str = "cuda") -> dict[str, Any]:
+    """One family's entry; under ``autocast_rules="cpu"`` (a CPU plan) the coefficients its ``cpu_rules`` holds
+    (traced under CPU autocast's op lists) replace those traced under CUDA's."""
     calibration = calibration or load_calibration()
     families = calibration["families"]
     if family not in families:
@@ -169,9 +176,9 @@ def family_calibration(family: str, calibration: dict[str, Any] | None = None) -
                         f"(calibrated: {', '.join(sorted(families))}); regenerate it with bench/calibrate_memory.py")
     entry = families[family]
     if "calibrated_as" in entry and entry["calibrated_as"] != family:  # same architecture, shared coefficients
-        return {**families[entry["calibrated_as"]], "architecture": entry.get("architecture",
-                families[entry["calibrated_as"]]["architecture"])}
-    return entry
+        entry = {**families[entry["calibrated_as"]], "architecture": entry.get("architecture",
+                 families[entry["calibrated_as"]]["architecture"])}
+    return {**entry, **entry.get("cpu_rules", {})} if autocast_rules == "cpu" else entry
 
 
 def canonical_optimizer(name: str) -> str:
@@ -332,7 +339,9 @@ def predict_memory(inputs: MemoryInputs, calibration: dict[str, Any] | None = No
     _validate(inputs)
     inputs = replace(inputs, optimizer=canonical_optimizer(inputs.optimizer))
     calibration = calibration or load_calibration()
-    cal = family_calibration(inputs.family, calibration)
+    # without autocast no op list applies: fp32 is traced alike under both rule sets (the shared fp32 factor is
+    # relative to the entry's own, CUDA-rule, coefficients)
+    cal = family_calibration(inputs.family, calibration, inputs.autocast_rules if autocast_enabled(inputs) else "cuda")
     arch = cal["architecture"]
     _validate_resolution(inputs, latent_downsample(arch))
     notes: list[str] = []

@@ -62,10 +62,12 @@ class Estimate:
 
 
 def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
-                          cpu_bf16: bool = False, te_cpu: bool = False) -> tuple[Any, Any]:
+                          cpu_bf16: bool = False, te_cpu: bool = False, on_gpu: bool = True) -> tuple[Any, Any]:
     """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
-    (``cpu_bf16``: the CPU computes bf16 natively)."""
+    (``cpu_bf16``: the CPU computes bf16 natively; ``on_gpu``: the coefficients traced under CUDA autocast's op
+    lists, else under the CPU's)."""
+    rules = "cuda" if on_gpu else "cpu"
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
 
     if is_dit_family(family):
@@ -75,12 +77,12 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
         profile = plan_profile(family)
         te_fp8 = profile.text_encoder_fp8(t5_fp8, s.fp8_base)
         flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8), text_encoders_on_cpu=te_cpu,
-                       expert_switch_share=profile.expert_switch_share())
+                       expert_switch_share=profile.expert_switch_share(), autocast_rules=rules)
         return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
 
-    inputs = inputs_for_settings(family, s)
+    inputs = replace(inputs_for_settings(family, s), autocast_rules=rules)
     return predict_memory(inputs), lambda spec: predict_speed(inputs, spec, steps=1, cpu_cores=cpu_cores,
                                                               cpu_bf16=cpu_bf16)
 
@@ -108,7 +110,7 @@ class Predictor:
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
         return estimate_for_settings(self.family, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
-                                     te_cpu=self.te_cpu)
+                                     te_cpu=self.te_cpu, on_gpu=bool(self.gpus))
 
     def model_rate(self, s: TrainSettings) -> float:
         """The speed model's micro-steps/s of the slowest device."""
@@ -271,6 +273,27 @@ def search(start: TrainSettings, family: FamilySpec, goal: GoalProfile, *, fp8_o
         if label:
             _add_fallback(fallbacks, label)
         if best is not None:
+            best = _fewest_swapped(best, start, effective, devices, usable, predictor, split, fallbacks)
             return SearchResult(chosen=best, smallest=smallest, fallbacks=tuple(fallbacks))
     assert smallest is not None
     return SearchResult(chosen=None, smallest=smallest, fallbacks=tuple(fallbacks))
+
+
+def _fewest_swapped(best: Scored, start: TrainSettings, effective: int, devices: int, usable: int,
+                    predictor: Predictor, split: tuple[int, int] | None, fallbacks: list[str]) -> Scored:
+    """The swap rung comes before rank and resolution: where a later rung made room, the fewest swapped blocks that
+    fit at the point found (fewer copies per step), its fallback entry cut to match."""
+    point = best.settings
+    for count in range(start.blocks_to_swap, point.blocks_to_swap):
+        fewer, _ = best_at(replace(point, blocks_to_swap=count), effective, devices, usable, predictor, split)
+        if fewer is None:
+            continue
+        prefix = "blocks_to_swap "
+        at = next((i for i, entry in enumerate(fallbacks) if entry.startswith(prefix)), None)
+        if at is not None and count == 0:
+            del fallbacks[at]
+        elif at is not None:
+            first = fallbacks[at][len(prefix):].split("-")[0]
+            fallbacks[at] = f"{prefix}{first}-{count}" if str(count) != first else f"{prefix}{count}"
+        return fewer
+    return best

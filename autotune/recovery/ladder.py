@@ -190,13 +190,16 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     )
 
     context, margin = (DEFAULT_CUDA_CONTEXT_GIB, DEFAULT_SAFETY_MARGIN_GIB) if cuda else (0.0, 0.0)
+    rules = "cuda" if cuda else "cpu"  # whose autocast op lists the coefficients were traced under
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
         return lambda s: predict_dit_memory(replace(dit_inputs_for_settings(family, s), cuda_context_gib=context,
-                                                    safety_margin_gib=margin)).training_total_bytes / 2**20
+                                                    safety_margin_gib=margin, autocast_rules=rules)
+                                            ).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
         inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached)
-        return predict_memory(replace(inputs, cuda_context_gib=context, safety_margin_gib=margin)).total_bytes / 2**20
+        return predict_memory(replace(inputs, cuda_context_gib=context, safety_margin_gib=margin,
+                                      autocast_rules=rules)).total_bytes / 2**20
 
     return predict
