@@ -151,6 +151,33 @@ def test_an_ended_run_continues_with_resume_at_its_true_step(tmp_path: Path) -> 
     assert json.loads(report.stdout)["outcome"] == "done"
 
 
+def test_measured_headroom_steps_musubi_up_from_its_next_saved_state(tmp_path: Path) -> None:
+    """musubi-tuner saves no state when stopped: a step up waits for its next whole state, stops it there and
+    relaunches from it with the next rung up (here checkpointing off: the CPU speed model's first paying move),
+    ending at the target with the updates and the learning-rate schedule of an uninterrupted run; --no-step-up keeps
+    the plan's settings. The budget is pinned (1 TiB of address space, the peak sampled from /proc)."""
+    data, model = _inputs(tmp_path)
+    argv = [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--epochs", "30", "--save-state-every", "0.3",
+            "--memory-limit", str(2**20)]
+    out = tmp_path / "run"
+    done = _run(tmp_path, [*argv, "--out", str(out)], rules="step_s=0.1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    decisions = [json.loads(line) for line in (out / DECISIONS_JSONL).read_text().splitlines()]
+    ups = [d for d in decisions if d["event"] == "step_up"]
+    assert ups and "stopped musubi-tuner after its state at step" in ups[0]["text"]
+    assert "measured peak" in ups[0]["text"]
+    resumes = [d for d in decisions if d["event"] == "resume"]
+    assert len(resumes) == len(ups)
+    (final,) = [p for p in out.glob("*.safetensors") if "-from" not in p.name]
+    with safe_open(str(final), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert metadata["ss_steps"] == metadata["fake_updates"] == "30"
+    assert json.loads(metadata["fake_lrs"]) == pytest.approx(_expected_lrs(out / "config.toml", 30))
+    kept = tmp_path / "kept"
+    done = _run(tmp_path, [*argv, "--out", str(kept), "--no-step-up"], rules="step_s=0.05")
+    assert done.returncode == 0 and "step_up" not in (kept / DECISIONS_JSONL).read_text()
+
+
 def test_a_stepped_down_attempt_writes_musubi_keys_only(tmp_path: Path) -> None:
     """The ladder's settings become musubi's files: swap and rank in the config (musubi's names, none it lacks),
     resolution and frames in every [[datasets]], the plan's relative folders made absolute, epoch keys dropped."""

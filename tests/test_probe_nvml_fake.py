@@ -327,3 +327,92 @@ def test_fake_nvml_from_json_rejects_damaged_documents(install, tmp_path):
         SystemProbe.from_json(json.dumps({**data, "schema_version": 99}))
     with pytest.raises(UserError, match="not valid JSON"):
         SystemProbe.from_json("{")
+
+
+# ---------------------------------------------------------------- a trainer's GPU memory (hardware.gpu_usage)
+
+
+def test_a_childs_gpu_memory_is_what_nvml_lists_for_its_process_group(install):
+    """The user's sd-scripts / musubi-tuner report no CUDA peak: the watchdog samples what NVML lists for the
+    child's process group (a real child and its real worker here; the card's answers are the stand-in's)."""
+    import subprocess
+
+    from autotune.hardware import gpu_usage
+    from autotune.hardware.gpu_usage import GpuUsage, process_group
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                              "'-c', 'import time; time.sleep(60)']); print('ready', flush=True); time.sleep(60)"],
+                             start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        members = process_group(child.pid)
+        worker = next(iter(members - {child.pid}))
+        cards = [fake_device(**RTX_3060, compute=[(child.pid, 3000), (os.getpid(), 700), (worker, 200)]),
+                 fake_device(**RTX_3060, compute=[(worker, 100), (child.pid, None)])]
+        install(make_fake_pynvml(cards))
+        usage = GpuUsage()
+        assert usage.start()
+        assert usage.sample(child.pid) == pytest.approx(3300.0) and usage.peak == pytest.approx(3300.0)
+        assert usage.sample(child.pid) is None  # at most once a second
+        usage._last -= gpu_usage.SAMPLE_EVERY_S
+        cards[0]["compute"] = [(child.pid, 1000)]
+        assert usage.sample(child.pid) == pytest.approx(1100.0) and usage.peak == pytest.approx(3300.0)
+        usage.close()
+    finally:
+        for pid in process_group(child.pid):
+            os.kill(pid, 9)
+        child.wait()
+
+
+def test_no_nvml_means_no_sampled_figure(install):
+    from autotune.hardware.gpu_usage import GpuUsage
+
+    install(make_fake_pynvml([], init_error=real_pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    usage = GpuUsage()
+    assert not usage.start() and usage.sample(os.getpid()) is None and usage.peak is None
+    install(None)  # nvidia-ml-py not importable
+    assert not GpuUsage().start()
+
+
+def test_a_trainer_without_its_own_peak_steps_up_on_what_nvml_showed():
+    from autotune.recovery.step_up import STEADY_STEPS, UpWatcher
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    asked: list[float] = []
+    watcher = UpWatcher(TrainSettings(), lambda s, measured: asked.append(measured), "device")
+    watcher.see({"step": 1, "max_train_steps": 100}, 50.0, None)
+    watcher.see({"step": 1 + STEADY_STEPS, "max_train_steps": 100}, 50.0, 6144.0)
+    assert asked == [6144.0]  # not the host address space: the card's figure
+
+
+def test_memory_another_process_took_since_the_start_is_not_stepped_into(install, tmp_path):
+    """The card's usable memory changes during the run: a step up the planned budget admits is refused once another
+    process has grown on the card (what the trainer holds plus what is free, now, is the budget then)."""
+    from autotune.hardware.gpu_usage import GpuUsage
+    from autotune.recovery.decisions import DecisionLog
+    from autotune.recovery.ladder import LadderLimits
+    from autotune.recovery.watchdog import Job, _Run, _up_watcher
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    own = os.getpid()
+    card = fake_device(name="NVIDIA GeForce RTX 4090", total_mib=24564, used_mib=6000, cc=(8, 9),
+                       compute=[(own, 6000)])
+    install(make_fake_pynvml([card]))
+    settings = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4)
+    job = Job(config_path=tmp_path / "config.toml", output_dir=tmp_path, settings=settings,
+              limits=LadderLimits(budget_mib=22000.0), predict=lambda s: 5000.0 * s.train_batch_size,
+              images_per_s=lambda s: float(s.train_batch_size), echo=False)
+    gpu = GpuUsage()
+    assert gpu.start() and gpu.sample(own) == pytest.approx(6000.0)
+    assert gpu.usable_now_mib() == pytest.approx(24564.0)  # what it holds + what is free
+
+    def decide() -> object:
+        run = _Run(job, DecisionLog(tmp_path, False), settings, [])
+        watcher = _up_watcher(run, gpu)
+        assert watcher is not None
+        return watcher.decide(settings, 6000.0)
+
+    assert decide() is not None  # 2 x 6000 MiB fits 90% of 22000 MiB
+    card["used"] = card["total"] - 2000 * MIB  # another process took 16.5 GiB: 2000 MiB free beside our 6000
+    assert gpu.usable_now_mib() == pytest.approx(8000.0)
+    assert decide() is None

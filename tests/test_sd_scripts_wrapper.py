@@ -162,6 +162,38 @@ def test_fake_counter_reset_after_resume_is_caught_and_compensated(tmp_path):
     assert ledger["target_steps"] == STEPS and ledger["states"]["lora-state"]["step"] == STEPS
 
 
+def test_measured_headroom_steps_the_users_sd_scripts_up_from_its_next_saved_state(tmp_path):
+    """sd-scripts saves no state when stopped, so a step up waits for the next whole state, stops the trainer
+    there and relaunches from it with the larger micro-batch (same effective batch); the run ends at exactly its
+    step with the data of an uninterrupted one. The budget is pinned (an address space of 1 TiB, its peak sampled
+    from /proc): what decides is the measured peak against it, not this machine's free memory."""
+    steps = 40
+    job = make_job(tmp_path, "step_s=0.15", micro=1, budget=2.0**20, save_every_s=0.5,
+                   config_extra={"max_train_steps": steps}, budget_kind="address_space",
+                   images_per_s=lambda s: float(s.train_batch_size))
+    result = supervise(job)
+    assert result.ok, result.message
+    ups = [r for r in result.retries if r["failure"] == "step_up"]
+    assert ups and ups[0]["changes"]["train_batch_size"] == [1, 2]
+    assert ups[0]["changes"]["gradient_accumulation_steps"] == [4, 2]
+    assert all(r["resume_step"] == r["step"] - r["steps_lost"] and r["steps_lost"] <= 1 for r in ups)
+    final = result.final_settings
+    assert final.train_batch_size * final.gradient_accumulation_steps == EFFECTIVE and final.train_batch_size > 1
+    w, meta = read_fake_lora(result.output_file)
+    assert meta["fake_true_steps"] == str(steps) and w == pytest.approx(expected_w(steps))
+    second = commands(job)[1]
+    assert second[second.index("--initial_step") + 1] == str(ups[0]["resume_step"])
+    assert toml.load(second[second.index("--config_file") + 1])["train_batch_size"] == 2
+    log = (job.output_dir / DECISIONS_LOG).read_text()
+    assert "stopped sd-scripts after its state at step" in log and "measured peak" in log
+
+
+def test_no_speed_model_keeps_the_users_sd_scripts_settings(tmp_path):
+    job = make_job(tmp_path, "step_s=0.05", micro=1, budget=2.0**20, save_every_s=0.5, budget_kind="address_space")
+    result = supervise(job)
+    assert result.ok and result.retries == [] and result.final_settings == job.settings
+
+
 def test_not_sd_scripts_and_missing_folders_are_one_line_errors(tmp_path):
     with pytest.raises(UserError, match="not sd-scripts: no train_network.py"):
         locate(FAKE / "not_sd_scripts")

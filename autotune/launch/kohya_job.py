@@ -92,8 +92,8 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
         budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
         engine=engine,
         stability=_stability_limits(probe, cuda),
-        images_per_s=_images_per_s(family, probe, cuda) if _steps_up(args, engine) else None,
-        fixed=_pinned(args),
+        images_per_s=images_per_s_model(family, probe, cuda) if not getattr(args, "no_step_up", False) else None,
+        fixed=pinned_fields(args), sample_gpu=cuda,
     )
     return job
 
@@ -220,22 +220,15 @@ def _engine_caches_text(resolved: ResolvedRun) -> bool:
     return bool(resolved.config.network_train_unet_only) and not _captions_randomized(resolved)
 
 
-def _steps_up(args: argparse.Namespace, engine: Engine) -> bool:
-    """Our engine steps up (it stops at a step boundary with its state saved when asked); ``--no-step-up``
-    keeps the plan's settings. The user's sd-scripts saves no state when stopped, so it does not, yet."""
-    from autotune.recovery.engine import CompatEngine
-
-    return isinstance(engine, CompatEngine) and not getattr(args, "no_step_up", False)
-
-
-def _pinned(args: argparse.Namespace) -> frozenset[str]:
+def pinned_fields(args: argparse.Namespace) -> frozenset[str]:
     """The settings a step up leaves as the user gave them: ``--batch`` / ``--accum`` pin the micro-batch split."""
     split = getattr(args, "batch", None) is not None or getattr(args, "accum", None) is not None
     return frozenset({"train_batch_size", "gradient_accumulation_steps"} if split else ())
 
 
-def _images_per_s(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Callable[[TrainSettings], float]:
-    """The speed model's images per second on this machine's first card (or its CPU), for the step-up check."""
+def images_per_s_model(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Callable[[TrainSettings], float]:
+    """The speed model's images per second on this machine's first card (or its CPU), for the step-up check (every
+    engine steps up; ``--no-step-up`` keeps the plan's settings)."""
     from autotune.launch.plan_options import targets_from_probe
     from autotune.planning.search import estimate_for_settings
 
@@ -243,7 +236,7 @@ def _images_per_s(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Callabl
     spec = gpus[0].spec if cuda and gpus else None
 
     def rate(settings: TrainSettings) -> float:
-        speed = estimate_for_settings(family, settings, cores)[1](spec)
+        speed = estimate_for_settings(family, settings, cores, on_gpu=cuda)[1](spec)
         return float(speed.it_per_s) * settings.train_batch_size
 
     return rate

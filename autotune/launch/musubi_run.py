@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +45,9 @@ def early_check(args: argparse.Namespace) -> None:
 def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
                family: FamilySpec) -> Job:
     """Plan into ``out`` (or read the interrupted run back), then the job the watchdog runs with musubi-tuner."""
+    from autotune.launch.kohya_job import images_per_s_model, pinned_fields
     from autotune.planning.musubi_writer import musubi_commands
-    from autotune.recovery.attempt import read_json
+    from autotune.recovery.attempt import address_space_limit, read_json
     from autotune.recovery.ladder import LadderLimits, memory_predictor
     from autotune.recovery.musubi import MusubiEngine, find_install, parse_engine
     from autotune.recovery.watchdog import Job
@@ -77,11 +79,16 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sy
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
     limits = LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8) or base.fp8_base,
                                      te_cache_allowed=False)
+    if args.memory_limit:  # an address-space budget (a machine without the card the plan is for: tests)
+        limits = replace(limits, budget_mib=float(args.memory_limit))
     return Job(config_path=out / "config.toml", output_dir=out, settings=settings, limits=limits,
                predict=memory_predictor(family, cuda=True), dataset_config_path=out / "dataset.toml", env=env,
                cuda=cuda, max_retries=args.max_retries, stall_timeout_s=args.stall_timeout,
                resume=bool(args.resume), prior_retries=list(saved.get("retries") or []), train_output_dir=out,
-               states_at=out, engine=engine, budget_kind="device",
+               states_at=out, engine=engine, budget_kind="address_space" if args.memory_limit else "device",
+               preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None,
+               images_per_s=None if args.no_step_up else images_per_s_model(family, probe, cuda),
+               fixed=pinned_fields(args), sample_gpu=cuda,
                extra_state={**started, "usable_mib": budget, "musubi_base": base.to_event(), "musubi_models": models,
                             "musubi_commands": [list(command) for command in commands], "planned_it_per_s": planned})
 

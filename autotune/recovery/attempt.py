@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from types import FrameType
     from typing import IO
 
+    from autotune.hardware.gpu_usage import GpuUsage
+
 ALLOC_CONF = "expandable_segments:True"
 
 
@@ -62,10 +64,12 @@ class AttemptResult:
     peak_rss_mib: float | None = None  # sampled from /proc while it ran (Linux); what an OS kill leaves us
     peak_vm_mib: float | None = None  # peak address space: the figure RLIMIT_AS caps
     yielded: bool = False  # we asked it to stop at a step boundary (a step up), not the user
+    peak_gpu_mib: float | None = None  # sampled through NVML (a trainer that reports no CUDA peak of its own)
 
     @classmethod
     def from_facts(cls, facts: ExitFacts, *, seconds: float, peak_rss_mib: float | None,
-                   peak_vm_mib: float | None, yielded: bool = False) -> AttemptResult:
+                   peak_vm_mib: float | None, yielded: bool = False,
+                   peak_gpu_mib: float | None = None) -> AttemptResult:
         outcome, message = classify(facts)
         if yielded and outcome is Outcome.INTERRUPTED and facts.stop_signal is None:
             outcome, message = Outcome.STEP_UP, "stopped at a step boundary for a step up; state saved"
@@ -75,7 +79,7 @@ class AttemptResult:
                    done_event=events.get(DONE) if outcome is Outcome.DONE else None,
                    diverged_event=events.get(DIVERGED) if outcome is Outcome.DIVERGED else None,
                    last_progress=events.get(PROGRESS), seconds=seconds, stop_signal=facts.stop_signal,
-                   peak_rss_mib=peak_rss_mib, peak_vm_mib=peak_vm_mib, yielded=yielded)
+                   peak_rss_mib=peak_rss_mib, peak_vm_mib=peak_vm_mib, yielded=yielded, peak_gpu_mib=peak_gpu_mib)
 
 
 def address_space_limit(limit_mib: float) -> Callable[[], None]:
@@ -253,6 +257,7 @@ class _Watch:
 
     peak_rss: float | None = None
     peak_vm: float | None = None
+    peak_gpu: float | None = None
     stalled_after_s: float | None = None
     stalled_in: str | None = None
     yielded: bool = False  # on_progress asked for a stop at the step boundary
@@ -272,7 +277,8 @@ def run_attempt(
     stop_grace_s: float = 120.0,
     on_start: Callable[[int], None] | None = None,
     on_line: Callable[[str], None] | None = None,
-    on_progress: Callable[[dict[str, Any], float | None], bool] | None = None,
+    on_progress: Callable[[dict[str, Any], float | None, float | None], bool] | None = None,
+    gpu_usage: GpuUsage | None = None,
 ) -> AttemptResult:
     """Run one child to its end, streaming its output to the screen and ``log_path``.
 
@@ -282,8 +288,9 @@ def run_attempt(
     A stall is no change in ``progress.json`` or ``phase.json`` for longer than the engine's phase allows
     (``recovery.stall``: ``stall_timeout_s`` scaled to the phase's work; counted from launch until the first
     file). ``on_line`` sees every line of both streams (an engine adapter turns another trainer's output
-    into progress events with it: ``autotune.recovery.sd_scripts``). ``on_progress(progress, peak_vm_mib)`` sees
-    each new progress event; True asks the child to stop at its step boundary (SIGTERM: it saves its state).
+    into progress events with it: ``autotune.recovery.sd_scripts``). ``on_progress(progress, peak_vm_mib,
+    peak_gpu_mib)`` sees each new progress event; True asks the child to stop at its step boundary (SIGTERM: it
+    saves its state). ``gpu_usage`` samples the child's GPU memory through NVML (``hardware.gpu_usage``).
     """
     events_dir.mkdir(parents=True, exist_ok=True)
     clear_events(events_dir)
@@ -309,19 +316,20 @@ def run_attempt(
         with _forwarding_stop_signals(proc, stops, continued):
             watch = _watch(proc, events_dir, stops, continued, stall_timeout_s=stall_timeout_s,
                            poll_s=poll_s, kill_grace_s=kill_grace_s, stop_grace_s=stop_grace_s,
-                           on_progress=on_progress)
+                           on_progress=on_progress, gpu_usage=gpu_usage)
         for pump in pumps:
             pump.join(5)
     events = {kind: read_event(events_dir, kind) for kind in (PROGRESS, OOM, DIVERGED, DONE)}
     facts = ExitFacts(returncode=proc.returncode, stalled_after_s=watch.stalled_after_s, stalled_in=watch.stalled_in,
                       stop_signal=stops[0] if stops else None, stderr_tail=tuple(err_tail), events=events)
     return AttemptResult.from_facts(facts, seconds=time.monotonic() - started, peak_rss_mib=watch.peak_rss,
-                                    peak_vm_mib=watch.peak_vm, yielded=watch.yielded)
+                                    peak_vm_mib=watch.peak_vm, yielded=watch.yielded, peak_gpu_mib=watch.peak_gpu)
 
 
 def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], continued: list[float], *,
            stall_timeout_s: float, poll_s: float, kill_grace_s: float, stop_grace_s: float,
-           on_progress: Callable[[dict[str, Any], float | None], bool] | None = None) -> _Watch:
+           on_progress: Callable[[dict[str, Any], float | None, float | None], bool] | None = None,
+           gpu_usage: GpuUsage | None = None) -> _Watch:
     """Poll the child until it exits: sample its memory, kill it on a stall, give a forwarded stop its grace.
     The stall clock restarts when ``progress.json`` or ``phase.json`` changes and when a Ctrl-Z suspension
     ends (``continued``); its limit follows the phase (``recovery.stall``)."""
@@ -336,6 +344,9 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
         rss, vm = proc_memory_mib(proc.pid)
         seen.peak_rss = max(filter(None, (seen.peak_rss, rss)), default=None)
         seen.peak_vm = max(filter(None, (seen.peak_vm, vm)), default=None)
+        if gpu_usage is not None:
+            gpu_usage.sample(proc.pid)  # the child leads its own process group
+            seen.peak_gpu = gpu_usage.peak
         if stops or seen.yielded:  # the engine is saving its state: no stall detection now, only a last deadline
             stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
             if time.monotonic() > stop_deadline:
@@ -348,7 +359,7 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
             last_mtimes, last_change = mtimes, time.monotonic()
             phase, progress = read_event(events_dir, PHASE), read_event(events_dir, PROGRESS)
             limit = stall_limit(phase, progress, stall_timeout_s)
-            if progress and on_progress is not None and on_progress(progress, seen.peak_vm):
+            if progress and on_progress is not None and on_progress(progress, seen.peak_vm, seen.peak_gpu):
                 seen.yielded = True
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)  # the engine's process only: its workers end with it

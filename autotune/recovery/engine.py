@@ -60,6 +60,12 @@ class Engine(Protocol):
 
     def child_started(self, pid: int) -> None: ...
 
+    def stop_for_step_up(self) -> bool:
+        """The watchdog wants the attempt to end for a step up: True when the engine ends it itself once the trainer
+        has saved its next state (a trainer that saves none when stopped); False when SIGTERM is its step boundary
+        (it saves its state on it)."""
+        ...
+
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         """The engine's last word on an attempt (a wrapper may turn a crash into "continue", say)."""
         ...
@@ -100,6 +106,9 @@ class CompatEngine:
 
     def child_started(self, pid: int) -> None:
         return None
+
+    def stop_for_step_up(self) -> bool:
+        return False  # SIGTERM: it saves its state at the step boundary and exits
 
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         return result

@@ -211,6 +211,10 @@ class LineWatch(Protocol):
 
     def feed(self, line: str) -> None: ...
 
+    def ask_step_up(self) -> None:
+        """The watchdog wants a step up: stop the child once a state after the step it is at now is whole."""
+        ...
+
 
 class ChildHooks:
     """The ``Engine`` hooks both adapters implement alike: the child's process group (stopped as a group), and its
@@ -226,6 +230,12 @@ class ChildHooks:
         from autotune.recovery.attempt import terminate_group
 
         terminate_group(self.pid)
+
+    def stop_for_step_up(self) -> bool:
+        """Neither trainer saves a state when stopped: the attempt's watch stops it after its next whole state."""
+        assert self.watch is not None, "attempt_argv comes first"
+        self.watch.ask_step_up()
+        return True
 
     def line_handler(self, events_dir: Path) -> Callable[[str], None]:
         assert self.watch is not None, "attempt_argv comes first"

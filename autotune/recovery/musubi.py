@@ -213,7 +213,13 @@ class MusubiWatch:
         self.it_per_s: float | None = None
         self.announced: int | None = None
         self.reached_target = False
+        self.step_up_after: int | None = None  # a step up was asked at this true step ...
+        self.stepped_up_at: int | None = None  # ... and the child was stopped after its whole state of this step
         self.last_write = 0.0
+
+    def ask_step_up(self) -> None:
+        with self.lock:
+            self.step_up_after = self.start + (self.step or 0)
 
     def feed(self, line: str) -> None:
         with self.lock:
@@ -256,6 +262,9 @@ class MusubiWatch:
         if (self.engine.states_dir / name).is_dir():
             self.engine.ledger.states[name] = {"step": self.start + step, "confirmed": True}
             self.engine.ledger.save()
+            if self.step_up_after is not None and self.stepped_up_at is None and self.start + step > self.step_up_after:
+                self.stepped_up_at = self.start + step  # whole after the request: the step up resumes from it
+                self.engine.stop_child()
 
     def _whole_before(self, n: int) -> None:
         """Folders of steps before ``n`` are whole (musubi saves before its next step), also when its log does not
@@ -384,6 +393,9 @@ class MusubiEngine(ChildHooks):
         if watch.it_per_s:
             self.measured_it_per_s = watch.it_per_s
         done = result.outcome is Outcome.DONE
+        if watch.stepped_up_at is not None and not done and not watch.reached_target:
+            return replace(result, outcome=Outcome.STEP_UP, message=f"stopped musubi-tuner after its state at step "
+                           f"{watch.stepped_up_at} for a step up")
         if watch.reached_target or (done and watch.start == 0):
             return self._final(result, watch, log)
         if done:

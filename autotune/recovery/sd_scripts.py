@@ -350,6 +350,8 @@ class AttemptWatch:
         self.announced: int | None = None  # sd-scripts' step in its last "saving state at step N" line
         self.unresolved: dict[str, tuple[int, int, int]] = {}  # folder -> (true step when seen, its step, mtime)
         self.stop_reason: str | None = None
+        self.step_up_after: int | None = None  # a step up was asked at this true step ...
+        self.stepped_up_at: int | None = None  # ... and the child was stopped after its whole state of this step
         self.notes: list[tuple[str, str, dict[str, Any]]] = []
         self.last_write = 0.0
         self.started_ns = time.time_ns()
@@ -369,6 +371,20 @@ class AttemptWatch:
                     self._write_progress(phase=bar.desc.strip() or "preparing")
                 return
             self._on_steps(bar)
+
+    def ask_step_up(self) -> None:
+        with self.lock:
+            self.step_up_after = self.true_step if self.true_step is not None else self.resume_step
+
+    def _stop_for_step_up(self) -> None:
+        """Once a state saved after the step-up request is whole, stop the child: the next attempt resumes there."""
+        if self.step_up_after is None or self.stepped_up_at is not None:
+            return
+        whole = [int(e["step"]) for e in self.engine.ledger.states.values()
+                 if e.get("confirmed") and int(e["step"]) > self.step_up_after]
+        if whole:
+            self.stepped_up_at = min(whole)
+            self.engine.stop_child()
 
     def _on_steps(self, bar: Bar) -> None:
         ledger = self.engine.ledger
@@ -442,6 +458,8 @@ class AttemptWatch:
             del ledger.states[name]
         if dirty or gone:
             ledger.save()
+        if not final:
+            self._stop_for_step_up()
 
     def _fix_offset(self, observed: int, folder: str) -> None:
         """This attempt's counter offset (sd-scripts' step minus the true step), from its first save.
@@ -562,6 +580,9 @@ class SdScriptsEngine(ChildHooks):
             self.measured_it_per_s = watch.it_per_s
         for event, text, data in watch.notes:
             log.write(event, text, **data)
+        if watch.stepped_up_at is not None and result.outcome is not Outcome.DONE:
+            return replace(result, outcome=Outcome.STEP_UP, message=f"stopped sd-scripts after its state at step "
+                           f"{watch.stepped_up_at} for a step up")
         if watch.stop_reason is not None and result.outcome is Outcome.CRASH:
             return replace(result, outcome=Outcome.CONTINUE, message=watch.stop_reason)
         if result.outcome is Outcome.INTERRUPTED:  # ASSUMED: sd-scripts has no SIGINT handler (KeyboardInterrupt)

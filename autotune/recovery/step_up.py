@@ -102,8 +102,10 @@ class UpWatcher:
     asked: bool = False
     decision: StepUp | None = None
 
-    def see(self, progress: dict[str, Any], peak_vm_mib: float | None) -> bool:
-        """True when the attempt should stop at its next step boundary for a step up."""
+    def see(self, progress: dict[str, Any], peak_vm_mib: float | None, peak_gpu_mib: float | None = None) -> bool:
+        """True when the attempt should stop at its next step boundary for a step up. The measured peak: the
+        sampled address space under an address-space budget, else the trainer's own (its progress events), else
+        what NVML showed of its process on the card (a trainer that reports none)."""
         step, total = progress.get("step"), progress.get("max_train_steps")
         if self.asked or not isinstance(step, int):
             return False
@@ -115,6 +117,8 @@ class UpWatcher:
         if isinstance(total, int) and total - step <= STEADY_STEPS:
             return False  # too close to the end for a restart to pay
         measured = peak_vm_mib if self.budget_kind == "address_space" else progress.get("peak_memory_mib")
+        if measured is None and self.budget_kind == "device":
+            measured = peak_gpu_mib
         if not isinstance(measured, (int, float)) or measured <= 0:
             return False
         self.decision = self.decide(self.settings, float(measured))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.hardware.gpu_usage import GpuUsage
 from autotune.layout import (
     CHILD_LOG,
     DECISIONS_LOG,
@@ -118,6 +119,8 @@ class Job:
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
     images_per_s: Callable[[TrainSettings], float] | None = None  # the speed model; None: no stepping up
     fixed: frozenset[str] = frozenset()  # TrainSettings fields the user pinned: a step up leaves them as given
+    sample_gpu: bool = False  # NVML on the card: the child's GPU memory (a trainer reporting no CUDA peak of its
+    # own) and what is free now (a step up never takes memory another process took since the start)
 
     @property
     def states_dir(self) -> Path:
@@ -195,6 +198,8 @@ def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
     for key in (*keys, "peak_rss_mib"):
         if isinstance(memory.get(key), (int, float)) and memory[key] > 0:
             return float(memory[key])
+    if budget_kind == "device" and result.peak_gpu_mib:
+        return result.peak_gpu_mib  # what NVML showed of a trainer that reports no CUDA peak
     return result.peak_rss_mib
 
 
@@ -257,12 +262,24 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
     if state is not None:
         log.write("resume", f"attempt {attempt}: resuming from {state[0].name} at step {state[1]}",
                   state=str(state[0]), step=state[1])
-    watcher = _up_watcher(run)
-    result = run_attempt(argv, env=child_env(job.env, job.cuda), events_dir=files.events_dir,
-                         log_path=job.output_dir / CHILD_LOG, stall_timeout_s=job.stall_timeout_s, echo=job.echo,
-                         preexec_fn=job.preexec_fn, on_start=job.child_started,
-                         on_line=job.engine.line_handler(files.events_dir),
-                         on_progress=watcher.see if watcher is not None else None)
+    gpu = GpuUsage() if job.sample_gpu else None
+    if gpu is not None and not gpu.start():
+        gpu = None
+    watcher = _up_watcher(run, gpu)
+    on_progress = None
+    if watcher is not None:
+        def on_progress(progress: dict[str, Any], peak_vm: float | None, peak_gpu: float | None) -> bool:
+            # True: SIGTERM, the step boundary of a trainer that saves its state on it; an engine that stops its
+            # trainer itself after the next saved state says so
+            return watcher.see(progress, peak_vm, peak_gpu) and not job.engine.stop_for_step_up()
+    try:
+        result = run_attempt(argv, env=child_env(job.env, job.cuda), events_dir=files.events_dir,
+                             log_path=job.output_dir / CHILD_LOG, stall_timeout_s=job.stall_timeout_s, echo=job.echo,
+                             preexec_fn=job.preexec_fn, on_start=job.child_started,
+                             on_line=job.engine.line_handler(files.events_dir), on_progress=on_progress, gpu_usage=gpu)
+    finally:
+        if gpu is not None:
+            gpu.close()
     run.step_up = watcher.decision if watcher is not None else None
     return job.engine.finish(result, log)
 
@@ -272,15 +289,19 @@ def _failures(run: _Run) -> int:
     return sum(r.get("failure") != Outcome.STEP_UP for r in run.retries)
 
 
-def _up_watcher(run: _Run) -> UpWatcher | None:
-    """The attempt's step-up check (None: ``--no-step-up``, or no speed model for this engine)."""
+def _up_watcher(run: _Run, gpu: GpuUsage | None = None) -> UpWatcher | None:
+    """The attempt's step-up check (None: ``--no-step-up``, or no speed model for this engine). With ``gpu`` (NVML
+    on this card) the budget is also at most what the trainer holds plus what is free now: memory another process
+    took since the start is not stepped into."""
     job = run.job
     images_per_s = job.images_per_s
     if images_per_s is None:
         return None
 
     def decide(settings: TrainSettings, measured: float) -> StepUp | None:
-        return next_step_up(settings, budget_mib=job.limits.budget_mib, measured_mib=measured, predict=job.predict,
+        live = gpu.usable_now_mib() if gpu is not None else None
+        budget = min(job.limits.budget_mib, live) if live is not None else job.limits.budget_mib
+        return next_step_up(settings, budget_mib=budget, measured_mib=measured, predict=job.predict,
                             images_per_s=images_per_s, tried=run.tried, fixed=job.fixed)
 
     return UpWatcher(run.settings, decide, job.budget_kind)
