@@ -340,8 +340,9 @@ def render(plan: Plan) -> None:
     p = plan.prediction
     if p is None:  # a plan that does not fit is its message alone
         return
-    console.print(f"predicted peak VRAM [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of {p.usable_bytes / GIB:.2f} GiB "
-                  f"usable per device; [bold]{p.it_per_s:.3g} it/s[/bold] ({p.micro_steps_per_s:.3g} micro-steps/s per "
+    console.print(f"predicted peak {plan.memory_noun} [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of "
+                  f"{p.usable_bytes / GIB:.2f} GiB usable; [bold]{p.it_per_s:.3g} it/s[/bold] "
+                  f"({p.micro_steps_per_s:.3g} micro-steps/s per "
                   f"device), {p.samples_per_s:.3g} "
                   f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]"
                   + (f" (with {human_seconds(p.compile_seconds)} compiling)" if p.compile_seconds else ""))

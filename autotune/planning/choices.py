@@ -187,13 +187,14 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
                   "frames); activation memory grows with them", kohya=False)] if c.settings.frames > 1 else
           [Choice("target_frames", 1, "images (one frame); --frames N trains clips", kohya=False)]
           if (fam.musubi or {}).get("video") else []),
-        Choice("cache_latents", True, "VAE encodes each image once; the VAE leaves VRAM and steps skip the encoder"),
+        Choice("cache_latents", True, "VAE encodes each image once; the VAE leaves memory and steps skip the "
+                                      "encoder"),
         Choice("cache_latents_to_disk", True, "reruns and OOM retries reuse the cache (files next to the images)"),
     ]
     if s.cache_text_encoder_outputs:
         out.append(Choice("cache_text_encoder_outputs", True,
                           (profile.cache_text_encoder_outputs_reason
-                           or "text encoders run once and leave VRAM (SDXL UNet-only training)")
+                           or "text encoders run once and leave memory (SDXL UNet-only training)")
                           + "; captions cannot be shuffled"))
     default = default_workers(req)
     workers = default if c.workers is None else c.workers
@@ -299,10 +300,12 @@ def _training(c: PlanContext) -> list[Choice]:
         out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))
     if c.offload_reason is not None:
         out.append(Choice("offload_inactive_dit", s.offload_inactive_dit, c.offload_reason))
-    out += [Choice(key, value, reason) for key, value, reason in fixed_keys(profile, s.high_noise_expert)]
+    fixed = fixed_keys(profile, s.high_noise_expert)
+    # one attention flag: the user's xformers replaces the family's own sdpa; else the family's reason, where it has one
+    out += [Choice(key, value, reason) for key, value, reason in fixed if not (s.xformers and key == "sdpa")]
     if s.xformers:
         out.append(Choice("xformers", True, "your --attention xformers: memory-efficient attention kernel"))
-    else:
+    elif "sdpa" not in {key for key, _, _ in fixed}:
         out.append(Choice("sdpa", True, "PyTorch scaled-dot-product attention: flash / memory-efficient kernels, "
                                         "no extra install"))
     if fam.is_sdxl and s.mixed_precision == "fp16":
@@ -384,7 +387,8 @@ def _saving(c: PlanContext) -> list[Choice]:
 def _informational(c: PlanContext) -> list[Choice]:
     out = [Choice("effective_batch", c.effective, "samples per optimizer step across accumulation and devices",
                   kohya=False),
-           Choice("num_processes", c.devices, "data-parallel processes (one per GPU)", kohya=False)]
+           Choice("num_processes", c.devices, "data-parallel processes (one per GPU)" if c.request.gpus
+                  else "one process: no GPU", kohya=False)]
     if c.fallbacks:
         out.append(Choice("fallbacks", ", ".join(c.fallbacks), "given up, in this order, because nothing fit before",
                           kohya=False))

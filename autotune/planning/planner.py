@@ -193,6 +193,11 @@ class Plan:
     # runs the step, the physical cores where the CPU does
     cpu_threads: int = 1
 
+    @property
+    def memory_noun(self) -> str:
+        """What its memory figures are: the card's (per device) or, planned for a CPU, the host's."""
+        return "memory (RAM)" if self.device == "CPU" else "VRAM per device"
+
     def kohya_values(self) -> dict[str, Any]:
         return {c.key: c.value for c in self.choices if c.kohya}
 
@@ -480,8 +485,9 @@ def _nothing_fits(smallest: Scored, gpus: Sequence[GpuTarget], device: str) -> s
     """What the smallest configuration of the last ladder point needs, and on what card it would fit."""
     s = smallest.settings
     need = smallest.required + (max(g.held_bytes for g in gpus) if gpus else 0)
+    fix = (f"use a card with at least {math.ceil(need / GIB)} GB free, or free memory held by other processes" if gpus
+           else f"free memory (at least {math.ceil(need / GIB)} GB), or plan for a card with --gpu / --vram")
     return (f"nothing fits {device}: the smallest configuration "
             f"({s.resolution[0]} px, batch 1, rank {s.network_dim}, gradient checkpointing, {s.optimizer_type}"
             f"{', fp8 base' if s.fp8_base else ''}{', UNet only' if s.network_train_unet_only else ''}) "
-            f"needs {smallest.required / GIB:.1f} GiB with the safety margin; use a card with at least "
-            f"{math.ceil(need / GIB)} GB free, or free memory held by other processes")
+            f"needs {smallest.required / GIB:.1f} GiB with the safety margin; {fix}")

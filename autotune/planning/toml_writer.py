@@ -96,7 +96,7 @@ def header_lines(plan: Plan, what: str) -> list[str]:
     if p is not None:
         parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in p.components if size)
         lines += [
-            f"predicted peak VRAM: {p.peak_bytes / GIB:.2f} GiB per device of {p.usable_bytes / GIB:.2f} GiB usable",
+            f"predicted peak {plan.memory_noun}: {p.peak_bytes / GIB:.2f} GiB of {p.usable_bytes / GIB:.2f} GiB usable",
             f"predicted memory by part (GiB): {parts}",
             f"predicted speed: {p.it_per_s:.3g} it/s (optimizer steps, kohya's progress bar), "
             f"{p.micro_steps_per_s:.3g} micro-steps/s per device, {p.samples_per_s:.3g} samples/s",

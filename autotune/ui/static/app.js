@@ -172,7 +172,7 @@ function planView(plan) {
   const engineChoice = engines.length > 1 ? choice("engine", "engine", engines) : "";
   return el("div", {id: "plan"}, el("h3", {}, "Plan"),
     el("p", {id: "plan-message"}, plan.message),
-    el("div", {}, "predicted VRAM ", gib(peak), " of ", gib(usable),
+    el("div", {}, plan.device === "CPU" ? "predicted memory (RAM) " : "predicted VRAM ", gib(peak), " of ", gib(usable),
       el("div", {class: "bar" + (peak > usable ? " over" : "")},
         el("span", {style: `width:${Math.min(100, 100 * peak / usable)}%`}))),
     el("p", {}, "host RAM ", p.ram_peak_bytes ? gib(p.ram_peak_bytes) : "-", ", time ",
