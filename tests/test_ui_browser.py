@@ -223,8 +223,8 @@ def test_a_page_on_another_origin_or_a_rebound_name_gets_nothing_through(tmp_pat
 def test_a_failed_run_says_why_and_offers_only_what_the_server_does(tmp_path, browser):
     """A run that failed before training (``--steps 0``, found by planning): its page shows the one line it failed
     with, Stop is disabled (nothing runs) and Resume enabled; the runs page says why in its row."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as seen
     from selenium.webdriver.support.ui import WebDriverWait
     from test_ui_runs import RUN, wait_for
 
@@ -234,14 +234,72 @@ def test_a_failed_run_says_why_and_offers_only_what_the_server_does(tmp_path, br
         assert status == 201
         wait_for(server, "zero", ("failed",))
         browser.get(f"http://127.0.0.1:{server.port}/#/run/zero")
-        wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+        # the run page re-renders as it polls: an element read mid-swap is read again
+        wait = WebDriverWait(browser, 60, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
         wait.until(lambda b: "--steps 0: must be 1 or more" in b.find_element(By.ID, "run-message").text)
-        assert browser.find_element(By.ID, "run-state").text == "failed"
-        assert not browser.find_element(By.ID, "stop").is_enabled()
-        assert browser.find_element(By.ID, "resume").is_enabled()
+        wait.until(lambda b: b.find_element(By.ID, "run-state").text == "failed"
+                   and not b.find_element(By.ID, "stop").is_enabled() and b.find_element(By.ID, "resume").is_enabled())
         browser.find_element(By.ID, "nav-runs").click()
-        wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#runs tr[data-run='zero'] .why")))
-        assert "--steps 0" in browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='zero'] .why").text
+        wait.until(lambda b: "--steps 0" in b.find_element(By.CSS_SELECTOR, "#runs tr[data-run='zero'] .why").text)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()
+
+
+def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_path, browser):
+    """A FLUX.1 file (its real header, sparse data) needs CLIP-L, T5-XXL and the AE beside it: the plan shows one field
+    per file, Start stays disabled with the reason until they are filled, and a second "Check and plan" keeps them.
+    A Qwen-Image DiT (trained by musubi-tuner, which this server does not offer) cannot start, with the line autotune
+    run gives."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+    from test_flux_plan import _sparse_flux_file
+    from test_musubi_detect import write_dit
+
+    model = _sparse_flux_file(tmp_path / "flux1-dev.safetensors")
+    files = {key: tmp_path / f"{key}.safetensors" for key in ("clip_l", "t5xxl", "ae")}
+    for path in files.values():
+        path.write_bytes(b"a stand-in: planning reads only the path")
+    server = Server(tmp_path)
+    # each plan replaces the plan box: an element read mid-swap is read again
+    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+    def typed(field: str, value: str) -> None:
+        element = browser.find_element(By.ID, field)
+        element.send_keys(Keys.CONTROL, "a")
+        element.send_keys(value, Keys.TAB)
+
+    try:
+        browser.get(f"http://127.0.0.1:{server.port}/")
+        typed("in-dataset", str(ROOT / "examples" / "dataset"))
+        typed("in-model", str(model))
+        typed("in-vram", "24")
+        browser.find_element(By.ID, "check").click()
+        wait.until(seen.presence_of_element_located((By.ID, "model-files")))
+        assert not browser.find_element(By.ID, "start").is_enabled()
+        assert "fill in clip_l, t5xxl, ae" in browser.find_element(By.ID, "start-why").text
+        for key, path in files.items():  # each filled field plans again: the reason shrinks to what is left
+            wait.until(seen.presence_of_element_located((By.ID, f"in-file-{key}")))
+            typed(f"in-file-{key}", str(path))
+            wait.until(lambda b, key=key: key not in b.find_element(By.ID, "start-why").text)
+        wait.until(lambda b: b.find_element(By.ID, "start").is_enabled())
+        assert browser.find_element(By.ID, "start-why").text == ""
+        browser.find_element(By.ID, "check").click()  # checked again: the files stay
+        wait.until(seen.presence_of_element_located((By.ID, "in-file-ae")))
+        wait.until(lambda b: b.find_element(By.ID, "in-file-ae").get_attribute("value") == str(files["ae"]))
+        assert browser.find_element(By.ID, "start").is_enabled()
+        browser.save_screenshot(str(tmp_path / "model-files.png"))
+
+        qwen = write_dit(tmp_path / "qwen_image_bf16.safetensors", "qwen-image")
+        typed("in-model", str(qwen))  # another model: FLUX's files are not sent with it
+        browser.find_element(By.ID, "check").click()
+        wait.until(lambda b: "musubi-tuner" in b.find_element(By.ID, "start-why").text)
+        assert not browser.find_element(By.ID, "start").is_enabled()
+        assert "--engine musubi-tuner=PATH" in browser.find_element(By.ID, "start-why").text
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == [], errors
     finally:

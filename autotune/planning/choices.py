@@ -44,6 +44,7 @@ class Choice:
     reason: str
     kohya: bool = True
     placeholder: bool = False  # a path for the user to fill in: no file was given for it
+    model_file: bool = False  # one of the files the family's trainer reads beside the model (clip_l, t5xxl, ae, ...)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def _model_and_dataset(c: PlanContext) -> list[Choice]:
     given = dict(req.model_files)
     files = model_files(req, profile, c.text_encoder_fp8, both_experts=c.settings.high_noise_expert)
     out += [Choice(key, path, reason if key in given else f"fill in your file (or plan with --{key} FILE): {reason}",
-                   placeholder=key not in given) for key, (path, reason) in files.items()]
+                   placeholder=key not in given, model_file=True) for key, (path, reason) in files.items()]
     kept = [key for key in profile.model_files if key != FP8_FILE_KEY and key not in given]
     if req.model.startswith("builtin:") and kept:  # sd-scripts would take these as files
         out.append(Choice("model_files", "built in", f"this built-in brings its own {', '.join(kept)}; for "

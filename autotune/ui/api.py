@@ -114,7 +114,8 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     async def plan(request: Request) -> Any:
         schema = schemas.get("plan")
         args = command_args(schema, checked_values(schema, await json_body(request), policy))
-        return await _in_thread(run_plan, args)
+        planned = await _in_thread(run_plan, args)
+        return {**planned, "start": start_verdicts(planned, list(offered))}
 
     @app.get("/api/thumbnail")
     async def thumbnail(dataset: str, file: str, model: str | None = None, resolution: int | None = None) -> Any:
@@ -423,6 +424,27 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     if not plan.fits:
         raise BadRequest(plan.message, status=422)
     return {**plan.to_dict(), "configs": plan_configs(plan, args.format)}
+
+
+def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str | None]:
+    """Per offered engine, why a run of this plan cannot start (None: it can), before any click: the files the
+    family needs and no one gave, or an engine that does not train the family (``EngineKind.trains``)."""
+    from autotune.launch.engines import check_engine_trains, registered_engines
+    from sd_scripts_compat.facts.errors import UserError
+    from sd_scripts_compat.facts.families import get_family
+
+    family = get_family(planned["family"])
+    missing = [c["key"] for c in planned["choices"] if c.get("placeholder")]
+    kinds = registered_engines()
+    verdicts: dict[str, str | None] = {}
+    for name in offered:
+        verdicts[name] = f"fill in {', '.join(missing)}: the files {family.name} needs" if missing else None
+        try:  # the refusal autotune run gives, word for word
+            if name in kinds:
+                check_engine_trains(kinds[name], family, str(planned["model"]))
+        except UserError as error:
+            verdicts[name] = str(error)
+    return verdicts
 
 
 def plan_configs(plan: Plan, fmt: str) -> dict[str, str]:

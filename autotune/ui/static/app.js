@@ -7,6 +7,8 @@ const view = document.getElementById("view");
 const form = {dataset: "", model: "builtin:tiny-sd15", vram: "", gpu: "", goal: "character", priority: "balanced",
   engine: "autotune"};
 let overrides = {};
+let fileKeys = new Set();  // the model's files among the overrides: another model drops them
+let checkedModel = null;
 let engines = ["autotune"];
 let stream = null;
 
@@ -79,8 +81,8 @@ function input(name, label, extra) {
     oninput: e => { form[name] = e.target.value; }, ...(extra || {})}));
 }
 
-function choice(name, label, options) {
-  const select = el("select", {id: "in-" + name, onchange: e => { form[name] = e.target.value; }},
+function choice(name, label, options, changed) {
+  const select = el("select", {id: "in-" + name, onchange: e => { form[name] = e.target.value; if (changed) changed(); }},
     ...options.map(o => el("option", o === form[name] ? {value: o, selected: ""} : {value: o}, o)));
   return el("label", {}, label + " ", select);
 }
@@ -164,12 +166,30 @@ function configsView(configs) {
       el("pre", {"data-config": name}, text)]));
 }
 
+function fileRow(c) {  // one of the family's files: typed or pasted, kept through "Check and plan"
+  return el("label", {}, c.key + " ", el("input", {type: "text", id: "in-file-" + c.key, size: 60,
+    value: c.placeholder ? (overrides[c.key] || "") : String(c.value), placeholder: c.placeholder ? c.value : "",
+    onchange: e => { overrides[c.key] = e.target.value.trim(); repredict(); }}),
+    el("span", {class: "reason"}, " " + c.reason));
+}
+
+function startState(plan) {  // the server says why a run of this plan cannot start with the chosen engine
+  const why = (plan.start || {})[form.engine] || "";
+  const button = document.getElementById("start");
+  if (button) button.disabled = Boolean(why);
+  const line = document.getElementById("start-why");
+  if (line) line.textContent = why;
+}
+
 function planView(plan) {
   const p = plan.prediction || {};
   const usable = p.usable_bytes || 1, peak = p.peak_bytes || 0;
-  const rows = plan.choices.filter(c => c.kohya !== false).map(planRow);
+  const rows = plan.choices.filter(c => c.kohya !== false && !c.model_file).map(planRow);
+  const files = plan.choices.filter(c => c.model_file);
+  files.forEach(c => fileKeys.add(c.key));
   const configsBox = el("div", {id: "configs-box"});
-  const engineChoice = engines.length > 1 ? choice("engine", "engine", engines) : "";
+  const engineChoice = engines.length > 1 ? choice("engine", "engine", engines, () => startState(plan)) : "";
+  const why = (plan.start || {})[form.engine] || "";
   return el("div", {id: "plan"}, el("h3", {}, "Plan"),
     el("p", {id: "plan-message"}, plan.message),
     el("div", {}, plan.device === "CPU" ? "predicted memory (RAM) " : "predicted VRAM ", gib(peak), " of ", gib(usable),
@@ -181,10 +201,13 @@ function planView(plan) {
       p.memory_source && p.memory_source !== "model" ? ` (${p.memory_basis})` : "",
       `; speed: ${p.speed_source || "model"}`, p.speed_source && p.speed_source !== "model" ? ` (${p.speed_basis})` : ""),
     plan.fallbacks.length ? el("p", {id: "fallbacks"}, "to fit: " + plan.fallbacks.join("; ")) : "",
+    files.length ? el("fieldset", {id: "model-files"}, el("legend", {}, "The model's files"),
+      ...files.map(c => el("div", {}, fileRow(c)))) : "",
     el("table", {id: "plan-table"}, ...rows),
     el("button", {id: "show-configs", onclick: () => configsBox.replaceChildren(configsView(plan.configs))},
       "Write configs"), engineChoice,
-    el("button", {id: "start", onclick: start}, "Start training"), configsBox);
+    el("button", why ? {id: "start", onclick: start, disabled: ""} : {id: "start", onclick: start}, "Start training"),
+    el("span", {id: "start-why", class: "why"}, why), configsBox);
 }
 
 async function repredict() {
@@ -196,8 +219,12 @@ async function repredict() {
   }
 }
 
-async function check() {
-  overrides = {};
+async function check() {  // what the user changed stays through another check; the files only with their model
+  if (form.model !== checkedModel) {
+    fileKeys.forEach(key => delete overrides[key]);
+    fileKeys.clear();
+    checkedModel = form.model;
+  }
   const doctorBox = document.getElementById("doctor-box");
   const body = {dataset: form.dataset};
   if (form.model) body.model = form.model;
