@@ -67,8 +67,10 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
     (``cpu_bf16``: the CPU computes bf16 natively; ``on_gpu``: the coefficients traced under CUDA autocast's op
     lists, else under the CPU's)."""
+    from autotune.estimate.memory_model import DEFAULT_CUDA_CONTEXT_GIB
+
     rules = "cuda" if on_gpu else "cpu"
-    context = {} if on_gpu else {"cuda_context_gib": 0.0}  # a CPU plan has no CUDA context
+    context = DEFAULT_CUDA_CONTEXT_GIB if on_gpu else 0.0  # a CPU plan has no CUDA context
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
 
     if is_dit_family(family):
@@ -78,12 +80,13 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
         profile = plan_profile(family)
         te_fp8 = profile.text_encoder_fp8(t5_fp8, s.fp8_base)
         flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8), text_encoders_on_cpu=te_cpu,
-                       expert_switch_share=profile.expert_switch_share(), autocast_rules=rules, **context)
+                       expert_switch_share=profile.expert_switch_share(), autocast_rules=rules,
+                       cuda_context_gib=context)
         return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
 
-    inputs = replace(inputs_for_settings(family, s), autocast_rules=rules, **context)
+    inputs = replace(inputs_for_settings(family, s), autocast_rules=rules, cuda_context_gib=context)
     return predict_memory(inputs), lambda spec: predict_speed(inputs, spec, steps=1, cpu_cores=cpu_cores,
                                                               cpu_bf16=cpu_bf16)
 
