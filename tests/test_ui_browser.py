@@ -103,6 +103,10 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
         wait.until(seen.presence_of_element_located((By.ID, "lora-table")))
         assert text("#bottleneck") and browser.find_element(By.CSS_SELECTOR, "#loss-curve svg")
         assert browser.find_element(By.CSS_SELECTOR, "#lr-curve svg") and "peak so far" in text("#memory")
+        # each chart's axes: the steps along x, the value's range and unit along y
+        assert browser.find_element(By.CSS_SELECTOR, "#loss-curve text[data-axis='x']").text == "optimizer step"
+        assert int(browser.find_element(By.CSS_SELECTOR, "#loss-curve text[data-axis='x-max']").text) > 1
+        assert "(MiB)" in text("#memory-curve") and "(it/s)" in text("#speed-curve")
         run_id = browser.current_url.rsplit("#/run/", 1)[1]
         info = server.call("GET", f"/api/runs/{run_id}")[1]
         assert info["step"] == info["max_train_steps"] > 0  # stopped, resumed, ended at the planned step

@@ -268,21 +268,32 @@ const LIVE = ["running", "stepping down", "rolled back", "queued"];  // what Sto
 const RESUMABLE = ["failed", "interrupted"];  // what the server resumes (it answers 409 to the others)
 const EXPLAINED = ["failed", "interrupted", "unreadable"];  // states whose one line says why
 
-function curve(id, points, label) {
-  const width = 500, height = 120;
+function svgNode(tag, attrs, text) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function curve(id, points, label, unit) {  // a line over the steps, with both axes labelled in their units
+  const width = 500, height = 120, left = 64, below = 30;
   if (points.length < 2) return el("div", {id}, label + ": waiting for steps");
   const xs = points.map(p => p[0]), ys = points.map(p => p[1]);
   const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  const coords = points.map(([x, y]) => `${(x - x0) / (x1 - x0 || 1) * width},${height - (y - y0) / (y1 - y0 || 1) * height}`);
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-  svg.setAttribute("width", width);
-  svg.setAttribute("height", height);
-  const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  line.setAttribute("points", coords.join(" "));
-  line.setAttribute("fill", "none");
-  line.setAttribute("stroke", "#36c");
-  svg.append(line);
-  return el("div", {id}, `${label} (${y0.toPrecision(3)} .. ${y1.toPrecision(3)})`, svg);
+  const coords = points.map(([x, y]) =>
+    `${left + (x - x0) / (x1 - x0 || 1) * width},${height - (y - y0) / (y1 - y0 || 1) * height}`);
+  const svg = svgNode("svg", {width: left + width + 8, height: height + below});
+  svg.append(svgNode("polyline", {points: coords.join(" "), fill: "none", stroke: "#36c"}),
+    svgNode("line", {x1: left, y1: 0, x2: left, y2: height, stroke: "#888"}),
+    svgNode("line", {x1: left, y1: height, x2: left + width, y2: height, stroke: "#888"}),
+    svgNode("text", {x: left - 4, y: 10, "text-anchor": "end", "font-size": 10, "data-axis": "y-max"}, y1.toPrecision(3)),
+    svgNode("text", {x: left - 4, y: height, "text-anchor": "end", "font-size": 10, "data-axis": "y-min"},
+      y0.toPrecision(3)),
+    svgNode("text", {x: left, y: height + 12, "font-size": 10, "data-axis": "x-min"}, x0),
+    svgNode("text", {x: left + width, y: height + 12, "text-anchor": "end", "font-size": 10, "data-axis": "x-max"}, x1),
+    svgNode("text", {x: left + width / 2, y: height + 26, "text-anchor": "middle", "font-size": 11, "data-axis": "x"},
+      "optimizer step"));
+  return el("div", {id}, `${label}${unit ? ` (${unit})` : ""}`, svg);
 }
 
 function series(map) { return [...map.entries()].sort((a, b) => a[0] - b[0]); }
@@ -351,7 +362,8 @@ async function renderRun(id) {
   const draw = () => {
     drawing = false;
     charts.replaceChildren(curve("loss-curve", series(losses), "loss"), curve("lr-curve", series(lrs), "learning rate"),
-      curve("speed-curve", series(rates), "it/s"), curve("memory-curve", series(memory), "peak memory MiB"));
+      curve("speed-curve", series(rates), "speed", "it/s"),
+      curve("memory-curve", series(memory), "peak memory", "MiB"));
     memoryBox.replaceChildren(memoryView(info, peak));
   };
   stream.addEventListener("state", e => {
