@@ -157,7 +157,8 @@ def test_measured_headroom_steps_musubi_up_from_its_next_saved_state(tmp_path: P
     ending at the target with the updates and the learning-rate schedule of an uninterrupted run; --no-step-up keeps
     the plan's settings. The budget is pinned (1 TiB of address space, the peak sampled from /proc)."""
     data, model = _inputs(tmp_path)
-    argv = [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--epochs", "30", "--save-state-every", "0.3",
+    # 60 steps of 0.1 s: the decision comes a few steps in, leaving ~5 s for a busy machine's supervisor
+    argv = [str(data), *model, "--engine", f"musubi-tuner={FAKE}", "--epochs", "60", "--save-state-every", "0.3",
             "--memory-limit", str(2**20)]
     out = tmp_path / "run"
     done = _run(tmp_path, [*argv, "--out", str(out)], rules="step_s=0.1")
@@ -171,8 +172,8 @@ def test_measured_headroom_steps_musubi_up_from_its_next_saved_state(tmp_path: P
     (final,) = [p for p in out.glob("*.safetensors") if "-from" not in p.name]
     with safe_open(str(final), framework="pt") as handle:
         metadata = handle.metadata()
-    assert metadata["ss_steps"] == metadata["fake_updates"] == "30"
-    assert json.loads(metadata["fake_lrs"]) == pytest.approx(_expected_lrs(out / "config.toml", 30))
+    assert metadata["ss_steps"] == metadata["fake_updates"] == "60"
+    assert json.loads(metadata["fake_lrs"]) == pytest.approx(_expected_lrs(out / "config.toml", 60))
     kept = tmp_path / "kept"
     done = _run(tmp_path, [*argv, "--out", str(kept), "--no-step-up"], rules="step_s=0.05")
     assert done.returncode == 0 and "step_up" not in (kept / DECISIONS_JSONL).read_text()

@@ -166,8 +166,9 @@ def test_measured_headroom_steps_the_users_sd_scripts_up_from_its_next_saved_sta
     """sd-scripts saves no state when stopped, so a step up waits for the next whole state, stops the trainer
     there and relaunches from it with the larger micro-batch (same effective batch); the run ends at exactly its
     step with the data of an uninterrupted one. The budget is pinned (an address space of 1 TiB, its peak sampled
-    from /proc): what decides is the measured peak against it, not this machine's free memory."""
-    steps = 40
+    from /proc): what decides is the measured peak against it, not this machine's free memory. 80 steps of 0.15 s:
+    the decision comes a few steps in, leaving ~10 s for a busy machine's supervisor to see a save after it."""
+    steps = 80
     job = make_job(tmp_path, "step_s=0.15", micro=1, budget=2.0**20, save_every_s=0.5,
                    config_extra={"max_train_steps": steps}, budget_kind="address_space",
                    images_per_s=lambda s: float(s.train_batch_size))

@@ -76,40 +76,41 @@ def _overload(name: str) -> Any:
     return getattr(getattr(torch.ops.aten, base), overload or "default")
 
 
-class _Casts:
-    """The casts CUDA's ``cached_cast`` does, of CPU tensors: floating point but not fp64. (torch also caches the
+def _lower() -> Any:
+    """The autocast region's lower-precision dtype (CPU autocast's, as set by the caller's ``torch.autocast``)."""
+    import torch
+
+    return torch.get_autocast_dtype("cpu")
+
+
+def _eligible(value: Any) -> bool:
+    """What CUDA's ``cached_cast`` casts, of CPU tensors: floating point but not fp64. (torch also caches the
     lower-precision copy of an fp32 leaf that requires grad for the autocast region; the operators these kernels
     take over never see LoRA weights, which go through ``linear``, whose own kernel stays.)"""
+    import torch
 
-    @staticmethod
-    def lower() -> Any:
-        import torch
-
-        return torch.get_autocast_dtype("cpu")
-
-    @staticmethod
-    def eligible(value: Any) -> bool:
-        import torch
-
-        return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_floating_point()
-                and value.dtype != torch.float64)
-
-    def cast(self, value: Any, dtype: Any) -> Any:
-        if isinstance(value, list | tuple):
-            return type(value)(self.cast(v, dtype) for v in value)
-        return value.to(dtype) if self.eligible(value) and value.dtype != dtype else value
-
-    def widest(self, args: tuple[Any, ...]) -> Any:
-        import torch
-
-        flat = [v for a in args for v in (a if isinstance(a, list | tuple) else (a,))]
-        return torch.float32 if any(self.eligible(v) and v.dtype == torch.float32 for v in flat) else self.lower()
-
-    def first_eligible(self, args: tuple[Any, ...]) -> bool:
-        return bool(args) and self.eligible(args[0])
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_floating_point()
+            and value.dtype != torch.float64)
 
 
-def _kernel(name: str, policy: str | None, casts: _Casts) -> Any:
+def _cast(value: Any, dtype: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value.to(dtype) if _eligible(value) and value.dtype != dtype else value
+
+
+def _widest(args: tuple[Any, ...]) -> Any:
+    import torch
+
+    flat = [v for a in args for v in (a if isinstance(a, list | tuple) else (a,))]
+    return torch.float32 if any(_eligible(v) and v.dtype == torch.float32 for v in flat) else _lower()
+
+
+def _first_eligible(args: tuple[Any, ...]) -> bool:
+    return bool(args) and _eligible(args[0])
+
+
+def _kernel(name: str, policy: str | None) -> Any:
     """The Python AutocastCPU kernel that does what CUDA's ``WrapFunction_<policy>`` does."""
     import torch
 
@@ -120,27 +121,24 @@ def _kernel(name: str, policy: str | None, casts: _Casts) -> Any:
         if policy is None:  # not in CUDA's lists: fall through to the kernels below autocast
             return op.redispatch(keyset.remove(torch._C.DispatchKey.AutocastCPU), *args, **kwargs)
         with torch._C._ExcludeDispatchKeyGuard(no_autocast):
-            return _apply(name, op, policy, casts, args, kwargs)
+            return _apply(name, op, policy, args, kwargs)
 
     return kernel
 
 
-def _apply(name: str, op: Any, policy: str, casts: _Casts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _apply(name: str, op: Any, policy: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     import torch
 
-    if policy == LOWER:
-        return op(*casts.cast(args, casts.lower()), **{k: casts.cast(v, casts.lower()) for k, v in kwargs.items()})
-    if policy == FP32:
-        return op(*casts.cast(args, torch.float32), **{k: casts.cast(v, torch.float32) for k, v in kwargs.items()})
-    if policy == PROMOTE:
-        dtype = casts.widest((*args, *kwargs.values()))
-        return op(*casts.cast(args, dtype), **{k: casts.cast(v, dtype) for k, v in kwargs.items()})
+    if policy in (LOWER, FP32, PROMOTE):
+        dtype = (_lower() if policy == LOWER else torch.float32 if policy == FP32
+                 else _widest((*args, *kwargs.values())))
+        return op(*_cast(args, dtype), **{k: _cast(v, dtype) for k, v in kwargs.items()})
     if policy == FP32_SET_OPT_DTYPE:
-        if casts.first_eligible(args) and kwargs.get("dtype") is None:
+        if _first_eligible(args) and kwargs.get("dtype") is None:
             return _with_dtype(op, args, kwargs, torch.float32)
         return op(*args, **kwargs)
     if policy == FP32_APPEND_DTYPE:
-        dtype = torch.float32 if casts.first_eligible(args) else args[0].dtype
+        dtype = torch.float32 if _first_eligible(args) else args[0].dtype
         base, _, _ = name.partition(".")
         return getattr(getattr(torch.ops.aten, base), _APPEND_DTYPE_TARGET[name])(*args, dtype=dtype, **kwargs)
     raise RuntimeError(f"CUDA autocast does not allow aten::{name} (torch raises for it on a GPU)")
@@ -174,7 +172,6 @@ def cuda_op_lists() -> Iterator[None]:
 
     import torch
 
-    casts = _Casts()
     library = torch.library.Library("aten", "IMPL")
     on_cpu = autocast_operators("AutocastCPU")
     registered: dict[str, str | None] = {name: policy for name, policy in CUDA_POLICIES.items()
@@ -184,7 +181,7 @@ def cuda_op_lists() -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
             for name, policy in registered.items():
-                library.impl(name, _kernel(name, policy, casts), "AutocastCPU", with_keyset=True)
+                library.impl(name, _kernel(name, policy), "AutocastCPU", with_keyset=True)
         yield
     finally:
         library._destroy()

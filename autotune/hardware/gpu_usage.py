@@ -33,8 +33,8 @@ def process_group(pgid: int) -> set[int]:
 
 
 class GpuUsage:
-    """Samples the GPU memory of one process group through NVML; :meth:`peak_mib` is None where NVML cannot
-    answer (no driver, no nvidia-ml-py, a container that hides other processes' memory)."""
+    """Samples the GPU memory of one process group through NVML; ``peak`` stays None where NVML cannot answer (no
+    driver, no nvidia-ml-py, a container that hides other processes' memory)."""
 
     def __init__(self) -> None:
         self._nvml: Any = None

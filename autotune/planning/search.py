@@ -67,11 +67,11 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
     (``cpu_bf16``: the CPU computes bf16 natively; ``on_gpu``: the coefficients traced under CUDA autocast's op
     lists, else under the CPU's)."""
+    from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import DEFAULT_CUDA_CONTEXT_GIB
 
     rules = "cuda" if on_gpu else "cpu"
     context = DEFAULT_CUDA_CONTEXT_GIB if on_gpu else 0.0  # a CPU plan has no CUDA context
-    from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
 
     if is_dit_family(family):
         from autotune.estimate.dit_speed import predict_dit_speed

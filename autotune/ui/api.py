@@ -438,12 +438,13 @@ def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str
     kinds = registered_engines()
     verdicts: dict[str, str | None] = {}
     for name in offered:
-        verdicts[name] = f"fill in {', '.join(missing)}: the files {family.name} needs" if missing else None
         try:  # the refusal autotune run gives, word for word
             if name in kinds:
                 check_engine_trains(kinds[name], family, str(planned["model"]))
         except UserError as error:
             verdicts[name] = str(error)
+            continue
+        verdicts[name] = f"fill in {', '.join(missing)}: the files {family.name} needs" if missing else None
     return verdicts
 
 
