@@ -68,7 +68,20 @@ def test_a_folder_run_writes_every_key_sd_scripts_writes_with_its_value_forms(tm
     assert meta["ss_resolution"] == "(64, 64)" and meta["ss_optimizer"] == "torch.optim.adamw.AdamW"
     assert json.loads(meta["ss_reg_dataset_dirs"]) == {} and json.loads(meta["ss_dataset_dirs"]) == {
         "2_toy": {"n_repeats": 2, "img_count": 2}}
+    # without bucketing sd-scripts' dataset holds no bucket facts (bench/equivalence.py found ours writing them)
+    assert (meta["ss_enable_bucket"], meta["ss_bucket_info"], meta["ss_min_bucket_reso"]) == ("False", "null", "None")
+    assert meta["ss_network_alpha"] == "4"  # the TOML's integer, as sd-scripts' args keep it
+
+
+def test_bucket_keys_and_network_values_as_sd_scripts_args_hold_them(tmp_path):
+    _, out = trains(tmp_path, enable_bucket=True, min_bucket_reso=64, max_bucket_reso=128, bucket_reso_steps=64,
+                    network_alpha=4.0, network_args=["conv_dim=4"], min_snr_gamma=5)
+    meta = metadata(out / "lora.safetensors")
     assert json.loads(meta["ss_bucket_info"])["buckets"]["0"] == {"resolution": [64, 64], "count": 4}
+    assert (meta["ss_min_bucket_reso"], meta["ss_max_bucket_reso"]) == ("64", "128")
+    assert meta["ss_network_alpha"] == "4.0"  # a TOML float
+    assert meta["ss_min_snr_gamma"] == "5"  # a TOML integer for a float option, kept as sd-scripts' args keep it
+    assert json.loads(meta["ss_network_args"]) == {"conv_dim": "4", "dropout": None}  # sd-scripts adds dropout
 
 
 def test_a_dataset_config_run_writes_ss_datasets_instead_of_the_folder_keys(tmp_path):

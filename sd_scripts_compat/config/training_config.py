@@ -832,8 +832,10 @@ def _read_config_file(cli: dict[str, Any], script: str, own: dict[str, Any], ext
             warnings.append(f"{where}: ignored inside a config file (only --config_file on the command line)")
             continue
         spec = own[key]
-        value = _check_kind(spec, value, where)
-        toml_raw[key] = value
+        given, value = value, _check_kind(spec, value, where)
+        # sd-scripts puts TOML values into its args unconverted: an integer for a float option stays an integer there
+        # (and in its metadata: "4", not "4.0")
+        toml_raw[key] = given if spec.kind == "float" and isinstance(given, int) else value
         if spec.kind in ("str", "Path") and value == "" and spec.default is None:
             value = None  # lora-scripts writes reg_data_dir = "" for "none"; sd-scripts treats it as unset
         _check_choices(spec, value, where)

@@ -2,7 +2,8 @@
 beside those :func:`~sd_scripts_compat.network.lora_file.build_metadata` writes from the run's own figures.
 
 sd-scripts writes ``str(value)`` of each: an option as argparse holds it after its checks (``None``, ``0.0``,
-``l2``, a ``(w, h)`` tuple), a flag as ``str(bool(...))``. Which option drives which key (``OPTION_KEYS``):
+``l2``, a ``(w, h)`` tuple; a TOML integer for a float option stays an integer, ``5`` not ``5.0``, since sd-scripts
+puts TOML values into its args unconverted), a flag as ``str(bool(...))``. Which option drives which key (``OPTION_KEYS``):
 
 | key | option | written as |
 | --- | --- | --- |
@@ -37,7 +38,8 @@ sd-scripts writes ``str(value)`` of each: an option as argparse holds it after i
 
 The dataset (:func:`dataset_keys`): a run from ``train_data_dir`` writes the flat keys (``ss_color_aug``,
 ``ss_flip_aug``, ``ss_random_crop``, ``ss_shuffle_caption``, ``ss_keep_tokens`` from the options;
-``ss_enable_bucket``, ``ss_bucket_no_upscale``, ``ss_min_bucket_reso``, ``ss_max_bucket_reso`` from the dataset;
+``ss_enable_bucket``, ``ss_bucket_no_upscale``, ``ss_min_bucket_reso``, ``ss_max_bucket_reso`` from the dataset,
+which without bucketing holds ``None``, ``None``, ``False`` and a ``null`` bucket info whatever was configured;
 ``ss_dataset_dirs``, ``ss_reg_dataset_dirs``, ``ss_tag_frequency``, ``ss_bucket_info`` as JSON); a run from a
 ``dataset_config`` writes ``ss_datasets`` (one JSON record per dataset, its subsets inside) with
 ``ss_tag_frequency`` and ``ss_dataset_dirs``, and none of the flat keys. The model files (:func:`file_keys`): a base
@@ -95,7 +97,10 @@ def option_value(config: TrainingConfig, name: str) -> Any:
     from sd_scripts_compat.facts.kohya_args import arg_specs
 
     if hasattr(config, name):
-        return getattr(config, name)
+        ours = getattr(config, name)
+        given = config.raw.get(name)
+        # a TOML integer for a float option: sd-scripts' args keep the integer
+        return given if isinstance(given, int) and isinstance(ours, float) and given == ours else ours
     if name in config.raw:
         return config.raw[name]
     spec = arg_specs(script=config.script).get(name)
@@ -130,13 +135,25 @@ def dataset_keys(config: TrainingConfig, dataset: TrainDataset) -> dict[str, Any
         return {"ss_datasets": json.dumps([_dataset_record(dataset)]),
                 "ss_tag_frequency": json.dumps(dataset.tag_frequencies),
                 "ss_dataset_dirs": json.dumps(dataset.dataset_dirs())}
-    spec = dataset.spec
-    return {**_written(config, FLAT_OPTION_KEYS), "ss_enable_bucket": bool(spec.enable_bucket),
-            "ss_bucket_no_upscale": bool(spec.bucket_no_upscale), "ss_min_bucket_reso": spec.min_bucket_reso,
-            "ss_max_bucket_reso": spec.max_bucket_reso, "ss_dataset_dirs": json.dumps(dataset.dataset_dirs()),
+    buckets = _bucket_fields(dataset)
+    return {**_written(config, FLAT_OPTION_KEYS), "ss_enable_bucket": buckets["enable_bucket"],
+            "ss_bucket_no_upscale": buckets["bucket_no_upscale"], "ss_min_bucket_reso": buckets["min_bucket_reso"],
+            "ss_max_bucket_reso": buckets["max_bucket_reso"], "ss_dataset_dirs": json.dumps(dataset.dataset_dirs()),
             "ss_reg_dataset_dirs": json.dumps(dataset.dataset_dirs(reg=True)),
             "ss_tag_frequency": json.dumps(dataset.tag_frequencies),
-            "ss_bucket_info": json.dumps(dataset.bucket_info())}
+            "ss_bucket_info": json.dumps(buckets["bucket_info"])}
+
+
+def _bucket_fields(dataset: TrainDataset) -> dict[str, Any]:
+    """The bucket facts as sd-scripts' dataset holds them: without bucketing its min / max reso and bucket info are
+    None and bucket_no_upscale False, whatever was configured."""
+    spec = dataset.spec
+    if not spec.enable_bucket:
+        return {"enable_bucket": False, "bucket_no_upscale": False, "min_bucket_reso": None,
+                "max_bucket_reso": None, "bucket_info": None}
+    return {"enable_bucket": True, "bucket_no_upscale": bool(spec.bucket_no_upscale),
+            "min_bucket_reso": spec.min_bucket_reso, "max_bucket_reso": spec.max_bucket_reso,
+            "bucket_info": dataset.bucket_info()}
 
 
 def _dataset_record(dataset: TrainDataset) -> dict[str, Any]:
@@ -160,12 +177,13 @@ def _dataset_record(dataset: TrainDataset) -> dict[str, Any]:
             record["metadata_file"] = os.path.basename(subset.metadata_file)
         subsets.append(record)
     width, height = spec.resolution
+    buckets = _bucket_fields(dataset)
     dreambooth = all(s.metadata_file is None for s in spec.subsets)
     return {"is_dreambooth": dreambooth, "batch_size_per_device": spec.batch_size,
             "num_train_images": dataset.num_train_images, "num_reg_images": dataset.num_reg_images,
-            "resolution": [width, height], "enable_bucket": bool(spec.enable_bucket),
-            "min_bucket_reso": spec.min_bucket_reso, "max_bucket_reso": spec.max_bucket_reso,
-            "tag_frequency": dataset.tag_frequencies, "bucket_info": dataset.bucket_info(),
+            "resolution": [width, height], "enable_bucket": buckets["enable_bucket"],
+            "min_bucket_reso": buckets["min_bucket_reso"], "max_bucket_reso": buckets["max_bucket_reso"],
+            "tag_frequency": dataset.tag_frequencies, "bucket_info": buckets["bucket_info"],
             "resize_interpolation": spec.resize_interpolation, "subsets": subsets}
 
 

@@ -21,6 +21,7 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -549,30 +550,41 @@ def report_run(config: TrainingConfig, process: Process, data: Data, inputs: Inp
     return Report(settings=resolved_settings(config, data.spec).to_event(), resolved=resolved)
 
 
+def _network_args_written(config: TrainingConfig) -> dict[str, Any] | None:
+    """``ss_network_args`` as sd-scripts' train_network writes it: the given entries, plus ``dropout`` (its
+    network_dropout, for LyCORIS) where they have none and the network is not sized from its weights."""
+    entries: dict[str, Any] = dict(config.network_args.entries)
+    if entries and "dropout" not in entries and not config.dim_from_weights:
+        entries["dropout"] = config.network_dropout
+    return entries or None
+
+
 def build_checkpointer(config: TrainingConfig, process: Process, model: Model, data: Data, inputs: Inputs,
                        network: Network, optimization: Optimization, report: Report,
                        guard: StabilityGuard | None = None) -> Checkpointer:
-    from sd_scripts_compat.network.kohya_keys import dataset_keys, file_keys, option_keys
+    from sd_scripts_compat.network.kohya_keys import dataset_keys, file_keys, option_keys, option_value
     from sd_scripts_compat.network.lora_file import TrainingFacts
 
     retries = _read_retry_log(config.autotune_retry_log)
     batch_size = data.spec.batch_size
+    given = partial(option_value, config)  # each value in the form sd-scripts' args hold it
     facts = TrainingFacts(
-        output_name=process.paths.output_name, network_dim=config.network_dim, network_alpha=config.network_alpha,
-        learning_rate=config.learning_rate, optimizer=optimization.description, resolution=data.spec.resolution,
+        output_name=process.paths.output_name, network_dim=config.network_dim,
+        network_alpha=config.raw.get("network_alpha", 1),  # as sd-scripts' args hold it: a TOML integer stays one
+        learning_rate=given("learning_rate"), optimizer=optimization.description, resolution=data.spec.resolution,
         training_started_at=process.started, session_id=secrets.randbits(31),  # ss_session_id, as sd-scripts
-        network_args=dict(config.network_args.entries) or None, network_dropout=config.network_dropout,
+        network_args=_network_args_written(config), network_dropout=given("network_dropout"),
         network_module=config.network_module,
-        unet_lr=config.unet_lr, text_encoder_lr=config.text_encoders_lr, lr_scheduler=config.lr_scheduler,
+        unet_lr=given("unet_lr"), text_encoder_lr=config.text_encoders_lr, lr_scheduler=config.lr_scheduler,
         lr_warmup_steps=optimization.warmup_steps, mixed_precision=process.accelerator.mixed_precision,
         num_train_images=data.train.num_train_images, num_reg_images=data.train.num_reg_images,
         num_batches_per_epoch=optimization.batches_per_epoch, num_epochs=optimization.total_epochs,
         max_train_steps=optimization.max_train_steps, batch_size_per_device=batch_size,
         total_batch_size=batch_size * process.world * optimization.accumulation,
         gradient_checkpointing=bool(config.gradient_checkpointing),
-        gradient_accumulation_steps=optimization.accumulation, max_grad_norm=config.max_grad_norm,
+        gradient_accumulation_steps=optimization.accumulation, max_grad_norm=given("max_grad_norm"),
         seed=process.seed, clip_skip=config.clip_skip, max_token_length=config.max_token_length,
-        cache_latents=inputs.cached_latents, noise_offset=config.noise_offset, min_snr_gamma=config.min_snr_gamma,
+        cache_latents=inputs.cached_latents, noise_offset=given("noise_offset"), min_snr_gamma=given("min_snr_gamma"),
         sd_model_name=Path(config.pretrained_model_name_or_path or "").name,
         tag_frequency=data.train.tag_frequencies, dataset_dirs=data.train.dataset_dirs(),
         training_comment=config.training_comment,
