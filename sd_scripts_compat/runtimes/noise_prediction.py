@@ -69,7 +69,7 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, timesteps: t
     loss = loss * loss_weights
     if settings.min_snr_gamma:
         alpha_bar = alphas_cumprod.to(timesteps.device)[timesteps]
-        snr = alpha_bar / (1.0 - alpha_bar)
+        snr = (alpha_bar.sqrt() / (1.0 - alpha_bar).sqrt()) ** 2  # sd-scripts' all_snr, to the bit (not a / (1 - a))
         clipped = snr.clamp(max=settings.min_snr_gamma)
         loss = loss * (clipped / (snr + 1.0) if settings.v_parameterization else clipped / snr)
     return loss
