@@ -1,0 +1,76 @@
+"""Our LoRA files' metadata against what sd-scripts itself wrote for the same options (issue 52, item 5).
+
+``fixtures/sd_scripts_run_metadata.json`` was recorded by ``bench/equivalence.py --record`` from real sd-scripts runs
+(its commit is in each entry): a random-weight full-size model file, a one-image dataset, each case's config.toml.
+Here our engine trains the family's tiny twin, saved under the same file name, on the same one-image dataset with
+the same config, and every ``ss_*`` and ``modelspec.*`` key must equal the recorded one, but for what depends on
+the run or on the model file's bytes rather than the options (times, session id, hashes) and the one value we
+write on purpose (``ss_sd_scripts_commit_hash``: sd-scripts writes its git commit, we name this engine).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import toml
+
+RECORDED = json.loads((Path(__file__).parent / "fixtures" / "sd_scripts_run_metadata.json").read_text())
+TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl"}
+NOT_FROM_OPTIONS = {"ss_training_started_at", "ss_training_finished_at", "ss_session_id", "modelspec.date",
+                    "sshs_model_hash", "sshs_legacy_hash", "ss_sd_model_hash", "ss_new_sd_model_hash",
+                    "modelspec.implementation_version"}
+OURS_ON_PURPOSE = {"ss_sd_scripts_commit_hash"}
+CAPTION = "a photo of sks dog"
+
+
+def _work(root: Path, family: str) -> None:
+    """The recorded run's folder layout: the model file under its recorded name, the one-image dataset."""
+    from PIL import Image
+
+    from sd_scripts_compat.facts.families import get_family
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.models.single_file import save_single_file
+
+    save_single_file(build_modules(get_family(TINY[family]), seed=0), root / f"{family}-random.safetensors")
+    folder = root / "dataset" / "1_sks dog"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (64, 64), (120, 80, 40)).save(folder / "img.png")
+    (folder / "img.txt").write_text(CAPTION, encoding="utf-8")
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as file:
+        return dict(file.metadata() or {})
+
+
+def test_the_recording_covers_sd15_and_sdxl_with_six_option_sets():
+    assert len(RECORDED) >= 6 and {entry["family"] for entry in RECORDED.values()} >= {"sd15", "sdxl"}
+    for entry in RECORDED.values():
+        assert entry["sd_scripts_commit"] != "unknown" and len(entry["metadata"]) > 60
+
+
+@pytest.mark.parametrize("case", sorted(RECORDED))
+def test_our_metadata_equals_what_sd_scripts_wrote_for_the_same_options(case, tmp_path):
+    entry = RECORDED[case]
+    _work(tmp_path, entry["family"])
+    config = {key: value.replace("<work>", str(tmp_path)) if isinstance(value, str) else value
+              for key, value in entry["config"].items() if key != "network_weights"}  # its keys are full-size
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(toml.dumps(config), encoding="utf-8")
+    out = tmp_path / case / "ours"
+    done = subprocess.run([sys.executable, "-m", f"sd_scripts_compat.{entry['script']}", "--config_file",
+                           str(config_file), "--output_dir", str(out)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = {key: value.replace(str(tmp_path), "<work>") for key, value in _metadata(out / "lora.safetensors").items()}
+    theirs = entry["metadata"]
+    compared = sorted((set(ours) | set(theirs)) - NOT_FROM_OPTIONS - OURS_ON_PURPOSE)
+    differing = {key: (ours.get(key), theirs.get(key)) for key in compared if ours.get(key) != theirs.get(key)}
+    assert not differing, differing
+    assert len(compared) > 60 and all(key in ours for key in OURS_ON_PURPOSE)
