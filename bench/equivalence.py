@@ -71,7 +71,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
 NOT_RUN = {
     "flux1": "sd-scripts builds FLUX.1's T5-XXL at full size from a fixed config (4.7 B parameters, 19 GB in fp32 "
              "beside the transformer); no smaller T5 can be given to it without a seam into its model code",
-    "sd3.5": "the same T5-XXL (sd3_utils.load_t5xxl, fixed config), and our engine does not load SD3.5 files yet",
+    "sd3.5": "the same T5-XXL (sd3_utils.load_t5xxl, fixed config)",
 }
 IGNORED_METADATA = {"ss_training_started_at", "ss_training_finished_at", "ss_session_id", "modelspec.date",
                     "sshs_model_hash", "sshs_legacy_hash", "modelspec.implementation_version"}
