@@ -115,6 +115,15 @@ if side == "sd-scripts":  # seam: sd-scripts' own noising, its two random draws 
 else:
     from sd_scripts_compat.runtimes import noise_prediction
     noise_prediction.sample_noise_and_timesteps = lambda latents, settings, generator: forced(latents)
+    if os.environ.get("EQ_SDXL_PROJECTION") == "sd-scripts":  # --sdxl-projection sd-scripts: CLIP-G's as it loads it
+        from sd_scripts_compat.models import single_file
+        convert_open_clip = single_file._convert_open_clip
+        def untransposed(*args, **kwargs):
+            state = convert_open_clip(*args, **kwargs)
+            if "text_projection.weight" in state:
+                state["text_projection.weight"] = state["text_projection.weight"].T.contiguous()
+            return state
+        single_file._convert_open_clip = untransposed
 autograd_backward = torch.autograd.backward
 def backward(tensors, *args, **kwargs):
     if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
@@ -142,6 +151,14 @@ def text_encoder_output(module, args, output):  # each text encoder's first outp
         text_outputs[name] = output[0].detach().float().cpu().clone()
         save_file(text_outputs, os.path.join(out, "text-0.safetensors"))
 torch.nn.modules.module.register_module_forward_hook(text_encoder_output)
+probed, probe_widths = {}, {int(w) for w in os.environ.get("EQ_PROBE", "").split(",") if w}
+def probe(module, args):  # --probe: the first input of the first Linear of each listed input width
+    width = getattr(module, "in_features", None)
+    if width in probe_widths and f"in{width}" not in probed and args and isinstance(args[0], torch.Tensor):
+        probed[f"in{width}"] = args[0].detach().float().cpu().clone()
+        save_file(probed, os.path.join(out, "probes-0.safetensors"))
+if probe_widths:
+    torch.nn.modules.module.register_module_forward_pre_hook(probe)
 register_optimizer_step_post_hook(after_step)
 def dump():
     with open(os.path.join(out, "losses.json"), "w") as f:
@@ -243,7 +260,7 @@ def write_config(case: str, work: Path, steps: int, resolution: int, unfused: bo
 
 
 def run_side(side: str, case: str, work: Path, install: dict[str, str], tokenizers: Path, seed: int,
-             threads: int) -> Path:
+             threads: int, probe: str = "", projection: str = "file") -> Path:
     """One engine's run of ``case`` under the launcher; its folder (LoRA, losses, per-step gradients and weights)."""
     script = CASES[case][1]
     out = work / case / side
@@ -257,7 +274,8 @@ def run_side(side: str, case: str, work: Path, install: dict[str, str], tokenize
         command, cwd = [sys.executable, "-c", LAUNCHER, f"sd_scripts_compat.{script}"], ROOT
     command += ["--config_file", str(work / case / "config.toml"), "--output_dir", str(out)]
     env = {**os.environ, "EQ_OUT": str(out), "EQ_SIDE": side, "EQ_SEED": str(seed), "HF_HUB_OFFLINE": "1",
-           "EQ_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+           "EQ_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "EQ_PROBE": probe,
+           "EQ_SDXL_PROJECTION": projection,
            "EQ_INIT": str(work / case / "initial.safetensors")}
     with open(out / "log.txt", "w", encoding="utf-8") as log:
         done = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -330,6 +348,22 @@ def print_case(case: str, rows: list[dict], equal_keys: int, differing: list) ->
         print(f"- `{key}`: ours {shorten(ours)}, sd-scripts {shorten(theirs)}")
 
 
+def print_probes(ours: Path, theirs: Path) -> None:
+    from safetensors.torch import load_file
+
+    if not all((side / "probes-0.safetensors").is_file() for side in (ours, theirs)):
+        return
+    a, b = (load_file(side / "probes-0.safetensors") for side in (ours, theirs))
+    for key in sorted(set(a) | set(b)):
+        if key not in a or key not in b or a[key].shape != b[key].shape:
+            print(f"- probe {key}: ours {tuple(a[key].shape) if key in a else None}, "
+                  f"sd-scripts {tuple(b[key].shape) if key in b else None}")
+            continue
+        difference = (a[key] - b[key]).abs()
+        print(f"- probe {key}: largest difference {float(difference.max()):.3g} of {float(b[key].abs().max()):.3g}, "
+              f"{int((difference > 0).sum())} of {difference.numel()} values differ")
+
+
 def shorten(value: str | None, limit: int = 160) -> str:
     if value is None:
         return "(not written)"
@@ -371,6 +405,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per run (default 1: with more, CPU reductions are split by thread and a "
                              "run does not repeat its own gradients bit for bit)")
+    parser.add_argument("--probe", default="", metavar="WIDTHS",
+                        help="compare the first input of the first Linear of each input width (e.g. 2816,320,2048: "
+                             "SDXL's vector, time and context inputs): where a difference enters")
+    parser.add_argument("--sdxl-projection", choices=("file", "sd-scripts"), default="file",
+                        help="CLIP-G's text_projection in our engine: as the SDXL file means it (default; diffusers, "
+                             "ComfyUI and SGM's x @ P) or as sd-scripts loads it (untransposed: x @ P.T)")
     parser.add_argument("--unfused", action="store_true", help="our AdamW unfused too (fused=False to both)")
     parser.add_argument("--work", help="keep the model files and runs here (default: a temporary folder)")
     parser.add_argument("--record", help="write sd-scripts' metadata per case to this JSON file")
@@ -401,9 +441,11 @@ def main() -> int:
         tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
         write_config(case, work, args.steps, args.resolution, args.unfused)
         write_initial_lora(family_name, options, work / case / "initial.safetensors")
-        ours = run_side("ours", case, work, install, tokenizers, args.seed, args.threads)
-        theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads)
+        ours = run_side("ours", case, work, install, tokenizers, args.seed, args.threads, args.probe,
+                        args.sdxl_projection)
+        theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads, args.probe)
         print_case(case, compare_steps(ours, theirs), *compare_metadata(ours, theirs))
+        print_probes(ours, theirs)
         sys.stdout.flush()
     for case, reason in NOT_RUN.items():
         print(f"\n{case}: not run: {reason}")
