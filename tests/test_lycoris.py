@@ -50,7 +50,8 @@ def test_tiny_sd15_trains_each_algorithm_with_a_falling_held_out_loss(tmp_path, 
     weights, metadata = read_lora_file(path, lycoris=True)
     assert {key.split(".", 1)[1] for key in weights} <= SUFFIXES[algo]
     assert metadata["ss_network_module"] == "lycoris.kohya"
-    assert json.loads(metadata["ss_network_args"]) == {"algo": algo, "factor": "4"}
+    # sd-scripts adds its network_dropout as "dropout" (its LyCORIS workaround) to the entries it writes
+    assert json.loads(metadata["ss_network_args"]) == {"algo": algo, "factor": "4", "dropout": None}
     assert all(key.startswith("lora_unet_") for key in weights)
     moved = [key for key, value in weights.items() if not key.endswith("alpha") and value.abs().sum() > 0]
     assert moved
