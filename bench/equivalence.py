@@ -63,7 +63,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "network_module": "networks.lora", "network_train_unet_only": True, "enable_bucket": True,
         "min_bucket_reso": 64, "max_bucket_reso": 128, "bucket_reso_steps": 64, "min_snr_gamma": 5,
         "shuffle_caption": True, "keep_tokens": 1, "lr_scheduler": "cosine", "lr_warmup_steps": 1,
-        "max_grad_norm": 0.5, "training_comment": "equivalence"}),
+        "max_grad_norm": 0.5, "training_comment": "equivalence", "save_every_n_steps": 2}),
     "sdxl-lora": ("sdxl", "sdxl_train_network", {"network_module": "networks.lora", "network_train_unet_only": True}),
     "sdxl-lora-te": ("sdxl", "sdxl_train_network", {"network_module": "networks.lora", "text_encoder_lr": 5e-4}),
 }
@@ -377,12 +377,16 @@ def record(cases: list[str], work: Path, destination: Path) -> None:
     recorded = {}
     for case in cases:
         family_name, script, _ = CASES[case]
-        written = metadata(work / case / "sd-scripts" / "lora.safetensors")
+        folder = work / case / "sd-scripts"
+        written = metadata(folder / "lora.safetensors")
+        saves = {path.name: metadata(path) for path in sorted(folder.glob("lora-*.safetensors"))}  # step / epoch
         config = toml.loads((work / case / "config.toml").read_text(encoding="utf-8"))
         recorded[case] = {"family": family_name, "script": script, "sd_scripts_commit": sd_scripts_commit(),
                           "config": {key: value.replace(str(work), "<work>") if isinstance(value, str) else value
                                      for key, value in config.items()},
-                          "metadata": {key: value.replace(str(work), "<work>") for key, value in written.items()}}
+                          "metadata": {key: value.replace(str(work), "<work>") for key, value in written.items()},
+                          "saves": {name: {key: value.replace(str(work), "<work>") for key, value in saved.items()}
+                                    for name, saved in saves.items()}}
     destination.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 

@@ -3,7 +3,8 @@
 ``fixtures/sd_scripts_run_metadata.json`` was recorded by ``bench/equivalence.py --record`` from real sd-scripts runs
 (its commit is in each entry): a random-weight full-size model file, a one-image dataset, each case's config.toml.
 Here our engine trains the family's tiny twin, saved under the same file name, on the same one-image dataset with
-the same config, and every ``ss_*`` and ``modelspec.*`` key must equal the recorded one, but for what depends on
+the same config, and every ``ss_*`` and ``modelspec.*`` key of the final file and of each step save must equal the
+recorded one, but for what depends on
 the run or on the model file's bytes rather than the options (times, session id, hashes) and the one value we
 write on purpose (``ss_sd_scripts_commit_hash``: sd-scripts writes its git commit, we name this engine).
 """
@@ -68,9 +69,15 @@ def test_our_metadata_equals_what_sd_scripts_wrote_for_the_same_options(case, tm
                            str(config_file), "--output_dir", str(out)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    ours = {key: value.replace(str(tmp_path), "<work>") for key, value in _metadata(out / "lora.safetensors").items()}
-    theirs = entry["metadata"]
-    compared = sorted((set(ours) | set(theirs)) - NOT_FROM_OPTIONS - OURS_ON_PURPOSE)
-    differing = {key: (ours.get(key), theirs.get(key)) for key in compared if ours.get(key) != theirs.get(key)}
-    assert not differing, differing
-    assert len(compared) > 60 and all(key in ours for key in OURS_ON_PURPOSE)
+    assert sorted(path.name for path in out.glob("lora-*.safetensors")) == sorted(entry["saves"])
+    for name, theirs in [("lora.safetensors", entry["metadata"]), *entry["saves"].items()]:
+        ours = {key: value.replace(str(tmp_path), "<work>") for key, value in _metadata(out / name).items()}
+        compared = sorted((set(ours) | set(theirs)) - NOT_FROM_OPTIONS - OURS_ON_PURPOSE)
+        differing = {key: (ours.get(key), theirs.get(key)) for key in compared if ours.get(key) != theirs.get(key)}
+        assert not differing, (name, differing)
+        assert len(compared) > 60 and set(ours) >= OURS_ON_PURPOSE | {"ss_training_finished_at"}
+
+
+def test_the_recording_has_a_step_save():  # sd-scripts names it after the run and stamps its finish time
+    saves = [saved for entry in RECORDED.values() for saved in entry["saves"].values()]
+    assert saves and all(saved["ss_output_name"] == "lora" and "ss_training_finished_at" in saved for saved in saves)

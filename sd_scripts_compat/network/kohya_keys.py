@@ -2,8 +2,9 @@
 beside those :func:`~sd_scripts_compat.network.lora_file.build_metadata` writes from the run's own figures.
 
 sd-scripts writes ``str(value)`` of each: an option as argparse holds it after its checks (``None``, ``0.0``,
-``l2``, a ``(w, h)`` tuple; a TOML integer for a float option stays an integer, ``5`` not ``5.0``, since sd-scripts
-puts TOML values into its args unconverted), a flag as ``str(bool(...))``. Which option drives which key (``OPTION_KEYS``):
+``l2``, a ``(w, h)`` tuple; a TOML integer for a float option stays an integer, ``5`` not ``5.0``, since
+sd-scripts puts TOML values into its args unconverted), a flag as ``str(bool(...))``. Which option drives which
+key (``OPTION_KEYS``):
 
 | key | option | written as |
 | --- | --- | --- |

@@ -128,10 +128,11 @@ class Checkpointer:
         if self.guard is not None:
             self.guard.before_save()
         # the final file's ss_epoch is the epochs trained (sd-scripts writes num_train_epochs), an intermediate
-        # one's the epochs completed (at a step save mid-epoch, sd-scripts' 0-based epoch)
+        # one's the epochs completed (at a step save mid-epoch, sd-scripts' 0-based epoch). Every save keeps the
+        # run's output_name (ss_output_name, modelspec.title) and stamps ss_training_finished_at, as sd-scripts'
+        # save_model does, whatever the file is called
         epoch = counters.epochs_begun if final else counters.epoch
-        facts = replace(self.facts, output_name=path.stem, epoch=epoch, steps=counters.global_step,
-                        training_finished_at=time.time() if final else None)
+        facts = replace(self.facts, epoch=epoch, steps=counters.global_step, training_finished_at=time.time())
         save_lora_file(path, self.network.kohya_state_dict(), build_metadata(self.family, facts),
                        save_dtype=self.save_dtype)
 
