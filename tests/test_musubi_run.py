@@ -229,3 +229,42 @@ def test_without_the_save_log_line_states_and_the_stop_still_follow_the_steps(tm
     (final,) = [p for p in out.glob("*.safetensors") if "-from" not in p.name]
     with safe_open(str(final), framework="pt") as handle:
         assert handle.metadata()["ss_steps"] == handle.metadata()["fake_updates"] == "24"
+
+
+def _musubi_hashes(tensors: dict, metadata: dict[str, str]) -> tuple[str, str]:
+    """musubi-tuner's precalculate_safetensors_hashes, written out here from its model_utils (30c658c): the sha256
+    of the tensor data, and of the 64 KiB at 1 MiB, of a buffer holding the tensors and the ss_* keys only."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    buffer = save(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")})
+    header = int.from_bytes(buffer[:8], "little")
+    return (hashlib.sha256(buffer[8 + header:]).hexdigest(),
+            hashlib.sha256(buffer[0x100000:0x110000]).hexdigest()[:8])
+
+
+def test_a_resumed_attempts_lora_is_relabelled_as_one_run_would_have_written_it(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from autotune.recovery.musubi import relabel_steps
+
+    tensors = {"lora_unet_x.lora_down.weight": torch.arange(600 * 600, dtype=torch.float32).reshape(600, 600)}
+    written = {"ss_steps": "12", "ss_output_name": "lora-from00000012", "modelspec.title": "lora-from00000012",
+               "ss_network_dim": "4"}
+    written["sshs_model_hash"], written["sshs_legacy_hash"] = _musubi_hashes(tensors, written)
+    source = tmp_path / "lora-from00000012-step00000012.safetensors"
+    save_file(tensors, str(source), metadata=written)
+    relabel_steps(source, tmp_path / "lora.safetensors", 24)
+    with safe_open(str(tmp_path / "lora.safetensors"), framework="pt") as handle:
+        metadata = handle.metadata()
+        assert torch.equal(handle.get_tensor("lora_unet_x.lora_down.weight"), tensors["lora_unet_x.lora_down.weight"])
+    assert (metadata["ss_steps"], metadata["ss_output_name"], metadata["modelspec.title"]) == ("24", "lora", "lora")
+    assert (metadata["sshs_model_hash"], metadata["sshs_legacy_hash"]) == _musubi_hashes(tensors, metadata)
+    assert metadata["sshs_legacy_hash"] != written["sshs_legacy_hash"]  # the ss_* keys changed, so did that hash
+    written["modelspec.title"] = "my title"  # a title the user gave (metadata_title) stays
+    save_file(tensors, str(source), metadata=written)
+    relabel_steps(source, tmp_path / "lora.safetensors", 24)
+    with safe_open(str(tmp_path / "lora.safetensors"), framework="pt") as handle:
+        assert handle.metadata()["modelspec.title"] == "my title"

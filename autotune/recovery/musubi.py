@@ -422,15 +422,32 @@ class MusubiEngine(ChildHooks):
 
 
 def relabel_steps(source: Path, final: Path, steps: int) -> None:
-    """``source`` written to ``final`` with ``ss_steps`` the true step count (musubi writes its own, which restarts
-    at every launch); the tensors unchanged."""
+    """``source`` written to ``final`` as one uninterrupted run would have written it: ``ss_steps`` the true step
+    count (musubi writes its own, which restarts at every launch), the run's name where musubi wrote the attempt's
+    (``ss_output_name``, and ``modelspec.title`` unless the user titled it), and the hashes musubi precalculates
+    from the tensors and ``ss_*`` keys computed again for those keys; the tensors unchanged."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
+
+    from sd_scripts_compat.facts.hashes import legacy_hash
+    from sd_scripts_compat.network.lora_file import model_hash
 
     with safe_open(str(source), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - safe_open has no iteration
+    attempt, name = _attempt_name(source), final.stem
     metadata["ss_steps"] = str(steps)
+    for key in ("ss_output_name", "modelspec.title"):
+        if metadata.get(key) == attempt:
+            metadata[key] = name
+    if "sshs_model_hash" in metadata or "sshs_legacy_hash" in metadata:  # musubi's precalculate_safetensors_hashes
+        hashed = save(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")} or None)
+        metadata.update(sshs_model_hash=model_hash(hashed), sshs_legacy_hash=legacy_hash(hashed))
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, final)
+
+
+def _attempt_name(source: Path) -> str:
+    """The output_name musubi trained the attempt under: the file's stem without its ``-stepNNNNNNNN`` suffix."""
+    return re.sub(r"-step\d{8}$", "", source.stem)
