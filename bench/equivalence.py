@@ -66,13 +66,25 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "max_grad_norm": 0.5, "training_comment": "equivalence", "save_every_n_steps": 2}),
     "sdxl-lora": ("sdxl", "sdxl_train_network", {"network_module": "networks.lora", "network_train_unet_only": True}),
     "sdxl-lora-te": ("sdxl", "sdxl_train_network", {"network_module": "networks.lora", "text_encoder_lr": 5e-4}),
+    "flux1-lora": ("flux-dev", "flux_train_network", {
+        "network_module": "networks.lora_flux", "network_train_unet_only": True, "cache_text_encoder_outputs": True,
+        "timestep_sampling": "shift", "discrete_flow_shift": 3.1582, "model_prediction_type": "raw",
+        "guidance_scale": 1.0, "t5xxl_max_token_length": 16, "apply_t5_attn_mask": True}),
+}
+# Cases run by sd-scripts alone, for their metadata (--record), and why ours does not run them.
+RECORD_ONLY = {
+    "flux1-lora": "FLUX.1 at full width with 1 double and 1 single block and a 1-layer T5-XXL (sd-scripts reads the "
+                  "block counts from the file; its T5 config is fixed, so a seam gives it num_layers 1): our engine "
+                  "builds a FLUX.1 file at its family's full depth and does not load this one",
 }
 # Cases the issue names that this script does not run, and why (printed with the table).
 NOT_RUN = {
-    "flux1": "sd-scripts builds FLUX.1's T5-XXL at full size from a fixed config (4.7 B parameters, 19 GB in fp32 "
-             "beside the transformer); no smaller T5 can be given to it without a seam into its model code",
+    "flux1 step by step": "sd-scripts builds FLUX.1's T5-XXL at full size from a fixed config (4.7 B parameters, "
+                          "19 GB in fp32 beside the transformer), and our engine loads no FLUX.1 file of fewer "
+                          "blocks than the family's",
     "sd3.5": "the same T5-XXL (sd3_utils.load_t5xxl, fixed config)",
 }
+FLUX_REDUCED = {"num_layers": 1, "num_single_layers": 1}  # double and single blocks
 IGNORED_METADATA = {"ss_training_started_at", "ss_training_finished_at", "ss_session_id", "modelspec.date",
                     "sshs_model_hash", "sshs_legacy_hash", "modelspec.implementation_version"}
 
@@ -86,7 +98,7 @@ torch.set_num_threads(int(os.environ["EQ_THREADS"]))  # CPU kernels split reduct
 def fingerprint(tensor):
     return tuple(tensor.shape), hashlib.sha1(tensor.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 unnamed_keys = {}
-for key, value in load_file(os.environ["EQ_INIT"]).items():
+for key, value in (load_file(os.environ["EQ_INIT"]) if os.path.isfile(os.environ["EQ_INIT"]) else {}).items():
     if not key.endswith(".alpha"):
         unnamed_keys.setdefault(fingerprint(value), []).append(key)
 draws, losses, names, steps = [0], [], {}, [0]
@@ -112,6 +124,10 @@ if side == "sd-scripts":  # seam: sd-scripts' own noising, its two random draws 
         finally:
             torch.randn_like, train_util.get_timesteps = randn_like, draw_timesteps
     train_util.get_noise_noisy_latents_and_timesteps = noised
+    if os.environ.get("EQ_T5_LAYERS"):  # seam: FLUX.1's T5-XXL config with fewer layers (its file holds that many)
+        from library import flux_utils
+        t5_config = flux_utils.T5Config
+        flux_utils.T5Config = lambda **kw: t5_config(**{**kw, "num_layers": int(os.environ["EQ_T5_LAYERS"])})
 else:
     from sd_scripts_compat.runtimes import noise_prediction
     noise_prediction.sample_noise_and_timesteps = lambda latents, settings, generator: forced(latents)
@@ -179,6 +195,8 @@ def write_model(family_name: str, path: Path) -> Path:
     child process: a full SDXL is 10 GB in fp32 while it is built, which this process would keep from the runs."""
     if path.is_file():
         return path
+    if family_name == "flux-dev":
+        return write_flux_files(path)
     code = ("import sys, torch\n"
             "from sd_scripts_compat.facts.families import get_family\n"
             "from sd_scripts_compat.models.build import build_modules\n"
@@ -186,6 +204,23 @@ def write_model(family_name: str, path: Path) -> Path:
             "save_single_file(build_modules(get_family(sys.argv[1]), seed=0), sys.argv[2], dtype=torch.float16)\n")
     subprocess.run([sys.executable, "-c", code, family_name, str(path)], cwd=ROOT, check=True)
     return path
+
+
+def write_flux_files(folder: Path) -> Path:
+    """FLUX.1 dev as sd-scripts' four files, random weights: the transformer at full width with FLUX_REDUCED's
+    blocks, CLIP-L and the AE at full size, T5-XXL at full width with one layer (fp16; a child process)."""
+    code = ("import dataclasses, sys, torch\n"
+            "from sd_scripts_compat.facts.families import get_family\n"
+            "from sd_scripts_compat.models.build import build_modules\n"
+            "from sd_scripts_compat.models.flux_files import save_flux_files\n"
+            "spec = get_family('flux-dev')\n"
+            "encoders = tuple(dataclasses.replace(te, config={**te.config, 'num_layers': 1})\n"
+            "                 if te.file_option == 't5xxl' else te for te in spec.text_encoders)\n"
+            f"spec = dataclasses.replace(spec, unet={{**spec.unet, **{FLUX_REDUCED!r}}}, text_encoders=encoders)\n"
+            "save_flux_files(build_modules(spec, seed=0), sys.argv[1], dtype=torch.float16)\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", code, str(folder)], cwd=ROOT, check=True)
+    return folder
 
 
 def write_dataset(work: Path, resolution: int) -> Path:
@@ -250,6 +285,11 @@ def write_config(case: str, work: Path, steps: int, resolution: int, unfused: bo
     values = {**COMMON, **options, "pretrained_model_name_or_path": str(work / f"{family_name}-random.safetensors"),
               "train_data_dir": str(work / "dataset"), "resolution": f"{resolution},{resolution}",
               "max_train_steps": steps, "network_weights": str(folder / "initial.safetensors")}
+    if family_name == "flux-dev":  # its four files; started from no LoRA (record only)
+        files = work / f"{family_name}-random.safetensors"
+        values.update(pretrained_model_name_or_path=str(files / "flux1.safetensors"),
+                      **{option: str(files / f"{option}.safetensors") for option in ("clip_l", "t5xxl", "ae")})
+        del values["network_weights"]
     if unfused:
         values["optimizer_args"] = ["fused=False"]
     config = folder / "config.toml"
@@ -275,7 +315,7 @@ def run_side(side: str, case: str, work: Path, install: dict[str, str], tokenize
     command += ["--config_file", str(work / case / "config.toml"), "--output_dir", str(out)]
     env = {**os.environ, "EQ_OUT": str(out), "EQ_SIDE": side, "EQ_SEED": str(seed), "HF_HUB_OFFLINE": "1",
            "EQ_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "EQ_PROBE": probe,
-           "EQ_SDXL_PROJECTION": projection,
+           "EQ_SDXL_PROJECTION": projection, "EQ_T5_LAYERS": "1" if case in RECORD_ONLY else "",
            "EQ_INIT": str(work / case / "initial.safetensors")}
     with open(out / "log.txt", "w", encoding="utf-8") as log:
         done = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -390,6 +430,32 @@ def record(cases: list[str], work: Path, destination: Path) -> None:
     destination.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def run_case(case: str, work: Path, install: dict[str, str], args: argparse.Namespace) -> None:
+    """Both engines on one case and their table; sd-scripts alone on a RECORD_ONLY case (its metadata)."""
+    from autotune.recovery.sd_scripts import tokenizer_cache
+    from sd_scripts_compat.facts.families import get_family
+    from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR
+
+    family_name, _, options = CASES[case]
+    family = get_family(family_name)
+    write_model(family_name, work / f"{family_name}-random.safetensors")
+    write_config(case, work, args.steps, args.resolution, args.unfused)
+    if case in RECORD_ONLY:  # FLUX.1: sd-scripts' CLIP-L and T5 hub names are SD3's first and third
+        tokenizers = tokenizer_cache(work, "sd3", ("<|endoftext|>",), t5=TINY_T5_TOKENIZER_DIR)
+        run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads)
+        written = metadata(work / case / "sd-scripts" / "lora.safetensors")
+        print(f"\n### {case}\n\nsd-scripts alone, for its metadata ({len(written)} keys): {RECORD_ONLY[case]}")
+        return
+    pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders)
+    tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
+    write_initial_lora(family_name, options, work / case / "initial.safetensors")
+    ours = run_side("ours", case, work, install, tokenizers, args.seed, args.threads, args.probe,
+                    args.sdxl_projection)
+    theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads, args.probe)
+    print_case(case, compare_steps(ours, theirs), *compare_metadata(ours, theirs))
+    print_probes(ours, theirs)
+
+
 def sd_scripts_commit() -> str:
     """The checkout's commit where it is a git work tree (``LORA_AUTOTUNE_SD_SCRIPTS_COMMIT`` names it otherwise)."""
     named = os.environ.get("LORA_AUTOTUNE_SD_SCRIPTS_COMMIT")
@@ -428,8 +494,7 @@ def main() -> int:
         print(f"{SCRIPTS_ENV} is not set: point it at an sd-scripts checkout (and {PYTHON_ENV} at its Python); "
               "nothing was run", file=sys.stderr)
         return 0
-    from autotune.recovery.sd_scripts import find_install, tokenizer_cache
-    from sd_scripts_compat.facts.families import get_family
+    from autotune.recovery.sd_scripts import find_install
 
     found = find_install(Path(scripts).expanduser(), os.environ.get(PYTHON_ENV))
     install = {"scripts": str(found.scripts_dir), "python": str(found.python)}
@@ -438,18 +503,7 @@ def main() -> int:
     print(f"{args.steps} steps at {args.resolution} px, fp32, batch 1, {'unfused' if args.unfused else 'our fused'} "
           f"AdamW, {args.threads} thread(s); work folder {work}", file=sys.stderr)
     for case in cases:
-        family_name, _, options = CASES[case]
-        family = get_family(family_name)
-        write_model(family_name, work / f"{family_name}-random.safetensors")
-        pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders)
-        tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
-        write_config(case, work, args.steps, args.resolution, args.unfused)
-        write_initial_lora(family_name, options, work / case / "initial.safetensors")
-        ours = run_side("ours", case, work, install, tokenizers, args.seed, args.threads, args.probe,
-                        args.sdxl_projection)
-        theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads, args.probe)
-        print_case(case, compare_steps(ours, theirs), *compare_metadata(ours, theirs))
-        print_probes(ours, theirs)
+        run_case(case, work, install, args)
         sys.stdout.flush()
     for case, reason in NOT_RUN.items():
         print(f"\n{case}: not run: {reason}")
