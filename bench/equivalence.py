@@ -70,21 +70,32 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "network_module": "networks.lora_flux", "network_train_unet_only": True, "cache_text_encoder_outputs": True,
         "timestep_sampling": "shift", "discrete_flow_shift": 3.1582, "model_prediction_type": "raw",
         "guidance_scale": 1.0, "t5xxl_max_token_length": 16, "apply_t5_attn_mask": True}),
+    "sd35-lora": ("sd3.5-medium", "sd3_train_network", {
+        "network_module": "networks.lora_sd3", "network_train_unet_only": True, "cache_text_encoder_outputs": True,
+        "training_shift": 3.0, "weighting_scheme": "uniform", "t5xxl_max_token_length": 16,
+        "apply_lg_attn_mask": True, "apply_t5_attn_mask": True}),
 }
 # Cases run by sd-scripts alone, for their metadata (--record), and why ours does not run them.
 RECORD_ONLY = {
     "flux1-lora": "FLUX.1 at full width with 1 double and 1 single block and a 1-layer T5-XXL (sd-scripts reads the "
                   "block counts from the file; its T5 config is fixed, so a seam gives it num_layers 1): our engine "
                   "builds a FLUX.1 file at its family's full depth and does not load this one",
+    "sd35-lora": "SD3.5 Medium's layout at depth 2 (sd-scripts sizes the MMDiT from the file: 64 x depth wide, one "
+                 "MMDiT-X block) with full-size CLIP-L / CLIP-G and a 1-layer T5-XXL (the same seam) beside it: "
+                 "our engine builds SD3.5 Medium at its family's full depth and does not load this one",
 }
+# the reduced transformer and the T5 layers of the record-only families
+REDUCED = {"flux-dev": {"num_layers": 1, "num_single_layers": 1},
+           "sd3.5-medium": {"num_layers": 2, "num_attention_heads": 2, "caption_projection_dim": 128,
+                            "dual_attention_layers": [0]}}
 # Cases the issue names that this script does not run, and why (printed with the table).
 NOT_RUN = {
     "flux1 step by step": "sd-scripts builds FLUX.1's T5-XXL at full size from a fixed config (4.7 B parameters, "
                           "19 GB in fp32 beside the transformer), and our engine loads no FLUX.1 file of fewer "
                           "blocks than the family's",
-    "sd3.5": "the same T5-XXL (sd3_utils.load_t5xxl, fixed config)",
+    "sd3.5 step by step": "the same T5-XXL (sd3_utils.load_t5xxl reads it with flux_utils' fixed config), and our "
+                          "engine loads no SD3.5 file of fewer blocks than the family's",
 }
-FLUX_REDUCED = {"num_layers": 1, "num_single_layers": 1}  # double and single blocks
 IGNORED_METADATA = {"ss_training_started_at", "ss_training_finished_at", "ss_session_id", "modelspec.date",
                     "sshs_model_hash", "sshs_legacy_hash", "modelspec.implementation_version"}
 
@@ -195,8 +206,8 @@ def write_model(family_name: str, path: Path) -> Path:
     child process: a full SDXL is 10 GB in fp32 while it is built, which this process would keep from the runs."""
     if path.is_file():
         return path
-    if family_name == "flux-dev":
-        return write_flux_files(path)
+    if family_name in REDUCED:
+        return write_reduced_files(family_name, path)
     code = ("import sys, torch\n"
             "from sd_scripts_compat.facts.families import get_family\n"
             "from sd_scripts_compat.models.build import build_modules\n"
@@ -206,20 +217,27 @@ def write_model(family_name: str, path: Path) -> Path:
     return path
 
 
-def write_flux_files(folder: Path) -> Path:
-    """FLUX.1 dev as sd-scripts' four files, random weights: the transformer at full width with FLUX_REDUCED's
-    blocks, CLIP-L and the AE at full size, T5-XXL at full width with one layer (fp16; a child process)."""
+def write_reduced_files(family_name: str, folder: Path) -> Path:
+    """A record-only family's files as sd-scripts reads them, random weights: the transformer at full width (SD3: 64
+    x depth) with REDUCED's blocks, CLIP and the VAE / AE at full size, T5-XXL at full width with one layer (fp16; a
+    child process). FLUX.1: its four files; SD3.5: the MMDiT and VAE file, clip_l, clip_g and t5xxl beside it."""
     code = ("import dataclasses, sys, torch\n"
             "from sd_scripts_compat.facts.families import get_family\n"
             "from sd_scripts_compat.models.build import build_modules\n"
             "from sd_scripts_compat.models.flux_files import save_flux_files\n"
-            "spec = get_family('flux-dev')\n"
+            "from sd_scripts_compat.models.sd3_files import save_sd3_files\n"
+            "spec = get_family(sys.argv[1])\n"
             "encoders = tuple(dataclasses.replace(te, config={**te.config, 'num_layers': 1})\n"
             "                 if te.file_option == 't5xxl' else te for te in spec.text_encoders)\n"
-            f"spec = dataclasses.replace(spec, unet={{**spec.unet, **{FLUX_REDUCED!r}}}, text_encoders=encoders)\n"
-            "save_flux_files(build_modules(spec, seed=0), sys.argv[1], dtype=torch.float16)\n")
+            f"spec = dataclasses.replace(spec, unet={{**spec.unet, **{REDUCED!r}[sys.argv[1]]}}, "
+            "text_encoders=encoders)\n"
+            "bundle = build_modules(spec, seed=0)\n"
+            "if sys.argv[1] == 'flux-dev':\n"
+            "    save_flux_files(bundle, sys.argv[2], dtype=torch.float16)\n"
+            "else:  # sd-scripts reads no text encoder inside an SD3 file under ComfyUI's transformer. names\n"
+            "    save_sd3_files(bundle, sys.argv[2], text_encoders_inside=False, dtype=torch.float16)\n")
     folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-c", code, str(folder)], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code, family_name, str(folder)], cwd=ROOT, check=True)
     return folder
 
 
@@ -285,10 +303,14 @@ def write_config(case: str, work: Path, steps: int, resolution: int, unfused: bo
     values = {**COMMON, **options, "pretrained_model_name_or_path": str(work / f"{family_name}-random.safetensors"),
               "train_data_dir": str(work / "dataset"), "resolution": f"{resolution},{resolution}",
               "max_train_steps": steps, "network_weights": str(folder / "initial.safetensors")}
+    files = work / f"{family_name}-random.safetensors"
     if family_name == "flux-dev":  # its four files; started from no LoRA (record only)
-        files = work / f"{family_name}-random.safetensors"
         values.update(pretrained_model_name_or_path=str(files / "flux1.safetensors"),
                       **{option: str(files / f"{option}.safetensors") for option in ("clip_l", "t5xxl", "ae")})
+    elif family_name == "sd3.5-medium":  # the model file, the text encoders beside it
+        values.update(pretrained_model_name_or_path=str(files / f"{family_name}.safetensors"),
+                      **{option: str(files / f"{option}.safetensors") for option in ("clip_l", "clip_g", "t5xxl")})
+    if case in RECORD_ONLY:
         del values["network_weights"]
     if unfused:
         values["optimizer_args"] = ["fused=False"]
@@ -440,8 +462,10 @@ def run_case(case: str, work: Path, install: dict[str, str], args: argparse.Name
     family = get_family(family_name)
     write_model(family_name, work / f"{family_name}-random.safetensors")
     write_config(case, work, args.steps, args.resolution, args.unfused)
-    if case in RECORD_ONLY:  # FLUX.1: sd-scripts' CLIP-L and T5 hub names are SD3's first and third
-        tokenizers = tokenizer_cache(work, "sd3", ("<|endoftext|>",), t5=TINY_T5_TOKENIZER_DIR)
+    if case in RECORD_ONLY:  # sd-scripts' CLIP-L and T5 hub names for FLUX.1 are SD3's first and third
+        pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders
+                     if te.file_option != "t5xxl")
+        tokenizers = tokenizer_cache(work, "sd3", pads, t5=TINY_T5_TOKENIZER_DIR)
         run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads)
         written = metadata(work / case / "sd-scripts" / "lora.safetensors")
         print(f"\n### {case}\n\nsd-scripts alone, for its metadata ({len(written)} keys): {RECORD_ONLY[case]}")

@@ -1,8 +1,9 @@
 """Our LoRA files' metadata against what sd-scripts itself wrote for the same options (issue 52, item 5).
 
 ``fixtures/sd_scripts_run_metadata.json`` was recorded by ``bench/equivalence.py --record`` from real sd-scripts runs
-(its commit is in each entry): a random-weight full-size model file (FLUX.1: at full width with one double and one
-single block and a one-layer T5-XXL), a one-image dataset, each case's config.toml.
+(its commit is in each entry): a random-weight full-size model file (FLUX.1 and SD3.5 Medium: their files with the
+transformer at full width and one or two blocks, and a one-layer T5-XXL), a one-image dataset, each case's
+config.toml.
 Here our engine trains the family's tiny twin, saved under the same file name, on the same one-image dataset with
 the same config, and every ``ss_*`` and ``modelspec.*`` key of the final file and of each step save must equal the
 recorded one, but for what depends on
@@ -22,7 +23,7 @@ import pytest
 import toml
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "sd_scripts_run_metadata.json").read_text())
-TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux"}
+TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux", "sd3.5-medium": "tiny-sd3"}
 NOT_FROM_OPTIONS = {"ss_training_started_at", "ss_training_finished_at", "ss_session_id", "modelspec.date",
                     "sshs_model_hash", "sshs_legacy_hash", "ss_sd_model_hash", "ss_new_sd_model_hash",
                     "modelspec.implementation_version"}
@@ -37,12 +38,17 @@ def _work(root: Path, family: str) -> None:
     from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.models.flux_files import save_flux_files
+    from sd_scripts_compat.models.sd3_files import save_sd3_files
     from sd_scripts_compat.models.single_file import save_single_file
     from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR
 
     bundle, name = build_modules(get_family(TINY[family]), seed=0), f"{family}-random.safetensors"
     if family == "flux-dev":  # sd-scripts' four files in a folder of that name, the T5 tokenizer beside them
         save_flux_files(bundle, root / name)
+        shutil.copytree(TINY_T5_TOKENIZER_DIR, root / name / "t5_tokenizer")
+    elif family == "sd3.5-medium":  # the model file under the recorded name, its text encoders beside it
+        written = save_sd3_files(bundle, root / name, text_encoders_inside=False)
+        written["pretrained_model_name_or_path"].rename(root / name / f"{family}.safetensors")
         shutil.copytree(TINY_T5_TOKENIZER_DIR, root / name / "t5_tokenizer")
     else:
         save_single_file(bundle, root / name)
@@ -59,8 +65,9 @@ def _metadata(path: Path) -> dict[str, str]:
         return dict(file.metadata() or {})
 
 
-def test_the_recording_covers_sd15_sdxl_and_flux_with_seven_option_sets():
-    assert len(RECORDED) >= 7 and {entry["family"] for entry in RECORDED.values()} >= {"sd15", "sdxl", "flux-dev"}
+def test_the_recording_covers_sd15_sdxl_flux_and_sd35_with_eight_option_sets():
+    families = {entry["family"] for entry in RECORDED.values()}
+    assert len(RECORDED) >= 8 and families >= {"sd15", "sdxl", "flux-dev", "sd3.5-medium"}
     for entry in RECORDED.values():
         assert entry["sd_scripts_commit"] != "unknown" and len(entry["metadata"]) > 60
 
