@@ -24,13 +24,22 @@ differs from a user's run (each is a few lines below, in ``LAUNCHER``):
 The table gives, per case and step, the two losses and their difference, and the largest gradient and weight
 difference over every LoRA tensor relative to the largest magnitude among them (0 = bit-identical; a tensor's own
 magnitude would not do: at a small resolution the mid-block's self-attention sees one token, and its q / k gradients
-are float noise around zero); then the metadata
-of the two LoRA files side by side: every ``ss_*`` and ``modelspec.*`` key either writes, equal or not, leaving out
-only times, session ids and the hashes of tensors that differ. ``--record FILE`` writes sd-scripts' metadata per
-case (paths made relative) for ``tests/test_sd_scripts_metadata.py``.
+are float noise around zero); then the metadata of the two LoRA files side by side: every ``ss_*`` and
+``modelspec.*`` key either writes, equal or not, leaving out only times, session ids and the hashes of tensors that
+differ. ``--record FILE`` writes sd-scripts' metadata per case (paths made relative, step saves included) for
+``tests/test_sd_scripts_metadata.py``.
 
-Our AdamW is fused by default and sd-scripts' torch AdamW is not: ``--unfused`` passes ``fused=False`` to ours too
-(weights then equal the bits where the gradients do).
+- ``--threads`` (default 1): with more, each engine's CPU reductions are split by thread and a run does not repeat
+  its own gradients bit for bit.
+- ``--unfused``: our AdamW is fused by default and sd-scripts' torch AdamW is not; this passes ``fused=False`` to
+  both (weights then equal the bits where the gradients do).
+- ``--probe WIDTHS``: the first input of the first Linear of each input width on both sides (where a difference
+  enters: SDXL's 2816-wide vector, 320-wide time embedding, 2048-wide context).
+- ``--sdxl-projection sd-scripts``: a seam that loads CLIP-G's ``text_projection`` in our engine as sd-scripts does
+  (untransposed), to show that it is SDXL's one difference.
+- ``RECORD_ONLY`` cases (FLUX.1, SD3.5 Medium) run sd-scripts alone, for their metadata, on files at full width with
+  one or two blocks and a one-layer T5-XXL (a seam on sd-scripts' fixed T5 config); our engine builds those
+  families at full depth only.
 """
 
 from __future__ import annotations
