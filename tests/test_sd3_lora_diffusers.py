@@ -128,3 +128,19 @@ def test_inspect_writes_the_diffusers_copy_of_a_unet_only_sd3_lora(tmp_path):
                             capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"wrote {copy}" in result.stdout and "tiny-sd3" in result.stdout
+    # the copy keeps the training metadata (issue 52: conversions we write), its hashes its own
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    with safe_open(str(path), framework="pt") as handle:
+        source = handle.metadata()
+    with safe_open(str(copy), framework="pt") as handle:
+        written, tensors = handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    training = {k for k in source if k.startswith(("ss_", "modelspec."))}
+    assert len(training) > 40 and {k: written[k] for k in training} == {k: source[k] for k in training}
+    buffer = save(tensors, {k: v for k, v in written.items() if k.startswith("ss_")})
+    header = int.from_bytes(buffer[:8], "little")
+    assert written["sshs_model_hash"] == hashlib.sha256(buffer[8 + header:]).hexdigest() != source["sshs_model_hash"]
+    assert written["sshs_legacy_hash"] == hashlib.sha256(buffer[0x100000:0x110000]).hexdigest()[:8]

@@ -72,21 +72,29 @@ COPY_MARK = {"written_by": "lora-autotune inspect --diffusers-out"}  # a later e
 
 def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[str], family: FamilySpec) -> int:
     """Write ``lora`` (a kohya file of ``family``) as a diffusers-named copy at ``out``, atomically; the module
-    paths come from the family built on the meta device (nothing is allocated). Returns the tensors written."""
-    from safetensors.torch import save_file
+    paths come from the family built on the meta device (nothing is allocated). The copy keeps the training
+    metadata (``ss_*``, ``modelspec.*``), its ``sshs_*`` hashes computed again for its own tensors as sd-scripts
+    computes them. Returns the tensors written."""
+    from safetensors.torch import save, save_file
 
     from sd_scripts_compat.facts.atomic import atomic_path
+    from sd_scripts_compat.facts.hashes import legacy_hash
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.network.lora_file import read_lora_file
+    from sd_scripts_compat.network.lora_file import model_hash, read_lora_file
 
     source, target = Path(lora), Path(out)
     if target.resolve() == source.resolve():
         raise UserError(f"{target}: the diffusers copy would overwrite the LoRA it is made from; name another file")
     if target.suffix.lower() != ".safetensors":
         raise UserError(f"{target}: the diffusers copy is a .safetensors file; give a name ending in .safetensors")
-    state, _ = read_lora_file(source)
-    tensors = to_diffusers_lora(state, build_modules(family, device="meta", seed=None))
+    state, written = read_lora_file(source)
+    tensors = {k: v.contiguous() for k, v in to_diffusers_lora(state, build_modules(family, device="meta",
+                                                                                     seed=None)).items()}
+    kept = {k: v for k, v in (written or {}).items() if k.startswith(("ss_", "modelspec."))}
+    if kept:
+        hashed = save(tensors, {k: v for k, v in kept.items() if k.startswith("ss_")} or None)
+        kept.update(sshs_model_hash=model_hash(hashed), sshs_legacy_hash=legacy_hash(hashed))
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt", **COPY_MARK})
+        save_file(tensors, str(tmp), metadata={**kept, "format": "pt", **COPY_MARK})
     return len(tensors)
