@@ -66,7 +66,7 @@ def test_two_runs_queue_and_train_one_after_the_other_with_events_and_report(tmp
         status, lora = server.call("GET", "/api/runs/a/lora")  # autotune inspect's view, and the file to download
         assert status == 200 and lora["ranks"] == {"4": lora["modules"]["total"]}, lora
         status, data, _ = server.fetch(lora["download"])
-        assert status == 200 and data == Path(lora["file"]).read_bytes() and lora["file"].endswith(".safetensors")
+        assert status == 200 and data == Path(lora["file"]).read_bytes() and Path(lora["file"]).name == "a.safetensors"
         status, report = server.call("GET", "/api/runs/a/report")
         assert status == 200 and report["steps"] == 8 and report["outcome"] == "done", report
         status, answer = server.call("POST", "/api/runs/a/resume")
@@ -147,6 +147,26 @@ def test_a_run_refused_by_the_cli_is_refused_here_first(tmp_path):
         server.stop()
 
 
+def test_each_run_from_the_page_names_its_lora_after_its_own_folder(tmp_path):
+    """Two runs of one dataset: folders <dataset>-<family> and ...-2, and the LoRA of each named after its folder, so
+    the files can meet in one loras folder (issue 51: LoRA names collided across runs); a name the user gives wins.
+    (The runs themselves end at planning, --steps 0: the names are in what the server queued.)"""
+    server = Server(tmp_path)
+    try:
+        ids = [server.call("POST", "/api/runs", {**RUN, "steps": 0})[1]["id"] for _ in range(2)]
+        status, mine = server.call("POST", "/api/runs", {**RUN, "steps": 0, "output_name": "my_style"})
+        assert status == 201, mine
+        assert ids == ["dataset-tiny-sd15", "dataset-tiny-sd15-2"], ids
+        queued = {run_id: json.loads((server.runs / ".autotune-ui" / f"{run_id}.json").read_text())["values"]
+                  for run_id in [*ids, mine["id"]]}
+        assert [queued[run_id]["output_name"] for run_id in ids] == ids
+        assert queued[mine["id"]]["output_name"] == "my_style"
+        status, answer = server.call("POST", "/api/runs", {**RUN, "output_name": "../up"})
+        assert status == 400 and "output_name" in answer["error"], answer
+    finally:
+        server.stop()
+
+
 def test_the_users_sd_scripts_runs_from_the_page_when_the_server_offers_it(tmp_path):
     """``autotune ui --engine sd-scripts=PATH``: the page may choose it; the run is ``autotune run --engine ...``
     under the same watchdog. Against the FAKE sd-scripts of the wrapper tests (sd-scripts cannot be fetched in
@@ -168,7 +188,7 @@ def test_the_users_sd_scripts_runs_from_the_page_when_the_server_offers_it(tmp_p
         assert info["state"] == "done" and info["engine"] == "sd-scripts", info
         retry = json.loads((server.runs / "kohya" / "logs" / "retries.json").read_text())[0]
         assert retry["failure"] == "oom" and retry["step"] == 5
-        _, meta = read_fake_lora(server.runs / "kohya" / "data-tiny-sd15.safetensors")
+        _, meta = read_fake_lora(server.runs / "kohya" / "kohya.safetensors")  # named after its run
         assert meta["fake_true_steps"] == str(info["max_train_steps"]) == str(info["step"])
     finally:
         server.stop()

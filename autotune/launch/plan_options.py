@@ -36,6 +36,16 @@ def optimizer_name(text: str) -> str:
     return by_key.get(text.strip().lower(), text)
 
 
+def lora_name(text: str) -> str:
+    """``--output-name``: the LoRA file's name, one safe path part (it names files beside the config)."""
+    from autotune.layout import is_run_name
+
+    if not is_run_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '.', '-' and '_' only, no path (it names the "
+                                         "LoRA file, e.g. my_style)")
+    return text
+
+
 def resolution_side(text: str) -> int:
     """``--resolution 768`` or kohya's ``768,768``; plans train square buckets of one area, so W,H must agree."""
     parts = [part.strip() for part in str(text).split(",")]
@@ -136,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True
                         help="config layout: kohya (flat) or lora-scripts (sectioned)")
     if not bench:
         parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+        parser.add_argument("--output-name", "--output_name", type=lora_name, default=None, metavar="NAME",
+                            help="the LoRA file's name (default: <dataset>-<family>)")
     parser.add_argument("--strict", dest="strict_pins", action="store_true",
                         help="refuse (exit 2) a plan in which your --batch / --accum forces another setting down "
                              "(rank, resolution, ...) that the planner's own split would keep")
@@ -191,7 +203,8 @@ def build_request(args: argparse.Namespace, family: FamilySpec | None = None) ->
                         network=args.network, network_args=tuple(args.network_arg),
                         allow_fp8=not args.no_fp8, workers=args.workers, batch=args.batch, accum=args.accum,
                         learning_rate=args.lr, alpha=args.alpha, steps=getattr(args, "plan_steps", None),
-                        frames=getattr(args, "frames", None), experts=getattr(args, "experts", None))
+                        frames=getattr(args, "frames", None), experts=getattr(args, "experts", None),
+                        output_name=getattr(args, "output_name", None))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
     family = family or detect_family(args.model, args.family)

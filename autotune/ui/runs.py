@@ -201,7 +201,8 @@ class RunStore:
     def start(self, values: dict[str, Any], engine: EngineChoice | None, dataset: str, model: str,
               name: str | None) -> dict[str, Any]:
         """Queue ``autotune run`` with the validated ``values`` into a new folder (named for the dataset and
-        family, or ``name``) and start it at once when nothing trains."""
+        family, or ``name``; ``-2``, ``-3``... when taken), whose name the LoRA file takes unless the values name it,
+        and start it at once when nothing trains."""
         from sd_scripts_compat.models.detect import detect_family
 
         with self.lock:
@@ -211,6 +212,8 @@ class RunStore:
                 n += 1
                 run_id = f"{base}-{n}"
             self.ui_dir.mkdir(parents=True, exist_ok=True)
+            if not values.get("output_name"):  # LoRA files named per run, not per dataset: they meet in one folder
+                values = {**values, "output_name": run_id}
             record = Record(values=values, engine=engine, dataset=dataset, model=model, created=time.time())
             _write_json(self.ui_dir / f"{run_id}.json", record.model_dump(mode="json"))
             self._enqueue(QueueEntry(id=run_id))
