@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import toml
+from test_valid_inputs import metadata
 
 RECORDED = json.loads((Path(__file__).parent / "fixtures" / "sd_scripts_run_metadata.json").read_text())
 TINY = {"sd15": "tiny-sd15", "sdxl": "tiny-sdxl", "flux-dev": "tiny-flux", "sd3.5-medium": "tiny-sd3"}
@@ -58,13 +59,6 @@ def _work(root: Path, family: str) -> None:
     (folder / "img.txt").write_text(CAPTION, encoding="utf-8")
 
 
-def _metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as file:
-        return dict(file.metadata() or {})
-
-
 def test_the_recording_covers_sd15_sdxl_flux_and_sd35_with_eight_option_sets():
     families = {entry["family"] for entry in RECORDED.values()}
     assert len(RECORDED) >= 8 and families >= {"sd15", "sdxl", "flux-dev", "sd3.5-medium"}
@@ -87,7 +81,7 @@ def test_our_metadata_equals_what_sd_scripts_wrote_for_the_same_options(case, tm
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(path.name for path in out.glob("lora-*.safetensors")) == sorted(entry["saves"])
     for name, theirs in [("lora.safetensors", entry["metadata"]), *entry["saves"].items()]:
-        ours = {key: value.replace(str(tmp_path), "<work>") for key, value in _metadata(out / name).items()}
+        ours = {key: value.replace(str(tmp_path), "<work>") for key, value in metadata(out / name).items()}
         compared = sorted((set(ours) | set(theirs)) - NOT_FROM_OPTIONS - OURS_ON_PURPOSE)
         differing = {key: (ours.get(key), theirs.get(key)) for key in compared if ours.get(key) != theirs.get(key)}
         assert not differing, (name, differing)

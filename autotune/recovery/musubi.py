@@ -427,10 +427,9 @@ def relabel_steps(source: Path, final: Path, steps: int) -> None:
     (``ss_output_name``, and ``modelspec.title`` unless the user titled it), and the hashes musubi precalculates
     from the tensors and ``ss_*`` keys computed again for those keys; the tensors unchanged."""
     from safetensors import safe_open
-    from safetensors.torch import save, save_file
+    from safetensors.torch import save_file
 
-    from sd_scripts_compat.facts.hashes import legacy_hash
-    from sd_scripts_compat.network.lora_file import model_hash
+    from sd_scripts_compat.network.lora_file import training_hashes
 
     with safe_open(str(source), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})
@@ -441,8 +440,7 @@ def relabel_steps(source: Path, final: Path, steps: int) -> None:
         if metadata.get(key) == attempt:
             metadata[key] = name
     if "sshs_model_hash" in metadata or "sshs_legacy_hash" in metadata:  # musubi's precalculate_safetensors_hashes
-        hashed = save(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")} or None)
-        metadata.update(sshs_model_hash=model_hash(hashed), sshs_legacy_hash=legacy_hash(hashed))
+        metadata.update(training_hashes(tensors, metadata))
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, final)

@@ -75,12 +75,11 @@ def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[s
     paths come from the family built on the meta device (nothing is allocated). The copy keeps the training
     metadata (``ss_*``, ``modelspec.*``), its ``sshs_*`` hashes computed again for its own tensors as sd-scripts
     computes them. Returns the tensors written."""
-    from safetensors.torch import save, save_file
+    from safetensors.torch import save_file
 
     from sd_scripts_compat.facts.atomic import atomic_path
-    from sd_scripts_compat.facts.hashes import legacy_hash
     from sd_scripts_compat.models.build import build_modules
-    from sd_scripts_compat.network.lora_file import model_hash, read_lora_file
+    from sd_scripts_compat.network.lora_file import read_lora_file, training_hashes
 
     source, target = Path(lora), Path(out)
     if target.resolve() == source.resolve():
@@ -92,8 +91,7 @@ def export_diffusers_file(lora: str | os.PathLike[str], out: str | os.PathLike[s
                                                                                      seed=None)).items()}
     kept = {k: v for k, v in (written or {}).items() if k.startswith(("ss_", "modelspec."))}
     if kept:
-        hashed = save(tensors, {k: v for k, v in kept.items() if k.startswith("ss_")} or None)
-        kept.update(sshs_model_hash=model_hash(hashed), sshs_legacy_hash=legacy_hash(hashed))
+        kept.update(training_hashes(tensors, kept))
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:
         save_file(tensors, str(tmp), metadata={**kept, "format": "pt", **COPY_MARK})

@@ -46,6 +46,16 @@ def model_hash(buffer: bytes) -> str:
     return hashlib.sha256(memoryview(buffer)[8 + header_len:]).hexdigest()
 
 
+def training_hashes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, str]:
+    """``sshs_model_hash`` and ``sshs_legacy_hash`` as sd-scripts' (and musubi-tuner's)
+    ``precalculate_safetensors_hashes`` computes them: of a buffer holding ``tensors`` and only the ``ss_*`` keys of
+    ``metadata`` (contiguous CPU tensors)."""
+    from safetensors.torch import save
+
+    hashed = save(tensors, {k: v for k, v in metadata.items() if k.startswith("ss_")} or None)
+    return {"sshs_model_hash": model_hash(hashed), "sshs_legacy_hash": legacy_hash(hashed)}
+
+
 # ----------------------------------------------------------------------------------------------- write
 def resolve_save_dtype(save_dtype: str | torch.dtype | None) -> torch.dtype | None:
     """``None`` (keep), "float"/"fp16"/"bf16" (sd-scripts' save_precision names) or a torch dtype."""
@@ -76,11 +86,7 @@ def save_lora_file(path: str | os.PathLike[str], state_dict: dict[str, torch.Ten
             value = value.to(dtype)
         tensors[key] = value.contiguous()
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    ss_only = {k: v for k, v in meta.items() if k.startswith("ss_")}
-    hashed = save(tensors, ss_only or None)
-    meta["sshs_model_hash"] = model_hash(hashed)
-    meta["sshs_legacy_hash"] = legacy_hash(hashed)
-    del hashed
+    meta.update(training_hashes(tensors, meta))
     write_atomic(Path(path), save(tensors, meta))
     return meta
 
