@@ -114,11 +114,20 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
         href = browser.find_element(By.ID, "lora-download").get_attribute("href")
         status, data, _ = server.fetch(href.split(str(server.port), 1)[1])
         assert status == 200 and data[:8] and href.endswith(".safetensors")
+        wait.until(lambda b: "done: " in text("#log"))  # the run's console, as a terminal shows it
+        assert "\r" not in browser.find_element(By.ID, "log").get_attribute("textContent")
+        assert text("#tensorboard").startswith("TensorBoard logs: ") and "tensorboard --logdir" in text("#tensorboard")
         browser.save_screenshot(str(shots / "4-run-report.png"))
 
         browser.find_element(By.ID, "nav-runs").click()
         wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#runs tr[data-run]")))
         assert "done" in text("#runs tr[data-run] .state")
+        assert text("#runs tr[data-run] .family") == "tiny-sd15" and text("#runs tr[data-run] .size").endswith("KiB")
+        assert text("#runs tr[data-run] .step") == f"{info['step']} / {info['step']}"
+        assert text("#runs tr[data-run] .duration").endswith(" s")
+        report = browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run] a[data-link='report']")
+        status, page, _ = server.fetch(report.get_attribute("href").split(str(server.port), 1)[1])
+        assert status == 200 and b"Run report" in page
         browser.save_screenshot(str(shots / "5-runs.png"))
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == [], errors

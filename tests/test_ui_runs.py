@@ -125,6 +125,68 @@ def test_runs_and_the_queue_outlive_the_server_and_a_new_server_serves_them(tmp_
         second.stop()
 
 
+def test_a_run_as_users_watch_it_console_list_row_report_config_and_logs(tmp_path):
+    """A short run (4 steps): its console arrives as ``log`` events as a terminal shows it (the progress bar's
+    carriage-return redraws as one line), the runs list gives its family, duration and LoRA size with links to the
+    report page (served sandboxed, no script) and the config that trained (as text); TensorBoard's folder and
+    command; a page or script dropped into the run folder is not served."""
+    server = Server(tmp_path)
+    try:
+        status, _ = server.call("POST", "/api/runs", {**sampled_run(tmp_path), "name": "watched"})
+        assert status == 201
+        events = events_of(server, "watched")
+        assert events[-1] == ("end", {"state": "done"}), events[-3:]
+        logs = [data for name, data in events if name == "log"]
+        lines = [line for data in logs for line in data["lines"]]
+        assert any(line.startswith("done: 4 steps") for line in lines), lines[-5:]
+        bar = [line for line in lines if line.startswith("steps: 100%")]
+        assert bar and all("\r" not in line and "steps: " not in line[1:] for line in lines), bar
+        row = next(r for r in server.call("GET", "/api/runs")[1]["runs"] if r["id"] == "watched")
+        lora = server.runs / "watched" / "lora.safetensors"
+        assert row["family"] == "tiny-sd15" and row["state"] == "done" and row["step"] == 4, row
+        assert row["lora_bytes"] == lora.stat().st_size and row["duration_s"] >= 0, row
+        assert row["tensorboard"]["logdir"] == str((server.runs / "watched" / "logs").resolve())
+        assert row["tensorboard"]["command"].startswith("tensorboard --logdir ")
+        status, page, headers = server.fetch(row["links"]["report"])
+        assert status == 200 and b"Run report" in page and headers["content-type"].startswith("text/html")
+        policy = headers["content-security-policy"]
+        assert "sandbox" in policy and "script" not in policy and b"<script" not in page, policy
+        status, config, headers = server.fetch(row["links"]["config"])
+        assert status == 200 and b"network_dim = 4" in config and headers["content-type"].startswith("text/plain")
+        for planted in ("evil.html", "evil.svg", "evil.js"):  # same origin as the page: never served
+            (server.runs / "watched" / planted).write_text("<script>alert(1)</script>")
+            status, body, _ = server.fetch(f"/api/runs/watched/files/{planted}")
+            assert status == 404 and b"is not served" in body, body
+        status, answer = server.call("GET", "/api/runs/nope/report")
+        assert status == 404
+    finally:
+        server.stop()
+
+
+def test_a_console_log_read_as_a_terminal_shows_it(tmp_path):
+    """``ConsoleTail``: ended lines once each, the progress bar's redraws as its current text, a long log from
+    its last 64 KiB (the partial line there dropped), a log started again read from its start."""
+    from autotune.ui.events import LOG_TAIL_BYTES, ConsoleTail
+
+    path = tmp_path / "console.log"
+    path.write_bytes(b"x" * (LOG_TAIL_BYTES + 10) + b" cut\nfirst\n")
+    tail = ConsoleTail(path)
+
+    def add(data: bytes) -> tuple[list[str], str]:
+        with open(path, "ab") as file:
+            file.write(data)
+        tail.poll()
+        return tail.lines, tail.current
+
+    assert add(b"") == (["first"], "")
+    assert add(b"\rsteps 1/3") == ([], "steps 1/3")
+    assert add(b"\rsteps 2/3\rsteps 3/3") == ([], "steps 3/3")
+    assert add(b"\ndone\n") == (["steps 3/3", "done"], "")
+    assert not tail.poll()  # nothing new
+    path.write_bytes(b"again\n")  # shorter than what was read: a new log
+    assert add(b"") == (["again"], "")
+
+
 def test_a_run_refused_by_the_cli_is_refused_here_first(tmp_path):
     server = Server(tmp_path)
     try:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
     from autotune.planning.planner import Plan
+    from autotune.report.load import RunFiles
     from autotune.ui.runs import EngineChoice, RunStore
 
 MAX_BODY_BYTES = 1 << 20  # a request body (the largest real one, a run with every option, is under 4 KiB)
@@ -43,6 +44,14 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
     "Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Resource-Policy": "same-origin",
 }
+
+# a run's files as the pages may fetch them: images, LoRAs, and text as text (never HTML, SVG or script, which a
+# file dropped into a run folder could otherwise run with the page's origin)
+RUN_FILE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
+                  ".safetensors": "application/octet-stream", ".toml": "text/plain; charset=utf-8",
+                  ".json": "text/plain; charset=utf-8", ".jsonl": "text/plain; charset=utf-8",
+                  ".log": "text/plain; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
+REPORT_CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; sandbox"  # the report: no script runs
 
 T = TypeVar("T")
 
@@ -150,7 +159,8 @@ def add_guards(app: FastAPI, policy: AccessPolicy) -> None:
         else:
             if policy.token and request.query_params.get("token"):  # the page's own script, style and images
                 response.set_cookie(TOKEN_COOKIE, policy.token, httponly=True, samesite="strict")  # carry it
-        response.headers.update(SECURITY_HEADERS)
+        for key, value in SECURITY_HEADERS.items():  # a page of its own (the report) keeps its own policy
+            response.headers.setdefault(key, value)
         return response
 
     @app.exception_handler(BadRequest)
@@ -240,27 +250,40 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
 
     @app.get("/api/runs/{run_id}/report")
     def report(run_id: str) -> Any:
-        from autotune.report.run_report import report_for
+        from autotune.report.render import render_json
 
-        folder = store.folder(run_id)
-        text, _ = report_for(folder, as_json=True, html_path=None)
-        return json.loads(text)
+        return json.loads(render_json(run_report(store.folder(run_id))[0]))
 
     @app.get("/api/runs/{run_id}/lora")
     def lora(run_id: str) -> dict[str, Any]:
         """``autotune inspect RUN --json`` of the run's LoRA, with ``download``: its path under /files/."""
         return inspect_run(store.folder(run_id), run_id, policy)
 
+    @app.get("/api/runs/{run_id}/report.html")
+    def report_page(run_id: str) -> Any:
+        """``autotune report``'s page of the run, drawn now (inline style and SVG, no script: served sandboxed)."""
+        from fastapi.responses import HTMLResponse
+
+        from autotune.report.html import render_html
+
+        return HTMLResponse(render_html(*run_report(store.folder(run_id))),
+                            headers={"Content-Security-Policy": REPORT_CSP})
+
     @app.get("/api/runs/{run_id}/files/{name:path}")
     def run_file(run_id: str, name: str) -> Any:
-        """A file of the run (its samples, its LoRA), never one outside its folder."""
+        """A file of the run (its samples, its LoRA, its configs and logs as plain text), never one outside its
+        folder, and never as a page or a script (``RUN_FILE_TYPES``)."""
         from fastapi.responses import FileResponse
 
         folder = store.folder(run_id)
         path = (folder / name).resolve()
         if folder not in path.parents or not path.is_file():
             raise BadRequest(f"run {run_id}: no file {name} in it", status=404)
-        return FileResponse(path)
+        media = RUN_FILE_TYPES.get(path.suffix.lower())
+        if media is None:
+            raise BadRequest(f"run {run_id}: {name} is not served (only {', '.join(RUN_FILE_TYPES)} files)",
+                             status=404)
+        return FileResponse(path, media_type=media)
 
     @app.get("/api/runs/{run_id}/events")
     def events(run_id: str) -> StreamingResponse:
@@ -269,6 +292,20 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         store.folder(run_id)
         return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+
+def run_report(folder: Path) -> tuple[dict[str, Any], RunFiles]:
+    """``autotune report``'s findings for the run and the files they came from; a run with nothing to report yet
+    is a 404 with the report's own line."""
+    from autotune.report.analysis import build_report
+    from autotune.report.load import load_run
+    from sd_scripts_compat.facts.errors import UserError, one_line
+
+    try:
+        files = load_run(folder)
+    except UserError as error:
+        raise BadRequest(one_line(error), status=404) from None
+    return build_report(files), files
 
 
 def serve_queue(store: RunStore) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -96,8 +97,9 @@ class Prediction(BaseModel):
 
 
 class PlanFile(BaseModel):
-    """What the run page reads of ``plan.json``: the card and the predicted peaks."""
+    """What the run page reads of ``plan.json``: the family, the card and the predicted peaks."""
 
+    family: str | None = None
     device: Any = None
     prediction: Prediction = Prediction()
 
@@ -141,17 +143,20 @@ class RunStore:
         try:
             record = self._record(run_id)
             progress = _read_model(folder / EVENTS_DIR / PROGRESS_FILE, Progress) or Progress()
-            planned = _planned(folder)
+            plan = _read_model(folder / PLAN_FILE, PlanFile)
+            events = _decisions(folder)
         except Unreadable as error:
             return {"id": run_id, "folder": str(folder), "state": "unreadable", "message": str(error)}
         step, total, rate = progress.step, progress.max_train_steps, progress.it_per_s
         eta = (total - step) / rate if rate and step is not None and total else None
+        planned = None if plan is None else {"device": plan.device, **plan.prediction.model_dump()}
         return {"id": run_id, "folder": str(folder), "state": state, "message": message, "step": step,
                 "max_train_steps": total, "it_per_s": rate, "eta_s": eta, "loss": progress.loss,
                 "lr": progress.lr, "peak_memory_mib": progress.peak_memory_mib,
                 "dataset": record.dataset if record else None, "model": record.model if record else None,
-                "engine": _engine_of(record), "started_here": record is not None,
-                "planned": planned}
+                "engine": _engine_of(record), "started_here": record is not None, "planned": planned,
+                "family": _family(folder, plan), "duration_s": _duration(events, state),
+                **run_outputs(folder, run_id)}
 
     def state(self, run_id: str) -> tuple[str, str | None]:
         """The run's state word and its one line (``unreadable`` and why when a file of it is malformed)."""
@@ -184,6 +189,15 @@ class RunStore:
 
     def queue(self) -> list[str]:
         return [entry.id for entry in self._queued()]
+
+    def console_log(self, run_id: str) -> Path | None:
+        """What the run prints, as in a terminal: the console of a run started here, else its trainer's log."""
+        from autotune.layout import CHILD_LOG
+
+        for path in (self.ui_dir / f"{run_id}.log", self.runs_dir / run_id / CHILD_LOG):
+            if path.is_file():
+                return path
+        return None
 
     def _queued(self) -> list[QueueEntry]:
         """The queue file's entries; one that is not a ``QueueEntry`` is left out (the rest of the queue goes on)."""
@@ -292,12 +306,48 @@ class RunStore:
         return _read_model(self.ui_dir / f"{run_id}.json", Record)
 
 
-def _planned(folder: Path) -> dict[str, Any] | None:
-    """What the run's plan predicted and for which card (the run page draws memory against it)."""
-    plan = _read_model(folder / PLAN_FILE, PlanFile)
-    if plan is None:
+def _family(folder: Path, plan: PlanFile | None) -> str | None:
+    """The family the run's plan names, else (a run of the user's own config) the one its engine said it trained."""
+    from sd_scripts_compat.facts.contract import DONE, read_event
+
+    if plan is not None and plan.family:
+        return plan.family
+    family = (read_event(folder / EVENTS_DIR, DONE) or {}).get("family")
+    return family if isinstance(family, str) else None
+
+
+def _duration(events: list[Decision], state: str) -> float | None:
+    """Seconds from the run's first decision to its last, or to now while it trains (its pauses included)."""
+    times = [t for t in (_decision_time(e) for e in events) if t is not None]
+    if not times:
         return None
-    return {"device": plan.device, **plan.prediction.model_dump()}
+    end = time.time() if state in ("running", "stepping down", "rolled back") else times[-1]
+    return max(0.0, end - times[0])
+
+
+def _decision_time(event: Decision) -> float | None:
+    stamp = getattr(event, "time", None)  # DecisionLog's local time, to the second
+    try:
+        return time.mktime(time.strptime(str(stamp), "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
+
+
+def run_outputs(folder: Path, run_id: str) -> dict[str, Any]:
+    """What the run wrote that a page links to: the LoRA's size, the report page, the config that trained (the
+    final one, else the plan's) and TensorBoard's log folder with the command that shows it."""
+    from autotune.layout import CONFIG, FINAL_CONFIG, LOGS_DIR
+    from autotune.report.load import run_lora
+
+    lora = run_lora(folder)
+    size = lora.stat().st_size if lora.is_file() and folder in lora.resolve().parents else None
+    config = next((name for name in (FINAL_CONFIG, CONFIG) if (folder / name).is_file()), None)
+    base = f"/api/runs/{run_id}"
+    links = {"report": f"{base}/report.html" if (folder / EVENTS_DIR).is_dir() else None,
+             "config": f"{base}/files/{config}" if config else None}
+    logs = folder / LOGS_DIR
+    return {"lora_bytes": size, "links": links, "tensorboard": {"logdir": str(logs),
+            "command": f"tensorboard --logdir {shlex.quote(str(logs))}"} if logs.is_dir() else None}
 
 
 def _is_run(folder: Path) -> bool:

@@ -252,13 +252,26 @@ function renderNew() {
 
 // ---- runs ---------------------------------------------------------------------------------------
 
+function runLinks(r) {  // the run's report page and the config that trained, where it has them
+  const links = r.links || {};
+  return [links.report ? el("a", {href: withToken(links.report), target: "_blank", "data-link": "report"}, "report") : "",
+    links.report && links.config ? " " : "",
+    links.config ? el("a", {href: withToken(links.config), target: "_blank", "data-link": "config"},
+      links.config.split("/").pop()) : ""];
+}
+
 async function renderRuns() {
   const data = await api("GET", "/api/runs");
   view.replaceChildren(el("h2", {}, "Runs"), el("table", {id: "runs"},
-    el("tr", {}, ...["run", "state", "step", "it/s", "ETA", "why"].map(h => el("th", {}, h))),
+    el("tr", {}, ...["run", "family", "state", "step", "duration", "LoRA", "it/s", "ETA", "files", "why"].map(
+      h => el("th", {}, h))),
     ...data.runs.map(r => el("tr", {"data-run": r.id}, el("td", {}, el("a", {href: "#/run/" + r.id}, r.id)),
-      el("td", {class: "state"}, r.state), el("td", {}, r.step == null ? "-" : `${r.step} / ${r.max_train_steps}`),
+      el("td", {class: "family"}, r.family || "-"), el("td", {class: "state"}, r.state),
+      el("td", {class: "step"}, r.step == null ? "-" : `${r.step} / ${r.max_train_steps}`),
+      el("td", {class: "duration"}, duration(r.duration_s)),
+      el("td", {class: "size"}, r.lora_bytes == null ? "-" : size(r.lora_bytes)),
       el("td", {}, r.it_per_s ? r.it_per_s.toFixed(2) : "-"), el("td", {}, duration(r.eta_s)),
+      el("td", {class: "links"}, ...runLinks(r)),
       el("td", {class: "why"}, EXPLAINED.includes(r.state) ? r.message || "" : "")))));
 }
 
@@ -267,6 +280,7 @@ async function renderRuns() {
 const LIVE = ["running", "stepping down", "rolled back", "queued"];  // what Stop can stop
 const RESUMABLE = ["failed", "interrupted"];  // what the server resumes (it answers 409 to the others)
 const EXPLAINED = ["failed", "interrupted", "unreadable"];  // states whose one line says why
+const LOG_LINES = 300;  // of the run's console, what the page keeps
 
 function svgNode(tag, attrs, text) {
   const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
@@ -354,8 +368,13 @@ async function renderRun(id) {
   const explain = (state, message) => why.replaceChildren(EXPLAINED.includes(state) && message ? message : "");
   show(info.state, info.step, info.max_train_steps, info.it_per_s);
   explain(info.state, info.message);
-  view.replaceChildren(el("h2", {}, "Run ", id), el("p", {}, `engine ${info.engine}`), status, why, stop, resume,
-    memoryBox, charts, el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples, report);
+  const log = el("pre", {id: "log"}), logLines = [];
+  const tensorboard = info.tensorboard ? el("p", {id: "tensorboard"}, "TensorBoard logs: ",
+    el("code", {}, info.tensorboard.logdir), " (", el("code", {}, info.tensorboard.command), ")") : "";
+  view.replaceChildren(el("h2", {}, "Run ", id), el("p", {}, `engine ${info.engine}`, info.family ?
+    `, family ${info.family}` : ""), why, status, stop, resume, el("p", {id: "run-links"}, ...runLinks(info)),
+    tensorboard, memoryBox, charts, el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples,
+    el("h3", {}, "Log"), log, report);
   if (stream) stream.close();
   stream = new EventSource(withToken(`/api/runs/${encodeURIComponent(id)}/events`));
   let last = {}, drawing = false, peak = info.peak_memory_mib;
@@ -389,6 +408,14 @@ async function renderRun(id) {
   stream.addEventListener("sample", e => {
     const s = JSON.parse(e.data);
     samples.append(el("img", {src: withToken(`/api/runs/${encodeURIComponent(id)}/files/${s.file}`), alt: s.file}));
+  });
+  stream.addEventListener("log", e => {  // the console as a terminal shows it: its last lines, the bar's text
+    const l = JSON.parse(e.data);
+    logLines.push(...l.lines);
+    logLines.splice(0, Math.max(0, logLines.length - LOG_LINES));
+    const atEnd = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+    log.textContent = [...logLines, l.current].join("\n");
+    if (atEnd) log.scrollTop = log.scrollHeight;
   });
   stream.addEventListener("end", e => {
     stream.close();
