@@ -288,3 +288,39 @@ def test_model_files_take_kohyas_option_names_and_the_allowed_folders(server):
     assert status == 403 and "clip_g /etc/passwd: outside" in answer["error"]
     status, answer = server.call("POST", "/api/plan", {**body, "clip_g": str(DATASET / "missing.safetensors")})
     assert status == 400 and "--clip_g" in answer["error"] and "no such file" in answer["error"]
+
+
+def test_the_form_is_the_run_schema_and_the_users_settings_are_planned_as_theirs(server):
+    """GET /api/options lists every key POST /api/runs validates, each in a --help group, with its kind and the
+    sd-scripts key it sets; the GUI settings (scheduler, samples, saves, seed) plan as given with the reason "yours",
+    a sample-prompts file outside the allowed folders is refused like any path, a value out of sd-scripts' range is
+    one line."""
+    from autotune.launch.plan_options import ADVANCED, MODEL, NETWORK, SAVING, SCHEDULE, TARGET
+    from autotune.launch.plan_options import DATASET as DATA
+    from autotune.ui.schemas import RUN_GROUP, command_schema
+
+    fields = server.call("GET", "/api/options")[1]["fields"]
+    by_key = {f["key"]: f for f in fields}
+    run = command_schema("run")
+    assert set(by_key) == set(run.actions) and {f["group"] for f in fields} == {
+        MODEL, TARGET, DATA, NETWORK, SCHEDULE, SAVING, ADVANCED, RUN_GROUP}
+    assert by_key["rank"]["config"] == "network_dim" and by_key["rank"]["kind"] == "integer"
+    assert by_key["lr_scheduler"]["kind"] == "choice" and "cosine_with_restarts" in by_key["lr_scheduler"]["choices"]
+    assert by_key["sample_prompts"]["kind"] == "path" and by_key["sample_at_first"]["kind"] == "flag"
+    assert by_key["max_retries"]["plan"] is False and by_key["seed"]["plan"] is True
+    prompts = DATASET.parent / "dataset" / "10_circle shape" / "circle_00.txt"  # any text file inside the roots
+    body = {"dataset": str(DATASET), "model": "builtin:tiny-sd15", "lr_scheduler": "constant_with_warmup",
+            "lr_warmup_steps": 0.1, "seed": 3, "noise_offset": 0.05, "sample_prompts": str(prompts),
+            "sample_every_n_epochs": 1, "save_last_n_epochs": 2}
+    status, plan = server.call("POST", "/api/plan", body)
+    assert status == 200, plan
+    chosen = {c["key"]: c for c in plan["choices"]}
+    for key, value in body.items():
+        if key not in ("dataset", "model"):
+            assert chosen[key]["value"] == value and chosen[key]["reason"].startswith("yours"), chosen[key]
+    assert chosen["lr_scheduler"]["reason"].startswith("yours (the plan's 'cosine'")
+    assert 'lr_scheduler = "constant_with_warmup"' in plan["configs"]["config.toml"]
+    status, answer = server.call("POST", "/api/plan", {**body, "sample_prompts": "/etc/hostname"})
+    assert status == 403 and "outside" in answer["error"], answer
+    status, answer = server.call("POST", "/api/plan", {**body, "save_last_n_epochs": 0})
+    assert status == 400 and "save_last_n_epochs: must be 1 or more, got 0" in answer["error"], answer

@@ -317,3 +317,72 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
         assert errors == [], errors
     finally:
         server.stop()
+
+
+def test_every_setting_is_in_the_page_grouped_and_what_the_user_set_stays_marked_as_theirs(tmp_path, browser):
+    """The new-training form is made from the run endpoint's schema (GET /api/options): every option in the group
+    --help lists it in, with the value the plan chose and its reason. A GUI user sets a LyCORIS algorithm, sample
+    prompts with their rhythm and a save rhythm: each is planned again, marked as theirs, kept through another Check
+    and plan, and written to the config sd-scripts reads."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a circle shape --w 256 --h 256\n", encoding="utf-8")
+    server = Server(tmp_path)
+    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+    def typed(field: str, value: str) -> None:
+        element = browser.find_element(By.ID, field)
+        element.send_keys(Keys.CONTROL, "a")
+        element.send_keys(value, Keys.TAB)
+
+    def row(key: str) -> str:
+        return browser.find_element(By.CSS_SELECTOR, f"tr[data-row='{key}']").text
+
+    try:
+        browser.get(f"http://127.0.0.1:{server.port}/")
+        typed("in-dataset", str(ROOT / "examples" / "dataset"))
+        browser.find_element(By.ID, "check").click()
+        wait.until(seen.presence_of_element_located((By.ID, "settings")))
+        fields = server.call("GET", "/api/options")[1]["fields"]
+        shown = {e.get_attribute("data-option") for e in browser.find_elements(By.CSS_SELECTOR, "[data-option]")}
+        top = {"dataset", "model", "vram", "gpu", "goal", "priority"}
+        assert shown == {f["key"] for f in fields if f["key"] not in top and not (
+            f["group"] == "model and its files" and f["kind"] == "path")}
+        groups = [e.get_attribute("data-group") for e in browser.find_elements(By.CSS_SELECTOR, "#settings fieldset")]
+        assert groups[:7] == ["model and its files", "target machine", "dataset", "network", "optimizer and schedule",
+                              "saving and samples", "advanced"], groups
+        scheduler = Select(browser.find_element(By.ID, "set-lr_scheduler"))
+        assert scheduler.first_selected_option.text == "cosine" and "decays to zero" in row("lr_scheduler")
+        assert browser.find_element(By.ID, "set-rank").get_attribute("value") == "32"  # the plan's rank, its reason
+        Select(browser.find_element(By.ID, "set-network")).select_by_visible_text("loha")
+        wait.until(lambda b: "yours" in row("network"))
+        typed("set-sample_prompts", str(prompts))
+        wait.until(lambda b: "yours" in row("sample_prompts"))
+        typed("set-sample_every_n_steps", "10")
+        wait.until(lambda b: "yours" in row("sample_every_n_steps"))
+        typed("set-save_every_n_epochs", "2")
+        wait.until(lambda b: "yours" in row("save_every_n_epochs") and "the plan's" in row("save_every_n_epochs"))
+        before = browser.find_element(By.ID, "settings")
+        browser.find_element(By.ID, "check").click()  # checked again: every edit stays, still marked
+        wait.until(seen.staleness_of(before))  # the new plan's form is in
+        wait.until(seen.presence_of_element_located((By.ID, "set-save_every_n_epochs")))
+        for key, value in (("sample_prompts", str(prompts)), ("sample_every_n_steps", "10"),
+                           ("save_every_n_epochs", "2")):
+            wait.until(lambda b, key=key, value=value: b.find_element(By.ID, f"set-{key}").get_attribute("value")
+                       == value and "yours" in row(key))
+        assert Select(browser.find_element(By.ID, "set-network")).first_selected_option.text == "loha"
+        browser.save_screenshot(str(tmp_path / "settings.png"))
+        browser.find_element(By.ID, "show-configs").click()
+        config = browser.find_element(By.CSS_SELECTOR, "pre[data-config='config.toml']").text
+        for line in ('network_module = "lycoris.kohya"', '"algo=loha"', "save_every_n_epochs = 2",
+                     "sample_every_n_steps = 10", f'sample_prompts = "{prompts}"'):
+            assert line in config, line
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
+    finally:
+        server.stop()

@@ -130,17 +130,34 @@ def test_a_run_as_users_watch_it_console_list_row_report_config_and_logs(tmp_pat
     carriage-return redraws as one line), the runs list gives its family, duration and LoRA size with links to the
     report page (served sandboxed, no script) and the config that trained (as text); TensorBoard's folder and
     command; a page or script dropped into the run folder is not served."""
+    from fixtures.engine_runs import toy_dataset
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a toy --w 64 --h 64 --s 2 --d 1\n", encoding="utf-8")
+    body = {"dataset": str(toy_dataset(tmp_path / "toy", images=4, repeats=1)), "model": "builtin:tiny-sd15",
+            "steps": 4, "rank": 4, "resolution": 64, "name": "watched", "output_name": "lora",
+            # the settings a GUI user sets by hand (issue 51 item 1), as the page's form sends them
+            "sample_prompts": str(prompts), "sample_every_n_steps": 2, "save_every_n_steps": 2,
+            "lr_scheduler": "constant", "seed": 7}
     server = Server(tmp_path)
     try:
-        status, _ = server.call("POST", "/api/runs", {**sampled_run(tmp_path), "name": "watched"})
-        assert status == 201
+        status, answer = server.call("POST", "/api/runs", body)
+        assert status == 201, answer
         events = events_of(server, "watched")
         assert events[-1] == ("end", {"state": "done"}), events[-3:]
+        samples = [data["file"] for name, data in events if name == "sample"]
+        assert len(samples) == 2 and all(f.startswith("sample/lora_step") for f in samples), samples
+        config = (server.runs / "watched" / "config.toml").read_text()
+        for line in ('lr_scheduler = "constant"', "seed = 7", "sample_every_n_steps = 2", "save_every_n_steps = 2",
+                     f"sample_prompts = {json.dumps(str(prompts))}"):
+            assert line in config, line
+        assert "# yours (the plan's 'cosine'" in config and "lora-step00000002.safetensors" in {
+            p.name for p in (server.runs / "watched").iterdir()}
         logs = [data for name, data in events if name == "log"]
         lines = [line for data in logs for line in data["lines"]]
         assert any(line.startswith("done: 4 steps") for line in lines), lines[-5:]
         bar = [line for line in lines if line.startswith("steps: 100%")]
-        assert bar and all("\r" not in line and "steps: " not in line[1:] for line in lines), bar
+        assert bar and all("\r" not in line and "]steps:" not in line for line in lines), bar  # one redraw per line
         row = next(r for r in server.call("GET", "/api/runs")[1]["runs"] if r["id"] == "watched")
         lora = server.runs / "watched" / "lora.safetensors"
         assert row["family"] == "tiny-sd15" and row["state"] == "done" and row["step"] == 4, row
@@ -153,6 +170,7 @@ def test_a_run_as_users_watch_it_console_list_row_report_config_and_logs(tmp_pat
         assert "sandbox" in policy and "script" not in policy and b"<script" not in page, policy
         status, config, headers = server.fetch(row["links"]["config"])
         assert status == 200 and b"network_dim = 4" in config and headers["content-type"].startswith("text/plain")
+        assert b'lr_scheduler = "constant"' in config  # what trained: the user's settings through the engine
         for planted in ("evil.html", "evil.svg", "evil.js"):  # same origin as the page: never served
             (server.runs / "watched" / planted).write_text("<script>alert(1)</script>")
             status, body, _ = server.fetch(f"/api/runs/watched/files/{planted}")

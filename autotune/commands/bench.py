@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from autotune.launch.plan_options import finite
+from autotune.launch.arg_types import finite
 from sd_scripts_compat.facts.contract import Outcome
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec

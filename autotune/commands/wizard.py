@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autotune.launch.plan_options import finite, optimizer_name
+from autotune.launch.arg_types import finite, optimizer_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

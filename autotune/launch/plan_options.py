@@ -7,59 +7,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from autotune.launch.arg_types import finite, lora_name, optimizer_name, resolution_side
+
 if TYPE_CHECKING:
     from autotune.hardware.probe import SystemProbe
     from autotune.planning.planner import Plan
     from autotune.planning.request import PlanRequest
     from sd_scripts_compat.facts.families import FamilySpec
-
-
-def finite(text: str) -> float:
-    """An argparse type: a number that is not nan or inf (Python's float() takes both)."""
-    import math
-
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
-
-
-finite.__name__ = "finite number"
-
-
-def optimizer_name(text: str) -> str:
-    """An argparse type: an optimizer by kohya's name in any case (sd-scripts compares them case-insensitively),
-    as its canonical spelling ("adamw8bit" -> "AdamW8bit"); an unknown one is left for ``choices`` to refuse."""
-    from sd_scripts_compat.facts.optimizers import optimizer_names
-
-    by_key = {name.lower(): name for name in optimizer_names()}
-    return by_key.get(text.strip().lower(), text)
-
-
-def lora_name(text: str) -> str:
-    """``--output-name``: the LoRA file's name, one safe path part (it names files beside the config)."""
-    from autotune.layout import is_run_name
-
-    if not is_run_name(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: letters, digits, '.', '-' and '_' only, no path (it names the "
-                                         "LoRA file, e.g. my_style)")
-    return text
-
-
-def resolution_side(text: str) -> int:
-    """``--resolution 768`` or kohya's ``768,768``; plans train square buckets of one area, so W,H must agree."""
-    parts = [part.strip() for part in str(text).split(",")]
-    if len(parts) not in (1, 2) or not all(part.isdigit() for part in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: give one side in pixels (768) or W,H as kohya writes it "
-                                         "(768,768)")
-    if len(parts) == 2 and parts[0] != parts[1]:
-        raise argparse.ArgumentTypeError(f"{text}: plans train square buckets (of that area, any aspect); give "
-                                         f"one side, e.g. {int((int(parts[0]) * int(parts[1])) ** 0.5) // 64 * 64}, "
-                                         "or set resolution in a --config")
-    return int(parts[0])
-
-
-resolution_side.__name__ = "resolution"
 
 
 def models_and_cards() -> str:
@@ -80,80 +34,122 @@ def models_and_cards() -> str:
                                  [spec.name for spec in load_catalog()])])
 
 
-def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True, bench: bool = False) -> None:
-    """The plan's options; ``bench``: for ``autotune bench``, which writes no configs (no ``--out``) and whose
-    ``--steps`` are its timed steps (no steps pin). `--help` ends with the built-in models and catalogue cards."""
-    parser.epilog = "\n\n".join(filter(None, [parser.epilog, models_and_cards()]))
-    from autotune.planning.goals import GOALS, PRIORITIES
-    from autotune.planning.request import EXPERTS
-    from sd_scripts_compat.facts.optimizers import optimizer_names
+# the plan options' groups, as GUI users know them (``--help`` lists them so; the web page's form is made of them)
+MODEL, TARGET, DATASET, NETWORK, SCHEDULE, SAVING, ADVANCED = (
+    "model and its files", "target machine", "dataset", "network", "optimizer and schedule", "saving and samples",
+    "advanced")
 
-    parser.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
-                        help="folder of N_name image subfolders (N = repeats)")
-    parser.add_argument("--model", required=True, metavar="PATH|builtin:ID",
-                        help="base model: a .safetensors file, a diffusers folder, or builtin:sd15 / builtin:sdxl ...")
-    parser.add_argument("--family", default=None, help="model family when it cannot be detected (e.g. sd2-v)")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="allow a .ckpt/.pt model: a pickle can run code when loaded; it is loaded with "
-                        "torch.load(weights_only=True), which refuses anything but tensors")
+
+def add_arguments(parser: argparse.ArgumentParser, dataset_required: bool = True, bench: bool = False) -> None:
+    """The plan's options, in groups; ``bench``: for ``autotune bench``, which writes no configs (no ``--out``),
+    whose ``--steps`` are its timed steps (no steps pin) and which saves and samples nothing. `--help` ends with
+    the built-in models and catalogue cards."""
+    from autotune.launch.user_settings import add_setting_arguments
+
+    parser.epilog = "\n\n".join(filter(None, [parser.epilog, models_and_cards()]))
+    groups = {title: parser.add_argument_group(title) for title in (MODEL, TARGET, DATASET, NETWORK, SCHEDULE,
+                                                                    SAVING, ADVANCED)}
+    _model_arguments(groups[MODEL], dataset_required)
+    _target_arguments(groups[TARGET])
+    _dataset_arguments(groups[DATASET])
+    _network_arguments(groups[NETWORK])
+    _schedule_arguments(groups[SCHEDULE], bench)
+    _saving_arguments(groups[SAVING], bench)
+    if not bench:
+        add_setting_arguments(groups)
+    _advanced_arguments(groups[ADVANCED])
+
+
+def _model_arguments(group: argparse._ArgumentGroup, dataset_required: bool) -> None:
     from autotune.planning.profiles import model_file_keys
 
+    group.add_argument("dataset", metavar="DATASET", nargs=None if dataset_required else "?", default=None,
+                       help="folder of N_name image subfolders (N = repeats)")
+    group.add_argument("--model", required=True, metavar="PATH|builtin:ID",
+                       help="base model: a .safetensors file, a diffusers folder, or builtin:sd15 / builtin:sdxl ...")
+    group.add_argument("--family", default=None, help="model family when it cannot be detected (e.g. sd2-v)")
+    group.add_argument("--allow-pickle", action="store_true",
+                       help="allow a .ckpt/.pt model: a pickle can run code when loaded; it is loaded with "
+                       "torch.load(weights_only=True), which refuses anything but tensors")
     for key in model_file_keys():  # the separate files sd-scripts' scripts take, by kohya's names
-        parser.add_argument(f"--{key}", dest=f"file_{key}", default=None, metavar="FILE",
-                            help=f"the {key} file, for the families whose script takes one")
-    parser.add_argument("--gpu", action="append", default=None, metavar="NAME",
-                        help='plan for this catalogue card instead of probing (repeat for several GPUs)')
-    parser.add_argument("--vram", action="append", type=finite, default=None, metavar="GB",
-                        help="plan for a card with this much memory (with --gpu: that card, smaller)")
-    parser.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
-    parser.add_argument("--priority", choices=PRIORITIES, default="balanced",
-                        help="speed | balanced | quality (default balanced)")
-    parser.add_argument("--optimizer", "--optimizer_type", type=optimizer_name, choices=optimizer_names(),
-                        default=None, metavar="NAME",
-                        help=f"pin the optimizer: {', '.join(optimizer_names())}")
-    parser.add_argument("--rank", "--network_dim", type=int, default=None, help="pin the LoRA rank (network_dim)")
-    parser.add_argument("--alpha", "--network_alpha", type=finite, default=None, help="pin network_alpha")
-    parser.add_argument("--batch", "--train_batch_size", type=int, default=None,
-                        help="pin the micro-batch (a smaller one only if it cannot fit, said with the reason)")
-    parser.add_argument("--accum", "--gradient_accumulation_steps", type=int, default=None,
-                        help="pin gradient accumulation (effective batch = batch x accum)")
-    parser.add_argument("--lr", "--learning_rate", type=finite, default=None,
-                        help="pin the UNet's / transformer's learning rate (text encoders get half)")
+        group.add_argument(f"--{key}", dest=f"file_{key}", default=None, metavar="FILE",
+                           help=f"the {key} file, for the families whose script takes one")
+
+
+def _target_arguments(group: argparse._ArgumentGroup) -> None:
+    from autotune.planning.goals import GOALS, PRIORITIES
+
+    group.add_argument("--gpu", action="append", default=None, metavar="NAME",
+                       help='plan for this catalogue card instead of probing (repeat for several GPUs)')
+    group.add_argument("--vram", action="append", type=finite, default=None, metavar="GB",
+                       help="plan for a card with this much memory (with --gpu: that card, smaller)")
+    group.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
+    group.add_argument("--priority", choices=PRIORITIES, default="balanced",
+                       help="speed | balanced | quality (default balanced)")
+    group.add_argument("--ram", type=finite, default=None, metavar="GB",
+                       help="plan for a machine with this much RAM in total (default: the probe's available RAM; "
+                       "with --gpu/--vram and no --ram, host RAM is predicted but not checked)")
+    group.add_argument("--cpu-cores", type=int, default=None,
+                       help="physical CPU cores of the training machine (default: this machine's)")
+
+
+def _dataset_arguments(group: argparse._ArgumentGroup) -> None:
+    from autotune.planning.request import EXPERTS
+
+    group.add_argument("--resolution", type=resolution_side, default=None, metavar="PX|W,H",
+                       help="pin the training resolution: 768 or 768,768 as kohya writes it")
+    group.add_argument("--batch", "--train_batch_size", type=int, default=None,
+                       help="pin the micro-batch (a smaller one only if it cannot fit, said with the reason)")
+    group.add_argument("--frames", type=int, default=None, metavar="N",
+                       help="video families (Wan): frames per clip, 1 + 4k (e.g. 17, 33, 81); default: images")
+    group.add_argument("--experts", choices=EXPERTS, default=None,
+                       help="Wan 2.2 A14B: train the low-noise expert (--model) alone, or both in one run (the "
+                       "high-noise one from --dit_high_noise; default: both when that file is given)")
+    group.add_argument("--workers", "--max_data_loader_n_workers", type=int, default=None,
+                       help="pin max_data_loader_n_workers (host RAM may still lower it)")
+
+
+def _network_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--network", choices=("lora", "locon", "loha", "lokr"), default="lora",
+                       help="lora (kohya's networks.lora) or a LyCORIS algorithm (lycoris.kohya, the lycoris extra)")
+    group.add_argument("--rank", "--network_dim", type=int, default=None, help="pin the LoRA rank (network_dim)")
+    group.add_argument("--alpha", "--network_alpha", type=finite, default=None, help="pin network_alpha")
+    group.add_argument("--network-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="one more network_args entry, e.g. factor=8 for LoKr, conv_dim=8 (repeat it)")
+
+
+def _schedule_arguments(group: argparse._ArgumentGroup, bench: bool) -> None:
+    from sd_scripts_compat.facts.optimizers import optimizer_names
+
+    group.add_argument("--optimizer", "--optimizer_type", type=optimizer_name, choices=optimizer_names(),
+                       default=None, metavar="NAME", help=f"pin the optimizer: {', '.join(optimizer_names())}")
+    group.add_argument("--lr", "--learning_rate", type=finite, default=None,
+                       help="pin the UNet's / transformer's learning rate (text encoders get half)")
+    group.add_argument("--accum", "--gradient_accumulation_steps", type=int, default=None,
+                       help="pin gradient accumulation (effective batch = batch x accum)")
     if not bench:
-        parser.add_argument("--steps", "--max_train_steps", dest="plan_steps", type=int, default=None,
-                            help="pin the number of optimizer steps (instead of the goal's epochs)")
-    parser.add_argument("--network", choices=("lora", "locon", "loha", "lokr"), default="lora",
-                        help="lora (kohya's networks.lora) or a LyCORIS algorithm (lycoris.kohya, the lycoris extra)")
-    parser.add_argument("--network-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="one more network_args entry, e.g. factor=8 for LoKr (repeat it)")
-    parser.add_argument("--resolution", type=resolution_side, default=None, metavar="PX|W,H",
-                        help="pin the training resolution: 768 or 768,768 as kohya writes it")
-    parser.add_argument("--frames", type=int, default=None, metavar="N",
-                        help="video families (Wan): frames per clip, 1 + 4k (e.g. 17, 33, 81); default: images")
-    parser.add_argument("--experts", choices=EXPERTS, default=None,
-                        help="Wan 2.2 A14B: train the low-noise expert (--model) alone, or both in one run (the "
-                        "high-noise one from --dit_high_noise; default: both when that file is given)")
-    parser.add_argument("--epochs", "--max_train_epochs", type=int, default=None, help="pin the number of epochs")
-    parser.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
-    parser.add_argument("--workers", type=int, default=None, help="pin max_data_loader_n_workers (host RAM may "
-                        "still lower it)")
-    parser.add_argument("--ram", type=finite, default=None, metavar="GB",
-                        help="plan for a machine with this much RAM in total (default: the probe's available RAM; "
-                        "with --gpu/--vram and no --ram, host RAM is predicted but not checked)")
-    parser.add_argument("--cpu-cores", type=int, default=None,
-                        help="physical CPU cores of the training machine (default: this machine's)")
-    parser.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
-                        help="config layout: kohya (flat) or lora-scripts (sectioned)")
+        group.add_argument("--steps", "--max_train_steps", dest="plan_steps", type=int, default=None,
+                           help="pin the number of optimizer steps (instead of the goal's epochs)")
+    group.add_argument("--epochs", "--max_train_epochs", type=int, default=None, help="pin the number of epochs")
+
+
+def _saving_arguments(group: argparse._ArgumentGroup, bench: bool) -> None:
     if not bench:
-        parser.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
-        parser.add_argument("--output-name", "--output_name", type=lora_name, default=None, metavar="NAME",
-                            help="the LoRA file's name (default: <dataset>-<family>)")
-    parser.add_argument("--strict", dest="strict_pins", action="store_true",
-                        help="refuse (exit 2) a plan in which your --batch / --accum forces another setting down "
-                             "(rank, resolution, ...) that the planner's own split would keep")
-    parser.add_argument("--no-learn", action="store_true",
-                        help="plan from the models alone, ignoring this machine's measured runs and benches")
-    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+        group.add_argument("--out", default=None, metavar="DIR", help="write config.toml and dataset.toml here")
+        group.add_argument("--output-name", "--output_name", type=lora_name, default=None, metavar="NAME",
+                           help="the LoRA file's name (default: <dataset>-<family>)")
+    group.add_argument("--format", choices=("kohya", "lora-scripts"), default="kohya",
+                       help="config layout: kohya (flat) or lora-scripts (sectioned)")
+
+
+def _advanced_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--no-fp8", action="store_true", help="never store base weights in fp8")
+    group.add_argument("--strict", dest="strict_pins", action="store_true",
+                       help="refuse (exit 2) a plan in which your --batch / --accum forces another setting down "
+                            "(rank, resolution, ...) that the planner's own split would keep")
+    group.add_argument("--no-learn", action="store_true",
+                       help="plan from the models alone, ignoring this machine's measured runs and benches")
+    group.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
 def is_pickle(model: str) -> bool:
@@ -189,6 +185,7 @@ def _physical_cores() -> int:
 def build_request(args: argparse.Namespace, family: FamilySpec | None = None) -> PlanRequest:
     """Turn the command line (and, without --gpu/--vram, a live probe) into a PlanRequest; the family is detected
     here, once, unless the caller already did (``family``)."""
+    from autotune.launch.user_settings import given_settings
     from autotune.planning.request import PlanRequest, Preferences
     from sd_scripts_compat.models.detect import detect_family
 
@@ -204,7 +201,7 @@ def build_request(args: argparse.Namespace, family: FamilySpec | None = None) ->
                         allow_fp8=not args.no_fp8, workers=args.workers, batch=args.batch, accum=args.accum,
                         learning_rate=args.lr, alpha=args.alpha, steps=getattr(args, "plan_steps", None),
                         frames=getattr(args, "frames", None), experts=getattr(args, "experts", None),
-                        output_name=getattr(args, "output_name", None))
+                        output_name=getattr(args, "output_name", None), settings=given_settings(args))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
     device, records = _measured(args, gpus, probe)
     family = family or detect_family(args.model, args.family)

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.launch.arg_types import finite
 from autotune.launch.engines import check_engine, parse_engine
-from autotune.launch.plan_options import finite
 from autotune.layout import (
     CONFIG,
     DECISIONS_LOG,

@@ -132,8 +132,19 @@ def parts_inside(model: str, prefixes: dict[str, str]) -> list[str]:
 
 
 def plan_choices(c: PlanContext) -> tuple[Choice, ...]:
-    """Every setting in config.toml, with its reason, in the order the file shows them."""
-    return (*_model_and_dataset(c), *_network(c), *_optimizer(c), *_training(c), *_saving(c), *_informational(c))
+    """Every setting in config.toml, with its reason, in the order the file shows them; the settings the user gave
+    (``Preferences.settings``) in place of the plan's own."""
+    planned = [*_model_and_dataset(c), *_network(c), *_optimizer(c), *_training(c), *_saving(c)]
+    return (*user_settings(planned, c.request.preferences.settings), *_informational(c))
+
+
+def user_settings(planned: list[Choice], given: tuple[tuple[str, Any], ...]) -> list[Choice]:
+    """The choices with each setting the user gave in place of the plan's value (the plan's said in the reason),
+    and the ones the plan does not set added after them."""
+    yours = dict(given)
+    out = [replace(c, value=yours.pop(c.key), reason=f"yours (the plan's {c.value!r}: {c.reason})")
+           if c.key in yours else c for c in planned]
+    return out + [Choice(key, value, f"yours (--{key})") for key, value in yours.items()]
 
 
 def _model_and_dataset(c: PlanContext) -> list[Choice]:

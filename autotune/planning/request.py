@@ -84,6 +84,7 @@ class Preferences:
     steps: int | None = None  # max_train_steps (instead of the goal's epochs)
     frames: int | None = None  # video frames per sample (a video family's target_frames, N*4+1); None: images
     experts: str | None = None  # Wan 2.2 A14B: "low" (the --dit expert alone) or "both" (with --dit_high_noise)
+    settings: tuple[tuple[str, Any], ...] = ()  # sd-scripts settings the user gave (launch.user_settings), kept
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,9 @@ SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
                             "min_snr_gamma", "blocks_to_swap", "timestep_sampling", "model_prediction_type",
                             "guidance_scale", "discrete_flow_shift")),
     ("saving_arguments", ("output_dir", "output_name", "save_model_as", "save_precision", "save_every_n_epochs",
-                          "save_state")),
+                          "save_every_n_steps", "save_last_n_epochs", "save_last_n_steps", "save_state")),
+    ("sample_prompt_arguments", ("sample_prompts", "sample_every_n_steps", "sample_every_n_epochs",
+                                 "sample_sampler", "sample_at_first")),
     ("logging_arguments", ("logging_dir", "log_with", "log_prefix")),
 )
 OTHERS_SECTION = "others"

@@ -112,6 +112,13 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
 
     schemas = Schemas()
 
+    @app.get("/api/options")
+    def options() -> dict[str, Any]:
+        """The new-training form: ``autotune run``'s options as the run endpoint validates them, in their groups."""
+        from autotune.ui.schemas import form_fields
+
+        return {"fields": form_fields(schemas.run(tuple(offered)), schemas.get("plan"))}
+
     @app.post("/api/doctor")
     async def doctor(request: Request) -> dict[str, Any]:
         schema = schemas.get("doctor")
@@ -216,6 +223,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
 
     store = RunStore(runs_dir, policy)
     threading.Thread(target=serve_queue, args=(store,), name="run-queue", daemon=True).start()
+    add_run_file_routes(app, store)
 
     @app.get("/api/runs")
     def runs() -> dict[str, Any]:
@@ -259,6 +267,18 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         """``autotune inspect RUN --json`` of the run's LoRA, with ``download``: its path under /files/."""
         return inspect_run(store.folder(run_id), run_id, policy)
 
+    @app.get("/api/runs/{run_id}/events")
+    def events(run_id: str) -> StreamingResponse:
+        from autotune.ui.events import run_events
+
+        store.folder(run_id)
+        return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+def add_run_file_routes(app: FastAPI, store: RunStore) -> None:
+    """What a run wrote, for its page: the report page and its files (samples, LoRA, configs, logs)."""
+
     @app.get("/api/runs/{run_id}/report.html")
     def report_page(run_id: str) -> Any:
         """``autotune report``'s page of the run, drawn now (inline style and SVG, no script: served sandboxed)."""
@@ -284,14 +304,6 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
             raise BadRequest(f"run {run_id}: {name} is not served (only {', '.join(RUN_FILE_TYPES)} files)",
                              status=404)
         return FileResponse(path, media_type=media)
-
-    @app.get("/api/runs/{run_id}/events")
-    def events(run_id: str) -> StreamingResponse:
-        from autotune.ui.events import run_events
-
-        store.folder(run_id)
-        return StreamingResponse(run_events(store, run_id), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
 
 
 def run_report(folder: Path) -> tuple[dict[str, Any], RunFiles]:

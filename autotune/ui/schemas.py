@@ -49,7 +49,8 @@ NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs (th
                      "engine": "the engines are fixed when autotune ui starts; choose one by its name",
                      "json": "the API always answers JSON", "html": "the API answers JSON; autotune report writes "
                      "HTML", "help": "see autotune COMMAND --help"}
-PATH_DESTS = ("dataset", "model", "config", "dataset_config")  # + every model-file key (clip_l, t5xxl, ...)
+RUN_GROUP = "the run"  # ``autotune run``'s own options (retries, stall timeout, your config), in no plan group
+PATH_DESTS = ("dataset", "model", "config", "dataset_config", "setting_sample_prompts")  # + the model-file keys
 
 
 def _plain_text(value: str) -> str:
@@ -84,7 +85,7 @@ def _value_type(action: argparse.Action) -> Any:
     """The JSON type of one value of ``action``."""
     if action.choices is not None:
         return Literal[tuple(action.choices)]
-    if action.type is int:
+    if action.type is int or getattr(action.type, "__name__", "") == "integer":
         return Integer
     converter = getattr(action.type, "__name__", "")
     if converter == "finite number":
@@ -118,6 +119,7 @@ class CommandSchema:
     model: type[BaseModel]
     actions: dict[str, argparse.Action]
     defaults: dict[str, Any]
+    groups: dict[str, str]  # body key -> the title of the option's group in ``--help`` (plan_options' groups)
 
     def validate(self, body: Any) -> BaseModel:
         """``body`` as the model, or ``BadBody`` with one line naming the first wrong key."""
@@ -195,8 +197,32 @@ def command_schema(command: str, extra: dict[str, Any] | None = None) -> Command
         fields[key] = (_field_type(action), ... if required else None)
     defaults = {a.dest: a.default for a in sub._actions if a.default is not argparse.SUPPRESS}
     defaults.update(sub._defaults)
+    titles = {id(action): group.title or "" for group in sub._action_groups for action in group._group_actions}
+    groups = {key: RUN_GROUP if titles.get(id(action)) in ("options", "positional arguments") else titles[id(action)]
+              for key, action in actions.items()}
     model = create_model(f"{command.title()}Body", __config__=ConfigDict(extra="forbid"), **fields, **(extra or {}))
-    return CommandSchema(command, model, actions, defaults)
+    return CommandSchema(command, model, actions, defaults, groups)
+
+
+def form_fields(schema: CommandSchema, plan: CommandSchema) -> list[dict[str, Any]]:
+    """The page's form, made from the schema it is validated with: per body key its group, kind (flag, choice,
+    integer, number, text, path, list), choices, default, help, the plan's key it sets (``config``: the
+    sd-scripts spelling among its names, whose planned value and reason the page shows beside it) and whether
+    ``plan`` takes it too (a run's own options, such as its retries, are sent with Start only)."""
+    paths = set(schema.path_keys())
+    out = []
+    for key, action in schema.actions.items():
+        kind = ("flag" if isinstance(action, argparse._StoreTrueAction) else "path" if key in paths
+                else "list" if isinstance(action, argparse._AppendAction) else "choice" if action.choices
+                else "integer" if action.type is int else {"integer": "integer", "finite number": "number"}.get(
+                    getattr(action.type, "__name__", ""), "text"))
+        longs = [o[2:] for o in action.option_strings if o.startswith("--")]
+        config = next((name for name in longs if "_" in name), key)
+        default = action.default if isinstance(action.default, str | int | float | bool) else None
+        out.append({"key": key, "group": schema.groups[key], "kind": kind, "help": action.help or "",
+                    "choices": list(action.choices) if action.choices else None, "default": default,
+                    "config": config, "plan": key in plan.actions, "required": action.required})
+    return out
 
 
 def given(model: BaseModel) -> dict[str, Any]:

@@ -10,6 +10,7 @@ let overrides = {};
 let fileKeys = new Set();  // the model's files among the overrides: another model drops them
 let checkedModel = null;
 let engines = ["autotune"];
+let fields = [];  // the form: autotune run's options as the server validates them (GET /api/options)
 let stream = null;
 
 function withToken(path) {
@@ -69,8 +70,10 @@ function duration(seconds) {
 
 // ---- new training -------------------------------------------------------------------------------
 
-function planBody() {
-  const body = {dataset: form.dataset, model: form.model, goal: form.goal, priority: form.priority, ...overrides};
+function planBody() {  // the plan takes the plan options among what the user set (a run's own go with Start)
+  const planKeys = new Set(fields.filter(f => f.plan).map(f => f.key));
+  const mine = Object.fromEntries(Object.entries(overrides).filter(([key]) => planKeys.has(key)));
+  const body = {dataset: form.dataset, model: form.model, goal: form.goal, priority: form.priority, ...mine};
   if (form.vram) body.vram = Number(form.vram);
   if (form.gpu) body.gpu = form.gpu;
   return body;
@@ -132,27 +135,62 @@ function doctorView(report) {
       `${s.steps_per_epoch} steps per epoch`), buckets, report.problems.length ? problems : "");
 }
 
-const EDITABLE = {train_batch_size: "batch", gradient_accumulation_steps: "accum", network_dim: "rank",
-  network_alpha: "alpha", learning_rate: "lr", max_train_steps: "steps", max_train_epochs: "epochs",
-  optimizer_type: "optimizer", resolution: "resolution"};
+const TOP = new Set(["dataset", "model", "vram", "gpu", "goal", "priority"]);  // the fields above the plan
 
 function same(asked, planned) {
-  const a = String(asked).trim(), p = String(planned);
+  const a = Array.isArray(asked) ? asked.join(",") : String(asked).trim(), p = String(planned);
   if (a === p || `${a},${a}` === p) return true;
   return a !== "" && !isNaN(Number(a)) && Number(a) === Number(p);
 }
 
-function planRow(c) {
-  const pin = EDITABLE[c.key];
-  const value = pin ? el("input", {type: "text", "data-key": c.key, value: String(c.value),
-    onchange: e => { overrides[pin] = typed(e.target.value); repredict(); }}) : String(c.value);
-  const asked = pin && pin in overrides && !same(overrides[pin], c.value) ? overrides[pin] : null;
-  const reason = el("td", {class: "reason"}, c.reason);
-  if (asked !== null) {
-    reason.prepend(el("div", {class: "flag", "data-flag": c.key},
-      `${asked} does not fit this card: ${c.value} does (predicted with it below)`));
+function shownValue(value) {  // a value as its field shows it (a list of values space-separated)
+  return Array.isArray(value) ? value.join(" ") : value == null ? "" : String(value);
+}
+
+function settingInput(f, shown, changed) {  // one option's input, by its kind in the schema
+  const attrs = {id: "set-" + f.key, "data-key": f.config, "data-option": f.key};
+  if (f.kind === "flag") {
+    return el("input", {...attrs, type: "checkbox", ...(shown === true ? {checked: ""} : {}),
+      onchange: e => changed(e.target.checked ? true : null)});
   }
-  return el("tr", asked !== null ? {class: "adjusted"} : {}, el("td", {}, c.key), el("td", {}, value), reason);
+  if (f.kind === "choice") {
+    return el("select", {...attrs, onchange: e => changed(e.target.value || null)},
+      el("option", {value: ""}, "(the plan's)"), ...f.choices.map(o => el("option",
+        String(o) === String(shown) ? {value: o, selected: ""} : {value: o}, o)));
+  }
+  const parse = f.kind === "list" ? text => text.split(/\s+/).filter(Boolean).map(typed)
+    : f.kind === "text" || f.kind === "path" ? text => text.trim() : typed;
+  return el("input", {...attrs, type: "text", value: shownValue(shown), placeholder: f.default == null ? "" :
+    String(f.default), onchange: e => { const v = parse(e.target.value); changed(v === "" || v.length === 0 ? null : v); }});
+}
+
+function settingRow(f, c) {  // the option, the value the plan chose (or the user's, marked) and its reason
+  const mine = f.key in overrides;
+  const changed = value => { if (value === null) delete overrides[f.key]; else overrides[f.key] = value; repredict(); };
+  const reason = el("td", {class: "reason"}, c ? c.reason : f.help);
+  if (mine && c && !same(overrides[f.key], c.value)) {
+    reason.prepend(el("div", {class: "flag", "data-flag": f.config},
+      `${shownValue(overrides[f.key])} does not fit this card: ${shownValue(c.value)} does (predicted with it below)`));
+  }
+  const label = el("td", {title: f.help}, f.config, mine ? el("span", {class: "mine"}, " yours") : "");
+  return el("tr", {class: mine ? "yours" : "", "data-row": f.key}, label,
+    el("td", {}, settingInput(f, mine ? overrides[f.key] : c ? c.value : null, changed)), reason);
+}
+
+function settingsView(plan) {  // every option of autotune run, grouped as --help groups them, made from the schema
+  const planned = new Map(plan.choices.map(c => [c.key, c]));
+  const groups = new Map();
+  for (const f of fields) {
+    if (TOP.has(f.key) || f.group === "model and its files" && f.kind === "path") continue;  // above / the files
+    if (!groups.has(f.group)) groups.set(f.group, []);
+    groups.get(f.group).push(settingRow(f, f.plan ? planned.get(f.config) : undefined));  // a run's own: no plan key
+  }
+  return el("div", {id: "settings"}, ...[...groups].map(([title, rows]) =>
+    el("fieldset", {"data-group": title}, el("legend", {}, title), el("table", {}, ...rows))));
+}
+
+function planRow(c) {  // a setting no option sets: what the plan chose and why
+  return el("tr", {}, el("td", {}, c.key), el("td", {}, String(c.value)), el("td", {class: "reason"}, c.reason));
 }
 
 function download(name, text) {
@@ -184,7 +222,8 @@ function startState(plan) {  // the server says why a run of this plan cannot st
 function planView(plan) {
   const p = plan.prediction || {};
   const usable = p.usable_bytes || 1, peak = p.peak_bytes || 0;
-  const rows = plan.choices.filter(c => c.kohya !== false && !c.model_file).map(planRow);
+  const covered = new Set(fields.map(f => f.config));
+  const rows = plan.choices.filter(c => c.kohya !== false && !c.model_file && !covered.has(c.key)).map(planRow);
   const files = plan.choices.filter(c => c.model_file);
   files.forEach(c => fileKeys.add(c.key));
   const configsBox = el("div", {id: "configs-box"});
@@ -203,7 +242,7 @@ function planView(plan) {
     plan.fallbacks.length ? el("p", {id: "fallbacks"}, "to fit: " + plan.fallbacks.join("; ")) : "",
     files.length ? el("fieldset", {id: "model-files"}, el("legend", {}, "The model's files"),
       ...files.map(c => el("div", {}, fileRow(c)))) : "",
-    el("table", {id: "plan-table"}, ...rows),
+    settingsView(plan), el("h4", {}, "Set by the plan"), el("table", {id: "plan-table"}, ...rows),
     el("button", {id: "show-configs", onclick: () => configsBox.replaceChildren(configsView(plan.configs))},
       "Write configs"), engineChoice,
     el("button", why ? {id: "start", onclick: start, disabled: ""} : {id: "start", onclick: start}, "Start training"),
@@ -220,6 +259,7 @@ async function repredict() {
 }
 
 async function check() {  // what the user changed stays through another check; the files only with their model
+  if (!fields.length) fields = (await api("GET", "/api/options")).fields;
   if (form.model !== checkedModel) {
     fileKeys.forEach(key => delete overrides[key]);
     fileKeys.clear();
@@ -233,7 +273,7 @@ async function check() {  // what the user changed stays through another check; 
 }
 
 async function start() {
-  const run = await api("POST", "/api/runs", {...planBody(), engine: form.engine});
+  const run = await api("POST", "/api/runs", {...planBody(), ...overrides, engine: form.engine});
   location.hash = "#/run/" + encodeURIComponent(run.id);
 }
 
