@@ -189,3 +189,27 @@ def test_chroma_layout_agrees_with_diffusers_converter_at_full_size():
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     back = to_bfl(ours, config)
     assert all(torch.equal(back[k], thin[k]) for k in thin)
+
+
+def test_the_parts_beside_a_model_are_told_apart_by_their_headers(tmp_path, tiny):
+    """The web page fills clip_l / t5xxl / ae from the files beside a FLUX.1 file (``models.part_kind``): by the
+    keys and widths in their headers, not their names; two files of one kind (fp16 and fp8 T5) leave it to the user;
+    a file that is no safetensors is passed over."""
+    import shutil
+
+    from sd_scripts_compat.models.part_kind import part_kind, parts_beside
+
+    files = save_flux_files(tiny, tmp_path / "models")
+    renamed = {key: files[key].rename(tmp_path / "models" / f"part{i}.safetensors")
+               for i, key in enumerate(("clip_l", "t5xxl", "ae"))}
+    (tmp_path / "models" / "notes.safetensors").write_text("not a checkpoint")
+    model = files["pretrained_model_name_or_path"]
+    assert parts_beside(model, ["clip_l", "t5xxl", "ae"]) == renamed
+    assert parts_beside(model, ["clip_l", "clip_g"]) == {}  # a CLIP of a tiny width: its name says neither
+    shutil.copy(renamed["t5xxl"], tmp_path / "models" / "t5xxl_fp8.safetensors")
+    assert parts_beside(model, ["clip_l", "t5xxl", "ae"]) == {"clip_l": renamed["clip_l"], "ae": renamed["ae"]}
+    token = "text_model.embeddings.token_embedding.weight"
+    assert part_kind({token: (49408, 768)}) == "clip_l" and part_kind({token: (49408, 1280)}) == "clip_g"
+    assert part_kind({"decoder.conv_out.weight": (3, 128, 3, 3)}) == "autoencoder"
+    assert part_kind({"double_blocks.0.img_attn.qkv.weight": (9, 3)}) is None  # a transformer: no part
+    assert part_kind({"first_stage_model.decoder.conv_out.weight": (3, 128, 3, 3)}) is None  # a whole checkpoint

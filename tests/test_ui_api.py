@@ -324,3 +324,19 @@ def test_the_form_is_the_run_schema_and_the_users_settings_are_planned_as_theirs
     assert status == 403 and "outside" in answer["error"], answer
     status, answer = server.call("POST", "/api/plan", {**body, "save_last_n_epochs": 0})
     assert status == 400 and "save_last_n_epochs: must be 1 or more, got 0" in answer["error"], answer
+
+
+def test_a_models_files_beside_it_are_offered_with_its_plan(server):
+    """POST /api/plan of a FLUX.1 file names, under ``beside``, the clip_l / t5xxl / ae files its folder holds
+    (told apart by their headers), for the page to fill in; with them given, nothing more is offered."""
+    from sd_scripts_compat.models.flux_files import save_flux_files
+    from sd_scripts_compat.runtimes import load_base_model
+
+    files = save_flux_files(load_base_model("builtin:tiny-flux"), server.runs.parent / "flux")
+    body = {"dataset": str(DATASET), "model": str(files["pretrained_model_name_or_path"])}
+    status, plan = server.call("POST", "/api/plan", body)
+    assert status == 200, plan
+    assert plan["beside"] == {key: str(files[key]) for key in ("clip_l", "t5xxl", "ae")}
+    assert "fill in clip_l, t5xxl, ae" in plan["start"]["autotune"]
+    status, plan = server.call("POST", "/api/plan", {**body, **plan["beside"]})
+    assert status == 200 and plan["beside"] == {} and plan["start"]["autotune"] is None, plan["start"]

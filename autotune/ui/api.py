@@ -131,7 +131,8 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
         schema = schemas.get("plan")
         args = command_args(schema, checked_values(schema, await json_body(request), policy))
         planned = await _in_thread(run_plan, args)
-        return {**planned, "start": start_verdicts(planned, list(offered))}
+        beside = await _in_thread(files_beside, planned)
+        return {**planned, "start": start_verdicts(planned, list(offered)), "beside": beside}
 
     @app.get("/api/thumbnail")
     async def thumbnail(dataset: str, file: str, model: str | None = None, resolution: int | None = None) -> Any:
@@ -495,6 +496,18 @@ def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str
             continue
         verdicts[name] = f"fill in {', '.join(missing)}: the files {family.name} needs" if missing else None
     return verdicts
+
+
+def files_beside(planned: dict[str, Any]) -> dict[str, str]:
+    """The model's files no one gave that sit beside the model file (their headers say which), for the page to fill
+    in: kohya's parts (clip_l, clip_g, t5xxl, ae / vae; ``models.part_kind``); musubi-tuner's are not told apart."""
+    from sd_scripts_compat.models.part_kind import parts_beside
+
+    missing = [c["key"] for c in planned["choices"] if c.get("placeholder")]
+    model = Path(str(planned["model"]))
+    if not missing or is_builtin(str(planned["model"])) or not model.is_file():
+        return {}
+    return {key: str(path) for key, path in parts_beside(model, missing).items()}
 
 
 def plan_configs(plan: Plan, fmt: str) -> dict[str, str]:

@@ -8,6 +8,7 @@ const form = {dataset: "", model: "builtin:tiny-sd15", vram: "", gpu: "", goal: 
   engine: "autotune"};
 let overrides = {};
 let fileKeys = new Set();  // the model's files among the overrides: another model drops them
+let besides = {};  // the files the page filled in from beside the model (said beside each)
 let checkedModel = null;
 let engines = ["autotune"];
 let fields = [];  // the form: autotune run's options as the server validates them (GET /api/options)
@@ -90,22 +91,27 @@ function choice(name, label, options, changed) {
   return el("label", {}, label + " ", select);
 }
 
-async function showBrowser(box, path) {
+// the folder browser: only the folders the server allows (GET /api/browse refuses the rest); a model file picked
+// is the model, or with ``pick`` the file of one of its fields
+async function showBrowser(box, path, pick) {
   const listing = await api("GET", "/api/browse" + (path ? "?path=" + encodeURIComponent(path) : ""));
   box.replaceChildren();
   box.setAttribute("data-path", listing.path || "");
-  if (listing.path) {
+  if (listing.path && !pick) {
     box.append(el("div", {}, "in ", el("code", {}, listing.path), " ",
       el("button", {id: "use-folder", onclick: () => { form.dataset = listing.path; render(); }}, "Use this folder")));
+  } else if (listing.path) {
+    box.append(el("div", {}, "in ", el("code", {}, listing.path)));
   }
   const list = el("ul", {class: "browser"});
-  if (listing.parent) list.append(el("li", {onclick: () => showBrowser(box, listing.parent)}, ".."));
+  if (listing.parent) list.append(el("li", {onclick: () => showBrowser(box, listing.parent, pick)}, ".."));
   for (const name of listing.folders) {
     const full = listing.path ? listing.path + "/" + name : name;
-    list.append(el("li", {"data-folder": name, onclick: () => showBrowser(box, full)}, "\u{1F4C1} " + name));
+    list.append(el("li", {"data-folder": name, onclick: () => showBrowser(box, full, pick)}, "\u{1F4C1} " + name));
   }
   for (const name of listing.files) {
-    list.append(el("li", {onclick: () => { form.model = listing.path + "/" + name; render(); }}, name));
+    const full = listing.path + "/" + name;
+    list.append(el("li", {"data-file": name, onclick: () => pick ? pick(full) : (form.model = full, render())}, name));
   }
   box.append(list);
 }
@@ -204,11 +210,19 @@ function configsView(configs) {
       el("pre", {"data-config": name}, text)]));
 }
 
-function fileRow(c) {  // one of the family's files: typed or pasted, kept through "Check and plan"
-  return el("label", {}, c.key + " ", el("input", {type: "text", id: "in-file-" + c.key, size: 60,
+function folderOf(path) { return path.includes("/") ? path.slice(0, path.lastIndexOf("/")) : null; }
+
+function fileRow(c) {  // one of the family's files: found beside the model, picked, typed or pasted; kept
+  const picker = el("div", {class: "picker", id: "pick-" + c.key});
+  const pick = path => { overrides[c.key] = path; delete besides[c.key]; repredict(); };
+  const from = overrides[c.key] ? folderOf(overrides[c.key]) : form.model.startsWith("builtin:") ? null :
+    folderOf(form.model);
+  return el("div", {}, el("label", {}, c.key + " ", el("input", {type: "text", id: "in-file-" + c.key, size: 60,
     value: c.placeholder ? (overrides[c.key] || "") : String(c.value), placeholder: c.placeholder ? c.value : "",
-    onchange: e => { overrides[c.key] = e.target.value.trim(); repredict(); }}),
-    el("span", {class: "reason"}, " " + c.reason));
+    onchange: e => { overrides[c.key] = e.target.value.trim(); delete besides[c.key]; repredict(); }})),
+    el("button", {id: "browse-" + c.key, onclick: () => showBrowser(picker, from, pick)}, "Browse"),
+    el("span", {class: "reason", "data-beside": besides[c.key] ? "yes" : "no"},
+      " " + (besides[c.key] ? "found beside the model (its header says what it holds)" : c.reason)), picker);
 }
 
 function startState(plan) {  // the server says why a run of this plan cannot start with the chosen engine
@@ -241,7 +255,7 @@ function planView(plan) {
       `; speed: ${p.speed_source || "model"}`, p.speed_source && p.speed_source !== "model" ? ` (${p.speed_basis})` : ""),
     plan.fallbacks.length ? el("p", {id: "fallbacks"}, "to fit: " + plan.fallbacks.join("; ")) : "",
     files.length ? el("fieldset", {id: "model-files"}, el("legend", {}, "The model's files"),
-      ...files.map(c => el("div", {}, fileRow(c)))) : "",
+      ...files.map(fileRow)) : "",
     settingsView(plan), el("h4", {}, "Set by the plan"), el("table", {id: "plan-table"}, ...rows),
     el("button", {id: "show-configs", onclick: () => configsBox.replaceChildren(configsView(plan.configs))},
       "Write configs"), engineChoice,
@@ -252,9 +266,25 @@ function planView(plan) {
 async function repredict() {
   const box = document.getElementById("plan-box");
   try {
-    box.replaceChildren(planView(await api("POST", "/api/plan", planBody())));
-  } catch (error) {
-    box.replaceChildren(el("p", {id: "plan-refused"}, error.message));
+    const plan = await api("POST", "/api/plan", planBody());
+    const found = Object.entries(plan.beside || {}).filter(([key]) => !(key in overrides));
+    if (found.length) {  // the files sit beside the model: filled in, said so, planned with them
+      found.forEach(([key, path]) => { overrides[key] = path; besides[key] = true; });
+      return repredict();
+    }
+    box.replaceChildren(planView(plan));
+  } catch (error) {  // the reason above the last plan, whose fields stay to change what was refused
+    const refused = el("p", {id: "plan-refused", class: "why"}, "not planned: " + error.message);
+    const last = document.getElementById("plan");
+    if (last) {
+      document.getElementById("plan-refused")?.remove();
+      last.prepend(refused);
+      const button = document.getElementById("start");
+      if (button) button.disabled = true;
+      document.getElementById("start-why").textContent = "the last change was not planned (see above)";
+    } else {
+      box.replaceChildren(refused);
+    }
   }
 }
 
@@ -263,6 +293,7 @@ async function check() {  // what the user changed stays through another check; 
   if (form.model !== checkedModel) {
     fileKeys.forEach(key => delete overrides[key]);
     fileKeys.clear();
+    besides = {};
     checkedModel = form.model;
   }
   const doctorBox = document.getElementById("doctor-box");
@@ -409,15 +440,22 @@ async function renderRun(id) {
   show(info.state, info.step, info.max_train_steps, info.it_per_s);
   explain(info.state, info.message);
   const log = el("pre", {id: "log"}), logLines = [];
-  const tensorboard = info.tensorboard ? el("p", {id: "tensorboard"}, "TensorBoard logs: ",
-    el("code", {}, info.tensorboard.logdir), " (", el("code", {}, info.tensorboard.command), ")") : "";
-  view.replaceChildren(el("h2", {}, "Run ", id), el("p", {}, `engine ${info.engine}`, info.family ?
-    `, family ${info.family}` : ""), why, status, stop, resume, el("p", {id: "run-links"}, ...runLinks(info)),
-    tensorboard, memoryBox, charts, el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples,
-    el("h3", {}, "Log"), log, report);
+  const about = el("div", {id: "run-about"});
+  const describe = () => about.replaceChildren(el("p", {}, `engine ${info.engine}`,
+    info.family ? `, family ${info.family}` : ""), el("p", {id: "run-links"}, ...runLinks(info)),
+    info.tensorboard ? el("p", {id: "tensorboard"}, "TensorBoard logs: ", el("code", {}, info.tensorboard.logdir),
+      " (", el("code", {}, info.tensorboard.command), ")") : "");
+  const refresh = async () => {  // what the run has written since (its plan, config, report, logs): read again
+    Object.assign(info, await api("GET", "/api/runs/" + encodeURIComponent(id)));
+    describe();
+    memoryBox.replaceChildren(memoryView(info, peak));
+  };
+  describe();
+  view.replaceChildren(el("h2", {}, "Run ", id), why, status, stop, resume, about, memoryBox, charts,
+    el("h3", {}, "Decisions"), decisions, el("h3", {}, "Samples"), samples, el("h3", {}, "Log"), log, report);
   if (stream) stream.close();
   stream = new EventSource(withToken(`/api/runs/${encodeURIComponent(id)}/events`));
-  let last = {}, drawing = false, peak = info.peak_memory_mib;
+  let last = {}, drawing = false, refreshed = false, peak = info.peak_memory_mib;
   const draw = () => {
     drawing = false;
     charts.replaceChildren(curve("loss-curve", series(losses), "loss"), curve("lr-curve", series(lrs), "learning rate"),
@@ -430,6 +468,7 @@ async function renderRun(id) {
     last.state = s.state;
     show(last.state, last.step, last.total, last.rate);
     explain(s.state, s.message);
+    refresh();
   });
   stream.addEventListener("progress", e => {
     const p = JSON.parse(e.data);
@@ -439,6 +478,7 @@ async function renderRun(id) {
     if (p.it_per_s != null) rates.set(p.step, p.it_per_s);
     if (p.lr != null) lrs.set(p.step, p.lr);
     if (p.peak_memory_mib != null) { memory.set(p.step, p.peak_memory_mib); peak = p.peak_memory_mib; }
+    if (!info.planned && !refreshed) { refreshed = true; refresh(); }  // the plan is written as training starts
     if (!drawing) { drawing = true; requestAnimationFrame(draw); }  // a replayed history draws once a frame
   });
   stream.addEventListener("decision", e => {
@@ -459,6 +499,7 @@ async function renderRun(id) {
   });
   stream.addEventListener("end", e => {
     stream.close();
+    refresh();
     if (JSON.parse(e.data).state === "done") showEnd(id, report);
   });
 }
