@@ -189,6 +189,16 @@ def test_folder_browser_lists_folders_and_model_files(server, tmp_path):
      "plans without writing"),
     ("POST", "/api/plan", [1, 2], 400, "one JSON object"),
     ("GET", "/api/browse?path=" + str(ROOT / "examples" / "missing"), None, 404, "not a folder"),
+    ("POST", "/api/presets/import", {"format": "a1111", "text": "{}"}, 400, "format: Input should be 'kohya_ss'"),
+    ("POST", "/api/presets/import", {"format": "kohya_ss", "text": "{not json"}, 400,
+     "text: not a kohya_ss preset (JSON: "),
+    ("POST", "/api/presets/import", {"format": "kohya_ss", "text": "[1, 2]"}, 400, "one object of settings"),
+    ("POST", "/api/presets/import", {"format": "sd-scripts", "text": "network_dim = = 4"}, 400,
+     "text: not a sd-scripts preset (TOML: "),
+    ("POST", "/api/presets/import", {"format": "kohya_ss", "text": "x" * (600 * 1024)}, 400,
+     "text: String should have at most"),
+    ("POST", "/api/presets/import", {"format": "kohya_ss", "text": "{}", "path": "/etc/passwd"}, 400,
+     "path: Extra inputs are not permitted"),
 ])
 def test_bad_input_is_one_json_line_and_writes_nothing(server, method, path, body, status, said):
     before = set(server.runs.parent.rglob("*"))

@@ -6,6 +6,7 @@ page goes to ``$AUTOTUNE_UI_SCREENSHOTS`` (default: the test's own folder)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -485,5 +486,65 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
         browser.get(report)
         assert "Run report" in browser.page_source
         browser.save_screenshot(str(shots / "walk-6-report.png"))
+    finally:
+        server.stop()
+
+
+def test_presets_import_a_kohya_ss_gui_file_save_load_and_export(tmp_path, browser):
+    """A kohya_ss GUI preset (loha-sd15.json, as the GUI ships it) imported on the page: every key listed as taken,
+    planned for the card, not honoured or empty; the plan takes its settings (LoHa, rank 32, accumulation 4, min-SNR
+    10), marked as the user's; saved under a name in this browser, changed, loaded back; the plan offered as a
+    kohya_ss GUI preset beside the sd-scripts configs."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    preset = ROOT / "tests" / "fixtures" / "kohya_ss_presets" / "loha-sd15.json"
+    server = Server(tmp_path)
+    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+    def typed(field: str, value: str) -> None:
+        element = browser.find_element(By.ID, field)
+        element.send_keys(Keys.CONTROL, "a")
+        element.send_keys(value, Keys.TAB)
+
+    def value(key: str) -> str:
+        return browser.find_element(By.ID, f"set-{key}").get_attribute("value")
+
+    try:
+        browser.get(f"http://127.0.0.1:{server.port}/")
+        typed("in-dataset", str(ROOT / "examples" / "dataset"))
+        browser.find_element(By.ID, "check").click()
+        wait.until(seen.presence_of_element_located((By.ID, "settings")))
+        browser.find_element(By.ID, "preset-file").send_keys(str(preset))
+        wait.until(seen.presence_of_element_located((By.ID, "preset-report")))
+        report = browser.find_element(By.ID, "preset-report").text
+        assert "LoRA_type (as network)" in report and "mixed_precision (the file's bf16)" in report
+        assert "multires_noise_iterations: noise_offset_type Multires" in report, report
+        wait.until(lambda b: Select(b.find_element(By.ID, "set-network")).first_selected_option.text == "loha"
+                   and value("rank") == "32" and value("accum") == "4" and value("min_snr_gamma") == "10")
+        assert "yours" in browser.find_element(By.CSS_SELECTOR, "tr[data-row='rank']").text
+        browser.save_screenshot(str(tmp_path / "preset-imported.png"))
+        typed("preset-name", "my loha")
+        browser.find_element(By.ID, "preset-save").click()
+        typed("set-rank", "8")
+        wait.until(lambda b: "rank 8" in b.find_element(By.ID, "plan-message").text)
+        Select(browser.find_element(By.ID, "preset-names")).select_by_visible_text("my loha")
+        browser.find_element(By.ID, "preset-load").click()
+        wait.until(lambda b: "rank 32" in b.find_element(By.ID, "plan-message").text and value("rank") == "32")
+        browser.find_element(By.ID, "show-configs").click()
+        config = browser.find_element(By.CSS_SELECTOR, "pre[data-config='config.toml']").text
+        assert 'network_module = "lycoris.kohya"' in config and '"conv_dim=8"' in config
+        assert "min_snr_gamma = 10" in config and "network_dim = 32" in config
+        exported = json.loads(browser.find_element(By.CSS_SELECTOR, "pre[data-config='kohya_ss_gui.json']").text)
+        assert exported["LoRA_type"] == "LyCORIS/LoHa" and exported["network_dim"] == 32 and exported["conv_dim"] == 8
+        link = browser.find_element(By.CSS_SELECTOR, "a[data-file='kohya_ss_gui.json']")
+        assert link.get_attribute("download") == "kohya_ss_gui.json"
+        browser.get(f"http://127.0.0.1:{server.port}/")  # saved in this browser: there after a reload
+        wait.until(lambda b: "my loha" in b.find_element(By.ID, "preset-names").text)
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == [], errors
     finally:
         server.stop()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from starlette.middleware.base import RequestResponseEndpoint
     from starlette.responses import Response
 
+    from autotune.launch.presets import Imported
     from autotune.planning.planner import Plan
     from autotune.report.load import RunFiles
     from autotune.ui.runs import EngineChoice, RunStore
@@ -118,6 +119,12 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
         from autotune.ui.schemas import form_fields
 
         return {"fields": form_fields(schemas.run(tuple(offered)), schemas.get("plan"))}
+
+    @app.post("/api/presets/import")
+    async def import_preset(request: Request) -> dict[str, Any]:
+        """A kohya_ss GUI preset or a sd-scripts config.toml as the plan's options, every key of it accounted for
+        (``launch.presets``); nothing is written."""
+        return await _in_thread(imported_preset, await json_body(request), schemas.get("plan"))
 
     @app.post("/api/doctor")
     async def doctor(request: Request) -> dict[str, Any]:
@@ -476,6 +483,55 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     return {**plan.to_dict(), "configs": plan_configs(plan, args.format)}
 
 
+def imported_preset(body: Any, schema: CommandSchema) -> dict[str, Any]:
+    """The preset's options (``launch.presets``), each checked as the plan checks it: a value the plan would refuse
+    moves to ``ignored`` with the plan's own line."""
+    import tomllib
+    from pydantic import ValidationError
+
+    from autotune.launch.presets import from_kohya_gui, from_sd_scripts
+    from autotune.ui.schemas import PresetImport
+
+    try:
+        request = PresetImport.model_validate(body)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        raise BadRequest(f"{'.'.join(str(p) for p in first.get('loc', ())) or 'body'}: {first['msg']}; send "
+                         '{"format": "kohya_ss" or "sd-scripts", "text": the file\'s text}') from None
+    try:
+        data = json.loads(request.text) if request.format == "kohya_ss" else tomllib.loads(request.text)
+    except (ValueError, RecursionError) as error:
+        kind = "JSON" if request.format == "kohya_ss" else "TOML"
+        raise BadRequest(f"text: not a {request.format} preset ({kind}: {str(error)[:120]})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"text: not a {request.format} preset (one object of settings)")
+    imported = from_kohya_gui(data) if request.format == "kohya_ss" else from_sd_scripts(data)
+    _refuse_what_the_plan_refuses(imported, schema)
+    return imported.as_dict()
+
+
+def _refuse_what_the_plan_refuses(imported: Imported, schema: CommandSchema) -> None:
+    """Each value of ``imported`` the plan's schema or converter refuses leaves ``values`` for ``ignored``, with
+    the plan's own line (the rest still plans)."""
+    for _ in range(len(imported.values)):
+        try:
+            body = {**imported.values, "dataset": ".", "model": "builtin:tiny-sd15"}
+            command_args(schema, given(schema.validate(body)))
+            return
+        except BadBody as error:
+            line = str(error)
+        except BadRequest as error:
+            line = str(error)
+        key = line.split(":", 1)[0].split("[", 1)[0]
+        if key not in imported.values:
+            raise BadRequest(line)
+        imported.values.pop(key)
+        for source, option in list(imported.applied.items()):
+            if option == key:
+                del imported.applied[source]
+                imported.ignored[source] = line
+
+
 def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str | None]:
     """Per offered engine, why a run of this plan cannot start (None: it can), before any click: the files the
     family needs and no one gave, or an engine that does not train the family (``EngineKind.trains``)."""
@@ -510,12 +566,25 @@ def files_beside(planned: dict[str, Any]) -> dict[str, str]:
     return {key: str(path) for key, path in parts_beside(model, missing).items()}
 
 
+KOHYA_SS_PRESET = "kohya_ss_gui.json"  # the plan as a kohya_ss GUI preset, beside the configs on the page
+
+
 def plan_configs(plan: Plan, fmt: str) -> dict[str, str]:
     """The files ``autotune plan --out`` would write, as text (the page shows them and offers them as downloads):
-    sd-scripts' configs, or musubi-tuner's three files for a family it trains."""
+    sd-scripts' configs and the plan as a kohya_ss GUI preset, or musubi-tuner's three files for a family it
+    trains."""
+    from autotune.launch.presets import to_kohya_gui
+    from autotune.planning.musubi_writer import is_musubi_plan
     from autotune.planning.toml_writer import render_plan_files
 
-    return render_plan_files(plan, fmt)
+    files = render_plan_files(plan, fmt)
+    if is_musubi_plan(plan):
+        return files
+    config = {c.key: c.value for c in plan.choices if c.kohya}
+    family = plan.family
+    checks = {"sdxl": family.is_sdxl, "sd3_checkbox": family.network_module.endswith("_sd3"),
+              "flux1_checkbox": family.network_module.endswith("_flux")}
+    return {**files, KOHYA_SS_PRESET: json.dumps(to_kohya_gui(config, checks), indent=2, default=str)}
 
 
 def dataset_file(policy: AccessPolicy, dataset: str, name: str) -> Path:

@@ -225,6 +225,15 @@ def form_fields(schema: CommandSchema, plan: CommandSchema) -> list[dict[str, An
     return out
 
 
+class PresetImport(BaseModel):
+    """POST /api/presets/import: a preset file's text and what wrote it (a kohya_ss GUI preset, a sd-scripts
+    config.toml)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["kohya_ss", "sd-scripts"]
+    text: Annotated[StrictStr, Field(max_length=512 * 1024)]
+
+
 def given(model: BaseModel) -> dict[str, Any]:
     """The values a body set (what it left out keeps the command's default)."""
     return {key: getattr(model, key) for key in model.model_fields_set}

@@ -200,7 +200,8 @@ function planRow(c) {  // a setting no option sets: what the plan chose and why
 }
 
 function download(name, text) {
-  const url = URL.createObjectURL(new Blob([text], {type: "application/toml"}));
+  const type = name.endsWith(".json") ? "application/json" : name.endsWith(".sh") ? "text/x-sh" : "application/toml";
+  const url = URL.createObjectURL(new Blob([text], {type}));
   return el("a", {href: url, download: name, "data-file": name}, "download " + name);
 }
 
@@ -263,10 +264,14 @@ function planView(plan) {
     el("span", {id: "start-why", class: "why"}, why), configsBox);
 }
 
+let planning = 0;  // the latest plan asked for: an answer to an earlier one (the user changed more since) is dropped
+
 async function repredict() {
   const box = document.getElementById("plan-box");
+  const asked = ++planning;
   try {
     const plan = await api("POST", "/api/plan", planBody());
+    if (asked !== planning) return;
     const found = Object.entries(plan.beside || {}).filter(([key]) => !(key in overrides));
     if (found.length) {  // the files sit beside the model: filled in, said so, planned with them
       found.forEach(([key, path]) => { overrides[key] = path; besides[key] = true; });
@@ -274,6 +279,7 @@ async function repredict() {
     }
     box.replaceChildren(planView(plan));
   } catch (error) {  // the reason above the last plan, whose fields stay to change what was refused
+    if (asked !== planning) return;
     const refused = el("p", {id: "plan-refused", class: "why"}, "not planned: " + error.message);
     const last = document.getElementById("plan");
     if (last) {
@@ -317,8 +323,64 @@ function renderNew() {
     el("fieldset", {}, el("legend", {}, "Target"), input("vram", "card memory GB (empty: this machine)", {size: 6}),
       input("gpu", "or a named card"), choice("goal", "goal", ["character", "style", "concept"]),
       choice("priority", "priority", ["speed", "balanced", "quality"])),
-    el("button", {id: "check", onclick: check}, "Check and plan"),
+    presetsView(), el("button", {id: "check", onclick: check}, "Check and plan"),
     el("div", {id: "doctor-box"}), el("div", {id: "plan-box"}));
+}
+
+// ---- presets: a kohya_ss GUI preset or a sd-scripts TOML imported; the user's own kept in this browser ----------
+
+const PRESET_PREFIX = "lora-autotune-preset:";
+
+function savedPresets() {
+  return Object.keys(localStorage).filter(k => k.startsWith(PRESET_PREFIX)).map(k => k.slice(PRESET_PREFIX.length))
+    .sort();
+}
+
+function settingsOnly() {  // what a preset keeps: the options set, not this machine's files
+  return Object.fromEntries(Object.entries(overrides).filter(([key]) => !fileKeys.has(key)));
+}
+
+async function usePreset(values) {
+  for (const key of Object.keys(overrides)) if (!fileKeys.has(key)) delete overrides[key];
+  Object.assign(overrides, values);
+  if (document.getElementById("plan")) await repredict();
+}
+
+function importReport(answer) {  // every key of the file: taken, left to the plan, or not honoured and why
+  const list = (title, entries) => entries.length ? el("div", {"data-part": title}, el("b", {}, title + ": "),
+    entries.join("; ")) : "";
+  return el("div", {id: "preset-report"},
+    list("taken", Object.entries(answer.applied).map(([k, v]) => v === k ? k : `${k} (as ${v})`)),
+    list("planned for this card", Object.entries(answer.planned).map(([k, v]) => `${k} (the file's ${v})`)),
+    list("not honoured", Object.entries(answer.ignored).map(([k, v]) => `${k}: ${v}`)),
+    list("left empty", answer.unset));
+}
+
+async function importPreset(fileInput, box) {
+  const file = fileInput.files[0];
+  if (!file) return;
+  const format = file.name.toLowerCase().endsWith(".toml") ? "sd-scripts" : "kohya_ss";
+  const answer = await api("POST", "/api/presets/import", {format, text: await file.text()});
+  box.replaceChildren(importReport(answer));
+  await usePreset(answer.values);
+}
+
+function presetsView() {
+  const box = el("div", {id: "preset-box"});
+  const names = el("select", {id: "preset-names"}, ...savedPresets().map(n => el("option", {value: n}, n)));
+  const name = el("input", {type: "text", id: "preset-name", size: 20, placeholder: "a name"});
+  const file = el("input", {type: "file", id: "preset-file", accept: ".json,.toml",
+    onchange: e => importPreset(e.target, box)});
+  const listed = () => names.replaceChildren(...savedPresets().map(n => el("option", {value: n}, n)));
+  return el("fieldset", {id: "presets"}, el("legend", {}, "Presets"),
+    el("label", {}, "import a kohya_ss GUI preset (.json) or a sd-scripts config (.toml) ", file), el("br"),
+    el("label", {}, "saved in this browser ", names), el("button", {id: "preset-load", onclick: () => names.value
+      && usePreset(JSON.parse(localStorage.getItem(PRESET_PREFIX + names.value) || "{}"))}, "Load"),
+    el("button", {id: "preset-delete", onclick: () => { localStorage.removeItem(PRESET_PREFIX + names.value);
+      listed(); }}, "Delete"), " ", name,
+    el("button", {id: "preset-save", onclick: () => { if (!name.value.trim()) return;
+      localStorage.setItem(PRESET_PREFIX + name.value.trim(), JSON.stringify(settingsOnly())); listed(); }},
+      "Save the settings as"), box);
 }
 
 // ---- runs ---------------------------------------------------------------------------------------
