@@ -216,16 +216,24 @@ def _gui_network(preset: dict[str, Any], out: Imported) -> None:
         out.ignored["LoRA_type"] = f"{kind}: lora-autotune trains Standard / Flux1 LoRA and LyCORIS LoCon, LoHa, LoKr"
         return
     out.apply("LoRA_type", "network", network)
+    from sd_scripts_compat.config.network_args import LYCORIS_KEYS
+
     passed = GUI_LYCORIS_ARGS.get(network, ())
     fields = {**preset, "preset": preset.get("LyCORIS_preset", "full")}
-    args = [f"{key}={fields[key]}" for key in passed if key in fields
-            and (key in ("conv_dim", "conv_alpha") or fields[key] != LYCORIS_DEFAULTS[key])]
+    differ = [key for key in passed if key in fields
+              and (key in ("conv_dim", "conv_alpha") or fields[key] != LYCORIS_DEFAULTS[key])]
+    args = [f"{key}={fields[key]}" for key in differ if key in LYCORIS_KEYS]
+    for key in differ:
+        if key not in LYCORIS_KEYS:  # the GUI passes it; lycoris-lora's kohya entry point would ignore it
+            out.ignored[key] = f"{key}={fields[key]}: lycoris-lora's kohya networks do not read it (ignored there)"
     if args:
         out.values["network_arg"] = args
     for key in NETWORK_FIELDS:
         if key not in preset:
             continue
         name = "preset" if key == "LyCORIS_preset" else key
+        if key in out.ignored:
+            continue
         if name in passed:
             out.applied[key] = "network_arg" if any(a.startswith(f"{name}=") for a in args) else "network"
         elif not _empty(preset[key]):
