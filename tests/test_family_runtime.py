@@ -49,6 +49,7 @@ def values(tmp_path: Path, model: str, out: str) -> dict:
             "network_alpha": 4, "learning_rate": 1e-3, "seed": 3, "max_data_loader_n_workers": 0}
 
 
+@pytest.mark.long
 def test_a_runtime_and_a_family_added_from_outside_train_end_to_end(tmp_path):
     result = run_engine("train_network", tmp_path, values(tmp_path, "builtin:tiny-twin", "twin"), name="twin.toml",
                         env=make_twin(tmp_path))

@@ -128,6 +128,7 @@ def test_sd_scripts_own_parser_accepts_the_flux_config_local_only(tmp_path: Path
     assert f"ACCEPTED {plan.settings.blocks_to_swap} networks.lora_flux True" in done.stdout
 
 
+@pytest.mark.long
 def test_gpu_validate_dry_run_plans_every_dit_family_and_steps_the_tiny_twins(tmp_path: Path) -> None:
     """bench/gpu_validate.py --dry-run: each transformer family planned on emulated 8 and 24 GB cards, and the
     GPU case code run for real on the CPU with the tiny twins of the families our engine trains."""

@@ -12,6 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
 from test_hostile_inputs import dataset, text_file
 from test_valid_inputs import metadata, trains
 
@@ -125,6 +126,7 @@ FAMILY_RUNS = {
 }
 
 
+@pytest.mark.long
 def test_family_keys_and_modelspec_equal_what_sd_scripts_records_for_its_default_options(tmp_path):
     """The reference: each sd-scripts trainer's own ``update_metadata`` and ``get_sai_model_spec`` with default args
     (recorded by ``shared/reference/tools/dump_kohya_metadata.py``); ours: a run with the same options."""

@@ -107,6 +107,7 @@ def _autotune(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           cwd=REPO, timeout=900)
 
 
+@pytest.mark.long
 def test_a_run_stores_its_peak_beside_the_prediction_and_the_next_plan_uses_it(tmp_path):
     """A real run of the quickstart's plan on this CPU stores its measured peak and the memory model's
     prediction; `autotune plan` for this machine then predicts that peak (source "measured") and a larger

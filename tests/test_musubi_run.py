@@ -151,6 +151,7 @@ def test_an_ended_run_continues_with_resume_at_its_true_step(tmp_path: Path) -> 
     assert json.loads(report.stdout)["outcome"] == "done"
 
 
+@pytest.mark.long
 def test_measured_headroom_steps_musubi_up_from_its_next_saved_state(tmp_path: Path) -> None:
     """musubi-tuner saves no state when stopped: a step up waits for its next whole state, stops it there and
     relaunches from it with the next rung up (here checkpointing off: the CPU speed model's first paying move),

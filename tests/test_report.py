@@ -76,6 +76,7 @@ def test_a_starved_loader_is_data_bound_and_the_same_run_with_cached_latents_is_
     assert fast["findings"] == []
 
 
+@pytest.mark.long
 def test_autotune_report_prints_text_and_json_and_writes_a_self_contained_html_page(tmp_path):
     events = train(tmp_path, delay=DELAY)
     command = [sys.executable, "-m", "autotune", "report", str(events)]

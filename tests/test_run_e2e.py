@@ -138,6 +138,7 @@ def reference(tmp_path_factory):
     return lora_tensors(result.output_file)[0], result.attempts[-1].peak_vm_mib
 
 
+@pytest.mark.long
 def test_injected_oom_resume_matches_uninterrupted_run_exactly(tmp_path, reference):
     """micro-batch 1 x 4: the OOM can only turn checkpointing on; the resume is exact."""
     job = make_job(tmp_path, "interrupted", micro=1, accum=EFFECTIVE, steps=STEPS, inject="step=3")
@@ -181,6 +182,7 @@ def test_random_injected_ooms_finish_with_exact_steps(tmp_path, reference):
     assert 0.5 < norms[0] / norms[1] < 2.0
 
 
+@pytest.mark.long
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc are Linux")
 def test_real_allocation_failure_under_rlimit_steps_down(tmp_path, reference):
     """No injection: an address-space cap makes micro-batch 64 fail inside a CPU allocator (torch's
@@ -200,6 +202,7 @@ def test_real_allocation_failure_under_rlimit_steps_down(tmp_path, reference):
     check_outputs_whole(job)
 
 
+@pytest.mark.long
 def test_sigkill_mid_run_resumes_from_last_state(tmp_path):
     steps = 8
     # 128 px (16x16 latents): at 64 px the 8 steps can end inside the first 0.5 s state interval
@@ -287,6 +290,7 @@ def test_dataset_toml_batch_survives_an_oom_step_down(tmp_path):
     assert "should be kept in float32: []" not in done.stderr
 
 
+@pytest.mark.long
 def test_run_honours_a_given_config_output_dir(tmp_path):
     data = make_dataset(tmp_path, images=2)
     elsewhere = tmp_path / "my-loras"
@@ -314,6 +318,7 @@ def nonfinite_values(folder: Path) -> dict[str, int]:
     return bad
 
 
+@pytest.mark.long
 def test_injected_nan_at_a_random_step_is_rolled_back_and_finishes_with_finite_weights(tmp_path):
     """The loss turns NaN once at a seeded random step: the engine stops (exit 88), the watchdog resumes
     from the newest state with the rate halved, and the run ends at the target step count, every file finite."""
@@ -375,6 +380,7 @@ def test_real_divergence_is_caught_the_rate_lowered_and_no_worse_than_a_run_star
     assert retried[-1][1] <= baseline[-1][1] * 1.02
 
 
+@pytest.mark.long
 def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(tmp_path):
     """`output/<dataset>-<family>`: two models trained on one dataset never share a folder (was output/<dataset>)."""
     from autotune.layout import default_out, run_name
@@ -406,6 +412,7 @@ def test_the_default_out_is_the_dataset_and_the_family_for_run_and_wizard_alike(
             assert not [line for line in shown.stderr.splitlines() if line.endswith("| torch")]
 
 
+@pytest.mark.long
 def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path):
     """`--resume` of a run that finished trained it again and wrote over its LoRA; now it is one line, exit 0."""
     data, out = make_dataset(tmp_path, images=2), tmp_path / "run"

@@ -162,6 +162,7 @@ def test_fake_counter_reset_after_resume_is_caught_and_compensated(tmp_path):
     assert ledger["target_steps"] == STEPS and ledger["states"]["lora-state"]["step"] == STEPS
 
 
+@pytest.mark.long
 def test_measured_headroom_steps_the_users_sd_scripts_up_from_its_next_saved_state(tmp_path):
     """sd-scripts saves no state when stopped, so a step up waits for the next whole state, stops the trainer
     there and relaunches from it with the larger micro-batch (same effective batch); the run ends at exactly its

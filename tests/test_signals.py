@@ -182,6 +182,7 @@ def test_sigkill_while_saving_leaves_the_previous_lora_and_state_whole(tmp_path)
     assert read_lora_file(lora)[1]["ss_steps"] == "8" and load_train_state(state).counters.global_step == 8
 
 
+@pytest.mark.long
 def test_autotune_run_forwards_sigterm_waits_for_the_state_and_resumes(tmp_path):
     data, out = make_dataset(tmp_path), tmp_path / "run"
     command = [sys.executable, "-m", "autotune", "run", str(data), "--model", "builtin:tiny-sd15", "--out", str(out),

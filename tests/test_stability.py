@@ -315,6 +315,7 @@ def toy_dataset(root: Path, images: int = 4) -> Path:
     return folder.parent
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("optimizer_args", [[], ["foreach=True"]], ids=["fused-adamw", "foreach-adamw"])
 def test_engine_stops_on_an_injected_nan_writes_diverged_and_never_saves_non_finite(tmp_path, optimizer_args):
     """NaN at step 5 of 10, LoRA + state saved every 2 steps: the saves at 2 and 4 are made, the one at 6

@@ -119,6 +119,7 @@ def _finished_at(out: Path) -> int:
     return json.loads(next((out / "logs" / "events").glob("done.json")).read_text(encoding="utf-8"))["steps"]
 
 
+@pytest.mark.long
 def test_a_run_steps_up_into_measured_headroom_and_ends_at_its_step_with_the_same_effective_batch(tmp_path):
     """A user's config with micro-batch 1 x 4 and checkpointing on a CPU with GBs free: after its first steady
     steps the run stops at a step boundary and resumes with a larger micro-batch (the speed model's first paying
@@ -149,6 +150,7 @@ def _last_lr(out: Path) -> float:
     return float(last["lr"])
 
 
+@pytest.mark.long
 def test_a_step_up_that_runs_out_of_memory_steps_down_once_and_never_tries_that_rung_again(tmp_path):
     """An injected OOM above one 64 x 64 sample per micro-batch: the step up to micro-batch 2 fails, the ladder
     steps back to micro-batch 1, and no later attempt tries micro-batch 2 again."""

@@ -135,6 +135,7 @@ def test_tiny_sdxl_lora_scripts_sections_and_dataset_config_train_sample_and_log
     assert {"phases/data", "phases/backward", "phases/other"} <= set(accumulator.Tags()["scalars"])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("cache_latents", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_resume_from_the_half_way_state_is_bit_identical_to_a_straight_run(tmp_path, cache_latents):
     """N steps straight vs N/2, stop, resume N/2: the same LoRA bit for bit (CPU, fp32)."""
@@ -157,6 +158,7 @@ def test_resume_from_the_half_way_state_is_bit_identical_to_a_straight_run(tmp_p
     assert any(v.abs().sum() > 0 for k, v in straight.items() if "lora_up" in k)  # it did train
 
 
+@pytest.mark.long
 def test_ctrl_c_saves_state_and_the_run_resumes_to_the_exact_step_count(tmp_path):
     values = base_config(tmp_path, max_train_steps=400, cache_latents=True)
     config = write_config(tmp_path / "config.toml", values)

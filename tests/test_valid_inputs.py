@@ -54,6 +54,7 @@ def test_warmup_with_the_constant_scheduler_is_a_warning_as_in_sd_scripts(tmp_pa
     assert (out / "lora.safetensors").is_file() and "constant_with_warmup" in done.stderr
 
 
+@pytest.mark.long
 def test_conv_dim_zero_trains_no_convolutions(tmp_path):
     _, out = trains(tmp_path, network_args=["conv_dim=0"])
     names = keys(out / "lora.safetensors")
@@ -92,6 +93,7 @@ def test_a_bad_toml_prompt_file_is_one_line(tmp_path, text, said):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.long
 def test_writers_replace_what_they_wrote_and_nothing_else(tmp_path):
     """report --html, plan --out and inspect --diffusers-out run twice onto their own output: both times fine."""
     run = run_folder(tmp_path)
