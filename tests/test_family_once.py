@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 COUNTING = """
@@ -45,6 +47,7 @@ def _config(tmp_path: Path) -> Path:
     return config
 
 
+@pytest.mark.long
 def test_a_run_detects_the_family_once(tmp_path):
     line = _detections(tmp_path, "run", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15",
                        "--steps", "2", "--vram", "8", "--out", str(tmp_path / "run"))

@@ -37,6 +37,7 @@ def lycoris_network(family: str, algo: str, **entries: str):
 
 @pytest.mark.parametrize("algo", [pytest.param("locon", marks=pytest.mark.slow), "loha",
                                   pytest.param("lokr", marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_tiny_sd15_trains_each_algorithm_with_a_falling_held_out_loss(tmp_path, algo):
     events = tmp_path / "events"
     values = base_config(tmp_path, network_module="lycoris.kohya", network_args=[f"algo={algo}", "factor=4"],

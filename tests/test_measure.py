@@ -203,6 +203,7 @@ def test_bench_sweep_marks_the_fastest_that_fits_and_its_injected_oom_teaches_th
     assert any("ran out of memory" in line and "bench" in line for line in plan["learned"])
 
 
+@pytest.mark.long
 def test_bench_piped_prints_the_whole_table_and_its_phase_line_adds_up_to_its_step_time(tmp_path):
     bench = _autotune("bench", "--model", "builtin:tiny-sd15", "--steps", "2", "--warmup", "2", "--no-store")
     assert bench.returncode == 0, bench.stderr[-2000:]

@@ -168,6 +168,7 @@ def test_flux2_dev_caches_its_text_encoder_on_the_cpu_where_the_card_cannot_hold
     assert not large.kohya_values().get("text_encoder_cpu")
 
 
+@pytest.mark.long
 def test_musubi_fp8_scaled_keeps_the_dequantized_copies_autograd_saves() -> None:
     """musubi's fp8_scaled hands F.linear a bf16 copy of each weight, which autograd keeps for the backward: traced
     on FLUX.2 klein 4B, without checkpointing the step holds about every block's bf16 weights more than in bf16

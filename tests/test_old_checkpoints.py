@@ -53,6 +53,7 @@ def test_plan_reads_the_family_of_an_allowed_ckpt_and_says_so_in_the_config(tmp_
     assert "tiny-sd15" in done.stdout
 
 
+@pytest.mark.long
 def test_run_trains_an_allowed_ckpt(tmp_path):
     data = make_dataset(tmp_path)
     out = tmp_path / "run"

@@ -283,6 +283,7 @@ def test_the_launch_command_gives_a_cpu_step_the_physical_cores_and_a_gpu_step_o
     assert cpu.to_dict()["cpu_threads"] == 8
 
 
+@pytest.mark.long
 def test_accelerate_launch_runs_the_cpu_plans_script_with_that_many_torch_threads(tmp_path):
     """The real accelerate, the plan's own words up to the script, the script swapped for one that prints torch's
     intra-op thread count; against kohya's usual 1 in the same command. torch caps the count at the usable cores."""

@@ -32,10 +32,16 @@ def test_the_first_paragraph_names_every_family():
     assert [name for name, phrase in NAMED_AS.items() if phrase not in paragraph] == []
 
 
-def test_the_map_follows_the_quickstart_and_says_where_new_families_and_engines_go():
+def test_a_glance_at_every_command_then_the_quickstart_then_the_map_of_where_things_go():
     headings = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    assert headings[:2] == ["Quickstart", "Where things live"]
+    assert headings[:3] == ["At a glance", "Quickstart", "Where things live"]
     text = README.read_text(encoding="utf-8")
+    glance = text[text.index("## At a glance"):text.index("## Quickstart")]  # the first screen: every command
+    from autotune.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert [name for name in commands if f"`autotune {name}" not in glance] == []
+    assert "autotune/" in glance and "sd_scripts_compat/" in glance and 'not slow and not long' in glance
     house = text[text.index("## Where things live"):text.index("## Where things land")]
     assert "**A new family**" in house and "sd_scripts_compat/runtimes/" in house
     assert "**A new engine**" in house and "autotune/launch/engines.py" in house

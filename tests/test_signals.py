@@ -443,6 +443,7 @@ def test_resume_refuses_changed_inputs_and_continues_when_told(tmp_path):
 
 @pytest.mark.parametrize("phase", [pytest.param("loading", marks=pytest.mark.slow),
                                    pytest.param("caching", marks=pytest.mark.slow), "training"])
+@pytest.mark.long
 def test_sigkill_of_the_supervisor_leaves_no_trainer_in_any_phase(tmp_path, phase):
     """`autotune run` killed with SIGKILL (no clean-up of ours runs) while its trainer loads the model (held by the
     slow-loader test hook), writes a latent cache file (held by the atomic-write test hook) or trains: the kernel

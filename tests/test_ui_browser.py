@@ -266,7 +266,8 @@ def test_a_failed_run_says_why_and_offers_only_what_the_server_does(tmp_path, br
 
 def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_path, browser):
     """A FLUX.1 file (its real header, sparse data) needs CLIP-L, T5-XXL and the AE beside it: the plan shows one field
-    per file, Start stays disabled with the reason until they are filled, and a second "Check and plan" keeps them.
+    per file, Start stays disabled with the reason until they are filled (one picked in the folder browser; a T5 file
+    given as the AE named as what it holds), and a second "Check and plan" keeps them.
     A Qwen-Image DiT (trained by musubi-tuner, which this server does not offer) cannot start, with the line autotune
     run gives."""
     from selenium.common.exceptions import StaleElementReferenceException
@@ -277,10 +278,12 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
     from test_flux_plan import _sparse_flux_file
     from test_musubi_detect import write_dit
 
+    from sd_scripts_compat.models.flux_files import save_flux_files
+    from sd_scripts_compat.runtimes import load_base_model
+
     model = _sparse_flux_file(tmp_path / "flux1-dev.safetensors")
-    files = {key: tmp_path / f"{key}.safetensors" for key in ("clip_l", "t5xxl", "ae")}
-    for path in files.values():
-        path.write_bytes(b"a stand-in: planning reads only the path")
+    parts = save_flux_files(load_base_model("builtin:tiny-flux"), tmp_path / "parts")  # headers of the real kinds
+    files = {key: parts[key] for key in ("clip_l", "t5xxl", "ae")}
     server = Server(tmp_path)
     # each plan replaces the plan box: an element read mid-swap is read again
     wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
@@ -303,8 +306,15 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
             wait.until(seen.presence_of_element_located((By.ID, f"in-file-{key}")))
             if key == "clip_l":  # picked in the folder browser, which opens in the model's folder
                 browser.find_element(By.ID, "browse-clip_l").click()
+                wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, "#pick-clip_l li[data-folder='parts']")))\
+                    .click()
                 wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR,
                                                          "#pick-clip_l li[data-file='clip_l.safetensors']"))).click()
+            elif key == "ae":  # first a file of the wrong kind: Start says which, and what it holds
+                typed("in-file-ae", str(files["t5xxl"]))
+                wait.until(lambda b: "holds a T5 encoder, not ae" in b.find_element(By.ID, "start-why").text)
+                assert not browser.find_element(By.ID, "start").is_enabled()
+                typed("in-file-ae", str(path))
             else:
                 typed(f"in-file-{key}", str(path))
             wait.until(lambda b, key=key: key not in b.find_element(By.ID, "start-why").text)

@@ -541,6 +541,7 @@ def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str
 
     family = get_family(planned["family"])
     missing = [c["key"] for c in planned["choices"] if c.get("placeholder")]
+    wrong = wrong_files(planned)
     kinds = registered_engines()
     verdicts: dict[str, str | None] = {}
     for name in offered:
@@ -550,8 +551,32 @@ def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str
         except UserError as error:
             verdicts[name] = str(error)
             continue
-        verdicts[name] = f"fill in {', '.join(missing)}: the files {family.name} needs" if missing else None
+        verdicts[name] = (f"fill in {', '.join(missing)}: the files {family.name} needs" if missing
+                          else wrong or None)
     return verdicts
+
+
+def wrong_files(planned: dict[str, Any]) -> str:
+    """The first of the model's given files that holds another part than its field names (by its header:
+    ``models.part_kind``), or is no safetensors file; '' when none (a file of a kind we do not tell apart passes)."""
+    from sd_scripts_compat.models.checkpoint import read_checkpoint
+    from sd_scripts_compat.models.part_kind import AUTOENCODER_KEYS, part_kind
+
+    names = {"clip_l": "a CLIP-L text encoder", "clip_g": "a CLIP-G text encoder", "clip": "a CLIP text encoder",
+             "t5xxl": "a T5 encoder", "autoencoder": "an autoencoder"}
+    for choice in planned["choices"]:
+        key = choice["key"]
+        if not choice.get("model_file") or choice.get("placeholder") or key not in (*names, *AUTOENCODER_KEYS):
+            continue
+        try:
+            kind = part_kind(read_checkpoint(str(choice["value"]), header_only=True).shapes)
+        except Exception:  # noqa: BLE001 (any reason it cannot be read: the run would stop on it too)
+            return f"{key}: {choice['value']} is not a safetensors file we can read; give the {key} file"
+        fits = kind is None or kind == key or (kind == "autoencoder" and key in AUTOENCODER_KEYS) or (
+            kind == "clip" and key.startswith("clip_"))
+        if not fits:
+            return f"{key}: {choice['value']} holds {names.get(str(kind), kind)}, not {key}; give the {key} file"
+    return ""
 
 
 def files_beside(planned: dict[str, Any]) -> dict[str, str]:
