@@ -66,6 +66,7 @@ def test_compiled_checkpointed_blocks_train_as_eager_across_bucket_sizes_without
     assert_trained_alike(compiled, eager)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("backend", "when"), [("onnxrt", "not a backend this torch has: refused at setup"),
                                                ("tvm", "registered, but tvm is not installed: fails at first call")])
 def test_a_backend_that_cannot_compile_falls_back_to_eager_with_one_line(tmp_path, backend, when):

@@ -155,6 +155,7 @@ def test_the_table_is_the_installed_torchs_own_cuda_list() -> None:
     assert SAME_ON_CPU <= autocast_operators("AutocastCPU") & set(CUDA_POLICIES)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", TINY_DENOISERS + FULL_SIZE_DENOISERS)
 def test_every_call_of_a_transformer_step_casts_as_cuda_autocast_does(family: str) -> None:
     compared, left_out, differences = _compare(_denoiser_calls(family))

@@ -54,6 +54,7 @@ def test_a_run_detects_the_family_once(tmp_path):
     assert line == "DETECTED {'run.py:run_family': 1}", line
 
 
+@pytest.mark.long
 def test_a_run_with_a_config_detects_the_family_once(tmp_path):
     """With --config, the doctor reads the config's settings for the same family (it detected again before)."""
     line = _detections(tmp_path, "run", str(ROOT / "examples" / "dataset"), "--model", "builtin:tiny-sd15",

@@ -1245,6 +1245,7 @@ def test_an_engine_error_in_autotune_run_is_shown_once_and_the_same_out_can_be_u
     assert lines[0] == lines[1]
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to know the engine has started")
 @pytest.mark.parametrize("phase", ["starting", "caching"])
 @pytest.mark.parametrize(("number", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],

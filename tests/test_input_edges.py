@@ -28,6 +28,7 @@ def test_the_range_table_refuses(name, value, said):
     assert said in bound_problem(name, value)
 
 
+@pytest.mark.long
 def test_a_bare_memory_error_is_an_oom_not_a_crash(tmp_path):
     events = tmp_path / "events"
     config = write_config(tmp_path / "config.toml", base_config(tmp_path, max_train_steps=3))
@@ -61,6 +62,7 @@ def test_a_bad_optimizer_argument_is_refused_before_anything_loads(tmp_path):
     check_optimizer_settings("Lion", 1e-4, {"betas": (0.9, 0.99)})
 
 
+@pytest.mark.long
 def test_the_engines_own_warnings_are_one_line_each(tmp_path):
     """A warning of ours reads like the engine's errors (``train_network: warning: ...``), not as Python's
     ``file:line: UserWarning`` plus a source line."""

@@ -158,6 +158,7 @@ def _plan_json(*extra: str) -> dict:
     return json.loads(printed.getvalue())
 
 
+@pytest.mark.long
 def test_planner_counts_lycoris_parameters_with_the_package():
     def lora_bytes(plan: dict) -> int:
         return plan["prediction"]["components"]["lora_params"]

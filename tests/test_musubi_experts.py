@@ -240,6 +240,7 @@ def test_the_wizard_asks_wan22_for_its_experts(tmp_path: Path) -> None:
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "no").exists()
 
 
+@pytest.mark.long
 def test_gpu_validate_covers_the_musubi_families_and_steps_their_classes_on_the_cpu(tmp_path: Path) -> None:
     """bench/gpu_validate.py --musubi --dry-run: each family's plan for an emulated card, and the same case code
     stepping the family's own diffusers class at a small geometry (musubi's fp8_scaled and a swapped block where

@@ -110,6 +110,7 @@ def test_clips_get_shorter_after_resolution_and_before_rank() -> None:
     assert moves["frames"] and not rungs(TrainSettings(), OOM_POLICY, Limits())[order.index("frames")][2]
 
 
+@pytest.mark.long
 def test_refusals_are_one_line(tmp_path: Path) -> None:
     data, model = _inputs(tmp_path)
     cases = [

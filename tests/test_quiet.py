@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 IMPORT_AS_ON_AN_AVX512_BF16_CPU = """
 import importlib, logging, sys, warnings
 from sd_scripts_compat.quiet import silence_harmless_library_messages
@@ -38,6 +40,7 @@ def test_bitsandbytes_kernel_hub_messages_are_dropped_and_only_they():
     assert _import_bitsandbytes(verbose=False).strip() == "another kernels message still shows"
 
 
+@pytest.mark.long
 def test_verbose_shows_the_bitsandbytes_kernel_hub_messages():
     said = _import_bitsandbytes(verbose=True)
     assert "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'" in said

@@ -29,6 +29,7 @@ def config(tmp_path: Path, **overrides) -> dict:
     return values
 
 
+@pytest.mark.long
 def test_tiny_sd3_learns_and_writes_sd_scripts_lora(tmp_path):
     events = tmp_path / "events"
     values = config(tmp_path, train_batch_size=4, max_train_steps=24, network_dim=8, network_alpha=8,

@@ -66,6 +66,7 @@ def test_the_recording_covers_sd15_sdxl_flux_and_sd35_with_eight_option_sets():
         assert entry["sd_scripts_commit"] != "unknown" and len(entry["metadata"]) > 60
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("case", sorted(RECORDED))
 def test_our_metadata_equals_what_sd_scripts_wrote_for_the_same_options(case, tmp_path):
     entry = RECORDED[case]

@@ -19,6 +19,24 @@ pytestmark = [pytest.mark.skipif(
     reason="needs Debian's chromium and chromium-driver (.ci/run installs them)")]
 
 
+def typed(browser, field: str, value: str) -> None:
+    """Select a field's text, type another and leave the field: one change event, as a user makes it."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    element = browser.find_element(By.ID, field)
+    element.send_keys(Keys.CONTROL, "a")
+    element.send_keys(value, Keys.TAB)
+
+
+def waiting(browser, seconds: float):
+    """A wait that reads an element again when the page replaced it mid-read (plans and run pages re-render)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, seconds, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+
 @pytest.fixture
 def browser():
     from selenium import webdriver
@@ -39,15 +57,13 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as seen
-    from selenium.webdriver.support.ui import WebDriverWait
 
     shots = Path(os.environ.get("AUTOTUNE_UI_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
     server = Server(tmp_path)
-    from selenium.common.exceptions import StaleElementReferenceException
 
     # the pages replace what they show (a re-predicted plan, a re-rendered run): an element read mid-swap is retried
-    wait = WebDriverWait(browser, 300, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+    wait = waiting(browser, 300)
 
     def text(css: str) -> str:
         return browser.find_element(By.CSS_SELECTOR, css).text
@@ -237,9 +253,7 @@ def test_a_page_on_another_origin_or_a_rebound_name_gets_nothing_through(tmp_pat
 def test_a_failed_run_says_why_and_offers_only_what_the_server_does(tmp_path, browser):
     """A run that failed before training (``--steps 0``, found by planning): its page shows the one line it failed
     with, Stop is disabled (nothing runs) and Resume enabled; the runs page says why in its row."""
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
     from test_ui_runs import RUN, wait_for
 
     server = Server(tmp_path)
@@ -249,7 +263,7 @@ def test_a_failed_run_says_why_and_offers_only_what_the_server_does(tmp_path, br
         wait_for(server, "zero", ("failed",))
         browser.get(f"http://127.0.0.1:{server.port}/#/run/zero")
         # the run page re-renders as it polls: an element read mid-swap is read again
-        wait = WebDriverWait(browser, 60, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+        wait = waiting(browser, 60)
         wait.until(lambda b: "--steps 0: must be 1 or more" in b.find_element(By.ID, "run-message").text)
         wait.until(lambda b: b.find_element(By.ID, "run-state").text == "failed"
                    and not b.find_element(By.ID, "stop").is_enabled() and b.find_element(By.ID, "resume").is_enabled())
@@ -270,11 +284,8 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
     given as the AE named as what it holds), and a second "Check and plan" keeps them.
     A Qwen-Image DiT (trained by musubi-tuner, which this server does not offer) cannot start, with the line autotune
     run gives."""
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as seen
-    from selenium.webdriver.support.ui import WebDriverWait
     from test_flux_plan import _sparse_flux_file
     from test_musubi_detect import write_dit
 
@@ -286,18 +297,13 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
     files = {key: parts[key] for key in ("clip_l", "t5xxl", "ae")}
     server = Server(tmp_path)
     # each plan replaces the plan box: an element read mid-swap is read again
-    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
-
-    def typed(field: str, value: str) -> None:
-        element = browser.find_element(By.ID, field)
-        element.send_keys(Keys.CONTROL, "a")
-        element.send_keys(value, Keys.TAB)
+    wait = waiting(browser, 120)
 
     try:
         browser.get(f"http://127.0.0.1:{server.port}/")
-        typed("in-dataset", str(ROOT / "examples" / "dataset"))
-        typed("in-model", str(model))
-        typed("in-vram", "24")
+        typed(browser, "in-dataset", str(ROOT / "examples" / "dataset"))
+        typed(browser, "in-model", str(model))
+        typed(browser, "in-vram", "24")
         browser.find_element(By.ID, "check").click()
         wait.until(seen.presence_of_element_located((By.ID, "model-files")))
         assert not browser.find_element(By.ID, "start").is_enabled()
@@ -311,12 +317,12 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
                 wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR,
                                                          "#pick-clip_l li[data-file='clip_l.safetensors']"))).click()
             elif key == "ae":  # first a file of the wrong kind: Start says which, and what it holds
-                typed("in-file-ae", str(files["t5xxl"]))
+                typed(browser, "in-file-ae", str(files["t5xxl"]))
                 wait.until(lambda b: "holds a T5 encoder, not ae" in b.find_element(By.ID, "start-why").text)
                 assert not browser.find_element(By.ID, "start").is_enabled()
-                typed("in-file-ae", str(path))
+                typed(browser, "in-file-ae", str(path))
             else:
-                typed(f"in-file-{key}", str(path))
+                typed(browser, f"in-file-{key}", str(path))
             wait.until(lambda b, key=key: key not in b.find_element(By.ID, "start-why").text)
         wait.until(lambda b: b.find_element(By.ID, "start").is_enabled())
         assert browser.find_element(By.ID, "start-why").text == ""
@@ -327,7 +333,7 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
         browser.save_screenshot(str(tmp_path / "model-files.png"))
 
         qwen = write_dit(tmp_path / "qwen_image_bf16.safetensors", "qwen-image")
-        typed("in-model", str(qwen))  # another model: FLUX's files are not sent with it
+        typed(browser, "in-model", str(qwen))  # another model: FLUX's files are not sent with it
         browser.find_element(By.ID, "check").click()
         wait.until(lambda b: "musubi-tuner" in b.find_element(By.ID, "start-why").text)
         assert not browser.find_element(By.ID, "start").is_enabled()
@@ -343,28 +349,21 @@ def test_every_setting_is_in_the_page_grouped_and_what_the_user_set_stays_marked
     --help lists it in, with the value the plan chose and its reason. A GUI user sets a LyCORIS algorithm, sample
     prompts with their rhythm and a save rhythm: each is planned again, marked as theirs, kept through another Check
     and plan, and written to the config sd-scripts reads."""
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as seen
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a circle shape --w 256 --h 256\n", encoding="utf-8")
     server = Server(tmp_path)
-    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
-
-    def typed(field: str, value: str) -> None:
-        element = browser.find_element(By.ID, field)
-        element.send_keys(Keys.CONTROL, "a")
-        element.send_keys(value, Keys.TAB)
+    wait = waiting(browser, 120)
 
     def row(key: str) -> str:
         return browser.find_element(By.CSS_SELECTOR, f"tr[data-row='{key}']").text
 
     try:
         browser.get(f"http://127.0.0.1:{server.port}/")
-        typed("in-dataset", str(ROOT / "examples" / "dataset"))
+        typed(browser, "in-dataset", str(ROOT / "examples" / "dataset"))
         browser.find_element(By.ID, "check").click()
         wait.until(seen.presence_of_element_located((By.ID, "settings")))
         fields = server.call("GET", "/api/options")[1]["fields"]
@@ -380,11 +379,11 @@ def test_every_setting_is_in_the_page_grouped_and_what_the_user_set_stays_marked
         assert browser.find_element(By.ID, "set-rank").get_attribute("value") == "32"  # the plan's rank, its reason
         Select(browser.find_element(By.ID, "set-network")).select_by_visible_text("loha")
         wait.until(lambda b: "yours" in row("network"))
-        typed("set-sample_prompts", str(prompts))
+        typed(browser, "set-sample_prompts", str(prompts))
         wait.until(lambda b: "yours" in row("sample_prompts"))
-        typed("set-sample_every_n_steps", "10")
+        typed(browser, "set-sample_every_n_steps", "10")
         wait.until(lambda b: "yours" in row("sample_every_n_steps"))
-        typed("set-save_every_n_epochs", "2")
+        typed(browser, "set-save_every_n_epochs", "2")
         wait.until(lambda b: "yours" in row("save_every_n_epochs") and "the plan's" in row("save_every_n_epochs"))
         before = browser.find_element(By.ID, "settings")
         browser.find_element(By.ID, "check").click()  # checked again: every edit stays, still marked
@@ -415,11 +414,9 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
     Check and plan; Start, the console and the first sample on the run page, Stop, Resume, the LoRA and the report
     page. Screenshots go to ``$AUTOTUNE_UI_SCREENSHOTS`` (default: the test's folder)."""
     from fixtures.engine_runs import toy_dataset
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as seen
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     from sd_scripts_compat.models.flux_files import save_flux_files
     from sd_scripts_compat.runtimes import load_base_model
@@ -431,12 +428,7 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a toy --w 64 --h 64 --s 2 --d 1\n", encoding="utf-8")
     server = Server(tmp_path)
-    wait = WebDriverWait(browser, 300, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
-
-    def typed(field: str, value: str) -> None:
-        element = browser.find_element(By.ID, field)
-        element.send_keys(Keys.CONTROL, "a")
-        element.send_keys(value, Keys.TAB)
+    wait = waiting(browser, 300)
 
     def text(css: str) -> str:
         return browser.find_element(By.CSS_SELECTOR, css).text
@@ -449,7 +441,7 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
         wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, "li[data-file='flux1.safetensors']"))).click()
         wait.until(lambda b: b.find_element(By.ID, "in-model").get_attribute("value") == str(files[
             "pretrained_model_name_or_path"]))
-        typed("in-dataset", str(data))
+        typed(browser, "in-dataset", str(data))
         browser.find_element(By.ID, "check").click()
         for key in ("clip_l", "t5xxl", "ae"):  # found beside the model by their headers, and said so
             wait.until(lambda b, key=key: b.find_element(By.ID, f"in-file-{key}").get_attribute("value")
@@ -465,7 +457,7 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
         wait.until(lambda b: not b.find_elements(By.ID, "plan-refused") and b.find_element(By.ID, "start").is_enabled())
         for key, value in (("sample_prompts", str(prompts)), ("sample_every_n_steps", "10"),
                            ("save_every_n_steps", "20"), ("steps", "40"), ("resolution", "64")):
-            typed(f"set-{key}", value)
+            typed(browser, f"set-{key}", value)
             wait.until(lambda b, key=key: "yours" in text(f"tr[data-row='{key}']"))
         before = browser.find_element(By.ID, "settings")
         browser.find_element(By.ID, "check").click()  # checked again: the edits and the files stay
@@ -505,27 +497,20 @@ def test_presets_import_a_kohya_ss_gui_file_save_load_and_export(tmp_path, brows
     planned for the card, not honoured or empty; the plan takes its settings (LoHa, rank 32, accumulation 4, min-SNR
     10), marked as the user's; saved under a name in this browser, changed, loaded back; the plan offered as a
     kohya_ss GUI preset beside the sd-scripts configs."""
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as seen
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     preset = ROOT / "tests" / "fixtures" / "kohya_ss_presets" / "loha-sd15.json"
     server = Server(tmp_path)
-    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
-
-    def typed(field: str, value: str) -> None:
-        element = browser.find_element(By.ID, field)
-        element.send_keys(Keys.CONTROL, "a")
-        element.send_keys(value, Keys.TAB)
+    wait = waiting(browser, 120)
 
     def value(key: str) -> str:
         return browser.find_element(By.ID, f"set-{key}").get_attribute("value")
 
     try:
         browser.get(f"http://127.0.0.1:{server.port}/")
-        typed("in-dataset", str(ROOT / "examples" / "dataset"))
+        typed(browser, "in-dataset", str(ROOT / "examples" / "dataset"))
         browser.find_element(By.ID, "check").click()
         wait.until(seen.presence_of_element_located((By.ID, "settings")))
         browser.find_element(By.ID, "preset-file").send_keys(str(preset))
@@ -537,9 +522,9 @@ def test_presets_import_a_kohya_ss_gui_file_save_load_and_export(tmp_path, brows
                    and value("rank") == "32" and value("accum") == "4" and value("min_snr_gamma") == "10")
         assert "yours" in browser.find_element(By.CSS_SELECTOR, "tr[data-row='rank']").text
         browser.save_screenshot(str(tmp_path / "preset-imported.png"))
-        typed("preset-name", "my loha")
+        typed(browser, "preset-name", "my loha")
         browser.find_element(By.ID, "preset-save").click()
-        typed("set-rank", "8")
+        typed(browser, "set-rank", "8")
         wait.until(lambda b: "rank 8" in b.find_element(By.ID, "plan-message").text)
         Select(browser.find_element(By.ID, "preset-names")).select_by_visible_text("my loha")
         browser.find_element(By.ID, "preset-load").click()

@@ -49,6 +49,7 @@ def test_a_lower_case_optimizer_name_trains_as_sd_scripts_does(tmp_path):
     assert toml.loads((tmp_path / "plan" / "config.toml").read_text())["optimizer_type"] == "AdamW8bit"
 
 
+@pytest.mark.long
 def test_warmup_with_the_constant_scheduler_is_a_warning_as_in_sd_scripts(tmp_path):
     done, out = trains(tmp_path, lr_scheduler="constant", lr_warmup_steps=5)
     assert (out / "lora.safetensors").is_file() and "constant_with_warmup" in done.stderr
@@ -63,6 +64,7 @@ def test_conv_dim_zero_trains_no_convolutions(tmp_path):
     assert sorted(names) == sorted(keys(plain / "lora.safetensors"))  # the same modules as without conv_dim
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", ["toml", "json"])
 def test_sample_prompts_from_toml_and_json_files_as_sd_scripts_reads_them(tmp_path, kind):
     if kind == "toml":

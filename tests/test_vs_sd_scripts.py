@@ -43,6 +43,7 @@ def test_a_plan_that_fails_stops_the_bench_with_its_message(tmp_path):
         write_plan(tmp_path, tmp_path / "missing.safetensors", 64, 6)
 
 
+@pytest.mark.long
 def test_the_bare_loop_runs_the_plans_config_at_its_micro_batch_under_the_launcher(tmp_path):
     from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
