@@ -452,6 +452,7 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
         Select(browser.find_element(By.ID, "set-network")).select_by_visible_text("loha")
         wait.until(lambda b: "LyCORIS cannot train tiny-flux" in text("#plan-refused"))
         assert not browser.find_element(By.ID, "start").is_enabled()
+        browser.execute_script("document.getElementById('plan-refused').scrollIntoView()")
         browser.save_screenshot(str(shots / "walk-2-lycoris-refused-for-flux.png"))
         Select(browser.find_element(By.ID, "set-network")).select_by_visible_text("lora")
         wait.until(lambda b: not b.find_elements(By.ID, "plan-refused") and b.find_element(By.ID, "start").is_enabled())
