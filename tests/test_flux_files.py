@@ -211,5 +211,30 @@ def test_the_parts_beside_a_model_are_told_apart_by_their_headers(tmp_path, tiny
     token = "text_model.embeddings.token_embedding.weight"
     assert part_kind({token: (49408, 768)}) == "clip_l" and part_kind({token: (49408, 1280)}) == "clip_g"
     assert part_kind({"decoder.conv_out.weight": (3, 128, 3, 3)}) == "autoencoder"
+    assert part_kind({"decoder.head.2.weight": (3, 96, 3, 3, 3)}) == "autoencoder"  # Wan / Qwen-Image's 3D VAE
+    assert part_kind({"model.embed_tokens.weight": (151936, 3584)}) == "llm"  # Qwen2.5-VL, Qwen3, Gemma 2
+    assert part_kind({"encoder.block.0.layer.0.SelfAttention.q.weight": (64, 64)}) == "t5"
     assert part_kind({"double_blocks.0.img_attn.qkv.weight": (9, 3)}) is None  # a transformer: no part
     assert part_kind({"first_stage_model.decoder.conv_out.weight": (3, 128, 3, 3)}) is None  # a whole checkpoint
+
+
+def test_the_files_beside_a_musubi_or_sd_scripts_dit_are_told_apart_the_same_way(tmp_path):
+    """musubi-tuner's Qwen-Image (a VAE in ComfyUI's 3D layout, the Qwen2.5-VL text encoder) and sd-scripts'
+    HunyuanImage-2.1 (a language model, a ByT5 encoder, a VAE): each file found for its option by the keys its
+    loader reads (headers written with small tensors of those names); a .pth beside them is not read."""
+    from safetensors.torch import save_file
+
+    from sd_scripts_compat.models.part_kind import parts_beside
+
+    def part(name: str, *keys: str):  # -> the file written
+        path = tmp_path / name
+        save_file({key: torch.zeros(2, 2) for key in keys}, str(path))
+        return path
+
+    dit = part("qwen_image_bf16.safetensors", "transformer_blocks.0.attn.to_q.weight")
+    vae = part("qwen_image_vae.safetensors", "decoder.head.2.weight", "encoder.conv1.weight")
+    llm = part("qwen_2.5_vl_7b.safetensors", "model.embed_tokens.weight", "visual.blocks.0.attn.qkv.weight")
+    (tmp_path / "models_t5_umt5-xxl-enc-bf16.pth").write_bytes(b"a pickle: never read")
+    assert parts_beside(dit, ["vae", "text_encoder"]) == {"vae": vae, "text_encoder": llm}
+    byt5 = part("byt5_small_glyphxl_fp16.safetensors", "encoder.block.0.layer.0.SelfAttention.q.weight")
+    assert parts_beside(dit, ["text_encoder", "byt5", "vae"]) == {"text_encoder": llm, "byt5": byt5, "vae": vae}

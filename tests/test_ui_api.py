@@ -350,3 +350,26 @@ def test_a_models_files_beside_it_are_offered_with_its_plan(server):
     assert "fill in clip_l, t5xxl, ae" in plan["start"]["autotune"]
     status, plan = server.call("POST", "/api/plan", {**body, **plan["beside"]})
     assert status == 200 and plan["beside"] == {} and plan["start"]["autotune"] is None, plan["start"]
+
+
+def test_a_musubi_dits_files_beside_it_are_offered_too(server):
+    """A Qwen-Image DiT (trained by musubi-tuner) with its VAE (ComfyUI's 3D layout) and Qwen2.5-VL text encoder
+    beside it: both offered by their headers (small tensors under the names musubi-tuner's loaders read)."""
+    import torch
+    from safetensors.torch import save_file
+    from test_musubi_detect import write_dit
+
+    folder = server.runs.parent / "qwen"
+    folder.mkdir()
+    dit = write_dit(folder / "qwen_image_bf16.safetensors", "qwen-image")
+    save_file({"decoder.head.2.weight": torch.zeros(2, 2)}, str(folder / "qwen_image_vae.safetensors"))
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(folder / "qwen_2.5_vl_7b.safetensors"))
+    status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": str(dit), "vram": 80})
+    assert status == 200, plan
+    assert plan["beside"] == {"vae": str(folder / "qwen_image_vae.safetensors"),
+                              "text_encoder": str(folder / "qwen_2.5_vl_7b.safetensors")}, plan["beside"]
+    status, plan = server.call("POST", "/api/plan", {"dataset": str(DATASET), "model": str(dit), "vram": 80,
+                                                     "vae": str(folder / "qwen_2.5_vl_7b.safetensors")})
+    from autotune.ui.api import wrong_files  # Start's reason when the engine trains the family (musubi-tuner)
+
+    assert status == 200 and "holds a language model, not vae" in wrong_files(plan), plan["start"]

@@ -558,30 +558,27 @@ def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str
 
 def wrong_files(planned: dict[str, Any]) -> str:
     """The first of the model's given files that holds another part than its field names (by its header:
-    ``models.part_kind``), or is no safetensors file; '' when none (a file of a kind we do not tell apart passes)."""
+    ``models.part_kind``), or is no safetensors file; '' when none (a kind we do not tell apart passes)."""
     from sd_scripts_compat.models.checkpoint import read_checkpoint
-    from sd_scripts_compat.models.part_kind import AUTOENCODER_KEYS, part_kind
+    from sd_scripts_compat.models.part_kind import KIND_NAMES, OPTION_KINDS, part_kind, takes
 
-    names = {"clip_l": "a CLIP-L text encoder", "clip_g": "a CLIP-G text encoder", "clip": "a CLIP text encoder",
-             "t5xxl": "a T5 encoder", "autoencoder": "an autoencoder"}
     for choice in planned["choices"]:
-        key = choice["key"]
-        if not choice.get("model_file") or choice.get("placeholder") or key not in (*names, *AUTOENCODER_KEYS):
+        key, path = choice["key"], str(choice["value"])
+        if not choice.get("model_file") or choice.get("placeholder") or key not in OPTION_KINDS \
+                or not path.endswith(".safetensors"):
             continue
         try:
-            kind = part_kind(read_checkpoint(str(choice["value"]), header_only=True).shapes)
+            kind = part_kind(read_checkpoint(path, header_only=True).shapes)
         except Exception:  # noqa: BLE001 (any reason it cannot be read: the run would stop on it too)
-            return f"{key}: {choice['value']} is not a safetensors file we can read; give the {key} file"
-        fits = kind is None or kind == key or (kind == "autoencoder" and key in AUTOENCODER_KEYS) or (
-            kind == "clip" and key.startswith("clip_"))
-        if not fits:
-            return f"{key}: {choice['value']} holds {names.get(str(kind), kind)}, not {key}; give the {key} file"
+            return f"{key}: {path} is not a safetensors file we can read; give the {key} file"
+        if not takes(key, kind):
+            return f"{key}: {path} holds {KIND_NAMES.get(str(kind), kind)}, not {key}; give the {key} file"
     return ""
 
 
 def files_beside(planned: dict[str, Any]) -> dict[str, str]:
-    """The model's files no one gave that sit beside the model file (their headers say which), for the page to fill
-    in: kohya's parts (clip_l, clip_g, t5xxl, ae / vae; ``models.part_kind``); musubi-tuner's are not told apart."""
+    """The model's files no one gave that sit beside the model file, told apart by their headers
+    (``models.part_kind``), for the page to fill in."""
     from sd_scripts_compat.models.part_kind import parts_beside
 
     missing = [c["key"] for c in planned["choices"] if c.get("placeholder")]

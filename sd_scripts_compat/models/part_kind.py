@@ -1,8 +1,11 @@
-"""What a separate model file holds, from its header alone: the parts sd-scripts' FLUX.1, Chroma and SD3 scripts take
-beside the model (``clip_l``, ``clip_g``, ``t5xxl``, ``ae`` / ``vae``), so a page can fill them from the files that
-sit beside a model. The markers are the keys the loaders check a given part by (``flux_files``, ``sd3_files``); the
-two CLIPs are told apart by their width, as SD3's loader tells them apart (a CLIP of another width, such as a tiny
-twin's, by its file name where the family takes two).
+"""What a separate model file holds, from its header alone: the parts the trainers take beside the model (sd-scripts'
+``clip_l``, ``clip_g``, ``t5xxl``, ``ae`` / ``vae``, ``gemma2``, ``qwen3``, ``text_encoder``, ``byt5``; musubi-tuner's
+``vae``, ``text_encoder``), so a page can fill them from the files that sit beside a model and name a file given for
+the wrong one. The markers are the keys the loaders read: CLIP's token embedding (the two CLIPs told apart by width,
+as SD3's loader does, or for a twin of another width by the file's name), a T5 encoder's first block (T5-XXL, UMT5,
+ByT5), a language model's token embedding (Qwen2.5-VL, Qwen3, Gemma 2, Mistral), an autoencoder's last decoder
+convolution (the 2D ``decoder.conv_out`` and Wan / Qwen-Image's 3D ``decoder.head.2``). Files of other formats
+(musubi-tuner's Wan T5 is a ``.pth`` pickle) are not read: the user picks them.
 """
 
 from __future__ import annotations
@@ -12,23 +15,38 @@ from pathlib import Path
 
 CLIP_WIDTHS = {768: "clip_l", 1280: "clip_g"}  # token embedding width: CLIP-L / OpenCLIP bigG
 T5_MARKER = "encoder.block.0.layer.0."
-AUTOENCODER_MARKER = "decoder.conv_out.weight"
-AUTOENCODER_KEYS = ("ae", "vae")  # FLUX.1 / Chroma name it ae, SD3 vae: the same kind of file
+LLM_MARKER = "embed_tokens.weight"  # model.embed_tokens.weight of a decoder language model
+AUTOENCODER_MARKERS = ("decoder.conv_out.weight", "decoder.head.2.weight")  # 2D / Wan and Qwen-Image's 3D layout
+AUTOENCODER_KEYS = ("ae", "vae")  # FLUX.1 / Chroma / Lumina name it ae, SD3 and the others vae: one kind of file
+# the option -> the kinds of file it takes
+OPTION_KINDS: dict[str, tuple[str, ...]] = {
+    "clip_l": ("clip_l", "clip"), "clip_g": ("clip_g", "clip"), "t5xxl": ("t5",), "t5": ("t5",), "byt5": ("t5",),
+    "ae": ("autoencoder",), "vae": ("autoencoder",), "text_encoder": ("llm",), "qwen3": ("llm",),
+    "gemma2": ("llm",)}
+KIND_NAMES = {"clip_l": "a CLIP-L text encoder", "clip_g": "a CLIP-G text encoder", "clip": "a CLIP text encoder",
+              "t5": "a T5 encoder", "llm": "a language model", "autoencoder": "an autoencoder"}
 MAX_CANDIDATES = 64  # .safetensors files read beside one model (their headers only)
 
 
 def part_kind(shapes: Mapping[str, Sequence[int]]) -> str | None:
-    """``clip_l``, ``clip_g``, ``clip`` (another width), ``t5xxl``, ``autoencoder`` or None (a model, or a part
-    we do not take)."""
+    """``clip_l``, ``clip_g``, ``clip`` (another width), ``t5``, ``llm``, ``autoencoder`` or None (a model, or a
+    part we do not take)."""
     for key, shape in shapes.items():
         if key.endswith("embeddings.token_embedding.weight") and len(shape) == 2:
             return CLIP_WIDTHS.get(int(shape[1]), "clip")
     if any(T5_MARKER in key for key in shapes):
-        return "t5xxl"
-    if any(key.endswith(AUTOENCODER_MARKER) for key in shapes) and not any(
+        return "t5"
+    if any(key.endswith(LLM_MARKER) and "encoder." not in key for key in shapes):
+        return "llm"
+    if any(key.endswith(AUTOENCODER_MARKERS) for key in shapes) and not any(
             key.startswith(("model.diffusion_model.", "first_stage_model.")) for key in shapes):
         return "autoencoder"
     return None
+
+
+def takes(option: str, kind: str | None) -> bool:
+    """Whether a file of ``kind`` can be what ``option`` names (a kind we do not tell apart: yes)."""
+    return kind is None or option not in OPTION_KINDS or kind in OPTION_KINDS[option]
 
 
 def parts_beside(model: Path, wanted: Sequence[str]) -> dict[str, Path]:
@@ -53,9 +71,9 @@ def parts_beside(model: Path, wanted: Sequence[str]) -> dict[str, Path]:
 
 
 def _holds(kind: str | None, option: str, path: Path, wanted: Sequence[str]) -> bool:
-    if kind == "autoencoder":
-        return option in AUTOENCODER_KEYS
-    if kind == "clip" and option.startswith("clip_"):  # one CLIP wanted: this one; two: the one its name says
-        clips = [o for o in wanted if o.startswith("clip_")]
-        return len(clips) == 1 or option in path.name
-    return kind == option
+    """``option`` takes this file: its kind fits, and of the wanted options that take this kind it is the only one
+    or the one the file's name says (a twin's CLIPs; a kind no two of a family's options share otherwise)."""
+    if kind is None or kind not in OPTION_KINDS.get(option, ()):
+        return False
+    rivals = [other for other in wanted if kind in OPTION_KINDS.get(other, ())]
+    return len(rivals) == 1 or option in path.name
