@@ -238,3 +238,16 @@ def test_the_files_beside_a_musubi_or_sd_scripts_dit_are_told_apart_the_same_way
     assert parts_beside(dit, ["vae", "text_encoder"]) == {"vae": vae, "text_encoder": llm}
     byt5 = part("byt5_small_glyphxl_fp16.safetensors", "encoder.block.0.layer.0.SelfAttention.q.weight")
     assert parts_beside(dit, ["text_encoder", "byt5", "vae"]) == {"text_encoder": llm, "byt5": byt5, "vae": vae}
+    # Wan 2.2: its T5 (a .pth, found by name, never opened) and the high-noise expert (a second DiT) beside the
+    # low-noise one
+    wan = tmp_path / "wan"
+    wan.mkdir()
+    low = wan / "wan2.2_t2v_low_noise_14B_fp16.safetensors"
+    high = wan / "wan2.2_t2v_high_noise_14B_fp16.safetensors"
+    for path in (low, high):
+        save_file({"blocks.0.self_attn.q.weight": torch.zeros(2, 2)}, str(path))
+    t5 = wan / "models_t5_umt5-xxl-enc-bf16.pth"
+    t5.write_bytes(b"a pickle: never opened")
+    save_file({"decoder.head.2.weight": torch.zeros(2, 2)}, str(wan / "wan_2.1_vae.safetensors"))
+    assert parts_beside(low, ["vae", "t5", "dit_high_noise"]) == {"vae": wan / "wan_2.1_vae.safetensors", "t5": t5,
+                                                                 "dit_high_noise": high}

@@ -654,7 +654,7 @@ def browse_folder(policy: AccessPolicy, path: str | None) -> dict[str, Any]:
             continue
         if _is_dir(entry):
             folders.append(entry.name)
-        elif os.path.splitext(entry.name)[1].lower() in (".safetensors", ".ckpt", ".pt"):
+        elif os.path.splitext(entry.name)[1].lower() in (".safetensors", ".ckpt", ".pt", ".pth"):
             files.append(entry.name)
     parent = folder.parent
     allowed_parent = any(parent == root or root in parent.parents for root in policy.allowed_roots)

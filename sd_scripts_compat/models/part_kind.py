@@ -4,8 +4,8 @@
 the wrong one. The markers are the keys the loaders read: CLIP's token embedding (the two CLIPs told apart by width,
 as SD3's loader does, or for a twin of another width by the file's name), a T5 encoder's first block (T5-XXL, UMT5,
 ByT5), a language model's token embedding (Qwen2.5-VL, Qwen3, Gemma 2, Mistral), an autoencoder's last decoder
-convolution (the 2D ``decoder.conv_out`` and Wan / Qwen-Image's 3D ``decoder.head.2``). Files of other formats
-(musubi-tuner's Wan T5 is a ``.pth`` pickle) are not read: the user picks them.
+convolution (the 2D ``decoder.conv_out`` and Wan / Qwen-Image's 3D ``decoder.head.2``). Two are found by their name
+alone (``BY_NAME``): Wan's T5, a ``.pth`` pickle that is never opened here, and Wan 2.2's high-noise expert.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ OPTION_KINDS: dict[str, tuple[str, ...]] = {
 KIND_NAMES = {"clip_l": "a CLIP-L text encoder", "clip_g": "a CLIP-G text encoder", "clip": "a CLIP text encoder",
               "t5": "a T5 encoder", "llm": "a language model", "autoencoder": "an autoencoder"}
 MAX_CANDIDATES = 64  # .safetensors files read beside one model (their headers only)
+# parts told by their file name alone: Wan's T5 is a .pth pickle (never opened here), Wan 2.2's high-noise expert a
+# second DiT of the model's own kind
+BY_NAME = (("t5", ("t5",), (".pth",)), ("dit_high_noise", ("high_noise", "high-noise"), (".safetensors",)))
 
 
 def part_kind(shapes: Mapping[str, Sequence[int]]) -> str | None:
@@ -67,7 +70,18 @@ def parts_beside(model: Path, wanted: Sequence[str]) -> dict[str, Path]:
         for option in wanted:
             if _holds(kind, option, path, wanted):
                 found.setdefault(option, []).append(path)
+    for option, words, suffixes in BY_NAME:  # files whose header says nothing we may read: by their name alone
+        if option in wanted:
+            found.setdefault(option, []).extend(p for p in _siblings(model) if p.suffix in suffixes
+                                                and any(w in p.name.lower() for w in words))
     return {option: paths[0] for option, paths in found.items() if len(paths) == 1}
+
+
+def _siblings(model: Path) -> list[Path]:
+    try:
+        return sorted(p for p in model.parent.iterdir() if p != model and p.is_file())[:MAX_CANDIDATES * 4]
+    except OSError:
+        return []
 
 
 def _holds(kind: str | None, option: str, path: Path, wanted: Sequence[str]) -> bool:

@@ -223,7 +223,7 @@ function fileRow(c) {  // one of the family's files: found beside the model, pic
     onchange: e => { overrides[c.key] = e.target.value.trim(); delete besides[c.key]; repredict(); }})),
     el("button", {id: "browse-" + c.key, onclick: () => showBrowser(picker, from, pick)}, "Browse"),
     el("span", {class: "reason", "data-beside": besides[c.key] ? "yes" : "no"},
-      " " + (besides[c.key] ? "found beside the model (its header says what it holds)" : c.reason)), picker);
+      " " + (besides[c.key] ? "found beside the model" : c.reason)), picker);
 }
 
 function startState(plan) {  // the server says why a run of this plan cannot start with the chosen engine
