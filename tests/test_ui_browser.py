@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,25 @@ def typed(browser, field: str, value: str) -> None:
     element = browser.find_element(By.ID, field)
     element.send_keys(Keys.CONTROL, "a")
     element.send_keys(value, Keys.TAB)
+
+
+def text_of(browser, css: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return browser.find_element(By.CSS_SELECTOR, css).text
+
+
+def stop_resume_and_finish(browser, wait) -> None:
+    """Stop a training run from its page (it becomes interrupted), Resume it, and wait until it is done and its LoRA
+    is shown."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+
+    browser.find_element(By.ID, "stop").click()
+    wait.until(lambda b: text_of(b, "#run-state") == "interrupted")
+    browser.find_element(By.ID, "resume").click()
+    wait.until(lambda b: text_of(b, "#run-state") == "done")
+    wait.until(seen.presence_of_element_located((By.ID, "lora-table")))
 
 
 def waiting(browser, seconds: float):
@@ -65,8 +85,7 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
     # the pages replace what they show (a re-predicted plan, a re-rendered run): an element read mid-swap is retried
     wait = waiting(browser, 300)
 
-    def text(css: str) -> str:
-        return browser.find_element(By.CSS_SELECTOR, css).text
+    text = partial(text_of, browser)
 
     try:
         browser.get(f"http://127.0.0.1:{server.port}/")
@@ -113,11 +132,7 @@ def test_new_training_flow_from_folder_to_report(tmp_path, browser):
                    and not text("#run-status").startswith(text("#run-state") + " step -"))
         wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#decisions li[data-event='start']")))
         browser.save_screenshot(str(shots / "3-run-training.png"))
-        browser.find_element(By.ID, "stop").click()
-        wait.until(lambda b: text("#run-state") == "interrupted")
-        browser.find_element(By.ID, "resume").click()
-        wait.until(lambda b: text("#run-state") == "done")
-        wait.until(seen.presence_of_element_located((By.ID, "lora-table")))
+        stop_resume_and_finish(browser, wait)
         assert text("#bottleneck") and browser.find_element(By.CSS_SELECTOR, "#loss-curve svg")
         assert browser.find_element(By.CSS_SELECTOR, "#lr-curve svg") and "peak so far" in text("#memory")
         # each chart's axes: the steps along x, the value's range and unit along y
@@ -430,8 +445,7 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
     server = Server(tmp_path)
     wait = waiting(browser, 300)
 
-    def text(css: str) -> str:
-        return browser.find_element(By.CSS_SELECTOR, css).text
+    text = partial(text_of, browser)
 
     try:
         browser.get(f"http://127.0.0.1:{server.port}/")
@@ -475,11 +489,7 @@ def test_a_gui_users_walk_with_a_flux_like_model_from_its_files_to_the_report(tm
                                  for i in b.find_elements(By.CSS_SELECTOR, "#samples img")))
         wait.until(lambda b: "predicted" in text("#memory"))  # the plan, written as the run started, is read
         browser.save_screenshot(str(shots / "walk-4-training-log-and-first-sample.png"))
-        browser.find_element(By.ID, "stop").click()
-        wait.until(lambda b: text("#run-state") == "interrupted")
-        browser.find_element(By.ID, "resume").click()
-        wait.until(lambda b: text("#run-state") == "done")
-        wait.until(seen.presence_of_element_located((By.ID, "lora-table")))
+        stop_resume_and_finish(browser, wait)
         run_id = browser.current_url.rsplit("#/run/", 1)[1]
         info = server.call("GET", f"/api/runs/{run_id}")[1]
         assert info["step"] == info["max_train_steps"] == 40 and info["family"] == "tiny-flux", info
