@@ -276,10 +276,12 @@ def _square_side(resolution: Any) -> int | None:
 
 
 def _optimizer(name: Any) -> str | None:
+    """The optimizer by its canonical name (``arg_types.optimizer_name``), or None for one the engine lacks."""
+    from autotune.launch.arg_types import optimizer_name
     from sd_scripts_compat.facts.optimizers import optimizer_names
 
-    by_key = {known.lower(): known for known in optimizer_names()}
-    return by_key.get(str(name or "").strip().lower())
+    canonical = optimizer_name(str(name or ""))
+    return canonical if canonical in optimizer_names() else None
 
 
 # our config keys -> the kohya_ss GUI's field of the same meaning, where the names differ

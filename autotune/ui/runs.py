@@ -139,14 +139,14 @@ class RunStore:
     def info(self, run_id: str) -> dict[str, Any]:
         """One run as the runs page shows it (state, step, it/s, ETA, what it trains)."""
         folder = self.folder(run_id)
-        state, message = self.state(run_id)
         try:
+            events = _decisions(folder)  # read once: the state and the duration both come from it
             record = self._record(run_id)
             progress = _read_model(folder / EVENTS_DIR / PROGRESS_FILE, Progress) or Progress()
             plan = _read_model(folder / PLAN_FILE, PlanFile)
-            events = _decisions(folder)
         except Unreadable as error:
             return {"id": run_id, "folder": str(folder), "state": "unreadable", "message": str(error)}
+        state, message = self.state(run_id, events)
         step, total, rate = progress.step, progress.max_train_steps, progress.it_per_s
         eta = (total - step) / rate if rate and step is not None and total else None
         planned = None if plan is None else {"device": plan.device, **plan.prediction.model_dump()}
@@ -158,15 +158,17 @@ class RunStore:
                 "family": _family(folder, plan), "duration_s": _duration(events, state),
                 **run_outputs(folder, run_id)}
 
-    def state(self, run_id: str) -> tuple[str, str | None]:
-        """The run's state word and its one line (``unreadable`` and why when a file of it is malformed)."""
+    def state(self, run_id: str, events: list[Decision] | None = None) -> tuple[str, str | None]:
+        """The run's state word and its one line (``unreadable`` and why when a file of it is malformed);
+        ``events``: its decisions, when the caller has read them."""
         from autotune.launch.out_lock import lock_holder
 
         folder = self.runs_dir / run_id
-        try:
-            events = _decisions(folder)
-        except Unreadable as error:
-            return "unreadable", str(error)
+        if events is None:
+            try:
+                events = _decisions(folder)
+            except Unreadable as error:
+                return "unreadable", str(error)
         last = events[-1].text if events else None
         if lock_holder(folder) is not None or self._starting(run_id):
             after_start = [e.event for e in events if e.event not in ("resume", "cleanup")]

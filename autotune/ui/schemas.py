@@ -35,6 +35,7 @@ from pydantic import (
     create_model,
 )
 
+from autotune.launch.user_settings import PATH_SETTINGS, setting_dest
 from autotune.layout import is_run_name
 
 MAX_TEXT = 4096  # characters in one string value (a path, a card's name)
@@ -50,7 +51,8 @@ NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs (th
                      "json": "the API always answers JSON", "html": "the API answers JSON; autotune report writes "
                      "HTML", "help": "see autotune COMMAND --help"}
 RUN_GROUP = "the run"  # ``autotune run``'s own options (retries, stall timeout, your config), in no plan group
-PATH_DESTS = ("dataset", "model", "config", "dataset_config", "setting_sample_prompts")  # + the model-file keys
+# the options that name a file or folder (+ the model-file keys): checked against the allowed folders
+PATH_DESTS = ("dataset", "model", "config", "dataset_config", *(setting_dest(key) for key in PATH_SETTINGS))
 
 
 def _plain_text(value: str) -> str:
