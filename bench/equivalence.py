@@ -84,27 +84,16 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "training_shift": 3.0, "weighting_scheme": "uniform", "t5xxl_max_token_length": 16,
         "apply_lg_attn_mask": True, "apply_t5_attn_mask": True}),
 }
-# Cases run by sd-scripts alone, for their metadata (--record), and why ours does not run them.
-RECORD_ONLY = {
-    "flux1-lora": "FLUX.1 at full width with 1 double and 1 single block and a 1-layer T5-XXL (sd-scripts reads the "
-                  "block counts from the file; its T5 config is fixed, so a seam gives it num_layers 1): our engine "
-                  "builds a FLUX.1 file at its family's full depth and does not load this one",
-    "sd35-lora": "SD3.5 Medium's layout at depth 2 (sd-scripts sizes the MMDiT from the file: 64 x depth wide, one "
-                 "MMDiT-X block) with full-size CLIP-L / CLIP-G and a 1-layer T5-XXL (the same seam) beside it: "
-                 "our engine builds SD3.5 Medium at its family's full depth and does not load this one",
-}
-# the reduced transformer and the T5 layers of the record-only families
+CASES["sd35-large-lora"] = ("sd3.5-large", "sd3_train_network", CASES["sd35-lora"][2])
+# The flow-matching families run on files at full width with fewer blocks and a one-layer T5-XXL: full FLUX.1 and
+# SD3.5 do not fit this machine in fp32 beside sd-scripts' T5 (4.7 B parameters). Both engines read the block counts
+# from the file (``models.file_depth``); sd-scripts' T5 config is fixed, so a seam gives it num_layers 1.
 REDUCED = {"flux-dev": {"num_layers": 1, "num_single_layers": 1},
            "sd3.5-medium": {"num_layers": 2, "num_attention_heads": 2, "caption_projection_dim": 128,
-                            "dual_attention_layers": [0]}}
-# Cases the issue names that this script does not run, and why (printed with the table).
-NOT_RUN = {
-    "flux1 step by step": "sd-scripts builds FLUX.1's T5-XXL at full size from a fixed config (4.7 B parameters, "
-                          "19 GB in fp32 beside the transformer), and our engine loads no FLUX.1 file of fewer "
-                          "blocks than the family's",
-    "sd3.5 step by step": "the same T5-XXL (sd3_utils.load_t5xxl reads it with flux_utils' fixed config), and our "
-                          "engine loads no SD3.5 file of fewer blocks than the family's",
-}
+                            "dual_attention_layers": [0]},
+           "sd3.5-large": {"num_layers": 2, "num_attention_heads": 2, "caption_projection_dim": 128}}
+T5_LAYERS = 1
+FLOW_FAMILIES = ("flux-dev", "sd3.5-medium", "sd3.5-large")
 IGNORED_METADATA = {"ss_training_started_at", "ss_training_finished_at", "ss_session_id", "modelspec.date",
                     "sshs_model_hash", "sshs_legacy_hash", "modelspec.implementation_version"}
 
@@ -129,8 +118,11 @@ def forced(latents):  # the k-th draw: noise and timesteps from one generator se
     return noise, torch.randint(0, 1000, (latents.shape[0],), generator=generator).long().to(latents.device)
 from diffusers.models.autoencoders import vae as diffusers_vae  # seam: the VAE posterior is its mean
 posterior_init = diffusers_vae.DiagonalGaussianDistribution.__init__
-diffusers_vae.DiagonalGaussianDistribution.__init__ = lambda self, parameters, deterministic=False: posterior_init(
-    self, parameters, deterministic=True)
+def mean_posterior(self, parameters, deterministic=False):
+    posterior_init(self, parameters, deterministic=True)
+    if not os.path.isfile(os.path.join(out, "posterior-0.safetensors")):  # the first image's mean, for --posterior
+        save_file({"mean": self.mean.detach().float().cpu().contiguous()}, os.path.join(out, "posterior-0.safetensors"))
+diffusers_vae.DiagonalGaussianDistribution.__init__ = mean_posterior
 if side == "sd-scripts":  # seam: sd-scripts' own noising, its two random draws answered
     sys.path.insert(0, os.path.dirname(sys.argv[1]))
     from library import train_util
@@ -144,6 +136,20 @@ if side == "sd-scripts":  # seam: sd-scripts' own noising, its two random draws 
         finally:
             torch.randn_like, train_util.get_timesteps = randn_like, draw_timesteps
     train_util.get_noise_noisy_latents_and_timesteps = noised
+    if os.environ.get("EQ_FLOW"):  # seam: the FLUX AE's and the SD3 VAE's own posteriors are their means too
+        from library import flux_models, sd3_models
+        given = load_file(os.environ["EQ_POSTERIOR"]) if os.environ.get("EQ_POSTERIOR") else {}
+        def posterior_mean(mean):  # --posterior ours: the mean our engine's VAE computed for this image
+            ours = given.get("mean")
+            return ours.to(mean.device, mean.dtype) if ours is not None and ours.shape == mean.shape else mean
+        flux_models.DiagonalGaussian.forward = lambda self, z: posterior_mean(torch.chunk(z, 2, dim=self.chunk_dim)[0])
+        sd3_models.SDVAE.encode = lambda self, image: posterior_mean(torch.chunk(self.encoder(image), 2, dim=1)[0])
+    if os.environ.get("EQ_SD3_ATTN2") == "model":  # --sd3-attn2 model: MMDiT-X's second attention in heads of 64
+        from library import sd3_models
+        sd3_attention = sd3_models.attention
+        def model_heads(q, k, v, *args, **kwargs):  # its one positional call passes num_heads where head_dim goes
+            return sd3_attention(q, k, v, *((q.shape[-1] // args[0], *args[1:]) if args else ()), **kwargs)
+        sd3_models.attention = model_heads
     if os.environ.get("EQ_T5_LAYERS"):  # seam: FLUX.1's T5-XXL config with fewer layers (its file holds that many)
         from library import flux_utils
         t5_config = flux_utils.T5Config
@@ -160,6 +166,58 @@ else:
                 state["text_projection.weight"] = state["text_projection.weight"].T.contiguous()
             return state
         single_file._convert_open_clip = untransposed
+    if os.environ.get("EQ_FLUX_CLIP_L") == "sd-scripts":  # --flux-clip-l sd-scripts: gelu, as it builds CLIP-L
+        from transformers.activations import ACT2FN
+        from transformers.models.clip import modeling_clip
+        mlp_init = modeling_clip.CLIPMLP.__init__
+        def gelu_mlp(self, config):
+            mlp_init(self, config)
+            self.activation_fn = ACT2FN["gelu"]
+        modeling_clip.CLIPMLP.__init__ = gelu_mlp
+if os.environ.get("EQ_FLOW"):  # seam (FLUX.1, SD3): the step's noise, then its normal and uniform draws, forced
+    torch_randn, torch_randn_like, torch_rand = torch.randn, torch.randn_like, torch.rand
+    drawn = {}
+    def size_of(args, kwargs):
+        size = kwargs.get("size", args[0] if args else ())
+        return (size, *[a for a in args[1:] if isinstance(a, int)]) if isinstance(size, int) else tuple(size)
+    def new_draw(shape):  # the k-th draw: noise, then one normal and one uniform value per image
+        generator = torch.Generator().manual_seed(seed + draws[0])
+        draws[0] += 1
+        drawn.update(noise=torch_randn(shape, generator=generator),
+                     normal=torch_randn((shape[0],), generator=generator),
+                     uniform=torch_rand((shape[0],), generator=generator))
+        return drawn["noise"]
+    def answer(kind, size, kwargs, original, args):
+        if kind in drawn and size == tuple(drawn[kind].shape):
+            return drawn.pop(kind).to(kwargs.get("device") or "cpu", kwargs.get("dtype") or torch.float32)
+        return original(*args, **kwargs)
+    def randn(*args, **kwargs):
+        size = size_of(args, kwargs)
+        if len(size) >= 4:
+            return new_draw(size).to(kwargs.get("device") or "cpu", kwargs.get("dtype") or torch.float32)
+        return answer("normal", size, kwargs, torch_randn, args)
+    def randn_like(tensor, *args, **kwargs):
+        if tensor.dim() >= 4:
+            return new_draw(tuple(tensor.shape)).to(tensor.device, kwargs.get("dtype") or tensor.dtype)
+        return torch_randn_like(tensor, *args, **kwargs)
+    def rand(*args, **kwargs):
+        return answer("uniform", size_of(args, kwargs), kwargs, torch_rand, args)
+    def forcing(function):  # the draws are forced only inside one training step's forward
+        def forced_step(*args, **kwargs):
+            torch.randn, torch.randn_like, torch.rand = randn, randn_like, rand
+            try:
+                return function(*args, **kwargs)
+            finally:
+                torch.randn, torch.randn_like, torch.rand = torch_randn, torch_randn_like, torch_rand
+                drawn.clear()
+        return forced_step
+    if side == "sd-scripts":
+        import train_network
+        train_network.NetworkTrainer.process_batch = forcing(train_network.NetworkTrainer.process_batch)
+    else:
+        from sd_scripts_compat.runtimes import flow_matching, sd3_flow
+        flow_matching.FlowMatchingObjective.forward = forcing(flow_matching.FlowMatchingObjective.forward)
+        sd3_flow.Sd3FlowObjective.forward = forcing(sd3_flow.Sd3FlowObjective.forward)
 autograd_backward = torch.autograd.backward
 def backward(tensors, *args, **kwargs):
     if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
@@ -168,22 +226,31 @@ def backward(tensors, *args, **kwargs):
 torch.autograd.backward = backward
 def lora_params(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
+swapped = set()  # parameters held with their two output halves the other way round (SD3's last modulation, ours)
+def halves_swapped(tensor):
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+def in_file_order(p, tensor):
+    return (halves_swapped(tensor) if id(p) in swapped else tensor).detach().float().cpu().contiguous()
 def before_step(optimizer, args, kwargs):
     if not names:  # the first step: each parameter still holds its initial value from the initial file
         for p in lora_params(optimizer):
             keys = unnamed_keys.get(fingerprint(p))
+            if not keys and p.shape[0] % 2 == 0:
+                keys = unnamed_keys.get(fingerprint(halves_swapped(p)))
+                swapped.update({id(p)} if keys else set())
             names[id(p)] = keys.pop(0) if keys else f"?{len(names)}"
-    save_file({names[id(p)]: p.grad.detach().float().cpu().contiguous() for p in lora_params(optimizer)
-               if p.grad is not None}, os.path.join(out, f"grad-{steps[0]}.safetensors"))
+    save_file({names[id(p)]: in_file_order(p, p.grad) for p in lora_params(optimizer) if p.grad is not None},
+              os.path.join(out, f"grad-{steps[0]}.safetensors"))
 def after_step(optimizer, args, kwargs):
-    save_file({names[id(p)]: p.detach().float().cpu().contiguous() for p in lora_params(optimizer)},
+    save_file({names[id(p)]: in_file_order(p, p) for p in lora_params(optimizer)},
               os.path.join(out, f"weight-{steps[0]}.safetensors"))
     steps[0] += 1
 register_optimizer_step_pre_hook(before_step)
 text_outputs = {}
 def text_encoder_output(module, args, output):  # each text encoder's first output (where a difference enters)
     name = type(module).__name__
-    if name.startswith("CLIPText") and name not in text_outputs and isinstance(output[0], torch.Tensor):
+    if name.startswith(("CLIPText", "T5Encoder")) and name not in text_outputs and isinstance(output[0], torch.Tensor):
         text_outputs[name] = output[0].detach().float().cpu().clone()
         save_file(text_outputs, os.path.join(out, "text-0.safetensors"))
 torch.nn.modules.module.register_module_forward_hook(text_encoder_output)
@@ -226,24 +293,36 @@ def write_model(family_name: str, path: Path) -> Path:
     return path
 
 
+def bench_spec(family_name: str) -> Any:
+    """The family as this script builds it: REDUCED's blocks and a T5-XXL of T5_LAYERS layers for the flow
+    families (the spec both engines then read back from the files), else the family itself."""
+    import dataclasses
+
+    from sd_scripts_compat.facts.families import get_family
+
+    spec = get_family(family_name)
+    if family_name not in REDUCED:
+        return spec
+    encoders = tuple(dataclasses.replace(te, config={**te.config, "num_layers": T5_LAYERS})
+                     if te.file_option == "t5xxl" else te for te in spec.text_encoders)
+    return dataclasses.replace(spec, unet={**spec.unet, **REDUCED[family_name]}, text_encoders=encoders)
+
+
 def write_reduced_files(family_name: str, folder: Path) -> Path:
-    """A record-only family's files as sd-scripts reads them, random weights: the transformer at full width (SD3: 64
-    x depth) with REDUCED's blocks, CLIP and the VAE / AE at full size, T5-XXL at full width with one layer (fp16; a
-    child process). FLUX.1: its four files; SD3.5: the MMDiT and VAE file, clip_l, clip_g and t5xxl beside it."""
-    code = ("import dataclasses, sys, torch\n"
-            "from sd_scripts_compat.facts.families import get_family\n"
+    """A flow family's files as sd-scripts reads them, random weights (``bench_spec``: the transformer at full width,
+    SD3 64 x depth, with REDUCED's blocks; CLIP and the VAE / AE at full size; T5-XXL at full width with one layer;
+    fp16; a child process). FLUX.1: its four files; SD3.5: the MMDiT and VAE file, clip_l, clip_g and t5xxl beside
+    it (sd-scripts reads no text encoder inside an SD3 file under ComfyUI's ``transformer.`` names)."""
+    code = ("import sys, torch\n"
+            "sys.path.insert(0, 'bench')\n"
+            "from equivalence import bench_spec\n"
             "from sd_scripts_compat.models.build import build_modules\n"
             "from sd_scripts_compat.models.flux_files import save_flux_files\n"
             "from sd_scripts_compat.models.sd3_files import save_sd3_files\n"
-            "spec = get_family(sys.argv[1])\n"
-            "encoders = tuple(dataclasses.replace(te, config={**te.config, 'num_layers': 1})\n"
-            "                 if te.file_option == 't5xxl' else te for te in spec.text_encoders)\n"
-            f"spec = dataclasses.replace(spec, unet={{**spec.unet, **{REDUCED!r}[sys.argv[1]]}}, "
-            "text_encoders=encoders)\n"
-            "bundle = build_modules(spec, seed=0)\n"
+            "bundle = build_modules(bench_spec(sys.argv[1]), seed=0)\n"
             "if sys.argv[1] == 'flux-dev':\n"
             "    save_flux_files(bundle, sys.argv[2], dtype=torch.float16)\n"
-            "else:  # sd-scripts reads no text encoder inside an SD3 file under ComfyUI's transformer. names\n"
+            "else:\n"
             "    save_sd3_files(bundle, sys.argv[2], text_encoders_inside=False, dtype=torch.float16)\n")
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-c", code, family_name, str(folder)], cwd=ROOT, check=True)
@@ -269,12 +348,10 @@ def write_initial_lora(family_name: str, options: dict, path: Path) -> Path:
     import torch
 
     from sd_scripts_compat.config.network_args import parse_network_args
-    from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.network.lora_file import save_lora_file
 
-    family = get_family(family_name)
-    bundle = build_modules(family, device="meta")
+    bundle = build_modules(bench_spec(family_name), device="meta")
     entries = dict(arg.split("=", 1) for arg in options.get("network_args", []))
     args = parse_network_args(entries, options["network_module"], sdxl=family_name == "sdxl",
                               rank=(COMMON["network_dim"], COMMON["network_alpha"]))
@@ -313,14 +390,12 @@ def write_config(case: str, work: Path, steps: int, resolution: int, unfused: bo
               "train_data_dir": str(work / "dataset"), "resolution": f"{resolution},{resolution}",
               "max_train_steps": steps, "network_weights": str(folder / "initial.safetensors")}
     files = work / f"{family_name}-random.safetensors"
-    if family_name == "flux-dev":  # its four files; started from no LoRA (record only)
+    if family_name == "flux-dev":  # its four files
         values.update(pretrained_model_name_or_path=str(files / "flux1.safetensors"),
                       **{option: str(files / f"{option}.safetensors") for option in ("clip_l", "t5xxl", "ae")})
-    elif family_name == "sd3.5-medium":  # the model file, the text encoders beside it
+    elif family_name.startswith("sd3.5"):  # the model file, the text encoders beside it
         values.update(pretrained_model_name_or_path=str(files / f"{family_name}.safetensors"),
                       **{option: str(files / f"{option}.safetensors") for option in ("clip_l", "clip_g", "t5xxl")})
-    if case in RECORD_ONLY:
-        del values["network_weights"]
     if unfused:
         values["optimizer_args"] = ["fused=False"]
     config = folder / "config.toml"
@@ -331,9 +406,10 @@ def write_config(case: str, work: Path, steps: int, resolution: int, unfused: bo
 
 
 def run_side(side: str, case: str, work: Path, install: dict[str, str], tokenizers: Path, seed: int,
-             threads: int, probe: str = "", projection: str = "file") -> Path:
+             threads: int, probe: str = "", seams: dict[str, str] | None = None) -> Path:
     """One engine's run of ``case`` under the launcher; its folder (LoRA, losses, per-step gradients and weights)."""
-    script = CASES[case][1]
+    family_name, script, _ = CASES[case]
+    flow = family_name in FLOW_FAMILIES
     out = work / case / side
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -343,10 +419,13 @@ def run_side(side: str, case: str, work: Path, install: dict[str, str], tokenize
         cwd = Path(install["scripts"])
     else:
         command, cwd = [sys.executable, "-c", LAUNCHER, f"sd_scripts_compat.{script}"], ROOT
+        if flow:  # the T5 tokenizer sd-scripts finds in its cache
+            command += ["--t5xxl_tokenizer", str(tokenizers / "google_t5-v1_1-xxl")]
     command += ["--config_file", str(work / case / "config.toml"), "--output_dir", str(out)]
     env = {**os.environ, "EQ_OUT": str(out), "EQ_SIDE": side, "EQ_SEED": str(seed), "HF_HUB_OFFLINE": "1",
            "EQ_THREADS": str(threads), "OMP_NUM_THREADS": str(threads), "EQ_PROBE": probe,
-           "EQ_SDXL_PROJECTION": projection, "EQ_T5_LAYERS": "1" if case in RECORD_ONLY else "",
+           **(seams or {}), "EQ_FLOW": "1" if flow else "",
+           "EQ_T5_LAYERS": str(T5_LAYERS) if flow else "",
            "EQ_INIT": str(work / case / "initial.safetensors")}
     with open(out / "log.txt", "w", encoding="utf-8") as log:
         done = subprocess.run(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -462,7 +541,7 @@ def record(cases: list[str], work: Path, destination: Path) -> None:
 
 
 def run_case(case: str, work: Path, install: dict[str, str], args: argparse.Namespace) -> None:
-    """Both engines on one case and their table; sd-scripts alone on a RECORD_ONLY case (its metadata)."""
+    """Both engines on one case and their table."""
     from autotune.recovery.sd_scripts import tokenizer_cache
     from sd_scripts_compat.facts.families import get_family
     from sd_scripts_compat.models.t5_tokenizer import TINY_T5_TOKENIZER_DIR
@@ -471,20 +550,18 @@ def run_case(case: str, work: Path, install: dict[str, str], args: argparse.Name
     family = get_family(family_name)
     write_model(family_name, work / f"{family_name}-random.safetensors")
     write_config(case, work, args.steps, args.resolution, args.unfused)
-    if case in RECORD_ONLY:  # sd-scripts' CLIP-L and T5 hub names for FLUX.1 are SD3's first and third
-        pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders
-                     if te.file_option != "t5xxl")
+    pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders
+                 if te.file_option != "t5xxl")
+    if family_name in FLOW_FAMILIES:  # sd-scripts' CLIP-L and T5 hub names for FLUX.1 are SD3's first and third
         tokenizers = tokenizer_cache(work, "sd3", pads, t5=TINY_T5_TOKENIZER_DIR)
-        run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads)
-        written = metadata(work / case / "sd-scripts" / "lora.safetensors")
-        print(f"\n### {case}\n\nsd-scripts alone, for its metadata ({len(written)} keys): {RECORD_ONLY[case]}")
-        return
-    pads = tuple(str(te.tokenizer.get("pad_token") or "<|endoftext|>") for te in family.text_encoders)
-    tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
+    else:
+        tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
     write_initial_lora(family_name, options, work / case / "initial.safetensors")
     ours = run_side("ours", case, work, install, tokenizers, args.seed, args.threads, args.probe,
-                    args.sdxl_projection)
-    theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads, args.probe)
+                    {"EQ_SDXL_PROJECTION": args.sdxl_projection, "EQ_FLUX_CLIP_L": args.flux_clip_l})
+    posterior = str(ours / "posterior-0.safetensors") if args.posterior == "ours" else ""
+    theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads, args.probe,
+                      {"EQ_POSTERIOR": posterior, "EQ_SD3_ATTN2": args.sd3_attn2})
     print_case(case, compare_steps(ours, theirs), *compare_metadata(ours, theirs))
     print_probes(ours, theirs)
 
@@ -514,6 +591,18 @@ def main() -> int:
     parser.add_argument("--sdxl-projection", choices=("file", "sd-scripts"), default="file",
                         help="CLIP-G's text_projection in our engine: as the SDXL file means it (default; diffusers, "
                              "ComfyUI and SGM's x @ P) or as sd-scripts loads it (untransposed: x @ P.T)")
+    parser.add_argument("--flux-clip-l", choices=("file", "sd-scripts"), default="file",
+                        help="FLUX.1's CLIP-L in our engine: as the model is (default; quick_gelu: OpenAI's config, "
+                             "diffusers, ComfyUI) or as sd-scripts builds it (gelu: its CLIPL_CONFIG names "
+                             "hidden_act twice and the second wins)")
+    parser.add_argument("--posterior", choices=("own", "ours"), default="own",
+                        help="the VAE posterior mean sd-scripts trains on (FLUX.1, SD3): its own VAE's (default) or "
+                             "the one our engine's computed for the same image (a seam: the two VAE implementations "
+                             "differ in the last bits; with it, what is compared is the training step alone)")
+    parser.add_argument("--sd3-attn2", choices=("sd-scripts", "model"), default="sd-scripts",
+                        help="SD3.5 Medium's MMDiT-X second attention in sd-scripts: as it runs it (default: its call "
+                             "passes num_heads where head_dim goes, so 64 heads of 24 where the model has 24 of 64) "
+                             "or in the model's heads (a seam on sd-scripts' side: what ours computes)")
     parser.add_argument("--unfused", action="store_true", help="our AdamW unfused too (fused=False to both)")
     parser.add_argument("--work", help="keep the model files and runs here (default: a temporary folder)")
     parser.add_argument("--record", help="write sd-scripts' metadata per case to this JSON file")
@@ -538,8 +627,6 @@ def main() -> int:
     for case in cases:
         run_case(case, work, install, args)
         sys.stdout.flush()
-    for case, reason in NOT_RUN.items():
-        print(f"\n{case}: not run: {reason}")
     if args.record:
         record(cases, work, Path(args.record))
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.facts.families import CLIP_TOKENIZER_DIR, FamilySpec, model_config
+from sd_scripts_compat.facts.families import CLIP_TOKENIZER_DIR, FamilySpec, TextEncoderSpec, model_config
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +102,14 @@ def empty_modules(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
         return (build_denoiser(family.unet),
                 getattr(diffusers, family.vae.get("_class_name", "AutoencoderKL"))(**model_config(family.vae)),
                 [build_text_encoder(te.config) for te in family.text_encoders])
+
+
+def empty_text_encoder(encoder: TextEncoderSpec) -> Any:
+    """One text encoder with parameters on the meta device (see ``empty_modules``)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return build_text_encoder(encoder.config)
 
 
 def check_trainable(family: FamilySpec, *, builtin: bool) -> None:

@@ -147,11 +147,13 @@ def _family_of_single_file(path: Path, stated: str | None, stated_by: str,
     from sd_scripts_compat.models.checkpoint import detect_layout, read_checkpoint
 
     checkpoint = read_checkpoint(path, header_only=True, allow_pickle=allow_pickle)
-    own = header_marker_candidates(checkpoint.shapes, all_families())
+    own = (header_marker_candidates(checkpoint.shapes, all_families())
+           or most_markers(header_marker_candidates(checkpoint.shapes, all_families(), fewer_blocks=True)))
     if own:  # SD3.5 (ours), Lumina 2, HunyuanImage-2.1, Anima (sd-scripts), musubi's DiTs: told by the header
         return choose_family(own, None, stated, subject=str(path), noun="checkpoint", stated_by=stated_by)
     layout = detect_layout(checkpoint)
-    matched = checkpoint_candidates(checkpoint.shapes, layout, all_families())
+    matched = (checkpoint_candidates(checkpoint.shapes, layout, all_families())
+               or checkpoint_candidates(checkpoint.shapes, layout, all_families(), fewer_blocks=True))
     if not matched:
         if stated is not None:
             return get_family(stated)
@@ -186,10 +188,11 @@ def unet_config_candidates(config: Mapping[str, Any], pool: Iterable[FamilySpec]
     return out
 
 
-def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
-                          pool: Iterable[FamilySpec]) -> list[FamilySpec]:
+def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str, pool: Iterable[FamilySpec], *,
+                          fewer_blocks: bool = False) -> list[FamilySpec]:
     """Families of single-file ``layout`` whose first UNet conv has the shape in ``shapes`` (when present);
-    for a FLUX transformer file: its input layer, block counts and whether it has a guidance embedder."""
+    for a FLUX transformer file: its input layer, block counts and whether it has a guidance embedder
+    (``fewer_blocks``: as many as the family's or fewer, ``models.file_depth``)."""
     from sd_scripts_compat.models.checkpoint import UNET_PREFIX
 
     shape = shapes.get(UNET_PREFIX + "input_blocks.0.0.weight")
@@ -197,8 +200,8 @@ def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
     for family in pool:
         unet = family.unet
         if family.is_transformer:
-            if family.single_file_layout == layout and _transformer_header_fits(shapes, unet,
-                                                                               family.flux_model_type or "flux"):
+            if family.single_file_layout == layout and _transformer_header_fits(
+                    shapes, family, family.flux_model_type or "flux", fewer_blocks):
                 out.append(family)
             continue
         kernel = unet.get("conv_in_kernel", 3)
@@ -211,9 +214,13 @@ def checkpoint_candidates(shapes: Mapping[str, tuple[int, ...]], layout: str,
 OWN_LAYOUT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")  # ComfyUI / SD3 files, Anima's
 
 
-def header_marker_candidates(shapes: Mapping[str, Any], pool: Iterable[FamilySpec]) -> list[FamilySpec]:
+def header_marker_candidates(shapes: Mapping[str, Any], pool: Iterable[FamilySpec], *,
+                             fewer_blocks: bool = False) -> list[FamilySpec]:
     """Families with ``header_markers`` whose every marker and block lists' counts the header shows (every list:
-    FLUX.2 dev and klein 9B both have 8 double blocks, 48 and 24 single)."""
+    FLUX.2 dev and klein 9B both have 8 double blocks, 48 and 24 single; ``fewer_blocks``: at least one and at
+    most the family's in every list, for the layouts whose depth is read from the file: ``models.file_depth``)."""
+    from sd_scripts_compat.models.file_depth import DEPTH_FROM_FILE, fewer_blocks_fit
+
     keys = set()
     for key in shapes:
         prefix = next((p for p in OWN_LAYOUT_PREFIXES if key.startswith(p)), "")
@@ -226,19 +233,31 @@ def header_marker_candidates(shapes: Mapping[str, Any], pool: Iterable[FamilySpe
         counts = [len({k[len(blocks):].split(".")[0] for k in keys if k.startswith(blocks)}) for blocks in lists]
         if all(count == wanted for count, wanted in zip(counts, family.swap_block_counts) if wanted):
             out.append(family)
+        elif fewer_blocks and family.single_file_layout in DEPTH_FROM_FILE and fewer_blocks_fit(family, shapes):
+            out.append(family)
     return out
 
 
-def _transformer_header_fits(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],
-                             model_type: str) -> bool:
+def most_markers(matched: list[FamilySpec]) -> list[FamilySpec]:
+    """The candidates with the most header markers: the most specific (a depth-2 SD3 file with MMDiT-X attention
+    is SD3.5 Medium, whose markers include ``x_block.attn2``, not Large, whose markers it also shows)."""
+    most = max((len(family.header_markers) for family in matched), default=0)
+    return [family for family in matched if len(family.header_markers) == most]
+
+
+def _transformer_header_fits(shapes: Mapping[str, tuple[int, ...]], family: FamilySpec, model_type: str,
+                             fewer_blocks: bool) -> bool:
+    from sd_scripts_compat.models.file_depth import fewer_blocks_fit
     from sd_scripts_compat.models.flux_layout import bfl_shapes_hint
 
+    config = family.unet
     hint = bfl_shapes_hint(shapes)
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    return (hint["inner"], hint["in_channels"], hint["num_layers"], hint["num_single_layers"], hint["guidance"],
-            hint["context"], hint["model_type"]) == (
-        inner, config["in_channels"], config["num_layers"], config["num_single_layers"],
-        bool(config.get("guidance_embeds")), config["joint_attention_dim"], model_type)
+    counts = (hint["num_layers"], hint["num_single_layers"]) == (config["num_layers"], config["num_single_layers"])
+    if not (counts or fewer_blocks and fewer_blocks_fit(family, shapes)):
+        return False
+    return (hint["inner"], hint["in_channels"], hint["guidance"], hint["context"], hint["model_type"]) == (
+        inner, config["in_channels"], bool(config.get("guidance_embeds")), config["joint_attention_dim"], model_type)
 
 
 def file_prediction(shapes: Mapping[str, Any], metadata: Mapping[str, str]) -> str | None:

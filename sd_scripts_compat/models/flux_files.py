@@ -136,6 +136,7 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
                            ae: str | None, dtype: torch.dtype | None) -> ModelBundle:
     from sd_scripts_compat.models.build import ModelBundle
     from sd_scripts_compat.models.checkpoint import read_checkpoint
+    from sd_scripts_compat.models.file_depth import at_file_depth
     from sd_scripts_compat.models.flux_layout import to_diffusers
 
     given = {"clip_l": clip_l, "t5xxl": t5xxl, "ae": ae}
@@ -144,8 +145,9 @@ def _from_transformer_file(path: Path, spec: FamilySpec, *, clip_l: str | None, 
     if missing:
         raise UserError(f"{path} is a FLUX transformer file without text encoders or AE; also give "
                         f"{', '.join(missing)} (clip_l.safetensors, t5xxl_fp16.safetensors, ae.safetensors)")
-    transformer, vae, text_encoders = empty_modules(spec)
     checkpoint = read_checkpoint(path, dtype_of=lambda key: dtype)
+    spec = at_file_depth(spec, checkpoint.shapes)  # a pruned FLUX.1: its blocks, as sd-scripts reads them
+    transformer, vae, text_encoders = empty_modules(spec)
     _fill(transformer, to_diffusers(checkpoint.state, transformer.config), "transformer", path, dtype)
     return ModelBundle(family=spec, unet=transformer, vae=vae, text_encoders=text_encoders, tokenizers=[],
                        scheduler_config=dict(spec.scheduler), prediction_type=spec.prediction_type, source=str(path),
@@ -215,9 +217,24 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
             _fill(text_encoders[index[option]], clip_l_state(tensors), "clip_l", Path(path), dtype)
             bundle.text_encoders[index[option]] = text_encoders[index[option]]
         else:
-            encoder = text_encoders[index[option]]
+            encoder = t5_encoder(bundle, index[option], tensors)
             _fill(encoder, t5_state(tensors, encoder), "t5xxl", Path(path), dtype)
             bundle.text_encoders[index[option]] = encoder
+
+
+def t5_encoder(bundle: ModelBundle, index: int, tensors: Mapping[str, Any]) -> torch.nn.Module:
+    """An empty T5 encoder with as many layers as the file holds (``models.file_depth``); the bundle's family is
+    told when that is not the family's."""
+    import dataclasses
+
+    from sd_scripts_compat.models.build import empty_text_encoder
+    from sd_scripts_compat.models.file_depth import t5_at_file_depth
+
+    encoders = list(bundle.family.text_encoders)
+    encoders[index] = t5_at_file_depth(encoders[index], tensors)
+    if encoders[index] is not bundle.family.text_encoders[index]:
+        bundle.family = dataclasses.replace(bundle.family, text_encoders=tuple(encoders))
+    return empty_text_encoder(encoders[index])
 
 
 def _check_latent_channels(tensors: Mapping[str, torch.Tensor], spec: FamilySpec, path: Path) -> None:

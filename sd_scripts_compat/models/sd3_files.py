@@ -126,6 +126,7 @@ def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | No
 
     from sd_scripts_compat.models.build import ModelBundle, empty_modules
     from sd_scripts_compat.models.checkpoint import read_checkpoint
+    from sd_scripts_compat.models.file_depth import at_file_depth
     from sd_scripts_compat.models.single_file import _strict_load
 
     inside = {option: prefix for option, prefix in TEXT_PREFIXES.items() if not parts.get(option)}
@@ -139,6 +140,7 @@ def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | No
     wanted = (MMDIT_PREFIX, *(prefix for prefix in inside.values() if prefix))  # a part given as a file: not read
     tensors = read_checkpoint(path, keep=lambda key: key.startswith(wanted),
                               dtype_of=lambda key: vae_dtype if key.startswith(VAE_FILE_PREFIX) else dtype).state
+    spec = at_file_depth(spec, header)  # an MMDiT of fewer blocks: its depth and width, as sd-scripts reads them
     transformer, vae, text_encoders = empty_modules(spec)
     mmdit = {k: v for k, v in tensors.items() if k.startswith(MMDIT_PREFIX)}
     _strict_load(transformer, convert_sd3_transformer_checkpoint_to_diffusers(mmdit), "MMDiT", path, dtype)
@@ -156,8 +158,8 @@ def _from_single_file(path: Path, spec: FamilySpec, parts: Mapping[str, str | No
 def _load_part(bundle: ModelBundle, option: str, state: Mapping[str, torch.Tensor], path: Path,
                dtype: torch.dtype | None) -> None:
     """One part's tensors (prefix removed) into the bundle's module, names converted, every shape checked."""
-    from sd_scripts_compat.models.build import empty_modules
-    from sd_scripts_compat.models.flux_files import t5_state
+    from sd_scripts_compat.models.build import empty_text_encoder
+    from sd_scripts_compat.models.flux_files import t5_encoder, t5_state
     from sd_scripts_compat.models.single_file import _strict_load, vae_from_state
 
     spec = bundle.family
@@ -165,10 +167,11 @@ def _load_part(bundle: ModelBundle, option: str, state: Mapping[str, torch.Tenso
         bundle.vae = vae_from_state(state, spec, path, dtype)
         return
     index = next(i for i, te in enumerate(spec.text_encoders) if te.file_option == option)
-    encoder = empty_modules(spec)[2][index]
     if option == "t5xxl":
+        encoder = t5_encoder(bundle, index, state)
         converted = t5_state(state, encoder)
     else:
+        encoder = empty_text_encoder(spec.text_encoders[index])
         converted = {k: v for k, v in state.items() if not k.endswith("position_ids") and k != "logit_scale"}
         if option == "clip_l" and "text_projection.weight" not in converted:  # as sd-scripts' load_clip_l
             import torch

@@ -209,8 +209,9 @@ def encode_flux_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, app
 # CLIP-L and CLIP-G penultimate hidden states (77 tokens each) side by side on the feature axis, zero-padded to
 # T5-XXL's width and followed by T5-XXL's ``t5xxl_max_token_length`` tokens (77 + 256 = 333 x 4096 for SD3.5), and
 # the two CLIPs' projected pooled outputs side by side (768 + 1280 = 2048). ``apply_lg_attn_mask`` /
-# ``apply_t5_attn_mask`` zero the padding positions of the CLIP / T5 outputs, as sd-scripts does (the encoders
-# themselves run unmasked).
+# ``apply_t5_attn_mask`` give the tokenizer's attention mask to the CLIP / T5 encoders, as sd-scripts'
+# ``Sd3TextEncodingStrategy.encode_tokens`` does: padding is not attended to, and its own outputs are kept (the MMDiT
+# takes no mask). CLIP is causal, so only the padding positions change; the pooled vector never does.
 
 SD3_CLIP_TOKENS = 77
 
@@ -243,14 +244,13 @@ def encode_sd3_tokens(bundle: ModelBundle, ids: dict[str, torch.Tensor], *, appl
     for spec, encoder in zip(bundle.family.text_encoders, bundle.text_encoders, strict=True):
         device = next(encoder.parameters()).device
         key = spec.file_option or ""
-        mask = ids[f"{key}_mask"].to(device).unsqueeze(-1)
+        masked = apply_t5_attn_mask if spec.tokenizer_kind == "t5" else apply_lg_attn_mask
+        mask = ids[f"{key}_mask"].to(device) if masked else None
         if spec.tokenizer_kind == "t5":
-            t5 = encoder(ids[key].to(device), return_dict=True).last_hidden_state
-            t5 = t5 * mask if apply_t5_attn_mask else t5
+            t5 = encoder(ids[key].to(device), attention_mask=mask, return_dict=True).last_hidden_state
             continue
-        out = encoder(ids[key].to(device), output_hidden_states=True, return_dict=True)
-        hidden = out.hidden_states[-2]
-        clip_states.append(hidden * mask if apply_lg_attn_mask else hidden)
+        out = encoder(ids[key].to(device), attention_mask=mask, output_hidden_states=True, return_dict=True)
+        clip_states.append(out.hidden_states[-2])
         pooled.append(out.text_embeds)
     assert t5 is not None, "an SD3 family has a T5 encoder"
     lg = torch.cat([s.to(t5.device) for s in clip_states], dim=-1)

@@ -49,7 +49,7 @@ class TextOptions:
     dtype: Any = None
     t5xxl_max_token_length: int | None = None  # T5-XXL's length (FLUX.1, SD3)
     apply_t5_attn_mask: bool = False
-    apply_lg_attn_mask: bool = False  # SD3: zero CLIP-L/G padding outputs
+    apply_lg_attn_mask: bool = False  # SD3: CLIP-L/G do not attend to padding
 
 
 class FamilyRuntime(Protocol):

@@ -3,7 +3,8 @@
 Loads an SD3 single file, diffusers folder or built-in with kohya's ``clip_l`` / ``clip_g`` / ``t5xxl`` /
 ``vae`` (``models.sd3_files``); encodes CLIP-L and CLIP-G (penultimate layers, padded to T5's width) before
 T5-XXL, with their masks; trains flow matching as sd-scripts defines it for SD3 (``sd3_flow``); samples with
-its shifted Euler schedule (``sd3_sampling``). The conditioning and the text cache's key are FLUX.1's.
+its shifted Euler schedule (``sd3_sampling``). The conditioning is FLUX.1's; the text cache's key too, marked
+where the masks are given to the encoders (before, they zeroed the outputs: such a cache is made again).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sd_scripts_compat.runtimes.flux import conditioning, text_cache_key
+from sd_scripts_compat.runtimes import flux
+from sd_scripts_compat.runtimes.flux import conditioning
 
 if TYPE_CHECKING:
     import torch
@@ -23,9 +25,16 @@ if TYPE_CHECKING:
     from sd_scripts_compat.models.text_encoding import TextConditioning
     from sd_scripts_compat.runtimes import Encode, Objective, TextOptions
 
-__all__ = ["conditioning", "text_cache_key"]
+__all__ = ["conditioning"]
 LOAD_PRIORITY = 0  # asked first: its clip_g, and SD3 files that would otherwise pass for other layouts
 PARTS = ("clip_l", "clip_g", "t5xxl", "vae")  # kohya's SD3 part options
+
+
+def text_cache_key(options: TextOptions) -> tuple[int | None, str]:
+    """FLUX.1's key; with a mask, marked as given to the encoders (``models.text_encoding.encode_sd3_tokens``)."""
+    length, variant = flux.text_cache_key(options)
+    masked = options.apply_t5_attn_mask or options.apply_lg_attn_mask
+    return length, variant + ("+masks_in_encoders" if masked else "")
 
 
 def claims_source(text: str, stated: FamilySpec | None, parts: Mapping[str, str | None]) -> bool:
