@@ -12,11 +12,14 @@ unchanged, and one initial LoRA file both load with ``network_weights`` (random 
 gradient is non-zero from the first step). Both run under the same launcher, whose seams are the only code that
 differs from a user's run (each is a few lines below, in ``LAUNCHER``):
 
-- the VAE posterior is its mean (diffusers' ``DiagonalGaussianDistribution`` built deterministic), so the cached
-  latents do not depend on either engine's random draws;
+- the VAE posterior is its mean (diffusers' ``DiagonalGaussianDistribution`` built deterministic; sd-scripts' own
+  FLUX.1 AE and SD3 VAE return their means), so the cached latents do not depend on either engine's random draws;
 - the noise and timesteps of the k-th training draw come from one generator seeded with ``seed + k``: in sd-scripts
   through ``train_util.get_noise_noisy_latents_and_timesteps`` (its own code runs, with ``torch.randn_like`` and
   ``get_timesteps`` answering the forced values), in ours by ``runtimes.noise_prediction.sample_noise_and_timesteps``;
+  for FLUX.1 and SD3 (flow matching) the k-th draw is the noise, then one normal and one uniform value per image,
+  answered to ``torch.randn`` / ``randn_like`` / ``rand`` inside one training step's forward on both sides (sd-scripts'
+  ``process_batch``, our objectives' ``forward``), so each engine turns them into sigmas and timesteps its own way;
 - the loss is read where it enters ``torch.autograd.backward``; the LoRA gradients (after clipping) and weights
   around every optimizer step through torch's global optimizer hooks, each parameter named by its initial value in
   the initial LoRA file.
@@ -37,9 +40,15 @@ differ. ``--record FILE`` writes sd-scripts' metadata per case (paths made relat
   enters: SDXL's 2816-wide vector, 320-wide time embedding, 2048-wide context).
 - ``--sdxl-projection sd-scripts``: a seam that loads CLIP-G's ``text_projection`` in our engine as sd-scripts does
   (untransposed), to show that it is SDXL's one difference.
-- ``RECORD_ONLY`` cases (FLUX.1, SD3.5 Medium) run sd-scripts alone, for their metadata, on files at full width with
-  one or two blocks and a one-layer T5-XXL (a seam on sd-scripts' fixed T5 config); our engine builds those
-  families at full depth only.
+- ``--flux-clip-l sd-scripts``: FLUX.1's CLIP-L in our engine with sd-scripts' activation (gelu: its
+  ``flux_utils.CLIPL_CONFIG`` names ``hidden_act`` twice and the second, gelu, wins; the model, diffusers and
+  ComfyUI use quick_gelu).
+- ``--posterior ours``: sd-scripts trains FLUX.1 / SD3 on the posterior mean our VAE computed for the image (the two
+  VAE implementations differ in the last bits), so the training step alone is compared.
+- ``--sd3-attn2 model``: a seam on sd-scripts' side: SD3.5 Medium's second (MMDiT-X) attention in the model's heads
+  (its call passes ``num_heads`` where ``head_dim`` goes).
+- FLUX.1 and SD3.5 run on files at full width with REDUCED's blocks and a one-layer T5-XXL, which both engines read
+  at the file's depth (``models.file_depth``; a seam gives sd-scripts' fixed T5 config one layer).
 """
 
 from __future__ import annotations

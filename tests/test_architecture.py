@@ -445,6 +445,40 @@ def test_no_engine_is_chosen_outside_the_registry():
     assert found == []
 
 
+# ---- the LoRAs a user's trainer writes stay its own ------------------------------------------------------
+
+SAFETENSORS_WRITERS = ("save_file", "save_lora_file", "write_part_file")
+# the one place the tuner rewrites a trainer's LoRA: musubi-tuner's resumed attempt, relabelled as one run
+LORA_REWRITERS = {"autotune/recovery/musubi.py"}
+
+
+def safetensors_writes(source: str) -> list[str]:
+    """The calls of a safetensors writer in ``source`` (by name, however imported)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in SAFETENSORS_WRITERS:
+                found.append(f"{name} (line {node.lineno})")
+    return found
+
+
+def test_the_writer_check_finds_a_write_put_back():
+    assert safetensors_writes("from safetensors.torch import save_file\nsave_file(t, path)\n") == [
+        "save_file (line 2)"]
+    assert safetensors_writes("import safetensors.torch as st\nst.save_file(t, p)\n") == ["save_file (line 2)"]
+    assert safetensors_writes("print('save_file')\n") == []
+
+
+def test_the_tuner_rewrites_no_lora_of_sd_scripts_lumina_hunyuan_or_anima():
+    """Lumina 2, HunyuanImage-2.1 and Anima LoRAs are written by the user's sd-scripts and left as written (the slow
+    wrapper test checks the bytes of a supervised Lumina run); only musubi-tuner's resumed LoRA is relabelled."""
+    found = [f"{path.relative_to(ROOT)}: {call}" for path in sorted((ROOT / "autotune").rglob("*.py"))
+             if str(path.relative_to(ROOT)) not in LORA_REWRITERS
+             for call in safetensors_writes(path.read_text(encoding="utf-8"))]
+    assert found == []
+
+
 # ---- small parts: every function of the product and of bench/ at most 80 lines ---------------------------
 
 FUNCTION_LINES = 80

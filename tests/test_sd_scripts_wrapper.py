@@ -8,6 +8,7 @@ Children, files and signals are real. The fake "trains" one number from the samp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -331,8 +332,9 @@ def test_cli_run_plans_lumina_and_supervises_the_fakes_lumina_script(tmp_path):
     parts = {name: tmp_path / f"{name}.safetensors" for name in ("gemma2", "ae")}  # the fake reads neither
     for path in parts.values():
         save_file({"x": torch.zeros(1)}, str(path))
+    written = tmp_path / "written.txt"  # what the fake sd-scripts wrote, file by file
     done = _cli(*command, *(f"--{name}={path}" for name, path in parts.items()),
-                env=fake_env(tmp_path, "oom_at=5"), cwd=tmp_path)
+                env=fake_env(tmp_path, "oom_at=5", FAKE_WRITTEN_LOG=str(written)), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     shown = done.stdout + done.stderr
     assert f"attempt 0: {sys.executable} {FAKE_SCRIPTS / 'lumina_train_network.py'}" in shown
@@ -341,7 +343,12 @@ def test_cli_run_plans_lumina_and_supervises_the_fakes_lumina_script(tmp_path):
     retry = json.loads((out / "logs/retries.json").read_text())[0]
     assert retry["failure"] == "oom" and retry["step"] == 5
     target = json.loads((out / SD_SCRIPTS_LEDGER).read_text())["target_steps"]
-    assert read_fake_lora(out / "data-lumina2.safetensors")[1]["fake_true_steps"] == str(target)
+    final = out / "data-lumina2.safetensors"
+    assert read_fake_lora(final)[1]["fake_true_steps"] == str(target)
+    # sd-scripts' own LoRA, as its script wrote it: we supervise its run and rewrite nothing (Lumina 2,
+    # HunyuanImage-2.1 and Anima alike: their LoRAs and metadata are sd-scripts' to the byte)
+    wrote = dict(line.split() for line in written.read_text().splitlines())
+    assert wrote[final.name] == hashlib.sha256(final.read_bytes()).hexdigest()
 
 
 def test_cli_bad_engine_path_and_builtin_model_are_one_line(tmp_path):
