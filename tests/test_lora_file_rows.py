@@ -116,3 +116,67 @@ def test_a_file_read_back_gives_the_same_network_and_the_rows_are_swapped_in_the
     again.load_kohya_state_dict(lora_file)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), network.state_dict().values(),
                                                  strict=True))
+
+
+# ---- the full-size families: shapes on the meta device, one module's weights at a time ------------------------
+
+FULL_SIZE = ["sd3.5-medium", "sd3.5-large", "flux-dev", "chroma"]
+
+
+def edge_blocks(family) -> tuple[str, ...]:
+    """The first and last block of each of the family's block lists, as kohya module-name prefixes."""
+    if family.single_file_layout == "sd3":
+        lists = (("joint_blocks", int(family.unet["num_layers"])),)
+    else:
+        lists = (("double_blocks", int(family.unet["num_layers"])),
+                 ("single_blocks", int(family.unet["num_single_layers"])))
+    return tuple(f"lora_unet_{name}_{i}_" for name, count in lists for i in (0, count - 1))
+
+
+def full_size_rows_match(name: str, every_module: bool) -> int:
+    """Each LoRA module of the full-size ``name`` alone, random weights: its delta as the file stores it, on the
+    file's Linear, equals our delta converted by our model writer (the rest of the model stays on the meta device:
+    the writers only permute and stack, so each module is checked by its own rows). Returns the modules checked."""
+    from sd_scripts_compat.network.lora import file_order
+
+    bundle = build_modules(get_family(name), device="meta")
+    network = create_network(bundle, network_dim=4, network_alpha=2.0)
+    meta_state, names = bundle.unet.state_dict(), file_names(bundle)
+    by_id = {id(module): key for key, module in bundle.unet.named_modules()}
+    blocks, generator, checked = edge_blocks(bundle.family), torch.Generator().manual_seed(3), 0
+    for lora in network.unet_loras:
+        in_block = any(lora.lora_name.startswith(prefix.rsplit("_", 2)[0] + "_") for prefix in blocks)
+        if not every_module and in_block and not lora.lora_name.startswith(blocks):
+            continue
+        down = torch.randn(tuple(lora.lora_down.weight.shape), generator=generator) * 0.1
+        up = torch.randn(tuple(lora.lora_up.weight.shape), generator=generator) * 0.1
+        ours, row = dict(meta_state), 0
+        parts = lora.targets.parts if isinstance(getattr(lora, "targets", None), FusedTargets) else (lora.base,)
+        delta = up @ down * lora.scale
+        for part in parts:
+            ours[f"{by_id[id(part)]}.weight"] = delta[row:row + part.out_features]
+            row += part.out_features
+        converted = {k: v for k, v in to_file(bundle, ours).items() if v.device.type != "meta"}
+        key = f"{lora.lora_name}.lora_up.weight"
+        file_up = file_order(bundle.family, {key: up})[key]
+        assert list(converted) == [f"{names[lora.lora_name]}.weight"], (lora.lora_name, list(converted))
+        want = converted[f"{names[lora.lora_name]}.weight"]
+        error = float((file_up @ down * lora.scale - want).abs().max())
+        assert error <= 1e-5 * float(want.abs().max()), (lora.lora_name, error)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("family", [pytest.param(name, marks=pytest.mark.long) if name in ("flux-dev", "chroma")
+                                    else name for name in FULL_SIZE])
+def test_full_size_files_edge_blocks_and_outer_modules(family):
+    """Quick: every module outside the blocks and every module of each list's first and last block (where SD3's
+    swapped modulation is)."""
+    assert full_size_rows_match(family, every_module=False) > 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FULL_SIZE)
+def test_full_size_files_every_module(family):
+    network_size = {"sd3.5-medium": 24, "sd3.5-large": 38, "flux-dev": 19, "chroma": 19}[family]
+    assert full_size_rows_match(family, every_module=True) >= network_size * 4

@@ -273,7 +273,7 @@ def test_engines_are_fixed_by_the_server_not_the_page(server, tmp_path):
     status, health = server.call("GET", "/api/health")
     assert health["engines"] == ["autotune"]
     body = {"dataset": str(DATASET), "model": "builtin:tiny-sd15"}
-    for extra, said in (({"engine": "sd-scripts"}, "offers autotune"), ({"python": "/bin/sh"}, "fixed when")):
+    for extra, said in (({"engine": "sd-scripts"}, "offers autotune"), ({"python": "/bin/sh"}, "ui's --python")):
         status, answer = server.call("POST", "/api/runs", {**body, **extra})
         assert status == 400 and said in answer["error"], answer
     done = subprocess.run([sys.executable, "-m", "autotune", "ui", "--engine", f"sd-scripts={tmp_path}"],
@@ -373,3 +373,41 @@ def test_a_musubi_dits_files_beside_it_are_offered_too(server):
     from autotune.ui.api import wrong_files  # Start's reason when the engine trains the family (musubi-tuner)
 
     assert status == 200 and "holds a language model, not vae" in wrong_files(plan), plan["start"]
+
+
+def test_a_trainers_checkout_is_picked_on_the_page_only_inside_the_allowed_folders(tmp_path):
+    """POST /api/engines: a musubi-tuner checkout picked in the allowed folders is offered to the page's runs (the
+    plan then names the engine's verdict instead of asking for one); a folder outside them, a folder that is not
+    that trainer's checkout, our own engine, a Python named by the page and a cross-origin request are refused, one
+    line each, and nothing is offered."""
+    import shutil
+
+    checkout = tmp_path / "musubi-tuner"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "fake_musubi_tuner", checkout)
+    server = Server(tmp_path)
+    try:
+        body = {"dataset": str(DATASET), "model": "builtin:z-image", "vram": 16}
+        status, plan = server.call("POST", "/api/plan", body)
+        assert status == 200 and plan["engine_needed"] == {"name": "musubi-tuner",
+                                                           "checkout": "your musubi-tuner checkout"}
+        assert "--engine musubi-tuner=PATH" in plan["start"]["autotune"]
+        refused = [
+            ({"kind": "musubi-tuner", "path": str(ROOT / "sd_scripts_compat")}, {}, 403, "outside the folders"),
+            ({"kind": "musubi-tuner", "path": str(tmp_path)}, {}, 400, "not a musubi-tuner checkout"),
+            ({"kind": "musubi-tuner", "path": str(tmp_path / "nothing")}, {}, 404, "not a folder"),
+            ({"kind": "autotune", "path": str(checkout)}, {}, 400, "choose one of sd-scripts, musubi-tuner"),
+            ({"kind": "musubi-tuner", "path": str(checkout), "python": "/bin/sh"}, {}, 400, "python"),
+            ({"kind": "musubi-tuner", "path": str(checkout)}, {"Origin": "http://evil.example"}, 403, "origin"),
+        ]
+        for request, headers, code, words in refused:
+            status, answer = server.call("POST", "/api/engines", request, headers=headers)
+            assert status == code and words in answer["error"].lower() and "\n" not in answer["error"], answer
+        assert server.call("GET", "/api/health")[1]["engines"] == ["autotune"]
+        status, added = server.call("POST", "/api/engines", {"kind": "musubi-tuner", "path": str(checkout)})
+        assert status == 200 and added["engines"] == ["autotune", "musubi-tuner"]
+        assert added["options"][:2] == ["--engine", f"musubi-tuner={checkout.resolve()}"]
+        status, plan = server.call("POST", "/api/plan", body)
+        assert status == 200 and plan["engine_needed"] is None and "musubi-tuner" in plan["start"]
+        assert server.call("GET", "/api/health")[1]["engines"] == ["autotune", "musubi-tuner"]
+    finally:
+        assert "Traceback" not in server.stop()

@@ -353,6 +353,20 @@ def test_a_models_files_are_fields_and_start_waits_for_them_with_the_reason(tmp_
         wait.until(lambda b: "musubi-tuner" in b.find_element(By.ID, "start-why").text)
         assert not browser.find_element(By.ID, "start").is_enabled()
         assert "--engine musubi-tuner=PATH" in browser.find_element(By.ID, "start-why").text
+        # the user's musubi-tuner checkout, picked in the allowed folders: offered to this run, Start's reason
+        # is then the files musubi-tuner needs
+        shutil.copytree(ROOT / "tests" / "fixtures" / "fake_musubi_tuner", tmp_path / "musubi-tuner")
+        browser.find_element(By.ID, "choose-checkout").click()
+        wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, f"#checkout-browser li[data-folder='{tmp_path}']")))\
+            .click()
+        wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR,
+                                                 "#checkout-browser li[data-folder='musubi-tuner']"))).click()
+        wait.until(seen.element_to_be_clickable((By.ID, "use-checkout"))).click()
+        wait.until(lambda b: "--engine musubi-tuner=PATH" not in b.find_element(By.ID, "start-why").text)
+        wait.until(seen.presence_of_element_located((By.ID, "in-engine")))
+        assert browser.find_element(By.ID, "in-engine").get_attribute("value") == "musubi-tuner"
+        assert not browser.find_elements(By.ID, "checkout")
+        browser.save_screenshot(str(tmp_path / "checkout-chosen.png"))
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == [], errors
     finally:

@@ -109,6 +109,13 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
     def browse(path: str | None = None) -> dict[str, Any]:
         return browse_folder(policy, path)
 
+    @app.post("/api/engines")
+    async def add_engine(request: Request) -> dict[str, Any]:
+        """A trainer's checkout picked on the page, offered to its runs (``ui.checkouts``)."""
+        from autotune.ui.checkouts import add_checkout
+
+        return await _in_thread(add_checkout, await json_body(request), policy, offered)
+
     warmed = threading.Event()
 
     schemas = Schemas()
@@ -139,7 +146,8 @@ def create_app(policy: AccessPolicy, runs_dir: Path, engines: dict[str, list[str
         args = command_args(schema, checked_values(schema, await json_body(request), policy))
         planned = await _in_thread(run_plan, args)
         beside = await _in_thread(files_beside, planned)
-        return {**planned, "start": start_verdicts(planned, list(offered)), "beside": beside}
+        return {**planned, "start": start_verdicts(planned, list(offered)), "beside": beside,
+                "engine_needed": engine_needed(planned, offered)}
 
     @app.get("/api/thumbnail")
     async def thumbnail(dataset: str, file: str, model: str | None = None, resolution: int | None = None) -> Any:
@@ -242,7 +250,7 @@ def add_run_routes(app: FastAPI, policy: AccessPolicy, runs_dir: Path, engines: 
         body = await json_body(request)
         if isinstance(body, dict) and isinstance(body.get("engine"), str) and body["engine"] not in engines:
             raise BadRequest(f"engine {body['engine'][:40]!r}: this server offers {', '.join(engines)} (autotune ui "
-                             "--engine sd-scripts=PATH or musubi-tuner=PATH adds yours)")
+                             "--engine sd-scripts=PATH or musubi-tuner=PATH, or POST /api/engines, adds yours)")
         schema = schemas.run(tuple(engines))
         values = checked_values(schema, body, policy)
         engine, name = values.pop("engine", "autotune"), values.pop("name", None)
@@ -554,6 +562,18 @@ def start_verdicts(planned: dict[str, Any], offered: list[str]) -> dict[str, str
         verdicts[name] = (f"fill in {', '.join(missing)}: the files {family.name} needs" if missing
                           else wrong or None)
     return verdicts
+
+
+def engine_needed(planned: dict[str, Any], offered: dict[str, list[str]]) -> dict[str, str] | None:
+    """The trainer this plan's family needs when the page offers none (its name and what its checkout is, for the
+    page's picker); None when an offered engine trains it."""
+    from autotune.launch.engines import engine_for
+    from sd_scripts_compat.facts.families import get_family
+
+    kind = engine_for(get_family(planned["family"]))
+    if kind.name in offered or kind.offer is None:
+        return None
+    return {"name": kind.name, "checkout": kind.checkout}
 
 
 def wrong_files(planned: dict[str, Any]) -> str:

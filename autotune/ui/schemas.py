@@ -46,8 +46,8 @@ MAX_NUMBER = 1e12
 NOT_FROM_THE_PAGE = {"out": "the server names each run's folder under --runs (the API plans without writing)",
                      "resume": "resume a run with POST /api/runs/{id}/resume",
                      "resume_changed": "resume a run with POST /api/runs/{id}/resume",
-                     "python": "the engines' Pythons are fixed when autotune ui starts (its --engine, --python)",
-                     "engine": "the engines are fixed when autotune ui starts; choose one by its name",
+                     "python": "an engine's Python is autotune ui's --python or the picked checkout's venv",
+                     "engine": "choose an engine by its name (autotune ui --engine, or POST /api/engines)",
                      "json": "the API always answers JSON", "html": "the API answers JSON; autotune report writes "
                      "HTML", "help": "see autotune COMMAND --help"}
 RUN_GROUP = "the run"  # ``autotune run``'s own options (retries, stall timeout, your config), in no plan group

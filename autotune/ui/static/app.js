@@ -92,12 +92,15 @@ function choice(name, label, options, changed) {
 }
 
 // the folder browser: only the folders the server allows (GET /api/browse refuses the rest); a model file picked
-// is the model, or with ``pick`` the file of one of its fields
-async function showBrowser(box, path, pick) {
+// is the model, or with ``pick`` the file of one of its fields; with ``pickFolder`` a folder is what is picked
+async function showBrowser(box, path, pick, pickFolder) {
   const listing = await api("GET", "/api/browse" + (path ? "?path=" + encodeURIComponent(path) : ""));
   box.replaceChildren();
   box.setAttribute("data-path", listing.path || "");
-  if (listing.path && !pick) {
+  if (listing.path && pickFolder) {
+    box.append(el("div", {}, "in ", el("code", {}, listing.path), " ",
+      el("button", {id: "use-checkout", onclick: () => pickFolder(listing.path)}, "Use this folder")));
+  } else if (listing.path && !pick) {
     box.append(el("div", {}, "in ", el("code", {}, listing.path), " ",
       el("button", {id: "use-folder", onclick: () => { form.dataset = listing.path; render(); }}, "Use this folder")));
   } else if (listing.path) {
@@ -107,9 +110,10 @@ async function showBrowser(box, path, pick) {
   if (listing.parent) list.append(el("li", {onclick: () => showBrowser(box, listing.parent, pick)}, ".."));
   for (const name of listing.folders) {
     const full = listing.path ? listing.path + "/" + name : name;
-    list.append(el("li", {"data-folder": name, onclick: () => showBrowser(box, full, pick)}, "\u{1F4C1} " + name));
+    list.append(el("li", {"data-folder": name, onclick: () => showBrowser(box, full, pick, pickFolder)},
+      "\u{1F4C1} " + name));
   }
-  for (const name of listing.files) {
+  for (const name of pickFolder ? [] : listing.files) {
     const full = listing.path + "/" + name;
     list.append(el("li", {"data-file": name, onclick: () => pick ? pick(full) : (form.model = full, render())}, name));
   }
@@ -234,6 +238,18 @@ function startState(plan) {  // the server says why a run of this plan cannot st
   if (line) line.textContent = why;
 }
 
+function checkoutRow(needed) {  // the trainer this family needs, when the server offers none: pick its checkout
+  const box = el("div", {id: "checkout-browser"});
+  const use = async folder => {
+    const added = await api("POST", "/api/engines", {kind: needed.name, path: folder});
+    engines = added.engines;
+    form.engine = added.name;
+    repredict();
+  };
+  return el("p", {id: "checkout"}, `${needed.name}: ${needed.checkout}, none chosen yet `,
+    el("button", {id: "choose-checkout", onclick: () => showBrowser(box, null, null, use)}, "Choose"), box);
+}
+
 function planView(plan) {
   const p = plan.prediction || {};
   const usable = p.usable_bytes || 1, peak = p.peak_bytes || 0;
@@ -259,7 +275,7 @@ function planView(plan) {
       ...files.map(fileRow)) : "",
     settingsView(plan), el("h4", {}, "Set by the plan"), el("table", {id: "plan-table"}, ...rows),
     el("button", {id: "show-configs", onclick: () => configsBox.replaceChildren(configsView(plan.configs))},
-      "Write configs"), engineChoice,
+      "Write configs"), plan.engine_needed ? checkoutRow(plan.engine_needed) : "", engineChoice,
     el("button", why ? {id: "start", onclick: start, disabled: ""} : {id: "start", onclick: start}, "Start training"),
     el("span", {id: "start-why", class: "why"}, why), configsBox);
 }
