@@ -8,11 +8,12 @@ MMDiT from that file, a lora_sd3 network with random up weights saved by its own
 for fixed inputs without and with the LoRA. Here: our diffusers transformer with the same weights, that file loaded
 by our network, the same inputs. Needs LORA_AUTOTUNE_SD_SCRIPTS (+ _PYTHON); skips without them.
 
-Not SD3.5 Medium's layout: sd-scripts' MMDiT-X block computes its second attention with ``num_heads`` where
-``attention()`` takes ``head_dim`` (``sd3_models.MMDiTBlock._forward``, 48d368fa: SD3.5 Medium's 24 heads of 64
-become 64 heads of 24), so its base output differs from diffusers' and the official model's there (measured on this
-model with ``dual_attention_layers [0]``: block 0's image stream 0.031 apart, its context stream equal), whatever
-the LoRA.
+SD3.5 Medium's layout (``dual_attention_layers [0]``) runs with one seam on sd-scripts' side: its MMDiT-X block
+computes the second attention with ``num_heads`` where ``attention()`` takes ``head_dim``
+(``sd3_models.MMDiTBlock._forward``, 48d368fa: SD3.5 Medium's 24 heads of 64 become 64 heads of 24; on this model
+block 0's image stream is 0.031 apart from diffusers' and the official model's, whatever the LoRA). The seam passes
+the model's head width there (``MODEL_HEADS``, as ``bench/equivalence.py --sd3-attn2 model`` does), so what is
+compared is the LoRA's rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ import pytest
 MMDIT = {"sample_size": 32, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 2,
          "attention_head_dim": 64, "num_attention_heads": 2, "joint_attention_dim": 64, "caption_projection_dim": 128,
          "pooled_projection_dim": 32, "pos_embed_max_size": 32, "qk_norm": "rms_norm", "dual_attention_layers": []}
+
+MODEL_HEADS = r"""
+from library import sd3_models
+sd3_attention = sd3_models.attention
+def model_heads(q, k, v, *args, **kwargs):  # its one positional call passes num_heads where head_dim goes
+    return sd3_attention(q, k, v, *((q.shape[-1] // args[0], *args[1:]) if args else ()), **kwargs)
+sd3_models.attention = model_heads
+"""
 
 _IN_SD_SCRIPTS = r"""
 from safetensors.torch import load_file, save_file
@@ -50,7 +59,8 @@ save_file({"out": out.contiguous(), "base": base.contiguous()}, output_file)
 """
 
 
-def test_a_sd_scripts_sd3_lora_in_our_engine_gives_sd_scripts_mmdit_output(tmp_path):
+@pytest.mark.parametrize("dual_attention", [[], [0]], ids=["large-layout", "medium-layout"])
+def test_a_sd_scripts_sd3_lora_in_our_engine_gives_sd_scripts_mmdit_output(tmp_path, dual_attention):
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -64,7 +74,7 @@ def test_a_sd_scripts_sd3_lora_in_our_engine_gives_sd_scripts_mmdit_output(tmp_p
     if python is None:
         pytest.skip(SD_SCRIPTS_SKIP)
     family = get_family("tiny-sd3")
-    family = dataclasses.replace(family, unet={**family.unet, **MMDIT})
+    family = dataclasses.replace(family, unet={**family.unet, **MMDIT, "dual_attention_layers": dual_attention})
     bundle = build_modules(family, seed=0)
     transformer = bundle.unet.eval()
     model_file, lora_file = tmp_path / "mmdit.safetensors", tmp_path / "lora.safetensors"
@@ -75,7 +85,8 @@ def test_a_sd_scripts_sd3_lora_in_our_engine_gives_sd_scripts_mmdit_output(tmp_p
               "y": torch.randn(1, 32, generator=generator), "context": torch.randn(1, 8, 64, generator=generator)}
     save_file(inputs, str(tmp_path / "inputs.safetensors"))
     prelude = SD_SCRIPTS_MODELS.split("from transformers import")[0]  # the torchvision stand-in and sys.path
-    done = subprocess.run([str(python), "-c", prelude + _IN_SD_SCRIPTS, str(checkout), "sd3", str(model_file),
+    seam = MODEL_HEADS if dual_attention else ""
+    done = subprocess.run([str(python), "-c", prelude + seam + _IN_SD_SCRIPTS, str(checkout), "sd3", str(model_file),
                            str(lora_file), str(tmp_path / "inputs.safetensors"), str(tmp_path / "theirs.safetensors")],
                           cwd=checkout, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
