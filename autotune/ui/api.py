@@ -495,17 +495,14 @@ def imported_preset(body: Any, schema: CommandSchema) -> dict[str, Any]:
     """The preset's options (``launch.presets``), each checked as the plan checks it: a value the plan would refuse
     moves to ``ignored`` with the plan's own line."""
     import tomllib
-    from pydantic import ValidationError
 
     from autotune.launch.presets import from_kohya_gui, from_sd_scripts
-    from autotune.ui.schemas import PresetImport
+    from autotune.ui.schemas import BadBody, PresetImport, request_of
 
     try:
-        request = PresetImport.model_validate(body)
-    except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        raise BadRequest(f"{'.'.join(str(p) for p in first.get('loc', ())) or 'body'}: {first['msg']}; send "
-                         '{"format": "kohya_ss" or "sd-scripts", "text": the file\'s text}') from None
+        request = request_of(PresetImport, body, '{"format": "kohya_ss" or "sd-scripts", "text": the file\'s text}')
+    except BadBody as error:
+        raise BadRequest(str(error)) from None
     try:
         data = json.loads(request.text) if request.format == "kohya_ss" else tomllib.loads(request.text)
     except (ValueError, RecursionError) as error:

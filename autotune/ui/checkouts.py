@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from autotune.ui.errors import BadRequest
+from autotune.ui.schemas import BadBody, request_of
 
 
 class CheckoutChoice(BaseModel):
@@ -31,11 +32,10 @@ def add_checkout(body: Any, policy: Any, offered: dict[str, list[str]]) -> dict[
     from sd_scripts_compat.facts.errors import UserError
 
     try:
-        choice = CheckoutChoice.model_validate(body)
-    except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        raise BadRequest(f"{'.'.join(str(p) for p in first.get('loc', ())) or 'body'}: {first['msg']}; send "
-                         '{"kind": "musubi-tuner" or "sd-scripts", "path": the folder you cloned}') from None
+        choice = request_of(CheckoutChoice, body, '{"kind": "musubi-tuner" or "sd-scripts", "path": the folder '
+                            'you cloned}')
+    except BadBody as error:
+        raise BadRequest(str(error)) from None
     kinds = {name: kind for name, kind in registered_engines().items() if kind.offer is not None}
     kind = kinds.get(choice.kind)
     if kind is None or kind.offer is None:

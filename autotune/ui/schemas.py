@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -38,6 +38,7 @@ from pydantic import (
 from autotune.launch.user_settings import PATH_SETTINGS, setting_dest
 from autotune.layout import is_run_name
 
+ModelT = TypeVar("ModelT", bound=BaseModel)
 MAX_TEXT = 4096  # characters in one string value (a path, a card's name)
 MAX_ITEMS = 16  # values of one repeatable option (--gpu, --vram, --network-arg)
 MAX_INT = 2**31 - 1
@@ -234,6 +235,19 @@ class PresetImport(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: Literal["kohya_ss", "sd-scripts"]
     text: Annotated[StrictStr, Field(max_length=512 * 1024)]
+
+
+def request_of(model: type[ModelT], body: Any, send: str) -> ModelT:
+    """``body`` as ``model`` (a request of its own shape, not a command's options), or ``BadBody`` with the first
+    wrong key and what to ``send``."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        raise BadBody(f"{'.'.join(str(p) for p in first.get('loc', ())) or 'body'}: {first['msg']}; send "
+                      f"{send}") from None
 
 
 def given(model: BaseModel) -> dict[str, Any]:
