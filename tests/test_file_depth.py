@@ -114,3 +114,13 @@ def test_a_file_with_more_blocks_than_any_family_is_still_one_line(tmp_path):
     files = save_flux_files(source, tmp_path)
     with pytest.raises(UserError, match="matches no known family"):
         detect_family(str(files["pretrained_model_name_or_path"]))
+
+
+def test_a_t5_file_with_more_layers_than_the_familys_is_one_line(tmp_path):
+    family = get_family("tiny-flux")
+    layers = int(next(te for te in family.text_encoders if te.file_option == "t5xxl").config["num_layers"])
+    files = save_flux_files(build_modules(shallower("tiny-flux", t5_layers=layers + 1), seed=5), tmp_path)
+    with pytest.raises(UserError, match="t5xxl") as refused:
+        load_base_model(str(files["pretrained_model_name_or_path"]), clip_l=str(files["clip_l"]),
+                        t5xxl=str(files["t5xxl"]), ae=str(files["ae"]))
+    assert "\n" not in str(refused.value)

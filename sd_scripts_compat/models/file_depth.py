@@ -91,10 +91,11 @@ def at_file_depth(spec: FamilySpec, shapes: Mapping[str, tuple[int, ...]]) -> Fa
 
 
 def t5_at_file_depth(encoder: TextEncoderSpec, keys: Iterable[str]) -> TextEncoderSpec:
-    """A T5 encoder's spec with the file's layer count (sd-scripts' T5-XXL config is fixed at 24 layers; a file of
-    fewer loads here as what it is)."""
+    """A T5 encoder's spec with the file's layer count when it holds fewer than the family's (sd-scripts' T5-XXL
+    config is fixed at 24 layers; a file of fewer loads here as what it is; one of more is left to the strict
+    loader's one line)."""
     layers = block_count(keys, T5_BLOCKS)
-    if not layers or layers == int(encoder.config.get("num_layers", layers)):
+    if not 0 < layers < int(encoder.config.get("num_layers", layers)):
         return encoder
     return dataclasses.replace(encoder, config={**encoder.config, "num_layers": layers})
 

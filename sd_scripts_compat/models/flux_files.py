@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.models.build import empty_modules
+from sd_scripts_compat.models.file_depth import T5_BLOCKS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -85,12 +86,15 @@ def clip_l_state(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def t5_state(tensors: Mapping[str, torch.Tensor], module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """t5xxl.safetensors -> T5EncoderModel names; the tied embedding is stored once as either name."""
+    """t5xxl.safetensors -> T5EncoderModel names; the tied embedding is stored once as either name. What an encoder
+    has no use for (a decoder, an LM head) is dropped; an encoder weight it lacks (a layer more than the family's)
+    stays, for the strict loader to name."""
     state = dict(tensors)
     for a, b in (("shared.weight", "encoder.embed_tokens.weight"), ("encoder.embed_tokens.weight", "shared.weight")):
         if a not in state and b in state:
             state[a] = state[b]
-    return {k: v for k, v in state.items() if k in module.state_dict()}
+    own = module.state_dict()
+    return {k: v for k, v in state.items() if k in own or k.startswith(T5_BLOCKS)}
 
 
 def load_flux_model(pretrained: str | os.PathLike[str], *, clip_l: str | None = None, t5xxl: str | None = None,
