@@ -124,3 +124,15 @@ def test_a_t5_file_with_more_layers_than_the_familys_is_one_line(tmp_path):
         load_base_model(str(files["pretrained_model_name_or_path"]), clip_l=str(files["clip_l"]),
                         t5xxl=str(files["t5xxl"]), ae=str(files["ae"]))
     assert "\n" not in str(refused.value)
+
+
+def test_blocks_to_swap_is_checked_against_the_blocks_the_file_has(flux_files):
+    """The pruned model's own blocks bound blocks_to_swap (tiny-flux swaps up to 2 at its family's depth)."""
+    from sd_scripts_compat.training.block_swap import check_blocks_to_swap
+
+    _, files = flux_files
+    loaded = load_base_model(str(files["pretrained_model_name_or_path"]), clip_l=str(files["clip_l"]),
+                             t5xxl=str(files["t5xxl"]), ae=str(files["ae"]))
+    assert check_blocks_to_swap(get_family("tiny-flux"), 2) == (1, 2)
+    with pytest.raises(UserError, match=r"tiny-flux \(1 double, 1 single blocks\) swaps none; remove blocks_to_swap"):
+        check_blocks_to_swap(loaded.family, 2)

@@ -249,8 +249,9 @@ def swap_split(blocks_to_swap: int, num_double: int, num_single: int, *, residen
         double, single = blocks_to_swap // 2, (blocks_to_swap - blocks_to_swap // 2) * 2
     if blocks_to_swap < 0 or double > num_double - resident or single > max(0, num_single - resident):
         most = max_blocks_to_swap(num_double, num_single, resident=resident)
+        fix = f"swaps at most {most}; use 0-{most}" if most else "swaps none; remove blocks_to_swap"
         raise UserError(f"blocks_to_swap = {blocks_to_swap}: {model} ({num_double} double, {num_single} single "
-                        f"blocks) swaps at most {most}; use 0-{most}")
+                        f"blocks) {fix}")
     return double, single
 
 

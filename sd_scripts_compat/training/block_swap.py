@@ -274,10 +274,10 @@ def _call_on_backward() -> type[torch.autograd.Function]:
 def check_blocks_to_swap(family: FamilySpec, blocks_to_swap: int) -> tuple[int, int]:
     """The engine's answer to a config's ``blocks_to_swap`` for a model of ``family``: its (double, single)
     split, or a one-line UserError (a family that cannot swap, or more blocks than its rule allows)."""
-    if blocks_to_swap and not family.max_blocks_to_swap:
+    if blocks_to_swap and family.swap_block_counts == (0, 0):
         raise UserError(f"blocks_to_swap = {blocks_to_swap}: {family.name} does not swap blocks (FLUX.1 "
                         "transformers do); remove blocks_to_swap")
-    return family.swap_split(blocks_to_swap)
+    return family.swap_split(blocks_to_swap)  # its blocks as loaded: a pruned model swaps fewer
 
 
 def enable_flux_block_swap(transformer: torch.nn.Module, blocks_to_swap: int, device: str | torch.device,
