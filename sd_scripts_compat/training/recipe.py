@@ -663,7 +663,7 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     family = _family_from_headers(config, sdxl)
     data = build_data(config, process, family) if family else None  # kohya's order: a bad dataset is found first
     model = load_model(config, process, sdxl=sdxl)
-    if data is None or family != model.family:
+    if data is None or family is None or family.name != model.family.name:  # a file at its own depth is its family
         data = build_data(config, process, model.family)
     with phases.event("caching"):
         reporter.enter("caching", total=sum(len(d.records) for d in data.all))
