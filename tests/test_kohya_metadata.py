@@ -85,6 +85,19 @@ def test_bucket_keys_and_network_values_as_sd_scripts_args_hold_them(tmp_path):
     assert json.loads(meta["ss_network_args"]) == {"conv_dim": "4", "dropout": None}  # sd-scripts adds dropout
 
 
+def test_a_timestep_range_is_written_as_sd_scripts_model_spec_writes_it(tmp_path):
+    """``modelspec.timestep_range`` when min_timestep or max_timestep is given (found by running sd-scripts with them:
+    bench/equivalence.py's metadata comparison), the other end filled with 0 or 1000; absent otherwise."""
+    for name in ("both", "low", "none"):
+        (tmp_path / name).mkdir()
+    _, out = trains(tmp_path / "both", min_timestep=100, max_timestep=900)
+    assert metadata(out / "lora.safetensors")["modelspec.timestep_range"] == "100,900"
+    _, out = trains(tmp_path / "low", min_timestep=100)
+    assert metadata(out / "lora.safetensors")["modelspec.timestep_range"] == "100,1000"
+    _, out = trains(tmp_path / "none")
+    assert "modelspec.timestep_range" not in metadata(out / "lora.safetensors")
+
+
 def test_a_dataset_config_run_writes_ss_datasets_instead_of_the_folder_keys(tmp_path):
     images = dataset(tmp_path) / "2_toy"
     toml_text = (f'[general]\nshuffle_caption = true\n[[datasets]]\nresolution = 64\nbatch_size = 1\n'

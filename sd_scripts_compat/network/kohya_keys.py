@@ -48,7 +48,8 @@ model or ``vae`` that is a path gets AUTOMATIC1111's old hash (``ss_sd_model_has
 of the SHA-256 of the 64 KiB at 1 MiB) and the file's SHA-256 (``ss_new_sd_model_hash`` / ``ss_new_vae_hash``), as
 ``library/train_util.py``'s ``model_hash`` and ``calculate_sha256`` compute them (a folder: ``IsADirectory``).
 ``ss_sd_scripts_commit_hash`` and ``modelspec.implementation_version`` name this engine and its version where
-sd-scripts writes its commit.
+sd-scripts writes its commit. ``modelspec.timestep_range`` is ``min_timestep,max_timestep`` (0 and 1000 for the one
+not given) when either is given, as ``get_sai_model_spec`` writes it.
 """
 
 from __future__ import annotations
@@ -125,9 +126,13 @@ def option_keys(config: TrainingConfig, num_validation_images: int) -> dict[str,
         release = version("lora-autotune")
     except PackageNotFoundError:
         release = "unknown"
-    return {"ss_num_validation_images": num_validation_images, **_written(config, OPTION_KEYS),
+    keys = {"ss_num_validation_images": num_validation_images, **_written(config, OPTION_KEYS),
             "ss_sd_scripts_commit_hash": f"lora-autotune {release}",
             "modelspec.implementation_version": f"lora-autotune/{release}"}
+    low, high = config.min_timestep, config.max_timestep
+    if low is not None or high is not None:  # train_util.get_sai_model_spec: the range trained, 0 and 1000 filled in
+        keys["modelspec.timestep_range"] = f"{0 if low is None else low},{1000 if high is None else high}"
+    return keys
 
 
 def dataset_keys(config: TrainingConfig, dataset: TrainDataset) -> dict[str, Any]:
