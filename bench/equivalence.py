@@ -18,8 +18,9 @@ differs from a user's run (each is a few lines below, in ``LAUNCHER``):
   through ``train_util.get_noise_noisy_latents_and_timesteps`` (its own code runs, with ``torch.randn_like`` and
   ``get_timesteps`` answering the forced values), in ours by ``runtimes.noise_prediction.sample_noise_and_timesteps``;
   for FLUX.1 and SD3 (flow matching) the k-th draw is the noise, then one normal and one uniform value per image,
-  answered to ``torch.randn`` / ``randn_like`` / ``rand`` inside one training step's forward on both sides (sd-scripts'
-  ``process_batch``, our objectives' ``forward``), so each engine turns them into sigmas and timesteps its own way;
+  answered to ``torch.randn`` / ``randn_like`` / ``rand`` (and ``torch.normal``, diffusers' logit-normal density) inside
+  one training step's forward on both sides (sd-scripts' ``process_batch``, our objectives' ``forward``), so each
+  engine turns them into sigmas and timesteps its own way;
 - the loss is read where it enters ``torch.autograd.backward``; the LoRA gradients (after clipping) and weights
   around every optimizer step through torch's global optimizer hooks, each parameter named by its initial value in
   the initial LoRA file.
@@ -94,6 +95,14 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "apply_lg_attn_mask": True, "apply_t5_attn_mask": True}),
 }
 CASES["sd35-large-lora"] = ("sd3.5-large", "sd3_train_network", CASES["sd35-lora"][2])
+# the flow families with options that enter the loss, the network or the schedule
+CASES["flux1-options"] = ("flux-dev", "flux_train_network", {
+    **CASES["flux1-lora"][2], "timestep_sampling": "sigmoid", "sigmoid_scale": 1.5, "guidance_scale": 3.5,
+    "model_prediction_type": "sigma_scaled", "discrete_flow_shift": 1.0, "network_args": ["train_blocks=single"],
+    "max_grad_norm": 0.0, "lr_scheduler": "cosine_with_restarts", "lr_scheduler_num_cycles": 2, "lr_warmup_steps": 1})
+CASES["sd35-options"] = ("sd3.5-large", "sd3_train_network", {
+    **CASES["sd35-lora"][2], "weighting_scheme": "logit_normal", "logit_mean": 0.1, "logit_std": 1.2,
+    "training_shift": 1.5, "apply_lg_attn_mask": False, "min_timestep": 50})
 # The flow-matching families run on files at full width with fewer blocks and a one-layer T5-XXL: full FLUX.1 and
 # SD3.5 do not fit this machine in fp32 beside sd-scripts' T5 (4.7 B parameters). Both engines read the block counts
 # from the file (``models.file_depth``); sd-scripts' T5 config is fixed, so a seam gives it num_layers 1.
@@ -184,7 +193,7 @@ else:
             self.activation_fn = ACT2FN["gelu"]
         modeling_clip.CLIPMLP.__init__ = gelu_mlp
 if os.environ.get("EQ_FLOW"):  # seam (FLUX.1, SD3): the step's noise, then its normal and uniform draws, forced
-    torch_randn, torch_randn_like, torch_rand = torch.randn, torch.randn_like, torch.rand
+    torch_randn, torch_randn_like, torch_rand, torch_normal = torch.randn, torch.randn_like, torch.rand, torch.normal
     drawn = {}
     def size_of(args, kwargs):
         size = kwargs.get("size", args[0] if args else ())
@@ -211,13 +220,19 @@ if os.environ.get("EQ_FLOW"):  # seam (FLUX.1, SD3): the step's noise, then its 
         return torch_randn_like(tensor, *args, **kwargs)
     def rand(*args, **kwargs):
         return answer("uniform", size_of(args, kwargs), kwargs, torch_rand, args)
+    def normal(mean, std=1.0, *args, **kwargs):  # diffusers' logit-normal density: mean + std * the normal draw
+        size = tuple(kwargs.get("size", args[0] if args else ()))
+        if not isinstance(mean, torch.Tensor) and "normal" in drawn and size == tuple(drawn["normal"].shape):
+            return mean + std * drawn.pop("normal").to(kwargs.get("device") or "cpu")
+        return torch_normal(mean, std, *args, **kwargs)
     def forcing(function):  # the draws are forced only inside one training step's forward
         def forced_step(*args, **kwargs):
-            torch.randn, torch.randn_like, torch.rand = randn, randn_like, rand
+            torch.randn, torch.randn_like, torch.rand, torch.normal = randn, randn_like, rand, normal
             try:
                 return function(*args, **kwargs)
             finally:
-                torch.randn, torch.randn_like, torch.rand = torch_randn, torch_randn_like, torch_rand
+                torch.randn, torch.randn_like, torch.rand, torch.normal = torch_randn, torch_randn_like, torch_rand, \
+                    torch_normal
                 drawn.clear()
         return forced_step
     if side == "sd-scripts":
@@ -567,7 +582,8 @@ def run_case(case: str, work: Path, install: dict[str, str], args: argparse.Name
         tokenizers = tokenizer_cache(work, family.single_file_layout, pads)
     write_initial_lora(family_name, options, work / case / "initial.safetensors")
     ours = run_side("ours", case, work, install, tokenizers, args.seed, args.threads, args.probe,
-                    {"EQ_SDXL_PROJECTION": args.sdxl_projection, "EQ_FLUX_CLIP_L": args.flux_clip_l})
+                    {"EQ_SDXL_PROJECTION": args.sdxl_projection,
+                     "EQ_FLUX_CLIP_L": args.flux_clip_l if family.flux_model_type else "file"})
     posterior = str(ours / "posterior-0.safetensors") if args.posterior == "ours" else ""
     theirs = run_side("sd-scripts", case, work, install, tokenizers, args.seed, args.threads, args.probe,
                       {"EQ_POSTERIOR": posterior, "EQ_SD3_ATTN2": args.sd3_attn2})
