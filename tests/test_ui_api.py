@@ -38,8 +38,11 @@ class Server:
         command = [sys.executable, "-m", "autotune", "ui", "--host", host, "--port", str(self.port),
                    "--runs", str(self.runs), "--allow-dir", str(ROOT / "examples"), "--allow-dir", str(tmp), *extra]
         started = time.monotonic()
+        # the test's own measurement store (conftest sets it per test, after ENV was made): what another test's
+        # server trained must not make this one's plans "measured"
+        own = {**ENV, "AUTOTUNE_CACHE_DIR": os.environ["AUTOTUNE_CACHE_DIR"]}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        cwd=tmp, env=env or ENV)
+                                        cwd=tmp, env=env or own)
         self.url = self.process.stdout.readline().strip()  # the line it prints once it listens
         self.token = self.url.split("?token=")[1].split()[0] if "?token=" in self.url else None
         self.start_seconds = time.monotonic() - started
