@@ -101,7 +101,7 @@ def empty_modules(family: FamilySpec) -> tuple[Any, Any, list[Any]]:
     with init_empty_weights(include_buffers=False):
         return (build_denoiser(family.unet),
                 getattr(diffusers, family.vae.get("_class_name", "AutoencoderKL"))(**model_config(family.vae)),
-                [build_text_encoder(te.config) for te in family.text_encoders])
+                [empty_text_encoder(te) for te in family.text_encoders])
 
 
 def empty_text_encoder(encoder: TextEncoderSpec) -> Any:

@@ -59,9 +59,11 @@ def sd3_geometry(shapes: Mapping[str, tuple[int, ...]], head_dim: int) -> dict[s
 
 
 def flux_geometry(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
-    """A BFL FLUX.1 / Chroma file's block counts."""
-    keys = list(shapes)
-    return {"num_layers": block_count(keys, "double_blocks."), "num_single_layers": block_count(keys, "single_blocks.")}
+    """A BFL FLUX.1 / Chroma file's block counts, as its header hint counts them (``flux_layout.bfl_shapes_hint``)."""
+    from sd_scripts_compat.models.flux_layout import bfl_shapes_hint
+
+    hint = bfl_shapes_hint(shapes)
+    return {"num_layers": hint["num_layers"], "num_single_layers": hint["num_single_layers"]}
 
 
 def file_geometry(spec: FamilySpec, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -204,10 +204,10 @@ def _from_folder(folder: Path, spec: FamilySpec, *, given: Mapping[str, str | No
 def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: torch.dtype | None,
                    vae_dtype: torch.dtype | None) -> None:
     """Load each part file that was given into the bundle (replacing a folder's or a built-in's part)."""
+    from sd_scripts_compat.models.build import empty_text_encoder
     from sd_scripts_compat.models.single_file import vae_from_state
 
     spec = bundle.family
-    _, _, text_encoders = empty_modules(spec)
     index = {te.file_option: i for i, te in enumerate(spec.text_encoders)}  # Chroma: T5 only, at index 0
     for option, path in given.items():
         if not path or (option != "ae" and option not in index):  # kohya ignores clip_l for Chroma
@@ -217,9 +217,10 @@ def _replace_parts(bundle: ModelBundle, given: Mapping[str, str | None], dtype: 
         if option == "ae":
             _check_latent_channels(tensors, spec, Path(path))
             bundle.vae = vae_from_state(tensors, spec, Path(path), vae_dtype)
-        elif option == "clip_l":
-            _fill(text_encoders[index[option]], clip_l_state(tensors), "clip_l", Path(path), dtype)
-            bundle.text_encoders[index[option]] = text_encoders[index[option]]
+        elif option == "clip_l":  # an empty CLIP-L alone: not the whole family's modules for it
+            encoder = empty_text_encoder(spec.text_encoders[index[option]])
+            _fill(encoder, clip_l_state(tensors), "clip_l", Path(path), dtype)
+            bundle.text_encoders[index[option]] = encoder
         else:
             encoder = t5_encoder(bundle, index[option], tensors)
             _fill(encoder, t5_state(tensors, encoder), "t5xxl", Path(path), dtype)
