@@ -610,8 +610,9 @@ def flux(root: Path, **overrides: object) -> list[str]:
     return ["sd_scripts_compat.flux_train_network", "--config_file", str(config(root, **values))]
 
 
-def flux_with_a_deeper_t5(root: Path) -> list[str]:
-    """tiny-flux's four files, its T5 one layer deeper than the family's (more than sd-scripts' config: refused)."""
+def flux_files_of(root: Path, t5_layers: int = 0, unet: dict | None = None, **overrides: object) -> list[str]:
+    """The engine on tiny-flux's four files, its T5 ``t5_layers`` deeper and its transformer with ``unet``'s
+    block counts (a T5 deeper than the family's is refused; a pruned transformer swaps fewer blocks)."""
     import dataclasses
 
     from sd_scripts_compat.facts.families import get_family
@@ -619,10 +620,12 @@ def flux_with_a_deeper_t5(root: Path) -> list[str]:
     from sd_scripts_compat.models.flux_files import save_flux_files
 
     family = get_family("tiny-flux")
-    encoders = tuple(dataclasses.replace(te, config={**te.config, "num_layers": int(te.config["num_layers"]) + 1})
-                     if te.file_option == "t5xxl" else te for te in family.text_encoders)
-    files = save_flux_files(build_modules(dataclasses.replace(family, text_encoders=encoders)), root / "flux")
-    return flux(root, **{option: str(path) for option, path in files.items()})
+    encoders = tuple(dataclasses.replace(te, config={**te.config, "num_layers": int(te.config["num_layers"]) +
+                                                     t5_layers}) if te.file_option == "t5xxl" else te
+                     for te in family.text_encoders)
+    spec = dataclasses.replace(family, unet={**family.unet, **(unet or {})}, text_encoders=encoders)
+    files = save_flux_files(build_modules(spec), root / "flux")
+    return flux(root, **{option: str(path) for option, path in files.items()}, **overrides)
 
 
 def sd3(root: Path, **overrides: object) -> list[str]:
@@ -767,7 +770,10 @@ MORE = [
     Case("flux-blocks-to-swap-negative", lambda t: flux(t, blocks_to_swap=-1), "blocks_to_swap"),
     Case("flux-t5-max-length-zero", lambda t: flux(t, t5xxl_max_token_length=0), "t5xxl_max_token_length"),
     Case("flux-discrete-flow-shift-inf", lambda t: flux(t, discrete_flow_shift=float("inf")), "discrete_flow_shift"),
-    Case("flux-t5-file-deeper-than-t5xxl", flux_with_a_deeper_t5, "t5xxl"),
+    Case("flux-t5-file-deeper-than-t5xxl", lambda t: flux_files_of(t, t5_layers=1), "t5xxl"),
+    Case("flux-pruned-file-swaps-more-than-its-blocks",
+         lambda t: flux_files_of(t, unet={"num_layers": 1, "num_single_layers": 1}, blocks_to_swap=2),
+         "swaps none; remove blocks_to_swap"),
     Case("flux-on-an-sd15-model", lambda t: flux(t, pretrained_model_name_or_path=TINY), "train_network"),
     Case("ui-port-zero", lambda t: ["autotune", "ui", "--port", "0"], "--port 0"),
     Case("ui-allow-dir-missing", lambda t: ["autotune", "ui", "--allow-dir", str(t / "nope")], "--allow-dir"),
