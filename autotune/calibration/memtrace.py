@@ -10,7 +10,8 @@ backward pass aborts with fake CUDA ones); modules cannot be built or ``.to()``-
 FakeTensorMode, so we build, cast and add the LoRA on the meta device and then swap every parameter
 and buffer for an empty fake CPU tensor; on fake CPU tensors SDPA dispatches to the flash kernel,
 which saves what CUDA flash / memory-efficient attention save. torch's MemTracker gives the same
-figure but takes minutes (and rejects frozen parameters), hence the small counter below.
+figure but takes minutes (and rejects frozen parameters), hence the engine's small counter
+(``sd_scripts_compat.training.live_bytes``).
 
 The step is steady-state: optimizer state exists before it (step 2 onward on a GPU) and gradients
 are created during backward (kohya zeroes them with ``set_to_none``).
@@ -19,19 +20,18 @@ are created during backward (kohya zeroes them with ``set_to_none``).
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from autotune.calibration.cuda_autocast import autocast_rules as op_lists
+from sd_scripts_compat.training.live_bytes import LiveBytesCounter
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from sd_scripts_compat.facts.families import FamilySpec
     from sd_scripts_compat.models.build import ModelBundle
@@ -80,80 +80,6 @@ class TraceResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class LiveBytesCounter:
-    """A dispatch mode that tracks the bytes of live tensor storages and their peak.
-
-    Every tensor an op returns has its storage registered once (views share a storage, so they add
-    nothing); a weakref callback subtracts the storage when it dies. Works the same on real and on
-    fake tensors, which is how the tests check the fake figure against a real run.
-    Hand-written because torch's MemTracker is ~10x slower here and needs patching for frozen params.
-    """
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-        self.phase = "setup"
-        self.peak_phase = "setup"
-        self.phase_peaks: dict[str, int] = {}
-        self._live: dict[int, tuple[int, Any]] = {}
-
-    def register(self, tensors: Iterable[Any]) -> None:
-        """Count storages that exist before tracing starts (parameters, buffers, inputs)."""
-        for tensor in tensors:
-            self._track(tensor)
-        self._update_peak()
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-        self.peak_phase = self.phase
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        import torch
-
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            return
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self._live:
-            return
-        nbytes = storage.nbytes()
-        self._live[key] = (nbytes, weakref.ref(storage, self._finalizer(key, nbytes)))
-        self.current += nbytes
-
-    def _finalizer(self, key: int, nbytes: int) -> Callable[[Any], None]:
-        def release(_ref: object) -> None:
-            entry = self._live.get(key)
-            if entry is not None and entry[1] is _ref:
-                del self._live[key]
-                self.current -= nbytes
-
-        return release
-
-    def _update_peak(self) -> None:
-        if self.current > self.phase_peaks.get(self.phase, -1):
-            self.phase_peaks[self.phase] = self.current
-        if self.current > self.peak:
-            self.peak = self.current
-            self.peak_phase = self.phase
-
-    def mode(self) -> TorchDispatchMode:
-        """The ``TorchDispatchMode`` that feeds this counter (entered outermost, after FakeTensorMode)."""
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        counter = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                out = func(*args, **(kwargs or {}))
-                for leaf in tree_leaves(out):
-                    counter._track(leaf)
-                counter._update_peak()
-                return out
-
-        return _Mode()
 
 
 def latent_downsample(spec: FamilySpec) -> int:

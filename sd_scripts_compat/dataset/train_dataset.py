@@ -266,6 +266,13 @@ class TrainDataset:
             counts[record.bucket] = counts.get(record.bucket, 0) + record.num_repeats
         return dict(sorted(counts.items()))
 
+    def largest_batch(self) -> tuple[int, int, int]:
+        """(micro-batch, width, height) of the bucket with the most pixels: the step that needs the most memory."""
+        if not self.records:
+            return (0, 0, 0)
+        (width, height), count = max(self.bucket_counts().items(), key=lambda item: item[0][0] * item[0][1])
+        return (min(max(1, self.spec.batch_size), count), width, height)
+
     def bucket_info(self) -> dict[str, Any]:
         """kohya's ``ss_bucket_info`` shape: buckets by index with resolution and count, mean AR error."""
         counts = self.bucket_counts().items()

@@ -14,6 +14,7 @@ pinned memory and ``non_blocking``. Events go through ``sd_scripts_compat.facts.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -58,6 +59,7 @@ from sd_scripts_compat.training.devices import (
     to_device,
     unwrap_optimizer,
 )
+from sd_scripts_compat.training.emulated_card import EmulatedCard, optimizer_tensors
 from sd_scripts_compat.training.faults import FaultPlan
 from sd_scripts_compat.training.monitor import start_monitor
 from sd_scripts_compat.training.phase_report import PhaseReporter, size_on_disk
@@ -108,6 +110,7 @@ class Process:
     paths: RunPaths
     started: float
     faults: FaultPlan | None = None  # SD_COMPAT_INJECT_OOM / _NAN (tests): wraps the objective, if anything
+    card: EmulatedCard | None = None  # SD_COMPAT_EMULATED_CARD_MIB (tests, benches): the steps' tensors on a card
 
     @property
     def world(self) -> int:
@@ -132,6 +135,7 @@ def setup_process(config: TrainingConfig) -> Process:
     from sd_scripts_compat.training.optim import check_optimizer_settings
 
     check_optimizer_settings(config.optimizer_type or "AdamW", config.learning_rate, config.optimizer_args)
+    card = EmulatedCard.from_env()  # a bad size is said before anything is made
     if config.sample_prompts:  # read now: a bad line is said before the model loads, not at the first sample
         read_sample_prompts(config.sample_prompts, (512, 512))
 
@@ -154,7 +158,7 @@ def setup_process(config: TrainingConfig) -> Process:
         config.save_precision or "float", torch.float32)
     return Process(accelerator=accelerator, device=accelerator.device, seed=seed, weight_dtype=weight_dtype,
                    save_dtype=save_dtype, paths=paths, started=started,
-                   faults=FaultPlan.from_env(paths.events_dir or paths.output_dir))
+                   faults=FaultPlan.from_env(paths.events_dir or paths.output_dir), card=card)
 
 
 # ---- 2. Base model ---------------------------------------------------------------------------------
@@ -620,6 +624,20 @@ class Recipe:
     stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
     phases: PhaseTimer = field(default_factory=lambda: PhaseTimer("cpu"))  # where the time goes (done.json)
 
+    def on_card(self) -> contextlib.AbstractContextManager[Any]:
+        """A step's work counted on the emulated card, when there is one (``training.emulated_card``)."""
+        card = self.process.card
+        return card.active() if card is not None else contextlib.nullcontext()
+
+    def peak_memory_mib(self) -> float:
+        """The emulated card's peak, else the device's (CUDA reserved, or the process's peak RSS)."""
+        card = self.process.card
+        return card.peak_mib if card is not None else peak_memory_mib(self.process.device)
+
+    def memory_figures(self) -> dict[str, float]:
+        card = self.process.card
+        return {**memory_figures(), **(card.figures() if card is not None else {})}
+
 
 @dataclass
 class LoopState:
@@ -629,6 +647,8 @@ class LoopState:
     last_state_save: float
     session_started: float = 0.0
     peak_memory_mib: float = 0.0
+    largest_batch: tuple[int, int, int, int] = (0, 0, 0, 0)  # (pixels, micro-batch, width, height) trained so far
+    largest_bucket: tuple[int, int, int] = (0, 0, 0)  # (micro-batch, width, height) of the data's largest bucket
     step_ended_at: list[float] = field(default_factory=list)  # host clock at each optimizer step (done.json)
     oom: dict[str, Any] | None = None
     interrupted: bool = False
@@ -725,7 +745,8 @@ def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
     progress = tqdm(total=r.optimization.max_train_steps, initial=counters.global_step, desc="steps",
                     disable=not process.is_main, dynamic_ncols=True, smoothing=0.1, file=sys.stdout)
     now = time.time()
-    loop = LoopState(last_report=now, last_state_save=now, session_started=now)
+    loop = LoopState(last_report=now, last_state_save=now, session_started=now,
+                     largest_bucket=r.data.train.largest_batch())
     r.phases.start_loop()
     if counters.global_step == 0:  # before the first step: the validation baseline, then sample_at_first
         if r.validation is not None:
@@ -739,6 +760,7 @@ def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
                              persistent_workers=bool(config.persistent_data_loader_workers),
                              pin_memory=process.device.type == "cuda")
     try:
+        _hold_on_card(r)
         while counters.global_step < r.optimization.max_train_steps:
             run_epoch(r, loop, counters, sampler, loader, progress)
     except KeyboardInterrupt:
@@ -763,11 +785,13 @@ def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: Buck
     sampler.set_epoch(counters.epoch, start_step=counters.step_in_epoch)
     batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
     for batch in r.phases.batches(loader):  # the wait for each batch is the phase "data"
-        micro_step(r, loop, counters, batch, batch_index)
+        with r.on_card():
+            micro_step(r, loop, counters, batch, batch_index)
         batch_index += 1
         if batch_index % optimization.accumulation != 0 and batch_index < optimization.batches_per_epoch:
             continue
-        optimizer_step(r, counters)
+        with r.on_card():
+            optimizer_step(r, counters)
         counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
         after_step(r, loop, counters, progress)
         r.phases.step_done()
@@ -777,6 +801,17 @@ def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: Buck
             _stop_if_asked(r)
     end_epoch(r, counters)
     _stop_if_asked(r)  # a stop asked for at an epoch's last step comes after its end (count, saves, samples)
+
+
+def _hold_on_card(r: Recipe) -> None:
+    """What a card holds through the steps, put on the emulated card (when there is one): the denoiser, the text
+    encoders and the VAE unless their outputs are cached, the network and the optimizer's state."""
+    card, bundle = r.process.card, r.model.bundle
+    if card is None:
+        return
+    encoders = [] if r.inputs.cached_text else list(bundle.text_encoders)
+    card.hold([bundle.unet, *encoders, None if r.inputs.cached_latents else bundle.vae, r.network.network],
+              optimizer_tensors(unwrap_optimizer(r.optimization.optimizer)))
 
 
 def _stop_if_asked(r: Recipe) -> None:
@@ -803,6 +838,8 @@ def micro_step(r: Recipe, loop: LoopState, counters: TrainCounters, batch: dict[
             vae = r.model.bundle.vae
             latents = encode_images(vae, batch["images"], noise_seeds=seeds, **latent_factors(vae))
     latents = latents.to(process.weight_dtype)
+    size = (latents.shape[0], latents.shape[-1] * r.model.vae_scale, latents.shape[-2] * r.model.vae_scale)
+    loop.largest_batch = max(loop.largest_batch, (size[0] * size[1] * size[2], *size))  # shapes: no host sync
     generator = step_generator(process.seed, counters.global_step, batch_index * process.world + process.rank,
                                process.device)
     with phase("forward"):
@@ -895,7 +932,7 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
     :class:`Diverged`), then the bar, the tracker and progress.json."""
     mean_loss = r.guard.report_loss()
     rate = len(loop.step_ended_at) / max(now - loop.session_started, 1e-9)
-    loop.peak_memory_mib = max(loop.peak_memory_mib, peak_memory_mib(r.process.device))
+    loop.peak_memory_mib = max(loop.peak_memory_mib, r.peak_memory_mib())
     lr_scheduler = r.optimization.lr_scheduler
     unet_lr = lr_scheduler.get_last_lr()[r.optimization.unet_group]  # the UNet's, not a text encoder's
     progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{unet_lr:.2e}")
@@ -907,8 +944,15 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
         write_event(events_dir, PROGRESS, {
             "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
             "time": now, "it_per_s": rate, "loss": mean_loss, "lr": unet_lr,
-            "peak_memory_mib": loop.peak_memory_mib})
+            "peak_memory_mib": loop.peak_memory_mib, "largest_batch": _batch_size(loop.largest_batch[1:]),
+            "largest_bucket": _batch_size(loop.largest_bucket)})
     loop.last_report = now
+
+
+def _batch_size(size: tuple[int, int, int]) -> dict[str, int]:
+    """A micro-batch's size in progress.json: the largest trained so far, the largest the data has (the watchdog
+    carries the measured peak from one to the other)."""
+    return dict(zip(("micro_batch", "width", "height"), size, strict=True))
 
 
 def _sample(r: Recipe, name: str) -> None:
@@ -936,7 +980,7 @@ def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
         state_dir = str(r.checkpointer.save_state(process.paths.state_dir(), counters))
     message = (loop.oom or {}).get("message")
     event = {"step": counters.global_step, "epoch": counters.epoch, "settings": r.report.settings,
-             "resolved": r.report.resolved, "memory": memory_figures(), "message": message, "state_dir": state_dir}
+             "resolved": r.report.resolved, "memory": r.memory_figures(), "message": message, "state_dir": state_dir}
     if process.paths.events_dir and process.is_main:
         write_event(process.paths.events_dir, OOM, event)
     print(f"out of memory at step {counters.global_step}: {message}", file=sys.stderr)
@@ -978,7 +1022,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
                 r.checkpointer.save_state(process.paths.state_dir(), counters)
     phases = {**r.phases.summary(), "loader_workers": config.max_data_loader_n_workers or 0, "world": process.world}
     process.accelerator.log(tensorboard_scalars(phases), step=counters.global_step)
-    peak_memory = max(loop.peak_memory_mib, peak_memory_mib(process.device))
+    peak_memory = max(loop.peak_memory_mib, r.peak_memory_mib())
     seconds = time.time() - process.started
     # steady state: after the first steps (allocator, caches), and without the steps that compiled a block (their
     # time is torch_compile's seconds); one duration per optimizer step
@@ -991,7 +1035,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
             write_event(process.paths.events_dir, DONE, {
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
                 "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory,
-                "memory": memory_figures(),  # CUDA max allocated / reserved, peak RSS (autotune bench, plans)
+                "memory": r.memory_figures(),  # CUDA max allocated / reserved, peak RSS, the emulated card's
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
                 "family": r.model.family.name, "torch_compile": compile_summary(r.network.compiled),
