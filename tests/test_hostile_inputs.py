@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 # one thread: on a shared 2-core machine more threads spin against each other (a step gets 50x slower)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 TINY = "builtin:tiny-sd15"
+FAKE_SD_SCRIPTS = REPO / "tests" / "fixtures" / "fake_sd_scripts" / "sd-scripts"  # a checkout --engine accepts
 USER_ERROR = 2
 
 Builder = Callable[[Path], list[str]]
@@ -315,6 +316,13 @@ CLI = [
     Case("run-stall-timeout-negative", lambda t: run(t, "--stall-timeout", "-5"), "--stall-timeout -5"),
     Case("run-max-retries-negative", lambda t: run(t, "--max-retries", "-1"), "--max-retries -1"),
     Case("run-memory-limit-tiny", lambda t: run(t, "--memory-limit", "1"), "--memory-limit 1"),
+    Case("run-emulate-card-negative", lambda t: run(t, "--emulate-card", "-4"), "--emulate-card -4"),
+    Case("run-emulate-card-nan", lambda t: run(t, "--emulate-card", "nan"), "--emulate-card"),
+    Case("plan-emulate-card-with-vram", lambda t: plan(t, "--emulate-card", "16", "--vram", "8"),
+         "drop --gpu / --vram"),
+    Case("plan-memory-model-scale-zero", lambda t: plan(t, "--memory-model-scale", "0"), "--memory-model-scale 0"),
+    Case("run-emulate-card-with-sd-scripts", lambda t: run(
+        t, "--emulate-card", "16", "--engine", f"sd-scripts={FAKE_SD_SCRIPTS}"), "another trainer counts none"),
     Case("run-save-state-every-zero", lambda t: run(t, "--save-state-every", "0"), "--save-state-every 0"),
     Case("run-epochs-zero", lambda t: run(t, "--epochs", "0"), "--epochs 0"),
     Case("run-resolution-off-step", lambda t: run(t, "--resolution", "70"), "--resolution 70"),
@@ -1188,7 +1196,8 @@ def check_one_line(done: subprocess.CompletedProcess, code: int, needle: str) ->
 
 def test_a_broken_family_file_or_engine_package_is_one_line(tmp_path: Path):
     """Inputs that come by the environment (issue 48): a family file of ``SD_COMPAT_FAMILY_PATH`` that is not one,
-    and an engine package whose entry point does not load; each is one line, nothing written."""
+    an engine package whose entry point does not load, an emulated card of no size; each is one line, nothing
+    written."""
     families, site = tmp_path / "families", tmp_path / "site"
     families.mkdir()
     (families / "tiny-bad.json").write_text("{not json", encoding="utf-8")
@@ -1205,7 +1214,8 @@ def test_a_broken_family_file_or_engine_package_is_one_line(tmp_path: Path):
              ({"SD_COMPAT_FAMILY_PATH": str(strangers)}, plan(tmp_path, model="builtin:tiny-axolotl"),
               "trainer 'axolotl' is not one of sd-scripts, musubi-tuner"),
              ({"PYTHONPATH": os.pathsep.join(filter(None, [str(site), ENV.get("PYTHONPATH")]))},
-              run(tmp_path, "--engine", f"broken={tmp_path}"), "engine 'broken'")]
+              run(tmp_path, "--engine", f"broken={tmp_path}"), "engine 'broken'"),
+             ({"SD_COMPAT_EMULATED_CARD_MIB": "lots"}, train(tmp_path), "SD_COMPAT_EMULATED_CARD_MIB='lots'")]
     for extra, argv, needle in cases:
         before = files_under(tmp_path)
         done = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env={**ENV, **extra},

@@ -375,11 +375,11 @@ def test_no_nvml_means_no_sampled_figure(install):
 
 
 def test_a_trainer_without_its_own_peak_steps_up_on_what_nvml_showed():
-    from autotune.recovery.step_up import STEADY_STEPS, UpWatcher
+    from autotune.recovery.step_up import STEADY_STEPS, MemoryWatcher
     from sd_scripts_compat.facts.settings import TrainSettings
 
     asked: list[float] = []
-    watcher = UpWatcher(TrainSettings(), lambda s, measured: asked.append(measured), "device")
+    watcher = MemoryWatcher(TrainSettings(), lambda s, measured, progress, up: asked.append(measured), "device")
     watcher.see({"step": 1, "max_train_steps": 100}, 50.0, None)
     watcher.see({"step": 1 + STEADY_STEPS, "max_train_steps": 100}, 50.0, 6144.0)
     assert asked == [6144.0]  # not the host address space: the card's figure
@@ -391,7 +391,7 @@ def test_memory_another_process_took_since_the_start_is_not_stepped_into(install
     from autotune.hardware.gpu_usage import GpuUsage
     from autotune.recovery.decisions import DecisionLog
     from autotune.recovery.ladder import LadderLimits
-    from autotune.recovery.watchdog import Job, _Run, _up_watcher
+    from autotune.recovery.watchdog import Job, _memory_watcher, _Run
     from sd_scripts_compat.facts.settings import TrainSettings
 
     own = os.getpid()
@@ -408,9 +408,9 @@ def test_memory_another_process_took_since_the_start_is_not_stepped_into(install
 
     def decide() -> object:
         run = _Run(job, DecisionLog(tmp_path, False), settings, [])
-        watcher = _up_watcher(run, gpu)
+        watcher = _memory_watcher(run, gpu)
         assert watcher is not None
-        return watcher.decide(settings, 6000.0)
+        return watcher.decide(settings, 6000.0, {}, True)
 
     assert decide() is not None  # 2 x 6000 MiB fits 90% of 22000 MiB
     card["used"] = card["total"] - 2000 * MIB  # another process took 16.5 GiB: 2000 MiB free beside our 6000

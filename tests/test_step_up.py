@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import toml
 
-from autotune.recovery.step_up import STEADY_STEPS, UpWatcher, next_step_up
+from autotune.recovery.step_up import STEADY_STEPS, MemoryWatcher, next_step_up
 from sd_scripts_compat.facts.settings import TrainSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,23 +70,30 @@ def test_a_move_that_does_not_pay_ten_percent_is_not_taken():
     assert flat is None
 
 
-def test_the_watcher_asks_once_after_the_steady_steps_and_not_near_the_end():
+def test_the_watcher_looks_for_a_step_down_at_every_event_and_up_once_after_the_steady_steps_not_near_the_end():
     asked = []
 
-    def decide(settings, measured):
-        asked.append(measured)
-        return _up(measured)
+    def decide(settings, measured, progress, up):
+        asked.append((measured, up))
+        return _up(measured) if up else None
 
-    watcher = UpWatcher(BASE, decide, "device")
+    watcher = MemoryWatcher(BASE, decide, "device")
     assert not watcher.see({"step": 5, "max_train_steps": 100, "peak_memory_mib": 1900.0}, None)
     assert not watcher.see({"step": 5 + STEADY_STEPS - 1, "max_train_steps": 100, "peak_memory_mib": 1950.0}, None)
     assert watcher.see({"step": 5 + STEADY_STEPS, "max_train_steps": 100, "peak_memory_mib": 2000.0}, None)
-    assert not watcher.see({"step": 50, "max_train_steps": 100, "peak_memory_mib": 2000.0}, None)
-    assert asked == [2000.0] and watcher.decision.settings.train_batch_size == 2
-    late = UpWatcher(BASE, decide, "address_space")
+    assert not watcher.see({"step": 50, "max_train_steps": 100, "peak_memory_mib": 2000.0}, None)  # decided
+    assert asked == [(1900.0, False), (1950.0, False), (2000.0, True)]
+    assert watcher.decision.settings.train_batch_size == 2
+    asked.clear()
+    late = MemoryWatcher(BASE, decide, "address_space")
     late.see({"step": 0, "max_train_steps": STEADY_STEPS * 2}, 900.0)
     assert not late.see({"step": STEADY_STEPS, "max_train_steps": STEADY_STEPS * 2}, 900.0)  # too near the end
-    assert asked == [2000.0]
+    assert asked == [(900.0, False), (900.0, False)]  # a step down is still looked for; a step up is not
+    once = MemoryWatcher(BASE, decide, "device")
+    once.see({"step": 0, "max_train_steps": 100}, None)  # no figure yet
+    assert not once.see({"step": STEADY_STEPS, "max_train_steps": 100, "peak_memory_mib": 9500.0}, None)
+    assert not once.see({"step": STEADY_STEPS + 9, "max_train_steps": 100, "peak_memory_mib": 2000.0}, None)
+    assert asked[-2:] == [(9500.0, True), (2000.0, False)]  # the step up was asked once, at the steady step
 
 
 # The engine reports progress every 2 s (its one host sync): at this machine's ~7 steps/s an event comes every ~14

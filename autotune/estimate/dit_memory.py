@@ -61,7 +61,7 @@ import json
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Self, cast
 
 from autotune.estimate.memory_model import (
     DEFAULT_ALLOCATOR_OVERHEAD,
@@ -189,6 +189,14 @@ class DitMemoryEstimate(MemoryEstimate):
     @property
     def total_bytes(self) -> int:
         return self.peak_bytes + self.components["safety_margin"]
+
+    def training_only(self) -> Self:
+        """Without the caching phases (text encoders, latents): they run before the steps."""
+        return replace(self, caching_peak=0)
+
+    def scaled(self, factor: float) -> Self:
+        """The device figures times ``factor``, the caching phase's too (``MemoryEstimate.scaled``)."""
+        return replace(super().scaled(factor), caching_peak=int(self.caching_peak * factor))
 
 
 def _block_bytes(block: dict[str, Any], fp8: bool) -> tuple[int, int]:

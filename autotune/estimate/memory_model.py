@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from sd_scripts_compat.facts.errors import UserError
 
@@ -154,6 +154,17 @@ class MemoryEstimate:
     def explain(self) -> list[str]:
         lines = [f"{name.replace('_', ' ')}: {value / GIB:.2f} GiB" for name, value in self.components.items()]
         return lines + list(self.notes)
+
+    def training_only(self) -> Self:
+        """The figures of the training steps alone (the emulated card counts nothing else)."""
+        return self
+
+    def scaled(self, factor: float) -> Self:
+        """Every device figure times ``factor`` (``--memory-model-scale``: a model deliberately wrong, for tests and
+        benches of what the run learns)."""
+        if factor == 1.0:
+            return self
+        return replace(self, components={k: int(v * factor) for k, v in self.components.items()})
 
 
 @cache

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autotune.estimate.memory_view import MemoryView
 from autotune.layout import CONFIG, DATASET_CONFIG, RUN_STATE, STATE_DIR
 from autotune.recovery.attempt import address_space_limit
 from sd_scripts_compat.facts.errors import UserError
@@ -63,10 +64,13 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
               model_family: FamilySpec, make_engine: MakeEngine) -> Job:
     """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
     ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
+    from autotune.launch.plan_options import emulated_card_mib
     from autotune.recovery.attempt import read_json
     from autotune.recovery.watchdog import Job
+    from sd_scripts_compat.training.emulated_card import CARD_ENV
 
     cuda = probe.accelerator == "cuda"
+    card = emulated_card_mib(args)
     config_path, dataset_path, plan = _configs(args, out, scan, model_family)
     usable_mib = _usable_mib(plan)
     family, resolved = _resolve(config_path, dataset_path, args, model_family)
@@ -83,13 +87,16 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
     engine, states_at = make_engine(family, config_path, train_output, plan)
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
-        predict=_predictor(family, resolved, cuda), dataset_config_path=dataset_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {})},
+        predict=_predictor(family, resolved, cuda, MemoryView(emulated=card is not None,
+                                                              scale=args.memory_model_scale)),
+        dataset_config_path=dataset_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {}),
+             **({CARD_ENV: f"{card:g}"} if card is not None else {})},
         cuda=cuda, max_retries=args.max_retries,
         stall_timeout_s=args.stall_timeout, resume=bool(args.resume),
         preexec_fn=address_space_limit(args.memory_limit) if args.memory_limit else None, prior_retries=prior,
         train_output_dir=train_output, states_at=states_at, extra_state={"usable_mib": limits.budget_mib, **started},
-        budget_kind="address_space" if args.memory_limit else ("device" if cuda else "ram"),
+        budget_kind=_budget_kind(args, cuda, card),
         engine=engine,
         stability=_stability_limits(probe, cuda),
         images_per_s=images_per_s_model(family, probe, cuda) if not getattr(args, "no_step_up", False) else None,
@@ -178,13 +185,15 @@ def _limits(probe: SystemProbe, family: FamilySpec, resolved: ResolvedRun, args:
             usable_mib: float | None) -> LadderLimits:
     """What the ladder may do on this machine, and the memory it must fit in (MiB).
 
-    The budget is the plan's usable VRAM when there is a plan, else the probed card's, else (CPU) the
-    address-space cap or the available RAM.
+    The budget is the emulated card, or the plan's usable VRAM when there is a plan, else the probed card's, else
+    (CPU) the address-space cap or the available RAM.
     """
     from autotune.recovery.ladder import LadderLimits
 
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
-    if args.memory_limit:
+    if getattr(args, "emulate_card", None):
+        budget = args.emulate_card
+    elif args.memory_limit:
         budget = args.memory_limit
     elif usable_mib:
         budget = usable_mib
@@ -198,6 +207,13 @@ def _limits(probe: SystemProbe, family: FamilySpec, resolved: ResolvedRun, args:
     te_cache_allowed = not _captions_randomized(resolved) and not _engine_caches_text(resolved)
     return LadderLimits.for_family(family, budget, fp8_supported=bool(gpu and gpu.fp8),
                                    te_cache_allowed=te_cache_allowed)
+
+
+def _budget_kind(args: argparse.Namespace, cuda: bool, card: float | None) -> str:
+    """What the step-down budget measures (``watchdog.measured_mib``)."""
+    if card is not None:
+        return "emulated_card"
+    return "address_space" if args.memory_limit else ("device" if cuda else "ram")
 
 
 def _stability_limits(probe: SystemProbe, cuda: bool) -> StabilityLimits:
@@ -242,10 +258,12 @@ def images_per_s_model(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Ca
     return rate
 
 
-def _predictor(family: FamilySpec, resolved: ResolvedRun, cuda: bool) -> Callable[[TrainSettings], float]:
+def _predictor(family: FamilySpec, resolved: ResolvedRun, cuda: bool,
+               memory: MemoryView) -> Callable[[TrainSettings], float]:
     from autotune.recovery.ladder import memory_predictor
 
-    return memory_predictor(family, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda)
+    return memory_predictor(family, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda,
+                            memory=memory)
 
 
 def _usable_mib(plan: Plan | None) -> float | None:

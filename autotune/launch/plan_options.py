@@ -83,6 +83,9 @@ def _target_arguments(group: argparse._ArgumentGroup) -> None:
                        help='plan for this catalogue card instead of probing (repeat for several GPUs)')
     group.add_argument("--vram", action="append", type=finite, default=None, metavar="GB",
                        help="plan for a card with this much memory (with --gpu: that card, smaller)")
+    group.add_argument("--emulate-card", type=finite, default=None, metavar="MIB",
+                       help="plan (and train) for a card of MIB MiB emulated on this CPU: our engine counts its "
+                       "tensors and runs out of memory past it (tests and benches of the memory ladder)")
     group.add_argument("--goal", choices=GOALS, default="character", help="what the LoRA learns (default character)")
     group.add_argument("--priority", choices=PRIORITIES, default="balanced",
                        help="speed | balanced | quality (default balanced)")
@@ -150,6 +153,9 @@ def _advanced_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--no-learn", action="store_true",
                        help="plan from the models alone, ignoring this machine's measured runs and benches")
     group.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    group.add_argument("--memory-model-scale", type=finite, default=1.0, metavar="X",
+                       help="multiply the memory model's figures by X (tests and benches: a model deliberately "
+                       "pessimistic, >1, or optimistic, <1, to see what a run learns)")
 
 
 def is_pickle(model: str) -> bool:
@@ -190,6 +196,9 @@ def build_request(args: argparse.Namespace, family: FamilySpec | None = None) ->
     from sd_scripts_compat.models.detect import detect_family
 
     gpus, cores, ram, probe_line, probe = _targets(args)
+    card = emulated_card_mib(args)
+    if card is not None:
+        gpus, probe_line = [], f"{probe_line}; planned for an emulated card of {card:g} MiB of tensors"
     if args.cpu_cores is not None:
         if args.cpu_cores < 1:
             from sd_scripts_compat.facts.errors import UserError
@@ -203,14 +212,33 @@ def build_request(args: argparse.Namespace, family: FamilySpec | None = None) ->
                         frames=getattr(args, "frames", None), experts=getattr(args, "experts", None),
                         output_name=getattr(args, "output_name", None), settings=given_settings(args))
     cpu_bf16 = bool(probe is not None and not gpus and probe.cpu.bf16_native)
-    device, records = _measured(args, gpus, probe)
+    device, records = _measured(args, gpus, probe, card)
     family = family or detect_family(args.model, args.family)
     return PlanRequest(dataset_dir=args.dataset, model=args.model, family=family, gpus=tuple(gpus),
                        goal=args.goal, priority=args.priority, preferences=prefs, cpu_physical_cores=cores,
                        cpu_memory_bytes=ram, output_dir=args.out, probe_summary=probe_line,
                        host_ram_bytes=_host_ram(args, ram), cpu_bf16=cpu_bf16, measurements=records,
                        measured_device=device, allow_pickle=bool(args.allow_pickle and is_pickle(args.model)),
-                       model_files=given_model_files(args), strict=bool(getattr(args, "strict_pins", False)))
+                       model_files=given_model_files(args), strict=bool(getattr(args, "strict_pins", False)),
+                       emulated_card_bytes=int(card * 2**20) if card is not None else None,
+                       memory_scale=getattr(args, "memory_model_scale", 1.0))
+
+
+def emulated_card_mib(args: argparse.Namespace) -> float | None:
+    """``--emulate-card MIB``, checked: a positive size, on this machine (no --gpu / --vram); None without it."""
+    from sd_scripts_compat.facts.errors import UserError
+
+    card = getattr(args, "emulate_card", None)
+    scale = getattr(args, "memory_model_scale", 1.0)
+    if not scale > 0:
+        raise UserError(f"--memory-model-scale {scale:g}: a positive factor, e.g. 1.4 (40% pessimistic)")
+    if card is None:
+        return None
+    if not card > 0:
+        raise UserError(f"--emulate-card {card:g}: the card's size in MiB, a positive number (e.g. 14)")
+    if args.gpu or args.vram:
+        raise UserError("--emulate-card plans for a card emulated on this CPU; drop --gpu / --vram")
+    return float(card)
 
 
 def given_model_files(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -245,14 +273,17 @@ def _host_ram(args: argparse.Namespace, available: int | None) -> int | None:
     return max(0, int(args.ram * GIB) - OS_RESERVE_BYTES)
 
 
-def _measured(args: argparse.Namespace, gpus: list[Any], probe: SystemProbe) -> tuple[str | None, tuple[Any, ...]]:
+def _measured(args: argparse.Namespace, gpus: list[Any], probe: SystemProbe,
+              card: float | None = None) -> tuple[str | None, tuple[Any, ...]]:
     """The device key and this machine's measurements (none with --no-learn, for a --vram-only card, or for a
-    named card this machine has not measured)."""
+    named card this machine has not measured; an emulated card's own)."""
     if getattr(args, "no_learn", False) or (probe is None and not args.gpu):
         return None, ()
-    from autotune.measure.store import device_key, load_measurements
+    from autotune.measure.store import device_key, emulated_device_key, load_measurements
 
     device = device_key(probe) if probe is not None else gpus[0].spec.name if gpus and gpus[0].spec else None
+    if card is not None and probe is not None:
+        device = emulated_device_key(probe)
     return device, tuple(load_measurements()) if device else ()
 
 
@@ -350,8 +381,9 @@ def render(plan: Plan) -> None:
     p = plan.prediction
     if p is None:  # a plan that does not fit is its message alone
         return
-    console.print(f"predicted peak {plan.memory_noun} [bold]{p.peak_bytes / GIB:.2f} GiB[/bold] of "
-                  f"{p.usable_bytes / GIB:.2f} GiB usable; [bold]{p.it_per_s:.3g} it/s[/bold] "
+    unit, unit_name = plan.memory_unit
+    console.print(f"predicted peak {plan.memory_noun} [bold]{p.peak_bytes / unit:.2f} {unit_name}[/bold] of "
+                  f"{p.usable_bytes / unit:.2f} {unit_name} usable; [bold]{p.it_per_s:.3g} it/s[/bold] "
                   f"({p.micro_steps_per_s:.3g} micro-steps/s per "
                   f"device), {p.samples_per_s:.3g} "
                   f"samples/s; {p.optimizer_steps} steps in [bold]{human_seconds(p.total_seconds)}[/bold]"
@@ -367,7 +399,7 @@ def render(plan: Plan) -> None:
                       + " ".join(f"--{c.key} FILE" for c in fill))
     for line in plan.pin_costs:
         console.print(f"[yellow]your pin:[/yellow] {line} (--strict refuses such a plan)")
-    console.print("memory by part: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.components if v) + " GiB")
+    console.print("memory by part: " + ", ".join(f"{k} {v / unit:.2f}" for k, v in p.components if v) + f" {unit_name}")
     if p.ram_peak_bytes:
         of = f" of {p.ram_usable_bytes / GIB:.2f} GiB usable" if p.ram_usable_bytes is not None else " (not checked)"
         console.print(f"predicted peak host RAM [bold]{p.ram_peak_bytes / GIB:.2f} GiB[/bold]{of}: "

@@ -101,6 +101,9 @@ def check_options(args: argparse.Namespace) -> None:
     if args.memory_limit is not None and not args.memory_limit >= MIN_MEMORY_LIMIT_MIB:
         raise UserError(f"--memory-limit {args.memory_limit:g}: too small to start the trainer (MiB of address "
                         f"space; at least {MIN_MEMORY_LIMIT_MIB}, e.g. --memory-limit 16000)")
+    if getattr(args, "emulate_card", None) is not None and getattr(args, "engine", None):
+        raise UserError("--emulate-card: only autotune's own engine counts its tensors on an emulated card; another "
+                        "trainer counts none: drop --engine or --emulate-card")
 
 
 def dataset_folder(path: str, what: str = "dataset folder") -> Path:
@@ -297,6 +300,8 @@ def _supervised(args: argparse.Namespace, out: Path, dataset_dir: Path, scan: Da
     if args.memory_limit and cuda:
         raise UserError("--memory-limit caps CPU address space and would break CUDA; drop it on a GPU machine")
     kind, _ = parse_engine(getattr(args, "engine", None))
+    if getattr(args, "emulate_card", None) is not None and cuda:
+        raise UserError("--emulate-card emulates a card on the CPU; this machine trains on its GPU: drop it")
     return _supervise_job(args, out, probe, kind.job(args, out, scan, probe, started, family), family,
                           ours=kind.own_measurements)
 
@@ -314,7 +319,8 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
         result = supervise(job)
     if ours:  # the store keeps our engine's figures (another trainer's are not comparable)
         remember_attempts(result.attempts, probe, family, job.limits.budget_mib,
-                          contended=_contended(out), predict=job.predict)
+                          contended=_contended(out), predict=job.predict,
+                          emulated_card=getattr(args, "emulate_card", None))
     if args.json:
         print(json.dumps({"ok": result.ok, "outcome": result.outcome, "message": result.message,
                           "output_file": result.output_file, "final_settings": result.final_settings.to_event(),
@@ -343,17 +349,25 @@ def _supervise_job(args: argparse.Namespace, out: Path, probe: SystemProbe, job:
 
 
 def remember_attempts(attempts: list[Any], probe: SystemProbe, family: FamilySpec, budget_mib: float | None,
-                      contended: str | None = None, predict: Callable[[TrainSettings], float] | None = None) -> None:
+                      contended: str | None = None, predict: Callable[[TrainSettings], float] | None = None,
+                      emulated_card: float | None = None) -> None:
     """Each attempt that finished or ran out of memory goes into this machine's measurement store, so the next
     plan predicts from it (``autotune.measure``); a store that cannot be written costs a warning, not the run.
     A run that shared the CPU with other work (``contended``: why) keeps its speed out: the plan would learn the
     other work's share as this machine's speed; its memory figures and out-of-memory attempts still count.
-    ``predict``: the run's memory model (MiB), whose figure each record keeps beside the measured one."""
+    ``predict``: the run's memory model (MiB), whose figure each record keeps beside the measured one.
+    ``emulated_card``: the run trained on a card of that many MiB emulated on the CPU, a device of its own."""
     from dataclasses import replace
 
-    from autotune.measure.store import device_key, from_done_event, from_oom_event, record_measurements
+    from autotune.measure.store import (
+        device_key,
+        emulated_device_key,
+        from_done_event,
+        from_oom_event,
+        record_measurements,
+    )
 
-    device = device_key(probe)
+    device = device_key(probe) if emulated_card is None else emulated_device_key(probe)
     records: list[Any] = []
     if contended:
         print(f"this run's speed is not kept for future plans: {contended}")

@@ -77,6 +77,13 @@ def device_key(probe: SystemProbe, *, cpu: bool = False) -> str:
     return f"cpu:{probe.cpu.model or probe.cpu.arch or 'unknown'}"
 
 
+def emulated_device_key(probe: SystemProbe) -> str:
+    """The device of a run on a card emulated on this CPU (``--emulate-card``). Its size is not part of it: the
+    tensors counted do not depend on it (as a real card's figures do not on ``--vram``), and an OOM record keeps
+    the budget it ran out of."""
+    return f"emulated card on {device_key(probe, cpu=True)}"
+
+
 @dataclass(frozen=True)
 class Measurement:
     """One measured run. ``outcome``: ``Outcome.DONE`` (speed and memory measured) or ``Outcome.OOM``."""

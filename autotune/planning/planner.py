@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from autotune import __version__
+from autotune.estimate.memory_view import MemoryView
 from autotune.planning.choices import Choice, PlanContext, plan_choices
 from autotune.planning.compile_choice import CompileDecision, decide_compile
 from autotune.planning.dataset import (
@@ -101,11 +102,13 @@ from autotune.planning.host_swap import HostSwapChoice, decide_host_swap
 from autotune.planning.outputs import dataset_config, launch_command
 from autotune.planning.profiles import plan_profile
 from autotune.planning.request import (
+    EMULATED_CARD,
     GENERIC_GPU_NAME,
     GIB,
     GpuTarget,
     PlanRequest,
     Preferences,
+    emulated_card_label,
     gpu_from_spec,
     gpu_from_vram,
     network_choice,
@@ -194,8 +197,15 @@ class Plan:
     cpu_threads: int = 1
 
     @property
+    def memory_unit(self) -> tuple[int, str]:
+        """The unit its memory figures print in: GiB, or MiB on an emulated card (a few MiB of tensors)."""
+        return memory_unit(self.device)
+
+    @property
     def memory_noun(self) -> str:
         """What its memory figures are: the card's (per device) or, planned for a CPU, the host's."""
+        if self.device.startswith(EMULATED_CARD):
+            return "memory on the emulated card"
         return "memory (RAM)" if self.device == "CPU" else "VRAM per device"
 
     def kohya_values(self) -> dict[str, Any]:
@@ -245,7 +255,13 @@ def caching_needs_fp8_t5(family: FamilySpec, usable: int, t5_fp8: bool = False) 
     return estimate.caching_peak + estimate.components["safety_margin"] > usable
 
 
-def _device_label(gpus: Sequence[GpuTarget]) -> str:
+def memory_unit(device: str) -> tuple[int, str]:
+    return (2**20, "MiB") if device.startswith(EMULATED_CARD) else (GIB, "GiB")
+
+
+def _device_label(gpus: Sequence[GpuTarget], emulated_card_bytes: int | None = None) -> str:
+    if emulated_card_bytes is not None:
+        return emulated_card_label(emulated_card_bytes / 2**20)
     if not gpus:
         return "CPU"
     labels = [f"{g.name} ({g.usable_bytes / GIB:.1f} GiB usable)" for g in gpus]
@@ -279,7 +295,7 @@ def plan_training(request: PlanRequest) -> Plan:
     validate_request(request)
     searched = _search_plan(request)
     found, gpus = searched.found, request.gpus
-    device = _device_label(gpus)
+    device = _device_label(gpus, request.emulated_card_bytes)
     cpu_threads = 1 if gpus else max(1, request.cpu_physical_cores)
     common: dict[str, Any] = dict(
         version=__version__, model=request.model, family=searched.family, goal=request.goal,
@@ -307,7 +323,8 @@ def _search_plan(request: PlanRequest) -> _Searched:
     prefs, gpus = request.preferences, request.gpus
     devices = max(1, len(gpus))
     precision, precision_reason = _precision(gpus, request.cpu_bf16)
-    usable = min(g.usable_bytes for g in gpus) if gpus else int(request.cpu_memory_bytes or 16 * GIB)
+    usable = min(g.usable_bytes for g in gpus) if gpus else int(request.emulated_card_bytes or
+                                                                request.cpu_memory_bytes or 16 * GIB)
     effective = max(devices, max(1, min(goal.effective_batch, dataset.num_images)))
     split = _pinned_split(prefs, effective, devices)
     effective = split[0] * split[1] * devices if split else effective
@@ -328,7 +345,9 @@ def _search_plan(request: PlanRequest) -> _Searched:
                                                      for g in gpus)
     measured = learned_for(request, family, devices)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, te_cpu=te_cpu,
-                          cpu_bf16=request.cpu_bf16, learned=measured, usable=usable)
+                          cpu_bf16=request.cpu_bf16, learned=measured, usable=usable,
+                          memory=MemoryView(emulated=request.emulated_card_bytes is not None,
+                                            scale=request.memory_scale))
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
@@ -408,11 +427,12 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
                           peak=chosen.peak, workers=ram.workers, t5_fp8=searched.t5_fp8, te_cpu=searched.te_cpu,
                           host_ram=chosen.host_ram, compile_reason=compiling.reason,
                           pinned_reason=host_swap.pinned_reason, offload_reason=host_swap.offload_reason)
+    unit, unit_name = memory_unit(device)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "
                f"{s.resolution[0]} px, rank {s.network_dim}, "
                + (f"{s.blocks_to_swap} blocks swapped, " if s.blocks_to_swap else "") +
-               f"predicted peak {chosen.peak / GIB:.2f} of {usable / GIB:.2f} GiB usable")
+               f"predicted peak {chosen.peak / unit:.2f} of {usable / unit:.2f} {unit_name} usable")
     choices = plan_choices(context)
     return Plan(fits=True, message=summary, settings=_with_written_rates(s, choices), choices=choices,
                 dataset_config=dataset_config(s, dataset, family), prediction=prediction,

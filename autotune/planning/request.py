@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 GIB = 1024**3
 # Cards without a name (--vram only) plan with these rates: a mid Ampere card, bf16 capable.
 GENERIC_GPU_NAME = "RTX 3090"
+EMULATED_CARD = "emulated card"  # a plan's device label for --emulate-card (sd_scripts_compat.training.emulated_card)
+
+
+def emulated_card_label(size_mib: float) -> str:
+    return f"{EMULATED_CARD} of {size_mib:g} MiB of tensors (on this CPU)"
 ATTENTIONS = ("sdpa", "xformers")
 
 
@@ -108,6 +113,8 @@ class PlanRequest:
     allow_pickle: bool = False  # the model is a .ckpt / .pt the user allowed (the config says allow_pickle)
     model_files: tuple[tuple[str, str], ...] = ()  # (kohya key, path) the user gave: --clip_l FILE, --t5xxl FILE ...
     strict: bool = False  # --strict: refuse a plan in which the pinned micro-batch split forces another setting down
+    emulated_card_bytes: int | None = None  # --emulate-card: a card of this many tensor bytes, emulated on the CPU
+    memory_scale: float = 1.0  # --memory-model-scale: the memory model's figures times this (tests and benches)
 
 
 def gpu_from_spec(spec: GpuSpec, vram_gb: float | None = None, held_bytes: int = 0,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from autotune.estimate.memory_view import AS_MODELLED, MemoryView
 from autotune.planning.goals import GoalProfile, network_alpha
 from autotune.planning.profiles import plan_profile
 from autotune.planning.request import GpuTarget
@@ -62,11 +63,12 @@ class Estimate:
 
 
 def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
-                          cpu_bf16: bool = False, te_cpu: bool = False, on_gpu: bool = True) -> tuple[Any, Any]:
+                          cpu_bf16: bool = False, te_cpu: bool = False, on_gpu: bool = True,
+                          memory: MemoryView = AS_MODELLED) -> tuple[Any, Any]:
     """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
     (``cpu_bf16``: the CPU computes bf16 natively; ``on_gpu``: the coefficients traced under CUDA autocast's op
-    lists, else under the CPU's)."""
+    lists, else under the CPU's; ``memory``: an emulated card's view, a deliberately scaled model)."""
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import DEFAULT_CUDA_CONTEXT_GIB
 
@@ -82,13 +84,14 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
         flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8), text_encoders_on_cpu=te_cpu,
                        expert_switch_share=profile.expert_switch_share(), autocast_rules=rules,
                        cuda_context_gib=context)
-        return predict_dit_memory(flux), lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores)
+        return (memory.predict(predict_dit_memory, flux),
+                lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores))
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
 
     inputs = replace(inputs_for_settings(family, s), autocast_rules=rules, cuda_context_gib=context)
-    return predict_memory(inputs), lambda spec: predict_speed(inputs, spec, steps=1, cpu_cores=cpu_cores,
-                                                              cpu_bf16=cpu_bf16)
+    return memory.predict(predict_memory, inputs), lambda spec: predict_speed(inputs, spec, steps=1,
+                                                                              cpu_cores=cpu_cores, cpu_bf16=cpu_bf16)
 
 
 class Predictor:
@@ -99,13 +102,14 @@ class Predictor:
 
     def __init__(self, family: FamilySpec, gpus: tuple[GpuTarget, ...], cpu_cores: int, t5_fp8: bool = False,
                  cpu_bf16: bool = False, learned: LearnedFigures | None = None, usable: int = 0,
-                 te_cpu: bool = False) -> None:
+                 te_cpu: bool = False, memory: MemoryView = AS_MODELLED) -> None:
         self.family = family
         self.gpus = gpus
         self.cpu_cores = cpu_cores
         self.t5_fp8 = t5_fp8  # FLUX: the T5-XXL file is fp8 (the caching phase needs it on small cards)
         self.te_cpu = te_cpu  # HunyuanImage: the text encoders cache on the CPU (text_encoder_cpu)
         self.cpu_bf16 = cpu_bf16
+        self.memory = memory
         self.learned = learned
         self.usable = usable
         self.excluded: dict[TrainSettings, str] = {}
@@ -114,7 +118,7 @@ class Predictor:
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
         return estimate_for_settings(self.family, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
-                                     te_cpu=self.te_cpu, on_gpu=bool(self.gpus))
+                                     te_cpu=self.te_cpu, on_gpu=bool(self.gpus), memory=self.memory)
 
     def model_rate(self, s: TrainSettings) -> float:
         """The speed model's micro-steps/s of the slowest device."""

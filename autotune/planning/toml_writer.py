@@ -96,10 +96,12 @@ def header_lines(plan: Plan, what: str) -> list[str]:
     if plan.probe_summary:
         lines.append(f"probe: {plan.probe_summary}")
     if p is not None:
-        parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in p.components if size)
+        unit, unit_name = plan.memory_unit
+        parts = ", ".join(f"{name} {size / unit:.2f}" for name, size in p.components if size)
         lines += [
-            f"predicted peak {plan.memory_noun}: {p.peak_bytes / GIB:.2f} GiB of {p.usable_bytes / GIB:.2f} GiB usable",
-            f"predicted memory by part (GiB): {parts}",
+            f"predicted peak {plan.memory_noun}: {p.peak_bytes / unit:.2f} {unit_name} of {p.usable_bytes / unit:.2f} "
+            f"{unit_name} usable",
+            f"predicted memory by part ({unit_name}): {parts}",
             f"predicted speed: {p.it_per_s:.3g} it/s (optimizer steps, kohya's progress bar), "
             f"{p.micro_steps_per_s:.3g} micro-steps/s per device, {p.samples_per_s:.3g} samples/s",
             f"predicted total: {p.optimizer_steps} optimizer steps in {human_seconds(p.total_seconds)}"

@@ -72,7 +72,7 @@ class AttemptResult:
                    peak_gpu_mib: float | None = None) -> AttemptResult:
         outcome, message = classify(facts)
         if yielded and outcome is Outcome.INTERRUPTED and facts.stop_signal is None:
-            outcome, message = Outcome.STEP_UP, "stopped at a step boundary for a step up; state saved"
+            outcome, message = Outcome.STEP_UP, "stopped at a step boundary as the supervisor asked; state saved"
         events = facts.events
         return cls(outcome=outcome, returncode=facts.returncode, message=message,
                    oom_event=events.get(OOM) if outcome is Outcome.OOM else None,

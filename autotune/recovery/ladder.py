@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autotune.estimate.memory_view import AS_MODELLED, MemoryView
 from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import OOM_POLICY, Limits, rungs
@@ -169,8 +170,8 @@ def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
     return f"{name}: {_short(change)} ({why})"
 
 
-def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = False,
-                     cuda: bool = True) -> Callable[[TrainSettings], float]:
+def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = False, cuda: bool = True,
+                     memory: MemoryView = AS_MODELLED) -> Callable[[TrainSettings], float]:
     """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
 
     ``text_encoder_outputs_cached``: the engine caches them whatever the settings say (it does so for a
@@ -178,7 +179,8 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
 
     On CPU (``cuda=False``) the CUDA context and the safety margin are left out: they are constants
     that would hide the differences between rungs; the measured/predicted rescaling in
-    :func:`next_settings` is what ties the figures to this machine.
+    :func:`next_settings` is what ties the figures to this machine. ``memory``: an emulated card's view, a
+    deliberately scaled model (``MemoryView``).
     """
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import (
@@ -192,14 +194,14 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     context, margin = (DEFAULT_CUDA_CONTEXT_GIB, DEFAULT_SAFETY_MARGIN_GIB) if cuda else (0.0, 0.0)
     rules = "cuda" if cuda else "cpu"  # whose autocast op lists the coefficients were traced under
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
-        return lambda s: predict_dit_memory(replace(dit_inputs_for_settings(family, s), cuda_context_gib=context,
-                                                    safety_margin_gib=margin, autocast_rules=rules)
-                                            ).training_total_bytes / 2**20
+        return lambda s: memory.predict(predict_dit_memory, replace(
+            dit_inputs_for_settings(family, s), cuda_context_gib=context, safety_margin_gib=margin,
+            autocast_rules=rules)).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
         inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached)
-        return predict_memory(replace(inputs, cuda_context_gib=context, safety_margin_gib=margin,
-                                      autocast_rules=rules)).total_bytes / 2**20
+        return memory.predict(predict_memory, replace(inputs, cuda_context_gib=context, safety_margin_gib=margin,
+                                                      autocast_rules=rules)).total_bytes / 2**20
 
     return predict

@@ -13,8 +13,13 @@ off, fewer swapped blocks, 16-bit base weights instead of fp8. A move is taken w
 - it changes no setting the user pinned (``fixed``: ``--batch`` / ``--accum`` keep the micro-batch as given).
 
 What is learned (effective batch, learning rates, resolution, rank) never changes, so the run resumes at the
-same step from the state it saves at the step boundary. :class:`UpWatcher` is the attempt's side: it sees the
-progress events and says when to stop for the step up.
+same step from the state it saves at the step boundary.
+
+The same check steps down before an OOM it can see coming (:func:`next_move`): the peak measured so far is carried
+by the memory model from the largest micro-batch trained so far to the largest the data has (buckets differ in
+size, and the largest may come late); where that is over the budget, the ladder's next rung is taken at the next
+step boundary instead of an out-of-memory error later. :class:`MemoryWatcher` is the attempt's side: it sees the
+progress events and says when to stop for a step up or down.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from autotune.measure.learned import heavier_or_equal
 from autotune.measure.store import settings_key
+from autotune.recovery.ladder import Decision, LadderLimits, next_settings
 from sd_scripts_compat.facts.settings import TrainSettings
 
 HEADROOM = 0.9  # a step up must be predicted within this share of the budget
@@ -41,6 +47,70 @@ class StepUp:
     reason: str
     predicted_mib: float
     scale: float  # measured / predicted of the running settings
+
+
+@dataclass(frozen=True)
+class StepDown:
+    """A step down taken at a step boundary, before the out-of-memory error the measured peak foresees."""
+
+    decision: Decision  # the ladder's next rung, from the projected peak
+    reason: str
+
+
+def mib(value: float) -> str:
+    """MiB as the log prints them: whole above 100, one decimal below (an emulated card holds a few MiB)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def at_size(settings: TrainSettings, size: Any) -> TrainSettings:
+    """``settings`` at a progress event's batch size (``{"micro_batch", "width", "height"}``); as they are without
+    a usable one."""
+    if not isinstance(size, dict):
+        return settings
+    batch, width, height = (size.get(key) for key in ("micro_batch", "width", "height"))
+    if not (isinstance(batch, int) and isinstance(width, int) and isinstance(height, int)
+            and min(batch, width, height) > 0):
+        return settings
+    return replace(settings, train_batch_size=batch, resolution=(width, height))
+
+
+def projected_mib(settings: TrainSettings, measured_mib: float, predict: Callable[[TrainSettings], float],
+                  progress: dict[str, Any]) -> float:
+    """The measured peak carried by the memory model from the largest micro-batch trained so far to the largest
+    the data has (the engine's ``largest_batch`` and ``largest_bucket``); as measured without them."""
+    seen = predict(at_size(settings, progress.get("largest_batch")))
+    largest = predict(at_size(settings, progress.get("largest_bucket")))
+    return measured_mib * largest / seen if seen > 0 and largest > seen else measured_mib
+
+
+def _sizes(progress: dict[str, Any]) -> str:
+    def one(size: Any) -> str:
+        return f"{size['micro_batch']} x {size['width']}x{size['height']} px" if isinstance(size, dict) else "?"
+
+    return (f"the largest micro-batch so far ({one(progress.get('largest_batch'))}); the data's largest is "
+            f"{one(progress.get('largest_bucket'))}")
+
+
+def next_move(current: TrainSettings, *, limits: LadderLimits, budget_mib: float, measured_mib: float,
+              progress: dict[str, Any], predict: Callable[[TrainSettings], float],
+              images_per_s: Callable[[TrainSettings], float], tried: Sequence[TrainSettings] = (),
+              fixed: frozenset[str] = frozenset(), up: bool = True) -> StepUp | StepDown | None:
+    """A step down where the projected peak is over the budget, else (``up``: after the steady steps) a step up
+    where one fits and pays (:func:`next_step_up`), else None."""
+    projected = projected_mib(current, measured_mib, predict, progress)
+    carried = "" if projected == measured_mib else (
+        f"measured {mib(measured_mib)} MiB at {_sizes(progress)}, where the model carries it to {mib(projected)} MiB; ")
+    if projected > budget_mib:
+        step = next_settings(current, replace(limits, budget_mib=budget_mib), predict, projected, [*tried, current])
+        if not isinstance(step, Decision):
+            return None  # nothing left below: let it run, it may fit yet
+        return StepDown(step, f"step down before running out of memory: {carried or f'measured {mib(projected)} MiB; '}"
+                              f"over the {mib(budget_mib)} MiB budget; {step.reason}")
+    if not up:
+        return None
+    taken = next_step_up(current, budget_mib=budget_mib, measured_mib=projected, predict=predict,
+                      images_per_s=images_per_s, tried=tried, fixed=fixed)
+    return replace(taken, reason=taken.reason.replace("measured peak", f"{carried}measured peak", 1)) if taken else None
 
 
 def _moves(s: TrainSettings) -> list[tuple[str, TrainSettings]]:
@@ -83,43 +153,50 @@ def next_step_up(current: TrainSettings, *, budget_mib: float, measured_mib: flo
             continue
         changes = candidate.changed_from(current)
         what = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changes.items())
-        reason = (f"step up ({title}: {what}): measured peak {measured_mib:.0f} MiB of {budget_mib:.0f} MiB; the "
-                  f"model x{scale:.3g} (measured / predicted) puts it at {needed:.0f} MiB, and the speed model "
+        reason = (f"step up ({title}: {what}): measured peak {mib(measured_mib)} MiB of {mib(budget_mib)} MiB; the "
+                  f"model x{scale:.3g} (measured / predicted) puts it at {mib(needed)} MiB, and the speed model "
                   f"at {gain:.2f}x the images per second")
         return StepUp(candidate, changes, reason, needed, scale)
     return None
 
 
 @dataclass
-class UpWatcher:
-    """One attempt's step-up check: after :data:`STEADY_STEPS` steps it asks once; a step up asks the attempt
-    to stop at the step boundary (the watchdog then resumes with ``decision.settings``)."""
+class MemoryWatcher:
+    """One attempt's step-down / step-up check (:meth:`see`); a move asks the attempt to stop at the step boundary
+    (the watchdog then resumes with the decision's settings)."""
 
     settings: TrainSettings
-    decide: Callable[[TrainSettings, float], StepUp | None]  # (running settings, measured MiB) -> the step up
-    budget_kind: str  # "device" | "ram": the progress event's peak; "address_space": the sampled peak
+    # (running settings, measured MiB, the progress event, whether a step up may be taken) -> the move
+    decide: Callable[[TrainSettings, float, dict[str, Any], bool], StepUp | StepDown | None]
+    budget_kind: str  # "device" | "ram" | "emulated_card": the progress event's peak; "address_space": sampled
     first_step: int | None = None
     asked: bool = False
-    decision: StepUp | None = None
+    decision: StepUp | StepDown | None = None
 
     def see(self, progress: dict[str, Any], peak_vm_mib: float | None, peak_gpu_mib: float | None = None) -> bool:
-        """True when the attempt should stop at its next step boundary for a step up. The measured peak: the
-        sampled address space under an address-space budget, else the trainer's own (its progress events), else
-        what NVML showed of its process on the card (a trainer that reports none)."""
+        """True when the attempt should stop at its next step boundary for a step up or down. A step down is
+        looked for at every progress event (a peak measured early is a floor: if even it, carried to the data's
+        largest batch, is over the budget, the OOM is coming); a step up once, after the steady steps, not near
+        the end (a restart would not pay)."""
         step, total = progress.get("step"), progress.get("max_train_steps")
-        if self.asked or not isinstance(step, int):
+        if self.decision is not None or not isinstance(step, int):
             return False
         if self.first_step is None:
             self.first_step = step
-        if step < self.first_step + STEADY_STEPS:
+        steady = step >= self.first_step + STEADY_STEPS
+        up = steady and not self.asked and not (isinstance(total, int) and total - step <= STEADY_STEPS)
+        self.asked = self.asked or steady
+        measured = self._measured(progress, peak_vm_mib, peak_gpu_mib)
+        if measured is None:
             return False
-        self.asked = True
-        if isinstance(total, int) and total - step <= STEADY_STEPS:
-            return False  # too close to the end for a restart to pay
+        self.decision = self.decide(self.settings, measured, progress, up)
+        return self.decision is not None
+
+    def _measured(self, progress: dict[str, Any], peak_vm_mib: float | None, peak_gpu_mib: float | None
+                  ) -> float | None:
+        """The sampled address space under an address-space budget, else the trainer's own peak (its progress
+        events), else what NVML showed of its process on the card (a trainer that reports none)."""
         measured = peak_vm_mib if self.budget_kind == "address_space" else progress.get("peak_memory_mib")
         if measured is None and self.budget_kind == "device":
             measured = peak_gpu_mib
-        if not isinstance(measured, (int, float)) or measured <= 0:
-            return False
-        self.decision = self.decide(self.settings, float(measured))
-        return self.decision is not None
+        return float(measured) if isinstance(measured, (int, float)) and measured > 0 else None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ from autotune.recovery.stability import (
     Unstable,
     next_stable_settings,
 )
-from autotune.recovery.step_up import StepUp, UpWatcher, next_step_up
+from autotune.recovery.step_up import MemoryWatcher, StepDown, StepUp, next_move
 from sd_scripts_compat.facts.atomic import write_json_atomic
 from sd_scripts_compat.facts.contract import Outcome
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -114,7 +114,7 @@ class Job:
     train_output_dir: Path | None = None  # the engine's output_dir (the LoRA); default: output_dir
     states_at: Path | None = None  # where the engine keeps its states; default: the engine's output_dir
     extra_state: dict[str, Any] = field(default_factory=dict)  # kept in autotune_run.json for --resume
-    budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram
+    budget_kind: str = "device"  # what limits.budget_mib measures: device | address_space | ram | emulated_card
     stability: StabilityLimits = field(default_factory=StabilityLimits)
     on_child_start: Callable[[int], None] | None = None  # called with each child's pid (tests, benches)
     images_per_s: Callable[[TrainSettings], float] | None = None  # the speed model; None: no stepping up
@@ -155,7 +155,7 @@ class _Run:
     attempts: list[AttemptResult] = field(default_factory=list)
     tried: list[TrainSettings] = field(default_factory=list)  # settings that ran out of memory
     resume_ok: bool = False
-    step_up: StepUp | None = None  # what the last attempt stopped for
+    move: StepUp | StepDown | None = None  # what the last attempt stopped for
 
     def result(self, ok: bool, outcome: Outcome, message: str, output: str | None = None) -> RunResult:
         return RunResult(ok, outcome, message, output, self.settings, self.retries, self.attempts)
@@ -168,7 +168,7 @@ class _Next:
     settings: TrainSettings
     reason: str
     resume_compatible: bool = True
-    decision: Decision | StabilityDecision | StepUp | None = None
+    decision: Decision | StabilityDecision | StepUp | None = None  # (a step down ahead of an OOM: its Decision)
 
 
 def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[Path, Path | None]:
@@ -189,11 +189,15 @@ def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
     """The memory the failed attempt was seen to use, in the budget's own unit.
 
     "device": the engine's CUDA peak (else its peak RSS); "address_space": the peak address space
-    sampled from /proc (what RLIMIT_AS caps); "ram": peak resident memory.
+    sampled from /proc (what RLIMIT_AS caps); "ram": peak resident memory; "emulated_card": the card's count at
+    the op that ran out of it.
     """
     memory = (result.oom_event or {}).get("memory") or {}
     if budget_kind == "address_space":
         return result.peak_vm_mib
+    if budget_kind == "emulated_card":
+        peak = memory.get("emulated_card_peak_mib")
+        return float(peak) if isinstance(peak, (int, float)) and peak > 0 else None
     keys = ("cuda_max_reserved_mib", "cuda_max_allocated_mib") if budget_kind == "device" else ()
     for key in (*keys, "peak_rss_mib"):
         if isinstance(memory.get(key), (int, float)) and memory[key] > 0:
@@ -221,9 +225,8 @@ def supervise(job: Job) -> RunResult:
         run.attempts.append(result)
         if result.outcome is Outcome.DONE:
             return _finished(run, result)
-        if result.outcome is Outcome.STEP_UP and run.step_up is not None:
-            _retry(run, attempt, result, _Next(run.step_up.settings, run.step_up.reason, decision=run.step_up),
-                   _failed_step(result))
+        if result.outcome is Outcome.STEP_UP and run.move is not None:
+            _retry(run, attempt, *_moved(run, result), _failed_step(result))
             attempt += 1
             continue
         if result.outcome.final:
@@ -242,6 +245,19 @@ def supervise(job: Job) -> RunResult:
             return step
         _retry(run, attempt, result, step, failed_step)
         attempt += 1
+
+
+def _moved(run: _Run, result: AttemptResult) -> tuple[AttemptResult, _Next]:
+    """An attempt stopped for the watcher's move: a step up, or a step down before the OOM it foresaw (that
+    attempt's outcome is then ``STEP_DOWN``, and its settings are never stepped up to again)."""
+    move = run.move
+    if isinstance(move, StepDown):
+        run.tried.append(run.settings)
+        decision = move.decision
+        return replace(result, outcome=Outcome.STEP_DOWN), _Next(decision.settings, move.reason,
+                                                                 decision.resume_compatible, decision)
+    assert move is not None
+    return result, _Next(move.settings, move.reason, decision=move)
 
 
 def _attempt(run: _Run, attempt: int) -> AttemptResult:
@@ -265,7 +281,7 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
     gpu = GpuUsage() if job.sample_gpu else None
     if gpu is not None and not gpu.start():
         gpu = None
-    watcher = _up_watcher(run, gpu)
+    watcher = _memory_watcher(run, gpu)
     on_progress = None
     if watcher is not None:
         def on_progress(progress: dict[str, Any], peak_vm: float | None, peak_gpu: float | None) -> bool:
@@ -280,31 +296,32 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
     finally:
         if gpu is not None:
             gpu.close()
-    run.step_up = watcher.decision if watcher is not None else None
+    run.move = watcher.decision if watcher is not None else None
     return job.engine.finish(result, log)
 
 
 def _failures(run: _Run) -> int:
-    """The retries that count against ``--max-retries``: every one but a step up."""
-    return sum(r.get("failure") != Outcome.STEP_UP for r in run.retries)
+    """The retries that count against ``--max-retries``: every one but a step up or a step down ahead of an OOM."""
+    return sum(r.get("failure") not in (Outcome.STEP_UP, Outcome.STEP_DOWN) for r in run.retries)
 
 
-def _up_watcher(run: _Run, gpu: GpuUsage | None = None) -> UpWatcher | None:
-    """The attempt's step-up check (None: ``--no-step-up``, or no speed model for this engine). With ``gpu`` (NVML
-    on this card) the budget is also at most what the trainer holds plus what is free now: memory another process
-    took since the start is not stepped into."""
+def _memory_watcher(run: _Run, gpu: GpuUsage | None = None) -> MemoryWatcher | None:
+    """The attempt's step-up and step-down check (None: ``--no-step-up``, or no speed model for this engine). With
+    ``gpu`` (NVML on this card) the budget is also at most what the trainer holds plus what is free now: memory
+    another process took since the start is not stepped into."""
     job = run.job
     images_per_s = job.images_per_s
     if images_per_s is None:
         return None
 
-    def decide(settings: TrainSettings, measured: float) -> StepUp | None:
+    def decide(settings: TrainSettings, measured: float, progress: dict[str, Any],
+               up: bool) -> StepUp | StepDown | None:
         live = gpu.usable_now_mib() if gpu is not None else None
         budget = min(job.limits.budget_mib, live) if live is not None else job.limits.budget_mib
-        return next_step_up(settings, budget_mib=budget, measured_mib=measured, predict=job.predict,
-                            images_per_s=images_per_s, tried=run.tried, fixed=job.fixed)
+        return next_move(settings, limits=job.limits, budget_mib=budget, measured_mib=measured, progress=progress,
+                         predict=job.predict, images_per_s=images_per_s, tried=run.tried, fixed=job.fixed, up=up)
 
-    return UpWatcher(run.settings, decide, job.budget_kind)
+    return MemoryWatcher(run.settings, decide, job.budget_kind)
 
 
 def _finished(run: _Run, result: AttemptResult) -> RunResult:
@@ -312,8 +329,10 @@ def _finished(run: _Run, result: AttemptResult) -> RunResult:
     output = (result.done_event or {}).get("output_file")
     _write_final_configs(job, run.settings)
     retries = _failures(run)
-    ups = len(run.retries) - retries
-    stepped = f" and {ups} step{'' if ups == 1 else 's'} up" if ups else ""
+    ups = sum(r.get("failure") == Outcome.STEP_UP for r in run.retries)
+    downs = sum(r.get("failure") == Outcome.STEP_DOWN for r in run.retries)
+    stepped = (f" and {ups} step{'' if ups == 1 else 's'} up" if ups else "") + (
+        f" and {downs} step{'' if downs == 1 else 's'} down ahead of an OOM" if downs else "")
     run.log.write("done", f"finished after {retries} retr{'y' if retries == 1 else 'ies'}{stepped}; LoRA: {output}; "
                   "final settings in config.final.toml", output_file=output, settings=run.settings.to_event())
     clean_partial_files(job.output_dir)
@@ -358,7 +377,8 @@ def _retry(run: _Run, attempt: int, result: AttemptResult, step: _Next, failed_s
     restart = "" if step.resume_compatible else " (the saved state does not fit the new network/optimizer: restarting)"
     if isinstance(step.decision, StabilityDecision) and step.decision.rung == RESTART:
         restart = " (restarting from step 0: the saved state is set aside)"
-    ended = "stopped for a step up" if result.outcome is Outcome.STEP_UP else f"failed: {result.outcome}"
+    ended = {Outcome.STEP_UP: "stopped for a step up", Outcome.STEP_DOWN: "stopped for a step down before an OOM"
+             }.get(result.outcome, f"failed: {result.outcome}")
     run.log.write(result.outcome, f"attempt {attempt} {ended} at step {failed_step} "
                   f"({result.message[:200]}); next: {step.settings.describe()} because {step.reason}; "
                   f"resume at step {resume_step}, {lost} step(s) lost{restart}", **record)

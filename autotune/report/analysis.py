@@ -107,8 +107,11 @@ def device_rows(run: RunFiles) -> list[dict[str, Any]]:
 
 
 def memory(run: RunFiles, devices: list[dict[str, Any]]) -> dict[str, Any]:
-    """The engine's peak (CUDA reserved, or RSS on CPU) against the card (or RAM)."""
+    """The engine's peak (CUDA reserved, the emulated card's count, or RSS on CPU) against the card (or RAM)."""
     peak_mib = (run.done or {}).get("peak_memory")
+    card = ((run.done or {}).get("memory") or {}).get("emulated_card_mib")
+    if isinstance(card, (int, float)) and peak_mib:  # --emulate-card: the engine's peak is the card's count
+        return {"peak_bytes": peak_mib * MIB, "kind": "emulated_card", "total_bytes": card * MIB, "device": "cpu"}
     cuda = bool(devices) and devices[0]["device"].startswith("cuda")
     total = devices[0]["total_bytes"] if devices else run.header.get("ram_total_bytes")
     return {"peak_bytes": peak_mib * MIB if peak_mib else (devices[0]["peak_used_bytes"] if devices else None),

@@ -88,7 +88,10 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
                     f"({speed['measured_over_predicted']:.2f}x the prediction)"
         lines.append(line)
     mem = report["memory"]
-    if mem["peak_bytes"]:
+    if mem["peak_bytes"] and mem["kind"] == "emulated_card":
+        lines.append(f"peak memory: {mem['peak_bytes'] / 2**20:.1f} MiB of tensors on the emulated card of "
+                     f"{mem['total_bytes'] / 2**20:g} MiB")
+    elif mem["peak_bytes"]:
         what = "CUDA reserved" if mem["kind"] == "cuda_max_reserved" else "process RSS"
         of = f" of {_gib(mem['total_bytes'])} {'on the card' if mem['kind'] == 'cuda_max_reserved' else 'RAM'}" \
             if mem["total_bytes"] else ""

@@ -176,6 +176,7 @@ class Outcome(str, Enum):
     STALL = "stall"  # no progress for too long: killed, resumed with the same settings
     CONTINUE = "continue"  # the engine stopped short of its last step (an adapter's relaunch): resume as it is
     STEP_UP = "step_up"  # stopped at a step boundary because the supervisor asked: resume with larger settings
+    STEP_DOWN = "step_down"  # ... asked because the measured peak foresees an OOM: resume with smaller settings
     USER_ERROR = "user_error"  # bad input, one line: final
     DISK_FULL = "disk_full"  # no space for a save: final (a smaller batch needs no less disk)
     BAD_DATA = "bad_data"  # NaN / Inf in the base model or the LoRA to start from: final, not a divergence
