@@ -69,6 +69,11 @@ class LearnedMemory:
     factor: float = 1.0  # what the model's prediction was multiplied by
 
 
+def mib(value: float) -> str:
+    """MiB as plans and logs print them: whole above 100, one decimal below (an emulated card holds a few MiB)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
 def _area(key: dict[str, Any]) -> int:
     width, height = key["resolution"] or (0, 0)
     return int(width) * int(height)
@@ -158,7 +163,7 @@ class LearnedFigures:
             factor = exact.peak_memory_mib / model if model > 0 else 1.0
             return LearnedMemory(exact.peak_memory_mib, "measured",
                                  f"{exact.source} on {self.device}, {when_measured(exact)}: peak "
-                                 f"{exact.peak_memory_mib:.0f} MiB", factor)
+                                 f"{mib(exact.peak_memory_mib)} MiB", factor)
         alike = [r for r in self.peaks if r.key["torch_compile"] == key["torch_compile"]]
         if not alike:
             return LearnedMemory(None, "model", "memory model")
@@ -173,4 +178,4 @@ class LearnedFigures:
         return LearnedMemory(model * factor, "measured-scaled",
                              f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
                              f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}): measured "
-                             f"{measured:.0f} MiB / model {predicted:.0f} MiB = x{ratio:.3g}{kept}", factor)
+                             f"{mib(measured)} MiB / model {mib(predicted)} MiB = x{ratio:.3g}{kept}", factor)

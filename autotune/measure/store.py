@@ -101,6 +101,7 @@ class Measurement:
     measured_at: float = 0.0  # unix time
     compile_seconds: float | None = None  # torch_compile: the seconds its blocks took to compile (a one-off cost)
     predicted_mib: float | None = None  # what the run's memory model predicted for these settings, beside the peak
+    resident_mib: float | None = None  # what stayed on the device between steps (weights, LoRA, optimizer state)
 
     @property
     def key(self) -> dict[str, Any]:
@@ -117,7 +118,7 @@ class Measurement:
                 "source": self.source, "seconds_per_step": self.seconds_per_step,
                 "peak_memory_mib": self.peak_memory_mib, "memory": self.memory, "budget_mib": self.budget_mib,
                 "steps": self.steps, "measured_at": self.measured_at, "compile_seconds": self.compile_seconds,
-                "predicted_mib": self.predicted_mib}
+                "predicted_mib": self.predicted_mib, "resident_mib": self.resident_mib}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> Measurement:
@@ -128,7 +129,7 @@ class Measurement:
                    budget_mib=_number(value.get("budget_mib")), steps=int(value.get("steps") or 0),
                    measured_at=float(value.get("measured_at") or 0.0),
                    compile_seconds=_number(value.get("compile_seconds")),
-                   predicted_mib=_number(value.get("predicted_mib")))
+                   predicted_mib=_number(value.get("predicted_mib")), resident_mib=_number(value.get("resident_mib")))
 
 
 def _number(value: Any) -> float | None:
@@ -216,6 +217,7 @@ def from_done_event(done: Mapping[str, Any], *, device: str, family: FamilySpec,
     return Measurement(device=device, family=family.name, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
                        peak_memory_mib=_number(done.get("peak_memory")), memory=_figures(done.get("memory")),
+                       resident_mib=_number(done.get("resident_memory")),
                        steps=len(done.get("step_seconds") or []),
                        compile_seconds=_number(compiled.get("seconds")) if compiled is not None else None)
 

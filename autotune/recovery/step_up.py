@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autotune.measure.learned import heavier_or_equal
+from autotune.measure.learned import heavier_or_equal, mib
 from autotune.measure.store import settings_key
 from autotune.recovery.ladder import Decision, LadderLimits, next_settings
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -55,11 +55,6 @@ class StepDown:
 
     decision: Decision  # the ladder's next rung, from the projected peak
     reason: str
-
-
-def mib(value: float) -> str:
-    """MiB as the log prints them: whole above 100, one decimal below (an emulated card holds a few MiB)."""
-    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
 def at_size(settings: TrainSettings, size: Any) -> TrainSettings:

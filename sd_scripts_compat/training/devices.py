@@ -78,6 +78,14 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak_rss_mib()
 
 
+def resident_memory_mib(device: torch.device) -> float | None:
+    """What stays allocated on a CUDA device between steps (weights, LoRA, optimizer state; read at a step boundary,
+    a host-side count: no sync); None on the CPU, where resident memory says nothing of the tensors."""
+    import torch
+
+    return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's wrapper (its state dict is what a state folder holds)."""
     return getattr(optimizer, "optimizer", optimizer)

@@ -55,6 +55,7 @@ from sd_scripts_compat.training.devices import (
     free_device_memory,
     peak_memory_mib,
     place,
+    resident_memory_mib,
     to_channels_last,
     to_device,
     unwrap_optimizer,
@@ -634,6 +635,12 @@ class Recipe:
         card = self.process.card
         return card.peak_mib if card is not None else peak_memory_mib(self.process.device)
 
+    def resident_memory_mib(self) -> float | None:
+        """What stays on the card between steps, read at a step boundary (the emulated card's count, CUDA's
+        allocated bytes; None on a CPU): with the peak, it says which part of a prediction was off."""
+        card = self.process.card
+        return card.counter.current / 2**20 if card is not None else resident_memory_mib(self.process.device)
+
     def memory_figures(self) -> dict[str, float]:
         card = self.process.card
         return {**memory_figures(), **(card.figures() if card is not None else {})}
@@ -647,6 +654,7 @@ class LoopState:
     last_state_save: float
     session_started: float = 0.0
     peak_memory_mib: float = 0.0
+    resident_memory_mib: float | None = None  # at the last progress report (a step boundary)
     largest_batch: tuple[int, int, int, int] = (0, 0, 0, 0)  # (pixels, micro-batch, width, height) trained so far
     largest_bucket: tuple[int, int, int] = (0, 0, 0)  # (micro-batch, width, height) of the data's largest bucket
     step_ended_at: list[float] = field(default_factory=list)  # host clock at each optimizer step (done.json)
@@ -933,6 +941,7 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
     mean_loss = r.guard.report_loss()
     rate = len(loop.step_ended_at) / max(now - loop.session_started, 1e-9)
     loop.peak_memory_mib = max(loop.peak_memory_mib, r.peak_memory_mib())
+    loop.resident_memory_mib = r.resident_memory_mib()
     lr_scheduler = r.optimization.lr_scheduler
     unet_lr = lr_scheduler.get_last_lr()[r.optimization.unet_group]  # the UNet's, not a text encoder's
     progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{unet_lr:.2e}")
@@ -944,7 +953,8 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
         write_event(events_dir, PROGRESS, {
             "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
             "time": now, "it_per_s": rate, "loss": mean_loss, "lr": unet_lr,
-            "peak_memory_mib": loop.peak_memory_mib, "largest_batch": _batch_size(loop.largest_batch[1:]),
+            "peak_memory_mib": loop.peak_memory_mib, "resident_memory_mib": loop.resident_memory_mib,
+            "largest_batch": _batch_size(loop.largest_batch[1:]),
             "largest_bucket": _batch_size(loop.largest_bucket)})
     loop.last_report = now
 
@@ -1035,6 +1045,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
             write_event(process.paths.events_dir, DONE, {
                 "output_file": str(output_file), "steps": counters.global_step, "seconds": seconds,
                 "seconds_per_step": seconds_per_step, "step_seconds": step_seconds, "peak_memory": peak_memory,
+                "resident_memory": loop.resident_memory_mib,
                 "memory": r.memory_figures(),  # CUDA max allocated / reserved, peak RSS, the emulated card's
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
