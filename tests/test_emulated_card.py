@@ -106,6 +106,31 @@ def test_nothing_left_below_lets_the_run_go_on():
     assert _move(900.0, 5.0, {"largest_batch": SMALL, "largest_bucket": LARGEST}) is None
 
 
+def test_the_engine_takes_each_change_once_in_order_and_only_what_it_can_make_in_the_process(tmp_path):
+    from sd_scripts_compat.training.live_changes import ControlFile
+
+    path = tmp_path / "control.json"
+    control = ControlFile(path)
+    assert control.poll() is None  # nothing asked
+
+    def ask(**request: object) -> None:
+        path.write_text(json.dumps(request), encoding="utf-8")
+        os.utime(path, ns=(0, (path.stat().st_mtime_ns + 1_000_000)))  # a new write, whatever the clock's grain
+
+    ask(id=1, gradient_checkpointing=False)
+    assert control.poll() == {"id": 1, "gradient_checkpointing": False} and control.poll() is None
+    ask(id=1, gradient_checkpointing=True)
+    assert control.poll() is None  # an id already applied
+    ask(id=2, train_batch_size=4)
+    assert control.poll() is None  # a restart's change, not the process's
+    ask(id=3, gradient_checkpointing="no")
+    assert control.poll() is None
+    path.write_text("{half", encoding="utf-8")
+    assert control.poll() is None and ControlFile(None).poll() is None
+    ask(id=4, gradient_checkpointing=True, cpu_offload_checkpointing=False)
+    assert control.poll() == {"id": 4, "gradient_checkpointing": True, "cpu_offload_checkpointing": False}
+
+
 # ---- real runs of our engine on the card
 
 
@@ -161,22 +186,35 @@ def test_our_engine_counts_its_tensors_on_the_card_as_the_memory_model_predicts_
 
 
 @pytest.mark.long
-def test_a_run_held_back_by_a_pessimistic_model_steps_up_into_the_cards_headroom(tmp_path):
+def test_a_run_held_back_by_a_pessimistic_model_steps_up_into_the_cards_headroom_in_the_process(tmp_path):
     """Micro-batch 2 x 2 with checkpointing on a 76 MiB card, the memory model 40% pessimistic: checkpointing off
     is predicted at 84 MiB, so the settings were chosen to fit. The measured peak (~33 MiB, 0.75x the biased model)
-    puts it at ~62 MiB: the run steps up within its first 20 steps, ends at step 30 with the same effective batch,
-    and never runs out of memory."""
+    puts it at ~62 MiB: within its first 20 steps the run turns checkpointing off in the process (one attempt, no
+    restart), ends at step 30 with the same effective batch, never runs out of memory, and its LoRA says what
+    trained last and why."""
+    from safetensors import safe_open
+
     config = _config(tmp_path, "p", max_train_steps=30, train_batch_size=2, gradient_accumulation_steps=2,
                      gradient_checkpointing=True)
     out = _run(tmp_path, "up", DATASET, config, "--emulate-card", "76", "--memory-model-scale", "1.4")
     retries = _retries(out)
     assert [r["failure"] for r in retries] == ["step_up"] and retries[0]["step"] <= 20, retries
-    assert retries[0]["changes"] == {"gradient_checkpointing": [True, False]} and retries[0]["steps_lost"] == 0
+    assert retries[0]["changes"] == {"gradient_checkpointing": [True, False]} and retries[0]["in_process"]
+    assert retries[0]["steps_lost"] == 0 and retries[0]["resume_step"] == retries[0]["step"]
+    log = (out / "logs" / "decisions.log").read_text(encoding="utf-8")
+    assert "step up in the process" in log and "resuming from" not in log  # one attempt
     done = _done(out)
-    assert done["steps"] == 30 and done["peak_memory"] < 76
+    assert done["steps"] == 30 and done["peak_memory"] < 76 and not done["settings"]["gradient_checkpointing"]
     final = toml.loads((out / "config.final.toml").read_text(encoding="utf-8"))
     assert (final["train_batch_size"], final["gradient_accumulation_steps"]) == (2, 2)
     assert not final.get("gradient_checkpointing")
+    with safe_open(done["output_file"], "np") as handle:
+        metadata = handle.metadata()
+    assert metadata["ss_gradient_checkpointing"] == "False"
+    assert json.loads(metadata["ss_autotune_retries"])[0]["in_process"]
+    peaks = [json.loads(line)["peak_memory_mib"] for line in (out / "logs" / "events" / "progress.jsonl")
+             .read_text(encoding="utf-8").splitlines()]
+    assert max(peaks) == pytest.approx(done["peak_memory"]) and min(peaks) < 0.7 * done["peak_memory"]
 
 
 def _mixed_sizes(root: Path) -> Path:

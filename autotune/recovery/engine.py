@@ -11,10 +11,10 @@ itself, so its hooks are thin; the user's sd-scripts is ``recovery.sd_scripts.Sd
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sd_scripts_compat.facts.contract import (
     EVENTS_DIR_FLAG,
@@ -66,6 +66,11 @@ class Engine(Protocol):
         (it saves its state on it)."""
         ...
 
+    def changes_in_process(self, changes: Mapping[str, Any]) -> bool:
+        """Whether the running trainer makes these setting changes itself at its next step boundary, without a
+        restart (the watchdog then writes them into ``control.json``)."""
+        ...
+
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         """The engine's last word on an attempt (a wrapper may turn a crash into "continue", say)."""
         ...
@@ -109,6 +114,11 @@ class CompatEngine:
 
     def stop_for_step_up(self) -> bool:
         return False  # SIGTERM: it saves its state at the step boundary and exits
+
+    def changes_in_process(self, changes: Mapping[str, Any]) -> bool:
+        from sd_scripts_compat.training.live_changes import IN_PROCESS
+
+        return bool(changes) and set(changes) <= set(IN_PROCESS)
 
     def finish(self, result: AttemptResult, log: DecisionLog) -> AttemptResult:
         return result

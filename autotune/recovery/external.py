@@ -231,6 +231,9 @@ class ChildHooks:
 
         terminate_group(self.pid)
 
+    def changes_in_process(self, changes: Mapping[str, Any]) -> bool:
+        return False  # neither trainer reads a change while it runs: a restart from its saved state makes it
+
     def stop_for_step_up(self) -> bool:
         """Neither trainer saves a state when stopped: the attempt's watch stops it after its next whole state."""
         assert self.watch is not None, "attempt_argv comes first"

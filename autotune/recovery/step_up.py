@@ -13,7 +13,8 @@ off, fewer swapped blocks, 16-bit base weights instead of fp8. A move is taken w
 - it changes no setting the user pinned (``fixed``: ``--batch`` / ``--accum`` keep the micro-batch as given).
 
 What is learned (effective batch, learning rates, resolution, rank) never changes, so the run resumes at the
-same step from the state it saves at the step boundary.
+same step from the state it saves at the step boundary; a change the engine makes in the process (ours:
+checkpointing, ``sd_scripts_compat.training.live_changes``) needs no restart at all.
 
 The same check steps down before an OOM it can see coming (:func:`next_move`): the peak measured so far is carried
 by the memory model from the largest micro-batch trained so far to the largest the data has (buckets differ in

@@ -10,8 +10,10 @@ resumes from the newest saved state. Three parts, each with one concern:
 - this module decides by outcome: an OOM steps down on the memory ladder (``recovery.ladder``); a diverged run
   (a non-finite or exploding loss) is rolled back to its newest state, which the engine saves only from finite
   weights, and steps through the stability ladder (``recovery.stability``); a stall or a short stop resumes as
-  it was; after an attempt's first steady steps, measured headroom steps up (``recovery.step_up``: the attempt
-  stops at a step boundary and the next resumes with larger settings); the rest is final. Every decision goes to
+  it was; after an attempt's first steady steps, measured headroom steps up (``recovery.step_up``: the engine
+  makes the change in the process where it can, else the attempt stops at a step boundary and the next resumes
+  with larger settings), and a peak that will not fit the data's largest batch steps down the same way; the rest
+  is final. Every decision goes to
   the same decision log and retry log (``ss_autotune_retries``
   in the final LoRA; config.final.toml holds the changed keys).
 """
@@ -51,7 +53,8 @@ from autotune.recovery.stability import (
 )
 from autotune.recovery.step_up import MemoryWatcher, StepDown, StepUp, next_move
 from sd_scripts_compat.facts.atomic import write_json_atomic
-from sd_scripts_compat.facts.contract import Outcome
+from sd_scripts_compat.facts.contract import CONTROL_FILE, Outcome
+from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import write_config, write_dataset_config
 
@@ -281,23 +284,82 @@ def _attempt(run: _Run, attempt: int) -> AttemptResult:
     gpu = GpuUsage() if job.sample_gpu else None
     if gpu is not None and not gpu.start():
         gpu = None
+    (files.events_dir / CONTROL_FILE).unlink(missing_ok=True)  # a change asked of an earlier attempt is not this one's
     watcher = _memory_watcher(run, gpu)
-    on_progress = None
-    if watcher is not None:
-        def on_progress(progress: dict[str, Any], peak_vm: float | None, peak_gpu: float | None) -> bool:
-            # True: SIGTERM, the step boundary of a trainer that saves its state on it; an engine that stops its
-            # trainer itself after the next saved state says so
-            return watcher.see(progress, peak_vm, peak_gpu) and not job.engine.stop_for_step_up()
+    moves = _Moves(run, attempt, files, watcher, gpu) if watcher is not None else None
     try:
         result = run_attempt(argv, env=child_env(job.env, job.cuda), events_dir=files.events_dir,
                              log_path=job.output_dir / CHILD_LOG, stall_timeout_s=job.stall_timeout_s, echo=job.echo,
                              preexec_fn=job.preexec_fn, on_start=job.child_started,
-                             on_line=job.engine.line_handler(files.events_dir), on_progress=on_progress, gpu_usage=gpu)
+                             on_line=job.engine.line_handler(files.events_dir),
+                             on_progress=moves.see if moves is not None else None, gpu_usage=gpu)
     finally:
         if gpu is not None:
             gpu.close()
-    run.move = watcher.decision if watcher is not None else None
+    run.move = moves.ended() if moves is not None else None
     return job.engine.finish(result, log)
+
+
+@dataclass
+class _Moves:
+    """An attempt's step ups and downs: one the engine makes in the process (gradient checkpointing, for our
+    engine: ``control.json``, applied at its next step boundary, the run going on), or one the attempt stops for
+    (SIGTERM at the step boundary of a trainer that saves its state on it; an engine that stops its trainer itself
+    after the next saved state says so), resumed by the watchdog with the new settings."""
+
+    run: _Run
+    attempt: int
+    files: AttemptFiles
+    watcher: MemoryWatcher
+    gpu: GpuUsage | None
+    pending: tuple[int, StepUp] | None = None  # asked of the engine in the process, not yet applied
+    stop_for: StepUp | StepDown | None = None
+
+    def see(self, progress: dict[str, Any], peak_vm: float | None, peak_gpu: float | None) -> bool:
+        """The attempt runner's progress hook: True to stop the attempt at its step boundary."""
+        if self.pending is not None:
+            if progress.get("control") != self.pending[0]:
+                return False  # not applied yet: nothing of the new settings is measured
+            self._applied(self.pending[1])
+        if not self.watcher.see(progress, peak_vm, peak_gpu):
+            return False
+        move = self.watcher.decision
+        if isinstance(move, StepUp) and self.run.job.engine.changes_in_process(move.changes):
+            self._ask(move, progress)
+            return False
+        self.stop_for = move
+        return not self.run.job.engine.stop_for_step_up()
+
+    def _ask(self, move: StepUp, progress: dict[str, Any]) -> None:
+        run, step = self.run, progress.get("step")
+        ident = len(run.retries) + 1
+        record: dict[str, Any] = {
+            "attempt": self.attempt, "failure": Outcome.STEP_UP, "in_process": True, "step": step,
+            "message": "changed in the process at a step boundary", "memory": {},
+            "changes": {k: list(v) for k, v in move.changes.items()}, "reason": move.reason,
+            "predicted_mib": round(move.predicted_mib, 1), "scale": round(move.scale, 3), "resume_step": step,
+            "steps_lost": 0, "seconds_in_attempt": None}
+        run.retries.append(record)
+        write_json_atomic(self.files.retry_log, run.retries)  # the engine writes it into the LoRA's metadata
+        write_json_atomic(self.files.events_dir / CONTROL_FILE,
+                          {"id": ident, **{key: new for key, (_, new) in move.changes.items()}})
+        self.pending = (ident, move)
+        run.log.write(Outcome.STEP_UP, f"attempt {self.attempt}: step up in the process at step {step} (no "
+                      f"restart): {move.settings.describe()} because {move.reason}", **record)
+
+    def _applied(self, move: StepUp) -> None:
+        """The engine trains with the new settings from here: they are the run's, measured afresh."""
+        self.pending, self.run.settings = None, move.settings
+        watcher = _memory_watcher(self.run, self.gpu)
+        assert watcher is not None  # a watcher made one before
+        self.watcher = watcher
+
+    def ended(self) -> StepUp | StepDown | None:
+        """What the attempt stopped for; a change asked of the engine and never applied is taken back."""
+        if self.pending is not None:
+            self.run.retries.pop()  # the record _ask added last: nothing was asked since
+            self.run.log.write("note", "the step up asked in the process was not applied before the attempt ended")
+        return self.stop_for
 
 
 def _failures(run: _Run) -> int:
@@ -318,8 +380,12 @@ def _memory_watcher(run: _Run, gpu: GpuUsage | None = None) -> MemoryWatcher | N
                up: bool) -> StepUp | StepDown | None:
         live = gpu.usable_now_mib() if gpu is not None else None
         budget = min(job.limits.budget_mib, live) if live is not None else job.limits.budget_mib
-        return next_move(settings, limits=job.limits, budget_mib=budget, measured_mib=measured, progress=progress,
-                         predict=job.predict, images_per_s=images_per_s, tried=run.tried, fixed=job.fixed, up=up)
+        try:
+            return next_move(settings, limits=job.limits, budget_mib=budget, measured_mib=measured,
+                             progress=progress, predict=job.predict, images_per_s=images_per_s, tried=run.tried,
+                             fixed=job.fixed, up=up)
+        except UserError:  # settings the memory model does not cover (a size below its floor): no move, the run goes on
+            return None
 
     return MemoryWatcher(run.settings, decide, job.budget_kind)
 

@@ -92,6 +92,7 @@ RETRY_LOG_FLAG = "--autotune_retry_log"
 STATE_DIR_FLAG = "--autotune_state_dir"  # state folders go here instead of output_dir
 MONITOR_FILE = "monitor.jsonl"  # in the events folder, beside the events
 PROGRESS_LOG = "progress.jsonl"  # every progress event, one line each, beside the events
+CONTROL_FILE = "control.json"  # in the events folder: the supervisor's change to make in the process
 
 STATE_FILE = "train_state.json"  # inside each state folder (ours and kohya's)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.contract import (
+    CONTROL_FILE,
     DIVERGED,
     DIVERGED_EXIT_CODE,
     DONE,
@@ -62,6 +63,7 @@ from sd_scripts_compat.training.devices import (
 )
 from sd_scripts_compat.training.emulated_card import EmulatedCard, optimizer_tensors
 from sd_scripts_compat.training.faults import FaultPlan
+from sd_scripts_compat.training.live_changes import ControlFile, reset_peak, set_checkpointing
 from sd_scripts_compat.training.monitor import start_monitor
 from sd_scripts_compat.training.phase_report import PhaseReporter, size_on_disk
 from sd_scripts_compat.training.phase_timer import PhaseTimer, tensorboard_scalars
@@ -362,17 +364,9 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
         place(unet, process.device, process.weight_dtype)
         if use_fp8:
             store_frozen_weights_in_fp8(unet, process.weight_dtype)
-    if config.gradient_checkpointing and config.cpu_offload_checkpointing and model.family.is_transformer:
-        from sd_scripts_compat.training.offload_checkpointing import offloaded_checkpoint
-
-        unet.enable_gradient_checkpointing(gradient_checkpointing_func=offloaded_checkpoint)
-    elif config.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-        if model.train_text_encoder:
-            for encoder in model.bundle.text_encoders:
-                enable = getattr(encoder, "activation_checkpointing_enable", None) or \
-                    encoder.gradient_checkpointing_enable  # renamed in transformers 5
-                enable()
+    if config.gradient_checkpointing:
+        set_checkpointing(unet, _learning_encoders(model), on=True, offload=bool(config.cpu_offload_checkpointing),
+                          transformer=model.family.is_transformer)
     network = _create_network(config, model)
     network.apply_to()
     lora_dtype = {(True, False): torch.float16, (False, True): torch.bfloat16}.get(
@@ -386,6 +380,11 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
     compiled = compile_blocks(unet, config.dynamo_backend) if config.torch_compile else None
     return Network(network=network, trainable=[p for p in network.parameters() if p.requires_grad],
                    block_swap=block_swap, compiled=compiled, channels_last=channels_last)
+
+
+def _learning_encoders(model: Model) -> list[Any]:
+    """The text encoders that train: gradient checkpointing concerns them too."""
+    return list(model.bundle.text_encoders) if model.train_text_encoder else []
 
 
 def _swap_blocks(config: TrainingConfig, process: Process, model: Model, use_fp8: bool) -> BlockSwap | None:
@@ -623,6 +622,7 @@ class Recipe:
     validation: ValidationRun | None
     guard: StabilityGuard
     stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
+    control: ControlFile = field(default_factory=lambda: ControlFile(None))  # the supervisor's in-process changes
     phases: PhaseTimer = field(default_factory=lambda: PhaseTimer("cpu"))  # where the time goes (done.json)
 
     def on_card(self) -> contextlib.AbstractContextManager[Any]:
@@ -654,6 +654,7 @@ class LoopState:
     last_state_save: float
     session_started: float = 0.0
     peak_memory_mib: float = 0.0
+    control: int = 0  # the id of the supervisor's last change applied in the process (progress.json says it)
     resident_memory_mib: float | None = None  # at the last progress report (a step boundary)
     largest_batch: tuple[int, int, int, int] = (0, 0, 0, 0)  # (pixels, micro-batch, width, height) trained so far
     largest_bucket: tuple[int, int, int] = (0, 0, 0)  # (micro-batch, width, height) of the data's largest bucket
@@ -714,8 +715,9 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     validation = None if data.validation is None else ValidationRun(
         data.validation, config, process.seed, unet=model.bundle.unet, conditioner=inputs.conditioner,
         dtype=process.weight_dtype, accelerator=process.accelerator, objective=objective)
+    events_dir = process.paths.events_dir
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
-                    validation, guard, stops, phases)
+                    validation, guard, stops, ControlFile(events_dir / CONTROL_FILE if events_dir else None), phases)
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
     reporter.enter("training")
     # the background sampler of monitor.jsonl reads the step counter by itself: the loop never calls it
@@ -901,7 +903,9 @@ def after_step(r: Recipe, loop: LoopState, counters: TrainCounters, progress: tq
     loop.step_ended_at.append(now)
     progress.update(1)
     first_step = len(loop.step_ended_at) == 1  # reported at once: the watchdog and the user see training has begun
-    if first_step or now - loop.last_report >= PROGRESS_EVERY_SECONDS or step == r.optimization.max_train_steps:
+    changed = _apply_changes(r, loop)
+    if changed or first_step or now - loop.last_report >= PROGRESS_EVERY_SECONDS \
+            or step == r.optimization.max_train_steps:
         _report_progress(r, loop, counters, progress, now)
     if r.validation is not None and r.validation.due(step, epoch_end=False):
         with r.phases.event("validation"):
@@ -916,6 +920,28 @@ def after_step(r: Recipe, loop: LoopState, counters: TrainCounters, progress: tq
         loop.last_state_save = now
     if config.sample_every_n_steps and step % config.sample_every_n_steps == 0:
         _sample(r, f"step{step:08d}")
+
+
+def _apply_changes(r: Recipe, loop: LoopState) -> bool:
+    """The supervisor's change, if one came (``training.live_changes``): gradient checkpointing on or off from the
+    next step, the settings reported and written with the LoRA changed with it, and the peak measured afresh."""
+    request = r.control.poll()
+    if request is None:
+        return False
+    on = request.get("gradient_checkpointing", bool(r.config.gradient_checkpointing))
+    offload = request.get("cpu_offload_checkpointing", bool(r.config.cpu_offload_checkpointing)) and on
+    set_checkpointing(r.model.bundle.unet, _learning_encoders(r.model), on=on, offload=offload,
+                      transformer=r.model.family.is_transformer)
+    r.report.settings.update(gradient_checkpointing=on, cpu_offload_checkpointing=offload)
+    r.checkpointer.facts.gradient_checkpointing = on
+    retries = _read_retry_log(r.config.autotune_retry_log)  # the supervisor recorded the change before asking
+    if retries:
+        r.checkpointer.facts.extra["ss_autotune_retries"] = json.dumps(retries)
+    if r.process.card is not None:
+        r.process.card.counter.reset_peak()
+    reset_peak(r.process.device)
+    loop.peak_memory_mib, loop.control = 0.0, int(request["id"])
+    return True
 
 
 def end_epoch(r: Recipe, counters: TrainCounters) -> None:
@@ -954,6 +980,7 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
             "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
             "time": now, "it_per_s": rate, "loss": mean_loss, "lr": unet_lr,
             "peak_memory_mib": loop.peak_memory_mib, "resident_memory_mib": loop.resident_memory_mib,
+            "control": loop.control,
             "largest_batch": _batch_size(loop.largest_batch[1:]),
             "largest_bucket": _batch_size(loop.largest_bucket)})
     loop.last_report = now
