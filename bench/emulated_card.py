@@ -80,8 +80,10 @@ def train(folder: Path, name: str, model: str, card: float, scale: float, steps:
     final = event["settings"]
     return {"wall": wall, "images_per_s": final["train_batch_size"] * final["gradient_accumulation_steps"] / step,
             "steps": event["steps"], "peak": event["peak_memory"], "planned": short(first) if first else "?",
-            "final": short(final), "moves": [f"{r['failure']} at {r['step']} (lost {r['steps_lost']})"
-                                             for r in retries], "reasons": [r["reason"] for r in retries]}
+            "final": short(final), "moves": [f"{r['failure']} at {r['step']} "
+                                             f"({'in the process' if r.get('in_process') else 'restart'}, lost "
+                                             f"{r['steps_lost']})" for r in retries],
+            "reasons": [r["reason"] for r in retries]}
 
 
 def short(settings: dict[str, Any]) -> str:

@@ -245,6 +245,7 @@ def test_a_peak_that_will_not_fit_the_largest_bucket_steps_down_before_it_comes(
     retries = _retries(out)
     assert [r["failure"] for r in retries][:1] == ["step_down"] and retries[0]["step"] < 11, retries
     assert "oom" not in [r["failure"] for r in retries] and retries[0]["steps_lost"] == 0
+    assert all(r["changes"].get("train_batch_size", [0, 0])[1] != 4 for r in retries[1:])  # never back up to it
     log = (out / "logs" / "decisions.log").read_text(encoding="utf-8")
     assert "step down before running out of memory" in log and "the data's largest is 4 x 256x256 px" in log
     assert _done(out)["steps"] == 30
