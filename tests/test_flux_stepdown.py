@@ -53,3 +53,12 @@ def test_a_family_that_cannot_swap_never_gets_the_rung() -> None:
     exhausted = next_settings(sd15, _limits(1.0, "sd15"), predict, measured_mib=predict(sd15))
     assert isinstance(exhausted, Exhausted) and exhausted.floor.blocks_to_swap == 0
     assert not any("block swap" in step for step in exhausted.tried)
+
+
+def test_text_encoders_our_engine_caches_are_off_the_card_in_the_ladders_figure_too() -> None:
+    """The engine caches a frozen text encoder's outputs for fixed captions whatever the settings say; the ladder
+    then leaves the encoders' weights out for a transformer as it does for a UNet (T5-XXL: ~9 GiB in bf16)."""
+    live = replace(FLUX, cache_text_encoder_outputs=False, network_train_unet_only=True)
+    kept = memory_predictor(get_family("flux-dev"))(live)
+    cached = memory_predictor(get_family("flux-dev"), text_encoder_outputs_cached=True)(live)
+    assert cached == memory_predictor(get_family("flux-dev"))(FLUX) and kept - cached > 4096

@@ -196,7 +196,9 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
         return lambda s: memory.predict(predict_dit_memory, replace(
             dit_inputs_for_settings(family, s), cuda_context_gib=context, safety_margin_gib=margin,
-            autocast_rules=rules)).training_total_bytes / 2**20
+            autocast_rules=rules,
+            cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached)
+        ).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
