@@ -93,3 +93,39 @@ def test_one_fault_plan_wraps_the_objective_and_leaves_validation_alone(tmp_path
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         wrapped.forward(None, torch.ones(2, 4, 1, 1), hidden, None, generator)  # 2 x 8 x 8 = 128 px > 100
     assert wrapped.noise == "the objective's own attribute"
+
+
+# The CUDA caching allocator's messages (torch >= 2.1, and the wording before it), as users paste them.
+NEW_WORDING = ("CUDA out of memory. Tried to allocate 1.22 GiB. GPU 0 has a total capacity of 15.77 GiB of which "
+               "959.44 MiB is free. Process 12447 has 14.83 GiB memory in use. Of the allocated memory 14.01 GiB is "
+               "allocated by PyTorch, and 472.05 MiB is reserved by PyTorch but unallocated. If reserved but "
+               "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+OLD_WORDING = ("CUDA out of memory. Tried to allocate 36.00 MiB (GPU 0; 7.93 GiB total capacity; 130.35 MiB already "
+               "allocated; 47.06 MiB free; 188.00 MiB reserved in total by PyTorch)")
+
+
+def test_where_a_cuda_oom_struck_is_read_from_the_allocators_message_in_both_wordings():
+    from sd_scripts_compat.facts.contract import oom_point_mib
+
+    assert oom_point_mib(NEW_WORDING) == pytest.approx(1.22 * 1024 + 14.01 * 1024)
+    assert oom_point_mib(OLD_WORDING) == pytest.approx(36.0 + 130.35)
+    for other in ("out of memory on the emulated card: 50.03 MiB of tensors live", "DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 1024 bytes", "", None):
+        assert oom_point_mib(other) is None
+
+
+def test_the_step_down_takes_the_oom_point_when_it_is_more_than_the_reserved_peak():
+    """A step that ran out while allocating 1.22 GiB on 14.01 GiB allocated needed at least 15.2 GiB, more than the
+    14.5 GiB reserved peak the counters kept: the ladder's evidence is the larger."""
+    from autotune.recovery.attempt import AttemptResult
+    from autotune.recovery.watchdog import measured_mib
+    from sd_scripts_compat.facts.contract import Outcome
+
+    def failed(memory: dict) -> AttemptResult:
+        return AttemptResult(outcome=Outcome.OOM, returncode=3, message="oom", oom_event={"memory": memory})
+
+    point = (1.22 + 14.01) * 1024
+    assert measured_mib(failed({"cuda_max_reserved_mib": 14848.0, "oom_point_mib": point}), "device") == point
+    assert measured_mib(failed({"cuda_max_reserved_mib": 16000.0, "oom_point_mib": point}), "device") == 16000.0
+    assert measured_mib(failed({"oom_point_mib": point, "peak_rss_mib": 900.0}), "device") == point
+    assert measured_mib(failed({"cuda_max_allocated_mib": 14000.0}), "device") == 14000.0

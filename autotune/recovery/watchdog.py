@@ -191,7 +191,8 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
 def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
     """The memory the failed attempt was seen to use, in the budget's own unit.
 
-    "device": the engine's CUDA peak (else its peak RSS); "address_space": the peak address space
+    "device": the engine's CUDA peak or the allocator's OOM point, whichever is more (else its peak RSS);
+    "address_space": the peak address space
     sampled from /proc (what RLIMIT_AS caps); "ram": peak resident memory; "emulated_card": the card's count at
     the op that ran out of it.
     """
@@ -201,7 +202,12 @@ def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
     if budget_kind == "emulated_card":
         peak = memory.get("emulated_card_peak_mib")
         return float(peak) if isinstance(peak, (int, float)) and peak > 0 else None
-    keys = ("cuda_max_reserved_mib", "cuda_max_allocated_mib") if budget_kind == "device" else ()
+    if budget_kind == "device":  # the reserved peak, or where the allocator says it struck if that is more
+        figures = [float(v) for v in (memory.get("cuda_max_reserved_mib"), memory.get("oom_point_mib"))
+                   if isinstance(v, (int, float)) and v > 0]
+        if figures:
+            return max(figures)
+    keys = ("cuda_max_allocated_mib",) if budget_kind == "device" else ()
     for key in (*keys, "peak_rss_mib"):
         if isinstance(memory.get(key), (int, float)) and memory[key] > 0:
             return float(memory[key])

@@ -322,6 +322,23 @@ def disk_full_guard(folder: str | os.PathLike[str], needed_bytes: int | None, wh
                             "free some space there or choose another output_dir") from None
 
 
+_SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
+_TRIED = re.compile(rf"Tried to allocate {_SIZE}")
+_ALLOCATED = re.compile(rf"(?:Of the allocated memory {_SIZE} is allocated by PyTorch|{_SIZE} already allocated)")
+_UNITS = {"B": 2**-20, "KiB": 2**-10, "MiB": 1.0, "GiB": 2**10, "TiB": 2**20}
+
+
+def oom_point_mib(message: str | None) -> float | None:
+    """Where a CUDA out-of-memory error struck, MiB: what PyTorch had allocated plus what it tried to allocate, read
+    from the allocator's message (both its wordings: "Of the allocated memory X is allocated by PyTorch" since
+    torch 2.1, "X already allocated" before). At least this much was needed; None for any other message."""
+    tried, allocated = _TRIED.search(message or ""), _ALLOCATED.search(message or "")
+    if tried is None or allocated is None:
+        return None
+    size, unit = (allocated.group(1), allocated.group(2)) if allocated.group(1) else allocated.group(3, 4)
+    return float(tried.group(1)) * _UNITS[tried.group(2)] + float(size) * _UNITS[unit]
+
+
 def error_summary(error: BaseException, limit: int = 500) -> str:
     """The first line of an error's message, or its type's name when the message is empty (a bare
     ``MemoryError()`` has none): never fails, whatever the error holds."""

@@ -37,6 +37,7 @@ from sd_scripts_compat.facts.contract import (
     error_summary,
     is_oom_error,
     memory_figures,
+    oom_point_mib,
     write_event,
 )
 from sd_scripts_compat.facts.errors import UserError
@@ -1017,11 +1018,18 @@ def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
         state_dir = str(r.checkpointer.save_state(process.paths.state_dir(), counters))
     message = (loop.oom or {}).get("message")
     event = {"step": counters.global_step, "epoch": counters.epoch, "settings": r.report.settings,
-             "resolved": r.report.resolved, "memory": r.memory_figures(), "message": message, "state_dir": state_dir}
+             "resolved": r.report.resolved, "memory": {**r.memory_figures(), **_oom_point(message)}, "message": message,
+             "state_dir": state_dir}
     if process.paths.events_dir and process.is_main:
         write_event(process.paths.events_dir, OOM, event)
     print(f"out of memory at step {counters.global_step}: {message}", file=sys.stderr)
     return OOM_EXIT_CODE
+
+
+def _oom_point(message: str | None) -> dict[str, float]:
+    """The CUDA allocator's own account of where it ran out (``oom_point_mib``), when its message gives one."""
+    point = oom_point_mib(message)
+    return {"oom_point_mib": point} if point is not None else {}
 
 
 def finish_diverged(r: Recipe, report: dict[str, Any], counters: TrainCounters) -> int:
