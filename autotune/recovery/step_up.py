@@ -105,7 +105,7 @@ def next_move(current: TrainSettings, *, limits: LadderLimits, budget_mib: float
     if not up:
         return None
     taken = next_step_up(current, budget_mib=budget_mib, measured_mib=projected, predict=predict,
-                      images_per_s=images_per_s, tried=tried, fixed=fixed)
+                         images_per_s=images_per_s, tried=tried, fixed=fixed)
     return replace(taken, reason=taken.reason.replace("measured peak", f"{carried}measured peak", 1)) if taken else None
 
 
@@ -158,8 +158,8 @@ def next_step_up(current: TrainSettings, *, budget_mib: float, measured_mib: flo
 
 @dataclass
 class MemoryWatcher:
-    """One attempt's step-down / step-up check (:meth:`see`); a move asks the attempt to stop at the step boundary
-    (the watchdog then resumes with the decision's settings)."""
+    """One attempt's step-down / step-up check (:meth:`see`). The watchdog makes its decision: a change the engine
+    makes in the process, else a stop at the step boundary and a resume with the decision's settings."""
 
     settings: TrainSettings
     # (running settings, measured MiB, the progress event, whether a step up may be taken) -> the move

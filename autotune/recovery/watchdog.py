@@ -192,9 +192,8 @@ def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
     """The memory the failed attempt was seen to use, in the budget's own unit.
 
     "device": the engine's CUDA peak or the allocator's OOM point, whichever is more (else its peak RSS);
-    "address_space": the peak address space
-    sampled from /proc (what RLIMIT_AS caps); "ram": peak resident memory; "emulated_card": the card's count at
-    the op that ran out of it.
+    "address_space": the peak address space sampled from /proc (what RLIMIT_AS caps); "ram": peak resident
+    memory; "emulated_card": the card's count at the op that ran out of it.
     """
     memory = (result.oom_event or {}).get("memory") or {}
     if budget_kind == "address_space":
