@@ -64,7 +64,7 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
               model_family: FamilySpec, make_engine: MakeEngine) -> Job:
     """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
     ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
-    from autotune.launch.plan_options import emulated_card_mib
+    from autotune.launch.plan_options import emulated_card_mib, memory_model_scale
     from autotune.recovery.attempt import read_json
     from autotune.recovery.watchdog import Job
     from sd_scripts_compat.training.emulated_card import CARD_ENV
@@ -82,13 +82,13 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
         if isinstance(saved.get("settings"), dict):
             settings = _saved_settings(saved["settings"], out)
         prior = list(saved.get("retries") or [])
-    limits = _limits(probe, family, resolved, args, cuda, usable_mib)
+    limits = _limits(probe, family, resolved, args, cuda, usable_mib, card)
     train_output = Path(resolved.config.output_dir or out)
     engine, states_at = make_engine(family, config_path, train_output, plan)
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda, MemoryView(emulated=card is not None,
-                                                              scale=args.memory_model_scale)),
+                                                              scale=memory_model_scale(args))),
         dataset_config_path=dataset_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {}),
              **({CARD_ENV: f"{card:g}"} if card is not None else {})},
@@ -182,17 +182,17 @@ def _saved_settings(values: dict[str, Any], out: Path) -> TrainSettings:
 
 
 def _limits(probe: SystemProbe, family: FamilySpec, resolved: ResolvedRun, args: argparse.Namespace, cuda: bool,
-            usable_mib: float | None) -> LadderLimits:
+            usable_mib: float | None, card: float | None = None) -> LadderLimits:
     """What the ladder may do on this machine, and the memory it must fit in (MiB).
 
-    The budget is the emulated card, or the plan's usable VRAM when there is a plan, else the probed card's, else
-    (CPU) the address-space cap or the available RAM.
+    The budget is the emulated card (``card``, MiB), or the plan's usable VRAM when there is a plan, else the
+    probed card's, else (CPU) the address-space cap or the available RAM.
     """
     from autotune.recovery.ladder import LadderLimits
 
     gpu = next((g for g in probe.gpus if g.backend == "cuda"), None) if cuda else None
-    if getattr(args, "emulate_card", None):
-        budget = args.emulate_card
+    if card is not None:
+        budget = card
     elif args.memory_limit:
         budget = args.memory_limit
     elif usable_mib:

@@ -221,17 +221,25 @@ def build_request(args: argparse.Namespace, family: FamilySpec | None = None) ->
                        measured_device=device, allow_pickle=bool(args.allow_pickle and is_pickle(args.model)),
                        model_files=given_model_files(args), strict=bool(getattr(args, "strict_pins", False)),
                        emulated_card_bytes=int(card * 2**20) if card is not None else None,
-                       memory_scale=getattr(args, "memory_model_scale", 1.0))
+                       memory_scale=memory_model_scale(args))
+
+
+def memory_model_scale(args: argparse.Namespace) -> float:
+    """``--memory-model-scale X``, checked: a positive factor (1 without it)."""
+    from sd_scripts_compat.facts.errors import UserError
+
+    scale = float(getattr(args, "memory_model_scale", 1.0))
+    if not scale > 0:
+        raise UserError(f"--memory-model-scale {scale:g}: a positive factor, e.g. 1.4 (40% pessimistic)")
+    return scale
 
 
 def emulated_card_mib(args: argparse.Namespace) -> float | None:
     """``--emulate-card MIB``, checked: a positive size, on this machine (no --gpu / --vram); None without it."""
     from sd_scripts_compat.facts.errors import UserError
 
+    memory_model_scale(args)  # said first, as before: both are checked wherever the card is
     card = getattr(args, "emulate_card", None)
-    scale = getattr(args, "memory_model_scale", 1.0)
-    if not scale > 0:
-        raise UserError(f"--memory-model-scale {scale:g}: a positive factor, e.g. 1.4 (40% pessimistic)")
     if card is None:
         return None
     if not card > 0:
