@@ -179,3 +179,27 @@ class LearnedFigures:
                              f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
                              f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}): measured "
                              f"{mib(measured)} MiB / model {mib(predicted)} MiB = x{ratio:.3g}{kept}", factor)
+
+
+MAX_CUDA_CONTEXT_MIB = 8192.0  # a context is ~300-1500 MiB; a larger figure is no context
+
+
+@dataclass(frozen=True)
+class MeasuredContext:
+    """The CUDA context a run on this device measured at its start (the engine's ``cuda_context_mib``)."""
+
+    mib: float
+    basis: str  # one line: which record, when
+
+
+def measured_cuda_context(records: Sequence[Measurement], device: str) -> MeasuredContext | None:
+    """The newest CUDA context measured on ``device`` by any run (any family: the context is the driver's and the
+    card's, not the model's); None where no record has a believable one."""
+    mine = [r for r in records if r.device == device and 0.0 < r.memory.get("cuda_context_mib", 0.0)
+            <= MAX_CUDA_CONTEXT_MIB]
+    if not mine:
+        return None
+    newest = max(mine, key=lambda r: r.measured_at)
+    value = newest.memory["cuda_context_mib"]
+    return MeasuredContext(value, f"CUDA context {mib(value)} MiB as measured at the start of a {newest.family} "
+                                  f"{newest.source} on {device}, {when_measured(newest)}")

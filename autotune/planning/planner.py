@@ -346,8 +346,7 @@ def _search_plan(request: PlanRequest) -> _Searched:
     measured = learned_for(request, family, devices)
     predictor = Predictor(family, gpus, request.cpu_physical_cores, t5_fp8=t5_fp8, te_cpu=te_cpu,
                           cpu_bf16=request.cpu_bf16, learned=measured, usable=usable,
-                          memory=MemoryView(emulated=request.emulated_card_bytes is not None,
-                                            scale=request.memory_scale))
+                          memory=memory_view(request, bool(gpus), devices))
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
@@ -463,6 +462,18 @@ def _pinned_split(prefs: Preferences, effective: int, devices: int) -> tuple[int
     if accum is not None:
         return max(1, round(effective / (accum * devices))), accum
     return None
+
+
+def memory_view(request: PlanRequest, on_gpu: bool, devices: int) -> MemoryView:
+    """How the memory model is read for this plan: an emulated card, a deliberately scaled model, and on a GPU this
+    device's CUDA context as a run here measured it (in place of the model's constant)."""
+    from autotune.measure.learned import measured_cuda_context
+
+    context = measured_cuda_context(request.measurements, request.measured_device) \
+        if on_gpu and request.measured_device is not None and devices == 1 else None
+    return MemoryView(emulated=request.emulated_card_bytes is not None, scale=request.memory_scale,
+                      cuda_context_gib=context.mib / 1024 if context else None,
+                      context_basis=context.basis if context else "")
 
 
 def learned_for(request: PlanRequest, family: FamilySpec, devices: int) -> LearnedFigures | None:

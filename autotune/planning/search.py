@@ -154,7 +154,8 @@ class Predictor:
         result = Estimate(required=int(estimate.total_bytes) + extra, peak=int(estimate.peak_bytes) + extra,
                           components=tuple((str(k), int(v)) for k, v in components.items()), it_per_s=min(rates),
                           host_ram=int(getattr(estimate, "host_ram_bytes", 0)),
-                          host_ram_loading=int(getattr(estimate, "host_ram_loading_bytes", 0)))
+                          host_ram_loading=int(getattr(estimate, "host_ram_loading_bytes", 0)),
+                          memory_basis=self.memory.basis())
         self._model_cache[s] = result
         return result
 
@@ -173,9 +174,10 @@ class Predictor:
         memory = learned.memory(event, lambda values: self.model_estimate(TrainSettings.from_event(values)).peak
                                 / 2**20)
         if memory.peak_mib is not None:
-            peak = int(memory.peak_mib * 2**20)
+            peak = int(memory.peak_mib * 2**20)  # a measured peak holds the real context; a scaled one the view's
+            basis = memory.basis if memory.source == "measured" else self.memory.basis(memory.basis)
             e = replace(e, required=e.required - e.peak + peak, peak=peak, memory_source=memory.source,
-                        memory_basis=memory.basis, memory_factor=memory.factor)
+                        memory_basis=basis, memory_factor=memory.factor)
         return e
 
 

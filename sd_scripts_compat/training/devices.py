@@ -86,6 +86,35 @@ def resident_memory_mib(device: torch.device) -> float | None:
     return torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
+def cuda_context_mib(device: torch.device, nvml: Any = None) -> float | None:
+    """What this process's CUDA context holds on ``device`` before any model is loaded, MiB: the driver's count of
+    the process (NVML's ``usedGpuMemory``: context, kernels' images, the allocator's reserve) less what the
+    caching allocator reserved. Read once, at start; None on the CPU or where NVML cannot answer (no nvidia-ml-py,
+    a container that hides processes). ``nvml``: the ``pynvml`` module (tests pass a stand-in)."""
+    import os
+
+    import torch
+
+    if device.type != "cuda":
+        return None
+    try:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        torch.cuda.init()  # the context exists from here
+        torch.cuda.synchronize(device)
+        nvml.nvmlInit()
+        uuid = torch.cuda.get_device_properties(device).uuid  # NVML and CUDA_VISIBLE_DEVICES number cards apart
+        handle = nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        used = [p.usedGpuMemory for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+    except Exception:  # no driver library, a card NVML does not list: the run has no context figure
+        return None
+    if not used or not isinstance(used[0], int):  # NVML says "not available" (None) inside some containers
+        return None
+    return max(0.0, (used[0] - torch.cuda.memory_reserved(device)) / 2**20)
+
+
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's wrapper (its state dict is what a state folder holds)."""
     return getattr(optimizer, "optimizer", optimizer)

@@ -54,6 +54,7 @@ from sd_scripts_compat.training.conditioning import Conditioner
 from sd_scripts_compat.training.devices import (
     average_gradients,
     channels_last_for,
+    cuda_context_mib,
     free_device_memory,
     peak_memory_mib,
     place,
@@ -115,6 +116,7 @@ class Process:
     started: float
     faults: FaultPlan | None = None  # SD_COMPAT_INJECT_OOM / _NAN (tests): wraps the objective, if anything
     card: EmulatedCard | None = None  # SD_COMPAT_EMULATED_CARD_MIB (tests, benches): the steps' tensors on a card
+    cuda_context_mib: float | None = None  # the CUDA context as measured at start (devices.cuda_context_mib)
 
     @property
     def world(self) -> int:
@@ -162,7 +164,8 @@ def setup_process(config: TrainingConfig) -> Process:
         config.save_precision or "float", torch.float32)
     return Process(accelerator=accelerator, device=accelerator.device, seed=seed, weight_dtype=weight_dtype,
                    save_dtype=save_dtype, paths=paths, started=started,
-                   faults=FaultPlan.from_env(paths.events_dir or paths.output_dir), card=card)
+                   faults=FaultPlan.from_env(paths.events_dir or paths.output_dir), card=card,
+                   cuda_context_mib=cuda_context_mib(accelerator.device))
 
 
 # ---- 2. Base model ---------------------------------------------------------------------------------
@@ -643,8 +646,9 @@ class Recipe:
         return card.counter.current / 2**20 if card is not None else resident_memory_mib(self.process.device)
 
     def memory_figures(self) -> dict[str, float]:
-        card = self.process.card
-        return {**memory_figures(), **(card.figures() if card is not None else {})}
+        card, context = self.process.card, self.process.cuda_context_mib
+        return {**memory_figures(), **(card.figures() if card is not None else {}),
+                **({"cuda_context_mib": context} if context is not None else {})}
 
 
 @dataclass
