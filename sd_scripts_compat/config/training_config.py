@@ -333,6 +333,7 @@ class TrainingConfig:
     training_shift: float = 1.0
     # engine extensions (not kohya options; command line only, never written to kohya configs)
     allow_pickle: bool = False
+    fsdp: str | None = None  # several processes: the frozen denoiser sharded (training.sharding.STRATEGIES)
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
     autotune_state_dir: str | None = None
@@ -363,6 +364,8 @@ META_FIELDS = frozenset({"sdxl", "script", "raw", "given", "warnings"})
 # Our own command-line flags: what the watchdog and users need beyond kohya's list.
 EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "allow_pickle": (bool, "allow loading .ckpt/.pt pickles (loaded with torch.load(weights_only=True))"),
+    "fsdp": (str, "with several processes: shard the frozen denoiser across them (full_shard or shard_grad_op: "
+                  "FSDP2); the LoRA stays whole on each"),
     "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
     "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
     "autotune_state_dir": (str, "folder for state folders (default: output_dir, as in sd-scripts)"),
@@ -375,7 +378,7 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
 
 
 # Extensions a config file may hold too (sd-scripts ignores them there).
-FILE_EXTENSIONS = ("allow_pickle",)
+FILE_EXTENSIONS = ("allow_pickle", "fsdp")
 
 
 def _add_extension_flags(parser: argparse.ArgumentParser) -> None:
@@ -811,9 +814,11 @@ def _read_config_file(cli: dict[str, Any], script: str, own: dict[str, Any], ext
         if key in WRAPPER_KEYS:
             warnings.append(f"{source}: {key}{section} is ignored: {WRAPPER_KEYS[key]}")
             continue
-        if key in FILE_EXTENSIONS:  # the planner and the wizard write it when the user allowed a pickle
-            if not isinstance(value, bool):
-                raise UserError(f"{source}: {key}{section}: expected true or false, got {describe_value(value)}")
+        if key in FILE_EXTENSIONS:  # the planner and the wizard write allow_pickle when the user allowed a pickle
+            kind = EXTENSION_FLAGS[key][0]
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                wanted = "true or false" if kind is bool else "a string"
+                raise UserError(f"{source}: {key}{section}: expected {wanted}, got {describe_value(value)}")
             extensions.setdefault(key, value)  # the command line wins
             continue
         if key not in specs:

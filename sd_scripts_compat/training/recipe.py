@@ -139,6 +139,7 @@ def setup_process(config: TrainingConfig) -> Process:
     from sd_scripts_compat.facts.sample_prompts import read_sample_prompts
     from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
     from sd_scripts_compat.training.optim import check_optimizer_settings
+    from sd_scripts_compat.training.sharding import check_sharding
 
     check_optimizer_settings(config.optimizer_type or "AdamW", config.learning_rate, config.optimizer_args)
     card = EmulatedCard.from_env()  # a bad size is said before anything is made
@@ -153,6 +154,8 @@ def setup_process(config: TrainingConfig) -> Process:
         log_with=config.log_with if config.logging_dir else None,
         project_dir=config.logging_dir,
     )
+    check_sharding(config.fsdp, world=accelerator.num_processes, blocks_to_swap=config.blocks_to_swap,
+                   fp8=bool(config.fp8_base or config.fp8_base_unet), compiled=bool(config.torch_compile))
     if accelerator.device.type == "cpu":  # the step's activations are host memory: reuse, not fault in, each step
         keep_freed_host_memory()
     seed = config.seed if config.seed is not None else 42
@@ -373,6 +376,15 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
                           transformer=model.family.is_transformer)
     network = _create_network(config, model)
     network.apply_to()
+    if config.fsdp:  # after the hooks: each process gathers a block's weights as the block runs
+        from sd_scripts_compat.training.sharding import held_bytes, shard_denoiser
+
+        units = shard_denoiser(unet, model.family, config.fsdp, process.device)
+        held, whole = held_bytes(unet)
+        process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across "
+                                  f"{process.world} processes ({units} blocks and the rest as one unit): each holds "
+                                  f"{held / 2**20:.2f} of its {whole / 2**20:.2f} MiB of weights; the LoRA whole on "
+                                  "each")
     lora_dtype = {(True, False): torch.float16, (False, True): torch.bfloat16}.get(
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)

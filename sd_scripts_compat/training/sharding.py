@@ -1,0 +1,86 @@
+"""``fsdp``: the frozen denoiser sharded across the run's processes (PyTorch's FSDP2 ``fully_shard``), so a model
+that fits no one card fits several.
+
+Each process keeps 1/N of every block's weights and gathers a block's whole weights just before the block runs
+(forward, and again in backward); ``full_shard`` frees them after the block's forward, ``shard_grad_op`` keeps them
+gathered until its backward (faster, more memory). The LoRA stays whole on every process, as in a data-parallel run:
+its few parameters are averaged once per optimizer step (``devices.average_gradients``), its optimizer state is
+each process's own, and rank 0 writes the same file as a one-process run.
+
+Units are the family's own blocks (``transformer_block_groups``; a UNet's down / mid / up blocks), then the rest of
+the denoiser as one root unit. ``fully_shard`` is called directly: accelerate's FSDP plugin shards what it prepares
+together with the optimizer, and the LoRA the optimizer holds lives outside the denoiser (its hooks wrap the
+denoiser's layers), so accelerate here only launches the processes and owns their process group.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sd_scripts_compat.facts.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from sd_scripts_compat.facts.families import FamilySpec
+
+# the strategy's name (accelerate's and FSDP1's spelling, lower case) -> FSDP2's reshard_after_forward
+STRATEGIES = {"full_shard": True, "shard_grad_op": False}
+
+
+def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, fp8: bool, compiled: bool) -> None:
+    """One line for a strategy this run cannot use, before any model is loaded."""
+    if strategy is None:
+        return
+    if strategy not in STRATEGIES:
+        raise UserError(f"fsdp = {strategy!r}: one of {', '.join(STRATEGIES)} (hybrid_shard needs several machines)")
+    if world < 2:
+        raise UserError(f"fsdp = {strategy!r}: sharding needs several processes; launch with accelerate launch "
+                        "--num_processes N (one per GPU), or remove fsdp")
+    clash = "blocks_to_swap" if blocks_to_swap else "fp8_base" if fp8 else "torch_compile" if compiled else None
+    if clash:
+        raise UserError(f"fsdp = {strategy!r}: {clash} does not combine with sharding here; remove one of them")
+
+
+def shard_units(denoiser: torch.nn.Module, family: FamilySpec) -> list[torch.nn.Module]:
+    """The blocks sharded one by one, in forward order: the family's transformer blocks, else a UNet's down,
+    mid and up blocks."""
+    names = [group["modules"] for group in family.transformer_block_groups] or ["down_blocks", "mid_block",
+                                                                                 "up_blocks"]
+    import torch
+
+    units: list[Any] = []
+    for name in names:
+        found = getattr(denoiser, name, None)
+        if isinstance(found, torch.nn.ModuleList):
+            units.extend(found)
+        elif isinstance(found, torch.nn.Module):
+            units.append(found)
+    return units
+
+
+def held_bytes(module: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of ``module``'s weights this process holds, bytes of the whole weights): a sharded parameter
+    (a DTensor) counts its local shard."""
+    held = whole = 0
+    for param in module.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        held += local.numel() * local.element_size()
+        whole += param.numel() * param.element_size()
+    return held, whole
+
+
+def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str, device: torch.device) -> int:
+    """Shard ``denoiser`` (already on ``device``, its LoRA hooks in place) across the default process group;
+    the number of units sharded besides the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    reshard = STRATEGIES[strategy]
+    units = shard_units(denoiser, family)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(denoiser, mesh=mesh, reshard_after_forward=reshard)
+    return len(units)
