@@ -399,6 +399,32 @@ def test_sd3_tokenizer_cache_holds_clip_l_clip_g_and_t5(tmp_path):
     assert not (without / "google_t5-v1_1-xxl").exists()
 
 
+def test_a_schedule_drawn_over_max_train_steps_is_never_relaunched_with_another(tmp_path):
+    """Relaunching with max_train_steps = target + offset changed the real sd-scripts' cosine schedule (48d368fa,
+    by hand: 2.2e-05 instead of 6.7e-05 at step 13), so with such a schedule the counter is left off: every attempt
+    keeps max_train_steps, and the steps past the target are said (this fake has no epoch bound: 6 past)."""
+    job = make_job(tmp_path, "counter=reset,oom_at=7,step_s=0.1", save_every_s=0.5,
+                   config_extra={"lr_scheduler": "cosine", "lr_warmup_steps": 2})
+    result = supervise(job)
+    assert result.ok, result.message
+    assert [r["failure"] for r in result.retries] == ["oom"]
+    configs = [toml.load(argv[argv.index("--config_file") + 1]) for argv in commands(job)]
+    assert len(configs) == 2 and all(c["max_train_steps"] == STEPS for c in configs)
+    log = (job.output_dir / DECISIONS_LOG).read_text()
+    assert "max_train_steps is kept, since the cosine learning-rate schedule is drawn over it" in log
+    assert "trained 6 step(s) past the target 20" in log
+
+
+@pytest.mark.parametrize(("config", "reads"), [
+    ({}, False), ({"lr_scheduler": "constant"}, False), ({"lr_scheduler": "cosine"}, True),
+    ({"lr_scheduler": "constant_with_warmup", "lr_warmup_steps": 10}, False),
+    ({"lr_scheduler": "constant_with_warmup", "lr_warmup_steps": 0.1}, True), ({"lr_scheduler": "linear"}, True)])
+def test_which_schedules_sd_scripts_draws_over_max_train_steps(config, reads):
+    from autotune.recovery.sd_scripts import schedule_reads_max_steps
+
+    assert schedule_reads_max_steps(config) is reads
+
+
 def test_fake_kohya_counter_after_resume_still_ends_at_the_target_with_the_right_data(tmp_path):
     """sd-scripts' own resume (its train_network.py read by hand, the fake's ``counter=kohya``): its counter
     restarts at the remainder within an epoch and its epoch count bounds the run. Its first save after the

@@ -22,7 +22,11 @@ Most users already trust an sd-scripts install; ``autotune run --engine sd-scrip
   passed as ``--initial_step`` (so a drifted ``current_step`` is never read back). When its counter is
   found off by D at the first save after a resume, the attempt is stopped and relaunched from the same
   state with ``max_train_steps`` = target + D, so it ends at the target step; a run that still ends short
-  is continued from its end state.
+  is continued from its end state. Only where the learning-rate schedule does not read ``max_train_steps``
+  (:func:`schedule_reads_max_steps`): sd-scripts draws its other schedules over it, so the relaunch changed the
+  rate of every later step (measured on sd-scripts 48d368fa, cosine over 30 steps: 2.2e-05 instead of 6.7e-05
+  at step 13). There the counter is left off and the run may end a few steps past the target (sd-scripts' epoch
+  count bounds it), which the log says.
 
 Facts about sd-scripts used here that are not in the project's shared reference facts are marked ASSUMED; they come
 from reading its code before and are checked against a stand-in in the tests, not against sd-scripts itself.
@@ -482,6 +486,14 @@ class AttemptWatch:
             self.notes.append(("sd_scripts_counter", f"{what}; the ledger keeps the true steps",
                                {"offset": offset}))
             return
+        schedule = flat_values(read_toml(self.config))
+        if schedule_reads_max_steps(schedule):
+            scheduler = schedule.get("lr_scheduler") or "constant"
+            self.notes.append(("sd_scripts_counter", f"{what}; max_train_steps is kept, since the {scheduler} "
+                               f"learning-rate schedule is drawn over it (a relaunch with max_train_steps {fixed_max} "
+                               f"would change the rate of every later step); it may train past step {target}",
+                               {"offset": offset}))
+            return
         if fixed_max <= resume:  # sd-scripts requires max_train_steps > initial_step
             self.notes.append(("sd_scripts_counter", f"{what}; it cannot be made to stop at step {target} "
                                f"(max_train_steps would be {fixed_max}); it may train past it", {"offset": offset}))
@@ -490,6 +502,16 @@ class AttemptWatch:
         self.stop_reason = (f"{what}: relaunching from step {resume} with max_train_steps {fixed_max} so that it "
                             f"stops at step {target}")
         self.engine.stop_child()
+
+
+def schedule_reads_max_steps(config: Mapping[str, Any]) -> bool:
+    """Whether sd-scripts' learning rate depends on ``max_train_steps`` (ASSUMED, read in its
+    ``train_util.get_scheduler_fix`` at 48d368fa: every schedule but ``constant`` and ``constant_with_warmup``
+    is drawn over it, and a warm-up given as a ratio is a share of it)."""
+    scheduler = str(config.get("lr_scheduler") or "constant")
+    warmup = config.get("lr_warmup_steps") or 0
+    ratio = isinstance(warmup, float) and 0 < warmup < 1
+    return scheduler not in ("constant", "constant_with_warmup") or (scheduler == "constant_with_warmup" and ratio)
 
 
 # ---------------------------------------------------------------- the engine adapter
