@@ -129,11 +129,11 @@ def _finished_at(out: Path) -> int:
 @pytest.mark.long
 def test_a_run_steps_up_into_measured_headroom_and_ends_at_its_step_with_the_same_effective_batch(tmp_path):
     """A user's config with micro-batch 1 x 4 and checkpointing on a CPU with GBs free: after its first steady
-    steps the run stops at a step boundary and resumes with a larger micro-batch (the speed model's first paying
-    move), the same effective batch, at the step it saved; --no-step-up keeps the config's settings."""
+    steps the engine takes a larger micro-batch (the speed model's first paying move) at a step boundary, in the
+    process, the same effective batch, and ends at its step; --no-step-up keeps the config's settings."""
     _, out = _run(tmp_path, "up")
     log = (out / "logs" / "decisions.log").read_text(encoding="utf-8")
-    assert "stopped for a step up" in log and "measured peak" in log and "resuming from" in log
+    assert "step up in the process" in log and "measured peak" in log and "resuming from" not in log
     final = toml.loads((out / "config.final.toml").read_text(encoding="utf-8"))
     assert final["train_batch_size"] * final["gradient_accumulation_steps"] == 4
     assert (final["train_batch_size"], final.get("gradient_checkpointing")) != (1, True)  # it stepped up

@@ -1,9 +1,13 @@
 """Settings changed while our engine trains, without a restart: the supervisor writes ``control.json`` into the
 events folder (``contract.CONTROL_FILE``) and the loop reads it at each optimizer-step boundary (one ``stat``; no
-device sync). What can change in the process (``IN_PROCESS``): gradient checkpointing, on or off. A checkpointed
-step computes the same numbers and keeps fewer activations, so the run goes on at the same step with nothing to
-reload; every other change needs a restart from a saved state. The engine says it applied a change by that
-change's id in its next progress event (``control``)."""
+device sync). What can change in the process (``IN_PROCESS``):
+
+- gradient checkpointing, on or off: a checkpointed step computes the same numbers and keeps fewer activations;
+- the micro-batch with its accumulation (the effective batch kept): the data is cut into the new batches from the
+  same position, as a restart with them would resume (``recipe.rebatched``).
+
+So the run goes on at the same step with nothing to reload; every other change needs a restart from a saved state.
+The engine says it applied a change by that change's id in its next progress event (``control``)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-IN_PROCESS = ("gradient_checkpointing", "cpu_offload_checkpointing")
+SWITCHES = ("gradient_checkpointing", "cpu_offload_checkpointing")  # on or off
+SIZES = ("train_batch_size", "gradient_accumulation_steps")  # positive whole numbers, asked together
+IN_PROCESS = SWITCHES + SIZES
+
+
+def takes(changes: dict[str, Any]) -> bool:
+    """Whether ``changes`` is a request the process can carry out: known settings, of their kinds, the sizes
+    together."""
+    switches_ok = all(isinstance(changes[k], bool) for k in SWITCHES if k in changes)
+    sizes = [changes.get(k) for k in SIZES]
+    sizes_ok = all(v is None for v in sizes) or all(type(v) is int and v > 0 for v in sizes)
+    return bool(changes) and set(changes) <= set(IN_PROCESS) and switches_ok and sizes_ok
 
 
 @dataclass
@@ -28,7 +43,8 @@ class ControlFile:
 
     def poll(self) -> dict[str, Any] | None:
         """A new request (``{"id": n, "gradient_checkpointing": bool, ...}``), or None. A request naming anything
-        but ``IN_PROCESS`` settings, or not boolean ones, is not taken: the supervisor restarts for those."""
+        but ``IN_PROCESS`` settings, or not of their kinds (:func:`takes`), is not taken: the supervisor restarts for
+        those."""
         if self.path is None:
             return None
         try:
@@ -45,8 +61,7 @@ class ControlFile:
         ident = request.get("id") if isinstance(request, dict) else None
         if not isinstance(ident, int) or ident <= self.applied:
             return None
-        changes = {k: v for k, v in request.items() if k != "id"}
-        if not changes or not all(k in IN_PROCESS and isinstance(v, bool) for k, v in changes.items()):
+        if not takes({k: v for k, v in request.items() if k != "id"}):
             return None
         self.applied = ident
         return request

@@ -21,7 +21,7 @@ import math
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -525,10 +525,8 @@ def resume(config: TrainingConfig, process: Process, network: Network, optimizat
     counters = state.counters
     batch_size = data.spec.batch_size
     saved_batch = int(counters.extra.get("micro_batch", batch_size))
-    if saved_batch != batch_size:
-        # the watchdog changed the micro-batch: skip the samples already seen (rounded down, so none is
-        # skipped unseen; at most one micro-batch of samples is seen twice)
-        counters.step_in_epoch = counters.step_in_epoch * saved_batch // batch_size
+    if saved_batch != batch_size:  # the watchdog changed the micro-batch: skip the samples already seen
+        counters.rebatch(saved_batch, batch_size)
     process.accelerator.print(f"resumed from {config.resume} at step {counters.global_step} "
                               f"(epoch {counters.epoch + 1})")
     return counters
@@ -672,6 +670,7 @@ class LoopState:
     session_started: float = 0.0
     peak_memory_mib: float = 0.0
     control: int = 0  # the id of the supervisor's last change applied in the process (progress.json says it)
+    rebatch: tuple[int, int] | None = None  # (micro-batch, accumulation) asked in the process, from the next step
     resident_memory_mib: float | None = None  # at the last progress report (a step boundary)
     largest_batch: tuple[int, int, int, int] = (0, 0, 0, 0)  # (pixels, micro-batch, width, height) trained so far
     largest_bucket: tuple[int, int, int] = (0, 0, 0)  # (micro-batch, width, height) of the data's largest bucket
@@ -740,7 +739,7 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     # the background sampler of monitor.jsonl reads the step counter by itself: the loop never calls it
     with start_monitor(process.paths.events_dir, config.autotune_monitor_seconds, lambda: counters.global_step,
                        enabled=process.is_main, max_steps=optimization.max_train_steps):
-        loop = run_loop(recipe, counters)
+        recipe, loop = run_loop(recipe, counters)
     try:
         if loop.diverged is not None:
             raise Diverged(loop.diverged)
@@ -761,11 +760,10 @@ def build_guard(process: Process, network: Network, optimization: Optimization,
                           scaled=scaled, extra=counters.extra)
 
 
-def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
-    """Train to max_train_steps; an OOM, Ctrl-C or instability ends the loop and is recorded in the returned state."""
+def run_loop(r: Recipe, counters: TrainCounters) -> tuple[Recipe, LoopState]:
+    """Train to max_train_steps; an OOM, Ctrl-C or instability ends the loop and is recorded in the returned state,
+    with the recipe that trained last (the supervisor may change the micro-batch in the process)."""
     from tqdm.auto import tqdm
-
-    from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
 
     config, process = r.config, r.process
     # on stdout: stderr is for messages (the watchdog reports the engine's last stderr line)
@@ -781,15 +779,15 @@ def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
                 r.validation.run(0)
         if config.sample_at_first:
             _sample(r, "e000000")  # sd-scripts names the samples before the first step epoch 0
-    sampler = BucketBatchSampler(r.data.train, epoch=counters.epoch, start_step=counters.step_in_epoch,
-                                 num_replicas=process.world, rank=process.rank)
-    loader = make_dataloader(r.data.train, sampler, num_workers=config.max_data_loader_n_workers or 0,
-                             persistent_workers=bool(config.persistent_data_loader_workers),
-                             pin_memory=process.device.type == "cuda")
+    sampler, loader = _batches(r, counters)
     try:
         _hold_on_card(r)
         while counters.global_step < r.optimization.max_train_steps:
             run_epoch(r, loop, counters, sampler, loader, progress)
+            if loop.rebatch is not None:  # the supervisor's micro-batch, from the step boundary it came at
+                r = rebatched(r, *loop.rebatch, counters)
+                loop.rebatch, loop.largest_bucket = None, r.data.train.largest_batch()
+                sampler, loader = _batches(r, counters)
     except KeyboardInterrupt:
         loop.interrupted = True
     except Diverged as diverged:
@@ -802,7 +800,40 @@ def run_loop(r: Recipe, counters: TrainCounters) -> LoopState:
     # Outside the except block: the exception's frames (and the activations they hold) are gone now.
     r.phases.end_loop()
     progress.close()
-    return loop
+    return r, loop
+
+
+def _batches(r: Recipe, counters: TrainCounters) -> tuple[BucketBatchSampler, torch.utils.data.DataLoader]:
+    """The sampler and loader of the training data from the counters' position."""
+    from sd_scripts_compat.dataset.train_dataset import BucketBatchSampler, make_dataloader
+
+    config, process = r.config, r.process
+    sampler = BucketBatchSampler(r.data.train, epoch=counters.epoch, start_step=counters.step_in_epoch,
+                                 num_replicas=process.world, rank=process.rank)
+    loader = make_dataloader(r.data.train, sampler, num_workers=config.max_data_loader_n_workers or 0,
+                             persistent_workers=bool(config.persistent_data_loader_workers),
+                             pin_memory=process.device.type == "cuda")
+    return sampler, loader
+
+
+def rebatched(r: Recipe, batch: int, accumulation: int, counters: TrainCounters) -> Recipe:
+    """The recipe with another micro-batch and accumulation (the same effective batch), changed in the process:
+    the data cut into batches of ``batch`` from the same position, as a restart with them would resume, and
+    the settings reported and written with the LoRA changed with it."""
+    old = r.data.spec.batch_size
+    spec = replace(r.data.spec, batch_size=batch)
+    train = replace(r.data.train, spec=replace(r.data.train.spec, batch_size=batch))
+    batches = train.num_batches(r.process.world)
+    counters.rebatch(old, batch)
+    facts = r.checkpointer.facts
+    facts.batch_size_per_device, facts.gradient_accumulation_steps = batch, accumulation
+    facts.num_batches_per_epoch = batches
+    if "batch_size_per_device" in facts.kohya_keys:
+        facts.kohya_keys["batch_size_per_device"] = batch
+    r.report.settings.update(train_batch_size=batch, gradient_accumulation_steps=accumulation)
+    return replace(r, data=replace(r.data, spec=spec, train=train),
+                   optimization=replace(r.optimization, accumulation=accumulation, batches_per_epoch=batches),
+                   checkpointer=replace(r.checkpointer, micro_batch=batch))
 
 
 def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: BucketBatchSampler,
@@ -822,8 +853,8 @@ def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: Buck
         counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
         after_step(r, loop, counters, progress)
         r.phases.step_done()
-        if counters.global_step >= optimization.max_train_steps:
-            return
+        if counters.global_step >= optimization.max_train_steps or loop.rebatch is not None:
+            return  # the end, or a new micro-batch: run_loop cuts the data again from here
         if batch_index < optimization.batches_per_epoch:
             _stop_if_asked(r)
     end_epoch(r, counters)
@@ -940,17 +971,20 @@ def after_step(r: Recipe, loop: LoopState, counters: TrainCounters, progress: tq
 
 
 def _apply_changes(r: Recipe, loop: LoopState) -> bool:
-    """The supervisor's change, if one came (``training.live_changes``): gradient checkpointing on or off from the
-    next step, the settings reported and written with the LoRA changed with it, and the peak measured afresh."""
+    """The supervisor's change, if one came (``training.live_changes``), from the next step: gradient checkpointing
+    on or off, or the micro-batch (``loop.rebatch``: run_loop cuts the data again); the settings reported and
+    written with the LoRA changed with it, and the peak measured afresh. A micro-batch that would change the
+    effective batch is not taken."""
     request = r.control.poll()
     if request is None:
         return False
-    on = request.get("gradient_checkpointing", bool(r.config.gradient_checkpointing))
-    offload = request.get("cpu_offload_checkpointing", bool(r.config.cpu_offload_checkpointing)) and on
-    set_checkpointing(r.model.bundle.unet, _learning_encoders(r.model), on=on, offload=offload,
-                      transformer=r.model.family.is_transformer)
-    r.report.settings.update(gradient_checkpointing=on, cpu_offload_checkpointing=offload)
-    r.checkpointer.facts.gradient_checkpointing = on
+    if "train_batch_size" in request:
+        batch, accumulation = int(request["train_batch_size"]), int(request["gradient_accumulation_steps"])
+        if batch * accumulation != r.data.spec.batch_size * r.optimization.accumulation:
+            return False
+        loop.rebatch = (batch, accumulation)
+    if any(key in request for key in ("gradient_checkpointing", "cpu_offload_checkpointing")):
+        _switch_checkpointing(r, request)
     retries = _read_retry_log(r.config.autotune_retry_log)  # the supervisor recorded the change before asking
     if retries:
         r.checkpointer.facts.extra["ss_autotune_retries"] = json.dumps(retries)
@@ -959,6 +993,16 @@ def _apply_changes(r: Recipe, loop: LoopState) -> bool:
     reset_peak(r.process.device)
     loop.peak_memory_mib, loop.control = 0.0, int(request["id"])
     return True
+
+
+def _switch_checkpointing(r: Recipe, request: dict[str, Any]) -> None:
+    on = request.get("gradient_checkpointing", bool(r.report.settings.get("gradient_checkpointing",
+                                                                         r.config.gradient_checkpointing)))
+    offload = request.get("cpu_offload_checkpointing", bool(r.config.cpu_offload_checkpointing)) and on
+    set_checkpointing(r.model.bundle.unet, _learning_encoders(r.model), on=on, offload=offload,
+                      transformer=r.model.family.is_transformer)
+    r.report.settings.update(gradient_checkpointing=on, cpu_offload_checkpointing=offload)
+    r.checkpointer.facts.gradient_checkpointing = on
 
 
 def end_epoch(r: Recipe, counters: TrainCounters) -> None:

@@ -32,6 +32,12 @@ class TrainCounters:
     seconds_trained: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def rebatch(self, old_batch: int, new_batch: int) -> None:
+        """The epoch's position in micro-batches of ``new_batch`` samples (a resume or an in-process change of
+        the micro-batch): rounded down, so no sample is skipped unseen; at most one micro-batch is seen twice."""
+        self.step_in_epoch = self.step_in_epoch * old_batch // new_batch
+        self.extra["micro_batch"] = new_batch
+
     @property
     def epochs_begun(self) -> int:
         """sd-scripts' epoch number: the 1-based epoch in progress, or the one just finished at an epoch's end
