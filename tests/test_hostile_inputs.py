@@ -321,6 +321,11 @@ CLI = [
     Case("plan-emulate-card-with-vram", lambda t: plan(t, "--emulate-card", "16", "--vram", "8"),
          "drop --gpu / --vram"),
     Case("plan-memory-model-scale-zero", lambda t: plan(t, "--memory-model-scale", "0"), "--memory-model-scale 0"),
+    Case("plan-gpus-without-a-card", lambda t: plan(t, "--gpus", "2"), "--gpus N repeats one card"),
+    Case("plan-gpus-zero", lambda t: plan(t, "--vram", "12", "--gpus", "0"), "--gpus 0"),
+    Case("engine-fsdp-unknown-strategy", lambda t: engine(t, fsdp="hybrid_shard"), "hybrid_shard needs several"),
+    Case("engine-fsdp-one-process", lambda t: engine(t, fsdp="full_shard"), "sharding needs several processes"),
+    Case("engine-fsdp-not-a-string", lambda t: engine(t, fsdp=True), "fsdp: expected a string"),
     Case("run-emulate-card-with-sd-scripts", lambda t: run(
         t, "--emulate-card", "16", "--engine", f"sd-scripts={FAKE_SD_SCRIPTS}"), "another trainer counts none"),
     Case("run-save-state-every-zero", lambda t: run(t, "--save-state-every", "0"), "--save-state-every 0"),

@@ -135,6 +135,7 @@ class DitMemoryInputs:
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
     autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
+    shard_ranks: int = 1  # fsdp: the transformer sharded across this many processes (training.sharding)
 
     @classmethod
     def of_trace(cls, config: dict[str, Any], family: str) -> DitMemoryInputs:
@@ -232,6 +233,23 @@ def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -
     return full - host, host
 
 
+def sharded_transformer_bytes(arch: dict[str, Any], ranks: int) -> tuple[int, int]:
+    """(bytes on each of ``ranks`` processes, bytes gathered in flight) of a transformer sharded block by block
+    (``training.sharding``, FSDP2): each holds 1/N of every weight; a block's whole weights are gathered as it runs,
+    the next one's prefetched beside it (two of the largest); the root unit (everything outside the blocks) stays
+    gathered through the step, since the backward needs it at once."""
+    blocks = [_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group)]
+    rest = 2 * arch["rest"]["elements"]
+    return -(-(sum(blocks) + rest) // ranks), rest + 2 * max(blocks)
+
+
+def gathered_bytes_per_step(arch: dict[str, Any], ranks: int) -> int:
+    """Bytes each process receives per micro-step of a sharded transformer: every block gathered for the forward
+    and again for the backward, and the root once, each process getting the (N - 1) / N it does not hold."""
+    blocks = sum(_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group))
+    return int((2 * blocks + 2 * arch["rest"]["elements"]) * (ranks - 1) / ranks)
+
+
 def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> int:
     """Device copies in flight beside the resident blocks: our engine's swapper (``training/block_swap.py``)
     copies a swapped block into a fresh buffer and prefetches the next, so up to two of the largest swapped
@@ -304,6 +322,9 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     family = get_family(inputs.family)
     split = family.swap_split(inputs.blocks_to_swap)
     resident, host = transformer_bytes(arch, inputs.fp8_base, split)
+    if inputs.shard_ranks > 1:  # no swap, no fp8 beside sharding (training.sharding.check_sharding)
+        shard, gathered = sharded_transformer_bytes(arch, inputs.shard_ranks)
+        resident, host = shard + gathered, 0
     sizes = lora_sizes(arch, inputs.rank)
     n_params = sum(numel * count for numel, count in sizes)
     n_modules = sum(arch["lora_modules"].values())

@@ -85,6 +85,19 @@ def swap_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict
     return 4.0 * host / (link * 1e9 * efficiency)
 
 
+def gather_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict[str, Any] | None = None) -> float:
+    """Seconds per micro-step that a sharded transformer's gathers spend on the link between the cards (0
+    unsharded): over PCIe through the host, at the link's efficiency (no NVLink figure is in the catalogue)."""
+    from autotune.estimate.dit_memory import gathered_bytes_per_step
+
+    if inputs.shard_ranks < 2:
+        return 0.0
+    cal = dit_family_calibration(inputs.family, calibration)
+    link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
+    moved = gathered_bytes_per_step(cal["architecture"], inputs.shard_ranks)
+    return moved / (link * 1e9 * cal["speed"]["link_efficiency"])
+
+
 def expert_switch_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None,
                           calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step of moving Wan 2.2's experts between host and card (``offload_inactive_dit``):
@@ -131,7 +144,8 @@ def predict_dit_speed(inputs: DitMemoryInputs, gpu: GpuSpec | None = None, *, st
         eff = 1.0
         device = f"cpu x{cpu_cores or 1}"
     compute = flops / (rate * eff * 1e12)
-    link = swap_seconds(inputs, gpu, cal) + offload_seconds(inputs, gpu, cal) if gpu is not None else 0.0
+    link = swap_seconds(inputs, gpu, cal) + offload_seconds(inputs, gpu, cal) + gather_seconds(inputs, gpu, cal) \
+        if gpu is not None else 0.0
     micro = max(compute, link) + (expert_switch_seconds(inputs, gpu, cal) if gpu is not None else 0.0)
     per_step = micro * max(1, gradient_accumulation_steps)
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,

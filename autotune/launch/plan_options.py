@@ -83,6 +83,8 @@ def _target_arguments(group: argparse._ArgumentGroup) -> None:
                        help='plan for this catalogue card instead of probing (repeat for several GPUs)')
     group.add_argument("--vram", action="append", type=finite, default=None, metavar="GB",
                        help="plan for a card with this much memory (with --gpu: that card, smaller)")
+    group.add_argument("--gpus", type=int, default=None, metavar="N",
+                       help="with one --gpu / --vram: a machine with N such cards (data parallel or sharded)")
     group.add_argument("--emulate-card", type=finite, default=None, metavar="MIB",
                        help="plan (and train) for a card of MIB MiB emulated on this CPU: our engine counts its "
                        "tensors and runs out of memory past it (tests and benches of the memory ladder)")
@@ -295,6 +297,7 @@ def _measured(args: argparse.Namespace, gpus: list[Any], probe: SystemProbe,
     return device, tuple(load_measurements()) if device else ()
 
 
+MAX_GPUS = 16  # a machine's cards; more is a typo
 MAX_VRAM_GB = 1024  # beyond any card's memory: a larger --vram is bytes or MiB typed where GB are meant
 
 
@@ -304,7 +307,7 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str,
     from autotune.planning.request import gpu_from_spec, gpu_from_vram
     from sd_scripts_compat.facts.errors import UserError
 
-    names, vrams = args.gpu or [], args.vram or []
+    names, vrams = _times_gpus(args)
     for size in vrams:
         if size > MAX_VRAM_GB:
             raise UserError(f"--vram {size:g}: that is {size:g} GB; --vram takes gigabytes (e.g. --vram 24), not "
@@ -316,10 +319,10 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str,
                             "per card")
         if names:
             specs = [lookup_gpu(name) for name in names]
-            sizes = vrams * len(specs) if len(vrams) == 1 else (vrams or [None] * len(specs))
-            for size in sizes:
-                if size is not None and size <= 0:
-                    raise UserError(f"--vram {size}: must be a positive number of GB, e.g. --vram 12")
+            sizes: list[float | None] = [*vrams] * len(specs) if len(vrams) == 1 else [*vrams] or [None] * len(specs)
+            for given in sizes:
+                if given is not None and given <= 0:
+                    raise UserError(f"--vram {given}: must be a positive number of GB, e.g. --vram 12")
             gpus = [gpu_from_spec(spec, vram_gb=size, source="catalogue" if size is None else "catalogue+--vram",
                                   name=spec.name if size is None else f"{spec.name} limited to {size:g} GB")
                     for spec, size in zip(specs, sizes, strict=True)]
@@ -328,6 +331,21 @@ def _targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str,
         line = "not probed: planned for " + ", ".join(g.name for g in gpus)
         return gpus, cores, None, line, None
     return _probed_targets(args)
+
+
+def _times_gpus(args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    """The --gpu names and --vram sizes, one card's repeated ``--gpus`` times."""
+    from sd_scripts_compat.facts.errors import UserError
+
+    names, vrams, count = list(args.gpu or []), list(args.vram or []), getattr(args, "gpus", None)
+    if count is None:
+        return names, vrams
+    if not 1 <= count <= MAX_GPUS:
+        raise UserError(f"--gpus {count}: the number of cards, 1 to {MAX_GPUS}")
+    if len(names) > 1 or len(vrams) > 1 or not (names or vrams):
+        raise UserError("--gpus N repeats one card: give one --gpu NAME and/or one --vram GB with it (or several "
+                        "--gpu for a machine of different cards)")
+    return names * count, vrams if names else vrams * count
 
 
 def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | None, str, Any]:

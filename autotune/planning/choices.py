@@ -73,6 +73,7 @@ class PlanContext:
     compile_reason: str = "eager"  # why torch_compile is on or off (planning.compile_choice)
     pinned_reason: str | None = None  # why the swapped blocks are pinned or not (planning.host_swap)
     offload_reason: str | None = None  # Wan 2.2, both experts: why the inactive one is offloaded or not
+    sharding_reason: str | None = None  # several cards: why data parallel or sharded (planning.sharding)
 
     @property
     def values(self) -> dict[str, Any]:
@@ -308,6 +309,9 @@ def _training(c: PlanContext) -> list[Choice]:
             "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
     if s.blocks_to_swap:
         out.append(Choice("blocks_to_swap", c.values["blocks_to_swap"], swap_reason(c)))
+    if s.fsdp:
+        out.append(Choice("fsdp", s.fsdp, f"{c.sharding_reason} (lora-autotune's engine; sd-scripts ignores this "
+                                          "key)"))
     if c.pinned_reason is not None:
         out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))
     if c.offload_reason is not None:
@@ -399,8 +403,11 @@ def _saving(c: PlanContext) -> list[Choice]:
 def _informational(c: PlanContext) -> list[Choice]:
     out = [Choice("effective_batch", c.effective, "samples per optimizer step across accumulation and devices",
                   kohya=False),
-           Choice("num_processes", c.devices, "data-parallel processes (one per GPU)" if c.request.gpus
-                  else "one process: no GPU", kohya=False)]
+           Choice("num_processes", c.devices, ("processes (one per GPU), each with 1/N of the transformer"
+                                               if c.settings.fsdp else "data-parallel processes (one per GPU)")
+                  if c.request.gpus else "one process: no GPU", kohya=False)]
+    if c.sharding_reason and not c.settings.fsdp:
+        out.append(Choice("sharding", "off", c.sharding_reason, kohya=False))
     if c.fallbacks:
         out.append(Choice("fallbacks", ", ".join(c.fallbacks), "given up, in this order, because nothing fit before",
                           kohya=False))

@@ -125,6 +125,7 @@ from autotune.planning.resolution import (
     is_tiny_scale,
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
+from autotune.planning.sharding import can_shard, choose_sharding
 from sd_scripts_compat.facts.dataset_scan import VIDEO_EXTENSIONS
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -288,6 +289,7 @@ class _Searched:
     predictor: Predictor
     found: SearchResult
     pin_costs: tuple[str, ...] = ()
+    sharding_reason: str | None = None  # several cards: data parallel or sharded, and why (planning.sharding)
 
 
 def plan_training(request: PlanRequest) -> Plan:
@@ -349,6 +351,12 @@ def _search_plan(request: PlanRequest) -> _Searched:
                           memory=memory_view(request, bool(gpus), devices))
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
+    sharding_reason = None
+    if can_shard(family, devices):  # several cards: data parallel or the transformer sharded, the faster
+        sharding = choose_sharding(start, devices, found, lambda point: search(
+            point, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
+            predictor=predictor, split=split))
+        found, sharding_reason = sharding.found, sharding.reason
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
         need = found.smallest.required / GIB
         found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
@@ -363,7 +371,8 @@ def _search_plan(request: PlanRequest) -> _Searched:
         costs = pin_costs(split, found.chosen.settings, free.chosen.settings if free.chosen else None)
     return _Searched(family=family, dataset=dataset, goal=goal, devices=devices, precision=precision,
                      precision_reason=precision_reason, usable=usable, preferred_opt=preferred_opt, t5_fp8=t5_fp8,
-                     te_cpu=te_cpu, measured=measured, predictor=predictor, found=found, pin_costs=costs)
+                     te_cpu=te_cpu, measured=measured, predictor=predictor, found=found, pin_costs=costs,
+                     sharding_reason=sharding_reason)
 
 
 def pin_costs(split: tuple[int, int], pinned: TrainSettings, free: TrainSettings | None) -> tuple[str, ...]:
@@ -425,7 +434,8 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
                           fallbacks=found.fallbacks, preferred_opt=searched.preferred_opt, usable=usable,
                           peak=chosen.peak, workers=ram.workers, t5_fp8=searched.t5_fp8, te_cpu=searched.te_cpu,
                           host_ram=chosen.host_ram, compile_reason=compiling.reason,
-                          pinned_reason=host_swap.pinned_reason, offload_reason=host_swap.offload_reason)
+                          pinned_reason=host_swap.pinned_reason, offload_reason=host_swap.offload_reason,
+                          sharding_reason=searched.sharding_reason)
     unit, unit_name = memory_unit(device)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "

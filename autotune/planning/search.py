@@ -64,11 +64,12 @@ class Estimate:
 
 def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, *, t5_fp8: bool = False,
                           cpu_bf16: bool = False, te_cpu: bool = False, on_gpu: bool = True,
-                          memory: MemoryView = AS_MODELLED) -> tuple[Any, Any]:
+                          memory: MemoryView = AS_MODELLED, devices: int = 1) -> tuple[Any, Any]:
     """(memory estimate, speed function of a GPU spec) from the family's memory model: FLUX's own
     (``dit_memory`` / ``dit_speed``: the transformer model) for the families its calibration lists, else the UNet model
     (``cpu_bf16``: the CPU computes bf16 natively; ``on_gpu``: the coefficients traced under CUDA autocast's op
-    lists, else under the CPU's; ``memory``: an emulated card's view, a deliberately scaled model)."""
+    lists, else under the CPU's; ``memory``: an emulated card's view, a deliberately scaled model; ``devices``: the
+    processes a sharded transformer (``s.fsdp``) is split across)."""
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import DEFAULT_CUDA_CONTEXT_GIB
 
@@ -83,7 +84,7 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
         te_fp8 = profile.text_encoder_fp8(t5_fp8, s.fp8_base)
         flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8), text_encoders_on_cpu=te_cpu,
                        expert_switch_share=profile.expert_switch_share(), autocast_rules=rules,
-                       cuda_context_gib=context)
+                       cuda_context_gib=context, shard_ranks=devices if s.fsdp else 1)
         return (memory.predict(predict_dit_memory, flux),
                 lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores))
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
@@ -118,7 +119,8 @@ class Predictor:
 
     def _models(self, s: TrainSettings) -> tuple[Any, Any]:
         return estimate_for_settings(self.family, s, self.cpu_cores, t5_fp8=self.t5_fp8, cpu_bf16=self.cpu_bf16,
-                                     te_cpu=self.te_cpu, on_gpu=bool(self.gpus), memory=self.memory)
+                                     te_cpu=self.te_cpu, on_gpu=bool(self.gpus), memory=self.memory,
+                                     devices=max(1, len(self.gpus)))
 
     def model_rate(self, s: TrainSettings) -> float:
         """The speed model's micro-steps/s of the slowest device."""

@@ -21,7 +21,7 @@ _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_arg
                                   "cpu_offload_checkpointing": False, "torch_compile": False,
                                   "dynamo_backend": "inductor", "frames": 1,
                                   "use_pinned_memory_for_block_swap": False, "high_noise_expert": False,
-                                  "offload_inactive_dit": False}
+                                  "offload_inactive_dit": False, "fsdp": None}
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class TrainSettings:
     use_pinned_memory_for_block_swap: bool = False  # musubi-tuner: the swapped blocks live in page-locked RAM
     high_noise_expert: bool = False  # Wan 2.2: the high-noise expert trains too (musubi's --dit_high_noise)
     offload_inactive_dit: bool = False  # ... and the expert not in use waits in host RAM (no block swap then)
+    fsdp: str | None = None  # several processes: the frozen denoiser sharded across them (training.sharding)
 
     @property
     def effective_batch(self) -> int:
@@ -132,6 +133,7 @@ class TrainSettings:
         data["frames"] = int(data["frames"])
         for name in ("use_pinned_memory_for_block_swap", "high_noise_expert", "offload_inactive_dit"):
             data[name] = bool(data[name])
+        data["fsdp"] = str(data["fsdp"]) if data["fsdp"] else None
         return cls(**data)
 
     def describe(self) -> str:
@@ -153,6 +155,8 @@ class TrainSettings:
                          + (" (pinned)" if self.use_pinned_memory_for_block_swap else ""))
         if self.cpu_offload_checkpointing:
             parts.append("checkpoints offloaded to the CPU")
+        if self.fsdp:
+            parts.append(f"sharded ({self.fsdp})")
         if self.torch_compile:
             parts.append(f"blocks compiled ({self.dynamo_backend})")
         parts.append(f"lr {self.learning_rate:g}")

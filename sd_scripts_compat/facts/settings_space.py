@@ -63,6 +63,8 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["blocks_to_swap"] = s.blocks_to_swap
     if s.cpu_offload_checkpointing:
         values["cpu_offload_checkpointing"] = True
+    if s.fsdp:  # our engine's key (sd-scripts has no FSDP for its LoRA scripts)
+        values["fsdp"] = s.fsdp
     if s.use_pinned_memory_for_block_swap:
         values["use_pinned_memory_for_block_swap"] = True
     if s.high_noise_expert:  # written either way: a ladder move from offloading to block swap must clear it
@@ -152,6 +154,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         full_bf16=bool(values.get("full_bf16", False)),
         blocks_to_swap=int(values.get("blocks_to_swap") or 0),
         cpu_offload_checkpointing=bool(values.get("cpu_offload_checkpointing", False)),
+        fsdp=str(values["fsdp"]) if values.get("fsdp") else None,
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
         torch_compile=bool(values.get("torch_compile", False)),
@@ -266,6 +269,8 @@ def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
 
 
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    if s.fsdp:  # a sharded denoiser swaps no blocks (training.sharding)
+        return []
     base = replace(s, offload_inactive_dit=False)  # musubi refuses block swap beside an offloaded Wan 2.2 expert
     return [Candidate(replace(base, blocks_to_swap=n), f"blocks_to_swap {n}")
             for n in range(s.blocks_to_swap + 1, lim.max_blocks_to_swap + 1)]  # the fewest that fit win
@@ -316,7 +321,7 @@ def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
 def _fp8(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     label = "fp8 base weights" if lim.fp8_option == "fp8_base" else f"fp8 weights ({lim.fp8_option})"
     return [Candidate(replace(s, fp8_base=True), label)] \
-        if lim.fp8_supported and lim.fp8_option and not s.fp8_base else []
+        if lim.fp8_supported and lim.fp8_option and not s.fp8_base and not s.fsdp else []
 
 
 RUNGS: dict[str, Rung] = {

@@ -1,0 +1,67 @@
+"""Data parallel or sharded, on a machine with several cards: the planner searches both ways and keeps the one with
+more predicted images per second that fits (``training.sharding`` in the engine).
+
+Data parallel holds the whole transformer on every card (swapping blocks to the host where it does not fit);
+sharded (``fsdp = "full_shard"``) holds 1/N of it on each and gathers each block over the link between the cards
+as it runs. Our engine shards the transformer families it trains (FLUX.1, Chroma, SD3.5, ...); the UNet families
+and the trainers run from the user's sd-scripts / musubi-tuner are planned data parallel only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from autotune.planning.search import Scored, SearchResult
+    from sd_scripts_compat.facts.families import FamilySpec
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+GIB = 1024**3
+STRATEGY = "full_shard"  # the planner's; shard_grad_op keeps each block gathered from its forward to its backward
+
+
+def can_shard(family: FamilySpec, devices: int) -> bool:
+    """Whether a plan over ``devices`` cards may shard ``family``: our engine trains it and it is a transformer of
+    block groups (its units)."""
+    return devices > 1 and family.trained_here and bool(family.transformer_block_groups)
+
+
+@dataclass(frozen=True)
+class ShardingChoice:
+    found: SearchResult  # the search whose settings the plan takes
+    reason: str  # why, with the other way's figures
+
+
+def _figures(scored: Scored) -> str:
+    swap = f", {scored.settings.blocks_to_swap} blocks swapped" if scored.settings.blocks_to_swap else ""
+    return (f"{scored.peak / GIB:.1f} GiB per card{swap}, micro-batch {scored.settings.train_batch_size}, "
+            f"{scored.samples_per_s:.3g} samples/s")
+
+
+def choose_sharding(start: TrainSettings, devices: int, plain: SearchResult,
+                    search: Callable[[TrainSettings], SearchResult]) -> ShardingChoice:
+    """Search again from ``start`` sharded across ``devices`` and keep the faster of the two that fit; on a tie the
+    one that gave up less to fit (fp8 weights, swapped blocks, ...), else data parallel (no gathers to depend
+    on)."""
+    sharded = search(replace(start, fsdp=STRATEGY))
+    ours, theirs = sharded.chosen, plain.chosen
+    across = f"sharded across {devices} cards (fsdp {STRATEGY})"
+    if ours is None:
+        need = sharded.smallest.required / GIB
+        return ShardingChoice(plain, f"data parallel: {across} fits no card (needs {need:.1f} GiB per card at its "
+                                     "smallest settings)")
+    if theirs is None:
+        need = plain.smallest.required / GIB
+        return ShardingChoice(sharded, f"{across}: {_figures(ours)}; data parallel fits no card (needs "
+                                       f"{need:.1f} GiB per card at its smallest settings)")
+    if ours.samples_per_s > theirs.samples_per_s * (1 + 1e-9):
+        return ShardingChoice(sharded, f"{across}: {_figures(ours)}; faster than data parallel ({_figures(theirs)})")
+    tie = ours.samples_per_s >= theirs.samples_per_s * (1 - 1e-9)
+    if tie and len(sharded.fallbacks) < len(plain.fallbacks):  # as fast, and it gave up less to fit
+        return ShardingChoice(sharded, f"{across}: {_figures(ours)}; as fast as data parallel, which needs "
+                                       f"{', '.join(plain.fallbacks)} to fit ({_figures(theirs)})")
+    how = "as fast as" if tie else "faster than"
+    return ShardingChoice(plain, f"data parallel: {_figures(theirs)}; {how} {across} ({_figures(ours)})")

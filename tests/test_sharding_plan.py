@@ -1,0 +1,118 @@
+"""Planning several cards (issue 53, item 2): data parallel or the transformer sharded, by predicted speed, with
+the per-card memory of each and the reason; the sharded weights per card against the real modules' sizes (the
+diffusers classes at full size on the meta device, split into our engine's units as training.sharding splits them).
+No GPU here: the cards are catalogue entries."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import toml
+
+from autotune.estimate.dit_memory import dit_family_calibration, sharded_transformer_bytes
+from autotune.hardware.gpu_catalog import lookup_gpu
+from autotune.planning.planner import PlanRequest, gpu_from_spec, nominal_dataset, plan_training
+from sd_scripts_compat.facts.families import get_family
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _plan(model: str, card: str, count: int, resolution: int = 1024):
+    from autotune.planning.request import Preferences
+
+    gpus = tuple(gpu_from_spec(lookup_gpu(card)) for _ in range(count))
+    return plan_training(PlanRequest(dataset_dir=None, model=model, dataset=nominal_dataset(), gpus=gpus,
+                                     cpu_physical_cores=16, preferences=Preferences(resolution=resolution)))
+
+
+def _modules_sharded(family_name: str, ranks: int) -> int:
+    """Bytes per process of the bf16 transformer built at full size on the meta device, split as the engine
+    splits it: 1/N of every parameter, the root unit's whole, two of the largest blocks gathered, and the buffers
+    (SD3.5's positional table) whole on each, as FSDP2 leaves them."""
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.training.sharding import shard_units
+
+    family = get_family(family_name)
+    denoiser = build_modules(family, device="meta").unet
+    units = shard_units(denoiser, family)
+    blocks = [sum(p.numel() for p in unit.parameters()) * 2 for unit in units]
+    total = sum(p.numel() for p in denoiser.parameters()) * 2
+    buffers = sum(b.numel() * 2 for b in denoiser.buffers())
+    return math.ceil(total / ranks) + (total - sum(blocks)) + 2 * max(blocks) + buffers
+
+
+@pytest.mark.parametrize("family", ["flux-dev", "sd3.5-large", "chroma"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_sharded_weights_per_card_match_the_real_modules_split_as_the_engine_splits_them(family, ranks):
+    arch = dit_family_calibration(family)["architecture"]
+    shard, gathered = sharded_transformer_bytes(arch, ranks)
+    traced = _modules_sharded(family, ranks)
+    assert (shard + gathered) / traced == pytest.approx(1.0, abs=0.02)
+
+
+def test_four_16_gb_cards_shard_flux_where_data_parallel_needs_fp8_and_swapped_blocks(tmp_path):
+    plan = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 4)
+    assert plan.fits and plan.settings.fsdp == "full_shard" and not plan.settings.fp8_base
+    assert plan.settings.blocks_to_swap == 0
+    choices = {c.key: c for c in plan.choices}
+    reason = choices["fsdp"].reason
+    assert "sharded across 4 cards" in reason and "data parallel, which needs fp8 base weights" in reason
+    assert "GiB per card" in reason and "samples/s" in reason  # both ways' figures
+    assert plan.prediction.peak_bytes <= plan.prediction.usable_bytes
+    assert "each with 1/N of the transformer" in choices["num_processes"].reason
+
+
+def test_two_12_gb_cards_stay_data_parallel_and_say_what_sharding_would_need():
+    plan = _plan("builtin:flux-dev", "RTX 3060", 2)
+    assert plan.fits and plan.settings.fsdp is None and plan.settings.blocks_to_swap > 0
+    sharding = next(c for c in plan.choices if c.key == "sharding")
+    assert sharding.value == "off" and not sharding.kohya
+    assert "fits no card (needs" in sharding.reason and "GiB per card" in sharding.reason
+
+
+@pytest.mark.parametrize(("model", "cards"), [("builtin:sdxl", 2), ("builtin:flux-dev", 1)])
+def test_no_sharding_for_a_unet_family_or_one_card(model, cards):
+    plan = _plan(model, "RTX 4060 Ti 16GB", cards)
+    assert plan.settings.fsdp is None and all(c.key not in ("fsdp", "sharding") for c in plan.choices)
+
+
+def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autotune", *argv], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_gpus_n_plans_n_of_that_card_and_the_config_carries_the_strategy(tmp_path):
+    out = tmp_path / "cfg"
+    done = _cli("plan", str(REPO / "examples" / "dataset"), "--model", "builtin:flux-dev", "--gpu", "RTX 4060 Ti 16GB",
+                "--gpus", "4", "--resolution", "1024", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "4 x RTX 4060 Ti 16GB" in done.stdout
+    config = toml.loads((out / "config.toml").read_text(encoding="utf-8"))
+    assert config["fsdp"] == "full_shard" and "--num_processes 4" in (out / "config.toml").read_text()
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (("--gpus", "3"), "--gpus N repeats one card"),
+    (("--gpu", "RTX 3060", "--gpu", "RTX 4090", "--gpus", "2"), "--gpus N repeats one card"),
+    (("--gpu", "RTX 3060", "--gpus", "0"), "--gpus 0: the number of cards"),
+    (("--gpu", "RTX 3060", "--gpus", "99"), "--gpus 99: the number of cards"),
+])
+def test_a_bad_gpus_is_one_line(tmp_path, argv, said):
+    done = _cli("plan", str(REPO / "examples" / "dataset"), "--model", "builtin:flux-dev", *argv, cwd=tmp_path)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_three_cards_and_two_different_cards_are_planned_per_card():
+    """Three ranks shard FLUX.1's 57 blocks unevenly (each weight split by rows, padded: no block count need
+    divide); two different cards are planned by the smaller one's memory and the slower one's speed."""
+    three = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 3)
+    assert three.fits and three.prediction.peak_bytes <= three.prediction.usable_bytes
+    cards = (gpu_from_spec(lookup_gpu("RTX 3060")), gpu_from_spec(lookup_gpu("RTX 4090")))
+    mixed = plan_training(PlanRequest(dataset_dir=None, model="builtin:flux-dev", dataset=nominal_dataset(),
+                                      gpus=cards, cpu_physical_cores=16))
+    assert mixed.fits and mixed.prediction.usable_bytes == gpu_from_spec(lookup_gpu("RTX 3060")).usable_bytes
