@@ -134,3 +134,37 @@ def test_the_supervisor_names_no_engine() -> None:
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
              and node.func.id == "isinstance" and isinstance(node.args[1], ast.Name) and "Engine" in node.args[1].id]
     assert not calls
+
+
+# ---- several processes: a failed collective, the launcher's account, any process's oom.json -----------------
+
+@pytest.mark.parametrize(("message", "kind"), [
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+     "[127.0.0.1]:22449. This is typically caused by a remote worker crashing.", "peer"),  # gloo, as seen here
+    ("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+     "Timeout(ms)=600000) ran for 600018 milliseconds before timing out.", "timeout"),  # NCCL's watchdog
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+     "operation to complete", "timeout"),
+    ("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)", None),
+])
+def test_a_failed_collective_is_told_from_other_errors(message, kind):
+    from sd_scripts_compat.facts.contract import collective_failure
+
+    assert collective_failure(RuntimeError(message)) == kind
+
+
+def test_several_processes_outcomes_come_from_the_events_and_the_launchers_summary():
+    from sd_scripts_compat.facts.contract import COMM, COMM_TIMEOUT_FIX, OOM, ExitFacts, Outcome, classify
+
+    oom = classify(ExitFacts(returncode=1, events={OOM: {"message": "CUDA out of memory", "rank": 1}}))
+    assert oom == (Outcome.OOM, "CUDA out of memory")
+    timeout = classify(ExitFacts(returncode=1, events={COMM: {"message": "Watchdog caught collective operation "
+                                                                      "timeout", "rank": 0}}))
+    assert timeout[0] is Outcome.COMM_TIMEOUT and COMM_TIMEOUT_FIX in timeout[1]
+    assert Outcome.COMM_TIMEOUT.same_settings and not Outcome.COMM_TIMEOUT.final
+    summary = ("Root Cause (first observed failure):", "[0]:", "  time      : 2026-12-07_10:46:38",
+               "  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 17119)  (SIGKILL)")
+    killed = classify(ExitFacts(returncode=1, stderr_tail=summary))
+    assert killed[0] is Outcome.OS_KILL and "process 1 of the run" in killed[1]
+    crashed = classify(ExitFacts(returncode=1, stderr_tail=(*summary[:4], "  exitcode  : 1 (pid: 17119)")))
+    assert crashed[0] is Outcome.CRASH

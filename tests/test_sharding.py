@@ -126,3 +126,43 @@ def test_one_process_with_fsdp_is_refused_before_the_model_loads(tmp_path):
                            str(config)], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
     assert done.returncode == 2 and "sharding needs several processes" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "one").exists()
+
+
+# ---- several processes under the watchdog (CompatEngine(processes=2): accelerate's launcher, gloo) ----------
+
+
+def _supervised(tmp: Path, env_extra: dict[str, str]):
+    from autotune.recovery.engine import CompatEngine
+    from autotune.recovery.ladder import LadderLimits, memory_predictor
+    from autotune.recovery.watchdog import Job, supervise
+    from sd_scripts_compat.config.resolved_run import settings_from_files
+    from sd_scripts_compat.facts.families import get_family
+
+    config = _config(tmp, "run", FLUX, fsdp="full_shard", train_batch_size=2, max_train_steps=6,
+                     save_every_n_steps=1, save_state=True)
+    env = {**ENV, **env_extra}
+    settings = settings_from_files(config, None, script="flux_train_network").settings
+    job = Job(config_path=config, output_dir=tmp / "run", settings=settings,
+              limits=LadderLimits(budget_mib=1e6, min_resolution=64, resolution_step=64),
+              predict=memory_predictor(get_family("tiny-flux"), cuda=False), env=env, echo=False,
+              train_output_dir=tmp / "run", engine=CompatEngine.for_module(
+                  "sd_scripts_compat.flux_train_network", save_state_every_s=3600, processes=2))
+    return job, supervise(job)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(("fault", "outcome", "said"), [
+    ("SD_COMPAT_INJECT_OOM", "oom", "injected by SD_COMPAT_INJECT_OOM"),
+    ("SD_COMPAT_INJECT_KILL", "os_kill", "process 1 of the run killed by SIGKILL"),
+])
+def test_one_process_failing_stops_the_others_and_the_run_resumes_at_its_saved_step(tmp_path, fault, outcome, said):
+    """Process 1 of 2 runs out of memory (or is killed) as step 4 begins: process 0 stops where the collective
+    failed (one line), the watchdog reads the outcome from oom.json (or the launcher's account of the killed
+    process), steps down and resumes both processes from the state of step 3; the run ends at step 6."""
+    job, result = _supervised(tmp_path, {fault: "step=3,rank=1"})
+    assert result.ok, result.message
+    first = result.retries[0]
+    assert first["failure"] == outcome and said in first["message"]
+    assert first["resume_step"] == 3 and first["steps_lost"] == 0  # the state of step 3, saved before it began
+    assert first["changes"]["train_batch_size"] == [2, 1]  # stepped down, the effective batch kept
+    assert read_lora_file(tmp_path / "run" / "lora.safetensors")[1]["ss_steps"] == "6"

@@ -39,10 +39,18 @@ def ours_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Syst
 
     def engine(family: FamilySpec, config_path: Path, train_output: Path,
                plan: Plan | None) -> tuple[Engine, Path | None]:
-        return CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every), \
-            out / STATE_DIR
+        return CompatEngine.for_module(family.engine_module, save_state_every_s=args.save_state_every,
+                                       processes=_processes(plan, probe)), out / STATE_DIR
 
     return kohya_job(args, out, scan, probe, started, family, engine)
+
+
+def _processes(plan: Plan | None, probe: SystemProbe) -> int:
+    """One process per GPU the plan spread the run over, where this machine has that many (a plan for another
+    machine's cards trains here on one)."""
+    planned = next((int(c.value) for c in plan.choices if c.key == "num_processes"), 1) if plan else 1
+    here = len(probe.gpus) if probe.accelerator == "cuda" else 1
+    return planned if planned <= here else 1
 
 
 def sd_scripts_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],

@@ -85,6 +85,7 @@ class CompatEngine:
     python: str = sys.executable
     extra_args: list[str] = field(default_factory=list)
     save_state_every_s: float = 30.0
+    processes: int = 1  # several: launched through accelerate (one per GPU; on a CPU, gloo processes)
 
     @classmethod
     def for_module(cls, module: str, **kwargs: object) -> CompatEngine:
@@ -93,7 +94,7 @@ class CompatEngine:
 
     def attempt_argv(self, attempt: int, files: AttemptFiles, state: tuple[Path, int] | None,
                      log: DecisionLog) -> list[str]:
-        argv = [self.python, *self.entry, "--config_file", str(files.config)]
+        argv = [self.python, *self.launcher(), *self.entry, "--config_file", str(files.config)]
         if files.dataset is not None:
             argv += ["--dataset_config", str(files.dataset)]
         argv += [*self.extra_args, EVENTS_DIR_FLAG, str(files.events_dir), SAVE_STATE_EVERY_FLAG,
@@ -102,6 +103,14 @@ class CompatEngine:
         if state is not None:
             argv += ["--resume", str(state[0])]
         return argv
+
+    def launcher(self) -> list[str]:
+        """accelerate's launcher for several processes (it starts them, gives them their process group and stops
+        the rest when one ends; the one that ran out of memory writes oom.json); nothing for one."""
+        if self.processes < 2:
+            return []
+        return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(self.processes),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
     def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
         return newest_state(states_dir)

@@ -74,6 +74,7 @@ DIVERGED_EXIT_CODE = 88  # non-finite or diverging loss; diverged.json says wher
 TERMINATED_EXIT_CODE = 143  # SIGTERM (128 + 15): state saved, as for SIGINT
 DISK_FULL_EXIT_CODE = 28  # no space left for a save (errno ENOSPC is 28); the previous save is intact
 BAD_DATA_EXIT_CODE = 65  # NaN / Inf in an input file's weights (EX_DATAERR): not a divergence, never retried
+COLLECTIVE_EXIT_CODE = 89  # several processes: a collective failed (another process ended, or a timeout; comm.json)
 STOPPED_EXIT_CODES = (INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE)
 
 # event files
@@ -82,6 +83,7 @@ OOM = "oom"
 DONE = "done"
 DIVERGED = "diverged"
 PHASE = "phase"
+COMM = "comm"  # several processes: a collective timed out (its message, the rank that saw it)
 EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED, PHASE)
 ENGINE_PHASES = ("loading", "caching", "training", "compiling", "validating", "saving", "sampling")
 
@@ -175,6 +177,7 @@ class Outcome(str, Enum):
     OS_KILL = "os_kill"  # SIGKILL, most likely the OS out-of-memory killer: stepped down like an OOM
     DIVERGED = "diverged"  # non-finite or exploding loss: roll back (recovery.stability)
     STALL = "stall"  # no progress for too long: killed, resumed with the same settings
+    COMM_TIMEOUT = "comm_timeout"  # several processes: a collective (NCCL / gloo) timed out: resumed as a stall
     CONTINUE = "continue"  # the engine stopped short of its last step (an adapter's relaunch): resume as it is
     STEP_UP = "step_up"  # stopped at a step boundary because the supervisor asked: resume with larger settings
     STEP_DOWN = "step_down"  # ... asked because the measured peak foresees an OOM: resume with smaller settings
@@ -203,7 +206,7 @@ class Outcome(str, Enum):
     @property
     def same_settings(self) -> bool:
         """Retried from the newest state with the settings that ran (nothing about them was at fault)."""
-        return self in (Outcome.STALL, Outcome.CONTINUE, Outcome.STEP_UP)
+        return self in (Outcome.STALL, Outcome.COMM_TIMEOUT, Outcome.CONTINUE, Outcome.STEP_UP)
 
 
 @dataclass(frozen=True)
@@ -234,13 +237,19 @@ def classify(facts: ExitFacts) -> tuple[Outcome, str]:
         return Outcome.DONE, "finished"
     if rc == BAD_DATA_EXIT_CODE:
         return Outcome.BAD_DATA, tail or "NaN or Inf in an input file's weights"
-    if rc == OOM_EXIT_CODE:
+    if rc == OOM_EXIT_CODE or events.get(OOM) is not None:  # several processes: the launcher's exit is its own
         return Outcome.OOM, str((events.get(OOM) or {}).get("message") or "out of memory")
+    if events.get(COMM) is not None:
+        return Outcome.COMM_TIMEOUT, (f"{(events.get(COMM) or {}).get('message')}: {COMM_TIMEOUT_FIX}")
     if rc == DIVERGED_EXIT_CODE:
         reason = (events.get(DIVERGED) or {}).get("reason") or "training diverged"
         return Outcome.DIVERGED, f"training diverged: {reason}"
     if rc == -signal.SIGKILL:
         return Outcome.OS_KILL, "killed by SIGKILL (the OS out-of-memory killer, most likely)"
+    root = _LAUNCHER_ROOT_CAUSE.search("\n".join(facts.stderr_tail))
+    if root is not None and int(root["exitcode"]) == -signal.SIGKILL:  # several processes: the launcher's account
+        return Outcome.OS_KILL, (f"process {root['rank']} of the run killed by SIGKILL (the OS out-of-memory killer, "
+                                 "most likely); the launcher stopped the others")
     if rc == USER_ERROR_EXIT_CODE:
         return Outcome.USER_ERROR, tail or "the engine rejected its input"
     if rc == DISK_FULL_EXIT_CODE:
@@ -250,6 +259,33 @@ def classify(facts: ExitFacts) -> tuple[Outcome, str]:
         return Outcome.OOM, oom_line
     detail = f"signal {-rc}" if rc is not None and rc < 0 else f"exit code {rc}"
     return Outcome.CRASH, f"training crashed ({detail}): {tail}"
+
+
+# torch.distributed.elastic's summary (accelerate launch, torchrun): the process that failed first
+_LAUNCHER_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(?P<rank>\d+).*?"
+                                  r"exitcode\s*:\s*(?P<exitcode>-?\d+)", re.DOTALL)
+
+COMM_TIMEOUT_FIX = ("a process stopped answering the others (a hung card or driver, or a process starved of CPU); "
+                    "resumed from the last state with the same settings; if it repeats, on consumer cards without "
+                    "peer-to-peer set NCCL_P2P_DISABLE=1, or train with fewer processes")
+
+
+def collective_failure(error: BaseException) -> str | None:
+    """``"peer"`` when a collective failed because another process of the run ended (its own event says why),
+    ``"timeout"`` when it timed out (NCCL's watchdog, gloo's timeout), else None."""
+    text = str(error)
+    if _PEER_GONE.search(text):
+        return "peer"
+    name = type(error).__name__
+    if (name == "DistBackendError" or isinstance(error, RuntimeError)) and _COLLECTIVE_TIMEOUT.search(text):
+        return "timeout"
+    return None
+
+
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash|"
+                        r"NCCL communicator was aborted|ProcessGroup.*(?:aborted|shut down)", re.IGNORECASE)
+_COLLECTIVE_TIMEOUT = re.compile(r"(?:Watchdog caught collective operation timeout|Timed out waiting|"
+                                 r"\[Gloo\].*timed out|ProcessGroup\w*.*timed? ?out|Socket Timeout)", re.IGNORECASE)
 
 
 def looks_like_oom(line: str) -> bool:

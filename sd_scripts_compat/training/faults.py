@@ -1,7 +1,8 @@
 """Deterministic fault injection, so the OOM and stability ladders are testable on a CPU.
 
-``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`), ``SD_COMPAT_INJECT_NAN`` (see :class:`NanInjector`) and
-``SD_COMPAT_INJECT_FREEZE`` (see :class:`FreezeInjector`) hold comma-separated rules; tests and benches set them
+``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`), ``SD_COMPAT_INJECT_NAN`` (see :class:`NanInjector`),
+``SD_COMPAT_INJECT_FREEZE`` (see :class:`FreezeInjector`) and ``SD_COMPAT_INJECT_KILL`` (:class:`KillInjector`)
+hold comma-separated rules; tests and benches set them
 on the engine's environment, the watchdog never does. The run reads them once into a :class:`FaultPlan`, which wraps the
 training objective when there is anything to inject: the training loop has no fault code of its own.
 A *real* divergence needs no injector: a learning rate far too
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 INJECT_ENV = "SD_COMPAT_INJECT_OOM"
 NAN_ENV = "SD_COMPAT_INJECT_NAN"
 FREEZE_ENV = "SD_COMPAT_INJECT_FREEZE"
+KILL_ENV = "SD_COMPAT_INJECT_KILL"
 
 
 def _marker_fires(marker_dir: Path | None, name: str) -> bool:
@@ -46,7 +48,8 @@ class OomInjector:
       ``step=N``           raise once when global step N is about to run (a marker file in
                            ``marker_dir`` makes it fire once, even across restarts);
       ``pixels_gt=P``      raise whenever micro-batch x height x width (in pixels) exceeds P;
-      ``bare_step=N``      raise a bare ``MemoryError()`` (no message, as a failed host allocation can) once at N.
+      ``bare_step=N``      raise a bare ``MemoryError()`` (no message, as a failed host allocation can) once at N;
+      ``rank=R``           only in the process of rank R (``RANK``, as the launcher sets it) of a several-process run.
     """
 
     steps: frozenset[int]
@@ -64,14 +67,18 @@ class OomInjector:
         pixels_gt = None
         for rule in filter(None, (part.strip() for part in spec.split(","))):
             key, _, value = rule.partition("=")
-            if key == "step" and value.isdigit():
+            if key == "rank" and value.isdigit():
+                if (environ if environ is not None else os.environ).get("RANK", "0") != value:
+                    return None  # another process's fault
+            elif key == "step" and value.isdigit():
                 steps.add(int(value))
             elif key == "bare_step" and value.isdigit():
                 bare.add(int(value))
             elif key == "pixels_gt" and value.isdigit():
                 pixels_gt = int(value)
             else:
-                raise ValueError(f"{INJECT_ENV}: cannot read rule {rule!r} (use step=N, bare_step=N or pixels_gt=P)")
+                raise ValueError(f"{INJECT_ENV}: cannot read rule {rule!r} (use step=N, bare_step=N, pixels_gt=P or "
+                                 "rank=R)")
         return cls(frozenset(steps), pixels_gt, marker_dir, frozenset(bare))
 
     def check(self, step: int, batch_size: int, height: int, width: int) -> None:
@@ -118,12 +125,38 @@ def _step_rules(env: str, environ: dict[str, str] | None) -> frozenset[int] | No
     if not spec:
         return None
     steps: set[int] = set()
+    rank = (environ if environ is not None else os.environ).get("RANK", "0")
     for rule in filter(None, (part.strip() for part in spec.split(","))):
         key, _, value = rule.partition("=")
+        if key == "rank" and value.isdigit():
+            if value != rank:
+                return None  # another process's fault
+            continue
         if key != "step" or not value.isdigit():
-            raise ValueError(f"{env}: cannot read rule {rule!r} (use step=N)")
+            raise ValueError(f"{env}: cannot read rule {rule!r} (use step=N, rank=R)")
         steps.add(int(value))
     return frozenset(steps)
+
+
+@dataclass(frozen=True)
+class KillInjector:
+    """Kills its own process with SIGKILL as a step begins, once (a marker file), as the OS's OOM killer or a
+    crashed card would: ``SD_COMPAT_INJECT_KILL`` holds ``step=N`` rules, and ``rank=R`` for one process of
+    several."""
+
+    steps: frozenset[int]
+    marker_dir: Path | None
+
+    @classmethod
+    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> KillInjector | None:
+        steps = _step_rules(KILL_ENV, environ)
+        return None if steps is None else cls(steps, marker_dir)
+
+    def check(self, step: int) -> None:
+        import signal
+
+        if step in self.steps and _marker_fires(self.marker_dir, f"injected-kill-step{step}"):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -157,12 +190,13 @@ class FaultPlan:
     oom: OomInjector | None = None
     nan: NanInjector | None = None
     freeze: FreezeInjector | None = None
+    kill: KillInjector | None = None
 
     @classmethod
     def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> FaultPlan | None:
         oom, nan = OomInjector.from_env(marker_dir, environ), NanInjector.from_env(marker_dir, environ)
-        freeze = FreezeInjector.from_env(marker_dir, environ)
-        return cls(oom, nan, freeze) if oom or nan or freeze else None
+        freeze, kill = FreezeInjector.from_env(marker_dir, environ), KillInjector.from_env(marker_dir, environ)
+        return cls(oom, nan, freeze, kill) if oom or nan or freeze or kill else None
 
     def wrap(self, objective: Objective, step: Callable[[], int], vae_scale: int) -> FaultyObjective:
         return FaultyObjective(objective, self, step, vae_scale)
@@ -181,6 +215,8 @@ class FaultyObjective:
         step = self.step()
         if self.plan.freeze is not None:
             self.plan.freeze.check(step)
+        if self.plan.kill is not None:
+            self.plan.kill.check(step)
         if self.plan.oom is not None:
             self.plan.oom.check(step, latents.shape[0], latents.shape[2] * self.vae_scale,
                                 latents.shape[3] * self.vae_scale)

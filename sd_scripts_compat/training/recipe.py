@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.contract import (
+    COLLECTIVE_EXIT_CODE,
+    COMM,
     CONTROL_FILE,
     DIVERGED,
     DIVERGED_EXIT_CODE,
@@ -34,6 +36,7 @@ from sd_scripts_compat.facts.contract import (
     OOM,
     OOM_EXIT_CODE,
     PROGRESS,
+    collective_failure,
     error_summary,
     is_oom_error,
     memory_figures,
@@ -671,6 +674,7 @@ class LoopState:
     peak_memory_mib: float = 0.0
     control: int = 0  # the id of the supervisor's last change applied in the process (progress.json says it)
     rebatch: tuple[int, int] | None = None  # (micro-batch, accumulation) asked in the process, from the next step
+    collective: dict[str, str] | None = None  # several processes: a collective failed ({"kind", "message"})
     resident_memory_mib: float | None = None  # at the last progress report (a step boundary)
     largest_batch: tuple[int, int, int, int] = (0, 0, 0, 0)  # (pixels, micro-batch, width, height) trained so far
     largest_bucket: tuple[int, int, int] = (0, 0, 0)  # (micro-batch, width, height) of the data's largest bucket
@@ -745,6 +749,8 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
             raise Diverged(loop.diverged)
         if loop.oom is not None:
             return finish_oom(recipe, loop, counters)
+        if loop.collective is not None:
+            return finish_collective(recipe, loop.collective, counters)
         if loop.interrupted:
             return finish_interrupted(recipe, counters)
         return finish_done(recipe, loop, counters)
@@ -792,11 +798,15 @@ def run_loop(r: Recipe, counters: TrainCounters) -> tuple[Recipe, LoopState]:
         loop.interrupted = True
     except Diverged as diverged:
         loop.diverged = diverged.report
-    except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else re-raises
-        if not is_oom_error(error):
+    except Exception as error:  # noqa: BLE001 - only OOMs and failed collectives are handled; the rest re-raises
+        collective = collective_failure(error) if process.world > 1 else None
+        if collective is not None:
+            loop.collective = {"kind": collective, "message": error_summary(error)}
+        elif is_oom_error(error):
+            loop.oom = {"message": error_summary(error), "type": type(error).__name__}
+        else:
             progress.close()  # the error's line then starts a line of its own
             raise
-        loop.oom = {"message": error_summary(error), "type": type(error).__name__}
     # Outside the except block: the exception's frames (and the activations they hold) are gone now.
     r.phases.end_loop()
     progress.close()
@@ -1080,10 +1090,28 @@ def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     event = {"step": counters.global_step, "epoch": counters.epoch, "settings": r.report.settings,
              "resolved": r.report.resolved, "memory": {**r.memory_figures(), **_oom_point(message)}, "message": message,
              "state_dir": state_dir}
-    if process.paths.events_dir and process.is_main:
-        write_event(process.paths.events_dir, OOM, event)
-    print(f"out of memory at step {counters.global_step}: {message}", file=sys.stderr)
+    if process.paths.events_dir:  # any process's: with several, the one that ran out says so (the rest stop)
+        write_event(process.paths.events_dir, OOM, {**event, "rank": process.rank})
+    print(f"out of memory at step {counters.global_step}{_of_rank(process)}: {message}", file=sys.stderr)
     return OOM_EXIT_CODE
+
+
+def _of_rank(process: Process) -> str:
+    return f" in process {process.rank} of {process.world}" if process.world > 1 else ""
+
+
+def finish_collective(r: Recipe, failed: dict[str, str], counters: TrainCounters) -> int:
+    """Several processes, a collective failed: another process ended (its own event says why: nothing more is
+    written here) or it timed out (comm.json). No state is saved: the others may be mid-step; the last state
+    stands."""
+    process = r.process
+    if failed["kind"] == "timeout" and process.paths.events_dir:
+        write_event(process.paths.events_dir, COMM, {"step": counters.global_step, "rank": process.rank,
+                                                     "message": failed["message"]})
+    what = "another process of the run ended" if failed["kind"] == "peer" else "a collective timed out"
+    print(f"stopped at step {counters.global_step}{_of_rank(process)}: {what} ({failed['message']})",
+          file=sys.stderr)
+    return COLLECTIVE_EXIT_CODE
 
 
 def _oom_point(message: str | None) -> dict[str, float]:
