@@ -16,6 +16,7 @@ import pytest
 import toml
 import torch
 
+from autotune.recovery.engine import free_port
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.network.lora_file import read_lora_file
 from sd_scripts_compat.training.sharding import check_sharding
@@ -47,6 +48,7 @@ def _command(script: str, config: Path, *extra: str) -> list[str]:
     gloo."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()),  # two tests at once (-n 2) must not share accelerate's 29500
             "-m", f"sd_scripts_compat.{script}", "--config_file", str(config), *extra]
 
 
@@ -56,14 +58,16 @@ def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProce
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sdxl"])
-def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model):
+@pytest.mark.parametrize(("model", "strategy", "extra"), [
+    ("tiny-flux", "full_shard", {}), ("tiny-sdxl", "full_shard", {}),
+    ("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True})])
+def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, strategy, extra):
     script, values = MODELS[model]
-    plain = _launch(script, _config(tmp_path, "plain", values))
+    plain = _launch(script, _config(tmp_path, "plain", values, **extra))
     assert plain.returncode == 0, plain.stderr[-3000:]
-    sharded = _launch(script, _config(tmp_path, "sharded", values, fsdp="full_shard"))
+    sharded = _launch(script, _config(tmp_path, "sharded", values, fsdp=strategy, **extra))
     assert sharded.returncode == 0, sharded.stderr[-3000:]
-    said = re.search(r"fsdp full_shard: .* sharded across 2 processes .*: each holds ([\d.]+) of its ([\d.]+) MiB",
+    said = re.search(rf"fsdp {strategy}: .* sharded across 2 processes .*: each holds ([\d.]+) of its ([\d.]+) MiB",
                      sharded.stdout)
     assert said, sharded.stdout[-2000:]
     held, whole = float(said[1]), float(said[2])

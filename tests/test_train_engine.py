@@ -16,6 +16,7 @@ import pytest
 import toml
 import torch
 
+from autotune.recovery.engine import free_port
 from sd_scripts_compat.network.lora_file import describe_lora, read_lora_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +224,7 @@ def test_accelerate_launch_two_cpu_processes_trains_and_writes_one_file(tmp_path
     # engine's Accelerator(cpu=True) turns that into two CPU processes on the gloo backend
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()),  # not 29500: another test may launch at the same time
                "-m", "sd_scripts_compat.train_network", "--config_file", str(config),
                "--autotune_events_dir", str(events)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)

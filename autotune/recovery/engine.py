@@ -76,6 +76,15 @@ class Engine(Protocol):
         ...
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for a launch's rendezvous (the OS picks it)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @dataclass
 class CompatEngine:
     """lora-autotune's own engine (``python -m sd_scripts_compat.<script>``): it writes the contract's events,
@@ -110,7 +119,8 @@ class CompatEngine:
         if self.processes < 2:
             return []
         return ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(self.processes),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port())]  # not accelerate's fixed 29500: two runs at once
 
     def newest_state(self, states_dir: Path) -> tuple[Path, int] | None:
         return newest_state(states_dir)
