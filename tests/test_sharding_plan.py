@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,26 @@ def test_three_cards_and_two_different_cards_are_planned_per_card():
     mixed = plan_training(PlanRequest(dataset_dir=None, model="builtin:flux-dev", dataset=nominal_dataset(),
                                       gpus=cards, cpu_physical_cores=16))
     assert mixed.fits and mixed.prediction.usable_bytes == gpu_from_spec(lookup_gpu("RTX 3060")).usable_bytes
+
+
+@pytest.mark.parametrize(("processes", "expected"), [(4, "fsdp"), (1, "blocks_to_swap")])
+def test_the_oom_ladder_shards_before_it_swaps_when_the_run_has_several_processes(processes, expected):
+    """FLUX.1 dev at 1024 px, bf16, out of memory on 16 GB cards at micro-batch 1 with checkpointing and an 8-bit
+    optimizer: with four processes of our engine the next rung is sharding (1/4 of the transformer each), with one
+    it is block swap."""
+    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    family = get_family("flux-dev")
+    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
+                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
+                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
+                           cache_text_encoder_outputs=True)
+    limits = replace(LadderLimits.for_family(family, 16 * 1024, fp8_supported=True, te_cache_allowed=True),
+                     shard_processes=processes)
+    predict = memory_predictor(family, cuda=True, processes=processes)
+    step = next_settings(failed, limits, predict, measured_mib=16 * 1024)
+    assert isinstance(step, Decision) and expected in step.changes
+    if processes > 1:
+        assert step.settings.fsdp == "full_shard" and "sharding" in step.reasons[0]
+        assert step.predicted_mib < 16 * 1024 and not step.settings.blocks_to_swap

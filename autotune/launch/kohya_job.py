@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,13 +91,14 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
         if isinstance(saved.get("settings"), dict):
             settings = _saved_settings(saved["settings"], out)
         prior = list(saved.get("retries") or [])
-    limits = _limits(probe, family, resolved, args, cuda, usable_mib, card)
     train_output = Path(resolved.config.output_dir or out)
     engine, states_at = make_engine(family, config_path, train_output, plan)
+    processes = _sharding_processes(engine, family)
+    limits = replace(_limits(probe, family, resolved, args, cuda, usable_mib, card), shard_processes=processes)
     job = Job(
         config_path=config_path, output_dir=out, settings=settings, limits=limits,
         predict=_predictor(family, resolved, cuda, MemoryView(emulated=card is not None,
-                                                              scale=memory_model_scale(args))),
+                                                              scale=memory_model_scale(args)), processes),
         dataset_config_path=dataset_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **({VERBOSE_ENV: "1"} if getattr(args, "verbose", False) else {}),
              **({CARD_ENV: f"{card:g}"} if card is not None else {})},
@@ -267,11 +269,21 @@ def images_per_s_model(family: FamilySpec, probe: SystemProbe, cuda: bool) -> Ca
 
 
 def _predictor(family: FamilySpec, resolved: ResolvedRun, cuda: bool,
-               memory: MemoryView) -> Callable[[TrainSettings], float]:
+               memory: MemoryView, processes: int = 1) -> Callable[[TrainSettings], float]:
     from autotune.recovery.ladder import memory_predictor
 
     return memory_predictor(family, text_encoder_outputs_cached=_engine_caches_text(resolved), cuda=cuda,
-                            memory=memory)
+                            memory=memory, processes=processes)
+
+
+def _sharding_processes(engine: Engine, family: FamilySpec) -> int:
+    """The processes the ladder may shard the denoiser across: our engine's, for the families planned sharded
+    (planning.sharding); 1 otherwise."""
+    from autotune.planning.sharding import can_shard
+    from autotune.recovery.engine import CompatEngine
+
+    processes = engine.processes if isinstance(engine, CompatEngine) else 1
+    return processes if can_shard(family, processes) else 1
 
 
 def _usable_mib(plan: Plan | None) -> float | None:

@@ -11,12 +11,13 @@ the wizard make), walked in the OOM policy's order (cheapest loss of quality/spe
   2. gradient checkpointing on
   3. 8-bit optimizer (AdamW -> AdamW8bit, Lion -> Lion8bit)
   4. text-encoder output caching (SDXL; implies training the UNet only)
-  5. more swapped blocks (families that swap, FLUX: one more block at a time up to the family's maximum;
-     slower only once the host link is the bottleneck, and quality is untouched)
-  6. lower max bucket resolution (down to the training resolution)
-  7. lower resolution (in bucket steps, down to a floor)
-  8. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
-  9. fp8 base weights, where the card supports it
+  5. the denoiser sharded across the run's processes (several GPUs, our engine: ``fsdp = "full_shard"``)
+  6. more swapped blocks (families that swap, FLUX: one more block at a time up to the family's maximum;
+     slower only once the host link is the bottleneck, and quality is untouched; not beside sharding)
+  7. lower max bucket resolution (down to the training resolution)
+  8. lower resolution (in bucket steps, down to a floor)
+  9. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
+  10. fp8 base weights, where the card supports it (not beside sharding)
 The ladder is walked cumulatively: a rung's mildest option that is predicted to fit wins; if none
 fits, the rung's strongest option is kept and the next rung is tried on top of it.
 """
@@ -171,7 +172,7 @@ def _reason(name: str, why: str, change: dict[str, tuple[Any, Any]]) -> str:
 
 
 def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = False, cuda: bool = True,
-                     memory: MemoryView = AS_MODELLED) -> Callable[[TrainSettings], float]:
+                     memory: MemoryView = AS_MODELLED, processes: int = 1) -> Callable[[TrainSettings], float]:
     """``predict(settings) -> MiB`` from the analytic memory model, for :func:`next_settings`.
 
     ``text_encoder_outputs_cached``: the engine caches them whatever the settings say (it does so for a
@@ -180,7 +181,7 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     On CPU (``cuda=False``) the CUDA context and the safety margin are left out: they are constants
     that would hide the differences between rungs; the measured/predicted rescaling in
     :func:`next_settings` is what ties the figures to this machine. ``memory``: an emulated card's view, a
-    deliberately scaled model (``MemoryView``).
+    deliberately scaled model (``MemoryView``); ``processes``: what a sharded denoiser (``fsdp``) is split across.
     """
     from autotune.estimate.dit_memory import dit_inputs_for_settings, is_dit_family, predict_dit_memory
     from autotune.estimate.memory_model import (
@@ -196,7 +197,7 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
         return lambda s: memory.predict(predict_dit_memory, replace(
             dit_inputs_for_settings(family, s), cuda_context_gib=context, safety_margin_gib=margin,
-            autocast_rules=rules,
+            autocast_rules=rules, shard_ranks=processes if s.fsdp else 1,
             cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached)
         ).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM

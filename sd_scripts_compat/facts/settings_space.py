@@ -184,6 +184,7 @@ class Limits:
     min_resolution: int = 256
     min_rank: int = 4
     frame_step: int = 4  # a clip's frames go 1 + k x this (FamilySpec.temporal_stride: Wan's VAE packs 4)
+    shard_processes: int = 1  # a run of this many processes whose engine shards the family (training.sharding)
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,13 @@ def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
                               cache_text_encoder_outputs=s.cache_text_encoder_outputs or lim.is_sdxl), label)]
 
 
+def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    """Shard the frozen denoiser across the run's processes, or shard it more (gathered only while a block runs)."""
+    if lim.shard_processes < 2 or s.fsdp == "full_shard" or s.blocks_to_swap or s.fp8_base:
+        return []
+    return [Candidate(replace(s, fsdp="full_shard"), f"sharded across {lim.shard_processes} processes")]
+
+
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     if s.fsdp:  # a sharded denoiser swaps no blocks (training.sharding)
         return []
@@ -335,6 +343,8 @@ RUNGS: dict[str, Rung] = {
                      "(UNet-only training)", _te_cache),
     "unet_only": Rung("UNet only", "the text encoders stop training (SDXL: their outputs are cached and they leave "
                       "the device)", _unet_only),
+    "shard": Rung("sharding", "each process holds 1/N of the frozen denoiser and gathers a block's weights only "
+                  "while it runs (FSDP)", _shard),
     "swap": Rung("block swap", "swapped blocks wait in host memory and are copied in around their use (slower only "
                  "once the host link is the bottleneck)", _swap),
     "max_bucket": Rung("max bucket resolution", "a lower max bucket resolution caps the largest (most "
@@ -357,5 +367,5 @@ def rungs(settings: TrainSettings, policy: Policy, limits: Limits) -> list[tuple
 
 # The OOM ladder's order: cheapest loss of quality or speed first; all of it resumes from the saved state except
 # the optimizer, text-encoder and rank moves (their tensors change shape).
-OOM_POLICY = Policy(rungs=("micro_batch", "checkpointing", "optimizer", "te_cache", "swap", "max_bucket",
+OOM_POLICY = Policy(rungs=("micro_batch", "checkpointing", "optimizer", "te_cache", "shard", "swap", "max_bucket",
                            "resolution", "frames", "rank_min", "fp8"))
