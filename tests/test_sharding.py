@@ -170,3 +170,7 @@ def test_one_process_failing_stops_the_others_and_the_run_resumes_at_its_saved_s
     assert first["resume_step"] == 3 and first["steps_lost"] == 0  # the state of step 3, saved before it began
     assert first["changes"]["train_batch_size"] == [2, 1]  # stepped down, the effective batch kept
     assert read_lora_file(tmp_path / "run" / "lora.safetensors")[1]["ss_steps"] == "6"
+    report = subprocess.run([sys.executable, "-m", "autotune", "report", str(tmp_path / "run")], capture_output=True,
+                            text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert re.search(r"peak memory per process: 0: [\d.]+ GiB, 1: [\d.]+ GiB", report.stdout), report.stdout

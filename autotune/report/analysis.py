@@ -114,9 +114,12 @@ def memory(run: RunFiles, devices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"peak_bytes": peak_mib * MIB, "kind": "emulated_card", "total_bytes": card * MIB, "device": "cpu"}
     cuda = bool(devices) and devices[0]["device"].startswith("cuda")
     total = devices[0]["total_bytes"] if devices else run.header.get("ram_total_bytes")
+    peaks = (run.done or {}).get("process_peaks")
+    each = [float(p) * MIB for p in peaks if isinstance(p, (int, float))] if isinstance(peaks, list) else []
     return {"peak_bytes": peak_mib * MIB if peak_mib else (devices[0]["peak_used_bytes"] if devices else None),
             "kind": "cuda_max_reserved" if cuda else "peak_rss", "total_bytes": total,
-            "device": devices[0]["device"] if devices else None}
+            "device": devices[0]["device"] if devices else None,
+            "process_peak_bytes": each if len(each) > 1 else None}  # several processes: each one's
 
 
 def bottleneck(run: RunFiles, report: dict[str, Any], findings: list[Any]) -> dict[str, Any]:

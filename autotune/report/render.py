@@ -96,6 +96,9 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         of = f" of {_gib(mem['total_bytes'])} {'on the card' if mem['kind'] == 'cuda_max_reserved' else 'RAM'}" \
             if mem["total_bytes"] else ""
         lines.append(f"peak memory: {_gib(mem['peak_bytes'])} {what}{of}")
+    if mem.get("process_peak_bytes"):
+        lines.append("peak memory per process: " + ", ".join(
+            f"{rank}: {_gib(peak)}" for rank, peak in enumerate(mem["process_peak_bytes"])))
     if report["phases"] is not None:
         lines.append(f"phases cover {100 * report['phases']['covered_fraction']:.1f}% of the wall time")
     return lines

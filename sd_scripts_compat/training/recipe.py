@@ -1156,6 +1156,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     phases = {**r.phases.summary(), "loader_workers": config.max_data_loader_n_workers or 0, "world": process.world}
     process.accelerator.log(tensorboard_scalars(phases), step=counters.global_step)
     peak_memory = max(loop.peak_memory_mib, r.peak_memory_mib())
+    ranks = _each_process_peak(process, peak_memory)  # a collective: every process is here
     seconds = time.time() - process.started
     # steady state: after the first steps (allocator, caches), and without the steps that compiled a block (their
     # time is torch_compile's seconds); one duration per optimizer step
@@ -1173,7 +1174,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
                 "family": r.model.family.name, "torch_compile": compile_summary(r.network.compiled),
-                "channels_last": r.network.channels_last})
+                "channels_last": r.network.channels_last, "process_peaks": ranks})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
               f"LoRA written to {output_file}")
     process.accelerator.end_training()
@@ -1181,6 +1182,18 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
 
 
 # ---- helpers: small, explicit, no state of their own ------------------------------------------------
+
+def _each_process_peak(process: Process, peak_mib: float) -> list[float]:
+    """Every process's peak memory (MiB), in rank order: one gather at the end of several processes' run (with
+    ``fsdp`` each holds its own share of the model); this process's alone otherwise."""
+    if process.world < 2:
+        return [peak_mib]
+    import torch.distributed as dist
+
+    peaks: list[Any] = [None] * process.world
+    dist.all_gather_object(peaks, peak_mib)
+    return [float(p) for p in peaks]
+
 
 def cache_dir(process: Process) -> Path:
     """Where disk caches of images in a folder we may not write to go (a read-only dataset): the run's output."""
