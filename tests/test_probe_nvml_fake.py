@@ -24,9 +24,11 @@ MIB = 1 << 20
 
 def fake_device(name: str, total_mib: int, used_mib: int, cc: tuple[int, int], display: int = 0,
                 compute: list[tuple[int, int | None]] = (), graphics: list[tuple[int, int | None]] = (),
-                uuid: str = "GPU-00000000-0000-0000-0000-000000000000") -> dict:
+                uuid: str = "GPU-00000000-0000-0000-0000-000000000000", pcie: tuple[int, int] = (4, 16),
+                bus: str = "00000000:01:00.0", nvlink_to: tuple[str, ...] = ()) -> dict:
     return {"name": name, "total": total_mib * MIB, "used": used_mib * MIB, "cc": cc, "display": display,
-            "compute": list(compute), "graphics": list(graphics), "uuid": uuid}
+            "compute": list(compute), "graphics": list(graphics), "uuid": uuid, "pcie": pcie, "bus": bus,
+            "nvlink_to": list(nvlink_to)}
 
 
 def make_fake_pynvml(devices: list[dict], init_error: int | None = None,
@@ -89,7 +91,28 @@ def make_fake_pynvml(devices: list[dict], init_error: int | None = None,
     module.nvmlDeviceGetName = per_device("nvmlDeviceGetName", lambda d: d["name"])
     module.nvmlDeviceGetUUID = per_device("nvmlDeviceGetUUID", lambda d: d["uuid"])
     module.nvmlDeviceGetPciInfo = per_device("nvmlDeviceGetPciInfo",
-                                             lambda d: SimpleNamespace(busId=b"00000000:01:00.0"))
+                                             lambda d: SimpleNamespace(busId=d["bus"].encode()))
+    module.nvmlDeviceGetCurrPcieLinkGeneration = per_device("nvmlDeviceGetCurrPcieLinkGeneration",
+                                                            lambda d: d["pcie"][0])
+    module.nvmlDeviceGetCurrPcieLinkWidth = per_device("nvmlDeviceGetCurrPcieLinkWidth", lambda d: d["pcie"][1])
+    module.NVML_NVLINK_MAX_LINKS = 4
+
+    def nvlink_state(handle, link):
+        check("nvmlDeviceGetNvLinkState", handle)
+        if not device(handle)["nvlink_to"]:  # a consumer card without NVLink, as the driver answers
+            raise real_pynvml.NVMLError(real_pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(link < len(device(handle)["nvlink_to"]))
+
+    def nvlink_remote(handle, link):
+        return SimpleNamespace(busId=device(handle)["nvlink_to"][link].encode())
+
+    def topology(first, second):
+        check("nvmlDeviceGetTopologyCommonAncestor", first)
+        return 30  # both cards on the CPU's host bridge
+
+    module.nvmlDeviceGetNvLinkState = nvlink_state
+    module.nvmlDeviceGetNvLinkRemotePciInfo = nvlink_remote
+    module.nvmlDeviceGetTopologyCommonAncestor = topology
     module.nvmlDeviceGetMemoryInfo = per_device(
         "nvmlDeviceGetMemoryInfo", lambda d: SimpleNamespace(total=d["total"], used=d["used"],
                                                              free=d["total"] - d["used"]))
@@ -416,3 +439,34 @@ def test_memory_another_process_took_since_the_start_is_not_stepped_into(install
     card["used"] = card["total"] - 2000 * MIB  # another process took 16.5 GiB: 2000 MiB free beside our 6000
     assert gpu.usable_now_mib() == pytest.approx(8000.0)
     assert decide() is None
+
+
+def test_the_links_between_cards_and_to_the_host_as_they_run(install, tmp_path, capsys):
+    """Two RTX 3090 bridged by NVLink and a 4060 Ti in a x8 slot: each card's PCIe link (generation and lanes as
+    they run, GB/s each way), how each pair is linked, in the text view and the JSON; a plan on this probe uses
+    the probed link for the host transfers."""
+    from autotune.hardware.probe import SystemProbe, render
+    from autotune.launch.plan_options import targets_from_probe
+
+    devices = [
+        fake_device("NVIDIA GeForce RTX 3090", 24576, 10, (8, 6), uuid="GPU-a", bus="00000000:01:00.0",
+                    nvlink_to=("00000000:02:00.0",)),
+        fake_device("NVIDIA GeForce RTX 3090", 24576, 10, (8, 6), uuid="GPU-b", bus="00000000:02:00.0",
+                    nvlink_to=("00000000:01:00.0",)),
+        fake_device("NVIDIA GeForce RTX 4060 Ti", 16380, 10, (8, 9), uuid="GPU-c", bus="00000000:03:00.0",
+                    pcie=(4, 8)),
+    ]
+    install(make_fake_pynvml(devices))
+    probe = probe_system(tmp_path)
+    first, _, third = probe.gpus
+    assert (first.pcie_generation, first.pcie_width, first.pcie_gbps) == (4, 16, 31.5)
+    assert third.pcie_gbps == 15.8
+    assert [(p.gpu, p.link) for p in first.peers] == [(1, "NVLink"), (2, "PCIe through the CPU's host bridge")]
+    assert [(p.gpu, p.link) for p in third.peers] == [(0, "PCIe through the CPU's host bridge"),
+                                                      (1, "PCIe through the CPU's host bridge")]
+    assert SystemProbe.from_json(probe.to_json()).gpus[0].peers == first.peers
+    render(probe)
+    shown = capsys.readouterr().out
+    assert "gen 4 x8: 15.8 GB/s each way" in shown and "link to GPU 1" in shown and "NVLink" in shown
+    targets = targets_from_probe(probe)[0]
+    assert [t.spec.pcie_gbps for t in targets] == [31.5, 31.5, 15.8]

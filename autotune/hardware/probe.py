@@ -80,6 +80,14 @@ class GpuProcess:
 
 
 @dataclass
+class PeerLink:
+    """How a GPU reaches another: "NVLink", or the PCIe path where theirs meet."""
+
+    gpu: int
+    link: str
+
+
+@dataclass
 class GpuInfo:
     """One GPU: live figures from NVML (or torch for ROCm/MPS), rates from the catalogue."""
 
@@ -111,6 +119,10 @@ class GpuInfo:
     memory_bandwidth_gbs: float | None = None
     catalog_source: str | None = None
     source: str = "nvml"
+    pcie_generation: int | None = None  # the host link as it runs now (NVML's current generation and lanes)
+    pcie_width: int | None = None
+    pcie_gbps: float | None = None  # GB/s per direction that link carries
+    peers: list[PeerLink] | None = None  # with several GPUs: how this one reaches each other
 
 
 @dataclass
@@ -404,11 +416,68 @@ def _read_nvml_devices(pynvml: types.ModuleType, notes: list[str]) -> tuple[list
             errors.append(f"GPU {index}: {_nvml_reason(error)}")
     for message in errors:
         notes.append(f"skipped {message}")
+    _read_peer_links(pynvml, gpus, notes)
     if gpus:
         return gpus, None
     if errors:
         return [], f"NVML (driver {driver}) could not read any of its {count} GPU(s): " + "; ".join(errors)
     return [], f"NVML works (driver {driver}) but reports no GPU"
+
+
+# PCIe GB/s per lane and direction, by generation (128b/130b encoding from gen 3)
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+# nvmlDeviceGetTopologyCommonAncestor's answers: how far apart two GPUs sit on the PCIe tree
+_TOPOLOGY = {0: "the same board", 10: "one PCIe switch", 20: "several PCIe switches", 30: "the CPU's host bridge",
+             40: "the CPU (across its PCIe host bridges)", 50: "two CPU sockets (across their interconnect)"}
+
+
+def _read_pcie(pynvml: types.ModuleType, handle: typing.Any, label: str, notes: list[str],
+               gpu: GpuInfo) -> None:
+    """The host link as it runs (generation, lanes) and what it carries per direction."""
+    generation = _optional(pynvml, notes, f"{label} PCIe generation", pynvml.nvmlDeviceGetCurrPcieLinkGeneration,
+                           handle)
+    width = _optional(pynvml, notes, f"{label} PCIe width", pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
+    if isinstance(generation, int) and isinstance(width, int) and generation in PCIE_LANE_GBPS:
+        gpu.pcie_generation, gpu.pcie_width = generation, width
+        gpu.pcie_gbps = round(PCIE_LANE_GBPS[generation] * width, 1)
+
+
+def _read_peer_links(pynvml: types.ModuleType, gpus: list[GpuInfo], notes: list[str]) -> None:
+    """With several GPUs, how each pair is linked: NVLink where one of a card's active links ends at the other's
+    PCI address, else where their PCIe paths meet (the data of sharded or data-parallel training crosses it)."""
+    if len(gpus) < 2:
+        return
+    handles = {gpu.index: pynvml.nvmlDeviceGetHandleByIndex(gpu.index) for gpu in gpus}
+    nvlinked = {gpu.index: _nvlink_peers(pynvml, handles[gpu.index], gpus) for gpu in gpus}
+    for gpu in gpus:
+        gpu.peers = []
+        for other in gpus:
+            if other.index == gpu.index:
+                continue
+            if other.index in nvlinked[gpu.index]:
+                link = "NVLink"
+            else:
+                level = _optional(pynvml, notes, f"GPU {gpu.index} to GPU {other.index} topology",
+                                  pynvml.nvmlDeviceGetTopologyCommonAncestor, handles[gpu.index],
+                                  handles[other.index])
+                link = f"PCIe through {_TOPOLOGY.get(level, 'an unknown path')}" if level is not None else "unknown"
+            gpu.peers.append(PeerLink(other.index, link))
+
+
+def _nvlink_peers(pynvml: types.ModuleType, handle: typing.Any, gpus: list[GpuInfo]) -> set[int]:
+    by_bus = {(g.pci_bus_id or "").lower(): g.index for g in gpus if g.pci_bus_id}
+    peers: set[int] = set()
+    for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))):
+        try:
+            if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                continue
+            remote = pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link)
+        except pynvml.NVMLError:  # no NVLink on this card (consumer cards answer NOT_SUPPORTED), or no such link
+            break
+        index = by_bus.get(_text(remote.busId).lower())
+        if index is not None:
+            peers.add(index)
+    return peers
 
 
 def _optional(pynvml: types.ModuleType, notes: list[str], what: str, call: typing.Callable, *args: typing.Any):
@@ -454,6 +523,7 @@ def _read_nvml_device(pynvml: types.ModuleType, index: int, driver: str, cuda_dr
     )
     for key, value in capability_flags(cc).items():
         setattr(gpu, key, value)
+    _read_pcie(pynvml, handle, label, notes, gpu)
     if gpu.display_active:
         notes.append(f"{label} drives a display: the desktop holds part of its VRAM and may grow during training")
     if gpu.other_processes:
@@ -785,6 +855,10 @@ def render(probe: SystemProbe, console: typing.Any = None) -> None:
                 ("other processes", others),
                 ("torch device", gpu.torch_device or "not checked"),
             ]
+        if gpu.pcie_gbps is not None:
+            rows.append(("PCIe link", f"gen {gpu.pcie_generation} x{gpu.pcie_width}: {gpu.pcie_gbps:g} GB/s each way"))
+        for peer in gpu.peers or []:
+            rows.append((f"link to GPU {peer.gpu}", peer.link))
         rows += [
             ("catalogue entry", gpu.catalog_name or "not in catalogue"),
             ("fp16 / bf16 tensor (dense)", f"{_number(gpu.fp16_tensor_tflops, 'TFLOP/s')} / "

@@ -358,6 +358,8 @@ def _probed_targets(args: argparse.Namespace) -> tuple[list[Any], int, int | Non
 def targets_from_probe(probe: SystemProbe) -> tuple[list[Any], int, int | None, str]:
     """A probe's cards as planning targets (what others hold counts as taken), the physical cores, the
     available RAM and a one-line summary; `autotune plan` and `autotune wizard` read a probe this one way."""
+    from dataclasses import replace
+
     from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
     from autotune.planning.request import GENERIC_GPU_NAME, GpuTarget
 
@@ -369,6 +371,8 @@ def targets_from_probe(probe: SystemProbe) -> tuple[list[Any], int, int | None, 
         spec = find_gpu(info.catalog_name or info.name, vram_gb=info.vram_total_bytes / 1024**3)
         if spec is None:
             spec = lookup_gpu(GENERIC_GPU_NAME)  # rates only; memory and capability are the probed ones
+        if info.pcie_gbps:  # the link as it runs in this machine (a x16 card in a x4 slot carries a quarter)
+            spec = replace(spec, pcie_gbps=info.pcie_gbps)
         # Before training starts, everything in use on the card belongs to others (processes, the display).
         held = max(info.vram_used_bytes or 0, info.other_processes_vram_bytes or 0)
         target = GpuTarget(name=info.name, total_bytes=int(info.vram_total_bytes), held_bytes=int(held),
