@@ -28,6 +28,8 @@ whether the engine's rule chose the faster one (``bench/gpu_layout_check.py``). 
 1024 and FLUX.1-dev, at the ``--compile-tier`` plan) runs last: each eager,
 then with the engine's compiled blocks, with s/step and model-FLOP utilisation (``bench/gpu_compile_check.py``). On
 the lent H200 (2026-12-04) inductor had not finished compiling SDXL's blocks after 460 s: give it a call of its own.
+On a machine with two or more GPUs it ends with ``bench/gpu_sharding_check.py`` (the link between the cards against
+the planner's, and our engine sharded against unsharded on NCCL).
 
     python bench/gpu_validate.py "$OUT"            # on a CUDA machine
     python bench/gpu_validate.py --musubi "$OUT"   # the musubi-tuner families, in a call of their own
@@ -474,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print_compile_table([r for r in rows if r.get("case") == "compile"])
     print(f"wrote {out / 'summary.json'} ({summary['seconds']} s)")
+    if not dry and torch.cuda.device_count() >= 2:  # a machine with several GPUs: the link and sharding (issue 53)
+        from bench.gpu_sharding_check import main as sharding_check
+
+        sharding_check([str(out / "sharding")])
     return 0
 
 

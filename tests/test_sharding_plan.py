@@ -75,10 +75,14 @@ def test_two_12_gb_cards_stay_data_parallel_and_say_what_sharding_would_need():
     assert "fits no card (needs" in sharding.reason and "GiB per card" in sharding.reason
 
 
-@pytest.mark.parametrize(("model", "cards"), [("builtin:sdxl", 2), ("builtin:flux-dev", 1)])
-def test_no_sharding_for_a_unet_family_or_one_card(model, cards):
-    plan = _plan(model, "RTX 4060 Ti 16GB", cards)
-    assert plan.settings.fsdp is None and all(c.key not in ("fsdp", "sharding") for c in plan.choices)
+def test_one_card_has_no_sharding_row_and_other_families_say_why_they_stay_data_parallel():
+    one = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 1)
+    assert one.settings.fsdp is None and all(c.key not in ("fsdp", "sharding") for c in one.choices)
+    for model, said in (("builtin:sdxl", "no sharded memory model for a UNet"),
+                        ("builtin:qwen-image", "no sharding of its own here")):
+        plan = _plan(model, "RTX 4090", 2)
+        row = next(c for c in plan.choices if c.key == "sharding")
+        assert plan.settings.fsdp is None and said in row.reason
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -125,7 +125,7 @@ from autotune.planning.resolution import (
     is_tiny_scale,
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
-from autotune.planning.sharding import can_shard, choose_sharding
+from autotune.planning.sharding import can_shard, choose_sharding, not_sharded_reason
 from sd_scripts_compat.facts.dataset_scan import VIDEO_EXTENSIONS
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -357,6 +357,8 @@ def _search_plan(request: PlanRequest) -> _Searched:
             point, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
             predictor=predictor, split=split))
         found, sharding_reason = sharding.found, sharding.reason
+    elif devices > 1:
+        sharding_reason = not_sharded_reason(family)
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
         need = found.smallest.required / GIB
         found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,

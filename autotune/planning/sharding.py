@@ -29,6 +29,16 @@ def can_shard(family: FamilySpec, devices: int) -> bool:
     return devices > 1 and family.trained_here and bool(family.transformer_block_groups)
 
 
+def not_sharded_reason(family: FamilySpec) -> str:
+    """Why a plan over several cards is data parallel without a comparison: which engine shards which family."""
+    if not family.trained_here:
+        return (f"data parallel: {family.name} trains in your {family.trainer}, which has no sharding of its "
+                "own here; lora-autotune's engine shards the transformer families it trains (FLUX.1, Chroma, "
+                "SD3.5)")
+    return (f"data parallel: lora-autotune's engine can shard {family.name} too (fsdp = \"full_shard\" in "
+            "the config), but the planner has no sharded memory model for a UNet yet")
+
+
 @dataclass(frozen=True)
 class ShardingChoice:
     found: SearchResult  # the search whose settings the plan takes

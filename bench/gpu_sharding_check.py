@@ -1,0 +1,158 @@
+"""Sharding on a machine with several GPUs (issue 53's GPU part): the link the planner assumes against the link the
+cards have, and our engine sharded against unsharded on the real collectives.
+
+1. **The link.** Each of two processes (one per GPU, NCCL) all-gathers a bf16 buffer of ``--mib`` MiB as FSDP2 gathers
+   a block, ``--repeats`` times after a warm-up; GB/s each process received, against what the speed model assumes
+   for the gathers of a sharded transformer (``dit_speed.gather_seconds``: the card's PCIe figure, probed or from
+   the catalogue, times the link efficiency). The predicted seconds of one FLUX.1-dev micro-step's gathers at that
+   rate and at the measured one are printed side by side.
+2. **The engine.** ``accelerate launch --num_processes 2`` of tiny-flux, unsharded then ``fsdp = "full_shard"``, the
+   same seed: the LoRAs' largest difference (the CPU test gives 0 with gloo).
+
+``--dry-run`` does both on this CPU with gloo (two processes, a small buffer): the script end to end; the figures
+are a CPU's. Results: ``sharding.json`` in the output folder, and a table.
+
+    python bench/gpu_sharding_check.py "$OUT"          # a machine with 2+ CUDA GPUs
+    python bench/gpu_sharding_check.py --dry-run /tmp/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _gather_worker(rank: int, world: int, port: int, backend: str, mib: float, repeats: int, out: str) -> None:
+    """One process: ``repeats`` all-gathers of a shard of ``mib`` / world MiB each into a ``mib`` MiB buffer."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    numel = int(mib * 2**20 / 2) // world * world
+    shard = torch.ones(numel // world, dtype=torch.bfloat16, device=device)
+    whole = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    dist.all_gather_into_tensor(whole, shard)  # warm-up: the communicator's set-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(whole, shard)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    received = repeats * numel * 2 * (world - 1) / world
+    if rank == 0:
+        Path(out).write_text(json.dumps({"seconds": seconds, "received_bytes": received,
+                                         "gbps": received / seconds / 1e9}), encoding="utf-8")
+    dist.destroy_process_group()
+
+
+def measure_link(dry_run: bool, mib: float, repeats: int) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    from autotune.recovery.engine import free_port
+
+    backend = "gloo" if dry_run else "nccl"
+    with tempfile.TemporaryDirectory() as folder:
+        out = str(Path(folder) / "link.json")
+        mp.spawn(_gather_worker, args=(2, free_port(), backend, mib, repeats, out), nprocs=2, join=True)
+        return {"backend": backend, "mib": mib, "repeats": repeats, **json.loads(Path(out).read_text())}
+
+
+def assumed_link(card: str | None) -> dict[str, Any]:
+    """What the speed model assumes for the gathers: the card's PCIe GB/s times the link efficiency, and one
+    FLUX.1-dev micro-step's gathered bytes over two processes."""
+    from autotune.estimate.dit_memory import dit_family_calibration, gathered_bytes_per_step
+    from autotune.hardware.gpu_catalog import find_gpu
+
+    cal = dit_family_calibration("flux-dev")
+    spec = find_gpu(card) if card else None
+    pcie = getattr(spec, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
+    return {"card": card, "pcie_gbps": pcie, "efficiency": cal["speed"]["link_efficiency"],
+            "assumed_gbps": pcie * cal["speed"]["link_efficiency"],
+            "flux_bytes_per_micro_step": gathered_bytes_per_step(cal["architecture"], 2)}
+
+
+def engine_equality(dry_run: bool) -> dict[str, Any]:
+    """tiny-flux through accelerate on two processes, unsharded then sharded: the LoRAs' largest difference."""
+    import toml
+
+    from autotune.recovery.engine import free_port
+    from sd_scripts_compat.network.lora_file import read_lora_file
+
+    data = str(ROOT / "examples" / "dataset")
+    values = {"pretrained_model_name_or_path": "builtin:tiny-flux", "train_data_dir": data, "output_name": "lora",
+              "resolution": "64,64", "caption_extension": ".txt", "train_batch_size": 1,
+              "max_train_steps": 4, "network_dim": 4, "network_alpha": 4, "learning_rate": 1e-2, "seed": 3,
+              "max_data_loader_n_workers": 0, "network_train_unet_only": True, "cache_latents": True,
+              "mixed_precision": "no" if dry_run else "bf16", "t5xxl_max_token_length": 16,
+              "model_prediction_type": "raw", "timestep_sampling": "shift", "guidance_scale": 1.0}
+    with tempfile.TemporaryDirectory() as folder:
+        files = {}
+        for name, extra in (("plain", {}), ("sharded", {"fsdp": "full_shard"})):
+            config = Path(folder) / f"{name}.toml"
+            config.write_text(toml.dumps({**values, **extra, "output_dir": str(Path(folder) / name)}))
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_port", str(free_port()), "-m", "sd_scripts_compat.flux_train_network",
+                       "--config_file", str(config)]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if done.returncode != 0:
+                return {"error": f"{name}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+            files[name] = read_lora_file(Path(folder) / name / "lora.safetensors")[0]
+        one, two = files["plain"], files["sharded"]
+        return {"tensors": len(one), "max_abs_difference": max(float((one[k].float() - two[k].float()).abs().max())
+                                                                for k in one)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "sharding"))
+    parser.add_argument("--dry-run", action="store_true", help="this CPU, gloo, a small buffer")
+    parser.add_argument("--mib", type=float, default=None, help="MiB gathered per repeat (default 512; dry-run 8)")
+    parser.add_argument("--repeats", type=int, default=None, help="gathers timed (default 20; dry-run 3)")
+    parser.add_argument("--card", default=None, help="the catalogue card the speed model assumes (default: GPU 0's)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.dry_run and torch.cuda.device_count() < 2:
+        print(f"gpu_sharding_check: {torch.cuda.device_count()} CUDA GPU(s) here; it needs 2 (or --dry-run)",
+              file=sys.stderr)
+        return 2
+    card = args.card or (None if args.dry_run else torch.cuda.get_device_name(0))
+    link = measure_link(args.dry_run, args.mib or (8.0 if args.dry_run else 512.0),
+                        args.repeats or (3 if args.dry_run else 20))
+    assumed = assumed_link(card)
+    engine = engine_equality(args.dry_run)
+    result = {"dry_run": args.dry_run, "link": link, "assumed": assumed, "engine": engine}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sharding.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    step = assumed["flux_bytes_per_micro_step"]
+    print("| backend | measured GB/s | assumed GB/s | measured / assumed | FLUX.1-dev gathers per micro-step, "
+          "s (assumed / measured rate) | tiny-flux LoRA max |sharded - unsharded| |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {link['backend']} | {link['gbps']:.2f} | {assumed['assumed_gbps']:.2f} | "
+          f"{link['gbps'] / assumed['assumed_gbps']:.2f} | {step / assumed['assumed_gbps'] / 1e9:.2f} / "
+          f"{step / link['gbps'] / 1e9:.2f} | {engine.get('max_abs_difference', engine.get('error'))} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
