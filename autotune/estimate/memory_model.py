@@ -319,6 +319,7 @@ def _activations(cal: dict[str, Any], shared: dict[str, Any], inputs: MemoryInpu
         act = _plane(coef, bs, pixels, rank)
     if fp32 and not own_fp32:
         act *= shared["fp32_activation_factor"][gc]
+    act = max(0.0, act)  # a plane fitted at 256 px and up goes slightly below zero at 64 px (SD1.5: -0.01 GiB)
     if inputs.optimizer == "AdamW" and "phases" in coef:  # (a legacy plane fitted the whole peak, this included)
         # torch's foreach AdamW (the CUDA default) holds one parameter-sized temporary beside the gradients:
         # the peak of a checkpointed step at high rank (traced: 1024 px rank 128 peaks in the optimizer)
