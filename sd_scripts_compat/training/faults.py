@@ -1,10 +1,10 @@
 """Deterministic fault injection, so the OOM and stability ladders are testable on a CPU.
 
 ``SD_COMPAT_INJECT_OOM`` (see :class:`OomInjector`), ``SD_COMPAT_INJECT_NAN`` (see :class:`NanInjector`),
-``SD_COMPAT_INJECT_FREEZE`` (see :class:`FreezeInjector`) and ``SD_COMPAT_INJECT_KILL`` (:class:`KillInjector`)
-hold comma-separated rules; tests and benches set them
-on the engine's environment, the watchdog never does. The run reads them once into a :class:`FaultPlan`, which wraps the
-training objective when there is anything to inject: the training loop has no fault code of its own.
+``SD_COMPAT_INJECT_FREEZE`` and ``SD_COMPAT_INJECT_KILL`` (see :class:`StepFault`) hold comma-separated rules;
+tests and benches set them on the engine's environment, the watchdog never does. The run reads them once into a
+:class:`FaultPlan`, which wraps the training objective when there is anything to inject: the training loop has no
+fault code of its own.
 A *real* divergence needs no injector: a learning rate far too
 high for the tiny model (``learning_rate = 2.0`` with AdamW on ``builtin:tiny-sd15``) makes its loss turn
 NaN within a few dozen steps by itself.
@@ -139,45 +139,28 @@ def _step_rules(env: str, environ: dict[str, str] | None) -> frozenset[int] | No
 
 
 @dataclass(frozen=True)
-class KillInjector:
-    """Kills its own process with SIGKILL as a step begins, once (a marker file), as the OS's OOM killer or a
-    crashed card would: ``SD_COMPAT_INJECT_KILL`` holds ``step=N`` rules, and ``rank=R`` for one process of
-    several."""
+class StepFault:
+    """A fault that strikes as optimizer step N begins, once (a marker file in ``marker_dir``, so the resumed run
+    goes on): ``freeze`` sleeps an hour, as a hung driver or a deadlocked loader does (``SD_COMPAT_INJECT_FREEZE``:
+    the stall detector's tests); ``kill`` sends its own process SIGKILL, as the OS's OOM killer or a crashed card
+    would (``SD_COMPAT_INJECT_KILL``). Comma-separated ``step=N`` rules, and ``rank=R`` for one process of several."""
 
+    kind: str  # "freeze" | "kill"
     steps: frozenset[int]
     marker_dir: Path | None
 
     @classmethod
-    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> KillInjector | None:
-        steps = _step_rules(KILL_ENV, environ)
-        return None if steps is None else cls(steps, marker_dir)
+    def from_env(cls, kind: str, marker_dir: Path | None, environ: dict[str, str] | None = None) -> StepFault | None:
+        steps = _step_rules(FREEZE_ENV if kind == "freeze" else KILL_ENV, environ)
+        return None if steps is None else cls(kind, steps, marker_dir)
 
     def check(self, step: int) -> None:
         import signal
-
-        if step in self.steps and _marker_fires(self.marker_dir, f"injected-kill-step{step}"):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-@dataclass(frozen=True)
-class FreezeInjector:
-    """Freezes a training step, as a hung driver or a deadlocked loader does, so the stall detector is testable.
-
-    ``SD_COMPAT_INJECT_FREEZE`` holds comma-separated ``step=N`` rules: the forward of optimizer step N sleeps
-    for an hour, once (a marker file in ``marker_dir``), so the resumed run goes on."""
-
-    steps: frozenset[int]
-    marker_dir: Path | None
-
-    @classmethod
-    def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> FreezeInjector | None:
-        steps = _step_rules(FREEZE_ENV, environ)
-        return None if steps is None else cls(steps, marker_dir)
-
-    def check(self, step: int) -> None:
         import time
 
-        if step in self.steps and _marker_fires(self.marker_dir, f"injected-freeze-step{step}"):
+        if step in self.steps and _marker_fires(self.marker_dir, f"injected-{self.kind}-step{step}"):
+            if self.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(3600)
 
 
@@ -189,13 +172,14 @@ class FaultPlan:
 
     oom: OomInjector | None = None
     nan: NanInjector | None = None
-    freeze: FreezeInjector | None = None
-    kill: KillInjector | None = None
+    freeze: StepFault | None = None
+    kill: StepFault | None = None
 
     @classmethod
     def from_env(cls, marker_dir: Path | None, environ: dict[str, str] | None = None) -> FaultPlan | None:
         oom, nan = OomInjector.from_env(marker_dir, environ), NanInjector.from_env(marker_dir, environ)
-        freeze, kill = FreezeInjector.from_env(marker_dir, environ), KillInjector.from_env(marker_dir, environ)
+        freeze = StepFault.from_env("freeze", marker_dir, environ)
+        kill = StepFault.from_env("kill", marker_dir, environ)
         return cls(oom, nan, freeze, kill) if oom or nan or freeze or kill else None
 
     def wrap(self, objective: Objective, step: Callable[[], int], vae_scale: int) -> FaultyObjective:
