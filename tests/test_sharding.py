@@ -60,7 +60,7 @@ def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProce
 @pytest.mark.long
 @pytest.mark.parametrize(("model", "strategy", "extra"), [
     ("tiny-flux", "full_shard", {}), ("tiny-sdxl", "full_shard", {}),
-    ("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True})])
+    pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow)])
 def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, strategy, extra):
     script, values = MODELS[model]
     plain = _launch(script, _config(tmp_path, "plain", values, **extra))
@@ -157,7 +157,7 @@ def _supervised(tmp: Path, env_extra: dict[str, str]):
 @pytest.mark.long
 @pytest.mark.parametrize(("fault", "outcome", "said"), [
     ("SD_COMPAT_INJECT_OOM", "oom", "injected by SD_COMPAT_INJECT_OOM"),
-    ("SD_COMPAT_INJECT_KILL", "os_kill", "process 1 of the run killed by SIGKILL"),
+    pytest.param("SD_COMPAT_INJECT_KILL", "os_kill", "process 1 of the run killed by SIGKILL", marks=pytest.mark.slow),
 ])
 def test_one_process_failing_stops_the_others_and_the_run_resumes_at_its_saved_step(tmp_path, fault, outcome, said):
     """Process 1 of 2 runs out of memory (or is killed) as step 4 begins: process 0 stops where the collective
