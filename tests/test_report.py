@@ -265,3 +265,25 @@ def test_a_contended_run_teaches_plans_nothing_about_speed(tmp_path):
                           timeout=300)
     prediction = json.loads(plan.stdout)["prediction"]
     assert prediction["speed_source"] == "model" and prediction["memory_source"] == "measured"
+
+
+def test_a_lora_the_trainer_trims_while_the_folder_is_read_is_passed_over(tmp_path, monkeypatch):
+    """A running trainer deletes its older step LoRAs (save_last_n_steps) between our listing of the folder and
+    our look at each file's time: the newest file still there is the run's LoRA, and a page asking gets no 500
+    (seen under CI's load: FileNotFoundError in the run page's JSON)."""
+    from pathlib import Path
+
+    from autotune.report.load import run_lora
+
+    kept = tmp_path / "lora-step00000002.safetensors"
+    kept.write_bytes(b"x")
+    trimmed = tmp_path / "lora-step00000001.safetensors"  # listed, then deleted before it is looked at
+    real_glob = Path.glob
+
+    def listing(self, pattern):
+        yield from real_glob(self, pattern)
+        if self == tmp_path and pattern == "*.safetensors":
+            yield trimmed
+
+    monkeypatch.setattr(Path, "glob", listing)
+    assert run_lora(tmp_path) == kept

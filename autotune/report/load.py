@@ -91,9 +91,19 @@ def run_lora(path: Path) -> Path:
     done = read_event(run_folder(path) / EVENTS_DIR, DONE) or read_event(path, DONE) or {}
     if done.get("output_file") and Path(done["output_file"]).is_file():
         return Path(done["output_file"])
-    found = [p for pattern in ("*.safetensors", "*/*.safetensors") for p in path.glob(pattern)
+    found = [(modified, p) for pattern in ("*.safetensors", "*/*.safetensors") for p in path.glob(pattern)
              if not p.parent.name.endswith("-state") and not p.name.endswith((".latents.safetensors",
-                                                                                ".te.safetensors"))]
+                                                                                ".te.safetensors"))
+             and (modified := _modified_ns(p)) is not None]
     if not found:
         return path  # describe_lora_file says it is no file
-    return max(found, key=lambda p: p.stat().st_mtime_ns)
+    return max(found)[1]
+
+
+def _modified_ns(path: Path) -> int | None:
+    """A file's modification time; None when it is gone (a running trainer trims its older LoRAs between our
+    listing and our look: a page asking then got a 500)."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
