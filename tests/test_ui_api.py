@@ -19,15 +19,11 @@ from pathlib import Path
 import pytest
 import toml
 
+from autotune.recovery.engine import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DATASET = ROOT / "examples" / "dataset"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:

@@ -233,12 +233,17 @@ def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -
     return full - host, host
 
 
+def _each_block_bytes(arch: dict[str, Any]) -> list[int]:
+    """Every block's bytes in 16-bit, in the family's order (the units a sharded transformer gathers)."""
+    return [_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group)]
+
+
 def sharded_transformer_bytes(arch: dict[str, Any], ranks: int) -> tuple[int, int]:
     """(bytes on each of ``ranks`` processes, bytes gathered in flight) of a transformer sharded block by block
     (``training.sharding``, FSDP2): each holds 1/N of every weight; a block's whole weights are gathered as it runs,
     the next one's prefetched beside it (two of the largest); the root unit (everything outside the blocks) stays
     gathered through the step, since the backward needs it at once."""
-    blocks = [_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group)]
+    blocks = _each_block_bytes(arch)
     rest = 2 * arch["rest"]["elements"]
     return -(-(sum(blocks) + rest) // ranks), rest + 2 * max(blocks)
 
@@ -246,8 +251,7 @@ def sharded_transformer_bytes(arch: dict[str, Any], ranks: int) -> tuple[int, in
 def gathered_bytes_per_step(arch: dict[str, Any], ranks: int) -> int:
     """Bytes each process receives per micro-step of a sharded transformer: every block gathered for the forward
     and again for the backward, and the root once, each process getting the (N - 1) / N it does not hold."""
-    blocks = sum(_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group))
-    return int((2 * blocks + 2 * arch["rest"]["elements"]) * (ranks - 1) / ranks)
+    return int((2 * sum(_each_block_bytes(arch)) + 2 * arch["rest"]["elements"]) * (ranks - 1) / ranks)
 
 
 def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> int:

@@ -276,8 +276,7 @@ def collective_failure(error: BaseException) -> str | None:
     text = str(error)
     if _PEER_GONE.search(text):
         return "peer"
-    name = type(error).__name__
-    if (name == "DistBackendError" or isinstance(error, RuntimeError)) and _COLLECTIVE_TIMEOUT.search(text):
+    if isinstance(error, RuntimeError) and _COLLECTIVE_TIMEOUT.search(text):  # NCCL's DistBackendError is one
         return "timeout"
     return None
 
