@@ -28,7 +28,7 @@ def _values(tmp: Path, name: str, **extra) -> dict:
             "mixed_precision": "no", "lr_scheduler": "cosine", **extra}
 
 
-@pytest.mark.long
+@pytest.mark.slow  # CI's long runs cover the in-process step up through the watchdog (test_step_up.py)
 def test_a_micro_batch_changed_in_the_process_trains_as_the_restart_would(tmp_path):
     events = tmp_path / "events"
     events.mkdir()

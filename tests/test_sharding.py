@@ -59,7 +59,7 @@ def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProce
 
 @pytest.mark.long
 @pytest.mark.parametrize(("model", "strategy", "extra"), [
-    ("tiny-flux", "full_shard", {}), ("tiny-sdxl", "full_shard", {}),
+    ("tiny-flux", "full_shard", {}), pytest.param("tiny-sdxl", "full_shard", {}, marks=pytest.mark.slow),
     pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow)])
 def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, strategy, extra):
     script, values = MODELS[model]
@@ -82,7 +82,7 @@ def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, str
     assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == ["lora.safetensors"]
 
 
-@pytest.mark.long
+@pytest.mark.slow
 def test_a_killed_sharded_run_resumes_at_its_saved_step_with_the_straight_runs_lora(tmp_path):
     """Both processes killed (SIGKILL to the launcher's group) while step 3 hangs, after the state of step 2 was
     saved; the sharded run resumed from that state ends with the LoRA of a straight sharded run, bit for bit.
