@@ -32,7 +32,7 @@ def _plan(model: str, card: str, count: int, resolution: int = 1024):
 
 def _modules_sharded(family_name: str, ranks: int) -> int:
     """Bytes per process of the bf16 transformer built at full size on the meta device, split as the engine
-    splits it: 1/N of every parameter, the root unit's whole, two of the largest blocks gathered, and the buffers
+    splits it: 1/N of every parameter, the root unit's whole, the last two blocks gathered, and the buffers
     (SD3.5's positional table) whole on each, as FSDP2 leaves them."""
     from sd_scripts_compat.models.build import build_modules
     from sd_scripts_compat.training.sharding import shard_units
@@ -43,7 +43,7 @@ def _modules_sharded(family_name: str, ranks: int) -> int:
     blocks = [sum(p.numel() for p in unit.parameters()) * 2 for unit in units]
     total = sum(p.numel() for p in denoiser.parameters()) * 2
     buffers = sum(b.numel() * 2 for b in denoiser.buffers())
-    return math.ceil(total / ranks) + (total - sum(blocks)) + 2 * max(blocks) + buffers
+    return math.ceil(total / ranks) + (total - sum(blocks)) + sum(blocks[-2:]) + buffers
 
 
 @pytest.mark.parametrize("family", ["flux-dev", "sd3.5-large", "chroma"])

@@ -21,8 +21,9 @@ engine's modules (:func:`dit_architecture_facts`), the caching phase from :func:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,8 @@ class DitTraceResult:
     seconds: float
     frames: int = 1  # video frames of one sample (Wan); 1 for an image
     autocast_rules: str = "cuda"  # whose autocast op lists the step ran under (autotune.calibration.cuda_autocast)
+    shard_ranks: int = 1  # the transformer sharded across this many processes (one traced), as ``fsdp`` says
+    fsdp: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,54 +168,47 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
                    rank: int = 16, gradient_checkpointing: bool = True, optimizer: str = "AdamW8bit",
                    fp8_base: bool = False, blocks_to_swap: int = 0, config: dict[str, Any] | None = None,
                    text_tokens: int | None = None, frames: int = 1, fake: bool = True,
-                   autocast_rules: str = "cuda") -> DitTraceResult:
+                   autocast_rules: str = "cuda", shard_ranks: int = 1,
+                   fsdp: str = "full_shard") -> DitTraceResult:
     """One LoRA step of ``family`` (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
     ``config``: another denoiser config (tests use a tiny one); ``text_tokens``: the text length (default: the
     family's T5 length); ``fake=False``: the same step on real CPU tensors with random weights (tiny configs: how
     the tests check the fake figure against a real run); ``autocast_rules``: ``"cuda"`` casts as a GPU does (the
-    traces GPU plans are fitted to), ``"cpu"`` as CPU autocast does (``autotune.calibration.cuda_autocast``)."""
-
-    import contextlib
-
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    traces GPU plans are fitted to), ``"cpu"`` as CPU autocast does (``autotune.calibration.cuda_autocast``);
+    ``shard_ranks`` above 1: the transformer sharded by the engine's own ``fsdp`` (``training.sharding``) across
+    that many processes of a fake process group, the step of one of them traced (:func:`sharded_across`)."""
 
     started = time.perf_counter()
-    spec = trace_family(family, config)
-    bundle = build_bundle(spec, materialize=not fake)
-    model = bundle.unet
-    if fp8_base and spec.trains_with.fp8_scaled_weights:
-        musubi_fp8_scaled(model)
-    elif fp8_base:
-        from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+    if shard_ranks > 1:  # before the model is built, as the engine checks it
+        from sd_scripts_compat.training.sharding import check_sharding
 
-        store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
-    network = engine_lora(bundle, rank)
-    if gradient_checkpointing:
-        enable_checkpointing(model)
-    fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    if fake:
-        fakeify([model, network], fake_mode)
+        check_sharding(fsdp, world=shard_ranks, blocks_to_swap=blocks_to_swap, fp8=fp8_base, compiled=False)
+    spec = trace_family(family, config)
+    model, network, fake_mode = _traced_modules(spec, rank=rank, fp8_base=fp8_base, fake=fake,
+                                                gradient_checkpointing=gradient_checkpointing)
     host = swapped_weights(model, spec, blocks_to_swap)
-    host_ids = {t.untyped_storage()._cdata for t in host}
-    lora_params = list(network.parameters())
-    frozen = [t for t in [*model.parameters(), *model.buffers()] if t.untyped_storage()._cdata not in host_ids]
-    weights_bytes, swapped_bytes = _storage_bytes(frozen), _storage_bytes(host)
-    counter = _SwapAwareCounter(host_ids)
-    with fake_mode:
-        opt, _, state = steady_state_optimizer(optimizer, lora_params)
-        state_bytes = _storage_bytes(state)
-        counter.register([*frozen, *lora_params, *state])
-        counter.reset_peak()
-        with counter.mode(), op_lists(autocast_rules):
-            FORWARDS[spec.denoiser_class](model, counter, spec, batch_size, resolution,
-                                          text_tokens or spec.denoiser_text_tokens,
-                                          **({"frames": frames} if frames > 1 else {}))
-            grad_bytes = _storage_bytes([p.grad for p in lora_params if p.grad is not None])
-            counter.phase = "optimizer"
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    counter = _SwapAwareCounter({t.untyped_storage()._cdata for t in host})
+    with contextlib.ExitStack() as stack:
+        if shard_ranks > 1:
+            stack.enter_context(sharded_across(model, spec, shard_ranks, fsdp, fake_mode, counter))
+        lora_params = list(network.parameters())
+        frozen = [_local(t) for t in [*model.parameters(), *model.buffers()]
+                  if _local(t).untyped_storage()._cdata not in counter.host]
+        weights_bytes, swapped_bytes = _storage_bytes(frozen), _storage_bytes(host)
+        with fake_mode:
+            opt, _, state = steady_state_optimizer(optimizer, lora_params)
+            state_bytes = _storage_bytes(state)
+            counter.register([*frozen, *lora_params, *state])
+            counter.reset_peak()
+            with counter.mode(), op_lists(autocast_rules):
+                FORWARDS[spec.denoiser_class](model, counter, spec, batch_size, resolution,
+                                              text_tokens or spec.denoiser_text_tokens,
+                                              **({"frames": frames} if frames > 1 else {}))
+                grad_bytes = _storage_bytes([p.grad for p in lora_params if p.grad is not None])
+                counter.phase = "optimizer"
+                opt.step()
+                opt.zero_grad(set_to_none=True)
     # the modules kohya's DiT file holds beside the transformer (Anima's LLM adapter): resident, frozen, their
     # small forward fed in as its output (what the step hands the blocks)
     all_extra, linear_extra = _extras_elements(spec)
@@ -227,7 +223,78 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames,
-        autocast_rules=autocast_rules)
+        autocast_rules=autocast_rules, shard_ranks=shard_ranks, fsdp=fsdp if shard_ranks > 1 else None)
+
+
+def _traced_modules(spec: FamilySpec, *, rank: int, fp8_base: bool, fake: bool,
+                    gradient_checkpointing: bool) -> tuple[ModelMixin, LoRANetwork, Any]:
+    """(denoiser, its applied LoRA, the fake mode) as :func:`trace_dit_step` traces them: on fake CPU tensors
+    (``fake``; else real random ones), fp8 as the family's trainer stores it, checkpointed as asked."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    bundle = build_bundle(spec, materialize=not fake)
+    model = bundle.unet
+    if fp8_base and spec.trains_with.fp8_scaled_weights:
+        musubi_fp8_scaled(model)
+    elif fp8_base:
+        from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+
+        store_frozen_weights_in_fp8(model, torch.bfloat16)  # --fp8_base: every frozen Linear weight in 1 byte
+    network = engine_lora(bundle, rank)
+    if gradient_checkpointing:
+        enable_checkpointing(model)
+    fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    if fake:
+        fakeify([model, network], fake_mode)
+    return model, network, fake_mode
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds: a sharded parameter's (a DTensor's) local shard."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+@contextlib.contextmanager
+def sharded_across(model: ModelMixin, spec: FamilySpec, ranks: int, strategy: str, fake_mode: Any,
+                   counter: LiveBytesCounter) -> Iterator[None]:
+    """``model`` sharded as the engine shards it (``training.sharding.shard_denoiser``) across ``ranks`` processes
+    of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration.
+
+    FSDP frees a gathered weight by resizing its storage to 0 and gathers it again by resizing it back (its
+    ``alloc_storage`` / ``free_storage``), which no dispatched op shows: both are wrapped for the duration to tell
+    ``counter``."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+
+    from sd_scripts_compat.training.sharding import process_mesh, shard_denoiser
+
+    if dist.is_initialized():
+        raise RuntimeError("a sharded trace needs a process without a process group")
+    alloc, free = fsdp_param.alloc_storage, fsdp_param.free_storage
+
+    def told(resize: Callable[[torch.Tensor], None]) -> Any:  # Any: mypy will not let a module's def be replaced
+        def wrapped(tensor: torch.Tensor) -> None:
+            resize(tensor)
+            counter.resized(tensor)
+
+        return wrapped
+
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=dist.HashStore())
+    try:
+        mesh = process_mesh(torch.device("cpu"))  # outside the fake mode: the mesh reads its ranks' values
+        with fake_mode:
+            shard_denoiser(model, spec, strategy, mesh)
+        fsdp_param.alloc_storage = fsdp_group.alloc_storage = told(alloc)
+        fsdp_param.free_storage = told(free)
+        yield
+    finally:
+        fsdp_param.alloc_storage = fsdp_group.alloc_storage = alloc
+        fsdp_param.free_storage = free
+        dist.destroy_process_group()
 
 
 def musubi_fp8_scaled(model: ModelMixin) -> int:
@@ -540,13 +607,13 @@ def dit_architecture_facts(family: str | FamilySpec = DEFAULT_FAMILY,
         if any(size != sizes[0] for size in sizes):  # SD3.5 Medium: MMDiT-X blocks 0-12, a pre-only last block
             group["per_block"] = [[size["elements"], size["swap_elements"], size["fp8_elements"]] for size in sizes]
     cfg = model.config
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point())  # whole on each process when sharded
     return {
         "config": model_config(spec.unet),
         "block_groups": groups,
         # buffers count too: SD3's positional table (384^2 x 1536 for Medium) is one, and lives on the device
-        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks + extra[0]
-                 + sum(b.numel() for b in model.buffers() if b.is_floating_point()),
-                 "fp8_elements": rest_linear + extra[1]},
+        "rest": {"elements": sum(p.numel() for p in model.parameters()) - in_blocks + extra[0] + buffers,
+                 "fp8_elements": rest_linear + extra[1], "buffer_elements": buffers},
         "lora_modules": dict(sorted(lora.items())),
         "text_encoders": {te.file_option or te.lora_prefix: sum(p.numel() for p in encoder.parameters())
                           for te, encoder in zip(spec.text_encoders, bundle.text_encoders)},

@@ -238,14 +238,26 @@ def _each_block_bytes(arch: dict[str, Any]) -> list[int]:
     return [_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group)]
 
 
-def sharded_transformer_bytes(arch: dict[str, Any], ranks: int) -> tuple[int, int]:
-    """(bytes on each of ``ranks`` processes, bytes gathered in flight) of a transformer sharded block by block
-    (``training.sharding``, FSDP2): each holds 1/N of every weight; a block's whole weights are gathered as it runs,
-    the next one's prefetched beside it (two of the largest); the root unit (everything outside the blocks) stays
-    gathered through the step, since the backward needs it at once."""
+def sharded_transformer_bytes(arch: dict[str, Any], ranks: int, checkpoint_bytes: int | None = None) -> tuple[int, int]:
+    """(bytes each of ``ranks`` processes holds, bytes gathered in flight at the step's peak) of a transformer sharded
+    block by block (``training.sharding``, FSDP2): each holds 1/N of every parameter and every buffer whole (SD3's
+    positional table); the root unit (the parameters outside the blocks) stays gathered through the step.
+
+    The backward gathers each block again and prefetches the one before it, so a pair of neighbouring blocks is
+    in flight while the saved activations are at their largest. Without checkpointing that is where the backward
+    starts (the activations fall by a whole block's with each block after). With it (``checkpoint_bytes``: one
+    block's saved input) they fall by that much per block only, so a larger pair deeper in may be the peak:
+    the pair ``k`` blocks in, less the ``k - 1`` inputs freed by then. Traced with the engine's sharding on a
+    fake process group (``bench/sharded_trace.py``): FLUX.1 dev's peak is at its last two single blocks (its double
+    blocks come 38 freed inputs later), SD3.5 Large's at the pair before its smaller last block."""
     blocks = _each_block_bytes(arch)
-    rest = 2 * arch["rest"]["elements"]
-    return -(-(sum(blocks) + rest) // ranks), rest + 2 * max(blocks)
+    buffers = 2 * arch["rest"].get("buffer_elements", 0)
+    root = 2 * arch["rest"]["elements"] - buffers
+    backward = blocks[::-1]
+    pairs = [a + b for a, b in zip(backward, backward[1:])] or blocks
+    in_flight = pairs[0] if checkpoint_bytes is None else \
+        max(pair - max(0, k - 1) * checkpoint_bytes for k, pair in enumerate(pairs))
+    return -(-(sum(blocks) + root) // ranks) + buffers, root + in_flight
 
 
 def gathered_bytes_per_step(arch: dict[str, Any], ranks: int) -> int:
@@ -296,8 +308,13 @@ def offloaded_checkpoint_bytes(cal: dict[str, Any], i: DitMemoryInputs) -> int:
         return 0
     arch = cal["architecture"]
     blocks = sum(group["count"] for group in arch["block_groups"])
-    tokens = activation_tokens(arch, i.family, i.resolution, i.height, i.frames)
-    return 2 * (blocks - 1) * int(arch["hidden"]) * tokens * i.batch_size
+    return (blocks - 1) * block_input_bytes(arch, i)
+
+
+def block_input_bytes(arch: dict[str, Any], i: DitMemoryInputs) -> int:
+    """One block's bf16 input (its tokens x the hidden width x the micro-batch): what checkpointing saves of it."""
+    return 2 * int(arch["hidden"]) * activation_tokens(arch, i.family, i.resolution, i.height, i.frames) \
+        * i.batch_size
 
 
 def _activations(cal: dict[str, Any], i: DitMemoryInputs, lora_grad_bytes: int) -> int:
@@ -327,7 +344,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     split = family.swap_split(inputs.blocks_to_swap)
     resident, host = transformer_bytes(arch, inputs.fp8_base, split)
     if inputs.shard_ranks > 1:  # no swap, no fp8 beside sharding (training.sharding.check_sharding)
-        shard, gathered = sharded_transformer_bytes(arch, inputs.shard_ranks)
+        shard, gathered = sharded_transformer_bytes(
+            arch, inputs.shard_ranks, block_input_bytes(arch, inputs) if inputs.gradient_checkpointing else None)
         resident, host = shard + gathered, 0
     sizes = lora_sizes(arch, inputs.rank)
     n_params = sum(numel * count for numel, count in sizes)

@@ -56,15 +56,27 @@ class LiveBytesCounter:
         if key in self._live:
             return
         nbytes = storage.nbytes()
-        self._live[key] = (nbytes, weakref.ref(storage, self._finalizer(key, nbytes)))
+        self._live[key] = (nbytes, weakref.ref(storage, self._finalizer(key)))
         self.current += nbytes
 
-    def _finalizer(self, key: int, nbytes: int) -> Callable[[Any], None]:
+    def resized(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage was resized in place (FSDP frees a gathered weight so, keeping the tensor): count
+        its bytes now."""
+        storage = tensor.untyped_storage()
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            self._track(tensor)
+        else:
+            self._live[storage._cdata] = (storage.nbytes(), entry[1])
+            self.current += storage.nbytes() - entry[0]
+        self._update_peak()
+
+    def _finalizer(self, key: int) -> Callable[[Any], None]:
         def release(_ref: object) -> None:
             entry = self._live.get(key)
             if entry is not None and entry[1] is _ref:
                 del self._live[key]
-                self.current -= nbytes
+                self.current -= entry[0]  # its bytes now (``resized``), not at birth
 
         return release
 

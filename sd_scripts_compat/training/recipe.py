@@ -380,9 +380,9 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
     network = _create_network(config, model)
     network.apply_to()
     if config.fsdp:  # after the hooks: each process gathers a block's weights as the block runs
-        from sd_scripts_compat.training.sharding import held_bytes, shard_denoiser
+        from sd_scripts_compat.training.sharding import held_bytes, process_mesh, shard_denoiser
 
-        units = shard_denoiser(unet, model.family, config.fsdp, process.device)
+        units = shard_denoiser(unet, model.family, config.fsdp, process_mesh(process.device))
         held, whole = held_bytes(unet)
         process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across "
                                   f"{process.world} processes ({units} blocks and the rest as one unit): each holds "

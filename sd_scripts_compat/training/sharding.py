@@ -21,6 +21,7 @@ from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from sd_scripts_compat.facts.families import FamilySpec
 
@@ -70,14 +71,19 @@ def held_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return held, whole
 
 
-def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str, device: torch.device) -> int:
-    """Shard ``denoiser`` (already on ``device``, its LoRA hooks in place) across the default process group;
-    the number of units sharded besides the root."""
+def process_mesh(device: torch.device) -> DeviceMesh:
+    """One dimension over every process of the default process group, on ``device``'s type."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str, mesh: DeviceMesh) -> int:
+    """Shard ``denoiser`` (already on the mesh's device, its LoRA hooks in place) across ``mesh``
+    (:func:`process_mesh`); the number of units sharded besides the root."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     reshard = STRATEGIES[strategy]
     units = shard_units(denoiser, family)
     for unit in units:

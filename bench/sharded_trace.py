@@ -1,0 +1,78 @@
+"""Per-process peak of a sharded transformer step: the memory model against the engine's own sharding, traced.
+
+Each row traces one LoRA step (:data:`SETTINGS`, cached inputs, bf16 weights) of the family's
+full-size transformer on fake CPU tensors under CUDA autocast's op lists, sharded by our engine's ``fsdp``
+(``training.sharding.shard_denoiser``: FSDP2 ``fully_shard`` per block, then the root) across N processes of torch's
+fake process group, and sets the traced peak of one process beside the memory model's tensor peak for the same
+settings (``dit_memory.predict_dit_memory(shard_ranks=N)``; the CUDA context, allocator overhead and margin are
+the card's, not the trace's). "in flight" is what sharding adds to an unsharded step's activations: the traced
+peak less the process's weights, LoRA, gradients, optimizer state and the unsharded trace's activations.
+
+    .venv/bin/python bench/sharded_trace.py                       # FLUX.1 dev, SD3.5 Large, Chroma; 2 and 4
+    .venv/bin/python bench/sharded_trace.py --families flux-dev --ranks 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GIB = 2**30
+# the plans' usual step, and one the memory fit did not use (another size, micro-batch, rank and optimizer)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "1024 px, 1 x rank 16, AdamW8bit": {"resolution": 1024, "batch_size": 1, "rank": 16, "optimizer": "AdamW8bit"},
+    "768 px, 2 x rank 32, AdamW": {"resolution": 768, "batch_size": 2, "rank": 32, "optimizer": "AdamW"},
+}
+
+
+def row(family: str, settings: dict[str, Any], ranks: int, checkpointing: bool,
+        unsharded_activations: int) -> dict[str, Any]:
+    """One traced and predicted sharded step."""
+    from autotune.calibration.dit_memtrace import trace_dit_step
+    from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
+
+    traced = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks)
+    inputs = DitMemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing, fp8_base=False,
+                             shard_ranks=ranks)
+    predicted = predict_dit_memory(inputs).tensor_peak_bytes
+    return {"family": family, "ranks": ranks, "gc": checkpointing, "held": traced.weights_bytes,
+            "in_flight": traced.activations_peak_bytes - unsharded_activations, "traced": traced.peak_bytes,
+            "predicted": predicted, "phase": traced.peak_phase, "seconds": traced.seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=["flux-dev", "sd3.5-large", "chroma"])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    args = parser.parse_args(argv)
+    from autotune.calibration.dit_memtrace import trace_dit_step
+
+    print("| family | step | GC | processes | weights held GiB | in flight GiB | traced peak GiB | predicted GiB | "
+          "predicted / traced | peak phase | trace s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for family in args.families:
+        for name, settings in SETTINGS.items():
+            for checkpointing in (True, False):
+                whole = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing)
+                for ranks in args.ranks:
+                    r = row(family, settings, ranks, checkpointing, whole.activations_peak_bytes)
+                    ratios.append(r["predicted"] / r["traced"])
+                    print(f"| {family} | {name} | {'on' if checkpointing else 'off'} | {ranks} | "
+                          f"{r['held'] / GIB:.2f} | {r['in_flight'] / GIB:.3f} | {r['traced'] / GIB:.2f} | "
+                          f"{r['predicted'] / GIB:.2f} | {ratios[-1]:.3f} | {r['phase']} | {r['seconds']:.0f} |",
+                          flush=True)
+    low = [x for x in ratios if x < 0.98]
+    print(f"\n{len(ratios)} sharded traces; predicted / traced {min(ratios):.3f} .. {max(ratios):.3f}; "
+          f"{len(low)} more than 2% low")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""The traced per-process peak of a sharded step (issue 53, item 4): the engine's own sharding
+(``training.sharding.shard_denoiser``) on torch's fake process group, traced as the other steps are, against the
+memory model's sharded figure. The full-size table (FLUX.1 dev, SD3.5 Large, Chroma at 2 and 4 processes) is
+``bench/sharded_trace.py``; here tiny-flux, fake tensors against real ones, and what a trace leaves behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune.calibration.dit_memtrace import trace_dit_step
+from autotune.estimate.dit_memory import (
+    DitMemoryInputs,
+    block_input_bytes,
+    dit_family_calibration,
+    sharded_transformer_bytes,
+)
+
+KW = {"resolution": 128, "rank": 4, "optimizer": "AdamW", "text_tokens": 8}
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_what_sharding_adds_to_a_step_is_the_root_and_the_pair_of_blocks_the_model_predicts(checkpointing):
+    """Without checkpointing the backward's first two blocks (tiny-flux's two single blocks), exactly; with it a
+    pair deeper in (the trace: a single and a double block), which the model's rule takes within 5%."""
+    whole = trace_dit_step("tiny-flux", **KW, gradient_checkpointing=checkpointing)
+    sharded = trace_dit_step("tiny-flux", **KW, gradient_checkpointing=checkpointing, shard_ranks=2)
+    arch = dit_family_calibration("tiny-flux")["architecture"]
+    inputs = DitMemoryInputs(family="tiny-flux", resolution=128, batch_size=1, rank=4,
+                             gradient_checkpointing=checkpointing)
+    held, in_flight = sharded_transformer_bytes(arch, 2, block_input_bytes(arch, inputs) if checkpointing else None)
+    assert sharded.shard_ranks == 2 and sharded.fsdp == "full_shard" and whole.fsdp is None
+    assert sharded.weights_bytes == pytest.approx(whole.weights_bytes / 2, rel=0.01)
+    assert sharded.weights_bytes == pytest.approx(held, rel=0.01)
+    traced_in_flight = sharded.activations_peak_bytes - whole.activations_peak_bytes
+    if checkpointing:  # tiny blocks: their recomputed activations differ more than a full-size model's
+        assert traced_in_flight <= in_flight <= 1.05 * traced_in_flight
+    else:
+        assert traced_in_flight == in_flight
+
+
+def test_the_fake_sharded_trace_agrees_with_the_same_step_on_real_tensors():
+    fake = trace_dit_step("tiny-flux", **KW, gradient_checkpointing=False, shard_ranks=2)
+    real = trace_dit_step("tiny-flux", **KW, gradient_checkpointing=False, shard_ranks=2, fake=False)
+    assert fake.peak_bytes == real.peak_bytes and fake.weights_bytes == real.weights_bytes
+
+
+def test_more_processes_hold_less_and_gather_the_same():
+    two, four = (trace_dit_step("tiny-flux", **KW, shard_ranks=n) for n in (2, 4))
+    assert four.weights_bytes == pytest.approx(two.weights_bytes / 2, rel=0.02)
+    assert four.activations_peak_bytes == two.activations_peak_bytes
+
+
+def test_a_trace_leaves_no_process_group_and_fsdp_as_it_found_it():
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+
+    alloc, free = fsdp_param.alloc_storage, fsdp_param.free_storage
+    trace_dit_step("tiny-flux", **KW, shard_ranks=2)
+    assert not dist.is_initialized()
+    assert (fsdp_param.alloc_storage, fsdp_param.free_storage) == (alloc, free)
+
+
+def test_a_sharded_trace_refuses_what_sharding_refuses():
+    from sd_scripts_compat.facts.errors import UserError
+
+    with pytest.raises(UserError, match="blocks_to_swap"):
+        trace_dit_step("tiny-flux", **KW, shard_ranks=2, blocks_to_swap=2)
+    with pytest.raises(UserError, match="hybrid_shard"):
+        trace_dit_step("tiny-flux", **KW, shard_ranks=2, fsdp="hybrid_shard")
