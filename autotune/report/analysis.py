@@ -45,8 +45,8 @@ def build_report(run: RunFiles) -> dict[str, Any]:
         "steps": done.get("steps") or (run.progress or {}).get("step"), "attempts": run.attempts,
         "family": done.get("family") or (run.plan or {}).get("family"),
         "phases": phase_table(phases), "speed": speed(run), "devices": devices,
-        "memory": memory(run, devices), "findings": [f.to_dict() for f in findings],
-        "resumed_changed": list(run.resumed_changed),
+        "memory": memory(run, devices), "communication": communication(run),
+        "findings": [f.to_dict() for f in findings], "resumed_changed": list(run.resumed_changed),
     }
     report["bottleneck"] = bottleneck(run, report, findings)
     return report
@@ -120,6 +120,23 @@ def memory(run: RunFiles, devices: list[dict[str, Any]]) -> dict[str, Any]:
             "kind": "cuda_max_reserved" if cuda else "peak_rss", "total_bytes": total,
             "device": devices[0]["device"] if devices else None,
             "process_peak_bytes": each if len(each) > 1 else None}  # several processes: each one's
+
+
+def communication(run: RunFiles) -> dict[str, Any] | None:
+    """Several processes: each one's collectives in its profiled step (``training.comm_profile``) against the run's
+    measured seconds per step, as ``{"step_seconds", "method", "per_process": [{"seconds", "share"} | None]}``."""
+    done = run.done or {}
+    each, step_seconds = done.get("communication"), done.get("seconds_per_step")
+    if not isinstance(each, list) or not any(isinstance(c, dict) for c in each):
+        return None
+    step = float(step_seconds) if isinstance(step_seconds, (int, float)) and step_seconds > 0 else None
+    rows: list[dict[str, Any] | None] = []
+    for profiled in each:
+        seconds = profiled.get("seconds") if isinstance(profiled, dict) else None
+        rows.append({"seconds": float(seconds), "share": min(1.0, seconds / step) if step else None}
+                    if isinstance(seconds, (int, float)) and seconds >= 0 else None)
+    method = next(c.get("method") for c in each if isinstance(c, dict))
+    return {"step_seconds": step, "method": method, "per_process": rows}
 
 
 def bottleneck(run: RunFiles, report: dict[str, Any], findings: list[Any]) -> dict[str, Any]:

@@ -99,9 +99,21 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     if mem.get("process_peak_bytes"):
         lines.append("peak memory per process: " + ", ".join(
             f"{rank}: {_gib(peak)}" for rank, peak in enumerate(mem["process_peak_bytes"])))
+    if report.get("communication"):
+        lines.append(_communication_line(report["communication"]))
     if report["phases"] is not None:
         lines.append(f"phases cover {100 * report['phases']['covered_fraction']:.1f}% of the wall time")
     return lines
+
+
+def _communication_line(comm: dict[str, Any]) -> str:
+    """Each process's collectives in its profiled step, and their share of the run's seconds per step."""
+    where = "NCCL's kernels, overlapping the compute" if comm["method"] == "nccl_kernels" else "gloo"
+    each = []
+    for rank, row in enumerate(comm["per_process"]):
+        share = f" ({100 * row['share']:.0f}% of a step)" if row and row["share"] is not None else ""
+        each.append(f"{rank}: {row['seconds']:.3f} s{share}" if row else f"{rank}: not profiled")
+    return f"communication (one profiled step, {where}): " + ", ".join(each)
 
 
 def _gib(value: float | None) -> str:

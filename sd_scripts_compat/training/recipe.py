@@ -47,6 +47,7 @@ from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.runtimes import TextOptions
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
+from sd_scripts_compat.training.comm_profile import CommProfile
 from sd_scripts_compat.training.compiled_blocks import (
     CompiledBlocks,
     compile_blocks,
@@ -641,6 +642,7 @@ class Recipe:
     stops: StopSignals | None = None  # SIGINT / SIGTERM: stop at the next optimizer-step boundary
     control: ControlFile = field(default_factory=lambda: ControlFile(None))  # the supervisor's in-process changes
     phases: PhaseTimer = field(default_factory=lambda: PhaseTimer("cpu"))  # where the time goes (done.json)
+    comm: CommProfile = field(default_factory=lambda: CommProfile(1, "cpu", 0))  # several processes' collectives
 
     def on_card(self) -> contextlib.AbstractContextManager[Any]:
         """A step's work counted on the emulated card, when there is one (``training.emulated_card``)."""
@@ -737,7 +739,8 @@ def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
         dtype=process.weight_dtype, accelerator=process.accelerator, objective=objective)
     events_dir = process.paths.events_dir
     recipe = Recipe(config, process, model, data, inputs, network, optimization, objective, report, checkpointer,
-                    validation, guard, stops, ControlFile(events_dir / CONTROL_FILE if events_dir else None), phases)
+                    validation, guard, stops, ControlFile(events_dir / CONTROL_FILE if events_dir else None), phases,
+                    CommProfile(process.world, process.device.type, after=TIMING_WARMUP_STEPS))
     stops.in_loop = True  # from here on a signal asks the loop to stop at the next step boundary
     reporter.enter("training")
     # the background sampler of monitor.jsonl reads the step counter by itself: the loop never calls it
@@ -853,6 +856,7 @@ def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: Buck
     sampler.set_epoch(counters.epoch, start_step=counters.step_in_epoch)
     batch_index = counters.step_in_epoch  # micro-batches of this epoch consumed by this process
     for batch in r.phases.batches(loader):  # the wait for each batch is the phase "data"
+        r.comm.begin(counters.global_step)  # one step after the warm-up profiled, when several processes run
         with r.on_card():
             micro_step(r, loop, counters, batch, batch_index)
         batch_index += 1
@@ -860,6 +864,7 @@ def run_epoch(r: Recipe, loop: LoopState, counters: TrainCounters, sampler: Buck
             continue
         with r.on_card():
             optimizer_step(r, counters)
+        r.comm.end()
         counters.step_in_epoch = batch_index  # only whole optimizer steps count as consumed
         after_step(r, loop, counters, progress)
         r.phases.step_done()
@@ -1156,7 +1161,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     phases = {**r.phases.summary(), "loader_workers": config.max_data_loader_n_workers or 0, "world": process.world}
     process.accelerator.log(tensorboard_scalars(phases), step=counters.global_step)
     peak_memory = max(loop.peak_memory_mib, r.peak_memory_mib())
-    ranks = _each_process_peak(process, peak_memory)  # a collective: every process is here
+    ranks, comm = _each_process(process, peak_memory, r.comm.summary())  # a collective: every process is here
     seconds = time.time() - process.started
     # steady state: after the first steps (allocator, caches), and without the steps that compiled a block (their
     # time is torch_compile's seconds); one duration per optimizer step
@@ -1174,7 +1179,7 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
                 "validation_loss": r.validation.history if r.validation is not None else [],
                 "settings": r.report.settings, "resolved": r.report.resolved, "phases": phases,
                 "family": r.model.family.name, "torch_compile": compile_summary(r.network.compiled),
-                "channels_last": r.network.channels_last, "process_peaks": ranks})
+                "channels_last": r.network.channels_last, "process_peaks": ranks, "communication": comm})
         print(f"done: {counters.global_step} steps in {seconds:.1f} s, peak memory {peak_memory:.0f} MiB, "
               f"LoRA written to {output_file}")
     process.accelerator.end_training()
@@ -1183,16 +1188,18 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
 
 # ---- helpers: small, explicit, no state of their own ------------------------------------------------
 
-def _each_process_peak(process: Process, peak_mib: float) -> list[float]:
-    """Every process's peak memory (MiB), in rank order: one gather at the end of several processes' run (with
-    ``fsdp`` each holds its own share of the model); this process's alone otherwise."""
+def _each_process(process: Process, peak_mib: float,
+                  comm: dict[str, Any] | None) -> tuple[list[float], list[dict[str, Any] | None] | None]:
+    """Every process's peak memory (MiB) and its profiled collectives (``training.comm_profile``), in rank order:
+    one gather at the end of several processes' run (with ``fsdp`` each holds its own share of the model); this
+    process's peak alone and no collectives otherwise."""
     if process.world < 2:
-        return [peak_mib]
+        return [peak_mib], None
     import torch.distributed as dist
 
-    peaks: list[Any] = [None] * process.world
-    dist.all_gather_object(peaks, peak_mib)
-    return [float(p) for p in peaks]
+    each: list[Any] = [None] * process.world
+    dist.all_gather_object(each, (peak_mib, comm))
+    return [float(peak) for peak, _ in each], [profiled for _, profiled in each]
 
 
 def cache_dir(process: Process) -> Path:
