@@ -144,3 +144,28 @@ def test_the_oom_ladder_shards_before_it_swaps_when_the_run_has_several_processe
     if processes > 1:
         assert step.settings.fsdp == "full_shard" and "sharding" in step.reasons[0]
         assert step.predicted_mib < 16 * 1024 and not step.settings.blocks_to_swap
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_each_process_of_a_machine_with_several_cards_loads_the_model_in_host_ram(count):
+    """Every process (one per GPU) reads the model into RAM at the same time: the plan's host-RAM peak is the
+    one-card figure times the processes, and says so."""
+    one, several = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 1), _plan("builtin:flux-dev", "RTX 4060 Ti 16GB",
+                                                                           count)
+    per_process = several.prediction.ram_peak_bytes / count
+    assert several.prediction.ram_processes == count and one.prediction.ram_processes == 1
+    loading = dict(several.prediction.ram_components)["loading"]
+    assert loading == dict(one.prediction.ram_components)["loading"]  # each loads the whole file
+    assert per_process >= loading and several.prediction.ram_peak_bytes >= count * one.prediction.ram_peak_bytes * 0.9
+    assert several.to_dict()["prediction"]["ram_processes"] == count
+
+
+def test_too_little_ram_for_every_process_loading_at_once_is_warned_with_the_count():
+    gpus = tuple(gpu_from_spec(lookup_gpu("RTX 4060 Ti 16GB")) for _ in range(4))
+    from autotune.planning.request import Preferences
+
+    plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:flux-dev", dataset=nominal_dataset(), gpus=gpus,
+                                     cpu_physical_cores=16, host_ram_bytes=64 * 2**30,
+                                     preferences=Preferences(resolution=1024)))
+    warning = next(w for w in plan.warnings if w.startswith("host RAM is the limit"))
+    assert "4 processes (one per GPU) at once" in warning

@@ -61,11 +61,13 @@ class RamEstimate:
     components: dict[str, int] = field(default_factory=dict)  # loading phase and training phase parts
     loading_bytes: int = 0
     training_bytes: int = 0
+    processes: int = 1  # training processes on this machine (one per GPU): each loads and holds its own
 
     @property
     def peak_bytes(self) -> int:
-        """Process + the larger of the two phases (loading ends before the workers start)."""
-        return self.components["process"] + max(self.loading_bytes, self.training_bytes)
+        """Process + the larger of the two phases (loading ends before the workers start), for every process:
+        they load the model at the same time."""
+        return self.processes * (self.components["process"] + max(self.loading_bytes, self.training_bytes))
 
     @property
     def peak_gib(self) -> float:

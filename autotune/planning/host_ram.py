@@ -9,7 +9,7 @@ it, so then the plan says so and how much the machine lacks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autotune.estimate.ram_model import (
     GIB,
@@ -47,15 +47,19 @@ def default_workers(request: PlanRequest) -> int:
 
 def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSettings, num_images: int,
                   tensor_peak_bytes: int, *, modelled: tuple[int, int] | None = None,
-                  own_model: bool = False) -> HostRamPlan:
+                  own_model: bool = False, processes: int = 1) -> HostRamPlan:
     """The workers the machine's RAM allows and the predicted peak; ``tensor_peak_bytes`` counts for CPU plans.
     ``modelled`` is (loading, training) host RAM from a family's own memory model (FLUX: swapped blocks and
-    parked encoders), used instead of the UNet families' RAM model."""
+    parked encoders), used instead of the UNet families' RAM model. ``processes`` (one per GPU) each load the
+    model and hold their own host memory, at the same time."""
     usable = request.host_ram_bytes
     on_gpu = bool(request.gpus)
     workers = default_workers(request)
 
     def estimate(n: int) -> RamEstimate:
+        return replace(one_process(n), processes=processes)
+
+    def one_process(n: int) -> RamEstimate:
         inputs = RamInputs(
             family=family.name, resolution=settings.resolution[0], batch_size=settings.train_batch_size,
             num_images=num_images, num_workers=n, weight_dtype=settings.weight_dtype,
@@ -77,7 +81,7 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
     current = estimate(workers)
     fallbacks: list[str] = []
     def training_peak(e: RamEstimate) -> int:  # fewer workers lower the training phase only, never the loading
-        return e.components["process"] + e.training_bytes
+        return e.processes * (e.components["process"] + e.training_bytes)
 
     if usable is not None and training_peak(current) > usable and workers > 0 and modelled is None:
         start = workers
@@ -89,6 +93,8 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
     if usable is not None and current.peak_bytes > usable:
         phase = ("model loading (the model's weights, read into their training dtype)"
                  if current.loading_bytes >= current.training_bytes else "training")
+        if processes > 1:
+            phase += f", {processes} processes (one per GPU) at once"
         warnings.append(f"host RAM is the limit: predicted peak {current.peak_gib:.1f} GiB during {phase}, "
                         f"{usable / GIB:.1f} GiB usable; close other programs, add swap, or use a machine with "
                         f"at least {-(-(current.peak_bytes + OS_RESERVE_BYTES) // GIB)} GB RAM")

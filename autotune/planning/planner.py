@@ -166,7 +166,8 @@ class Prediction:
     memory_factor: float = 1.0  # what the memory model's peak was multiplied by
     ram_peak_bytes: int = 0  # predicted peak host RAM (autotune.estimate.ram_model)
     ram_usable_bytes: int | None = None  # host RAM the run may use; None: not known, not checked
-    ram_components: tuple[tuple[str, int], ...] = ()
+    ram_components: tuple[tuple[str, int], ...] = ()  # of one process
+    ram_processes: int = 1  # processes on the machine, each with ram_components (ram_peak_bytes counts them all)
     compile_seconds: float = 0.0  # torch_compile: the measured compile, counted in total_seconds
 
 
@@ -223,6 +224,7 @@ class Plan:
             out["prediction"]["peak_gib"] = round(self.prediction.peak_bytes / GIB, 3)
             out["prediction"]["usable_gib"] = round(self.prediction.usable_bytes / GIB, 3)
             out["prediction"]["ram_components"] = dict(self.prediction.ram_components)
+            out["prediction"]["ram_processes"] = self.prediction.ram_processes
             out["prediction"]["ram_peak_gib"] = round(self.prediction.ram_peak_bytes / GIB, 3)
         out["launch_command"] = list(self.launch_command)
         return json.loads(json.dumps(out, default=str))
@@ -417,14 +419,15 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
     modelled = (chosen.host_ram_loading, chosen.host_ram) if chosen.host_ram and gpus else None
     host_tensors = sum(v for k, v in chosen.components if k not in ("cuda_context", "safety_margin"))
     ram = plan_host_ram(request, family, s, dataset.num_images, host_tensors, modelled=modelled,
-                        own_model=bool(chosen.host_ram))
+                        own_model=bool(chosen.host_ram), processes=devices)
     common.update(fallbacks=found.fallbacks + ram.fallbacks, warnings=common["warnings"] + ram.warnings)
     prediction = Prediction(
         peak_bytes=chosen.peak, required_bytes=chosen.required, usable_bytes=usable, components=chosen.components,
         it_per_s=1.0 / seconds_per_step, micro_steps_per_s=chosen.it_per_s, samples_per_s=chosen.samples_per_s,
         seconds_per_step=seconds_per_step, total_seconds=length.steps * seconds_per_step,
         optimizer_steps=length.steps, ram_peak_bytes=ram.estimate.peak_bytes, ram_usable_bytes=ram.usable_bytes,
-        ram_components=tuple(ram.estimate.components.items()), **_sources(predictor.predict(s)),
+        ram_components=tuple(ram.estimate.components.items()), ram_processes=ram.estimate.processes,
+        **_sources(predictor.predict(s)),
     )
     compiling = decide_compile(searched.measured, s, seconds_per_step, length.steps, usable / 2**20 if gpus else None)
     if compiling.on:
