@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -168,3 +169,23 @@ def test_several_processes_outcomes_come_from_the_events_and_the_launchers_summa
     assert killed[0] is Outcome.OS_KILL and "process 1 of the run" in killed[1]
     crashed = classify(ExitFacts(returncode=1, stderr_tail=(*summary[:4], "  exitcode  : 1 (pid: 17119)")))
     assert crashed[0] is Outcome.CRASH
+
+
+def test_a_timed_out_collective_written_by_a_child_is_read_back_as_its_outcome(tmp_path: Path) -> None:
+    """The engine's process that saw a collective time out writes comm.json and exits 89 (``finish_collective``);
+    the attempt reads it back from the events folder (a child process here, the event written by the engine's own
+    ``write_event``): the outcome is comm_timeout with its fix, and a next attempt starts without it."""
+    from autotune.recovery.attempt import run_attempt
+    from sd_scripts_compat.facts.contract import COLLECTIVE_EXIT_CODE, COMM, COMM_TIMEOUT_FIX, event_path
+
+    events = tmp_path / "events"
+    child = ("import sys; from sd_scripts_compat.facts.contract import COMM, write_event; "
+             f"write_event({str(events)!r}, COMM, {{'step': 3, 'rank': 0, 'message': 'Timed out waiting 60000ms "
+             f"for recv operation to complete'}}); sys.exit({COLLECTIVE_EXIT_CODE})")
+    result = run_attempt([sys.executable, "-c", child], env=dict(os.environ), events_dir=events,
+                         log_path=tmp_path / "log.txt", stall_timeout_s=300, echo=False)
+    assert result.outcome is Outcome.COMM_TIMEOUT, result
+    assert "Timed out waiting 60000ms" in result.message and COMM_TIMEOUT_FIX in result.message
+    run_attempt([sys.executable, "-c", "pass"], env=dict(os.environ), events_dir=events,
+                log_path=tmp_path / "log.txt", stall_timeout_s=300, echo=False)
+    assert not event_path(events, COMM).exists()  # cleared before the next child starts

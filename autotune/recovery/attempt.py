@@ -19,13 +19,14 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from autotune.recovery.stall import describe, stall_limit
 from sd_scripts_compat.facts.contract import (
+    COMM,
     DIVERGED,
     DONE,
     OOM,
@@ -42,6 +43,8 @@ from sd_scripts_compat.facts.contract import (
 if TYPE_CHECKING:
     from types import FrameType
     from typing import IO
+
+    import psutil
 
     from autotune.hardware.gpu_usage import GpuUsage
 
@@ -208,11 +211,44 @@ def _mtime(path: Path) -> int | None:
         return None
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[bytes], sig: int, known: Iterable[psutil.Process] = ()) -> None:
+    """``sig`` to the child's process group and to every process it started in a session of its own (torch's
+    launcher, ``accelerate launch``, starts each rank so: the group alone misses them), as found now and as
+    ``known`` from earlier looks (a rank whose launcher is gone is no longer found under it)."""
+    import psutil
+
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    for child in {p.pid: p for p in [*known, *descendants(proc.pid)]}.values():
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(sig)  # psutil checks it is still the same process (a reused pid is left alone)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every process under ``pid`` now (none when it is gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def end_orphans(known: Iterable[psutil.Process]) -> int:
+    """SIGKILL every process in ``known`` still running after the child ended: a rank that outlived its launcher
+    (one hung in a collective, killed with the launcher before the launcher could kill it) would hold its card's
+    memory against the next attempt. How many there were."""
+    import psutil
+
+    ended = 0
+    for child in known:
+        with contextlib.suppress(psutil.Error):
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                child.kill()
+                ended += 1
+    return ended
 
 
 @contextlib.contextmanager
@@ -261,6 +297,7 @@ class _Watch:
     stalled_after_s: float | None = None
     stalled_in: str | None = None
     yielded: bool = False  # on_progress asked for a stop at the step boundary
+    tree: dict[int, psutil.Process] = field(default_factory=dict)  # every process seen under the child
 
 
 def run_attempt(
@@ -319,7 +356,7 @@ def run_attempt(
                            on_progress=on_progress, gpu_usage=gpu_usage)
         for pump in pumps:
             pump.join(5)
-    events = {kind: read_event(events_dir, kind) for kind in (PROGRESS, OOM, DIVERGED, DONE)}
+    events = {kind: read_event(events_dir, kind) for kind in (PROGRESS, OOM, DIVERGED, DONE, COMM)}
     facts = ExitFacts(returncode=proc.returncode, stalled_after_s=watch.stalled_after_s, stalled_in=watch.stalled_in,
                       stop_signal=stops[0] if stops else None, stderr_tail=tuple(err_tail), events=events)
     return AttemptResult.from_facts(facts, seconds=time.monotonic() - started, peak_rss_mib=watch.peak_rss,
@@ -341,6 +378,8 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
     stop_deadline: float | None = None
     while proc.poll() is None:
         time.sleep(poll_s)
+        for child in descendants(proc.pid):
+            seen.tree.setdefault(child.pid, child)
         rss, vm = proc_memory_mib(proc.pid)
         seen.peak_rss = max(filter(None, (seen.peak_rss, rss)), default=None)
         seen.peak_vm = max(filter(None, (seen.peak_vm, vm)), default=None)
@@ -350,7 +389,7 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
         if stops or seen.yielded:  # the engine is saving its state: no stall detection now, only a last deadline
             stop_deadline = stop_deadline or time.monotonic() + stop_grace_s
             if time.monotonic() > stop_deadline:
-                _signal_group(proc, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL, seen.tree.values())
             continue
         mtimes = tuple(_mtime(path) for path in watched)
         if continued and continued[-1] > last_change:
@@ -365,12 +404,13 @@ def _watch(proc: subprocess.Popen[bytes], events_dir: Path, stops: list[int], co
                     proc.send_signal(signal.SIGTERM)  # the engine's process only: its workers end with it
         elif time.monotonic() - last_change > limit and seen.stalled_after_s is None:
             seen.stalled_after_s, seen.stalled_in = limit, describe(read_event(events_dir, PHASE))
-            _signal_group(proc, signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM, seen.tree.values())
             try:
                 proc.wait(kill_grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL, seen.tree.values())
     proc.wait()
+    end_orphans(seen.tree.values())
     return seen
 
 

@@ -84,7 +84,7 @@ DONE = "done"
 DIVERGED = "diverged"
 PHASE = "phase"
 COMM = "comm"  # several processes: a collective timed out (its message, the rank that saw it)
-EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED, PHASE)
+EVENT_KINDS = (PROGRESS, OOM, DONE, DIVERGED, PHASE, COMM)
 ENGINE_PHASES = ("loading", "caching", "training", "compiling", "validating", "saving", "sampling")
 
 # the engine's extension flags (command line only; never written into kohya configs)
@@ -267,7 +267,8 @@ _LAUNCHER_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?ran
 
 COMM_TIMEOUT_FIX = ("a process stopped answering the others (a hung card or driver, or a process starved of CPU); "
                     "resumed from the last state with the same settings; if it repeats, on consumer cards without "
-                    "peer-to-peer set NCCL_P2P_DISABLE=1, or train with fewer processes")
+                    "peer-to-peer set NCCL_P2P_DISABLE=1, or train with fewer processes; where one process works "
+                    "alone for long (caching a large dataset, saving, sampling), raise ddp_timeout (minutes)")
 
 
 def collective_failure(error: BaseException) -> str | None:
