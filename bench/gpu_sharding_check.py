@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -116,9 +117,15 @@ def engine_equality(dry_run: bool) -> dict[str, Any]:
             if done.returncode != 0:
                 return {"error": f"{name}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
             files[name] = read_lora_file(Path(folder) / name / "lora.safetensors")[0]
+            said = re.search(r"each holds ([\d.]+) of its ([\d.]+) MiB.*?(?:peak while sharding ([\d.]+) MiB)?$",
+                             done.stdout, re.MULTILINE)
         one, two = files["plain"], files["sharded"]
+        # the engine keeps the model on the host until each block is sharded: the card's peak then is the shares
+        # and one block, never the whole model (None on a CPU)
+        sharding = {"held_mib": float(said[1]), "whole_mib": float(said[2]),
+                    "card_peak_while_sharding_mib": float(said[3]) if said[3] else None} if said else {}
         return {"tensors": len(one), "max_abs_difference": max(float((one[k].float() - two[k].float()).abs().max())
-                                                                for k in one)}
+                                                                for k in one), **sharding}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / "sharding.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     step = assumed["flux_bytes_per_micro_step"]
     print("| backend | measured GB/s | assumed GB/s | measured / assumed | FLUX.1-dev gathers per micro-step, "
-          "s (assumed / measured rate) | tiny-flux LoRA max |sharded - unsharded| |")
-    print("|---|---|---|---|---|---|")
+          "s (assumed / measured rate) | tiny-flux LoRA max |sharded - unsharded| | card's peak while sharding / "
+          "whole model, MiB |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| {link['backend']} | {link['gbps']:.2f} | {assumed['assumed_gbps']:.2f} | "
           f"{link['gbps'] / assumed['assumed_gbps']:.2f} | {step / assumed['assumed_gbps'] / 1e9:.2f} / "
-          f"{step / link['gbps'] / 1e9:.2f} | {engine.get('max_abs_difference', engine.get('error'))} |")
+          f"{step / link['gbps'] / 1e9:.2f} | {engine.get('max_abs_difference', engine.get('error'))} | "
+          f"{engine.get('card_peak_while_sharding_mib')} / {engine.get('whole_mib')} |")
     return 0
 
 

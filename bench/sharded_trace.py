@@ -10,6 +10,7 @@ peak less the process's weights, LoRA, gradients, optimizer state and the unshar
 
     .venv/bin/python bench/sharded_trace.py                       # FLUX.1 dev, SD3.5 Large, Chroma; 2 and 4
     .venv/bin/python bench/sharded_trace.py --families flux-dev --ranks 2
+    .venv/bin/python bench/sharded_trace.py --offload                 # each process's share in host RAM
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 
 def row(family: str, settings: dict[str, Any], ranks: int, checkpointing: bool,
-        unsharded_activations: int) -> dict[str, Any]:
-    """One traced and predicted sharded step."""
+        unsharded_activations: int, offload: bool = False) -> dict[str, Any]:
+    """One traced and predicted sharded step (``offload``: each process's share in host RAM)."""
     from autotune.calibration.dit_memtrace import trace_dit_step
     from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
 
-    traced = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks)
+    traced = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks,
+                            shard_offload=offload)
     inputs = DitMemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing, fp8_base=False,
-                             shard_ranks=ranks)
+                             shard_ranks=ranks, shard_offload=offload)
     predicted = predict_dit_memory(inputs).tensor_peak_bytes
     return {"family": family, "ranks": ranks, "gc": checkpointing, "held": traced.weights_bytes,
             "in_flight": traced.activations_peak_bytes - unsharded_activations, "traced": traced.peak_bytes,
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=["flux-dev", "sd3.5-large", "chroma"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--offload", action="store_true", help="each process's share in host RAM "
+                        "(fsdp_offload_params): the first setting, checkpointing on")
     args = parser.parse_args(argv)
     from autotune.calibration.dit_memtrace import trace_dit_step
 
@@ -58,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for family in args.families:
-        for name, settings in SETTINGS.items():
-            for checkpointing in (True, False):
+        for name, settings in (list(SETTINGS.items())[:1] if args.offload else SETTINGS.items()):
+            for checkpointing in ((True,) if args.offload else (True, False)):
                 whole = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing)
                 for ranks in args.ranks:
-                    r = row(family, settings, ranks, checkpointing, whole.activations_peak_bytes)
+                    r = row(family, settings, ranks, checkpointing, whole.activations_peak_bytes, args.offload)
                     ratios.append(r["predicted"] / r["traced"])
                     print(f"| {family} | {name} | {'on' if checkpointing else 'off'} | {ranks} | "
                           f"{r['held'] / GIB:.2f} | {r['in_flight'] / GIB:.3f} | {r['traced'] / GIB:.2f} | "

@@ -326,6 +326,10 @@ CLI = [
     Case("engine-fsdp-unknown-strategy", lambda t: engine(t, fsdp="hybrid_shard"), "hybrid_shard needs several"),
     Case("engine-fsdp-one-process", lambda t: engine(t, fsdp="full_shard"), "sharding needs several processes"),
     Case("engine-fsdp-not-a-string", lambda t: engine(t, fsdp=True), "fsdp: expected a string"),
+    Case("engine-fsdp-offload-without-fsdp", lambda t: engine(t, fsdp_offload_params=True),
+         "fsdp_offload_params: it offloads the shares of a sharded denoiser"),
+    Case("engine-fsdp-offload-not-a-bool", lambda t: engine(t, fsdp="full_shard", fsdp_offload_params="yes"),
+         "fsdp_offload_params"),
     Case("run-emulate-card-with-sd-scripts", lambda t: run(
         t, "--emulate-card", "16", "--engine", f"sd-scripts={FAKE_SD_SCRIPTS}"), "another trainer counts none"),
     Case("run-save-state-every-zero", lambda t: run(t, "--save-state-every", "0"), "--save-state-every 0"),

@@ -67,3 +67,23 @@ def test_a_sharded_trace_refuses_what_sharding_refuses():
         trace_dit_step("tiny-flux", **KW, shard_ranks=2, blocks_to_swap=2)
     with pytest.raises(UserError, match="hybrid_shard"):
         trace_dit_step("tiny-flux", **KW, shard_ranks=2, fsdp="hybrid_shard")
+
+
+def test_an_offloaded_share_leaves_the_card_and_nothing_else_changes():
+    """``fsdp_offload_params``: each process's share of the parameters waits in host RAM (FSDP2's CPU offload, run
+    here with the host as the card); the traced peak drops by exactly that share, as the model's does."""
+    kw = {**KW, "gradient_checkpointing": False, "shard_ranks": 2}
+    kept, offloaded = trace_dit_step("tiny-flux", **kw), trace_dit_step("tiny-flux", **kw, shard_offload=True)
+    assert offloaded.shard_offload and offloaded.swapped_weight_bytes == kept.weights_bytes > 0
+    assert offloaded.peak_bytes == kept.peak_bytes - kept.weights_bytes
+    assert offloaded.activations_peak_bytes == kept.activations_peak_bytes
+    from dataclasses import replace
+
+    from autotune.estimate.dit_memory import predict_dit_memory
+
+    inputs = DitMemoryInputs(family="tiny-flux", resolution=128, batch_size=1, rank=4, optimizer="AdamW",
+                             gradient_checkpointing=False, shard_ranks=2)
+    on_card, in_host = (predict_dit_memory(i) for i in (inputs, replace(inputs, shard_offload=True)))
+    share = on_card.components["weights_transformer"] - in_host.components["weights_transformer"]
+    assert share == pytest.approx(kept.weights_bytes, rel=0.01)
+    assert in_host.host_ram_bytes - on_card.host_ram_bytes == share

@@ -17,6 +17,7 @@ import toml
 import torch
 
 from autotune.recovery.engine import free_port
+from autotune.recovery.stall import TEST_TRAINING_FLOOR_ENV
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.network.lora_file import read_lora_file
 from sd_scripts_compat.training.sharding import check_sharding
@@ -60,15 +61,19 @@ def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProce
 @pytest.mark.long
 @pytest.mark.parametrize(("model", "strategy", "extra"), [
     ("tiny-flux", "full_shard", {}), pytest.param("tiny-sdxl", "full_shard", {}, marks=pytest.mark.slow),
-    pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow)])
+    pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow),
+    pytest.param("tiny-flux", "full_shard", {"fsdp_offload_params": True}, marks=pytest.mark.slow)])
 def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, strategy, extra):
+    """(``fsdp_offload_params`` on a CPU runs FSDP2's offload path with the host as the card: the copies are
+    no-ops, the result must still be the unsharded run's.)"""
     script, values = MODELS[model]
-    plain = _launch(script, _config(tmp_path, "plain", values, **extra))
+    both = {k: v for k, v in extra.items() if not k.startswith("fsdp_")}
+    plain = _launch(script, _config(tmp_path, "plain", values, **both))
     assert plain.returncode == 0, plain.stderr[-3000:]
     sharded = _launch(script, _config(tmp_path, "sharded", values, fsdp=strategy, **extra))
     assert sharded.returncode == 0, sharded.stderr[-3000:]
-    said = re.search(rf"fsdp {strategy}: .* sharded across 2 processes .*: each holds ([\d.]+) of its ([\d.]+) MiB",
-                     sharded.stdout)
+    said = re.search(rf"fsdp {strategy}: .* sharded across 2 processes .*: each holds ([\d.]+) of its ([\d.]+) MiB"
+                     + (" of weights in host RAM" if extra.get("fsdp_offload_params") else ""), sharded.stdout)
     assert said, sharded.stdout[-2000:]
     held, whole = float(said[1]), float(said[2])
     assert 0.45 * whole <= held <= 0.55 * whole  # half the weights each (a dimension that does not split pads)
@@ -124,6 +129,11 @@ def test_a_strategy_this_run_cannot_use_is_one_line(strategy, kw, said):
     check_sharding(None, **args)  # unsharded: nothing to check
 
 
+def test_offloading_without_sharding_is_one_line():
+    with pytest.raises(UserError, match="fsdp_offload_params: it offloads the shares of a sharded denoiser"):
+        check_sharding(None, world=2, blocks_to_swap=0, fp8=False, compiled=False, offload=True)
+
+
 def test_one_process_with_fsdp_is_refused_before_the_model_loads(tmp_path):
     config = _config(tmp_path, "one", FLUX, fsdp="full_shard")
     done = subprocess.run([sys.executable, "-m", "sd_scripts_compat.flux_train_network", "--config_file",
@@ -135,7 +145,7 @@ def test_one_process_with_fsdp_is_refused_before_the_model_loads(tmp_path):
 # ---- several processes under the watchdog (CompatEngine(processes=2): accelerate's launcher, gloo) ----------
 
 
-def _supervised(tmp: Path, env_extra: dict[str, str]):
+def _supervised(tmp: Path, env_extra: dict[str, str], **config_extra):
     from autotune.recovery.engine import CompatEngine
     from autotune.recovery.ladder import LadderLimits, memory_predictor
     from autotune.recovery.watchdog import Job, supervise
@@ -143,7 +153,7 @@ def _supervised(tmp: Path, env_extra: dict[str, str]):
     from sd_scripts_compat.facts.families import get_family
 
     config = _config(tmp, "run", FLUX, fsdp="full_shard", train_batch_size=2, max_train_steps=6,
-                     save_every_n_steps=1, save_state=True)
+                     save_every_n_steps=1, save_state=True, **config_extra)
     env = {**ENV, **env_extra}
     settings = settings_from_files(config, None, script="flux_train_network").settings
     job = Job(config_path=config, output_dir=tmp / "run", settings=settings,
@@ -178,3 +188,47 @@ def test_one_process_failing_stops_the_others_and_the_run_resumes_at_its_saved_s
     # the collectives of step 5 (the resumed attempt's third), each process's own gloo time
     assert re.search(r"communication \(one profiled step, gloo\): 0: [\d.]+ s \(\d+% of a step\), "
                      r"1: [\d.]+ s \(\d+% of a step\)", text), report.stdout
+
+
+@pytest.mark.slow
+def test_a_collective_that_times_out_is_named_with_its_fix_and_the_run_resumes_with_the_same_settings(tmp_path,
+                                                                                                    monkeypatch):
+    """Process 1 hangs as step 2 begins (the engine's injected freeze, once); process 0 waits in the next collective
+    until ``ddp_timeout`` (sd-scripts' option, 1 minute here) runs out: gloo's timeout, comm.json, the outcome
+    comm_timeout with its fix; the watchdog resumes both processes from the state of step 2 with the same settings,
+    to step 6. The stall detector's floor is raised to 5 minutes so that gloo's timeout, not it, decides."""
+    monkeypatch.setenv(TEST_TRAINING_FLOOR_ENV, "300")  # the watchdog's stall floor (read in this process)
+    job, result = _supervised(tmp_path, {"SD_COMPAT_INJECT_FREEZE": "step=2,rank=1"}, ddp_timeout=1)
+    assert result.ok, result.message
+    first = result.retries[0]
+    assert first["failure"] == "comm_timeout", first
+    assert "Timed out waiting 60000ms" in first["message"]  # gloo's own words, with ddp_timeout's 60 s
+    decisions = (tmp_path / "run" / "logs" / "decisions.log").read_text(encoding="utf-8")
+    assert "comm_timeout: attempt 0 failed" in decisions and "raise ddp_timeout (minutes)" in decisions
+    assert first["resume_step"] == 2 and not first["changes"]
+    assert read_lora_file(tmp_path / "run" / "lora.safetensors")[1]["ss_steps"] == "6"
+    assert not _engine_processes(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stalled_run_of_several_processes_leaves_no_rank_behind(tmp_path, monkeypatch):
+    """Process 1 hangs (it ignores SIGTERM: it sleeps in the injected freeze) and the stall detector stops the run
+    (its floor at 5 s): the launcher starts each rank in a session of its own, so the watchdog signals every
+    process it saw under the launcher, and SIGKILLs any left once the launcher is gone; the hung rank would
+    otherwise keep its card's memory from the resumed run."""
+    monkeypatch.setenv(TEST_TRAINING_FLOOR_ENV, "5")  # the watchdog's stall floor (read in this process)
+    job, result = _supervised(tmp_path, {"SD_COMPAT_INJECT_FREEZE": "step=2,rank=1"})
+    assert result.ok, result.message
+    assert result.retries[0]["failure"] == "stall"
+    assert not _engine_processes(tmp_path)
+
+
+def _engine_processes(tmp: Path) -> list[int]:
+    """Processes still running whose command line names this test's folder."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(str(tmp) in part for part in proc.info["cmdline"] or []):
+            found.append(proc.info["pid"])
+    return found

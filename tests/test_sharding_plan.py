@@ -67,19 +67,34 @@ def test_four_16_gb_cards_shard_flux_where_data_parallel_needs_fp8_and_swapped_b
     assert "each with 1/N of the transformer" in choices["num_processes"].reason
 
 
-def test_two_12_gb_cards_stay_data_parallel_and_say_what_sharding_would_need():
+def test_two_12_gb_cards_shard_with_each_share_in_host_ram_where_sharded_alone_fits_no_card():
+    """FLUX.1 dev in bf16 is 22 GiB: half of it and the gathered blocks do not fit 12 GB, so the planner offloads each
+    process's share to host RAM and compares that with data parallel, which needs fp8 and 20 swapped blocks."""
     plan = _plan("builtin:flux-dev", "RTX 3060", 2)
-    assert plan.fits and plan.settings.fsdp is None and plan.settings.blocks_to_swap > 0
-    sharding = next(c for c in plan.choices if c.key == "sharding")
-    assert sharding.value == "off" and not sharding.kohya
-    assert "fits no card (needs" in sharding.reason and "GiB per card" in sharding.reason
+    assert plan.fits and plan.settings.fsdp == "full_shard" and plan.settings.fsdp_offload_params
+    assert not plan.settings.fp8_base and not plan.settings.blocks_to_swap
+    choices = {c.key: c for c in plan.choices}
+    assert "each one's share in host RAM" in choices["fsdp"].reason and "data parallel (" in choices["fsdp"].reason
+    assert choices["fsdp_offload_params"].value is True and "sharded alone fits no card" in \
+        choices["fsdp_offload_params"].reason
+    assert plan.prediction.peak_bytes <= plan.prediction.usable_bytes
+    written = plan.kohya_values()
+    assert written["fsdp"] == "full_shard" and written["fsdp_offload_params"] is True
+
+
+def test_two_8_gb_cards_shard_offloaded_where_data_parallel_is_as_fast_only_with_fp8_and_33_swapped_blocks():
+    plan = _plan("builtin:flux-dev", "RTX 4060", 2)
+    assert plan.settings.fsdp == "full_shard" and plan.settings.fsdp_offload_params and not plan.settings.fp8_base
+    reason = next(c for c in plan.choices if c.key == "fsdp").reason
+    assert "as fast as data parallel, which needs fp8 base weights, blocks_to_swap 1-33 to fit" in reason
 
 
 def test_one_card_has_no_sharding_row_and_other_families_say_why_they_stay_data_parallel():
     one = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 1)
     assert one.settings.fsdp is None and all(c.key not in ("fsdp", "sharding") for c in one.choices)
     for model, said in (("builtin:sdxl", "no sharded memory model for a UNet"),
-                        ("builtin:qwen-image", "no sharding of its own here")):
+                        ("builtin:qwen-image", "musubi-tuner, which has no sharding of its own"),
+                        ("builtin:lumina2", "sd-scripts, whose one way to shard is DeepSpeed ZeRO stage 3")):
         plan = _plan(model, "RTX 4090", 2)
         row = next(c for c in plan.choices if c.key == "sharding")
         assert plan.settings.fsdp is None and said in row.reason
@@ -169,3 +184,24 @@ def test_too_little_ram_for_every_process_loading_at_once_is_warned_with_the_cou
                                      preferences=Preferences(resolution=1024)))
     warning = next(w for w in plan.warnings if w.startswith("host RAM is the limit"))
     assert "4 processes (one per GPU) at once" in warning
+
+
+def test_the_oom_ladder_offloads_the_shares_of_a_sharded_run_that_still_runs_out_of_memory():
+    """Sharded across 2 processes, FLUX.1 dev out of memory on 12 GB cards: the next rung keeps sharding and puts
+    each process's share in host RAM (shard more, then offload), before any quality is given up."""
+    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    family = get_family("flux-dev")
+    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
+                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
+                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
+                           cache_text_encoder_outputs=True, fsdp="full_shard")
+    limits = replace(LadderLimits.for_family(family, 12 * 1024, fp8_supported=True, te_cache_allowed=True),
+                     shard_processes=2)
+    step = next_settings(failed, limits, memory_predictor(family, cuda=True, processes=2), measured_mib=12 * 1024)
+    assert isinstance(step, Decision) and step.settings.fsdp == "full_shard" and step.settings.fsdp_offload_params
+    assert step.settings.network_dim == 32 and step.settings.resolution == (1024, 1024)
+    assert "host RAM" in step.reasons[0] and step.predicted_mib < 12 * 1024
+    offloaded, sharded = (memory_predictor(family, cuda=True, processes=2)(s) for s in (step.settings, failed))
+    assert offloaded < sharded - 10 * 1024  # each process's half of the 22 GiB transformer leaves its card

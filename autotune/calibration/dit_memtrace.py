@@ -143,6 +143,7 @@ class DitTraceResult:
     autocast_rules: str = "cuda"  # whose autocast op lists the step ran under (autotune.calibration.cuda_autocast)
     shard_ranks: int = 1  # the transformer sharded across this many processes (one traced), as ``fsdp`` says
     fsdp: str | None = None
+    shard_offload: bool = False  # fsdp_offload_params: the process's share in host RAM (swapped_weight_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,8 +169,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
                    rank: int = 16, gradient_checkpointing: bool = True, optimizer: str = "AdamW8bit",
                    fp8_base: bool = False, blocks_to_swap: int = 0, config: dict[str, Any] | None = None,
                    text_tokens: int | None = None, frames: int = 1, fake: bool = True,
-                   autocast_rules: str = "cuda", shard_ranks: int = 1,
-                   fsdp: str = "full_shard") -> DitTraceResult:
+                   autocast_rules: str = "cuda", shard_ranks: int = 1, fsdp: str = "full_shard",
+                   shard_offload: bool = False) -> DitTraceResult:
     """One LoRA step of ``family`` (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
     ``config``: another denoiser config (tests use a tiny one); ``text_tokens``: the text length (default: the
@@ -177,13 +178,16 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     the tests check the fake figure against a real run); ``autocast_rules``: ``"cuda"`` casts as a GPU does (the
     traces GPU plans are fitted to), ``"cpu"`` as CPU autocast does (``autotune.calibration.cuda_autocast``);
     ``shard_ranks`` above 1: the transformer sharded by the engine's own ``fsdp`` (``training.sharding``) across
-    that many processes of a fake process group, the step of one of them traced (:func:`sharded_across`)."""
+    that many processes of a fake process group, the step of one of them traced (:func:`sharded_across`); with
+    ``shard_offload`` its share of the parameters counted as host memory (``fsdp_offload_params``; the copy of a
+    block's share to the card before its gather, 1/N of a block, is not seen on a CPU)."""
 
     started = time.perf_counter()
     if shard_ranks > 1:  # before the model is built, as the engine checks it
         from sd_scripts_compat.training.sharding import check_sharding
 
-        check_sharding(fsdp, world=shard_ranks, blocks_to_swap=blocks_to_swap, fp8=fp8_base, compiled=False)
+        check_sharding(fsdp, world=shard_ranks, blocks_to_swap=blocks_to_swap, fp8=fp8_base, compiled=False,
+                       offload=shard_offload)
     spec = trace_family(family, config)
     model, network, fake_mode = _traced_modules(spec, rank=rank, fp8_base=fp8_base, fake=fake,
                                                 gradient_checkpointing=gradient_checkpointing)
@@ -191,7 +195,10 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     counter = _SwapAwareCounter({t.untyped_storage()._cdata for t in host})
     with contextlib.ExitStack() as stack:
         if shard_ranks > 1:
-            stack.enter_context(sharded_across(model, spec, shard_ranks, fsdp, fake_mode, counter))
+            stack.enter_context(sharded_across(model, spec, shard_ranks, fsdp, fake_mode, counter, shard_offload))
+            if shard_offload:  # the share of every parameter waits on the host
+                host = [_local(p) for p in model.parameters()]
+                counter.host |= {t.untyped_storage()._cdata for t in host}
         lora_params = list(network.parameters())
         frozen = [_local(t) for t in [*model.parameters(), *model.buffers()]
                   if _local(t).untyped_storage()._cdata not in counter.host]
@@ -223,7 +230,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         lora_grad_bytes=grad_bytes, optimizer_state_bytes=state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames,
-        autocast_rules=autocast_rules, shard_ranks=shard_ranks, fsdp=fsdp if shard_ranks > 1 else None)
+        autocast_rules=autocast_rules, shard_ranks=shard_ranks, fsdp=fsdp if shard_ranks > 1 else None,
+        shard_offload=shard_offload)
 
 
 def _traced_modules(spec: FamilySpec, *, rank: int, fp8_base: bool, fake: bool,
@@ -257,7 +265,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def sharded_across(model: ModelMixin, spec: FamilySpec, ranks: int, strategy: str, fake_mode: Any,
-                   counter: LiveBytesCounter) -> Iterator[None]:
+                   counter: LiveBytesCounter, offload: bool = False) -> Iterator[None]:
     """``model`` sharded as the engine shards it (``training.sharding.shard_denoiser``) across ``ranks`` processes
     of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration.
 
@@ -287,7 +295,7 @@ def sharded_across(model: ModelMixin, spec: FamilySpec, ranks: int, strategy: st
     try:
         mesh = process_mesh(torch.device("cpu"))  # outside the fake mode: the mesh reads its ranks' values
         with fake_mode:
-            shard_denoiser(model, spec, strategy, mesh)
+            shard_denoiser(model, spec, strategy, mesh, offload=offload)
         fsdp_param.alloc_storage = fsdp_group.alloc_storage = told(alloc)
         fsdp_param.free_storage = told(free)
         yield

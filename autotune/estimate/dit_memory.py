@@ -136,6 +136,7 @@ class DitMemoryInputs:
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
     autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
     shard_ranks: int = 1  # fsdp: the transformer sharded across this many processes (training.sharding)
+    shard_offload: bool = False  # fsdp_offload_params: each process's share of the parameters in host RAM
 
     @classmethod
     def of_trace(cls, config: dict[str, Any], family: str) -> DitMemoryInputs:
@@ -260,10 +261,12 @@ def sharded_transformer_bytes(arch: dict[str, Any], ranks: int, checkpoint_bytes
     return -(-(sum(blocks) + root) // ranks) + buffers, root + in_flight
 
 
-def gathered_bytes_per_step(arch: dict[str, Any], ranks: int) -> int:
+def gathered_bytes_per_step(arch: dict[str, Any], ranks: int, offload: bool = False) -> int:
     """Bytes each process receives per micro-step of a sharded transformer: every block gathered for the forward
-    and again for the backward, and the root once, each process getting the (N - 1) / N it does not hold."""
-    return int((2 * sum(_each_block_bytes(arch)) + 2 * arch["rest"]["elements"]) * (ranks - 1) / ranks)
+    and again for the backward, and the root once, each process getting the (N - 1) / N it does not hold; with
+    ``offload`` its own 1 / N too, copied from host RAM before each gather (the same host link on consumer cards)."""
+    moved = 2 * sum(_each_block_bytes(arch)) + 2 * arch["rest"]["elements"]
+    return int(moved * (ranks - 1) / ranks + (moved / ranks if offload else 0))
 
 
 def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> int:
@@ -343,10 +346,12 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     family = get_family(inputs.family)
     split = family.swap_split(inputs.blocks_to_swap)
     resident, host = transformer_bytes(arch, inputs.fp8_base, split)
+    offloaded = 0  # fsdp_offload_params: the share of the parameters waiting in (pinned) host RAM
     if inputs.shard_ranks > 1:  # no swap, no fp8 beside sharding (training.sharding.check_sharding)
         shard, gathered = sharded_transformer_bytes(
             arch, inputs.shard_ranks, block_input_bytes(arch, inputs) if inputs.gradient_checkpointing else None)
-        resident, host = shard + gathered, 0
+        offloaded = shard - 2 * arch["rest"].get("buffer_elements", 0) if inputs.shard_offload else 0
+        resident, host = shard - offloaded + gathered, 0
     sizes = lora_sizes(arch, inputs.rank)
     n_params = sum(numel * count for numel, count in sizes)
     n_modules = sum(arch["lora_modules"].values())
@@ -373,6 +378,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     components["safety_margin"] = int(inputs.safety_margin_gib * GIB)
     notes = [f"blocks_to_swap {inputs.blocks_to_swap}: {host / GIB:.2f} GiB of block weights on the host"] \
         if inputs.blocks_to_swap else []
+    if offloaded:
+        notes.append(f"fsdp_offload_params: {offloaded / GIB:.2f} GiB of this process's share in pinned host RAM")
     caching = 0
     if inputs.cache_text_encoder_outputs and not inputs.text_encoders_on_cpu:
         cache_tensors = encoders + cal["caching_transient_bytes"]
@@ -403,7 +410,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         inputs=cast(Any, inputs),  # a DiT's inputs where the UNet estimate has its own
         components=components, lora_params=n_params, notes=tuple(notes), caching_peak=caching,
         pinned_host_bytes=pinned,  # the staging copies add to the host; pinned swapped blocks replace theirs
-        host_ram_bytes=host + experts_host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
+        host_ram_bytes=host + offloaded + experts_host + parked + host_base + offloaded_checkpoint_bytes(cal, inputs)
         + (pinned - host - experts_host if inputs.pinned_block_swap else pinned),
         host_ram_loading_bytes=loading + host_base + (0 if family.trains_with.caches_apart else encoders + ae)
         + (host if inputs.high_noise_expert else 0),  # the second expert loads beside the first's swapped blocks

@@ -94,7 +94,7 @@ def gather_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: di
         return 0.0
     cal = dit_family_calibration(inputs.family, calibration)
     link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
-    moved = gathered_bytes_per_step(cal["architecture"], inputs.shard_ranks)
+    moved = gathered_bytes_per_step(cal["architecture"], inputs.shard_ranks, inputs.shard_offload)
     return moved / (link * 1e9 * cal["speed"]["link_efficiency"])
 
 

@@ -1,5 +1,6 @@
 """Data parallel or sharded, on a machine with several cards: the planner searches both ways and keeps the one with
-more predicted images per second that fits (``training.sharding`` in the engine).
+more predicted images per second that fits (``training.sharding`` in the engine). Where sharded fits no card, it
+searches sharded with each process's share offloaded to host RAM (``fsdp_offload_params``) instead.
 
 Data parallel holds the whole transformer on every card (swapping blocks to the host where it does not fit);
 sharded (``fsdp = "full_shard"``) holds 1/N of it on each and gathers each block over the link between the cards
@@ -23,6 +24,17 @@ GIB = 1024**3
 STRATEGY = "full_shard"  # the planner's; shard_grad_op keeps each block gathered from its forward to its backward
 
 
+# what each trainer that is not our engine has for sharding, as of the versions in shared/reference
+TRAINER_SHARDING = {
+    "sd-scripts": ("whose one way to shard is DeepSpeed ZeRO stage 3 (--deepspeed --zero_stage 3): DeepSpeed is not "
+                   "in its requirements and not tried with its LoRA scripts here, so plans do not write it; "
+                   "lora-autotune's engine shards the transformer families it trains (FLUX.1, Chroma, SD3.5)"),
+    "musubi-tuner": ("which has no sharding of its own (only DDP's options: ddp_timeout, "
+                     "ddp_gradient_as_bucket_view, ddp_static_graph); lora-autotune's engine shards the transformer "
+                     "families it trains (FLUX.1, Chroma, SD3.5)"),
+}
+
+
 def can_shard(family: FamilySpec, devices: int) -> bool:
     """Whether a plan over ``devices`` cards may shard ``family``: our engine trains it and it is a transformer of
     block groups (its units)."""
@@ -32,9 +44,7 @@ def can_shard(family: FamilySpec, devices: int) -> bool:
 def not_sharded_reason(family: FamilySpec) -> str:
     """Why a plan over several cards is data parallel without a comparison: which engine shards which family."""
     if not family.trained_here:
-        return (f"data parallel: {family.name} trains in your {family.trainer}, which has no sharding of its "
-                "own here; lora-autotune's engine shards the transformer families it trains (FLUX.1, Chroma, "
-                "SD3.5)")
+        return f"data parallel: {family.name} trains in your {family.trainer}, {TRAINER_SHARDING[family.trainer]}"
     return (f"data parallel: lora-autotune's engine can shard {family.name} too (fsdp = \"full_shard\" in "
             "the config), but the planner has no sharded memory model for a UNet yet")
 
@@ -57,8 +67,11 @@ def choose_sharding(start: TrainSettings, devices: int, plain: SearchResult,
     one that gave up less to fit (fp8 weights, swapped blocks, ...), else data parallel (no gathers to depend
     on)."""
     sharded = search(replace(start, fsdp=STRATEGY))
-    ours, theirs = sharded.chosen, plain.chosen
     across = f"sharded across {devices} cards (fsdp {STRATEGY})"
+    if sharded.chosen is None:  # shard more: each process's share waits in host RAM (fsdp_offload_params)
+        sharded = search(replace(start, fsdp=STRATEGY, fsdp_offload_params=True))
+        across = f"sharded across {devices} cards (fsdp {STRATEGY}), each one's share in host RAM"
+    ours, theirs = sharded.chosen, plain.chosen
     if ours is None:
         need = sharded.smallest.required / GIB
         return ShardingChoice(plain, f"data parallel: {across} fits no card (needs {need:.1f} GiB per card at its "

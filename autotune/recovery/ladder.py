@@ -198,6 +198,7 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
         return lambda s: memory.predict(predict_dit_memory, replace(
             dit_inputs_for_settings(family, s), cuda_context_gib=context, safety_margin_gib=margin,
             autocast_rules=rules, shard_ranks=processes if s.fsdp else 1,
+            shard_offload=bool(s.fsdp and s.fsdp_offload_params),
             cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached)
         ).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM

@@ -18,7 +18,7 @@ MIN_VALUES: dict[str, float] = {
     "save_every_n_epochs": 1, "save_every_n_steps": 1, "save_last_n_epochs": 1, "save_last_n_steps": 1,
     "save_last_n_epochs_state": 1, "save_last_n_steps_state": 1, "sample_every_n_steps": 1,
     "sample_every_n_epochs": 1, "validate_every_n_steps": 1, "validate_every_n_epochs": 1,
-    "max_validation_steps": 1, "clip_skip": 1, "blocks_to_swap": 0, "t5xxl_max_token_length": 1,
+    "max_validation_steps": 1, "clip_skip": 1, "blocks_to_swap": 0, "t5xxl_max_token_length": 1, "ddp_timeout": 1,
     "caption_dropout_every_n_epochs": 0, "token_warmup_min": 0,
     "token_warmup_step": 0, "learning_rate": 0, "unet_lr": 0, "max_grad_norm": 0, "prior_loss_weight": 0,
     "network_alpha": 0, "noise_offset": 0, "min_snr_gamma": 0, "caption_dropout_rate": 0,

@@ -137,6 +137,8 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift", "weighting_scheme",
     "logit_mean", "logit_std", "mode_scale", "blocks_to_swap", "model_type", "split_mode",
     "cpu_offload_checkpointing",
+    # several processes: how long a collective may wait for the others (minutes; accelerate's process group)
+    "ddp_timeout",
     # SD3 / SD3.5 (sd3_train_network): its CLIP-G file, the CLIP masks, the timestep shift; a VAE file (all)
     "clip_g", "apply_lg_attn_mask", "training_shift", "vae",
 })
@@ -324,6 +326,7 @@ class TrainingConfig:
     mode_scale: float = 1.29
     blocks_to_swap: int = 0  # kohya's None is 0 here
     cpu_offload_checkpointing: bool = False  # FLUX / SD3 / Anima: checkpointed block inputs on the host
+    ddp_timeout: int | None = None  # minutes a collective waits for the other processes (None: torch's default)
     model_type: str = "flux"
     split_mode: bool = False  # deprecated in sd-scripts: blocks_to_swap = 18
     # SD3 / SD3.5 (sd3_train_network only), and the VAE file every script takes
@@ -334,6 +337,7 @@ class TrainingConfig:
     # engine extensions (not kohya options; command line only, never written to kohya configs)
     allow_pickle: bool = False
     fsdp: str | None = None  # several processes: the frozen denoiser sharded (training.sharding.STRATEGIES)
+    fsdp_offload_params: bool = False  # ... each process's share waiting in host RAM between its gathers
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
     autotune_state_dir: str | None = None
@@ -366,6 +370,9 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "allow_pickle": (bool, "allow loading .ckpt/.pt pickles (loaded with torch.load(weights_only=True))"),
     "fsdp": (str, "with several processes: shard the frozen denoiser across them (full_shard or shard_grad_op: "
                   "FSDP2); the LoRA stays whole on each"),
+    "fsdp_offload_params": (bool, "with fsdp: each process's share of the denoiser waits in host RAM and is copied "
+                                  "to the card for each gather (accelerate's name; slower, for a model that fits "
+                                  "the cards only so)"),
     "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
     "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
     "autotune_state_dir": (str, "folder for state folders (default: output_dir, as in sd-scripts)"),
@@ -378,7 +385,7 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
 
 
 # Extensions a config file may hold too (sd-scripts ignores them there).
-FILE_EXTENSIONS = ("allow_pickle", "fsdp")
+FILE_EXTENSIONS = ("allow_pickle", "fsdp", "fsdp_offload_params")
 
 
 def _add_extension_flags(parser: argparse.ArgumentParser) -> None:

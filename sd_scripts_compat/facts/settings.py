@@ -21,7 +21,7 @@ _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_arg
                                   "cpu_offload_checkpointing": False, "torch_compile": False,
                                   "dynamo_backend": "inductor", "frames": 1,
                                   "use_pinned_memory_for_block_swap": False, "high_noise_expert": False,
-                                  "offload_inactive_dit": False, "fsdp": None}
+                                  "offload_inactive_dit": False, "fsdp": None, "fsdp_offload_params": False}
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class TrainSettings:
     high_noise_expert: bool = False  # Wan 2.2: the high-noise expert trains too (musubi's --dit_high_noise)
     offload_inactive_dit: bool = False  # ... and the expert not in use waits in host RAM (no block swap then)
     fsdp: str | None = None  # several processes: the frozen denoiser sharded across them (training.sharding)
+    fsdp_offload_params: bool = False  # ... each one's share in host RAM, copied to the card for each gather
 
     @property
     def effective_batch(self) -> int:
@@ -131,7 +132,8 @@ class TrainSettings:
         data["cpu_offload_checkpointing"] = bool(data["cpu_offload_checkpointing"])
         data["torch_compile"], data["dynamo_backend"] = bool(data["torch_compile"]), str(data["dynamo_backend"])
         data["frames"] = int(data["frames"])
-        for name in ("use_pinned_memory_for_block_swap", "high_noise_expert", "offload_inactive_dit"):
+        for name in ("use_pinned_memory_for_block_swap", "high_noise_expert", "offload_inactive_dit",
+                     "fsdp_offload_params"):
             data[name] = bool(data[name])
         data["fsdp"] = str(data["fsdp"]) if data["fsdp"] else None
         return cls(**data)
@@ -156,7 +158,7 @@ class TrainSettings:
         if self.cpu_offload_checkpointing:
             parts.append("checkpoints offloaded to the CPU")
         if self.fsdp:
-            parts.append(f"sharded ({self.fsdp})")
+            parts.append(f"sharded ({self.fsdp})" + (", offloaded to host RAM" if self.fsdp_offload_params else ""))
         if self.torch_compile:
             parts.append(f"blocks compiled ({self.dynamo_backend})")
         parts.append(f"lr {self.learning_rate:g}")

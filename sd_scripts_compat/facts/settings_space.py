@@ -63,8 +63,9 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["blocks_to_swap"] = s.blocks_to_swap
     if s.cpu_offload_checkpointing:
         values["cpu_offload_checkpointing"] = True
-    if s.fsdp:  # our engine's key (sd-scripts has no FSDP for its LoRA scripts)
-        values["fsdp"] = s.fsdp
+    if s.fsdp:  # our engine's keys (sd-scripts has no FSDP for its LoRA scripts); offload written either way
+        values["fsdp"] = s.fsdp  # (a move from offloaded to not must clear it)
+        values["fsdp_offload_params"] = s.fsdp_offload_params
     if s.use_pinned_memory_for_block_swap:
         values["use_pinned_memory_for_block_swap"] = True
     if s.high_noise_expert:  # written either way: a ladder move from offloading to block swap must clear it
@@ -155,6 +156,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         blocks_to_swap=int(values.get("blocks_to_swap") or 0),
         cpu_offload_checkpointing=bool(values.get("cpu_offload_checkpointing", False)),
         fsdp=str(values["fsdp"]) if values.get("fsdp") else None,
+        fsdp_offload_params=bool(values.get("fsdp_offload_params", False)),
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
         torch_compile=bool(values.get("torch_compile", False)),
@@ -270,10 +272,16 @@ def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
 
 
 def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    """Shard the frozen denoiser across the run's processes, or shard it more (gathered only while a block runs)."""
-    if lim.shard_processes < 2 or s.fsdp == "full_shard" or s.blocks_to_swap or s.fp8_base:
+    """Shard the frozen denoiser across the run's processes, or shard it more (gathered only while a block runs),
+    then offload each process's share to host RAM."""
+    if lim.shard_processes < 2 or s.fsdp_offload_params or s.blocks_to_swap or s.fp8_base:
         return []
-    return [Candidate(replace(s, fsdp="full_shard"), f"sharded across {lim.shard_processes} processes")]
+    sharded = replace(s, fsdp="full_shard")
+    offloaded = Candidate(replace(sharded, fsdp_offload_params=True),
+                          f"sharded across {lim.shard_processes} processes, each one's share in host RAM")
+    if s.fsdp == "full_shard":
+        return [offloaded]
+    return [Candidate(sharded, f"sharded across {lim.shard_processes} processes"), offloaded]
 
 
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
@@ -344,7 +352,8 @@ RUNGS: dict[str, Rung] = {
     "unet_only": Rung("UNet only", "the text encoders stop training (SDXL: their outputs are cached and they leave "
                       "the device)", _unet_only),
     "shard": Rung("sharding", "each process holds 1/N of the frozen denoiser and gathers a block's weights only "
-                  "while it runs (FSDP)", _shard),
+                  "while it runs (FSDP); then each one's share waits in host RAM, copied in for its gathers",
+                  _shard),
     "swap": Rung("block swap", "swapped blocks wait in host memory and are copied in around their use (slower only "
                  "once the host link is the bottleneck)", _swap),
     "max_bucket": Rung("max bucket resolution", "a lower max bucket resolution caps the largest (most "

@@ -136,9 +136,11 @@ class Process:
 
 
 def setup_process(config: TrainingConfig) -> Process:
+    import datetime
+
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     from sd_scripts_compat.facts.sample_prompts import read_sample_prompts
     from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
@@ -157,9 +159,12 @@ def setup_process(config: TrainingConfig) -> Process:
         mixed_precision=config.mixed_precision,
         log_with=config.log_with if config.logging_dir else None,
         project_dir=config.logging_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=config.ddp_timeout))]
+        if config.ddp_timeout else None,  # as sd-scripts' --ddp_timeout
     )
     check_sharding(config.fsdp, world=accelerator.num_processes, blocks_to_swap=config.blocks_to_swap,
-                   fp8=bool(config.fp8_base or config.fp8_base_unet), compiled=bool(config.torch_compile))
+                   fp8=bool(config.fp8_base or config.fp8_base_unet), compiled=bool(config.torch_compile),
+                   offload=config.fsdp_offload_params)
     if accelerator.device.type == "cpu":  # the step's activations are host memory: reuse, not fault in, each step
         keep_freed_host_memory()
     seed = config.seed if config.seed is not None else 42
@@ -371,6 +376,8 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
     block_swap = None
     if config.blocks_to_swap:
         block_swap = _swap_blocks(config, process, model, use_fp8)
+    elif config.fsdp:  # on the host until sharded: fully_shard moves one block at a time to the card and keeps
+        place(unet, "cpu", process.weight_dtype)  # its share, so a model larger than one card loads
     else:
         place(unet, process.device, process.weight_dtype)
         if use_fp8:
@@ -383,12 +390,16 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
     if config.fsdp:  # after the hooks: each process gathers a block's weights as the block runs
         from sd_scripts_compat.training.sharding import held_bytes, process_mesh, shard_denoiser
 
-        units = shard_denoiser(unet, model.family, config.fsdp, process_mesh(process.device))
+        units = shard_denoiser(unet, model.family, config.fsdp, process_mesh(process.device),
+                               offload=config.fsdp_offload_params)
         held, whole = held_bytes(unet)
+        card = f"; the card's peak while sharding {torch.cuda.max_memory_allocated() / 2**20:.2f} MiB" \
+            if process.device.type == "cuda" else ""
         process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across "
                                   f"{process.world} processes ({units} blocks and the rest as one unit): each holds "
-                                  f"{held / 2**20:.2f} of its {whole / 2**20:.2f} MiB of weights; the LoRA whole on "
-                                  "each")
+                                  f"{held / 2**20:.2f} of its {whole / 2**20:.2f} MiB of weights"
+                                  f"{' in host RAM' if config.fsdp_offload_params else ''}; the LoRA whole on "
+                                  f"each{card}")
     lora_dtype = {(True, False): torch.float16, (False, True): torch.bfloat16}.get(
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)

@@ -29,9 +29,13 @@ if TYPE_CHECKING:
 STRATEGIES = {"full_shard": True, "shard_grad_op": False}
 
 
-def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, fp8: bool, compiled: bool) -> None:
+def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, fp8: bool, compiled: bool,
+                   offload: bool = False) -> None:
     """One line for a strategy this run cannot use, before any model is loaded."""
     if strategy is None:
+        if offload:
+            raise UserError("fsdp_offload_params: it offloads the shares of a sharded denoiser; set fsdp = "
+                            "\"full_shard\" too, or remove it")
         return
     if strategy not in STRATEGIES:
         raise UserError(f"fsdp = {strategy!r}: one of {', '.join(STRATEGIES)} (hybrid_shard needs several machines)")
@@ -79,14 +83,18 @@ def process_mesh(device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str, mesh: DeviceMesh) -> int:
-    """Shard ``denoiser`` (already on the mesh's device, its LoRA hooks in place) across ``mesh``
-    (:func:`process_mesh`); the number of units sharded besides the root."""
-    from torch.distributed.fsdp import fully_shard
+def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str, mesh: DeviceMesh,
+                   offload: bool = False) -> int:
+    """Shard ``denoiser`` (on the host or the mesh's device, its LoRA hooks in place) across ``mesh``
+    (:func:`process_mesh`): ``fully_shard`` moves each unit to the device in turn and keeps this process's share
+    there, or with ``offload`` in host RAM (pinned beside a GPU), copied in for each gather (FSDP2's
+    ``CPUOffloadPolicy``). The number of units sharded besides the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     reshard = STRATEGIES[strategy]
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     units = shard_units(denoiser, family)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(denoiser, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(denoiser, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     return len(units)
