@@ -11,6 +11,7 @@ peak less the process's weights, LoRA, gradients, optimizer state and the unshar
     .venv/bin/python bench/sharded_trace.py                       # FLUX.1 dev, SD3.5 Large, Chroma; 2 and 4
     .venv/bin/python bench/sharded_trace.py --families flux-dev --ranks 2
     .venv/bin/python bench/sharded_trace.py --offload                 # each process's share in host RAM
+    .venv/bin/python bench/sharded_trace.py --families sdxl sd15      # UNets: by ResNet and transformer block
 """
 
 from __future__ import annotations
@@ -26,26 +27,53 @@ if str(ROOT) not in sys.path:
 
 GIB = 2**30
 # the plans' usual step, and one the memory fit did not use (another size, micro-batch, rank and optimizer)
-SETTINGS: dict[str, dict[str, Any]] = {
-    "1024 px, 1 x rank 16, AdamW8bit": {"resolution": 1024, "batch_size": 1, "rank": 16, "optimizer": "AdamW8bit"},
-    "768 px, 2 x rank 32, AdamW": {"resolution": 768, "batch_size": 2, "rank": 32, "optimizer": "AdamW"},
-}
+SETTINGS: list[dict[str, Any]] = [{"resolution": 1024, "batch_size": 1, "rank": 16, "optimizer": "AdamW8bit"},
+                                  {"resolution": 768, "batch_size": 2, "rank": 32, "optimizer": "AdamW"}]
+
+
+def trace(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int = 1, offload: bool = False) -> Any:
+    """The traced step: a transformer family's (``trace_dit_step``) or a UNet's (``trace_training_step``, bf16)."""
+    from autotune.calibration.dit_memtrace import trace_dit_step
+    from autotune.calibration.memtrace import trace_training_step
+    from sd_scripts_compat.facts.families import get_family
+
+    if not get_family(family).transformer_block_groups:
+        return trace_training_step(family, **settings, gradient_checkpointing=checkpointing, weight_dtype="bf16",
+                                   shard_ranks=ranks)
+    return trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks,
+                          shard_offload=offload)
+
+
+def predict(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int, offload: bool) -> int:
+    """The memory model's tensor peak for the same settings."""
+    from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
+    from autotune.estimate.memory_model import MemoryInputs, predict_memory
+    from sd_scripts_compat.facts.families import get_family
+
+    if not get_family(family).transformer_block_groups:
+        return predict_memory(MemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing,
+                                           weight_dtype="bf16", shard_ranks=ranks)).tensor_peak_bytes
+    return predict_dit_memory(DitMemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing,
+                                              fp8_base=False, shard_ranks=ranks,
+                                              shard_offload=offload)).tensor_peak_bytes
 
 
 def row(family: str, settings: dict[str, Any], ranks: int, checkpointing: bool,
         unsharded_activations: int, offload: bool = False) -> dict[str, Any]:
     """One traced and predicted sharded step (``offload``: each process's share in host RAM)."""
-    from autotune.calibration.dit_memtrace import trace_dit_step
-    from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
-
-    traced = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks,
-                            shard_offload=offload)
-    inputs = DitMemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing, fp8_base=False,
-                             shard_ranks=ranks, shard_offload=offload)
-    predicted = predict_dit_memory(inputs).tensor_peak_bytes
+    traced = trace(family, settings, checkpointing, ranks, offload)
+    predicted = predict(family, settings, checkpointing, ranks, offload)
     return {"family": family, "ranks": ranks, "gc": checkpointing, "held": traced.weights_bytes,
             "in_flight": traced.activations_peak_bytes - unsharded_activations, "traced": traced.peak_bytes,
             "predicted": predicted, "phase": traced.peak_phase, "seconds": traced.seconds}
+
+
+def _at(family: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings at the family's own size: SD 1.x / 2.x at half the side (512 px for 1024)."""
+    from sd_scripts_compat.facts.families import get_family
+
+    side = get_family(family).resolution
+    return {**settings, "resolution": settings["resolution"] * side // 1024} if side < 1024 else settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,20 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", action="store_true", help="each process's share in host RAM "
                         "(fsdp_offload_params): the first setting, checkpointing on")
     args = parser.parse_args(argv)
-    from autotune.calibration.dit_memtrace import trace_dit_step
 
     print("| family | step | GC | processes | weights held GiB | in flight GiB | traced peak GiB | predicted GiB | "
           "predicted / traced | peak phase | trace s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ratios = []
     for family in args.families:
-        for name, settings in (list(SETTINGS.items())[:1] if args.offload else SETTINGS.items()):
+        for settings in (SETTINGS[:1] if args.offload else SETTINGS):
             for checkpointing in ((True,) if args.offload else (True, False)):
-                whole = trace_dit_step(family, **settings, gradient_checkpointing=checkpointing)
+                whole = trace(family, _at(family, settings), checkpointing)
                 for ranks in args.ranks:
-                    r = row(family, settings, ranks, checkpointing, whole.activations_peak_bytes, args.offload)
+                    r = row(family, _at(family, settings), ranks, checkpointing, whole.activations_peak_bytes,
+                            args.offload)
                     ratios.append(r["predicted"] / r["traced"])
-                    print(f"| {family} | {name} | {'on' if checkpointing else 'off'} | {ranks} | "
+                    at = _at(family, settings)
+                    step = f"{at['resolution']} px, {at['batch_size']} x rank {at['rank']}, {at['optimizer']}"
+                    print(f"| {family} | {step} | {'on' if checkpointing else 'off'} | {ranks} | "
                           f"{r['held'] / GIB:.2f} | {r['in_flight'] / GIB:.3f} | {r['traced'] / GIB:.2f} | "
                           f"{r['predicted'] / GIB:.2f} | {ratios[-1]:.3f} | {r['phase']} | {r['seconds']:.0f} |",
                           flush=True)

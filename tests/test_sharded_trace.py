@@ -87,3 +87,39 @@ def test_an_offloaded_share_leaves_the_card_and_nothing_else_changes():
     share = on_card.components["weights_transformer"] - in_host.components["weights_transformer"]
     assert share == pytest.approx(kept.weights_bytes, rel=0.01)
     assert in_host.host_ram_bytes - on_card.host_ram_bytes == share
+
+
+def test_a_unet_is_sharded_by_its_resnet_and_transformer_blocks_in_forward_order():
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from sd_scripts_compat.facts.families import get_family
+    from sd_scripts_compat.models.build import build_modules
+    from sd_scripts_compat.training.sharding import shard_units
+
+    for name in ("sd15", "sdxl"):
+        family = get_family(name)
+        unet = build_modules(family, device="meta").unet
+        names = {id(m): n for n, m in unet.named_modules()}
+        units = [names[id(m)] for m in shard_units(unet, family)]
+        every = [n for n, m in unet.named_modules() if isinstance(m, (BasicTransformerBlock, ResnetBlock2D))]
+        assert sorted(units) == sorted(every)  # each exactly once
+        first_mid = units.index("mid_block.resnets.0")
+        assert units[first_mid + 1].startswith("mid_block.attentions.0.") and units[0] == "down_blocks.0.resnets.0"
+        assert all(u.startswith("up_blocks.") for u in units[first_mid + 1:] if not u.startswith("mid_block."))
+    assert units[:3] == ["down_blocks.0.resnets.0", "down_blocks.0.resnets.1", "down_blocks.1.resnets.0"]  # SDXL
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_sharded_unet_holds_half_and_the_model_takes_at_least_what_the_trace_has_in_flight(checkpointing):
+    from autotune.calibration.memtrace import trace_training_step
+    from autotune.estimate.memory_model import family_calibration, sharded_unet_bytes
+
+    kw = {"resolution": 128, "batch_size": 1, "rank": 4, "gradient_checkpointing": checkpointing,
+          "weight_dtype": "bf16"}
+    whole, sharded = (trace_training_step("tiny-sdxl", **kw, shard_ranks=n) for n in (1, 2))
+    held, in_flight = sharded_unet_bytes(family_calibration("tiny-sdxl")["architecture"], "bf16", 2, checkpointing)
+    assert sharded.shard_ranks == 2 and sharded.weights_bytes == pytest.approx(whole.weights_bytes / 2, rel=0.02)
+    assert held == pytest.approx(sharded.weights_bytes, rel=0.02)
+    traced_in_flight = sharded.activations_peak_bytes - whole.activations_peak_bytes
+    assert 0 < traced_in_flight <= in_flight

@@ -62,7 +62,8 @@ def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProce
 @pytest.mark.parametrize(("model", "strategy", "extra"), [
     ("tiny-flux", "full_shard", {}), pytest.param("tiny-sdxl", "full_shard", {}, marks=pytest.mark.slow),
     pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow),
-    pytest.param("tiny-flux", "full_shard", {"fsdp_offload_params": True}, marks=pytest.mark.slow)])
+    pytest.param("tiny-flux", "full_shard", {"fsdp_offload_params": True}, marks=pytest.mark.slow),
+    pytest.param("tiny-sdxl", "full_shard", {"gradient_checkpointing": True}, marks=pytest.mark.slow)])
 def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, strategy, extra):
     """(``fsdp_offload_params`` on a CPU runs FSDP2's offload path with the host as the card: the copies are
     no-ops, the result must still be the unsharded run's.)"""

@@ -92,8 +92,7 @@ def test_two_8_gb_cards_shard_offloaded_where_data_parallel_is_as_fast_only_with
 def test_one_card_has_no_sharding_row_and_other_families_say_why_they_stay_data_parallel():
     one = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 1)
     assert one.settings.fsdp is None and all(c.key not in ("fsdp", "sharding") for c in one.choices)
-    for model, said in (("builtin:sdxl", "no sharded memory model for a UNet"),
-                        ("builtin:qwen-image", "musubi-tuner, which has no sharding of its own"),
+    for model, said in (("builtin:qwen-image", "musubi-tuner, which has no sharding of its own"),
                         ("builtin:lumina2", "sd-scripts, whose one way to shard is DeepSpeed ZeRO stage 3")):
         plan = _plan(model, "RTX 4090", 2)
         row = next(c for c in plan.choices if c.key == "sharding")
@@ -205,3 +204,14 @@ def test_the_oom_ladder_offloads_the_shares_of_a_sharded_run_that_still_runs_out
     assert "host RAM" in step.reasons[0] and step.predicted_mib < 12 * 1024
     offloaded, sharded = (memory_predictor(family, cuda=True, processes=2)(s) for s in (step.settings, failed))
     assert offloaded < sharded - 10 * 1024  # each process's half of the 22 GiB transformer leaves its card
+
+
+@pytest.mark.parametrize(("card", "batch"), [("RTX 4090", 2), ("RTX 3050", 2)])
+def test_sdxl_on_two_cards_is_compared_sharded_against_data_parallel_by_its_resnet_and_transformer_blocks(card, batch):
+    """SDXL is sharded by its ResNet and transformer blocks (87 units, the largest 94 MiB): half of its 4.9 GiB leaves
+    each card, which fits a larger micro-batch; the fsdp row gives both ways' figures."""
+    plan = _plan("builtin:sdxl", card, 2)
+    fsdp = next(c for c in plan.choices if c.key == "fsdp")
+    assert plan.settings.fsdp == "full_shard" and plan.settings.train_batch_size == batch
+    assert "faster than data parallel (" in fsdp.reason and "GiB per card" in fsdp.reason
+    assert plan.prediction.peak_bytes <= plan.prediction.usable_bytes

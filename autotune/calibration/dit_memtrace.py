@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from autotune.calibration.cuda_autocast import autocast_rules as op_lists
 from autotune.calibration.memtrace import (
     LiveBytesCounter,
+    _local,
     _storage_bytes,
     fakeify,
+    sharded_across,
     steady_state_optimizer,
 )
 from sd_scripts_compat.facts.families import FamilySpec, get_family, model_config
@@ -256,53 +258,6 @@ def _traced_modules(spec: FamilySpec, *, rank: int, fp8_base: bool, fake: bool,
     if fake:
         fakeify([model, network], fake_mode)
     return model, network, fake_mode
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this process holds: a sharded parameter's (a DTensor's) local shard."""
-    return getattr(tensor, "_local_tensor", tensor)
-
-
-@contextlib.contextmanager
-def sharded_across(model: ModelMixin, spec: FamilySpec, ranks: int, strategy: str, fake_mode: Any,
-                   counter: LiveBytesCounter, offload: bool = False) -> Iterator[None]:
-    """``model`` sharded as the engine shards it (``training.sharding.shard_denoiser``) across ``ranks`` processes
-    of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration.
-
-    FSDP frees a gathered weight by resizing its storage to 0 and gathers it again by resizing it back (its
-    ``alloc_storage`` / ``free_storage``), which no dispatched op shows: both are wrapped for the duration to tell
-    ``counter``."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-
-    from sd_scripts_compat.training.sharding import process_mesh, shard_denoiser
-
-    if dist.is_initialized():
-        raise RuntimeError("a sharded trace needs a process without a process group")
-    alloc, free = fsdp_param.alloc_storage, fsdp_param.free_storage
-
-    def told(resize: Callable[[torch.Tensor], None]) -> Any:  # Any: mypy will not let a module's def be replaced
-        def wrapped(tensor: torch.Tensor) -> None:
-            resize(tensor)
-            counter.resized(tensor)
-
-        return wrapped
-
-    dist.init_process_group("fake", rank=0, world_size=ranks, store=dist.HashStore())
-    try:
-        mesh = process_mesh(torch.device("cpu"))  # outside the fake mode: the mesh reads its ranks' values
-        with fake_mode:
-            shard_denoiser(model, spec, strategy, mesh, offload=offload)
-        fsdp_param.alloc_storage = fsdp_group.alloc_storage = told(alloc)
-        fsdp_param.free_storage = told(free)
-        yield
-    finally:
-        fsdp_param.alloc_storage = fsdp_group.alloc_storage = alloc
-        fsdp_param.free_storage = free
-        dist.destroy_process_group()
 
 
 def musubi_fp8_scaled(model: ModelMixin) -> int:

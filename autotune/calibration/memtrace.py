@@ -19,8 +19,9 @@ are created during backward (kohya zeroes them with ``set_to_none``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,7 @@ class TraceResult:
     optimizer_state_simulated: bool  # True where the optimizer's kernels cannot run on fake tensors
     seconds: float
     autocast_rules: str = "cuda"  # whose autocast op lists the step ran under (autotune.calibration.cuda_autocast)
+    shard_ranks: int = 1  # the UNet sharded across this many processes (one traced; fsdp = "full_shard")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +122,53 @@ def fakeify(modules: Iterable[Any], fake_mode: FakeTensorMode) -> None:
                     if id(buf) not in swapped:
                         swapped[id(buf)] = torch.zeros(buf.shape, dtype=buf.dtype, device="cpu")
                     module._buffers[name] = swapped[id(buf)]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds: a sharded parameter's (a DTensor's) local shard."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+@contextlib.contextmanager
+def sharded_across(model: torch.nn.Module, spec: FamilySpec, ranks: int, strategy: str, fake_mode: Any,
+                   counter: LiveBytesCounter, offload: bool = False) -> Iterator[None]:
+    """``model`` sharded as the engine shards it (``training.sharding.shard_denoiser``) across ``ranks`` processes
+    of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration.
+
+    FSDP frees a gathered weight by resizing its storage to 0 and gathers it again by resizing it back (its
+    ``alloc_storage`` / ``free_storage``), which no dispatched op shows: both are wrapped for the duration to tell
+    ``counter``."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+
+    from sd_scripts_compat.training.sharding import process_mesh, shard_denoiser
+
+    if dist.is_initialized():
+        raise RuntimeError("a sharded trace needs a process without a process group")
+    alloc, free = fsdp_param.alloc_storage, fsdp_param.free_storage
+
+    def told(resize: Callable[[torch.Tensor], None]) -> Any:  # Any: mypy will not let a module's def be replaced
+        def wrapped(tensor: torch.Tensor) -> None:
+            resize(tensor)
+            counter.resized(tensor)
+
+        return wrapped
+
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=dist.HashStore())
+    try:
+        mesh = process_mesh(torch.device("cpu"))  # outside the fake mode: the mesh reads its ranks' values
+        with fake_mode:
+            shard_denoiser(model, spec, strategy, mesh, offload=offload)
+        fsdp_param.alloc_storage = fsdp_group.alloc_storage = told(alloc)
+        fsdp_param.free_storage = told(free)
+        yield
+    finally:
+        fsdp_param.alloc_storage = fsdp_group.alloc_storage = alloc
+        fsdp_param.free_storage = free
+        dist.destroy_process_group()
 
 
 def _storage_bytes(tensors: Iterable[Any]) -> int:
@@ -272,6 +321,7 @@ def trace_training_step(
     lora_builder: Callable[[Any, int, float, bool], Any] | None = None,
     fake: bool = True,
     autocast_rules: str = "cuda",
+    shard_ranks: int = 1,
 ) -> TraceResult:
     """Trace one LoRA training step of a built-in family on fake CPU tensors; peak live tensor bytes.
 
@@ -281,6 +331,8 @@ def trace_training_step(
     cached. ``lora_builder`` lets tests use another network. ``fake=False`` runs the same step on real CPU tensors
     with random weights (tiny families only): how the tests check the fake figure against a real run.
     ``autocast_rules``: whose op lists autocast follows, ``"cuda"`` (GPU plans) or ``"cpu"`` (``cuda_autocast``).
+    ``shard_ranks`` above 1: the UNet sharded by the engine's ``fsdp = "full_shard"`` across that many processes of
+    a fake process group (:func:`sharded_across`), one of them traced.
     """
     import contextlib
 
@@ -304,23 +356,25 @@ def trace_training_step(
         resident.append(bundle.vae)
 
     if fake:
-        fake_mode: Any = FakeTensorMode()
+        fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True)
         fakeify(resident, fake_mode)
     else:
         fake_mode = contextlib.nullcontext()
-    lora_params = [p for p in network.parameters() if p.requires_grad]
-    frozen = [t for m in resident for t in [*m.parameters(), *m.buffers()] if not t.requires_grad]
-    weights_bytes = _storage_bytes(frozen)
-    lora_param_bytes = _storage_bytes(lora_params)
-
     counter = LiveBytesCounter()
     step = dict(batch_size=batch_size, resolution=resolution, module_dtype=module_dtype,
                 autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision),
                 cache_latents=cache_latents, train_text_encoder=train_text_encoder,
                 cache_text_encoder_outputs=cache_text_encoder_outputs)
-    with fake_mode, op_lists(autocast_rules):
-        simulated, optimizer_state_bytes, lora_grad_bytes = _counted_step(
-            bundle, spec, counter, optimizer, lora_params, frozen, attention, step)
+    with contextlib.ExitStack() as stack:
+        if shard_ranks > 1:
+            stack.enter_context(sharded_across(bundle.unet, spec, shard_ranks, "full_shard", fake_mode, counter))
+        lora_params = [p for p in network.parameters() if p.requires_grad]
+        frozen = [_local(t) for m in resident for t in [*m.parameters(), *m.buffers()] if not t.requires_grad]
+        weights_bytes = _storage_bytes(frozen)
+        lora_param_bytes = _storage_bytes(lora_params)
+        with fake_mode, op_lists(autocast_rules):
+            simulated, optimizer_state_bytes, lora_grad_bytes = _counted_step(
+                bundle, spec, counter, optimizer, lora_params, frozen, attention, step)
 
     persistent = weights_bytes + lora_param_bytes + lora_grad_bytes + optimizer_state_bytes
     return TraceResult(
@@ -332,7 +386,7 @@ def trace_training_step(
         lora_grad_bytes=lora_grad_bytes, optimizer_state_bytes=optimizer_state_bytes,
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, phase_peaks=dict(counter.phase_peaks), optimizer_state_simulated=simulated,
-        seconds=round(time.perf_counter() - started, 2), autocast_rules=autocast_rules,
+        seconds=round(time.perf_counter() - started, 2), autocast_rules=autocast_rules, shard_ranks=shard_ranks,
     )
 
 
@@ -485,6 +539,11 @@ def architecture_facts(family: str, reference_resolution: int | None = None) -> 
     unet = sizes(bundle.unet)
     unet["fp8_elements"] = sum(m.weight.numel() for m in bundle.unet.modules()
                                if isinstance(m, torch.nn.Linear | torch.nn.Conv2d))
+    from sd_scripts_compat.training.sharding import shard_units
+
+    # the units fsdp shards one by one (a ResNet or transformer block each), in the order the model holds them
+    unet["shard_unit_elements"] = [sum(p.numel() for p in unit.parameters())
+                                   for unit in shard_units(bundle.unet, spec)]
     lora: dict[str, dict[str, Counter[str]]] = {}
     plain = {name for name, *_ in iter_target_modules(bundle, conv=False)}
     for name, part, base, uses_conv_dim in iter_target_modules(bundle, conv=True):

@@ -72,6 +72,7 @@ from autotune.estimate.memory_model import (
     canonical_optimizer,
     optimizer_state_bytes,
 )
+from autotune.estimate.sharded_weights import gathered_bytes, sharded_bytes
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.families import FamilySpec, get_family
 
@@ -241,32 +242,16 @@ def _each_block_bytes(arch: dict[str, Any]) -> list[int]:
 
 def sharded_transformer_bytes(arch: dict[str, Any], ranks: int, checkpoint_bytes: int | None = None) -> tuple[int, int]:
     """(bytes each of ``ranks`` processes holds, bytes gathered in flight at the step's peak) of a transformer sharded
-    block by block (``training.sharding``, FSDP2): each holds 1/N of every parameter and every buffer whole (SD3's
-    positional table); the root unit (the parameters outside the blocks) stays gathered through the step.
-
-    The backward gathers each block again and prefetches the one before it, so a pair of neighbouring blocks is
-    in flight while the saved activations are at their largest. Without checkpointing that is where the backward
-    starts (the activations fall by a whole block's with each block after). With it (``checkpoint_bytes``: one
-    block's saved input) they fall by that much per block only, so a larger pair deeper in may be the peak:
-    the pair ``k`` blocks in, less the ``k - 1`` inputs freed by then. Traced with the engine's sharding on a
-    fake process group (``bench/sharded_trace.py``): FLUX.1 dev's peak is at its last two single blocks (its double
+    block by block (``estimate.sharded_weights``). FLUX.1 dev's peak is at its last two single blocks (its double
     blocks come 38 freed inputs later), SD3.5 Large's at the pair before its smaller last block."""
-    blocks = _each_block_bytes(arch)
     buffers = 2 * arch["rest"].get("buffer_elements", 0)
-    root = 2 * arch["rest"]["elements"] - buffers
-    backward = blocks[::-1]
-    pairs = [a + b for a, b in zip(backward, backward[1:])] or blocks
-    in_flight = pairs[0] if checkpoint_bytes is None else \
-        max(pair - max(0, k - 1) * checkpoint_bytes for k, pair in enumerate(pairs))
-    return -(-(sum(blocks) + root) // ranks) + buffers, root + in_flight
+    return sharded_bytes(_each_block_bytes(arch), 2 * arch["rest"]["elements"] - buffers, buffers, ranks,
+                         checkpoint_bytes)
 
 
 def gathered_bytes_per_step(arch: dict[str, Any], ranks: int, offload: bool = False) -> int:
-    """Bytes each process receives per micro-step of a sharded transformer: every block gathered for the forward
-    and again for the backward, and the root once, each process getting the (N - 1) / N it does not hold; with
-    ``offload`` its own 1 / N too, copied from host RAM before each gather (the same host link on consumer cards)."""
-    moved = 2 * sum(_each_block_bytes(arch)) + 2 * arch["rest"]["elements"]
-    return int(moved * (ranks - 1) / ranks + (moved / ranks if offload else 0))
+    """Bytes each process receives per micro-step of a sharded transformer (``sharded_weights.gathered_bytes``)."""
+    return gathered_bytes(_each_block_bytes(arch), 2 * arch["rest"]["elements"], ranks, offload)
 
 
 def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> int:

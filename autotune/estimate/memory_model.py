@@ -46,6 +46,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from autotune.estimate.sharded_weights import sharded_bytes
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class MemoryInputs:
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
     autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
+    shard_ranks: int = 1  # fsdp: the UNet sharded across this many processes (training.sharding)
 
 
 
@@ -277,7 +279,10 @@ def optimizer_state_bytes(optimizer: str, sizes: list[tuple[int, int]], rank: in
 
 def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]:
     unet = arch["unet"]
-    if inputs.weight_dtype == "fp8":
+    if inputs.shard_ranks > 1:  # no fp8 beside sharding (training.sharding.check_sharding)
+        unet_bytes = sum(sharded_unet_bytes(arch, inputs.weight_dtype, inputs.shard_ranks,
+                                            inputs.gradient_checkpointing))
+    elif inputs.weight_dtype == "fp8":
         unet_bytes = unet["fp8_elements"] + 2 * (unet["float_elements"] - unet["fp8_elements"])
     else:
         unet_bytes = DTYPE_BYTES[inputs.weight_dtype] * unet["float_elements"]
@@ -290,6 +295,19 @@ def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]
     if not inputs.cache_latents:
         vae_bytes = DTYPE_BYTES[inputs.weight_dtype] * arch["vae"]["float_elements"] + arch["vae"]["other_buffer_bytes"]
     return unet_bytes, te_bytes, vae_bytes
+
+
+def sharded_unet_bytes(arch: dict[str, Any], weight_dtype: str, ranks: int, checkpointing: bool) -> tuple[int, int]:
+    """(bytes each process holds, bytes gathered in flight) of a UNet sharded by its ResNet and transformer blocks
+    (``training.sharding.unet_units``; ``estimate.sharded_weights``), the largest neighbouring pair anywhere taken as
+    in flight: a UNet's activations are not largest where its backward starts as a transformer's are (SD1.5 at 512 px
+    without checkpointing peaks with a pair of its 1280-channel blocks gathered; traced, ``bench/sharded_trace.py``:
+    the model 0.99-1.03 of the traces without checkpointing, up to 1.17 with it, where a small pair is in flight)."""
+    size = DTYPE_BYTES[weight_dtype if weight_dtype != "fp8" else "fp16"]
+    units = [size * n for n in arch["unet"]["shard_unit_elements"]]
+    root = size * arch["unet"]["float_elements"] - sum(units)
+    del checkpointing  # the same rule either way (above)
+    return sharded_bytes(units, root, 0, ranks, 0)  # (its other buffers: _weights)
 
 
 def latent_downsample(architecture: dict[str, Any]) -> int:

@@ -203,6 +203,23 @@ def cpu_bf16_speed(native: bool) -> str:
     return f"this CPU has no native bf16: bf16 autocast is emulated, about {CPU_BF16_SLOWDOWN:g}x slower than fp32"
 
 
+def unet_gather_seconds(inputs: MemoryInputs, gpu: GpuSpec, calibration: dict[str, Any] | None = None) -> float:
+    """Seconds per micro-step that a sharded UNet's gathers spend on the link between the cards (0 unsharded),
+    over PCIe through the host at the transformer families' link efficiency (``dit_speed.gather_seconds``)."""
+    if inputs.shard_ranks < 2:
+        return 0.0
+    from autotune.estimate.dit_memory import load_dit_calibration
+    from autotune.estimate.memory_model import DTYPE_BYTES, family_calibration
+    from autotune.estimate.sharded_weights import gathered_bytes
+
+    unet = family_calibration(inputs.family, calibration)["architecture"]["unet"]
+    size = DTYPE_BYTES[inputs.weight_dtype if inputs.weight_dtype != "fp8" else "fp16"]
+    units = [size * n for n in unet["shard_unit_elements"]]
+    link = load_dit_calibration()["speed"]
+    rate = (getattr(gpu, "pcie_gbps", None) or link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
+    return gathered_bytes(units, size * unet["float_elements"] - sum(units), inputs.shard_ranks) / rate
+
+
 def predict_speed(inputs: MemoryInputs, gpu: GpuSpec | None = None, *, steps: int = 1,
                   gradient_accumulation_steps: int = 1, peak_tflops: float | None = None, cpu_cores: int | None = None,
                   cpu_bf16: bool = False, calibration: dict[str, Any] | None = None) -> SpeedEstimate:
@@ -232,6 +249,8 @@ def predict_speed(inputs: MemoryInputs, gpu: GpuSpec | None = None, *, steps: in
         device = f"cpu x{cores}"
     achieved = rate * eff
     micro = tflop / achieved if achieved > 0 else math.inf
+    if gpu is not None:  # a sharded UNet's gathers overlap its compute (FSDP prefetches the next block)
+        micro = max(micro, unet_gather_seconds(inputs, gpu, calibration))
     per_step = micro * max(1, gradient_accumulation_steps)
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
                          steps=steps, flops_per_micro_step=flops.total, efficiency=eff, peak_tflops=rate,

@@ -91,7 +91,8 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
 
-    inputs = replace(inputs_for_settings(family, s), autocast_rules=rules, cuda_context_gib=context)
+    inputs = replace(inputs_for_settings(family, s), autocast_rules=rules, cuda_context_gib=context,
+                     shard_ranks=devices if s.fsdp else 1)
     return memory.predict(predict_memory, inputs), lambda spec: predict_speed(inputs, spec, steps=1,
                                                                               cpu_cores=cpu_cores, cpu_bf16=cpu_bf16)
 

@@ -4,8 +4,8 @@ searches sharded with each process's share offloaded to host RAM (``fsdp_offload
 
 Data parallel holds the whole transformer on every card (swapping blocks to the host where it does not fit);
 sharded (``fsdp = "full_shard"``) holds 1/N of it on each and gathers each block over the link between the cards
-as it runs. Our engine shards the transformer families it trains (FLUX.1, Chroma, SD3.5, ...); the UNet families
-and the trainers run from the user's sd-scripts / musubi-tuner are planned data parallel only.
+as it runs. Our engine shards every family it trains (FLUX.1, Chroma, SD3.5, SD 1.x / 2.x, SDXL); the families
+trained in the user's sd-scripts / musubi-tuner are planned data parallel only.
 """
 
 from __future__ import annotations
@@ -28,25 +28,22 @@ STRATEGY = "full_shard"  # the planner's; shard_grad_op keeps each block gathere
 TRAINER_SHARDING = {
     "sd-scripts": ("whose one way to shard is DeepSpeed ZeRO stage 3 (--deepspeed --zero_stage 3): DeepSpeed is not "
                    "in its requirements and not tried with its LoRA scripts here, so plans do not write it; "
-                   "lora-autotune's engine shards the transformer families it trains (FLUX.1, Chroma, SD3.5)"),
+                   "lora-autotune's engine shards the families it trains (SD 1.x / 2.x, SDXL, FLUX.1, Chroma, SD3.5)"),
     "musubi-tuner": ("which has no sharding of its own (only DDP's options: ddp_timeout, "
-                     "ddp_gradient_as_bucket_view, ddp_static_graph); lora-autotune's engine shards the transformer "
-                     "families it trains (FLUX.1, Chroma, SD3.5)"),
+                     "ddp_gradient_as_bucket_view, ddp_static_graph); lora-autotune's engine shards the families it "
+                     "trains (SD 1.x / 2.x, SDXL, FLUX.1, Chroma, SD3.5)"),
 }
 
 
 def can_shard(family: FamilySpec, devices: int) -> bool:
-    """Whether a plan over ``devices`` cards may shard ``family``: our engine trains it and it is a transformer of
-    block groups (its units)."""
-    return devices > 1 and family.trained_here and bool(family.transformer_block_groups)
+    """Whether a plan over ``devices`` cards may shard ``family``: our engine trains it (its transformer blocks, or
+    a UNet's ResNet and transformer blocks, are the units)."""
+    return devices > 1 and family.trained_here
 
 
 def not_sharded_reason(family: FamilySpec) -> str:
-    """Why a plan over several cards is data parallel without a comparison: which engine shards which family."""
-    if not family.trained_here:
-        return f"data parallel: {family.name} trains in your {family.trainer}, {TRAINER_SHARDING[family.trainer]}"
-    return (f"data parallel: lora-autotune's engine can shard {family.name} too (fsdp = \"full_shard\" in "
-            "the config), but the planner has no sharded memory model for a UNet yet")
+    """Why a plan over several cards is data parallel without a comparison: which trainer shards which family."""
+    return f"data parallel: {family.name} trains in your {family.trainer}, {TRAINER_SHARDING[family.trainer]}"
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,7 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     def predict(s: TrainSettings) -> float:
         inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached)
         return memory.predict(predict_memory, replace(inputs, cuda_context_gib=context, safety_margin_gib=margin,
-                                                      autocast_rules=rules)).total_bytes / 2**20
+                                                      autocast_rules=rules, shard_ranks=processes if s.fsdp else 1)
+                              ).total_bytes / 2**20
 
     return predict

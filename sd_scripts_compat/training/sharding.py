@@ -15,7 +15,7 @@ denoiser's layers), so accelerate here only launches the processes and owns thei
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sd_scripts_compat.facts.errors import UserError
 
@@ -48,20 +48,46 @@ def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, fp8
 
 
 def shard_units(denoiser: torch.nn.Module, family: FamilySpec) -> list[torch.nn.Module]:
-    """The blocks sharded one by one, in forward order: the family's transformer blocks, else a UNet's down,
-    mid and up blocks."""
-    names = [group["modules"] for group in family.transformer_block_groups] or ["down_blocks", "mid_block",
-                                                                                 "up_blocks"]
+    """The blocks sharded one by one, in forward order: the family's transformer blocks; in a UNet every ResNet
+    block and every transformer block (:func:`unet_units`)."""
     import torch
 
+    if not family.transformer_block_groups:
+        return unet_units(denoiser)
     units: list[Any] = []
-    for name in names:
+    for name in (group["modules"] for group in family.transformer_block_groups):
         found = getattr(denoiser, name, None)
         if isinstance(found, torch.nn.ModuleList):
             units.extend(found)
         elif isinstance(found, torch.nn.Module):
             units.append(found)
     return units
+
+
+def unet_units(unet: torch.nn.Module) -> list[torch.nn.Module]:
+    """A UNet's ResNet and transformer blocks (diffusers' classes) in the order its forward runs them: each down and
+    up block's ResNet then attention, the middle block's first ResNet then attention and ResNet in turn. Its down /
+    mid / up blocks would be too coarse: SDXL's first up block alone is 2.3 of its 4.9 GiB, and gathered beside its
+    neighbour it holds more than the unsharded model (traced: 8.2 GiB per process at 1024 px against 5.8 unsharded);
+    its largest ResNet or transformer block is 94 MiB."""
+    from itertools import chain, zip_longest
+
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
+
+    kinds = (BasicTransformerBlock, ResnetBlock2D)
+    order: list[Any] = []
+    mid: Any = unet.mid_block
+    blocks: list[Any] = [*cast(Any, unet.down_blocks), mid, *cast(Any, unet.up_blocks)]
+    for block in blocks:
+        resnets, attentions = list(getattr(block, "resnets", [])), list(getattr(block, "attentions", None) or [])
+        if block is mid:
+            parts = [*resnets[:1], *chain.from_iterable(zip(attentions, resnets[1:]))]
+        else:
+            parts = [p for pair in zip_longest(resnets, attentions) for p in pair if p is not None]
+        order += [m for part in parts for m in part.modules() if isinstance(m, kinds)]
+    seen = {id(m) for m in order}  # a block of another kind: its units after, as the model holds them
+    return order + [m for m in unet.modules() if isinstance(m, kinds) and id(m) not in seen]
 
 
 def held_bytes(module: torch.nn.Module) -> tuple[int, int]:
