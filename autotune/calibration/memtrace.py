@@ -536,12 +536,12 @@ def architecture_facts(family: str, reference_resolution: int | None = None) -> 
                 other += buf.numel() * buf.element_size()
         return {"float_elements": floating, "other_buffer_bytes": other}
 
-    unet = sizes(bundle.unet)
-    unet["fp8_elements"] = sum(m.weight.numel() for m in bundle.unet.modules()
-                               if isinstance(m, torch.nn.Linear | torch.nn.Conv2d))
     from sd_scripts_compat.training.sharding import shard_units
 
-    # the units fsdp shards one by one (a ResNet or transformer block each), in the order the model holds them
+    unet: dict[str, Any] = sizes(bundle.unet)
+    unet["fp8_elements"] = sum(m.weight.numel() for m in bundle.unet.modules()
+                               if isinstance(m, torch.nn.Linear | torch.nn.Conv2d))
+    # the units fsdp shards one by one (a ResNet or transformer block each), in forward order
     unet["shard_unit_elements"] = [sum(p.numel() for p in unit.parameters())
                                    for unit in shard_units(bundle.unet, spec)]
     lora: dict[str, dict[str, Counter[str]]] = {}
