@@ -331,8 +331,7 @@ def trace_training_step(
     cached. ``lora_builder`` lets tests use another network. ``fake=False`` runs the same step on real CPU tensors
     with random weights (tiny families only): how the tests check the fake figure against a real run.
     ``autocast_rules``: whose op lists autocast follows, ``"cuda"`` (GPU plans) or ``"cpu"`` (``cuda_autocast``).
-    ``shard_ranks`` above 1: the UNet sharded by the engine's ``fsdp = "full_shard"`` across that many processes of
-    a fake process group (:func:`sharded_across`), one of them traced.
+    ``shard_ranks`` > 1: the UNet sharded by ``fsdp = "full_shard"`` on a fake process group (:func:`sharded_across`).
     """
     import contextlib
 
@@ -349,17 +348,13 @@ def trace_training_step(
     spec = get_family(family)
     bundle, network, module_dtype = _build_for_trace(spec, rank, weight_dtype, mixed_precision, train_text_encoder,
                                                      gradient_checkpointing, network_alpha, lora_builder, fake)
-    resident: list[Any] = [bundle.unet, network]
-    if train_text_encoder or not cache_text_encoder_outputs:  # trained, or encoding uncached captions
-        resident += bundle.text_encoders
-    if not cache_latents:
-        resident.append(bundle.vae)
-
+    # the text encoders when trained or encoding uncached captions, the VAE when latents are not cached
+    resident: list[Any] = [bundle.unet, network, *(bundle.text_encoders if train_text_encoder or not
+                                                   cache_text_encoder_outputs else []),
+                           *([] if cache_latents else [bundle.vae])]
+    fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
-        fake_mode: Any = FakeTensorMode(allow_non_fake_inputs=True)
         fakeify(resident, fake_mode)
-    else:
-        fake_mode = contextlib.nullcontext()
     counter = LiveBytesCounter()
     step = dict(batch_size=batch_size, resolution=resolution, module_dtype=module_dtype,
                 autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision),
