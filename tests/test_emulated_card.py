@@ -230,17 +230,22 @@ def _mixed_sizes(root: Path) -> Path:
     return root
 
 
+def _largest_bucket_late(tmp_path: Path) -> tuple[Path, Path]:
+    """(dataset, config) whose largest bucket comes at step 11: micro-batch 4 without checkpointing."""
+    dataset = _mixed_sizes(tmp_path / "data")
+    config = _config(tmp_path, "o", max_train_steps=20, train_batch_size=4, gradient_accumulation_steps=1,
+                     gradient_checkpointing=False, seed=23, enable_bucket=True, bucket_no_upscale=True,
+                     min_bucket_reso=128, max_bucket_reso=512)
+    return dataset, config
+
+
 @pytest.mark.long
 def test_a_peak_that_will_not_fit_the_largest_bucket_steps_down_before_it_comes(tmp_path):
     """Micro-batch 4 without checkpointing on a 100 MiB card, the memory model 40% optimistic: the small buckets
     fit (~85 MiB), the large one would not (~109 MiB), and it comes at step 11. After the first step the measured
     peak, carried by the model to the large bucket, is over the card: the run steps down at a step boundary, with
-    no out-of-memory error, and ends at step 30. Without stepping (--no-step-up) the same run runs out of memory
-    when the large bucket comes, and steps down only then."""
-    dataset = _mixed_sizes(tmp_path / "data")
-    config = _config(tmp_path, "o", max_train_steps=30, train_batch_size=4, gradient_accumulation_steps=1,
-                     gradient_checkpointing=False, seed=23, enable_bucket=True, bucket_no_upscale=True,
-                     min_bucket_reso=128, max_bucket_reso=512)
+    no out-of-memory error, and ends at step 20."""
+    dataset, config = _largest_bucket_late(tmp_path)
     out = _run(tmp_path, "down", dataset, config, "--emulate-card", "100", "--memory-model-scale", "0.6")
     retries = _retries(out)
     assert [r["failure"] for r in retries][:1] == ["step_down"] and retries[0]["step"] < 11, retries
@@ -248,10 +253,15 @@ def test_a_peak_that_will_not_fit_the_largest_bucket_steps_down_before_it_comes(
     assert all(r["changes"].get("train_batch_size", [0, 0])[1] != 4 for r in retries[1:])  # never back up to it
     log = (out / "logs" / "decisions.log").read_text(encoding="utf-8")
     assert "step down before running out of memory" in log and "the data's largest is 4 x 256x256 px" in log
-    assert _done(out)["steps"] == 30
+    assert _done(out)["steps"] == 20
 
+
+@pytest.mark.slow
+def test_the_same_run_without_stepping_runs_out_of_memory_when_the_largest_bucket_comes(tmp_path):
+    """The run above with --no-step-up: out of memory at the large bucket's step (11), a step down only then."""
+    dataset, config = _largest_bucket_late(tmp_path)
     kept = _run(tmp_path, "kept", dataset, config, "--emulate-card", "100", "--memory-model-scale", "0.6",
                 "--no-step-up")
     failures = [(r["failure"], r["step"]) for r in _retries(kept)]
     assert failures[:1] == [("oom", 10)], failures  # the large bucket's step (11) ran out: 10 were done
-    assert _done(kept)["steps"] == 30
+    assert _done(kept)["steps"] == 20

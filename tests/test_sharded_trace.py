@@ -18,7 +18,7 @@ from autotune.estimate.dit_memory import (
 KW = {"resolution": 128, "rank": 4, "optimizer": "AdamW", "text_tokens": 8}
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("checkpointing", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_what_sharding_adds_to_a_step_is_the_root_and_the_pair_of_blocks_the_model_predicts(checkpointing):
     """Without checkpointing the backward's first two blocks (tiny-flux's two single blocks), exactly; with it a
     pair deeper in (the trace: a single and a double block), which the model's rule takes within 5%."""
@@ -44,6 +44,7 @@ def test_the_fake_sharded_trace_agrees_with_the_same_step_on_real_tensors():
     assert fake.peak_bytes == real.peak_bytes and fake.weights_bytes == real.weights_bytes
 
 
+@pytest.mark.slow
 def test_more_processes_hold_less_and_gather_the_same():
     two, four = (trace_dit_step("tiny-flux", **KW, shard_ranks=n) for n in (2, 4))
     assert four.weights_bytes == pytest.approx(two.weights_bytes / 2, rel=0.02)
@@ -110,7 +111,7 @@ def test_a_unet_is_sharded_by_its_resnet_and_transformer_blocks_in_forward_order
     assert units[:3] == ["down_blocks.0.resnets.0", "down_blocks.0.resnets.1", "down_blocks.1.resnets.0"]  # SDXL
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("checkpointing", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_a_sharded_unet_holds_half_and_the_model_takes_at_least_what_the_trace_has_in_flight(checkpointing):
     from autotune.calibration.memtrace import trace_training_step
     from autotune.estimate.memory_model import family_calibration, sharded_unet_bytes
