@@ -333,8 +333,6 @@ def trace_training_step(
     ``autocast_rules``: whose op lists autocast follows, ``"cuda"`` (GPU plans) or ``"cpu"`` (``cuda_autocast``).
     ``shard_ranks`` > 1: the UNet sharded by ``fsdp = "full_shard"`` on a fake process group (:func:`sharded_across`).
     """
-    import contextlib
-
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -146,9 +146,11 @@ class DitMemoryInputs:
         return cls(family=family, frames=config.get("frames", 1), **{key: config[key] for key in keys})
 
 
-def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_fp8: bool = False) -> DitMemoryInputs:
-    """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping); what
-    the settings do not hold (the machine's, the plan's profile) a caller adds with ``dataclasses.replace``."""
+def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_fp8: bool = False,
+                            processes: int = 1) -> DitMemoryInputs:
+    """The FLUX model's inputs for one ``TrainSettings`` (the planner's and the OOM ladder's one mapping) in a run of
+    ``processes``; what the settings do not hold (the machine's, the plan's profile) a caller adds with
+    ``dataclasses.replace``."""
     width, height = settings.resolution
     return DitMemoryInputs(
         family=family.name, resolution=width, height=height if height != width else None,
@@ -160,7 +162,9 @@ def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_f
         t5_fp8=t5_fp8, lora_dtype="bf16" if settings.full_bf16 else "fp16" if settings.full_fp16 else "fp32",
         frames=settings.frames,
         pinned_block_swap=settings.use_pinned_memory_for_block_swap and settings.blocks_to_swap > 0,
-        high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit)
+        high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit,
+        shard_ranks=processes if settings.fsdp else 1,
+        shard_offload=bool(settings.fsdp and settings.fsdp_offload_params))
 
 
 @dataclass(frozen=True)

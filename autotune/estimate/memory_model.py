@@ -103,7 +103,7 @@ class MemoryInputs:
 
 
 def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *,
-                        text_encoder_outputs_cached: bool = False) -> MemoryInputs:
+                        text_encoder_outputs_cached: bool = False, processes: int = 1) -> MemoryInputs:
     """The memory model's inputs for one ``TrainSettings`` (the planner's and the ladder's one mapping).
 
     ``text_encoder_outputs_cached``: the text encoders are off the device whatever the settings say
@@ -119,6 +119,7 @@ def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *,
         cache_latents=settings.cache_latents,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs or text_encoder_outputs_cached,
         attention=settings.attention, network_module=settings.network_module, network_args=settings.network_args,
+        shard_ranks=processes if settings.fsdp else 1,  # ``processes``: the run's, one per GPU
     )
 
 
@@ -280,8 +281,7 @@ def optimizer_state_bytes(optimizer: str, sizes: list[tuple[int, int]], rank: in
 def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]:
     unet = arch["unet"]
     if inputs.shard_ranks > 1:  # no fp8 beside sharding (training.sharding.check_sharding)
-        unet_bytes = sum(sharded_unet_bytes(arch, inputs.weight_dtype, inputs.shard_ranks,
-                                            inputs.gradient_checkpointing))
+        unet_bytes = sum(sharded_unet_bytes(arch, inputs.weight_dtype, inputs.shard_ranks))
     elif inputs.weight_dtype == "fp8":
         unet_bytes = unet["fp8_elements"] + 2 * (unet["float_elements"] - unet["fp8_elements"])
     else:
@@ -297,16 +297,22 @@ def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]
     return unet_bytes, te_bytes, vae_bytes
 
 
-def sharded_unet_bytes(arch: dict[str, Any], weight_dtype: str, ranks: int, checkpointing: bool) -> tuple[int, int]:
-    """(bytes each process holds, bytes gathered in flight) of a UNet sharded by its ResNet and transformer blocks
-    (``training.sharding.unet_units``; ``estimate.sharded_weights``), the largest neighbouring pair anywhere taken as
-    in flight: a UNet's activations are not largest where its backward starts as a transformer's are (SD1.5 at 512 px
-    without checkpointing peaks with a pair of its 1280-channel blocks gathered; traced, ``bench/sharded_trace.py``:
-    the model 0.99-1.03 of the traces without checkpointing, up to 1.17 with it, where a small pair is in flight)."""
+def unet_shard_units(arch: dict[str, Any], weight_dtype: str) -> tuple[list[int], int]:
+    """(bytes of each unit fsdp shards a UNet by, in forward order; bytes of the root outside them) in the 16-bit
+    dtype it trains in (no fp8 beside sharding)."""
     size = DTYPE_BYTES[weight_dtype if weight_dtype != "fp8" else "fp16"]
     units = [size * n for n in arch["unet"]["shard_unit_elements"]]
-    root = size * arch["unet"]["float_elements"] - sum(units)
-    del checkpointing  # the same rule either way (above)
+    return units, size * arch["unet"]["float_elements"] - sum(units)
+
+
+def sharded_unet_bytes(arch: dict[str, Any], weight_dtype: str, ranks: int) -> tuple[int, int]:
+    """(bytes each process holds, bytes gathered in flight) of a UNet sharded by its ResNet and transformer blocks
+    (``training.sharding.unet_units``; ``estimate.sharded_weights``), the largest neighbouring pair anywhere taken as
+    in flight, with checkpointing or without: a UNet's activations are not largest where its backward starts as a
+    transformer's are (SD1.5 at 512 px without checkpointing peaks with a pair of its 1280-channel blocks gathered;
+    traced, ``bench/sharded_trace.py``: the model 0.99-1.03 of the traces without checkpointing, up to 1.17 with
+    it, where a small pair is in flight)."""
+    units, root = unet_shard_units(arch, weight_dtype)
     return sharded_bytes(units, root, 0, ranks, 0)  # (its other buffers: _weights)
 
 

@@ -209,15 +209,13 @@ def unet_gather_seconds(inputs: MemoryInputs, gpu: GpuSpec, calibration: dict[st
     if inputs.shard_ranks < 2:
         return 0.0
     from autotune.estimate.dit_memory import load_dit_calibration
-    from autotune.estimate.memory_model import DTYPE_BYTES, family_calibration
+    from autotune.estimate.memory_model import family_calibration, unet_shard_units
     from autotune.estimate.sharded_weights import gathered_bytes
 
-    unet = family_calibration(inputs.family, calibration)["architecture"]["unet"]
-    size = DTYPE_BYTES[inputs.weight_dtype if inputs.weight_dtype != "fp8" else "fp16"]
-    units = [size * n for n in unet["shard_unit_elements"]]
+    units, root = unet_shard_units(family_calibration(inputs.family, calibration)["architecture"], inputs.weight_dtype)
     link = load_dit_calibration()["speed"]
     rate = (getattr(gpu, "pcie_gbps", None) or link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
-    return gathered_bytes(units, size * unet["float_elements"] - sum(units), inputs.shard_ranks) / rate
+    return gathered_bytes(units, root, inputs.shard_ranks) / rate
 
 
 def predict_speed(inputs: MemoryInputs, gpu: GpuSpec | None = None, *, steps: int = 1,

@@ -82,17 +82,16 @@ def estimate_for_settings(family: FamilySpec, s: TrainSettings, cpu_cores: int, 
 
         profile = plan_profile(family)
         te_fp8 = profile.text_encoder_fp8(t5_fp8, s.fp8_base)
-        flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8), text_encoders_on_cpu=te_cpu,
-                       expert_switch_share=profile.expert_switch_share(), autocast_rules=rules,
-                       cuda_context_gib=context, shard_ranks=devices if s.fsdp else 1,
-                       shard_offload=bool(s.fsdp and s.fsdp_offload_params))
+        flux = replace(dit_inputs_for_settings(family, s, t5_fp8=te_fp8, processes=devices),
+                       text_encoders_on_cpu=te_cpu, expert_switch_share=profile.expert_switch_share(),
+                       autocast_rules=rules, cuda_context_gib=context)
         return (memory.predict(predict_dit_memory, flux),
                 lambda spec: predict_dit_speed(flux, spec, cpu_cores=cpu_cores))
     from autotune.estimate.memory_model import inputs_for_settings, predict_memory
     from autotune.estimate.speed_model import predict_speed
 
-    inputs = replace(inputs_for_settings(family, s), autocast_rules=rules, cuda_context_gib=context,
-                     shard_ranks=devices if s.fsdp else 1)
+    inputs = replace(inputs_for_settings(family, s, processes=devices), autocast_rules=rules,
+                     cuda_context_gib=context)
     return memory.predict(predict_memory, inputs), lambda spec: predict_speed(inputs, spec, steps=1,
                                                                               cpu_cores=cpu_cores, cpu_bf16=cpu_bf16)
 

@@ -196,17 +196,16 @@ def memory_predictor(family: FamilySpec, *, text_encoder_outputs_cached: bool = 
     rules = "cuda" if cuda else "cpu"  # whose autocast op lists the coefficients were traced under
     if is_dit_family(family):  # training phase: an OOM in training comes after the text-encoder caching
         return lambda s: memory.predict(predict_dit_memory, replace(
-            dit_inputs_for_settings(family, s), cuda_context_gib=context, safety_margin_gib=margin,
-            autocast_rules=rules, shard_ranks=processes if s.fsdp else 1,
-            shard_offload=bool(s.fsdp and s.fsdp_offload_params),
+            dit_inputs_for_settings(family, s, processes=processes), cuda_context_gib=context,
+            safety_margin_gib=margin, autocast_rules=rules,
             cache_text_encoder_outputs=s.cache_text_encoder_outputs or text_encoder_outputs_cached)
         ).training_total_bytes / 2**20
     family_calibration(family.name)  # an uncalibrated family fails here, with the fix, not at the first OOM
 
     def predict(s: TrainSettings) -> float:
-        inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached)
+        inputs = inputs_for_settings(family, s, text_encoder_outputs_cached=text_encoder_outputs_cached,
+                                     processes=processes)
         return memory.predict(predict_memory, replace(inputs, cuda_context_gib=context, safety_margin_gib=margin,
-                                                      autocast_rules=rules, shard_ranks=processes if s.fsdp else 1)
-                              ).total_bytes / 2**20
+                                                      autocast_rules=rules)).total_bytes / 2**20
 
     return predict
