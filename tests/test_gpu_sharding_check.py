@@ -26,8 +26,9 @@ def test_the_dry_run_measures_a_gather_and_compares_the_engines_loras(tmp_path):
     assert "| gloo |" in done.stdout
 
 
-def test_without_two_gpus_it_says_so_in_one_line():
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_sharding_check.py"), "/tmp/unused"],
+def test_without_two_gpus_it_says_so_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_sharding_check.py"), str(tmp_path / "out")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 2 and "needs 2 (or --dry-run)" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()  # nothing written

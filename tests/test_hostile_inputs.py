@@ -330,6 +330,7 @@ CLI = [
          "fsdp_offload_params: it offloads the shares of a sharded denoiser"),
     Case("engine-fsdp-offload-not-a-bool", lambda t: engine(t, fsdp="full_shard", fsdp_offload_params="yes"),
          "fsdp_offload_params"),
+    Case("engine-ddp-timeout-zero", lambda t: engine(t, ddp_timeout=0), "ddp_timeout"),
     Case("run-emulate-card-with-sd-scripts", lambda t: run(
         t, "--emulate-card", "16", "--engine", f"sd-scripts={FAKE_SD_SCRIPTS}"), "another trainer counts none"),
     Case("run-save-state-every-zero", lambda t: run(t, "--save-state-every", "0"), "--save-state-every 0"),
