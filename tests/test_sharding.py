@@ -233,3 +233,82 @@ def _engine_processes(tmp: Path) -> list[int]:
         if any(str(tmp) in part for part in proc.info["cmdline"] or []):
             found.append(proc.info["pid"])
     return found
+
+
+# ---- loading in turn (training.sharding.in_turn): two processes over gloo -------------------------------------
+
+TURNS = """
+import os, sys
+from pathlib import Path
+import torch.distributed as dist
+from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.training.sharding import in_turn
+
+rank, log, refuse = int(os.environ["RANK"]), Path(sys.argv[1]), sys.argv[2]
+
+def work():
+    seen = log.read_text() if log.exists() else ""
+    with log.open("a") as out:
+        out.write(f"start {rank} saw {sum(line.startswith('end') for line in seen.splitlines())} ends\\n")
+    if refuse == str(rank):
+        raise UserError(f"model.safetensors: unreadable in process {rank}; download it again")
+    with log.open("a") as out:
+        out.write(f"end {rank}\\n")
+    return rank
+
+dist.init_process_group("gloo")
+try:
+    print("returned", in_turn(2, rank, work))
+except UserError as error:
+    print("refused:", error, error.exit_code)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def _two_turns(tmp: Path, refuse: str) -> list[str]:
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    log = tmp / "turns.log"
+    children = [subprocess.Popen([sys.executable, "-c", TURNS, str(log), refuse], cwd=ROOT, text=True,
+                                 env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for rank in (0, 1)]
+    said = [child.communicate(timeout=300) for child in children]
+    assert all(child.returncode == 0 for child in children), [err[-2000:] for _, err in said]
+    return [out.strip() for out, _ in said]
+
+
+def test_the_processes_load_in_turn_each_beginning_after_the_one_before_it_ended(tmp_path):
+    """Process 1's load begins only once process 0's has ended (it sees that end in the log when it starts):
+    the machine's RAM holds one whole denoiser at a time. No clock: the collective orders them."""
+    assert _two_turns(tmp_path, refuse="none") == ["returned 0", "returned 1"]
+    assert (tmp_path / "turns.log").read_text().splitlines() == [
+        "start 0 saw 0 ends", "end 0", "start 1 saw 1 ends", "end 1"]
+
+
+def test_a_process_refused_in_its_turn_stops_every_process_with_its_line_and_no_later_turn_begins(tmp_path):
+    line = "refused: model.safetensors: unreadable in process 0; download it again 2"
+    assert _two_turns(tmp_path, refuse="0") == [line, line]
+    assert (tmp_path / "turns.log").read_text().splitlines() == ["start 0 saw 0 ends"]
+
+
+def test_a_refusal_in_a_later_turn_reaches_the_process_that_loaded_already(tmp_path):
+    line = "refused: model.safetensors: unreadable in process 1; download it again 2"
+    assert _two_turns(tmp_path, refuse="1") == [line, line]
+    assert (tmp_path / "turns.log").read_text().splitlines() == ["start 0 saw 0 ends", "end 0",
+                                                                  "start 1 saw 1 ends"]
+
+
+@pytest.mark.long
+def test_a_sharded_run_of_a_model_file_it_cannot_read_stops_every_process_with_one_line(tmp_path):
+    """Process 0 is refused in its turn (a file that is not a model); process 1 never reads it, and says the
+    same line: no traceback from either (accelerate's launcher adds its own account of the failed processes),
+nothing left in the output folder."""
+    bad = tmp_path / "flux.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    script, values = MODELS["tiny-flux"]
+    done = _launch(script, _config(tmp_path, "bad", {**values, "pretrained_model_name_or_path": str(bad)},
+                                   fsdp="full_shard"))
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("flux_train_network: error:")]
+    assert len(lines) == 2 and lines[0] == lines[1] and str(bad) in lines[0], done.stderr[-3000:]
+    assert not re.search(r"\[rank\d\]: Traceback", done.stderr) and not (tmp_path / "bad").exists()

@@ -160,21 +160,41 @@ def test_the_oom_ladder_shards_before_it_swaps_when_the_run_has_several_processe
         assert step.predicted_mib < 16 * 1024 and not step.settings.blocks_to_swap
 
 
-@pytest.mark.parametrize("count", [2, 4])
-def test_each_process_of_a_machine_with_several_cards_loads_the_model_in_host_ram(count):
-    """Every process (one per GPU) reads the model into RAM at the same time: the plan's host-RAM peak is the
-    one-card figure times the processes, and says so."""
-    one, several = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 1), _plan("builtin:flux-dev", "RTX 4060 Ti 16GB",
-                                                                           count)
-    per_process = several.prediction.ram_peak_bytes / count
-    assert several.prediction.ram_processes == count and one.prediction.ram_processes == 1
-    loading = dict(several.prediction.ram_components)["loading"]
-    assert loading == dict(one.prediction.ram_components)["loading"]  # each loads the whole file
-    assert per_process >= loading and several.prediction.ram_peak_bytes >= count * one.prediction.ram_peak_bytes * 0.9
+@pytest.mark.parametrize(("card", "count", "offload"), [("RTX 4060 Ti 16GB", 2, False),
+                                                       ("RTX 4060 Ti 16GB", 4, False), ("RTX 3060 12GB", 2, True)])
+def test_the_processes_of_a_sharded_run_hold_the_transformer_in_host_ram_one_at_a_time(card, count, offload):
+    """Every process (one per GPU) loads the model, but a sharded run's processes load in turn, each sharding its
+    transformer before the next reads it (``training.sharding.in_turn``): the machine holds the bf16 transformer
+    once, beside every process's text encoders and AE (and, offloaded, the shares already made)."""
+    from autotune.estimate.dit_memory import denoiser_loading_bytes
+
+    one, several = _plan("builtin:flux-dev", card, 1), _plan("builtin:flux-dev", card, count)
+    p = several.prediction
+    assert several.settings.fsdp == "full_shard" and several.settings.fsdp_offload_params is offload
+    loading = dict(p.ram_components)["loading"]
+    assert loading == dict(one.prediction.ram_components)["loading"]  # each reads the whole file in its turn
+    transformer = denoiser_loading_bytes("flux-dev")
+    assert transformer == 2 * 11_901_408_320  # FLUX.1 dev's transformer in bf16 (22.2 GiB)
+    assert p.ram_turn_bytes == transformer - (transformer // count if offload else 0)
+    assert p.ram_peak_bytes == count * loading - (count - 1) * p.ram_turn_bytes  # loading sets the peak
+    assert p.ram_peak_bytes == count * one.prediction.ram_peak_bytes - (count - 1) * p.ram_turn_bytes  # 1 card's
     assert several.to_dict()["prediction"]["ram_processes"] == count
+    assert p.loading_processes == (f"{count} processes loading in turn (the denoiser's "
+                                   f"{p.ram_turn_bytes / 2**30:.1f} GiB held by one at a time)")
 
 
-def test_too_little_ram_for_every_process_loading_at_once_is_warned_with_the_count():
+def test_the_processes_of_a_data_parallel_run_load_at_once():
+    """Unsharded, each process moves its whole model to its own card: they load at the same time, and the plan's
+    host-RAM peak is one process's times the processes."""
+    one, two = _plan("builtin:sdxl", "RTX 4090", 1), _plan("builtin:sdxl", "RTX 4090", 2, resolution=512)
+    assert two.settings.fsdp is None and two.prediction.ram_turn_bytes == 0
+    assert two.prediction.loading_processes == "2 processes loading at once"
+    loading = dict(two.prediction.ram_components)["loaded_modules"]
+    assert loading == dict(one.prediction.ram_components)["loaded_modules"]
+    assert two.prediction.ram_peak_bytes >= 2 * loading
+
+
+def test_too_little_ram_for_every_process_loading_is_warned_with_the_count():
     gpus = tuple(gpu_from_spec(lookup_gpu("RTX 4060 Ti 16GB")) for _ in range(4))
     from autotune.planning.request import Preferences
 
@@ -182,7 +202,8 @@ def test_too_little_ram_for_every_process_loading_at_once_is_warned_with_the_cou
                                      cpu_physical_cores=16, host_ram_bytes=64 * 2**30,
                                      preferences=Preferences(resolution=1024)))
     warning = next(w for w in plan.warnings if w.startswith("host RAM is the limit"))
-    assert "4 processes (one per GPU) at once" in warning
+    assert "predicted peak 71.2 GiB" in warning  # 4 x 34.4 GiB loading at once would be 137.7
+    assert "4 processes (one per GPU) in turn, each keeping its text encoders" in warning
 
 
 def test_the_oom_ladder_offloads_the_shares_of_a_sharded_run_that_still_runs_out_of_memory():

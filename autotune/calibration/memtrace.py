@@ -134,6 +134,8 @@ def sharded_across(model: torch.nn.Module, spec: FamilySpec, ranks: int, strateg
                    counter: LiveBytesCounter, offload: bool = False) -> Iterator[None]:
     """``model`` sharded as the engine shards it (``training.sharding.shard_denoiser``) across ``ranks`` processes
     of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration.
+    ``model`` has its LoRA already, where the engine shards first: the LoRA lives outside the units (its hooks wrap
+    layers inside them), so the units and what each gathers are the same either way.
 
     FSDP frees a gathered weight by resizing its storage to 0 and gathers it again by resizing it back (its
     ``alloc_storage`` / ``free_storage``), which no dispatched op shows: both are wrapped for the duration to tell

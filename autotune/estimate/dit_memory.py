@@ -448,6 +448,11 @@ def musubi_pinned_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, split: tu
     return 2 * max(sizes)
 
 
+def denoiser_loading_bytes(family: str) -> int:
+    """Bytes of the transformer as it passes through host RAM while loading (bf16)."""
+    return 2 * _all_elements(dit_family_calibration(family)["architecture"])
+
+
 def _all_elements(arch: dict[str, Any]) -> int:
     return sum(block["elements"] for group in arch["block_groups"] for block in _blocks(group)) \
         + arch["rest"]["elements"]

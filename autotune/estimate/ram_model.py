@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.facts.families import FamilySpec
 
 GIB = 2**30
 PROCESS_BYTES = 520 * 2**20  # engine process, imports + tiny run: 495 MB peak RSS measured (rounded up)
@@ -62,12 +65,19 @@ class RamEstimate:
     loading_bytes: int = 0
     training_bytes: int = 0
     processes: int = 1  # training processes on this machine (one per GPU): each loads and holds its own
+    turn_bytes: int = 0  # of loading_bytes, what leaves the host once a process has sharded, before the next loads
+
+    @property
+    def machine_loading_bytes(self) -> int:
+        """Every process's loading at once; with ``turn_bytes`` (sharded runs load in turn,
+        ``training.sharding.in_turn``) the last one's whole, the others' less what they sharded away."""
+        return self.processes * self.loading_bytes - (self.processes - 1) * self.turn_bytes
 
     @property
     def peak_bytes(self) -> int:
-        """Process + the larger of the two phases (loading ends before the workers start), for every process:
-        they load the model at the same time."""
-        return self.processes * (self.components["process"] + max(self.loading_bytes, self.training_bytes))
+        """Every process's own + the larger of the two phases (loading ends before the workers start)."""
+        return self.processes * self.components["process"] + max(self.machine_loading_bytes,
+                                                                  self.processes * self.training_bytes)
 
     @property
     def peak_gib(self) -> float:
@@ -84,6 +94,21 @@ def model_file_bytes(model: str) -> int | None:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.suffix in (".safetensors", ".bin") and p.is_file())
     return None
+
+
+def sharded_turn_bytes(family: FamilySpec, inputs: RamInputs, processes: int, offload: bool) -> int:
+    """What one process's loading leaves in host RAM for the card once it has sharded the denoiser, before the next
+    process loads: the denoiser as read (a DiT: bf16; a UNet: as ``predict_ram`` reads it), less the share each
+    keeps on the host with ``offload``."""
+    from autotune.estimate.dit_memory import denoiser_loading_bytes, is_dit_family
+    from autotune.estimate.memory_model import family_calibration
+
+    if is_dit_family(family):
+        whole = denoiser_loading_bytes(family.name)
+    else:
+        unet = _elements(family_calibration(family.name)["architecture"])[0]
+        whole = (DTYPE_BYTES.get(inputs.weight_dtype, 2) if inputs.model_file_bytes else 4) * unet
+    return whole - (whole // processes if offload else 0)
 
 
 def _elements(arch: dict[str, Any]) -> tuple[int, int, int]:
@@ -146,5 +171,6 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
 
 def describe(estimate: RamEstimate) -> str:
     """One line: the peak and what sets it."""
-    phase = "model loading" if estimate.loading_bytes >= estimate.training_bytes else "training"
+    phase = "model loading" if estimate.machine_loading_bytes >= estimate.processes * estimate.training_bytes \
+        else "training"
     return f"predicted peak host RAM {estimate.peak_gib:.2f} GiB (set by {phase})"

@@ -432,7 +432,7 @@ def render(plan: Plan) -> None:
     console.print("memory by part: " + ", ".join(f"{k} {v / unit:.2f}" for k, v in p.components if v) + f" {unit_name}")
     if p.ram_peak_bytes:
         of = f" of {p.ram_usable_bytes / GIB:.2f} GiB usable" if p.ram_usable_bytes is not None else " (not checked)"
-        each = f"{p.ram_processes} processes loading at once, each " if p.ram_processes > 1 else ""
+        each = f"{p.loading_processes}, each " if p.ram_processes > 1 else ""
         console.print(f"predicted peak host RAM [bold]{p.ram_peak_bytes / GIB:.2f} GiB[/bold]{of}: {each}"
                       + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.ram_components if v) + " GiB")
     if plan.dataset is not None:

@@ -19,6 +19,7 @@ from autotune.estimate.ram_model import (
     RamInputs,
     model_file_bytes,
     predict_ram,
+    sharded_turn_bytes,
 )
 from autotune.planning.request import PlanRequest
 from sd_scripts_compat.facts.families import FamilySpec
@@ -51,13 +52,17 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
     """The workers the machine's RAM allows and the predicted peak; ``tensor_peak_bytes`` counts for CPU plans.
     ``modelled`` is (loading, training) host RAM from a family's own memory model (FLUX: swapped blocks and
     parked encoders), used instead of the UNet families' RAM model. ``processes`` (one per GPU) each load the
-    model and hold their own host memory, at the same time."""
+    model and hold their own host memory, at the same time, except a sharded denoiser: read one process at a time,
+    each sharding it before the next reads (``RamEstimate.turn_bytes``)."""
     usable = request.host_ram_bytes
     on_gpu = bool(request.gpus)
     workers = default_workers(request)
 
     def estimate(n: int) -> RamEstimate:
-        return replace(one_process(n), processes=processes)
+        one = one_process(n)
+        turn = sharded_turn_bytes(family, one.inputs, processes, settings.fsdp_offload_params) \
+            if settings.fsdp and processes > 1 and on_gpu else 0  # sharded runs load in turn
+        return replace(one, processes=processes, turn_bytes=turn)
 
     def one_process(n: int) -> RamEstimate:
         inputs = RamInputs(
@@ -91,10 +96,11 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
         fallbacks.append(f"host RAM: data loader workers {start} -> {workers}")
     warnings: list[str] = []
     if usable is not None and current.peak_bytes > usable:
-        phase = ("model loading (the model's weights, read into their training dtype)"
-                 if current.loading_bytes >= current.training_bytes else "training")
+        loading = current.machine_loading_bytes >= processes * current.training_bytes
+        phase = "model loading (the model's weights, read into their training dtype)" if loading else "training"
         if processes > 1:
-            phase += f", {processes} processes (one per GPU) at once"
+            phase += f", {processes} processes (one per GPU)" + (
+                " in turn, each keeping its text encoders" if loading and current.turn_bytes else " at once")
         warnings.append(f"host RAM is the limit: predicted peak {current.peak_gib:.1f} GiB during {phase}, "
                         f"{usable / GIB:.1f} GiB usable; close other programs, add swap, or use a machine with "
                         f"at least {-(-(current.peak_bytes + OS_RESERVE_BYTES) // GIB)} GB RAM")

@@ -168,7 +168,16 @@ class Prediction:
     ram_usable_bytes: int | None = None  # host RAM the run may use; None: not known, not checked
     ram_components: tuple[tuple[str, int], ...] = ()  # of one process
     ram_processes: int = 1  # processes on the machine, each with ram_components (ram_peak_bytes counts them all)
+    ram_turn_bytes: int = 0  # sharded: the denoiser as read, held by one loading process at a time (RamEstimate)
     compile_seconds: float = 0.0  # torch_compile: the measured compile, counted in total_seconds
+
+    @property
+    def loading_processes(self) -> str:
+        """How the run's processes load the model, for the host-RAM line."""
+        if self.ram_turn_bytes:
+            return (f"{self.ram_processes} processes loading in turn (the denoiser's "
+                    f"{self.ram_turn_bytes / GIB:.1f} GiB held by one at a time)")
+        return f"{self.ram_processes} processes loading at once"
 
 
 @dataclass(frozen=True)
@@ -225,6 +234,7 @@ class Plan:
             out["prediction"]["usable_gib"] = round(self.prediction.usable_bytes / GIB, 3)
             out["prediction"]["ram_components"] = dict(self.prediction.ram_components)
             out["prediction"]["ram_processes"] = self.prediction.ram_processes
+            out["prediction"]["ram_turn_gib"] = round(self.prediction.ram_turn_bytes / GIB, 3)
             out["prediction"]["ram_peak_gib"] = round(self.prediction.ram_peak_bytes / GIB, 3)
         out["launch_command"] = list(self.launch_command)
         return json.loads(json.dumps(out, default=str))
@@ -427,6 +437,7 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
         seconds_per_step=seconds_per_step, total_seconds=length.steps * seconds_per_step,
         optimizer_steps=length.steps, ram_peak_bytes=ram.estimate.peak_bytes, ram_usable_bytes=ram.usable_bytes,
         ram_components=tuple(ram.estimate.components.items()), ram_processes=ram.estimate.processes,
+        ram_turn_bytes=ram.estimate.turn_bytes,
         **_sources(predictor.predict(s)),
     )
     compiling = decide_compile(searched.measured, s, seconds_per_step, length.steps, usable / 2**20 if gpus else None)

@@ -108,7 +108,7 @@ def header_lines(plan: Plan, what: str) -> list[str]:
             + (f" (with {human_seconds(p.compile_seconds)} compiling)" if p.compile_seconds else ""),
         ]
         if p.ram_peak_bytes:
-            each = f"{p.ram_processes} processes, each " if p.ram_processes > 1 else ""
+            each = f"{p.loading_processes}, each " if p.ram_processes > 1 else ""
             lines.append(f"predicted peak host RAM: {p.ram_peak_bytes / GIB:.1f} GiB ({each}"
                          + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.ram_components if v) + " GiB)")
     if plan.fallbacks:

@@ -193,6 +193,40 @@ class Model:
 
 
 def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model:
+    """The base model, read into the dtypes it trains in. With ``fsdp`` the processes read it in turn, each
+    sharding its denoiser before the next begins (``training.sharding.in_turn``): the machine's RAM holds one
+    whole denoiser at a time, not one per process."""
+    if not config.fsdp:
+        return _read_model(config, process, sdxl=sdxl)
+    from sd_scripts_compat.training.sharding import in_turn
+
+    return in_turn(process.world, process.rank, lambda: _sharded(config, process, _read_model(config, process,
+                                                                                           sdxl=sdxl)))
+
+
+def _sharded(config: TrainingConfig, process: Process, model: Model) -> Model:
+    """``model`` with its denoiser sharded across the run's processes: on the host until ``fully_shard`` moves one
+    block at a time to the card and keeps this process's share (a model larger than one card loads), freeing the
+    whole copy in host RAM."""
+    import torch
+
+    from sd_scripts_compat.training.sharding import held_bytes, process_mesh, shard_denoiser
+
+    unet = model.bundle.unet
+    place(unet, "cpu", process.weight_dtype)
+    units = shard_denoiser(unet, model.family, str(config.fsdp), process_mesh(process.device),
+                           offload=config.fsdp_offload_params)
+    held, whole = held_bytes(unet)
+    card = f"; the card's peak while sharding {torch.cuda.max_memory_allocated() / 2**20:.2f} MiB" \
+        if process.device.type == "cuda" else ""
+    process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across {process.world} "
+                              f"processes ({units} blocks and the rest as one unit; loaded one process at a time): "
+                              f"each holds {held / 2**20:.2f} of its {whole / 2**20:.2f} MiB of weights"
+                              f"{' in host RAM' if config.fsdp_offload_params else ''}; the LoRA whole on each{card}")
+    return model
+
+
+def _read_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model:
     from sd_scripts_compat.models.weight_check import check_finite
     from sd_scripts_compat.runtimes import load_base_model, runtime_for
 
@@ -376,9 +410,7 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
     block_swap = None
     if config.blocks_to_swap:
         block_swap = _swap_blocks(config, process, model, use_fp8)
-    elif config.fsdp:  # on the host until sharded: fully_shard moves one block at a time to the card and keeps
-        place(unet, "cpu", process.weight_dtype)  # its share, so a model larger than one card loads
-    else:
+    elif not config.fsdp:  # a sharded denoiser holds its share already (load_model)
         place(unet, process.device, process.weight_dtype)
         if use_fp8:
             store_frozen_weights_in_fp8(unet, process.weight_dtype)
@@ -387,19 +419,6 @@ def build_network(config: TrainingConfig, process: Process, model: Model) -> Net
                           transformer=model.family.is_transformer)
     network = _create_network(config, model)
     network.apply_to()
-    if config.fsdp:  # after the hooks: each process gathers a block's weights as the block runs
-        from sd_scripts_compat.training.sharding import held_bytes, process_mesh, shard_denoiser
-
-        units = shard_denoiser(unet, model.family, config.fsdp, process_mesh(process.device),
-                               offload=config.fsdp_offload_params)
-        held, whole = held_bytes(unet)
-        card = f"; the card's peak while sharding {torch.cuda.max_memory_allocated() / 2**20:.2f} MiB" \
-            if process.device.type == "cuda" else ""
-        process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across "
-                                  f"{process.world} processes ({units} blocks and the rest as one unit): each holds "
-                                  f"{held / 2**20:.2f} of its {whole / 2**20:.2f} MiB of weights"
-                                  f"{' in host RAM' if config.fsdp_offload_params else ''}; the LoRA whole on "
-                                  f"each{card}")
     lora_dtype = {(True, False): torch.float16, (False, True): torch.bfloat16}.get(
         (bool(config.full_fp16), bool(config.full_bf16)), torch.float32)
     network.to(process.device, dtype=lora_dtype)
@@ -706,8 +725,9 @@ def train(config: TrainingConfig, *, sdxl: bool) -> int:
             return _train(config, sdxl=sdxl, stops=stops)
         except UserError:  # refused (a model it cannot load, bad data): the folders it made for outputs go again
             for folder in fresh:
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
+                with contextlib.suppress(OSError):  # another process of the run may remove it (or write) first
+                    if folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()
             raise
         except KeyboardInterrupt:  # a signal while loading or caching: nothing trained yet, nothing to save
             name = _script(config, sdxl)
@@ -718,8 +738,9 @@ def train(config: TrainingConfig, *, sdxl: bool) -> int:
 def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
     process = setup_process(config)
     reporter = PhaseReporter(process.paths.events_dir, enabled=process.is_main)
-    reporter.enter("loading", size_bytes=size_on_disk([config.pretrained_model_name_or_path, config.clip_l,
-                                                       config.t5xxl, config.ae, config.network_weights]))
+    readers = process.world if config.fsdp else 1  # a sharded run's processes read the files one after another
+    reporter.enter("loading", size_bytes=readers * size_on_disk([config.pretrained_model_name_or_path, config.clip_l,
+                                                                 config.t5xxl, config.ae, config.network_weights]))
     phases = PhaseTimer(process.device.type, elapsed_before=time.time() - process.started,
                         on_event=reporter.timer_event)
     family = _family_from_headers(config, sdxl)

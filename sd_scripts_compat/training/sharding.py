@@ -7,23 +7,33 @@ gathered until its backward (faster, more memory). The LoRA stays whole on every
 its few parameters are averaged once per optimizer step (``devices.average_gradients``), its optimizer state is
 each process's own, and rank 0 writes the same file as a one-process run.
 
-Units are the family's own blocks (``transformer_block_groups``; a UNet's down / mid / up blocks), then the rest of
-the denoiser as one root unit. ``fully_shard`` is called directly: accelerate's FSDP plugin shards what it prepares
-together with the optimizer, and the LoRA the optimizer holds lives outside the denoiser (its hooks wrap the
-denoiser's layers), so accelerate here only launches the processes and owns their process group.
+The processes load the model in turn, each sharding its denoiser before the next begins (:func:`in_turn`): the
+machine's RAM holds one whole denoiser at a time, not one per process (FLUX.1 dev's transformer is 23.8 GB in
+bf16: four processes loading at once would hold 95 GB). Loading takes N reads one after another (the later ones
+mostly from the page cache). The LoRA is made after sharding; its hooks wrap layers inside the units, so each unit
+still gathers just its own weights.
+
+Units are the family's own blocks (``transformer_block_groups``; a UNet's ResNet and transformer blocks), then the
+rest of the denoiser as one root unit. ``fully_shard`` is called directly: accelerate's FSDP plugin shards what it
+prepares together with the optimizer, and the LoRA the optimizer holds lives outside the denoiser (its hooks wrap
+the denoiser's layers), so accelerate here only launches the processes and owns their process group.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sd_scripts_compat.facts.errors import UserError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from sd_scripts_compat.facts.families import FamilySpec
+
+T = TypeVar("T")
 
 # the strategy's name (accelerate's and FSDP1's spelling, lower case) -> FSDP2's reshard_after_forward
 STRATEGIES = {"full_shard": True, "shard_grad_op": False}
@@ -124,3 +134,29 @@ def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str,
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(denoiser, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     return len(units)
+
+
+def in_turn(world: int, rank: int, work: Callable[[], T]) -> T:
+    """``work`` done by each of ``world`` processes in turn, in rank order, the others waiting at a collective.
+    A UserError in one process's turn is raised in every process (the line each would have said loading at once),
+    and no later process begins: nothing is left waiting for a turn that will not come."""
+    import torch.distributed as dist
+
+    done: list[T] = []
+    for turn in range(world):
+        refused: UserError | None = None
+        if turn == rank:
+            try:
+                done.append(work())
+            except UserError as error:
+                refused = error
+        said: list[tuple[str, int] | None] = [None] * world
+        dist.all_gather_object(said, (str(refused), refused.exit_code) if refused else None)
+        if refused is not None:
+            raise refused
+        first = next((s for s in said if s is not None), None)
+        if first is not None:
+            failed = UserError(first[0])
+            failed.exit_code = first[1]
+            raise failed
+    return done[0]
