@@ -173,7 +173,7 @@ def test_the_processes_of_a_sharded_run_hold_the_transformer_in_host_ram_one_at_
     assert several.settings.fsdp == "full_shard" and several.settings.fsdp_offload_params is offload
     loading = dict(p.ram_components)["loading"]
     assert loading == dict(one.prediction.ram_components)["loading"]  # each reads the whole file in its turn
-    transformer = denoiser_loading_bytes("flux-dev")
+    transformer = denoiser_loading_bytes(get_family("flux-dev"))
     assert transformer == 2 * 11_901_408_320  # FLUX.1 dev's transformer in bf16 (22.2 GiB)
     assert p.ram_turn_bytes == transformer - (transformer // count if offload else 0)
     assert p.ram_peak_bytes == count * loading - (count - 1) * p.ram_turn_bytes  # loading sets the peak

@@ -448,9 +448,9 @@ def musubi_pinned_bytes(arch: dict[str, Any], inputs: DitMemoryInputs, split: tu
     return 2 * max(sizes)
 
 
-def denoiser_loading_bytes(family: str) -> int:
+def denoiser_loading_bytes(family: FamilySpec) -> int:
     """Bytes of the transformer as it passes through host RAM while loading (bf16)."""
-    return 2 * _all_elements(dit_family_calibration(family)["architecture"])
+    return 2 * _all_elements(dit_family_calibration(family.name)["architecture"])
 
 
 def _all_elements(arch: dict[str, Any]) -> int:

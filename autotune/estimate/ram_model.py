@@ -104,7 +104,7 @@ def sharded_turn_bytes(family: FamilySpec, inputs: RamInputs, processes: int, of
     from autotune.estimate.memory_model import family_calibration
 
     if is_dit_family(family):
-        whole = denoiser_loading_bytes(family.name)
+        whole = denoiser_loading_bytes(family)
     else:
         unet = _elements(family_calibration(family.name)["architecture"])[0]
         whole = (DTYPE_BYTES.get(inputs.weight_dtype, 2) if inputs.model_file_bytes else 4) * unet
