@@ -11,6 +11,7 @@ peak less the process's weights, LoRA, gradients, optimizer state and the unshar
     .venv/bin/python bench/sharded_trace.py                       # FLUX.1 dev, SD3.5 Large, Chroma; 2 and 4
     .venv/bin/python bench/sharded_trace.py --families flux-dev --ranks 2
     .venv/bin/python bench/sharded_trace.py --offload                 # each process's share in host RAM
+    .venv/bin/python bench/sharded_trace.py --fp8                     # Linear weights stored and gathered in fp8
     .venv/bin/python bench/sharded_trace.py --families sdxl sd15      # UNets: by ResNet and transformer block
 """
 
@@ -31,7 +32,8 @@ SETTINGS: list[dict[str, Any]] = [{"resolution": 1024, "batch_size": 1, "rank": 
                                   {"resolution": 768, "batch_size": 2, "rank": 32, "optimizer": "AdamW"}]
 
 
-def trace(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int = 1, offload: bool = False) -> Any:
+def trace(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int = 1, offload: bool = False,
+          fp8: bool = False) -> Any:
     """The traced step: a transformer family's (``trace_dit_step``) or a UNet's (``trace_training_step``, bf16)."""
     from autotune.calibration.dit_memtrace import trace_dit_step
     from autotune.calibration.memtrace import trace_training_step
@@ -41,10 +43,11 @@ def trace(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int
         return trace_training_step(family, **settings, gradient_checkpointing=checkpointing, weight_dtype="bf16",
                                    shard_ranks=ranks)
     return trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks,
-                          shard_offload=offload)
+                          shard_offload=offload, fp8_base=fp8)
 
 
-def predict(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int, offload: bool) -> int:
+def predict(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int, offload: bool,
+            fp8: bool = False) -> int:
     """The memory model's tensor peak for the same settings."""
     from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
     from autotune.estimate.memory_model import MemoryInputs, predict_memory
@@ -54,15 +57,16 @@ def predict(family: str, settings: dict[str, Any], checkpointing: bool, ranks: i
         return predict_memory(MemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing,
                                            weight_dtype="bf16", shard_ranks=ranks)).tensor_peak_bytes
     return predict_dit_memory(DitMemoryInputs(family=family, **settings, gradient_checkpointing=checkpointing,
-                                              fp8_base=False, shard_ranks=ranks,
+                                              fp8_base=fp8, shard_ranks=ranks,
                                               shard_offload=offload)).tensor_peak_bytes
 
 
 def row(family: str, settings: dict[str, Any], ranks: int, checkpointing: bool,
-        unsharded_activations: int, offload: bool = False) -> dict[str, Any]:
-    """One traced and predicted sharded step (``offload``: each process's share in host RAM)."""
-    traced = trace(family, settings, checkpointing, ranks, offload)
-    predicted = predict(family, settings, checkpointing, ranks, offload)
+        unsharded_activations: int, offload: bool = False, fp8: bool = False) -> dict[str, Any]:
+    """One traced and predicted sharded step (``offload``: each process's share in host RAM; ``fp8``: the frozen
+    Linear weights in float8)."""
+    traced = trace(family, settings, checkpointing, ranks, offload, fp8)
+    predicted = predict(family, settings, checkpointing, ranks, offload, fp8)
     return {"family": family, "ranks": ranks, "gc": checkpointing, "held": traced.weights_bytes,
             "in_flight": traced.activations_peak_bytes - unsharded_activations, "traced": traced.peak_bytes,
             "predicted": predicted, "phase": traced.peak_phase, "seconds": traced.seconds}
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--offload", action="store_true", help="each process's share in host RAM "
                         "(fsdp_offload_params): the first setting, checkpointing on")
+    parser.add_argument("--fp8", action="store_true", help="the frozen Linear weights stored and gathered in float8 "
+                        "(fp8_base)")
     args = parser.parse_args(argv)
 
     print("| family | step | GC | processes | weights held GiB | in flight GiB | traced peak GiB | predicted GiB | "
@@ -91,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     for family in args.families:
         for settings in (SETTINGS[:1] if args.offload else SETTINGS):
             for checkpointing in ((True,) if args.offload else (True, False)):
-                whole = trace(family, _at(family, settings), checkpointing)
+                whole = trace(family, _at(family, settings), checkpointing, fp8=args.fp8)
                 for ranks in args.ranks:
                     r = row(family, _at(family, settings), ranks, checkpointing, whole.activations_peak_bytes,
-                            args.offload)
+                            args.offload, args.fp8)
                     ratios.append(r["predicted"] / r["traced"])
                     at = _at(family, settings)
                     step = f"{at['resolution']} px, {at['batch_size']} x rank {at['rank']}, {at['optimizer']}"

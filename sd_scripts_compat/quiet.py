@@ -4,7 +4,8 @@ The screen should show our messages. Two libraries log warnings on every run tha
 LoRA trainer: bitsandbytes (CPU build, on CPUs with AVX512-BF16) cannot fetch an optional 4-bit GEMM kernel
 from a model hub it must not reach anyway (and the ``kernels`` package it asks says so too when offline);
 diffusers warns about keeping float32 modules when a VAE without any such modules (the list it prints is
-empty) is cast, and diffusers' Chroma model imports a deprecated alias of its own. Each filter matches one
+empty) is cast, and diffusers' Chroma model imports a deprecated alias of its own; FSDP2 and torch's profiler on a
+sharded run of several processes (below). Each filter matches one
 message exactly; anything else those loggers say still shows. Around sampling (diffusers' pipelines: a
 scheduler-config deprecation dumped with the whole config, transformers' image-processor notice)
 :func:`libraries_quiet` drops the libraries' warnings altogether. ``LORA_AUTOTUNE_VERBOSE=1``
@@ -41,8 +42,14 @@ HARMLESS: dict[str, tuple[str, ...]] = {
 }
 
 # Python warnings (message regular expressions) dropped the same way: diffusers' Chroma transformer imports its
-# own deprecated FluxPosEmbed alias on every build
-HARMLESS_WARNINGS: tuple[str, ...] = (r"`FluxPosEmbed` is deprecated",)
+# own deprecated FluxPosEmbed alias on every build; FSDP2 (``fsdp``) warns that diffusers' FLUX blocks return
+# views, which would lose its backward hook if modified in place: diffusers does not (a sharded run's LoRA is the
+# unsharded run's, bit for bit: tests/test_sharding.py)
+HARMLESS_WARNINGS: tuple[str, ...] = (r"`FluxPosEmbed` is deprecated",
+                                      r"^FSDP2-wrapped module \(FSDP\w+\) returned a view tensor")
+# kineto (torch.profiler: one step of a several-process run is profiled) prints its start and stop on stderr
+# below this level; 6 is past its last (USDT)
+KINETO_QUIET_LEVEL = "6"
 
 
 class _DropMatching(logging.Filter):
@@ -84,6 +91,7 @@ def silence_harmless_library_messages() -> None:
 
     for pattern in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)  # read when the profiler starts
     for name, patterns in HARMLESS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMatching) for f in logger.filters):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
+from sd_scripts_compat.training.precision import fp8_supported, store_frozen_weights_in_fp8
 
 
 def _model() -> torch.nn.Module:
@@ -40,3 +41,13 @@ def test_fp8_layers_keep_only_the_one_byte_weight_for_backward():
         model(torch.randn(2, 4, 6, 6, requires_grad=True)).sum().backward()
     weights = [t for t in saved if t.dim() >= 2 and t.shape[0] in (8, 16) and t.shape != (2, 288)]
     assert weights and all(t.dtype == torch.float8_e4m3fn for t in weights)
+
+
+@pytest.mark.parametrize(("capability", "supported"), [((7, 5), False), ((8, 0), True), ((8, 6), True),
+                                                        ((8, 9), True), ((9, 0), True)])
+def test_fp8_storage_is_taken_on_the_cards_the_planner_plans_it_for(monkeypatch, capability, supported):
+    """An RTX 3060 (8.6) is planned fp8_base for FLUX.1 (the family's profile: 8.0, as sd-scripts runs it there):
+    the engine takes it on such a card too. (The card's capability is faked: no GPU here.)"""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert fp8_supported(torch.device("cuda", 0)) is supported
+    assert fp8_supported("cpu")

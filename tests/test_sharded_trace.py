@@ -83,7 +83,7 @@ def test_an_offloaded_share_leaves_the_card_and_nothing_else_changes():
     from autotune.estimate.dit_memory import predict_dit_memory
 
     inputs = DitMemoryInputs(family="tiny-flux", resolution=128, batch_size=1, rank=4, optimizer="AdamW",
-                             gradient_checkpointing=False, shard_ranks=2)
+                             gradient_checkpointing=False, shard_ranks=2, fp8_base=False)
     on_card, in_host = (predict_dit_memory(i) for i in (inputs, replace(inputs, shard_offload=True)))
     share = on_card.components["weights_transformer"] - in_host.components["weights_transformer"]
     assert share == pytest.approx(kept.weights_bytes, rel=0.01)
@@ -126,17 +126,32 @@ def test_a_sharded_unet_holds_half_and_the_model_takes_at_least_what_the_trace_h
     assert 0 < traced_in_flight <= in_flight
 
 
+def test_fp8_weights_are_sharded_and_gathered_in_one_byte_as_the_model_counts_them():
+    """``fp8_base`` with sharding: the engine stores the Linear weights in float8 before it shards, so each process
+    holds half the fp8 model and each gathered pair is in fp8; the model's in-flight figure is the trace's, exactly
+    (no checkpointing), and the held weights within 1%."""
+    kw = {**KW, "gradient_checkpointing": False, "fp8_base": True}
+    whole, sharded = trace_dit_step("tiny-flux", **kw), trace_dit_step("tiny-flux", **kw, shard_ranks=2)
+    bf16 = trace_dit_step("tiny-flux", **{**kw, "fp8_base": False}, shard_ranks=2)
+    held, in_flight = sharded_transformer_bytes(dit_family_calibration("tiny-flux")["architecture"], 2, fp8=True)
+    assert sharded.weights_bytes == pytest.approx(whole.weights_bytes / 2, rel=0.01)
+    assert sharded.weights_bytes < 0.75 * bf16.weights_bytes  # its Linear weights in 1 byte
+    assert sharded.weights_bytes == pytest.approx(held, rel=0.01)
+    assert sharded.activations_peak_bytes - whole.activations_peak_bytes == in_flight
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["flux-dev", "sd3.5-large", "chroma"])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_the_full_size_sharded_peak_is_the_models_within_2_percent_never_more_than_2_percent_low(family, ranks):
-    """The judged table's rows with checkpointing at 1024 px (``bench/sharded_trace.py`` prints them all): the
-    family's full-size transformer sharded by the engine on a fake process group, one process's traced peak against
-    the memory model's tensor peak."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_the_full_size_sharded_peak_is_the_models_within_2_percent_never_more_than_2_percent_low(family, ranks, fp8):
+    """The judged table's rows with checkpointing at 1024 px (``bench/sharded_trace.py`` prints them all, ``--fp8``
+    in float8): the family's full-size transformer sharded by the engine on a fake process group, one process's
+    traced peak against the memory model's tensor peak."""
     from autotune.estimate.dit_memory import predict_dit_memory
 
     settings = {"resolution": 1024, "batch_size": 1, "rank": 16, "optimizer": "AdamW8bit"}
-    traced = trace_dit_step(family, **settings, gradient_checkpointing=True, shard_ranks=ranks)
+    traced = trace_dit_step(family, **settings, gradient_checkpointing=True, shard_ranks=ranks, fp8_base=fp8)
     predicted = predict_dit_memory(DitMemoryInputs(family=family, **settings, gradient_checkpointing=True,
-                                                   fp8_base=False, shard_ranks=ranks)).tensor_peak_bytes
+                                                   fp8_base=fp8, shard_ranks=ranks)).tensor_peak_bytes
     assert 0.98 <= predicted / traced.peak_bytes <= 1.02, (predicted, traced.peak_bytes)

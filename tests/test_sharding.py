@@ -60,19 +60,24 @@ def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProce
 
 @pytest.mark.long
 @pytest.mark.parametrize(("model", "strategy", "extra"), [
-    ("tiny-flux", "full_shard", {}), pytest.param("tiny-sdxl", "full_shard", {}, marks=pytest.mark.slow),
-    pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow),
-    pytest.param("tiny-flux", "full_shard", {"fsdp_offload_params": True}, marks=pytest.mark.slow),
-    pytest.param("tiny-sdxl", "full_shard", {"gradient_checkpointing": True}, marks=pytest.mark.slow)])
+    pytest.param("tiny-flux", "full_shard", {}, id="flux"),
+    pytest.param("tiny-sdxl", "full_shard", {}, marks=pytest.mark.slow, id="sdxl"),
+    pytest.param("tiny-flux", "shard_grad_op", {"gradient_checkpointing": True}, marks=pytest.mark.slow,
+                 id="flux-shard_grad_op-checkpointing"),
+    pytest.param("tiny-flux", "full_shard", {"fsdp_offload_params": True}, marks=pytest.mark.slow, id="flux-offload"),
+    pytest.param("tiny-flux", "full_shard", {"fp8_base": True}, marks=pytest.mark.slow, id="flux-fp8"),
+    pytest.param("tiny-sdxl", "full_shard", {"gradient_checkpointing": True}, marks=pytest.mark.slow,
+                 id="sdxl-checkpointing")])
 def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, strategy, extra):
     """(``fsdp_offload_params`` on a CPU runs FSDP2's offload path with the host as the card: the copies are
     no-ops, the result must still be the unsharded run's.)"""
     script, values = MODELS[model]
-    both = {k: v for k, v in extra.items() if not k.startswith("fsdp_")}
+    both = {k: v for k, v in extra.items() if not k.startswith("fsdp_")}  # fp8_base: both runs in float8
     plain = _launch(script, _config(tmp_path, "plain", values, **both))
     assert plain.returncode == 0, plain.stderr[-3000:]
     sharded = _launch(script, _config(tmp_path, "sharded", values, fsdp=strategy, **extra))
     assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert not sharded.stderr.strip(), sharded.stderr[-3000:]  # no library noise (FSDP2's, the profiler's)
     said = re.search(rf"fsdp {strategy}: .* sharded across 2 processes .*: each holds ([\d.]+) of its ([\d.]+) MiB"
                      + (" of weights in host RAM" if extra.get("fsdp_offload_params") else ""), sharded.stdout)
     assert said, sharded.stdout[-2000:]
@@ -121,10 +126,10 @@ def test_a_killed_sharded_run_resumes_at_its_saved_step_with_the_straight_runs_l
     ("hybrid_shard", {}, "one of full_shard, shard_grad_op"),
     ("full_shard", {"world": 1}, "sharding needs several processes"),
     ("full_shard", {"blocks_to_swap": 4}, "blocks_to_swap does not combine with sharding"),
-    ("full_shard", {"fp8": True}, "fp8_base does not combine"),
+    ("full_shard", {"compiled": True}, "torch_compile does not combine"),
 ])
 def test_a_strategy_this_run_cannot_use_is_one_line(strategy, kw, said):
-    args = {"world": 2, "blocks_to_swap": 0, "fp8": False, "compiled": False, **kw}
+    args = {"world": 2, "blocks_to_swap": 0, "compiled": False, **kw}
     with pytest.raises(UserError, match=said):
         check_sharding(strategy, **args)
     check_sharding(None, **args)  # unsharded: nothing to check
@@ -132,7 +137,7 @@ def test_a_strategy_this_run_cannot_use_is_one_line(strategy, kw, said):
 
 def test_offloading_without_sharding_is_one_line():
     with pytest.raises(UserError, match="fsdp_offload_params: it offloads the shares of a sharded denoiser"):
-        check_sharding(None, world=2, blocks_to_swap=0, fp8=False, compiled=False, offload=True)
+        check_sharding(None, world=2, blocks_to_swap=0, compiled=False, offload=True)
 
 
 def test_one_process_with_fsdp_is_refused_before_the_model_loads(tmp_path):

@@ -188,7 +188,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     if shard_ranks > 1:  # before the model is built, as the engine checks it
         from sd_scripts_compat.training.sharding import check_sharding
 
-        check_sharding(fsdp, world=shard_ranks, blocks_to_swap=blocks_to_swap, fp8=fp8_base, compiled=False,
+        check_sharding(fsdp, world=shard_ranks, blocks_to_swap=blocks_to_swap, compiled=False,
                        offload=shard_offload)
     spec = trace_family(family, config)
     model, network, fake_mode = _traced_modules(spec, rank=rank, fp8_base=fp8_base, fake=fake,

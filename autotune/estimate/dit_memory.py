@@ -239,23 +239,32 @@ def transformer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -
     return full - host, host
 
 
-def _each_block_bytes(arch: dict[str, Any]) -> list[int]:
-    """Every block's bytes in 16-bit, in the family's order (the units a sharded transformer gathers)."""
-    return [_block_bytes(block, False)[0] for group in arch["block_groups"] for block in _blocks(group)]
+def _each_block_bytes(arch: dict[str, Any], fp8: bool = False) -> list[int]:
+    """Every block's bytes (16-bit, or its Linear weights in 1 byte with ``fp8``), in the family's order (the units a
+    sharded transformer gathers)."""
+    return [_block_bytes(block, fp8)[0] for group in arch["block_groups"] for block in _blocks(group)]
 
 
-def sharded_transformer_bytes(arch: dict[str, Any], ranks: int, checkpoint_bytes: int | None = None) -> tuple[int, int]:
+def _root_bytes(arch: dict[str, Any], fp8: bool) -> int:
+    """The parameters and buffers outside the blocks (the root unit of a sharded transformer)."""
+    rest = arch["rest"]
+    return 2 * rest["elements"] - (rest["fp8_elements"] if fp8 else 0)
+
+
+def sharded_transformer_bytes(arch: dict[str, Any], ranks: int, checkpoint_bytes: int | None = None,
+                              fp8: bool = False) -> tuple[int, int]:
     """(bytes each of ``ranks`` processes holds, bytes gathered in flight at the step's peak) of a transformer sharded
-    block by block (``estimate.sharded_weights``). FLUX.1 dev's peak is at its last two single blocks (its double
-    blocks come 38 freed inputs later), SD3.5 Large's at the pair before its smaller last block."""
+    block by block (``estimate.sharded_weights``), with ``fp8`` its frozen Linear weights stored (and gathered) in
+    float8. FLUX.1 dev's peak is at its last two single blocks (its double blocks come 38 freed inputs later),
+    SD3.5 Large's at the pair before its smaller last block."""
     buffers = 2 * arch["rest"].get("buffer_elements", 0)
-    return sharded_bytes(_each_block_bytes(arch), 2 * arch["rest"]["elements"] - buffers, buffers, ranks,
+    return sharded_bytes(_each_block_bytes(arch, fp8), _root_bytes(arch, fp8) - buffers, buffers, ranks,
                          checkpoint_bytes)
 
 
-def gathered_bytes_per_step(arch: dict[str, Any], ranks: int, offload: bool = False) -> int:
+def gathered_bytes_per_step(arch: dict[str, Any], ranks: int, offload: bool = False, fp8: bool = False) -> int:
     """Bytes each process receives per micro-step of a sharded transformer (``sharded_weights.gathered_bytes``)."""
-    return gathered_bytes(_each_block_bytes(arch), 2 * arch["rest"]["elements"], ranks, offload)
+    return gathered_bytes(_each_block_bytes(arch, fp8), _root_bytes(arch, fp8), ranks, offload)
 
 
 def swap_buffer_bytes(arch: dict[str, Any], fp8: bool, split: tuple[int, ...]) -> int:
@@ -336,9 +345,10 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     split = family.swap_split(inputs.blocks_to_swap)
     resident, host = transformer_bytes(arch, inputs.fp8_base, split)
     offloaded = 0  # fsdp_offload_params: the share of the parameters waiting in (pinned) host RAM
-    if inputs.shard_ranks > 1:  # no swap, no fp8 beside sharding (training.sharding.check_sharding)
+    if inputs.shard_ranks > 1:  # no swapped blocks beside sharding (training.sharding.check_sharding)
         shard, gathered = sharded_transformer_bytes(
-            arch, inputs.shard_ranks, block_input_bytes(arch, inputs) if inputs.gradient_checkpointing else None)
+            arch, inputs.shard_ranks, block_input_bytes(arch, inputs) if inputs.gradient_checkpointing else None,
+            inputs.fp8_base)
         offloaded = shard - 2 * arch["rest"].get("buffer_elements", 0) if inputs.shard_offload else 0
         resident, host = shard - offloaded + gathered, 0
     sizes = lora_sizes(arch, inputs.rank)

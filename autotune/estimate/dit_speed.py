@@ -87,14 +87,15 @@ def swap_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict
 
 def gather_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that a sharded transformer's gathers spend on the link between the cards (0
-    unsharded): over PCIe through the host, at the link's efficiency (no NVLink figure is in the catalogue)."""
+    unsharded): over PCIe through the host, at the link's efficiency (no NVLink figure is in the catalogue); with
+    ``fp8_base`` the Linear weights cross it in 1 byte."""
     from autotune.estimate.dit_memory import gathered_bytes_per_step
 
     if inputs.shard_ranks < 2:
         return 0.0
     cal = dit_family_calibration(inputs.family, calibration)
     link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
-    moved = gathered_bytes_per_step(cal["architecture"], inputs.shard_ranks, inputs.shard_offload)
+    moved = gathered_bytes_per_step(cal["architecture"], inputs.shard_ranks, inputs.shard_offload, inputs.fp8_base)
     return moved / (link * 1e9 * cal["speed"]["link_efficiency"])
 
 

@@ -313,8 +313,9 @@ def _training(c: PlanContext) -> list[Choice]:
         out.append(Choice("fsdp", s.fsdp, f"{c.sharding_reason} (lora-autotune's engine; sd-scripts ignores this "
                                           "key)"))
         out.append(Choice("fsdp_offload_params", s.fsdp_offload_params, (
-            "sharded alone fits no card: each process's share of the transformer waits in pinned host RAM and is "
-            "copied in for each gather (accelerate's name; lora-autotune's engine)") if s.fsdp_offload_params else
+            "sharded alone fits no card without giving something up (the fsdp row says what): each process's share "
+            "of the denoiser waits in pinned host RAM and is copied in for each gather (accelerate's name; "
+            "lora-autotune's engine)") if s.fsdp_offload_params else
             "each process's share stays on its card (fits without offloading to host RAM)"))
     if c.pinned_reason is not None:
         out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))

@@ -61,7 +61,8 @@ class GpuTarget:
 
     @property
     def fp8_base_capable(self) -> bool:
-        """fp8_base stores frozen weights in float8; our engine (as fp8 pays off) wants compute capability 8.9+."""
+        """fp8_base stores frozen weights in float8: the planner proposes it from compute capability 8.9 (where it pays
+        off), or from the family profile's lower floor (FLUX.1: 8.0, where the engine takes it too)."""
         cc = self.cc_tuple
         return cc is not None and cc >= (8, 9)
 

@@ -1,6 +1,7 @@
 """Data parallel or sharded, on a machine with several cards: the planner searches both ways and keeps the one with
-more predicted images per second that fits (``training.sharding`` in the engine). Where sharded fits no card, it
-searches sharded with each process's share offloaded to host RAM (``fsdp_offload_params``) instead.
+more predicted images per second that fits (``training.sharding`` in the engine). Where sharded fits no card, or
+fits only by giving something up (fp8 weights, a smaller rank ...), it also searches sharded with each process's
+share offloaded to host RAM (``fsdp_offload_params``).
 
 Data parallel holds the whole transformer on every card (swapping blocks to the host where it does not fit);
 sharded (``fsdp = "full_shard"``) holds 1/N of it on each and gathers each block over the link between the cards
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 STRATEGY = "full_shard"  # the planner's; shard_grad_op keeps each block gathered from its forward to its backward
+SPEED_TIE = 0.02  # predicted speeds this close are as fast: the speed model is no finer than that
 
 
 # what each trainer that is not our engine has for sharding, as of the versions in shared/reference
@@ -60,28 +62,62 @@ def _figures(scored: Scored) -> str:
 
 def choose_sharding(start: TrainSettings, devices: int, plain: SearchResult,
                     search: Callable[[TrainSettings], SearchResult]) -> ShardingChoice:
-    """Search again from ``start`` sharded across ``devices`` and keep the faster of the two that fit; on a tie the
-    one that gave up less to fit (fp8 weights, swapped blocks, ...), else data parallel (no gathers to depend
-    on)."""
-    sharded = search(replace(start, fsdp=STRATEGY))
+    """Search again from ``start`` sharded across ``devices``, and with each process's share in host RAM where
+    sharded alone fits no card or only by giving something up (fp8 weights, a smaller rank ...). Of those that fit,
+    keep the one that lowered the fewest of the training's own settings (rank, resolution, buckets, frames, the
+    text encoders' learning), then the fastest (within :data:`SPEED_TIE`, as fast), then the one that gave up less
+    to fit, else the first of data parallel (no gathers to depend on), sharded, offloaded."""
     across = f"sharded across {devices} cards (fsdp {STRATEGY})"
-    if sharded.chosen is None:  # shard more: each process's share waits in host RAM (fsdp_offload_params)
-        sharded = search(replace(start, fsdp=STRATEGY, fsdp_offload_params=True))
-        across = f"sharded across {devices} cards (fsdp {STRATEGY}), each one's share in host RAM"
-    ours, theirs = sharded.chosen, plain.chosen
-    if ours is None:
-        need = sharded.smallest.required / GIB
+    ways = [("data parallel", plain), (across, search(replace(start, fsdp=STRATEGY)))]
+    if ways[1][1].chosen is None or ways[1][1].fallbacks:
+        ways.append((f"{across}, each one's share in host RAM",
+                     search(replace(start, fsdp=STRATEGY, fsdp_offload_params=True))))
+    fitting = [(name, found) for name, found in ways if found.chosen is not None]
+    if not fitting:
+        need = ways[1][1].smallest.required / GIB
         return ShardingChoice(plain, f"data parallel: {across} fits no card (needs {need:.1f} GiB per card at its "
                                      "smallest settings)")
-    if theirs is None:
-        need = plain.smallest.required / GIB
-        return ShardingChoice(sharded, f"{across}: {_figures(ours)}; data parallel fits no card (needs "
-                                       f"{need:.1f} GiB per card at its smallest settings)")
-    if ours.samples_per_s > theirs.samples_per_s * (1 + 1e-9):
-        return ShardingChoice(sharded, f"{across}: {_figures(ours)}; faster than data parallel ({_figures(theirs)})")
-    tie = ours.samples_per_s >= theirs.samples_per_s * (1 - 1e-9)
-    if tie and len(sharded.fallbacks) < len(plain.fallbacks):  # as fast, and it gave up less to fit
-        return ShardingChoice(sharded, f"{across}: {_figures(ours)}; as fast as data parallel, which needs "
-                                       f"{', '.join(plain.fallbacks)} to fit ({_figures(theirs)})")
-    how = "as fast as" if tie else "faster than"
-    return ShardingChoice(plain, f"data parallel: {_figures(theirs)}; {how} {across} ({_figures(ours)})")
+    best = fitting[0]
+    for way in fitting[1:]:
+        if _ahead(start, way[1], best[1]):
+            best = way
+    others = "; ".join(_against(start, best[1], name, found) for name, found in ways if found is not best[1])
+    return ShardingChoice(best[1], f"{best[0]}: {_figures(_chosen(best[1]))}; {others}")
+
+
+def _chosen(found: SearchResult) -> Scored:
+    assert found.chosen is not None
+    return found.chosen
+
+
+def _lowered(start: TrainSettings, found: SearchResult) -> int:
+    """How many of the training's own settings the search lowered to fit (not how it runs: fp8, swap, offload)."""
+    s = _chosen(found).settings
+    return sum((s.network_dim < start.network_dim, s.resolution != start.resolution,
+                s.max_bucket_reso != start.max_bucket_reso, s.frames < start.frames,
+                s.network_train_unet_only and not start.network_train_unet_only))
+
+
+def _ahead(start: TrainSettings, one: SearchResult, other: SearchResult) -> bool:
+    """``one`` lowered fewer settings than ``other``; or as many and it is faster; or as fast, having given up
+    less to fit."""
+    if _lowered(start, one) != _lowered(start, other):
+        return _lowered(start, one) < _lowered(start, other)
+    mine, theirs = _chosen(one).samples_per_s, _chosen(other).samples_per_s
+    if mine > theirs * (1 + SPEED_TIE):
+        return True
+    return mine >= theirs * (1 - SPEED_TIE) and len(one.fallbacks) < len(other.fallbacks)
+
+
+def _against(start: TrainSettings, chosen: SearchResult, name: str, other: SearchResult) -> str:
+    """How the chosen way stands against another: faster or as fast, what the other needs to fit, or that it fits
+    no card."""
+    if other.chosen is None:
+        return f"{name} fits no card (needs {other.smallest.required / GIB:.1f} GiB per card at its smallest settings)"
+    needs = f", which needs {', '.join(other.fallbacks)} to fit" if len(other.fallbacks) > len(chosen.fallbacks) \
+        else ""
+    mine, theirs = _chosen(chosen).samples_per_s, other.chosen.samples_per_s
+    if _lowered(start, other) > _lowered(start, chosen) and theirs > mine * (1 + SPEED_TIE):
+        return f"{name} is faster but lowers what trains{needs} ({_figures(other.chosen)})"
+    how = "faster than" if mine > theirs * (1 + SPEED_TIE) else "as fast as"
+    return f"{how} {name}{needs} ({_figures(other.chosen)})"

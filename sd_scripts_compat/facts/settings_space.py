@@ -274,7 +274,7 @@ def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
 def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     """Shard the frozen denoiser across the run's processes, or shard it more (gathered only while a block runs),
     then offload each process's share to host RAM."""
-    if lim.shard_processes < 2 or s.fsdp_offload_params or s.blocks_to_swap or s.fp8_base:
+    if lim.shard_processes < 2 or s.fsdp_offload_params or s.blocks_to_swap:
         return []
     sharded = replace(s, fsdp="full_shard")
     offloaded = Candidate(replace(sharded, fsdp_offload_params=True),
@@ -337,7 +337,7 @@ def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
 def _fp8(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     label = "fp8 base weights" if lim.fp8_option == "fp8_base" else f"fp8 weights ({lim.fp8_option})"
     return [Candidate(replace(s, fp8_base=True), label)] \
-        if lim.fp8_supported and lim.fp8_option and not s.fp8_base and not s.fsdp else []
+        if lim.fp8_supported and lim.fp8_option and not s.fp8_base else []
 
 
 RUNGS: dict[str, Rung] = {

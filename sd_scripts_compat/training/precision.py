@@ -16,12 +16,17 @@ if TYPE_CHECKING:
     import torch
 
 
+FP8_MIN_CAPABILITY = (8, 0)  # float8 storage, upcast before each layer (no float8 matmul): RTX 30 cards on
+
+
 def fp8_supported(device: str | torch.device) -> bool:
-    """float8 storage needs compute capability 8.9+ on CUDA to be worth it; CPU tensors support the dtype."""
+    """float8 storage of the frozen weights on this device: a CUDA card of compute capability 8.0+ (Ampere on, as
+    sd-scripts' ``fp8_base`` runs on RTX 30 cards and the planner plans FLUX.1 there: each layer upcasts its
+    weight, no float8 matmul is asked of the card); CPU tensors support the dtype."""
     import torch
 
     if getattr(device, "type", str(device)) == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
+        return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
     return hasattr(torch, "float8_e4m3fn")
 
 

@@ -145,6 +145,7 @@ def setup_process(config: TrainingConfig) -> Process:
     from sd_scripts_compat.facts.sample_prompts import read_sample_prompts
     from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
     from sd_scripts_compat.training.optim import check_optimizer_settings
+    from sd_scripts_compat.training.precision import fp8_supported
     from sd_scripts_compat.training.sharding import check_sharding
 
     check_optimizer_settings(config.optimizer_type or "AdamW", config.learning_rate, config.optimizer_args)
@@ -163,8 +164,10 @@ def setup_process(config: TrainingConfig) -> Process:
         if config.ddp_timeout else None,  # as sd-scripts' --ddp_timeout
     )
     check_sharding(config.fsdp, world=accelerator.num_processes, blocks_to_swap=config.blocks_to_swap,
-                   fp8=bool(config.fp8_base or config.fp8_base_unet), compiled=bool(config.torch_compile),
-                   offload=config.fsdp_offload_params)
+                   compiled=bool(config.torch_compile), offload=config.fsdp_offload_params)
+    if (config.fp8_base or config.fp8_base_unet) and not fp8_supported(accelerator.device):
+        raise UserError("fp8_base needs a GPU with compute capability 8.0 or newer (RTX 30 series on); remove "
+                        "fp8_base")
     if accelerator.device.type == "cpu":  # the step's activations are host memory: reuse, not fault in, each step
         keep_freed_host_memory()
     seed = config.seed if config.seed is not None else 42
@@ -210,10 +213,13 @@ def _sharded(config: TrainingConfig, process: Process, model: Model) -> Model:
     whole copy in host RAM."""
     import torch
 
+    from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
     from sd_scripts_compat.training.sharding import held_bytes, process_mesh, shard_denoiser
 
     unet = model.bundle.unet
     place(unet, "cpu", process.weight_dtype)
+    if config.fp8_base or config.fp8_base_unet:  # each process's share and each gather in float8 (1 byte)
+        store_frozen_weights_in_fp8(unet, process.weight_dtype)
     units = shard_denoiser(unet, model.family, str(config.fsdp), process_mesh(process.device),
                            offload=config.fsdp_offload_params)
     held, whole = held_bytes(unet)
@@ -401,12 +407,10 @@ class Network:
 def build_network(config: TrainingConfig, process: Process, model: Model) -> Network:
     import torch
 
-    from sd_scripts_compat.training.precision import fp8_supported, store_frozen_weights_in_fp8
+    from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
 
     unet = model.bundle.unet
     use_fp8 = bool(config.fp8_base or config.fp8_base_unet)
-    if use_fp8 and not fp8_supported(process.device):
-        raise UserError("fp8_base needs a GPU with compute capability 8.9 or newer (Ada, Hopper); remove fp8_base")
     block_swap = None
     if config.blocks_to_swap:
         block_swap = _swap_blocks(config, process, model, use_fp8)

@@ -39,7 +39,7 @@ T = TypeVar("T")
 STRATEGIES = {"full_shard": True, "shard_grad_op": False}
 
 
-def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, fp8: bool, compiled: bool,
+def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, compiled: bool,
                    offload: bool = False) -> None:
     """One line for a strategy this run cannot use, before any model is loaded."""
     if strategy is None:
@@ -52,7 +52,7 @@ def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, fp8
     if world < 2:
         raise UserError(f"fsdp = {strategy!r}: sharding needs several processes; launch with accelerate launch "
                         "--num_processes N (one per GPU), or remove fsdp")
-    clash = "blocks_to_swap" if blocks_to_swap else "fp8_base" if fp8 else "torch_compile" if compiled else None
+    clash = "blocks_to_swap" if blocks_to_swap else "torch_compile" if compiled else None
     if clash:
         raise UserError(f"fsdp = {strategy!r}: {clash} does not combine with sharding here; remove one of them")
 
