@@ -77,7 +77,7 @@ def test_two_12_gb_cards_shard_with_each_share_in_host_ram_where_sharded_alone_n
     assert not plan.settings.fp8_base and not plan.settings.blocks_to_swap
     choices = {c.key: c for c in plan.choices}
     reason = choices["fsdp"].reason
-    assert reason.startswith("sharded across 2 cards (fsdp full_shard), each one's share in host RAM: 11.4 GiB")
+    assert reason.startswith("sharded across 2 cards (fsdp full_shard), each one's share in host RAM: 10.8 GiB")
     assert "as fast as data parallel, which needs fp8 base weights, blocks_to_swap 1-20 to fit (" in reason
     assert "as fast as sharded across 2 cards (fsdp full_shard), which needs fp8 base weights to fit (" in reason
     assert choices["fsdp_offload_params"].value is True and "sharded alone fits no card" in \
@@ -274,3 +274,17 @@ def test_the_oom_ladder_shards_a_run_in_fp8_and_keeps_its_fp8_weights():
     step = next_settings(failed, limits, memory_predictor(family, cuda=True, processes=2), measured_mib=12 * 1024)
     assert isinstance(step, Decision) and step.settings.fsdp == "full_shard" and step.settings.fp8_base
     assert not step.settings.blocks_to_swap and step.predicted_mib < 12 * 1024
+
+
+def test_a_sharded_plan_counts_no_ddp_buckets_where_data_parallel_for_sd_scripts_does():
+    """Data parallel as sd-scripts runs a plan's config (DDP) keeps a second copy of the LoRA's gradients; our
+    engine's sharded run all-reduces one flat copy after the backward, when the activations are gone, so nothing
+    is added at the peak (the emulated card: two processes' peak is one's whatever the rank)."""
+    from autotune.planning.search import all_reduce_bytes
+
+    plan = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 4)
+    components = dict(plan.prediction.components)
+    assert plan.settings.fsdp and components["gradient_all_reduce"] == 0 and "ddp_buckets" not in components
+    grads = components["lora_grads"]
+    assert all_reduce_bytes(components, sharded=False) == (grads, "ddp_buckets")
+    assert all_reduce_bytes({"lora_grads": 10, "activations": 4}, sharded=True) == (6, "gradient_all_reduce")
