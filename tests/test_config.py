@@ -381,3 +381,14 @@ def test_the_reader_refuses_one_rate_per_text_encoder_and_keeps_one_for_all():
         load_training_config(["--text_encoder_lr", "1e-4", "5e-5"])
     assert load_training_config(["--text_encoder_lr", "5e-5", "5e-5"]).text_encoders_lr == 5e-5
     assert load_training_config([]).text_encoders_lr is None
+
+
+def test_a_plan_for_several_cards_reads_without_a_warning(tmp_path):
+    """``ddp_gradient_as_bucket_view`` (written into every plan over several cards for sd-scripts' DDP): this
+    engine keeps no second copy of the gradients either way, so it takes the key without a word (held by
+    construction, ``HELD_BY_CONSTRUCTION``), not as ignored;
+    ``ddp_static_graph``, which it does not implement, still says so."""
+    cfg = load(write(tmp_path, "ddp_gradient_as_bucket_view = true\nddp_timeout = 30\n"))
+    assert not cfg.warnings and cfg.ddp_timeout == 30
+    cfg = load(write(tmp_path, "ddp_static_graph = true\n"))
+    assert "ddp_static_graph: sd-scripts option not implemented by this engine; ignored" in cfg.warnings[0]

@@ -71,14 +71,14 @@ def test_four_16_gb_cards_shard_flux_where_data_parallel_needs_fp8_and_swapped_b
 def test_two_12_gb_cards_shard_with_each_share_in_host_ram_where_sharded_alone_needs_fp8_weights():
     """FLUX.1 dev in bf16 is 22 GiB: half of it and the gathered blocks do not fit 12 GB, so sharded alone needs fp8
     weights; the planner also offloads each process's share to host RAM, which keeps 16-bit weights at the same
-    predicted speed, and prefers it to both sharded in fp8 and data parallel (fp8 and 20 swapped blocks)."""
+    predicted speed, and prefers it to both sharded in fp8 and data parallel (fp8 and 19 swapped blocks)."""
     plan = _plan("builtin:flux-dev", "RTX 3060", 2)
     assert plan.fits and plan.settings.fsdp == "full_shard" and plan.settings.fsdp_offload_params
     assert not plan.settings.fp8_base and not plan.settings.blocks_to_swap
     choices = {c.key: c for c in plan.choices}
     reason = choices["fsdp"].reason
     assert reason.startswith("sharded across 2 cards (fsdp full_shard), each one's share in host RAM: 10.8 GiB")
-    assert "as fast as data parallel, which needs fp8 base weights, blocks_to_swap 1-20 to fit (" in reason
+    assert "as fast as data parallel, which needs fp8 base weights, blocks_to_swap 1-19 to fit (" in reason
     assert "as fast as sharded across 2 cards (fsdp full_shard), which needs fp8 base weights to fit (" in reason
     assert choices["fsdp_offload_params"].value is True and "sharded alone fits no card" in \
         choices["fsdp_offload_params"].reason
@@ -87,11 +87,11 @@ def test_two_12_gb_cards_shard_with_each_share_in_host_ram_where_sharded_alone_n
     assert written["fsdp"] == "full_shard" and written["fsdp_offload_params"] is True
 
 
-def test_two_8_gb_cards_shard_offloaded_where_data_parallel_is_as_fast_only_with_fp8_and_33_swapped_blocks():
+def test_two_8_gb_cards_shard_offloaded_where_data_parallel_is_as_fast_only_with_fp8_and_31_swapped_blocks():
     plan = _plan("builtin:flux-dev", "RTX 4060", 2)
     assert plan.settings.fsdp == "full_shard" and plan.settings.fsdp_offload_params and not plan.settings.fp8_base
     reason = next(c for c in plan.choices if c.key == "fsdp").reason
-    assert "as fast as data parallel, which needs fp8 base weights, blocks_to_swap 1-33 to fit" in reason
+    assert "as fast as data parallel, which needs fp8 base weights, blocks_to_swap 1-31 to fit" in reason
 
 
 def test_one_card_has_no_sharding_row_and_other_families_say_why_they_stay_data_parallel():
@@ -252,7 +252,7 @@ def test_sd35_large_on_two_12_gb_cards_is_sharded_with_its_weights_in_fp8():
     assert plan.settings.fsdp == "full_shard" and plan.settings.fp8_base and not plan.settings.fsdp_offload_params
     assert not plan.settings.blocks_to_swap and plan.prediction.peak_bytes <= plan.prediction.usable_bytes
     reason = next(c for c in plan.choices if c.key == "fsdp").reason
-    assert "data parallel, which needs fp8 base weights, blocks_to_swap 1-5 to fit" in reason
+    assert "data parallel, which needs fp8 base weights, blocks_to_swap 1-3 to fit" in reason
     assert "sharded across 2 cards (fsdp full_shard), each one's share in host RAM (" in reason
     written = plan.kohya_values()
     assert written["fsdp"] == "full_shard" and written["fp8_base"] is True
@@ -276,15 +276,23 @@ def test_the_oom_ladder_shards_a_run_in_fp8_and_keeps_its_fp8_weights():
     assert not step.settings.blocks_to_swap and step.predicted_mib < 12 * 1024
 
 
-def test_a_sharded_plan_counts_no_ddp_buckets_where_data_parallel_for_sd_scripts_does():
-    """Data parallel as sd-scripts runs a plan's config (DDP) keeps a second copy of the LoRA's gradients; our
-    engine's sharded run all-reduces one flat copy after the backward, when the activations are gone, so nothing
-    is added at the peak (the emulated card: two processes' peak is one's whatever the rank)."""
+@pytest.mark.parametrize(("model", "card"), [("builtin:flux-dev", "RTX 4060 Ti 16GB"), ("builtin:sdxl", "RTX 4090"),
+                                            ("builtin:qwen-image", "RTX 4090"), ("builtin:lumina2", "RTX 4090")])
+def test_several_cards_hold_one_copy_of_the_loras_gradients_whichever_trainer_runs_the_plan(model, card):
+    """DDP as sd-scripts and musubi-tuner run a plan keeps a second copy of the LoRA's gradients unless
+    ``ddp_gradient_as_bucket_view`` makes them views into its buckets: every plan over several cards writes it
+    (musubi-tuner's options too) and counts no bucket copy. Our engine all-reduces one flat copy after the
+    backward, when the activations are gone (the emulated card: a second process adds nothing that grows with
+    the rank)."""
     from autotune.planning.search import all_reduce_bytes
 
-    plan = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 4)
+    plan = _plan(model, card, 2)
     components = dict(plan.prediction.components)
-    assert plan.settings.fsdp and components["gradient_all_reduce"] == 0 and "ddp_buckets" not in components
-    grads = components["lora_grads"]
-    assert all_reduce_bytes(components, sharded=False) == (grads, "ddp_buckets")
-    assert all_reduce_bytes({"lora_grads": 10, "activations": 4}, sharded=True) == (6, "gradient_all_reduce")
+    assert components["gradient_all_reduce"] == 0 and "ddp_buckets" not in components
+    assert plan.kohya_values()["ddp_gradient_as_bucket_view"] is True
+    if plan.family.trains_with.caches_apart:
+        from autotune.planning.musubi_writer import training_options
+
+        assert training_options(plan, plan.family)["ddp_gradient_as_bucket_view"] is True
+    assert "ddp_gradient_as_bucket_view" not in _plan(model, card, 1).kohya_values()
+    assert all_reduce_bytes({"lora_grads": 10, "activations": 4}) == 6

@@ -309,6 +309,11 @@ def _training(c: PlanContext) -> list[Choice]:
             "last resort to fit: frozen base weights stored in fp8 (half of 16-bit; slight quality cost)"))))
     if s.blocks_to_swap:
         out.append(Choice("blocks_to_swap", c.values["blocks_to_swap"], swap_reason(c)))
+    if c.devices > 1:
+        out.append(Choice("ddp_gradient_as_bucket_view", True, (
+            "several processes: DDP's gradients are views into its all-reduce buckets, one copy of the LoRA's "
+            "gradients instead of two (PyTorch's gradient_as_bucket_view; sd-scripts' and musubi-tuner's option, "
+            "lora-autotune's engine keeps no second copy either way)")))
     if s.fsdp:
         out.append(Choice("fsdp", s.fsdp, f"{c.sharding_reason} (lora-autotune's engine; sd-scripts ignores this "
                                           "key)"))

@@ -148,8 +148,7 @@ class Predictor:
         components = dict(estimate.components)
         extra = 0
         if len(self.gpus) > 1:
-            extra, name = all_reduce_bytes(components, sharded=bool(s.fsdp))
-            components[name] = extra
+            extra = components["gradient_all_reduce"] = all_reduce_bytes(components)
         rates = []
         for gpu in self.gpus or (None,):
             rates.append(float(speed_of(gpu.spec if gpu is not None else None).it_per_s))
@@ -183,16 +182,14 @@ class Predictor:
         return e
 
 
-def all_reduce_bytes(components: dict[str, int], *, sharded: bool) -> tuple[int, str]:
-    """(bytes, component name) the averaging of the LoRA's gradients adds on each of several cards. Data parallel
-    as sd-scripts and musubi-tuner run it (DDP, where the plan's config may go) keeps a second copy of the gradients
-    as all-reduce buckets. A sharded run is our engine's alone: it all-reduces one flat copy after the backward, when
-    the activations are gone (``devices.average_gradients``; measured on the emulated card, tiny-flux at 256 px:
-    two processes' peak is one's + 0.06 MiB at rank 4 and at rank 64, whose 0.72 MiB copy never adds)."""
-    grads = components.get("lora_grads", 0)
-    if not sharded:
-        return grads, "ddp_buckets"
-    return max(0, grads - components.get("activations", 0)), "gradient_all_reduce"
+def all_reduce_bytes(components: dict[str, int]) -> int:
+    """Bytes the averaging of the LoRA's gradients adds at the peak on each of several cards. None for DDP as
+    sd-scripts and musubi-tuner run it, since a plan over several cards writes ``ddp_gradient_as_bucket_view``
+    (the gradients are views into DDP's all-reduce buckets, not a second copy: PyTorch's documented saving, the
+    gradients' size). Our engine (data parallel or sharded) all-reduces one flat copy after the backward, when the
+    activations are gone (``devices.average_gradients``; on the emulated card, tiny-flux at 256 px, a second
+    process adds the same 0.06 MiB at rank 4 and at rank 64, whose copy is 0.72 MiB): what exceeds them."""
+    return max(0, components.get("lora_grads", 0) - components.get("activations", 0))
 
 
 @dataclass(frozen=True)

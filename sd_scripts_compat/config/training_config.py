@@ -143,6 +143,10 @@ IMPLEMENTED: frozenset[str] = frozenset({
     "clip_g", "apply_lg_attn_mask", "training_shift", "vae",
 })
 ALIASES = frozenset({"caption_extention", "use_8bit_adam", "use_lion_optimizer"})
+# sd-scripts options whose effect this engine has by construction, taken without a word and not read:
+# DDP's gradients as views into its buckets (one copy of them); this engine averages them in one flat copy after
+# the backward and keeps no buckets (training.devices.average_gradients)
+HELD_BY_CONSTRUCTION = frozenset({"ddp_gradient_as_bucket_view"})
 
 # kohya names this engine knows but does not implement (for a clearer error than "unknown").
 KOHYA_ONLY_OPTIMIZERS = ("SGDNesterov", "SGDNesterov8bit", "DAdaptation", "DAdaptAdam", "DAdaptAdaGrad",
@@ -680,7 +684,8 @@ def _normalize_schedule(out: dict[str, Any], where: Callable[[str], str], warnin
 def _check_not_implemented(raw: dict[str, Any], specs: dict[str, Any], origins: _Origins, warnings: list[str]) -> None:
     """sd-scripts options set away from their default that this engine does not implement: a warning, or a
     refusal for those whose omission would train something else (``CHANGES_WHAT_TRAINS``)."""
-    for name in sorted(name for name in set(raw) - IMPLEMENTED if not _is_inactive(specs[name], raw[name])):
+    for name in sorted(name for name in set(raw) - IMPLEMENTED - HELD_BY_CONSTRUCTION
+                       if not _is_inactive(specs[name], raw[name])):
         if name in CHANGES_WHAT_TRAINS:
             raise UserError(f"{origins.where(name)}: {CHANGES_WHAT_TRAINS[name]}")
         warnings.append(f"{origins.where(name)}: sd-scripts option not implemented by this engine; ignored")
