@@ -119,5 +119,6 @@ def _against(start: TrainSettings, chosen: SearchResult, name: str, other: Searc
     mine, theirs = _chosen(chosen).samples_per_s, other.chosen.samples_per_s
     if _lowered(start, other) > _lowered(start, chosen) and theirs > mine * (1 + SPEED_TIE):
         return f"{name} is faster but lowers what trains{needs} ({_figures(other.chosen)})"
-    how = "faster than" if mine > theirs * (1 + SPEED_TIE) else "as fast as"
+    how = "faster than" if mine > theirs * (1 + SPEED_TIE) else \
+        "slower than" if theirs > mine * (1 + SPEED_TIE) else "as fast as"
     return f"{how} {name}{needs} ({_figures(other.chosen)})"
