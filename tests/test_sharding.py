@@ -4,6 +4,7 @@ seed, and each process holds half the denoiser's weights. Real runs of the engin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -109,9 +110,12 @@ def test_a_killed_sharded_run_resumes_at_its_saved_step_with_the_straight_runs_l
         while not marker.exists():
             assert child.poll() is None, child.stderr.read().decode()[-3000:] if child.stderr else ""
             time.sleep(0.2)
-    finally:
+    finally:  # the launcher's group, and each rank: the launcher starts them in sessions of their own
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
+        for pid in _engine_processes(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     state = tmp_path / "killed" / "lora-step00000002-state"
     assert state.is_dir() and not (tmp_path / "killed" / "lora.safetensors").exists()
     resumed = _launch(script, _config(tmp_path, "resumed", values, fsdp="full_shard"), "--resume", str(state))
@@ -120,6 +124,7 @@ def test_a_killed_sharded_run_resumes_at_its_saved_step_with_the_straight_runs_l
     one = read_lora_file(tmp_path / "straight" / "lora.safetensors")[0]
     two = read_lora_file(tmp_path / "resumed" / "lora.safetensors")[0]
     assert list(one) == list(two) and all(torch.equal(one[k], two[k]) for k in one)
+    assert not _engine_processes(tmp_path)
 
 
 @pytest.mark.parametrize(("strategy", "kw", "said"), [
