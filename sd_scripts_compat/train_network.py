@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from sd_scripts_compat.facts.errors import UserError, one_line
+from sd_scripts_compat.facts.errors import UserError, one_line, say
 
 
 def main(argv: list[str] | None = None, *, sdxl: bool = False, script: str | None = None) -> int:
@@ -41,17 +41,17 @@ def main(argv: list[str] | None = None, *, sdxl: bool = False, script: str | Non
             config = load_training_config(sys.argv[1:] if argv is None else argv, script=program)
             return train(config, sdxl=config.sdxl)
         except UserError as error:
-            print(f"{program}: error: {one_line(error)}", file=sys.stderr)
+            say(f"{program}: error: {one_line(error)}")
             return error.exit_code
         except KeyboardInterrupt:  # a stop signal while reading the configuration or importing
-            print(f"{program}: {stops.name} before training started; nothing to save", file=sys.stderr)
+            say(f"{program}: {stops.name} before training started; nothing to save")
             return stops.exit_code
         except Exception as error:
             if not is_disk_full_error(error):
                 raise
             where = getattr(error, "filename", None)
-            print(f"{program}: error: disk full{f' writing {where}' if where else ''} ({one_line(error)}); "
-                  "free some space or choose another output_dir", file=sys.stderr)
+            say(f"{program}: error: disk full{f' writing {where}' if where else ''} ({one_line(error)}); "
+                "free some space or choose another output_dir")
             return DISK_FULL_EXIT_CODE
 
 

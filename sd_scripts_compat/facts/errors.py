@@ -9,6 +9,15 @@ class UserError(Exception):
     exit_code = 2
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one write: several processes of a run (each refused alike) write to the same stream,
+    and Python's stderr writes a print's text and its newline apart, so two processes' lines ran together."""
+    import sys
+
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def one_line(error: BaseException) -> str:
     """The error's message as the one line a user sees.
 

@@ -43,7 +43,7 @@ from sd_scripts_compat.facts.contract import (
     oom_point_mib,
     write_event,
 )
-from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.errors import UserError, say
 from sd_scripts_compat.facts.families import FamilySpec
 from sd_scripts_compat.runtimes import TextOptions
 from sd_scripts_compat.training.checkpoints import Checkpointer, RunPaths, SavePolicy
@@ -726,7 +726,10 @@ def train(config: TrainingConfig, *, sdxl: bool) -> int:
     fresh = [Path(d) for d in (config.output_dir or "output", config.autotune_state_dir) if d and not Path(d).exists()]
     with StopSignals.installed() as stops:
         try:
-            return _train(config, sdxl=sdxl, stops=stops)
+            code = _train(config, sdxl=sdxl, stops=stops)
+            if code == 0:  # finished: every process is past its last collective
+                _leave_process_group()
+            return code
         except UserError:  # refused (a model it cannot load, bad data): the folders it made for outputs go again
             for folder in fresh:
                 with contextlib.suppress(OSError):  # another process of the run may remove it (or write) first
@@ -735,8 +738,18 @@ def train(config: TrainingConfig, *, sdxl: bool) -> int:
             raise
         except KeyboardInterrupt:  # a signal while loading or caching: nothing trained yet, nothing to save
             name = _script(config, sdxl)
-            print(f"{name}: {stops.name} before training started; nothing to save", file=sys.stderr)
+            say(f"{name}: {stops.name} before training started; nothing to save")
             return stops.exit_code
+
+
+def _leave_process_group() -> None:
+    """Several processes, finished: this one's process group torn down before the interpreter's exit tears it down
+    (left to the exit, a finished rank aborted there twice in nine runs of the sharded tests on a busy machine,
+    "terminate called without an active exception", and the launcher reported the finished run as failed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _train(config: TrainingConfig, *, sdxl: bool, stops: StopSignals) -> int:
@@ -1133,7 +1146,7 @@ def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
              "state_dir": state_dir}
     if process.paths.events_dir:  # any process's: with several, the one that ran out says so (the rest stop)
         write_event(process.paths.events_dir, OOM, {**event, "rank": process.rank})
-    print(f"out of memory at step {counters.global_step}{_of_rank(process)}: {message}", file=sys.stderr)
+    say(f"out of memory at step {counters.global_step}{_of_rank(process)}: {message}")
     return OOM_EXIT_CODE
 
 
@@ -1150,8 +1163,7 @@ def finish_collective(r: Recipe, failed: dict[str, str], counters: TrainCounters
         write_event(process.paths.events_dir, COMM, {"step": counters.global_step, "rank": process.rank,
                                                      "message": failed["message"]})
     what = "another process of the run ended" if failed["kind"] == "peer" else "a collective timed out"
-    print(f"stopped at step {counters.global_step}{_of_rank(process)}: {what} ({failed['message']})",
-          file=sys.stderr)
+    say(f"stopped at step {counters.global_step}{_of_rank(process)}: {what} ({failed['message']})")
     return COLLECTIVE_EXIT_CODE
 
 
@@ -1168,8 +1180,7 @@ def finish_diverged(r: Recipe, report: dict[str, Any], counters: TrainCounters) 
         write_event(process.paths.events_dir, DIVERGED, {
             **report, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
             "settings": r.report.settings, "resolved": r.report.resolved})
-    print(f"training diverged: {report['reason']} (nothing saved after it; the newest state is the last good one)",
-          file=sys.stderr)
+    say(f"training diverged: {report['reason']} (nothing saved after it; the newest state is the last good one)")
     return DIVERGED_EXIT_CODE
 
 
@@ -1179,8 +1190,8 @@ def finish_interrupted(r: Recipe, counters: TrainCounters) -> int:
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
         program = r.model.family.script
-        print(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
-              f"(continue with --resume {folder})", file=sys.stderr)
+        say(f"{program}: {stops.name}: stopped at step {counters.global_step}; state saved to {folder} "
+            f"(continue with --resume {folder})")
     return stops.exit_code
 
 
