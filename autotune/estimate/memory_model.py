@@ -280,7 +280,7 @@ def optimizer_state_bytes(optimizer: str, sizes: list[tuple[int, int]], rank: in
 
 def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]:
     unet = arch["unet"]
-    if inputs.shard_ranks > 1:  # no fp8 beside sharding (training.sharding.check_sharding)
+    if inputs.shard_ranks > 1:  # counted in 16 bits, with fp8 too (its per-unit share not modelled: high)
         unet_bytes = sum(sharded_unet_bytes(arch, inputs.weight_dtype, inputs.shard_ranks))
     elif inputs.weight_dtype == "fp8":
         unet_bytes = unet["fp8_elements"] + 2 * (unet["float_elements"] - unet["fp8_elements"])
@@ -299,7 +299,8 @@ def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]
 
 def unet_shard_units(arch: dict[str, Any], weight_dtype: str) -> tuple[list[int], int]:
     """(bytes of each unit fsdp shards a UNet by, in forward order; bytes of the root outside them) in the 16-bit
-    dtype it trains in (no fp8 beside sharding)."""
+    dtype it trains in (with fp8 too: which of a unit's elements are Linear / Conv weights is not recorded per
+    unit, so a sharded UNet in fp8 is planned high)."""
     size = DTYPE_BYTES[weight_dtype if weight_dtype != "fp8" else "fp16"]
     units = [size * n for n in arch["unet"]["shard_unit_elements"]]
     return units, size * arch["unet"]["float_elements"] - sum(units)

@@ -74,6 +74,11 @@ class RamEstimate:
         return self.processes * self.loading_bytes - (self.processes - 1) * self.turn_bytes
 
     @property
+    def loading_sets_peak(self) -> bool:
+        """Whether the machine's peak is the model loading (else the training)."""
+        return self.machine_loading_bytes >= self.processes * self.training_bytes
+
+    @property
     def peak_bytes(self) -> int:
         """Every process's own + the larger of the two phases (loading ends before the workers start)."""
         return self.processes * self.components["process"] + max(self.machine_loading_bytes,
@@ -106,9 +111,14 @@ def sharded_turn_bytes(family: FamilySpec, inputs: RamInputs, processes: int, of
     if is_dit_family(family):
         whole = denoiser_loading_bytes(family)
     else:
-        unet = _elements(family_calibration(family.name)["architecture"])[0]
-        whole = (DTYPE_BYTES.get(inputs.weight_dtype, 2) if inputs.model_file_bytes else 4) * unet
+        whole = _read_element_bytes(inputs) * _elements(family_calibration(family.name)["architecture"])[0]
     return whole - (whole // processes if offload else 0)
+
+
+def _read_element_bytes(inputs: RamInputs) -> int:
+    """Bytes per element the UNet and text encoders are read into: their training dtype from a file, fp32 for a
+    built-in model (drawn in fp32, then cast)."""
+    return DTYPE_BYTES.get(inputs.weight_dtype, 2) if inputs.model_file_bytes else 4
 
 
 def _elements(arch: dict[str, Any]) -> tuple[int, int, int]:
@@ -129,13 +139,13 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
 
     arch = family_calibration(inputs.family, calibration)["architecture"]
     unet, te, vae = _elements(arch)
-    total = unet + te + vae
     down = latent_downsample(arch)
     wbytes = DTYPE_BYTES.get(inputs.weight_dtype, 2)
+    loaded = _read_element_bytes(inputs) * (unet + te)
     if inputs.model_file_bytes:  # read into the training dtypes (the VAE fp32 on a CPU or in an fp32 run)
-        loaded = wbytes * (unet + te) + (4 if not inputs.on_gpu or wbytes == 4 else wbytes) * vae
+        loaded += (4 if not inputs.on_gpu or wbytes == 4 else wbytes) * vae
     else:
-        loaded = 4 * total  # a built-in model is drawn in fp32, then cast
+        loaded += 4 * vae  # a built-in model is drawn in fp32, then cast
     offloaded = 0
     if inputs.on_gpu:
         offloaded = (4 if inputs.weight_dtype == "fp32" else wbytes) * vae
@@ -171,6 +181,5 @@ def predict_ram(inputs: RamInputs, calibration: dict[str, Any] | None = None) ->
 
 def describe(estimate: RamEstimate) -> str:
     """One line: the peak and what sets it."""
-    phase = "model loading" if estimate.machine_loading_bytes >= estimate.processes * estimate.training_bytes \
-        else "training"
+    phase = "model loading" if estimate.loading_sets_peak else "training"
     return f"predicted peak host RAM {estimate.peak_gib:.2f} GiB (set by {phase})"

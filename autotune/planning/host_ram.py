@@ -96,7 +96,7 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
         fallbacks.append(f"host RAM: data loader workers {start} -> {workers}")
     warnings: list[str] = []
     if usable is not None and current.peak_bytes > usable:
-        loading = current.machine_loading_bytes >= processes * current.training_bytes
+        loading = current.loading_sets_peak
         phase = "model loading (the model's weights, read into their training dtype)" if loading else "training"
         if processes > 1:
             phase += f", {processes} processes (one per GPU)" + (
