@@ -13,6 +13,7 @@ peak less the process's weights, LoRA, gradients, optimizer state and the unshar
     .venv/bin/python bench/sharded_trace.py --offload                 # each process's share in host RAM
     .venv/bin/python bench/sharded_trace.py --fp8                     # Linear weights stored and gathered in fp8
     .venv/bin/python bench/sharded_trace.py --families sdxl sd15      # UNets: by ResNet and transformer block
+    .venv/bin/python bench/sharded_trace.py --ranks 4 --hybrid 2      # hybrid_shard: groups of 2 of the 4
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ SETTINGS: list[dict[str, Any]] = [{"resolution": 1024, "batch_size": 1, "rank": 
 
 
 def trace(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int = 1, offload: bool = False,
-          fp8: bool = False) -> Any:
+          fp8: bool = False, hybrid: int | None = None) -> Any:
     """The traced step: a transformer family's (``trace_dit_step``) or a UNet's (``trace_training_step``, bf16)."""
     from autotune.calibration.dit_memtrace import trace_dit_step
     from autotune.calibration.memtrace import trace_training_step
@@ -41,14 +42,15 @@ def trace(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int
 
     if not get_family(family).transformer_block_groups:
         return trace_training_step(family, **settings, gradient_checkpointing=checkpointing, weight_dtype="bf16",
-                                   shard_ranks=ranks)
+                                   shard_ranks=ranks, shard_size=hybrid)
     return trace_dit_step(family, **settings, gradient_checkpointing=checkpointing, shard_ranks=ranks,
-                          shard_offload=offload, fp8_base=fp8)
+                          shard_offload=offload, fp8_base=fp8, fsdp="hybrid_shard" if hybrid else "full_shard",
+                          shard_size=hybrid)
 
 
 def predict(family: str, settings: dict[str, Any], checkpointing: bool, ranks: int, offload: bool,
             fp8: bool = False) -> int:
-    """The memory model's tensor peak for the same settings."""
+    """The memory model's tensor peak for the same settings (``ranks``: those one copy is sharded across)."""
     from autotune.estimate.dit_memory import DitMemoryInputs, predict_dit_memory
     from autotune.estimate.memory_model import MemoryInputs, predict_memory
     from sd_scripts_compat.facts.families import get_family
@@ -62,11 +64,12 @@ def predict(family: str, settings: dict[str, Any], checkpointing: bool, ranks: i
 
 
 def row(family: str, settings: dict[str, Any], ranks: int, checkpointing: bool,
-        unsharded_activations: int, offload: bool = False, fp8: bool = False) -> dict[str, Any]:
+        unsharded_activations: int, offload: bool = False, fp8: bool = False,
+        hybrid: int | None = None) -> dict[str, Any]:
     """One traced and predicted sharded step (``offload``: each process's share in host RAM; ``fp8``: the frozen
-    Linear weights in float8)."""
-    traced = trace(family, settings, checkpointing, ranks, offload, fp8)
-    predicted = predict(family, settings, checkpointing, ranks, offload, fp8)
+    Linear weights in float8; ``hybrid``: sharded within groups of that many of the ``ranks``)."""
+    traced = trace(family, settings, checkpointing, ranks, offload, fp8, hybrid)
+    predicted = predict(family, settings, checkpointing, hybrid or ranks, offload, fp8)
     return {"family": family, "ranks": ranks, "gc": checkpointing, "held": traced.weights_bytes,
             "in_flight": traced.activations_peak_bytes - unsharded_activations, "traced": traced.peak_bytes,
             "predicted": predicted, "phase": traced.peak_phase, "seconds": traced.seconds}
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(fsdp_offload_params): the first setting, checkpointing on")
     parser.add_argument("--fp8", action="store_true", help="the frozen Linear weights stored and gathered in float8 "
                         "(fp8_base)")
+    parser.add_argument("--hybrid", type=int, metavar="G", help="hybrid_shard: sharded within groups of G of the "
+                        "processes (each --ranks a multiple of G, above it)")
     args = parser.parse_args(argv)
 
     print("| family | step | GC | processes | weights held GiB | in flight GiB | traced peak GiB | predicted GiB | "
@@ -100,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                 whole = trace(family, _at(family, settings), checkpointing, fp8=args.fp8)
                 for ranks in args.ranks:
                     r = row(family, _at(family, settings), ranks, checkpointing, whole.activations_peak_bytes,
-                            args.offload, args.fp8)
+                            args.offload, args.fp8, args.hybrid)
                     ratios.append(r["predicted"] / r["traced"])
                     at = _at(family, settings)
                     step = f"{at['resolution']} px, {at['batch_size']} x rank {at['rank']}, {at['optimizer']}"
-                    print(f"| {family} | {step} | {'on' if checkpointing else 'off'} | {ranks} | "
+                    groups = f" (groups of {args.hybrid})" if args.hybrid else ""
+                    print(f"| {family} | {step} | {'on' if checkpointing else 'off'} | {ranks}{groups} | "
                           f"{r['held'] / GIB:.2f} | {r['in_flight'] / GIB:.3f} | {r['traced'] / GIB:.2f} | "
                           f"{r['predicted'] / GIB:.2f} | {ratios[-1]:.3f} | {r['phase']} | {r['seconds']:.0f} |",
                           flush=True)

@@ -66,8 +66,19 @@ def test_a_sharded_trace_refuses_what_sharding_refuses():
 
     with pytest.raises(UserError, match="blocks_to_swap"):
         trace_dit_step("tiny-flux", **KW, shard_ranks=2, blocks_to_swap=2)
-    with pytest.raises(UserError, match="hybrid_shard"):
-        trace_dit_step("tiny-flux", **KW, shard_ranks=2, fsdp="hybrid_shard")
+    with pytest.raises(UserError, match="none fits 2 processes"):
+        trace_dit_step("tiny-flux", **KW, shard_ranks=2, fsdp="hybrid_shard", shard_size=2)
+
+
+def test_four_processes_in_groups_of_two_hold_and_gather_what_two_processes_sharded_across_both_do():
+    """``hybrid_shard`` on the engine's two-dimensional mesh (fake process group of 4): each process holds its
+    group's half and gathers within the group, the memory of a step sharded across 2, as the model counts it
+    (``TrainSettings.shard_ranks``)."""
+    across_two = trace_dit_step("tiny-flux", **KW, gradient_checkpointing=False, shard_ranks=2)
+    groups = trace_dit_step("tiny-flux", **KW, gradient_checkpointing=False, shard_ranks=4, fsdp="hybrid_shard",
+                            shard_size=2)
+    assert groups.fsdp == "hybrid_shard" and groups.shard_size == 2
+    assert groups.weights_bytes == across_two.weights_bytes and groups.peak_bytes == across_two.peak_bytes
 
 
 def test_an_offloaded_share_leaves_the_card_and_nothing_else_changes():

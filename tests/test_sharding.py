@@ -45,18 +45,18 @@ def _config(tmp: Path, name: str, model: dict, **extra) -> Path:
     return path
 
 
-def _command(script: str, config: Path, *extra: str) -> list[str]:
-    """``accelerate launch --multi_gpu``: without CUDA the engine's Accelerator(cpu=True) runs two processes on
+def _command(script: str, config: Path, *extra: str, processes: int = 2) -> list[str]:
+    """``accelerate launch --multi_gpu``: without CUDA the engine's Accelerator(cpu=True) runs the processes on
     gloo."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()),  # two tests at once (-n 2) must not share accelerate's 29500
             "-m", f"sd_scripts_compat.{script}", "--config_file", str(config), *extra]
 
 
-def _launch(script: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(script, config, *extra), capture_output=True, text=True, cwd=ROOT, env=ENV,
-                          timeout=900)
+def _launch(script: str, config: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(script, config, *extra, processes=processes), capture_output=True, text=True,
+                          cwd=ROOT, env=ENV, timeout=900)
 
 
 @pytest.mark.long
@@ -95,6 +95,30 @@ def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sdxl"])
+def test_four_processes_sharded_in_two_groups_of_two_write_the_lora_of_the_unsharded_run(tmp_path, model):
+    """``hybrid_shard`` with ``fsdp_shard_size = 2`` on four processes: each holds half the weights (its group's
+    share), gathers within its group, and the LoRA is the unsharded four-process run's."""
+    script, values = MODELS[model]
+    plain = _launch(script, _config(tmp_path, "plain", values), processes=4)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    hybrid = _launch(script, _config(tmp_path, "hybrid", values, fsdp="hybrid_shard", fsdp_shard_size=2),
+                     processes=4)
+    assert hybrid.returncode == 0, hybrid.stderr[-3000:]
+    assert not hybrid.stderr.strip(), hybrid.stderr[-3000:]
+    said = re.search(r"fsdp hybrid_shard: .* sharded across 2 processes in each of 2 groups .*: each holds "
+                     r"([\d.]+) of its ([\d.]+) MiB", hybrid.stdout)
+    assert said, hybrid.stdout[-2000:]
+    assert 0.45 * float(said[2]) <= float(said[1]) <= 0.55 * float(said[2])
+    one = read_lora_file(tmp_path / "plain" / "lora.safetensors")[0]
+    two = read_lora_file(tmp_path / "hybrid" / "lora.safetensors")[0]
+    assert list(one) == list(two)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-4)
+    assert any(v.abs().sum() > 0 for k, v in two.items() if "lora_up" in k)
+
+
+@pytest.mark.slow
 def test_a_killed_sharded_run_resumes_at_its_saved_step_with_the_straight_runs_lora(tmp_path):
     """Both processes killed (SIGKILL to the launcher's group) while step 3 hangs, after the state of step 2 was
     saved; the sharded run resumed from that state ends with the LoRA of a straight sharded run, bit for bit.
@@ -128,7 +152,15 @@ def test_a_killed_sharded_run_resumes_at_its_saved_step_with_the_straight_runs_l
 
 
 @pytest.mark.parametrize(("strategy", "kw", "said"), [
-    ("hybrid_shard", {}, "one of full_shard, shard_grad_op"),
+    ("zero3", {}, "one of full_shard, shard_grad_op, hybrid_shard"),
+    ("hybrid_shard", {"world": 4}, "fsdp_shard_size = None is not a size of group .* 4 processes into several: one "
+                                   "of 2"),
+    ("hybrid_shard", {"world": 6, "shard_size": 4}, "6 processes into several: one of 2, 3"),
+    ("hybrid_shard", {"world": 4, "shard_size": 4}, "one of 2"),
+    ("hybrid_shard", {"shard_size": 2}, "none fits 2 processes .*use full_shard"),
+    ("full_shard", {"world": 4, "shard_size": 2}, "fsdp_shard_size = 2: it sizes the groups of fsdp = "
+                                                  "\"hybrid_shard\""),
+    (None, {"world": 4, "shard_size": 2}, "fsdp_shard_size = 2: it sizes the groups"),
     ("full_shard", {"world": 1}, "sharding needs several processes"),
     ("full_shard", {"blocks_to_swap": 4}, "blocks_to_swap does not combine with sharding"),
     ("full_shard", {"compiled": True}, "torch_compile does not combine"),
@@ -137,7 +169,13 @@ def test_a_strategy_this_run_cannot_use_is_one_line(strategy, kw, said):
     args = {"world": 2, "blocks_to_swap": 0, "compiled": False, **kw}
     with pytest.raises(UserError, match=said):
         check_sharding(strategy, **args)
-    check_sharding(None, **args)  # unsharded: nothing to check
+    check_sharding(None, **{**args, "shard_size": None})  # unsharded: nothing to check
+
+
+@pytest.mark.parametrize(("world", "size"), [(4, 2), (6, 3), (8, 4), (8, 2)])
+def test_hybrid_shard_takes_a_group_size_that_divides_the_processes_into_several(world, size):
+    check_sharding("hybrid_shard", world=world, blocks_to_swap=0, compiled=False, shard_size=size)
+    check_sharding("full_shard", world=world, blocks_to_swap=0, compiled=False, shard_size=0)  # 0: every process
 
 
 def test_offloading_without_sharding_is_one_line():

@@ -145,8 +145,8 @@ def test_three_cards_and_two_different_cards_are_planned_per_card():
 @pytest.mark.parametrize(("processes", "expected"), [(4, "fsdp"), (1, "blocks_to_swap")])
 def test_the_oom_ladder_shards_before_it_swaps_when_the_run_has_several_processes(processes, expected):
     """FLUX.1 dev at 1024 px, bf16, out of memory on 16 GB cards at micro-batch 1 with checkpointing and an 8-bit
-    optimizer: with four processes of our engine the next rung is sharding (1/4 of the transformer each), with one
-    it is block swap."""
+    optimizer: with four processes of our engine the next rung is sharding (within groups of two: half the
+    transformer each fits by the peak the run measured), with one it is block swap."""
     from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
     from sd_scripts_compat.facts.settings import TrainSettings
 
@@ -161,7 +161,8 @@ def test_the_oom_ladder_shards_before_it_swaps_when_the_run_has_several_processe
     step = next_settings(failed, limits, predict, measured_mib=16 * 1024)
     assert isinstance(step, Decision) and expected in step.changes
     if processes > 1:
-        assert step.settings.fsdp == "full_shard" and "sharding" in step.reasons[0]
+        assert (step.settings.fsdp, step.settings.fsdp_shard_size) == ("hybrid_shard", 2)
+        assert "sharding" in step.reasons[0]
         assert step.predicted_mib < 16 * 1024 and not step.settings.blocks_to_swap
 
 
@@ -296,3 +297,97 @@ def test_several_cards_hold_one_copy_of_the_loras_gradients_whichever_trainer_ru
         assert training_options(plan, plan.family)["ddp_gradient_as_bucket_view"] is True
     assert "ddp_gradient_as_bucket_view" not in _plan(model, card, 1).kohya_values()
     assert all_reduce_bytes({"lora_grads": 10, "activations": 4}) == 6
+
+
+def test_four_24_gb_cards_shard_flux_within_two_groups_of_two_where_half_of_it_fits_a_card():
+    """FLUX.1 dev at 1024 px on 4 x RTX 4090: half the transformer and its step fit one card, so two groups of two
+    cards each shard one copy (``hybrid_shard``) and gather half of each block where sharding across all four
+    gathers three quarters; as fast by the speed model (the step is compute-bound), and of two as fast the one
+    that moves fewer bytes over the link wins. The per-card figure is a 2-process sharded run's."""
+    from autotune.planning.search import estimate_for_settings
+
+    plan = _plan("builtin:flux-dev", "RTX 4090", 4)
+    s = plan.settings
+    assert plan.fits and (s.fsdp, s.fsdp_shard_size, s.fp8_base, s.blocks_to_swap) == ("hybrid_shard", 2, False, 0)
+    reason = next(c for c in plan.choices if c.key == "fsdp").reason
+    assert reason.startswith("sharded within 2 groups of 2 cards (fsdp hybrid_shard): 17.4 GiB per card")
+    assert "as fast as sharded across 4 cards (fsdp full_shard) (11.3 GiB per card" in reason
+    assert "as fast as data parallel, which needs fp8 base weights to fit (" in reason
+    assert "each group of 2 of the 4 cards" in next(c for c in plan.choices if c.key == "fsdp_shard_size").reason
+    written = plan.kohya_values()
+    assert (written["fsdp"], written["fsdp_shard_size"]) == ("hybrid_shard", 2)
+    family = get_family("flux-dev")
+    groups = estimate_for_settings(family, s, 16, devices=4)[0]
+    across_two = estimate_for_settings(family, replace(s, fsdp="full_shard", fsdp_shard_size=0), 16, devices=2)[0]
+    assert groups.peak_bytes == across_two.peak_bytes == plan.prediction.peak_bytes
+
+
+def test_groups_of_cards_gather_fewer_bytes_and_are_faster_where_the_link_is_the_limit():
+    """FLUX.1 dev at 512 px on 4 x RTX 4060 Ti 16GB (PCIe 4.0 x8) with an 8-bit optimizer: the step is short and
+    the link narrow. The speed model moves (G - 1) / G of each block per process: across all 4 the gathers take
+    longer than the step's compute, within groups of 2 (2/3 of those bytes) they hide behind it, as data parallel's
+    step (no gathers) takes."""
+    from autotune.planning.search import estimate_for_settings
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    family, card = get_family("flux-dev"), lookup_gpu("RTX 4060 Ti 16GB")
+    s = TrainSettings(resolution=(512, 512), gradient_checkpointing=True, optimizer_type="AdamW8bit",
+                      mixed_precision="bf16", cache_latents=True, cache_text_encoder_outputs=True,
+                      network_train_unet_only=True)
+    speed = {name: estimate_for_settings(family, replace(s, **kw), 16, devices=4)[1](card)
+             for name, kw in (("all", {"fsdp": "full_shard"}), ("none", {}),
+                              ("groups", {"fsdp": "hybrid_shard", "fsdp_shard_size": 2}))}
+    assert speed["groups"].seconds_per_step == speed["none"].seconds_per_step < speed["all"].seconds_per_step
+
+
+def test_the_oom_ladder_shards_within_groups_before_it_shards_across_every_process():
+    """FLUX.1 dev in bf16, data parallel on four 24 GB cards, out of memory: the mildest sharding that fits is
+    groups of two (half the transformer each); once that runs out too, across all four."""
+    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    family = get_family("flux-dev")
+    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
+                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
+                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
+                           cache_text_encoder_outputs=True)
+    limits = replace(LadderLimits.for_family(family, 24 * 1024, fp8_supported=True, te_cache_allowed=True),
+                     shard_processes=4)
+    predict = memory_predictor(family, cuda=True, processes=4)
+    step = next_settings(failed, limits, predict, measured_mib=24 * 1024)
+    assert isinstance(step, Decision) and (step.settings.fsdp, step.settings.fsdp_shard_size) == ("hybrid_shard", 2)
+    assert "fsdp_shard_size 0->2" in step.reasons[0] and "1/G within groups of G" in step.reasons[0]
+    assert step.predicted_mib < 24 * 1024
+    again = next_settings(step.settings, limits, predict, measured_mib=24 * 1024)
+    assert isinstance(again, Decision) and (again.settings.fsdp, again.settings.fsdp_shard_size) == ("full_shard", 0)
+
+
+def test_a_ladder_step_from_groups_to_every_process_leaves_no_group_size_in_the_config(tmp_path):
+    """The ladder writes only what changed from the job's settings: a key the job's settings wrote and the new ones
+    do not (``fsdp_shard_size`` after hybrid_shard, ``blocks_to_swap`` once none are swapped) is removed, not left
+    to contradict them (the engine refuses a group size without hybrid_shard)."""
+    from sd_scripts_compat.facts.settings import TrainSettings
+    from sd_scripts_compat.facts.settings_space import settings_from_values, write_config
+
+    job = TrainSettings(fsdp="hybrid_shard", fsdp_shard_size=2, mixed_precision="bf16")
+    src, dst = tmp_path / "job.toml", tmp_path / "attempt.toml"
+    src.write_text('fsdp = "hybrid_shard"\nfsdp_shard_size = 2\n[training]\nblocks_to_swap = 4\n',
+                   encoding="utf-8")
+    write_config(src, dst, replace(job, fsdp="full_shard", fsdp_shard_size=0), base=replace(job, blocks_to_swap=4))
+    written = toml.loads(dst.read_text(encoding="utf-8"))
+    assert written["fsdp"] == "full_shard" and "fsdp_shard_size" not in written
+    assert "blocks_to_swap" not in written.get("training", {})
+    assert settings_from_values(written).fsdp_shard_size == 0
+
+
+def test_a_plan_of_groups_is_read_by_the_engine_as_written(tmp_path):
+    out = tmp_path / "cfg"
+    done = _cli("plan", str(REPO / "examples" / "dataset"), "--model", "builtin:flux-dev", "--gpu", "RTX 4090",
+                "--gpus", "4", "--resolution", "1024", "--out", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    config = toml.loads((out / "config.toml").read_text(encoding="utf-8"))
+    assert (config["fsdp"], config["fsdp_shard_size"]) == ("hybrid_shard", 2)
+    from sd_scripts_compat.config.training_config import load_training_config
+
+    read = load_training_config(["--config_file", str(out / "config.toml")], script="flux_train_network")
+    assert (read.fsdp, read.fsdp_shard_size) == ("hybrid_shard", 2)

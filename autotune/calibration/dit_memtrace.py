@@ -146,6 +146,7 @@ class DitTraceResult:
     shard_ranks: int = 1  # the transformer sharded across this many processes (one traced), as ``fsdp`` says
     fsdp: str | None = None
     shard_offload: bool = False  # fsdp_offload_params: the process's share in host RAM (swapped_weight_bytes)
+    shard_size: int | None = None  # hybrid_shard: sharded within groups of this many of the processes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -172,7 +173,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
                    fp8_base: bool = False, blocks_to_swap: int = 0, config: dict[str, Any] | None = None,
                    text_tokens: int | None = None, frames: int = 1, fake: bool = True,
                    autocast_rules: str = "cuda", shard_ranks: int = 1, fsdp: str = "full_shard",
-                   shard_offload: bool = False) -> DitTraceResult:
+                   shard_offload: bool = False, shard_size: int | None = None) -> DitTraceResult:
     """One LoRA step of ``family`` (bf16 autocast, cached latents and text-encoder outputs) on fake CPU tensors.
 
     ``config``: another denoiser config (tests use a tiny one); ``text_tokens``: the text length (default: the
@@ -182,14 +183,15 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     ``shard_ranks`` above 1: the transformer sharded by the engine's own ``fsdp`` (``training.sharding``) across
     that many processes of a fake process group, the step of one of them traced (:func:`sharded_across`); with
     ``shard_offload`` its share of the parameters counted as host memory (``fsdp_offload_params``; the copy of a
-    block's share to the card before its gather, 1/N of a block, is not seen on a CPU)."""
+    block's share to the card before its gather, 1/N of a block, is not seen on a CPU); with ``shard_size``
+    (``fsdp = "hybrid_shard"``) within groups of that many of them."""
 
     started = time.perf_counter()
     if shard_ranks > 1:  # before the model is built, as the engine checks it
         from sd_scripts_compat.training.sharding import check_sharding
 
         check_sharding(fsdp, world=shard_ranks, blocks_to_swap=blocks_to_swap, compiled=False,
-                       offload=shard_offload)
+                       offload=shard_offload, shard_size=shard_size)
     spec = trace_family(family, config)
     model, network, fake_mode = _traced_modules(spec, rank=rank, fp8_base=fp8_base, fake=fake,
                                                 gradient_checkpointing=gradient_checkpointing)
@@ -197,7 +199,8 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
     counter = _SwapAwareCounter({t.untyped_storage()._cdata for t in host})
     with contextlib.ExitStack() as stack:
         if shard_ranks > 1:
-            stack.enter_context(sharded_across(model, spec, shard_ranks, fsdp, fake_mode, counter, shard_offload))
+            stack.enter_context(sharded_across(model, spec, shard_ranks, fsdp, fake_mode, counter, shard_offload,
+                                               shard_size))
             if shard_offload:  # the share of every parameter waits on the host
                 host = [_local(p) for p in model.parameters()]
                 counter.host |= {t.untyped_storage()._cdata for t in host}
@@ -233,7 +236,7 @@ def trace_dit_step(family: str | FamilySpec = DEFAULT_FAMILY, *, resolution: int
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, seconds=round(time.perf_counter() - started, 2), frames=frames,
         autocast_rules=autocast_rules, shard_ranks=shard_ranks, fsdp=fsdp if shard_ranks > 1 else None,
-        shard_offload=shard_offload)
+        shard_offload=shard_offload, shard_size=shard_size)
 
 
 def _traced_modules(spec: FamilySpec, *, rank: int, fp8_base: bool, fake: bool,

@@ -79,6 +79,7 @@ class TraceResult:
     seconds: float
     autocast_rules: str = "cuda"  # whose autocast op lists the step ran under (autotune.calibration.cuda_autocast)
     shard_ranks: int = 1  # the UNet sharded across this many processes (one traced; fsdp = "full_shard")
+    shard_size: int | None = None  # ... or within groups of this many of them (fsdp = "hybrid_shard")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,9 +132,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def sharded_across(model: torch.nn.Module, spec: FamilySpec, ranks: int, strategy: str, fake_mode: Any,
-                   counter: LiveBytesCounter, offload: bool = False) -> Iterator[None]:
+                   counter: LiveBytesCounter, offload: bool = False, shard_size: int | None = None) -> Iterator[None]:
     """``model`` sharded as the engine shards it (``training.sharding.shard_denoiser``) across ``ranks`` processes
-    of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration.
+    of torch's fake process group (collectives that move nothing: this process is rank 0), for the duration;
+    with ``shard_size`` (hybrid_shard) within groups of that many on the engine's two-dimensional mesh.
     ``model`` has its LoRA already, where the engine shards first: the LoRA lives outside the units (its hooks wrap
     layers inside them), so the units and what each gathers are the same either way.
 
@@ -161,7 +163,7 @@ def sharded_across(model: torch.nn.Module, spec: FamilySpec, ranks: int, strateg
 
     dist.init_process_group("fake", rank=0, world_size=ranks, store=dist.HashStore())
     try:
-        mesh = process_mesh(torch.device("cpu"))  # outside the fake mode: the mesh reads its ranks' values
+        mesh = process_mesh(torch.device("cpu"), shard_size)  # outside the fake mode: it reads its ranks' values
         with fake_mode:
             shard_denoiser(model, spec, strategy, mesh, offload=offload)
         fsdp_param.alloc_storage = fsdp_group.alloc_storage = told(alloc)
@@ -324,6 +326,7 @@ def trace_training_step(
     fake: bool = True,
     autocast_rules: str = "cuda",
     shard_ranks: int = 1,
+    shard_size: int | None = None,
 ) -> TraceResult:
     """Trace one LoRA training step of a built-in family on fake CPU tensors; peak live tensor bytes.
 
@@ -333,8 +336,8 @@ def trace_training_step(
     cached. ``lora_builder`` lets tests use another network. ``fake=False`` runs the same step on real CPU tensors
     with random weights (tiny families only): how the tests check the fake figure against a real run.
     ``autocast_rules``: whose op lists autocast follows, ``"cuda"`` (GPU plans) or ``"cpu"`` (``cuda_autocast``).
-    ``shard_ranks`` > 1: the UNet sharded by ``fsdp = "full_shard"`` on a fake process group (:func:`sharded_across`).
-    """
+    ``shard_ranks`` > 1: the UNet sharded by ``fsdp = "full_shard"`` on a fake process group (:func:`sharded_across`;
+    with ``shard_size``, ``"hybrid_shard"`` within groups of that many)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -342,8 +345,7 @@ def trace_training_step(
 
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
-    if mixed_precision is None:
-        mixed_precision = {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "fp16"}[weight_dtype]
+    mixed_precision = mixed_precision or {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "fp8": "fp16"}[weight_dtype]
     started = time.perf_counter()
     spec = get_family(family)
     bundle, network, module_dtype = _build_for_trace(spec, rank, weight_dtype, mixed_precision, train_text_encoder,
@@ -362,7 +364,9 @@ def trace_training_step(
                 cache_text_encoder_outputs=cache_text_encoder_outputs)
     with contextlib.ExitStack() as stack:
         if shard_ranks > 1:
-            stack.enter_context(sharded_across(bundle.unet, spec, shard_ranks, "full_shard", fake_mode, counter))
+            strategy = "hybrid_shard" if shard_size else "full_shard"
+            stack.enter_context(sharded_across(bundle.unet, spec, shard_ranks, strategy, fake_mode, counter,
+                                               shard_size=shard_size))
         lora_params = [p for p in network.parameters() if p.requires_grad]
         frozen = [_local(t) for m in resident for t in [*m.parameters(), *m.buffers()] if not t.requires_grad]
         weights_bytes = _storage_bytes(frozen)
@@ -382,7 +386,7 @@ def trace_training_step(
         activations_peak_bytes=counter.peak - persistent, lora_params=sum(p.numel() for p in lora_params),
         peak_phase=counter.peak_phase, phase_peaks=dict(counter.phase_peaks), optimizer_state_simulated=simulated,
         seconds=round(time.perf_counter() - started, 2), autocast_rules=autocast_rules, shard_ranks=shard_ranks,
-    )
+        shard_size=shard_size)
 
 
 def _counted_step(bundle: ModelBundle, spec: FamilySpec, counter: LiveBytesCounter, optimizer: str,

@@ -163,7 +163,7 @@ def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_f
         frames=settings.frames,
         pinned_block_swap=settings.use_pinned_memory_for_block_swap and settings.blocks_to_swap > 0,
         high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit,
-        shard_ranks=processes if settings.fsdp else 1,
+        shard_ranks=settings.shard_ranks(processes),
         shard_offload=bool(settings.fsdp and settings.fsdp_offload_params))
 
 

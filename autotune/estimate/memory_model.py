@@ -119,7 +119,7 @@ def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *,
         cache_latents=settings.cache_latents,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs or text_encoder_outputs_cached,
         attention=settings.attention, network_module=settings.network_module, network_args=settings.network_args,
-        shard_ranks=processes if settings.fsdp else 1,  # ``processes``: the run's, one per GPU
+        shard_ranks=settings.shard_ranks(processes),  # ``processes``: the run's, one per GPU
     )
 
 

@@ -101,10 +101,10 @@ def model_file_bytes(model: str) -> int | None:
     return None
 
 
-def sharded_turn_bytes(family: FamilySpec, inputs: RamInputs, processes: int, offload: bool) -> int:
+def sharded_turn_bytes(family: FamilySpec, inputs: RamInputs, shard_ranks: int, offload: bool) -> int:
     """What one process's loading leaves in host RAM for the card once it has sharded the denoiser, before the next
     process loads: the denoiser as read (a DiT: bf16; a UNet: as ``predict_ram`` reads it), less the share each
-    keeps on the host with ``offload``."""
+    keeps on the host with ``offload`` (1 / ``shard_ranks``: the processes one copy is sharded across)."""
     from autotune.estimate.dit_memory import denoiser_loading_bytes, is_dit_family
     from autotune.estimate.memory_model import family_calibration
 
@@ -112,7 +112,7 @@ def sharded_turn_bytes(family: FamilySpec, inputs: RamInputs, processes: int, of
         whole = denoiser_loading_bytes(family)
     else:
         whole = _read_element_bytes(inputs) * _elements(family_calibration(family.name)["architecture"])[0]
-    return whole - (whole // processes if offload else 0)
+    return whole - (whole // shard_ranks if offload else 0)
 
 
 def _read_element_bytes(inputs: RamInputs) -> int:

@@ -322,6 +322,10 @@ def _training(c: PlanContext) -> list[Choice]:
             "of the denoiser waits in pinned host RAM and is copied in for each gather (accelerate's name; "
             "lora-autotune's engine)") if s.fsdp_offload_params else
             "each process's share stays on its card (fits without offloading to host RAM)"))
+        if s.fsdp == "hybrid_shard":
+            out.append(Choice("fsdp_shard_size", s.fsdp_shard_size, (
+                f"each group of {s.fsdp_shard_size} of the {c.devices} cards shards one copy of the denoiser and "
+                "gathers within itself (the fsdp row says why; lora-autotune's engine)")))
     if c.pinned_reason is not None:
         out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))
     if c.offload_reason is not None:

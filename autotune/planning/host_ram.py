@@ -60,7 +60,7 @@ def plan_host_ram(request: PlanRequest, family: FamilySpec, settings: TrainSetti
 
     def estimate(n: int) -> RamEstimate:
         one = one_process(n)
-        turn = sharded_turn_bytes(family, one.inputs, processes, settings.fsdp_offload_params) \
+        turn = sharded_turn_bytes(family, one.inputs, settings.shard_ranks(processes), settings.fsdp_offload_params) \
             if settings.fsdp and processes > 1 and on_gpu else 0  # sharded runs load in turn
         return replace(one, processes=processes, turn_bytes=turn)
 

@@ -1,7 +1,8 @@
-"""Data parallel or sharded, on a machine with several cards: the planner searches both ways and keeps the one with
+"""Data parallel or sharded, on a machine with several cards: the planner searches each way and keeps the one with
 more predicted images per second that fits (``training.sharding`` in the engine). Where sharded fits no card, or
 fits only by giving something up (fp8 weights, a smaller rank ...), it also searches sharded with each process's
-share offloaded to host RAM (``fsdp_offload_params``).
+share offloaded to host RAM (``fsdp_offload_params``). On four cards or more it also searches sharded within groups
+of cards (``hybrid_shard``), each group holding a whole copy.
 
 Data parallel holds the whole transformer on every card (swapping blocks to the host where it does not fit);
 sharded (``fsdp = "full_shard"``) holds 1/N of it on each and gathers each block over the link between the cards
@@ -66,15 +67,19 @@ def choose_sharding(start: TrainSettings, devices: int, plain: SearchResult,
     sharded alone fits no card or only by giving something up (fp8 weights, a smaller rank ...). Of those that fit,
     keep the one that lowered the fewest of the training's own settings (rank, resolution, buckets, frames, the
     text encoders' learning), then the fastest (within :data:`SPEED_TIE`, as fast), then the one that gave up less
-    to fit, else the first of data parallel (no gathers to depend on), sharded, offloaded."""
+    to fit, else the first of data parallel (no gathers to depend on), sharded within groups (fewer gathers),
+    sharded across every card, offloaded. (``shard_grad_op`` is not a way: it keeps every block gathered from its
+    forward to its backward, so a card holds the whole frozen model and its share, more than data parallel, and a
+    frozen model has no gradients whose reduce-scatter it would save.)"""
     across = f"sharded across {devices} cards (fsdp {STRATEGY})"
-    ways = [("data parallel", plain), (across, search(replace(start, fsdp=STRATEGY)))]
-    if ways[1][1].chosen is None or ways[1][1].fallbacks:
+    sharded = search(replace(start, fsdp=STRATEGY))
+    ways = [("data parallel", plain), *_hybrid_ways(start, devices, search), (across, sharded)]
+    if sharded.chosen is None or sharded.fallbacks:
         ways.append((f"{across}, each one's share in host RAM",
                      search(replace(start, fsdp=STRATEGY, fsdp_offload_params=True))))
     fitting = [(name, found) for name, found in ways if found.chosen is not None]
     if not fitting:
-        need = ways[1][1].smallest.required / GIB
+        need = sharded.smallest.required / GIB
         return ShardingChoice(plain, f"data parallel: {across} fits no card (needs {need:.1f} GiB per card at its "
                                      "smallest settings)")
     best = fitting[0]
@@ -83,6 +88,21 @@ def choose_sharding(start: TrainSettings, devices: int, plain: SearchResult,
             best = way
     others = "; ".join(_against(start, best[1], name, found) for name, found in ways if found is not best[1])
     return ShardingChoice(best[1], f"{best[0]}: {_figures(_chosen(best[1]))}; {others}")
+
+
+def group_sizes(devices: int) -> list[int]:
+    """The sizes of group ``hybrid_shard`` may shard within on ``devices`` cards: the divisors between 2 and half
+    of them (``training.sharding``: 4 cards in 2 groups of 2; 8 in 4 of 2 or 2 of 4)."""
+    return [size for size in range(2, devices // 2 + 1) if devices % size == 0]
+
+
+def _hybrid_ways(start: TrainSettings, devices: int,
+                 search: Callable[[TrainSettings], SearchResult]) -> list[tuple[str, SearchResult]]:
+    """Sharded within groups of cards, each group holding a whole copy (``fsdp = "hybrid_shard"``): more weights
+    per card than across all of them, fewer bytes gathered over the link ((G - 1) / G of each block, not
+    (N - 1) / N). Smallest groups first: of two as fast, the one that gathers less."""
+    return [(f"sharded within {devices // size} groups of {size} cards (fsdp hybrid_shard)",
+             search(replace(start, fsdp="hybrid_shard", fsdp_shard_size=size))) for size in group_sizes(devices)]
 
 
 def _chosen(found: SearchResult) -> Scored:

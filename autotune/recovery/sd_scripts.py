@@ -62,7 +62,13 @@ from autotune.recovery.external import (
 from sd_scripts_compat.facts.atomic import write_json_atomic, write_text_atomic
 from sd_scripts_compat.facts.contract import STATE_FILE, Outcome, state_step
 from sd_scripts_compat.facts.errors import UserError
-from sd_scripts_compat.facts.kohya_toml import flat_values, read_toml, set_config_values, write_toml
+from sd_scripts_compat.facts.kohya_toml import (
+    flat_values,
+    read_toml,
+    set_config_values,
+    without_keys,
+    write_toml,
+)
 
 if TYPE_CHECKING:
     import argparse
@@ -255,7 +261,7 @@ def config_for_sd_scripts(config: Path, options: ScriptOptions, out: Path, value
     document = read_toml(config)
     dropped = check_config(config, options)
     removed = set(dropped) | {key for key, value in values.items() if value is None}
-    document = _without(document, removed)
+    document = without_keys(document, removed)
     document = set_config_values(document, {k: v for k, v in values.items() if v is not None})
     write_toml(out, document, header)
     return out, dropped
@@ -270,17 +276,6 @@ def check_config(config: Path, options: ScriptOptions) -> list[str]:
     dropped = [key for key in keys if key in WRAPPER_KEYS and key not in options.names]
     check_options(options, [k for k in keys if k not in dropped], str(config))
     return dropped
-
-
-def _without(document: Mapping[str, Any], keys: set[str]) -> dict[str, Any]:
-    """A copy of a kohya config without ``keys``, at the top level and in every section."""
-    out: dict[str, Any] = {}
-    for key, value in document.items():
-        if isinstance(value, dict):
-            out[key] = {k: v for k, v in value.items() if k not in keys}
-        elif key not in keys:
-            out[key] = value
-    return out
 
 
 def tokenizer_cache(out: Path, layout: str, pad_tokens: tuple[str, ...], t5: Path | None = None) -> Path:

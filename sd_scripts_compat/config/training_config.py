@@ -342,6 +342,7 @@ class TrainingConfig:
     allow_pickle: bool = False
     fsdp: str | None = None  # several processes: the frozen denoiser sharded (training.sharding.STRATEGIES)
     fsdp_offload_params: bool = False  # ... each process's share waiting in host RAM between its gathers
+    fsdp_shard_size: int | None = None  # hybrid_shard: the processes of each group that shards one copy
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
     autotune_state_dir: str | None = None
@@ -372,11 +373,14 @@ META_FIELDS = frozenset({"sdxl", "script", "raw", "given", "warnings"})
 # Our own command-line flags: what the watchdog and users need beyond kohya's list.
 EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "allow_pickle": (bool, "allow loading .ckpt/.pt pickles (loaded with torch.load(weights_only=True))"),
-    "fsdp": (str, "with several processes: shard the frozen denoiser across them (full_shard or shard_grad_op: "
-                  "FSDP2); the LoRA stays whole on each"),
+    "fsdp": (str, "with several processes: shard the frozen denoiser across them (full_shard, shard_grad_op or "
+                  "hybrid_shard: FSDP2); the LoRA stays whole on each"),
     "fsdp_offload_params": (bool, "with fsdp: each process's share of the denoiser waits in host RAM and is copied "
                                   "to the card for each gather (accelerate's name; slower, for a model that fits "
                                   "the cards only so)"),
+    "fsdp_shard_size": (int, "with fsdp = hybrid_shard: the processes each group shards one copy of the denoiser "
+                             "across (a divisor of their number); the groups hold a copy each and gather within "
+                             "themselves (FSDP2's HSDP: fewer bytes gathered, more held)"),
     "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
     "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
     "autotune_state_dir": (str, "folder for state folders (default: output_dir, as in sd-scripts)"),
@@ -389,7 +393,7 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
 
 
 # Extensions a config file may hold too (sd-scripts ignores them there).
-FILE_EXTENSIONS = ("allow_pickle", "fsdp", "fsdp_offload_params")
+FILE_EXTENSIONS = ("allow_pickle", "fsdp", "fsdp_offload_params", "fsdp_shard_size")
 
 
 def _add_extension_flags(parser: argparse.ArgumentParser) -> None:
@@ -829,7 +833,7 @@ def _read_config_file(cli: dict[str, Any], script: str, own: dict[str, Any], ext
         if key in FILE_EXTENSIONS:  # the planner and the wizard write allow_pickle when the user allowed a pickle
             kind = EXTENSION_FLAGS[key][0]
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                wanted = "true or false" if kind is bool else "a string"
+                wanted = {bool: "true or false", int: "an integer"}.get(kind, "a string")
                 raise UserError(f"{source}: {key}{section}: expected {wanted}, got {describe_value(value)}")
             extensions.setdefault(key, value)  # the command line wins
             continue

@@ -107,6 +107,17 @@ def set_config_values(document: Mapping[str, Any], values: Mapping[str, Any]) ->
     return out
 
 
+def without_keys(document: Mapping[str, Any], keys: set[str]) -> dict[str, Any]:
+    """A copy of a kohya config without ``keys``, at the top level and in every section."""
+    out: dict[str, Any] = {}
+    for key, value in document.items():
+        if isinstance(value, dict):
+            out[key] = {k: v for k, v in value.items() if k not in keys}
+        elif key not in keys:
+            out[key] = value
+    return out
+
+
 def set_dataset_values(document: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a dataset config with dataset-level ``values`` (``batch_size``, ``resolution``, bucket
     limits) set on every ``[[datasets]]`` block and wherever else they already are, so they win over

@@ -21,7 +21,8 @@ _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_arg
                                   "cpu_offload_checkpointing": False, "torch_compile": False,
                                   "dynamo_backend": "inductor", "frames": 1,
                                   "use_pinned_memory_for_block_swap": False, "high_noise_expert": False,
-                                  "offload_inactive_dit": False, "fsdp": None, "fsdp_offload_params": False}
+                                  "offload_inactive_dit": False, "fsdp": None, "fsdp_offload_params": False,
+                                  "fsdp_shard_size": 0}
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class TrainSettings:
     offload_inactive_dit: bool = False  # ... and the expert not in use waits in host RAM (no block swap then)
     fsdp: str | None = None  # several processes: the frozen denoiser sharded across them (training.sharding)
     fsdp_offload_params: bool = False  # ... each one's share in host RAM, copied to the card for each gather
+    fsdp_shard_size: int = 0  # hybrid_shard: the processes of each group that shards it (the groups replicate it)
 
     @property
     def effective_batch(self) -> int:
@@ -80,6 +82,14 @@ class TrainSettings:
         if self.fp8_base:
             return "fp8"
         return {"bf16": "bf16", "fp16": "fp16"}.get(self.mixed_precision, "fp32")
+
+    def shard_ranks(self, processes: int) -> int:
+        """The processes across which one copy of the frozen denoiser is sharded, in a run of ``processes``: 1
+        unsharded, ``fsdp_shard_size`` with ``hybrid_shard`` (each group of that many holds a whole copy), else
+        all of them."""
+        if not self.fsdp:
+            return 1
+        return self.fsdp_shard_size if self.fsdp == "hybrid_shard" else processes
 
     @property
     def attention(self) -> str:
@@ -115,7 +125,8 @@ class TrainSettings:
             raise ValueError(f"settings block lacks {', '.join(missing)}")
         data = {name: values.get(name, _LATER_FIELDS.get(name)) for name in names}
         data["resolution"] = parse_resolution(data["resolution"])
-        for name in ("train_batch_size", "gradient_accumulation_steps", "network_dim", "blocks_to_swap"):
+        for name in ("train_batch_size", "gradient_accumulation_steps", "network_dim", "blocks_to_swap",
+                     "fsdp_shard_size"):
             data[name] = int(data[name])
         if data["max_bucket_reso"] is not None:
             data["max_bucket_reso"] = int(data["max_bucket_reso"])
@@ -158,7 +169,9 @@ class TrainSettings:
         if self.cpu_offload_checkpointing:
             parts.append("checkpoints offloaded to the CPU")
         if self.fsdp:
-            parts.append(f"sharded ({self.fsdp})" + (", offloaded to host RAM" if self.fsdp_offload_params else ""))
+            groups = f", groups of {self.fsdp_shard_size}" if self.fsdp == "hybrid_shard" else ""
+            parts.append(f"sharded ({self.fsdp}{groups})"
+                         + (", offloaded to host RAM" if self.fsdp_offload_params else ""))
         if self.torch_compile:
             parts.append(f"blocks compiled ({self.dynamo_backend})")
         parts.append(f"lr {self.learning_rate:g}")

@@ -28,6 +28,7 @@ from sd_scripts_compat.facts.kohya_toml import (
     read_toml,
     set_config_values,
     set_dataset_values,
+    without_keys,
     write_toml,
 )
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -66,6 +67,8 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
     if s.fsdp:  # our engine's keys (sd-scripts has no FSDP for its LoRA scripts); offload written either way
         values["fsdp"] = s.fsdp  # (a move from offloaded to not must clear it)
         values["fsdp_offload_params"] = s.fsdp_offload_params
+        if s.fsdp == "hybrid_shard":
+            values["fsdp_shard_size"] = s.fsdp_shard_size
     if s.use_pinned_memory_for_block_swap:
         values["use_pinned_memory_for_block_swap"] = True
     if s.high_noise_expert:  # written either way: a ladder move from offloading to block swap must clear it
@@ -100,11 +103,14 @@ def write_config(src: Path, dst: Path, settings: TrainSettings, header: str = ""
     """Write ``src`` with the settings' values set wherever kohya reads them, to ``dst``.
 
     Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
-    does not grow keys (and the engine's "ignored option" warnings) it never had.
+    does not grow keys (and the engine's "ignored option" warnings) it never had; a key ``base`` writes and
+    ``settings`` does not (``blocks_to_swap`` once none are swapped, ``fsdp_shard_size`` once sharded across every
+    process) is removed.
     """
-    values = _changed(config_values(settings, fp8_option),
-                      None if base is None else config_values(base, fp8_option))
-    write_toml(dst, set_config_values(read_toml(src), values), header)
+    values = config_values(settings, fp8_option)
+    before = None if base is None else config_values(base, fp8_option)
+    gone = set() if before is None else set(before) - set(values)
+    write_toml(dst, set_config_values(without_keys(read_toml(src), gone), _changed(values, before)), header)
 
 
 def write_dataset_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
@@ -157,6 +163,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         cpu_offload_checkpointing=bool(values.get("cpu_offload_checkpointing", False)),
         fsdp=str(values["fsdp"]) if values.get("fsdp") else None,
         fsdp_offload_params=bool(values.get("fsdp_offload_params", False)),
+        fsdp_shard_size=int(values.get("fsdp_shard_size") or 0) if values.get("fsdp") == "hybrid_shard" else 0,
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
         torch_compile=bool(values.get("torch_compile", False)),
@@ -272,16 +279,22 @@ def _unet_only(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
 
 
 def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    """Shard the frozen denoiser across the run's processes, or shard it more (gathered only while a block runs),
-    then offload each process's share to host RAM."""
-    if lim.shard_processes < 2 or s.fsdp_offload_params or s.blocks_to_swap:
+    """Shard the frozen denoiser within groups of the run's processes (hybrid_shard, smallest groups first), or
+    across all of them, or shard it more (gathered only while a block runs), then offload each process's share to
+    host RAM."""
+    n = lim.shard_processes
+    if n < 2 or s.fsdp_offload_params or s.blocks_to_swap:
         return []
-    sharded = replace(s, fsdp="full_shard")
+    sharded = replace(s, fsdp="full_shard", fsdp_shard_size=0)
+    held = s.shard_ranks(n) if s.fsdp else 1  # the processes one copy is sharded across now
+    groups = [Candidate(replace(s, fsdp="hybrid_shard", fsdp_shard_size=g),
+                        f"sharded within groups of {g} of the {n} processes")
+              for g in range(held + 1, n // 2 + 1) if n % g == 0 and g > 1]
     offloaded = Candidate(replace(sharded, fsdp_offload_params=True),
-                          f"sharded across {lim.shard_processes} processes, each one's share in host RAM")
+                          f"sharded across {n} processes, each one's share in host RAM")
     if s.fsdp == "full_shard":
         return [offloaded]
-    return [Candidate(sharded, f"sharded across {lim.shard_processes} processes"), offloaded]
+    return [*groups, Candidate(sharded, f"sharded across {n} processes"), offloaded]
 
 
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
@@ -351,8 +364,9 @@ RUNGS: dict[str, Rung] = {
                      "(UNet-only training)", _te_cache),
     "unet_only": Rung("UNet only", "the text encoders stop training (SDXL: their outputs are cached and they leave "
                       "the device)", _unet_only),
-    "shard": Rung("sharding", "each process holds 1/N of the frozen denoiser and gathers a block's weights only "
-                  "while it runs (FSDP); then each one's share waits in host RAM, copied in for its gathers",
+    "shard": Rung("sharding", "each process holds 1/N of the frozen denoiser (1/G within groups of G: "
+                  "hybrid_shard) and gathers a block's weights only while it runs (FSDP); then each one's share "
+                  "waits in host RAM, copied in for its gathers",
                   _shard),
     "swap": Rung("block swap", "swapped blocks wait in host memory and are copied in around their use (slower only "
                  "once the host link is the bottleneck)", _swap),

@@ -84,6 +84,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
     from diffusers import ModelMixin
+    from torch.distributed.device_mesh import DeviceMesh
     from tqdm.auto import tqdm
 
     from sd_scripts_compat.config.training_config import TrainingConfig
@@ -164,7 +165,8 @@ def setup_process(config: TrainingConfig) -> Process:
         if config.ddp_timeout else None,  # as sd-scripts' --ddp_timeout
     )
     check_sharding(config.fsdp, world=accelerator.num_processes, blocks_to_swap=config.blocks_to_swap,
-                   compiled=bool(config.torch_compile), offload=config.fsdp_offload_params)
+                   compiled=bool(config.torch_compile), offload=config.fsdp_offload_params,
+                   shard_size=config.fsdp_shard_size)
     if (config.fp8_base or config.fp8_base_unet) and not fp8_supported(accelerator.device):
         raise UserError("fp8_base needs a GPU with compute capability 8.0 or newer (RTX 30 series on); remove "
                         "fp8_base")
@@ -198,35 +200,38 @@ class Model:
 def load_model(config: TrainingConfig, process: Process, *, sdxl: bool) -> Model:
     """The base model, read into the dtypes it trains in. With ``fsdp`` the processes read it in turn, each
     sharding its denoiser before the next begins (``training.sharding.in_turn``): the machine's RAM holds one
-    whole denoiser at a time, not one per process."""
+    whole denoiser at a time, not one per process. The mesh is made first, by every process together (a
+    hybrid_shard mesh's groups are collectives of all of them)."""
     if not config.fsdp:
         return _read_model(config, process, sdxl=sdxl)
-    from sd_scripts_compat.training.sharding import in_turn
+    from sd_scripts_compat.training.sharding import in_turn, process_mesh
 
-    return in_turn(process.world, process.rank, lambda: _sharded(config, process, _read_model(config, process,
-                                                                                           sdxl=sdxl)))
+    mesh = process_mesh(process.device, config.fsdp_shard_size)
+    return in_turn(process.world, process.rank,
+                   lambda: _sharded(config, process, mesh, _read_model(config, process, sdxl=sdxl)))
 
 
-def _sharded(config: TrainingConfig, process: Process, model: Model) -> Model:
+def _sharded(config: TrainingConfig, process: Process, mesh: DeviceMesh, model: Model) -> Model:
     """``model`` with its denoiser sharded across the run's processes: on the host until ``fully_shard`` moves one
     block at a time to the card and keeps this process's share (a model larger than one card loads), freeing the
     whole copy in host RAM."""
     import torch
 
     from sd_scripts_compat.training.precision import store_frozen_weights_in_fp8
-    from sd_scripts_compat.training.sharding import held_bytes, process_mesh, shard_denoiser
+    from sd_scripts_compat.training.sharding import held_bytes, shard_denoiser
 
     unet = model.bundle.unet
     place(unet, "cpu", process.weight_dtype)
     if config.fp8_base or config.fp8_base_unet:  # each process's share and each gather in float8 (1 byte)
         store_frozen_weights_in_fp8(unet, process.weight_dtype)
-    units = shard_denoiser(unet, model.family, str(config.fsdp), process_mesh(process.device),
-                           offload=config.fsdp_offload_params)
+    units = shard_denoiser(unet, model.family, str(config.fsdp), mesh, offload=config.fsdp_offload_params)
     held, whole = held_bytes(unet)
     card = f"; the card's peak while sharding {torch.cuda.max_memory_allocated() / 2**20:.2f} MiB" \
         if process.device.type == "cuda" else ""
-    process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across {process.world} "
-                              f"processes ({units} blocks and the rest as one unit; loaded one process at a time): "
+    group = mesh.size(mesh.ndim - 1)
+    across = f"{group} processes" + (f" in each of {process.world // group} groups" if group < process.world else "")
+    process.accelerator.print(f"fsdp {config.fsdp}: the {model.family.description} sharded across {across} "
+                              f"({units} blocks and the rest as one unit; loaded one process at a time): "
                               f"each holds {held / 2**20:.2f} of its {whole / 2**20:.2f} MiB of weights"
                               f"{' in host RAM' if config.fsdp_offload_params else ''}; the LoRA whole on each{card}")
     return model

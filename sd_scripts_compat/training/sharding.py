@@ -3,9 +3,13 @@ that fits no one card fits several.
 
 Each process keeps 1/N of every block's weights and gathers a block's whole weights just before the block runs
 (forward, and again in backward); ``full_shard`` frees them after the block's forward, ``shard_grad_op`` keeps them
-gathered until its backward (faster, more memory). The LoRA stays whole on every process, as in a data-parallel run:
-its few parameters are averaged once per optimizer step (``devices.average_gradients``), its optimizer state is
-each process's own, and rank 0 writes the same file as a one-process run.
+gathered until its backward (faster, more memory). ``hybrid_shard`` shards within groups of ``fsdp_shard_size``
+processes, each group holding a whole copy (FSDP2's HSDP on a two-dimensional mesh): each process holds 1/G and
+gathers the (G - 1)/G it lacks from its group alone, fewer bytes over the link than across all N.
+
+The LoRA stays whole on every process, as in a data-parallel run: its few parameters are averaged across all N
+once per optimizer step (``devices.average_gradients``), its optimizer state is each process's own, and rank 0
+writes the same file as a one-process run.
 
 The processes load the model in turn, each sharding its denoiser before the next begins (:func:`in_turn`): the
 machine's RAM holds one whole denoiser at a time, not one per process (FLUX.1 dev's transformer is 23.8 GB in
@@ -36,25 +40,42 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # the strategy's name (accelerate's and FSDP1's spelling, lower case) -> FSDP2's reshard_after_forward
-STRATEGIES = {"full_shard": True, "shard_grad_op": False}
+STRATEGIES = {"full_shard": True, "shard_grad_op": False, "hybrid_shard": True}
+HYBRID = "hybrid_shard"  # sharded within groups of fsdp_shard_size processes, each group holding a whole copy
 
 
 def check_sharding(strategy: str | None, *, world: int, blocks_to_swap: int, compiled: bool,
-                   offload: bool = False) -> None:
+                   offload: bool = False, shard_size: int | None = None) -> None:
     """One line for a strategy this run cannot use, before any model is loaded."""
     if strategy is None:
         if offload:
             raise UserError("fsdp_offload_params: it offloads the shares of a sharded denoiser; set fsdp = "
                             "\"full_shard\" too, or remove it")
-        return
-    if strategy not in STRATEGIES:
-        raise UserError(f"fsdp = {strategy!r}: one of {', '.join(STRATEGIES)} (hybrid_shard needs several machines)")
-    if world < 2:
+    elif strategy not in STRATEGIES:
+        raise UserError(f"fsdp = {strategy!r}: one of {', '.join(STRATEGIES)}")
+    elif world < 2:
         raise UserError(f"fsdp = {strategy!r}: sharding needs several processes; launch with accelerate launch "
                         "--num_processes N (one per GPU), or remove fsdp")
+    _check_shard_size(strategy, world, shard_size)
     clash = "blocks_to_swap" if blocks_to_swap else "torch_compile" if compiled else None
-    if clash:
+    if strategy is not None and clash:
         raise UserError(f"fsdp = {strategy!r}: {clash} does not combine with sharding here; remove one of them")
+
+
+def _check_shard_size(strategy: str | None, world: int, shard_size: int | None) -> None:
+    """``fsdp_shard_size``: with hybrid_shard, a divisor of the processes between 2 and half of them; 0 or absent
+    with any other (0: across every process)."""
+    if strategy != HYBRID:
+        if shard_size:
+            raise UserError(f"fsdp_shard_size = {shard_size}: it sizes the groups of fsdp = \"{HYBRID}\"; set that "
+                            "too, or remove it")
+        return
+    sizes = [g for g in range(2, world // 2 + 1) if world % g == 0]
+    if shard_size not in sizes:
+        fits = f"one of {', '.join(map(str, sizes))}" if sizes else \
+            f"none fits {world} processes (it needs 4 or more; use full_shard)"
+        raise UserError(f"fsdp = \"{HYBRID}\": fsdp_shard_size = {shard_size} is not a size of group that divides "
+                        f"the run's {world} processes into several: {fits}")
 
 
 def shard_units(denoiser: torch.nn.Module, family: FamilySpec) -> list[torch.nn.Module]:
@@ -111,12 +132,17 @@ def held_bytes(module: torch.nn.Module) -> tuple[int, int]:
     return held, whole
 
 
-def process_mesh(device: torch.device) -> DeviceMesh:
-    """One dimension over every process of the default process group, on ``device``'s type."""
+def process_mesh(device: torch.device, shard_size: int | None = None) -> DeviceMesh:
+    """The processes of the default process group on ``device``'s type: one dimension over them all, or with
+    ``shard_size`` (hybrid_shard) two, groups of that many consecutive ranks sharding one copy each and replicated
+    across the groups (FSDP2 shards along the last dimension and replicates along the first)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if not shard_size or shard_size == world:
+        return init_device_mesh(device.type, (world,))
+    return init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def shard_denoiser(denoiser: torch.nn.Module, family: FamilySpec, strategy: str, mesh: DeviceMesh,
