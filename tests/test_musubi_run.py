@@ -205,6 +205,14 @@ def test_a_stepped_down_attempt_writes_musubi_keys_only(tmp_path: Path) -> None:
     for entry in data["datasets"]:
         assert entry["resolution"] == [512, 512] and entry["target_frames"] == [17]
         assert Path(entry["cache_directory"]).is_absolute()
+    # a step up to no swapped blocks removes the key rather than leave the job's count (musubi writes it only when
+    # blocks are swapped)
+    swapped = replace(base, blocks_to_swap=2)
+    (tmp_path / "swapped.toml").write_text(toml.dumps({**toml.load(tmp_path / "config.toml"), "blocks_to_swap": 2}))
+    config, _ = write_attempt_files(tmp_path / "swapped.toml", tmp_path / "dataset.toml",
+                                    replace(swapped, blocks_to_swap=0), swapped, tmp_path / "state", 4, (),
+                                    "wan_train_network.py")
+    assert "blocks_to_swap" not in toml.load(config)
 
 
 def test_resuming_another_engines_run_with_musubi_is_one_line(tmp_path: Path) -> None:

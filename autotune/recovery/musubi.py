@@ -142,14 +142,15 @@ def check_options(names: frozenset[str], wanted: list[str], source: str, script:
 
 def musubi_values(settings: TrainSettings, base: TrainSettings, script: str) -> dict[str, Any]:
     """The training-config values of ``settings`` that differ from ``base``, in musubi's names, those ``script``
-    has (the dataset's values go to the dataset TOML)."""
+    has (the dataset's values go to the dataset TOML); None for a key ``base`` writes and ``settings`` does not
+    (``blocks_to_swap`` once none are swapped), to be removed."""
     from sd_scripts_compat.facts.musubi_args import musubi_options
     from sd_scripts_compat.facts.settings_space import config_values
 
     new, old = config_values(settings), config_values(base)
     table = musubi_options(script.removesuffix(".py"))
-    return {MUSUBI_NAMES.get(k, k): v for k, v in new.items()
-            if old.get(k) != v and MUSUBI_NAMES.get(k, k) in table}
+    changed = {**{k: None for k in old if k not in new}, **{k: v for k, v in new.items() if old.get(k) != v}}
+    return {MUSUBI_NAMES.get(k, k): v for k, v in changed.items() if MUSUBI_NAMES.get(k, k) in table}
 
 
 def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, base: TrainSettings, out_dir: Path,
@@ -159,7 +160,8 @@ def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, ba
     from sd_scripts_compat.facts.kohya_toml import set_config_values
 
     values = musubi_values(settings, base, script)
-    document = {k: v for k, v in set_config_values(read_toml(config), values).items() if k not in drop}
+    gone = {k for k, v in values.items() if v is None}
+    document = {k: v for k, v in set_config_values(read_toml(config), values).items() if k not in {*drop, *gone}}
     data = read_toml(dataset, "dataset config")
     changes: dict[str, Any] = {}
     if settings.resolution != base.resolution:
