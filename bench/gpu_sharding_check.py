@@ -6,8 +6,9 @@ cards have, and our engine sharded against unsharded on the real collectives.
    for the gathers of a sharded transformer (``dit_speed.gather_seconds``: the card's PCIe figure, probed or from
    the catalogue, times the link efficiency). The predicted seconds of one FLUX.1-dev micro-step's gathers at that
    rate and at the measured one are printed side by side.
-2. **The engine.** ``accelerate launch --num_processes 2`` of tiny-flux, unsharded then ``fsdp = "full_shard"``, the
-   same seed: the LoRAs' largest difference (the CPU test gives 0 with gloo).
+2. **The engine.** ``accelerate launch --num_processes 2`` of tiny-flux, unsharded, then ``fsdp = "full_shard"``, then
+   that with the optimizer's state split too (``shard_optimizer_state``), the same seed: each LoRA's largest
+   difference from the unsharded one (the CPU tests give 0 with gloo).
 
 ``--dry-run`` does both on this CPU with gloo (two processes, a small buffer): the script end to end; the figures
 are a CPU's. Results: ``sharding.json`` in the output folder, and a table.
@@ -90,7 +91,8 @@ def assumed_link(card: str | None) -> dict[str, Any]:
 
 
 def engine_equality(dry_run: bool) -> dict[str, Any]:
-    """tiny-flux through accelerate on two processes, unsharded then sharded: the LoRAs' largest difference."""
+    """tiny-flux through accelerate on two processes, unsharded, sharded, sharded with the optimizer's state split:
+    the LoRAs' largest differences from the unsharded one."""
     import toml
 
     from autotune.recovery.engine import free_port
@@ -103,9 +105,11 @@ def engine_equality(dry_run: bool) -> dict[str, Any]:
               "max_data_loader_n_workers": 0, "network_train_unet_only": True, "cache_latents": True,
               "mixed_precision": "no" if dry_run else "bf16", "t5xxl_max_token_length": 16,
               "model_prediction_type": "raw", "timestep_sampling": "shift", "guidance_scale": 1.0}
+    said = None
     with tempfile.TemporaryDirectory() as folder:
         files = {}
-        for name, extra in (("plain", {}), ("sharded", {"fsdp": "full_shard"})):
+        sharded = {"fsdp": "full_shard"}
+        for name, extra in (("plain", {}), ("sharded", sharded), ("state", {**sharded, "shard_optimizer_state": True})):
             config = Path(folder) / f"{name}.toml"
             config.write_text(toml.dumps({**values, **extra, "output_dir": str(Path(folder) / name)}))
             command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -117,15 +121,18 @@ def engine_equality(dry_run: bool) -> dict[str, Any]:
             if done.returncode != 0:
                 return {"error": f"{name}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
             files[name] = read_lora_file(Path(folder) / name / "lora.safetensors")[0]
-            said = re.search(r"each holds ([\d.]+) of its ([\d.]+) MiB.*?(?:peak while sharding ([\d.]+) MiB)?$",
-                             done.stdout, re.MULTILINE)
-        one, two = files["plain"], files["sharded"]
+            if name == "sharded":
+                said = re.search(r"each holds ([\d.]+) of its ([\d.]+) MiB.*?(?:peak while sharding ([\d.]+) MiB)?$",
+                                 done.stdout, re.MULTILINE)
+        one, two, three = files["plain"], files["sharded"], files["state"]
         # the engine keeps the model on the host until each block is sharded: the card's peak then is the shares
         # and one block, never the whole model (None on a CPU)
         sharding = {"held_mib": float(said[1]), "whole_mib": float(said[2]),
                     "card_peak_while_sharding_mib": float(said[3]) if said[3] else None} if said else {}
-        return {"tensors": len(one), "max_abs_difference": max(float((one[k].float() - two[k].float()).abs().max())
-                                                                for k in one), **sharding}
+        return {"tensors": len(one), **sharding,
+                "max_abs_difference": max(float((one[k].float() - two[k].float()).abs().max()) for k in one),
+                "state_split_max_abs_difference": max(float((one[k].float() - three[k].float()).abs().max())
+                                                      for k in one)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,12 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     (out / "sharding.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     step = assumed["flux_bytes_per_micro_step"]
     print("| backend | measured GB/s | assumed GB/s | measured / assumed | FLUX.1-dev gathers per micro-step, "
-          "s (assumed / measured rate) | tiny-flux LoRA max |sharded - unsharded| | card's peak while sharding / "
-          "whole model, MiB |")
-    print("|---|---|---|---|---|---|---|")
+          "s (assumed / measured rate) | tiny-flux LoRA max |sharded - unsharded| | ... with the state split | "
+          "card's peak while sharding / whole model, MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {link['backend']} | {link['gbps']:.2f} | {assumed['assumed_gbps']:.2f} | "
           f"{link['gbps'] / assumed['assumed_gbps']:.2f} | {step / assumed['assumed_gbps'] / 1e9:.2f} / "
           f"{step / link['gbps'] / 1e9:.2f} | {engine.get('max_abs_difference', engine.get('error'))} | "
+          f"{engine.get('state_split_max_abs_difference')} | "
           f"{engine.get('card_peak_while_sharding_mib')} / {engine.get('whole_mib')} |")
     return 0
 

@@ -23,6 +23,7 @@ def test_the_dry_run_measures_a_gather_and_compares_the_engines_loras(tmp_path):
     assert result["link"]["backend"] == "gloo" and result["link"]["gbps"] > 0
     assert result["assumed"]["assumed_gbps"] > 0 and result["assumed"]["flux_bytes_per_micro_step"] > 20 * 2**30
     assert result["engine"]["max_abs_difference"] == 0.0 and result["engine"]["tensors"] > 0
+    assert result["engine"]["state_split_max_abs_difference"] < 1e-6
     assert "| gloo |" in done.stdout
 
 

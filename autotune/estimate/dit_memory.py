@@ -71,6 +71,7 @@ from autotune.estimate.memory_model import (
     MemoryEstimate,
     canonical_optimizer,
     optimizer_state_bytes,
+    state_share,
 )
 from autotune.estimate.sharded_weights import gathered_bytes, sharded_bytes
 from sd_scripts_compat.facts.errors import UserError
@@ -138,6 +139,7 @@ class DitMemoryInputs:
     autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
     shard_ranks: int = 1  # fsdp: the transformer sharded across this many processes (training.sharding)
     shard_offload: bool = False  # fsdp_offload_params: each process's share of the parameters in host RAM
+    state_ranks: int = 1  # shard_optimizer_state: the LoRA's optimizer state split across this many processes
 
     @classmethod
     def of_trace(cls, config: dict[str, Any], family: str) -> DitMemoryInputs:
@@ -164,7 +166,8 @@ def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_f
         pinned_block_swap=settings.use_pinned_memory_for_block_swap and settings.blocks_to_swap > 0,
         high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit,
         shard_ranks=settings.shard_ranks(processes),
-        shard_offload=bool(settings.fsdp and settings.fsdp_offload_params))
+        shard_offload=bool(settings.fsdp and settings.fsdp_offload_params),
+        state_ranks=processes if settings.shard_optimizer_state else 1)
 
 
 @dataclass(frozen=True)
@@ -355,8 +358,7 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
     n_params = sum(numel * count for numel, count in sizes)
     n_modules = sum(arch["lora_modules"].values())
     param_bytes = 4 if inputs.lora_dtype == "fp32" else 2
-    encoders = encoder_bytes(arch, inputs.t5_fp8)
-    ae = 2 * arch["ae_elements"]
+    encoders, ae = encoder_bytes(arch, inputs.t5_fp8), 2 * arch["ae_elements"]
     both_on_card = inputs.high_noise_expert and not inputs.offload_inactive_dit
     components = {
         "weights_transformer": resident + 4 * n_modules,
@@ -365,7 +367,8 @@ def predict_dit_memory(inputs: DitMemoryInputs, calibration: dict[str, Any] | No
         "weights_vae": 0 if inputs.cache_latents else ae,
         "lora_params": param_bytes * n_params,
         "lora_grads": param_bytes * n_params,
-        "optimizer_state": optimizer_state_bytes(inputs.optimizer, sizes, inputs.rank, param_bytes),
+        "optimizer_state": int(optimizer_state_bytes(inputs.optimizer, sizes, inputs.rank, param_bytes)
+                               * state_share(sizes, inputs.state_ranks)),
         "activations": _activations(cal, inputs, param_bytes * n_params),
     }
     tensor_peak = sum(components.values())

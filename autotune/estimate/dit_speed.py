@@ -149,6 +149,13 @@ def predict_dit_speed(inputs: DitMemoryInputs, gpu: GpuSpec | None = None, *, st
         if gpu is not None else 0.0
     micro = max(compute, link) + (expert_switch_seconds(inputs, gpu, cal) if gpu is not None else 0.0)
     per_step = micro * max(1, gradient_accumulation_steps)
+    if gpu is not None and inputs.state_ranks > 1:  # shard_optimizer_state: the owners' broadcast after the update
+        from autotune.estimate.dit_memory import predict_dit_memory
+        from autotune.estimate.sharded_weights import state_sync_bytes
+
+        link = (getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]) * 1e9
+        lora = predict_dit_memory(inputs, calibration).components["lora_params"]
+        per_step += state_sync_bytes(lora, inputs.state_ranks) / (link * cal["speed"]["link_efficiency"])
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
                          steps=steps, flops_per_micro_step=flops, efficiency=eff, peak_tflops=rate,
                          achieved_tflops=flops / micro / 1e12, device=device)

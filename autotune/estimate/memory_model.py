@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -99,6 +99,7 @@ class MemoryInputs:
     safety_margin_gib: float = DEFAULT_SAFETY_MARGIN_GIB
     autocast_rules: str = "cuda"  # "cpu" for a CPU plan: coefficients traced under CPU autocast's op lists
     shard_ranks: int = 1  # fsdp: the UNet sharded across this many processes (training.sharding)
+    state_ranks: int = 1  # shard_optimizer_state: the LoRA's optimizer state split across this many processes
 
 
 
@@ -120,6 +121,7 @@ def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs or text_encoder_outputs_cached,
         attention=settings.attention, network_module=settings.network_module, network_args=settings.network_args,
         shard_ranks=settings.shard_ranks(processes),  # ``processes``: the run's, one per GPU
+        state_ranks=processes if settings.shard_optimizer_state else 1,
     )
 
 
@@ -278,6 +280,25 @@ def optimizer_state_bytes(optimizer: str, sizes: list[tuple[int, int]], rank: in
     return total
 
 
+def state_share(sizes: list[tuple[int, int]], ranks: int) -> float:
+    """With ``shard_optimizer_state`` across ``ranks`` processes, the share of the LoRA's elements whose optimizer
+    state the most loaded one keeps: ZeroRedundancyOptimizer's partition, each tensor, largest first, to the least
+    loaded process (it partitions each parameter group apart, the loads carried over: taken here as one group).
+    1.0 for one process."""
+    return _largest_load(tuple(sorted(sizes, reverse=True)), ranks) if ranks > 1 else 1.0
+
+
+@lru_cache(maxsize=512)
+def _largest_load(sizes: tuple[tuple[int, int], ...], ranks: int) -> float:
+    import heapq
+
+    loads = [0] * ranks
+    for numel, count in sizes:
+        for _ in range(count):
+            heapq.heapreplace(loads, loads[0] + numel)
+    return max(loads) / max(1, sum(loads))
+
+
 def _weights(arch: dict[str, Any], inputs: MemoryInputs) -> tuple[int, int, int]:
     unet = arch["unet"]
     if inputs.shard_ranks > 1:  # counted in 16 bits, with fp8 too (its per-unit share not modelled: high)
@@ -403,7 +424,8 @@ def predict_memory(inputs: MemoryInputs, calibration: dict[str, Any] | None = No
         "weights_vae": vae_w,
         "lora_params": param_bytes * n_params,
         "lora_grads": grads,
-        "optimizer_state": optimizer_state_bytes(inputs.optimizer, sizes, inputs.rank, param_bytes),
+        "optimizer_state": int(optimizer_state_bytes(inputs.optimizer, sizes, inputs.rank, param_bytes)
+                               * state_share(sizes, inputs.state_ranks)),
         "activations": _activations(cal, calibration, inputs, grads, notes),
     }
     tensor_peak = sum(components.values())

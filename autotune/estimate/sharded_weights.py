@@ -30,3 +30,9 @@ def gathered_bytes(units: list[int], root: int, ranks: int, offload: bool = Fals
     copied from host RAM before each gather (the same host link on consumer cards)."""
     moved = 2 * sum(units) + root
     return int(moved * (ranks - 1) / ranks + (moved / ranks if offload else 0))
+
+
+def state_sync_bytes(lora_bytes: int, ranks: int) -> float:
+    """Bytes each process receives per optimizer step with ``shard_optimizer_state``: the (N - 1) / N of the LoRA's
+    parameters it does not own, sent by their owners after the update (with nothing to hide behind)."""
+    return lora_bytes * (ranks - 1) / ranks

@@ -250,6 +250,20 @@ def predict_speed(inputs: MemoryInputs, gpu: GpuSpec | None = None, *, steps: in
     if gpu is not None:  # a sharded UNet's gathers overlap its compute (FSDP prefetches the next block)
         micro = max(micro, unet_gather_seconds(inputs, gpu, calibration))
     per_step = micro * max(1, gradient_accumulation_steps)
+    if gpu is not None and inputs.state_ranks > 1:  # shard_optimizer_state: the owners' broadcast after the update
+        per_step += unet_state_sync_seconds(inputs, gpu, calibration)
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,
                          steps=steps, flops_per_micro_step=flops.total, efficiency=eff, peak_tflops=rate,
                          achieved_tflops=achieved, device=device)
+
+
+def unet_state_sync_seconds(inputs: MemoryInputs, gpu: GpuSpec, calibration: dict[str, Any] | None = None) -> float:
+    """Seconds per optimizer step in which a UNet's LoRA reaches every process from its owners
+    (``sharded_weights.state_sync_bytes``), over the link at the transformer families' efficiency."""
+    from autotune.estimate.dit_memory import load_dit_calibration
+    from autotune.estimate.memory_model import predict_memory
+    from autotune.estimate.sharded_weights import state_sync_bytes
+
+    link = load_dit_calibration()["speed"]
+    rate = (getattr(gpu, "pcie_gbps", None) or link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
+    return state_sync_bytes(predict_memory(inputs, calibration).components["lora_params"], inputs.state_ranks) / rate

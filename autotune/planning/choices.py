@@ -74,6 +74,7 @@ class PlanContext:
     pinned_reason: str | None = None  # why the swapped blocks are pinned or not (planning.host_swap)
     offload_reason: str | None = None  # Wan 2.2, both experts: why the inactive one is offloaded or not
     sharding_reason: str | None = None  # several cards: why data parallel or sharded (planning.sharding)
+    state_reason: str | None = None  # ... why the LoRA's optimizer state is split across them or whole on each
 
     @property
     def values(self) -> dict[str, Any]:
@@ -326,6 +327,9 @@ def _training(c: PlanContext) -> list[Choice]:
             out.append(Choice("fsdp_shard_size", s.fsdp_shard_size, (
                 f"each group of {s.fsdp_shard_size} of the {c.devices} cards shards one copy of the denoiser and "
                 "gathers within itself (the fsdp row says why; lora-autotune's engine)")))
+    if c.state_reason is not None:  # written where split (lora-autotune's engine's key)
+        out.append(Choice("shard_optimizer_state", s.shard_optimizer_state, c.state_reason,
+                          kohya=s.shard_optimizer_state))
     if c.pinned_reason is not None:
         out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))
     if c.offload_reason is not None:

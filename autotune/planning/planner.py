@@ -125,7 +125,7 @@ from autotune.planning.resolution import (
     is_tiny_scale,
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
-from autotune.planning.sharding import can_shard, choose_sharding, not_sharded_reason
+from autotune.planning.sharding import can_shard, choose_sharding, choose_state, not_sharded_reason
 from sd_scripts_compat.facts.dataset_scan import VIDEO_EXTENSIONS
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -302,6 +302,7 @@ class _Searched:
     found: SearchResult
     pin_costs: tuple[str, ...] = ()
     sharding_reason: str | None = None  # several cards: data parallel or sharded, and why (planning.sharding)
+    state_reason: str | None = None  # ... the LoRA's optimizer state split across them or whole on each, and why
 
 
 def plan_training(request: PlanRequest) -> Plan:
@@ -363,11 +364,15 @@ def _search_plan(request: PlanRequest) -> _Searched:
                           memory=memory_view(request, bool(gpus), devices))
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
-    sharding_reason = None
+    sharding_reason = state_reason = None
     if can_shard(family, devices):  # several cards: data parallel or the transformer sharded, the faster
-        sharding = choose_sharding(start, devices, found, lambda point: search(
-            point, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
-            predictor=predictor, split=split))
+        def again(point: TrainSettings) -> SearchResult:
+            return search(point, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
+                          predictor=predictor, split=split)
+
+        state_split = replace(start, shard_optimizer_state=True)  # ... and the LoRA's optimizer state split too
+        sharding, state_reason = choose_state(start, devices, choose_sharding(start, devices, found, again),
+                                              choose_sharding(state_split, devices, again(state_split), again))
         found, sharding_reason = sharding.found, sharding.reason
     elif devices > 1:
         sharding_reason = not_sharded_reason(family)
@@ -386,7 +391,7 @@ def _search_plan(request: PlanRequest) -> _Searched:
     return _Searched(family=family, dataset=dataset, goal=goal, devices=devices, precision=precision,
                      precision_reason=precision_reason, usable=usable, preferred_opt=preferred_opt, t5_fp8=t5_fp8,
                      te_cpu=te_cpu, measured=measured, predictor=predictor, found=found, pin_costs=costs,
-                     sharding_reason=sharding_reason)
+                     sharding_reason=sharding_reason, state_reason=state_reason)
 
 
 def pin_costs(split: tuple[int, int], pinned: TrainSettings, free: TrainSettings | None) -> tuple[str, ...]:
@@ -451,7 +456,7 @@ def _fitting_plan(request: PlanRequest, searched: _Searched, fitting: Scored, co
                           peak=chosen.peak, workers=ram.workers, t5_fp8=searched.t5_fp8, te_cpu=searched.te_cpu,
                           host_ram=chosen.host_ram, compile_reason=compiling.reason,
                           pinned_reason=host_swap.pinned_reason, offload_reason=host_swap.offload_reason,
-                          sharding_reason=searched.sharding_reason)
+                          sharding_reason=searched.sharding_reason, state_reason=searched.state_reason)
     unit, unit_name = memory_unit(device)
     summary = (f"{family.name} on {device}: micro-batch {s.train_batch_size} x accumulation "
                f"{s.gradient_accumulation_steps}{f' x {devices} devices' if devices > 1 else ''}, "

@@ -90,6 +90,37 @@ def choose_sharding(start: TrainSettings, devices: int, plain: SearchResult,
     return ShardingChoice(best[1], f"{best[0]}: {_figures(_chosen(best[1]))}; {others}")
 
 
+def choose_state(start: TrainSettings, devices: int, whole: ShardingChoice,
+                 split: ShardingChoice) -> tuple[ShardingChoice, str]:
+    """The LoRA's optimizer state split across the cards (``shard_optimizer_state``: each process keeps that of its
+    share of the parameters) where the plan is ahead for it (:func:`_ahead`: fewer of the training's settings
+    lowered, faster, less given up to fit), else kept whole on each (no extra pass of the LoRA over the link per
+    step); (the choice, why, with both ways' state per card and figures)."""
+    if split.found.chosen is None or (whole.found.chosen is not None and not _ahead(start, split.found, whole.found)):
+        if whole.found.chosen is None or split.found.chosen is None:
+            return whole, "the LoRA's optimizer state kept whole on each card"
+        return whole, (f"the LoRA's optimizer state kept whole on each card ({_state(whole.found)}): split across "
+                       f"them ({_state(split.found)}) the plan gains nothing ({_figures(_chosen(split.found))}) and "
+                       "the LoRA would cross the link once more per step")
+    if whole.found.chosen is None:
+        return split, (f"the LoRA's optimizer state split across the {devices} cards ({_state(split.found)}): kept "
+                       "whole on each, nothing fits")
+    extra = ", ".join(f for f in whole.found.fallbacks if f not in split.found.fallbacks)
+    if _lowered(start, whole.found) > _lowered(start, split.found):
+        cost = f"the plan needs {extra} to fit, which lowers what trains"
+    elif _chosen(split.found).samples_per_s > _chosen(whole.found).samples_per_s * (1 + SPEED_TIE):
+        cost = "it is slower"
+    else:
+        cost = f"it needs {extra} to fit"
+    return split, (f"the LoRA's optimizer state split across the {devices} cards ({_state(split.found)}; "
+                   f"{_figures(_chosen(split.found))}): kept whole on each ({_state(whole.found)}) {cost} "
+                   f"({_figures(_chosen(whole.found))})")
+
+
+def _state(found: SearchResult) -> str:
+    return f"{dict(_chosen(found).components).get('optimizer_state', 0) / GIB:.2f} GiB per card"
+
+
 def group_sizes(devices: int) -> list[int]:
     """The sizes of group ``hybrid_shard`` may shard within on ``devices`` cards: the divisors between 2 and half
     of them (``training.sharding``: 4 cards in 2 groups of 2; 8 in 4 of 2 or 2 of 4)."""
@@ -111,11 +142,16 @@ def _chosen(found: SearchResult) -> Scored:
 
 
 def _lowered(start: TrainSettings, found: SearchResult) -> int:
-    """How many of the training's own settings the search lowered to fit (not how it runs: fp8, swap, offload)."""
+    """How many of the training's own settings the search lowered to fit (not how it runs: fp8, swap, offload,
+    an optimizer's 8-bit twin): rank, resolution, buckets, frames, the text encoders' learning, the optimizer's
+    family left (Prodigy for AdamW8bit)."""
+    from sd_scripts_compat.facts.settings_space import eight_bit_optimizer
+
     s = _chosen(found).settings
+    left = s.optimizer_type not in (start.optimizer_type, eight_bit_optimizer(start.optimizer_type, False))
     return sum((s.network_dim < start.network_dim, s.resolution != start.resolution,
                 s.max_bucket_reso != start.max_bucket_reso, s.frames < start.frames,
-                s.network_train_unet_only and not start.network_train_unet_only))
+                s.network_train_unet_only and not start.network_train_unet_only, left))
 
 
 def _ahead(start: TrainSettings, one: SearchResult, other: SearchResult) -> bool:

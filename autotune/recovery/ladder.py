@@ -7,17 +7,20 @@ failure itself proves the model was optimistic for this machine.
 
 The rungs are the settings space's (``sd_scripts_compat.facts.settings_space``: the same moves the planner and
 the wizard make), walked in the OOM policy's order (cheapest loss of quality/speed first):
-  1. smaller micro-batch, more gradient accumulation (micro x accum, the effective batch, unchanged)
-  2. gradient checkpointing on
-  3. 8-bit optimizer (AdamW -> AdamW8bit, Lion -> Lion8bit)
-  4. text-encoder output caching (SDXL; implies training the UNet only)
-  5. the denoiser sharded across the run's processes (several GPUs, our engine: ``fsdp = "full_shard"``)
-  6. more swapped blocks (families that swap, FLUX: one more block at a time up to the family's maximum;
+  1. the optimizer's state split across the run's processes (several GPUs, our engine:
+     ``shard_optimizer_state``; nothing trained changes, the LoRA crosses the link once more per step)
+  2. smaller micro-batch, more gradient accumulation (micro x accum, the effective batch, unchanged)
+  3. gradient checkpointing on
+  4. 8-bit optimizer (AdamW -> AdamW8bit, Lion -> Lion8bit)
+  5. text-encoder output caching (SDXL; implies training the UNet only)
+  6. the denoiser sharded across the run's processes (several GPUs, our engine: ``fsdp = "hybrid_shard"`` within
+     groups, then ``"full_shard"`` across all, then each share in host RAM)
+  7. more swapped blocks (families that swap, FLUX: one more block at a time up to the family's maximum;
      slower only once the host link is the bottleneck, and quality is untouched; not beside sharding)
-  7. lower max bucket resolution (down to the training resolution)
-  8. lower resolution (in bucket steps, down to a floor)
-  9. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
-  10. fp8 base weights, where the card supports it (not beside sharding)
+  8. lower max bucket resolution (down to the training resolution)
+  9. lower resolution (in bucket steps, down to a floor)
+  10. lower rank (halving, alpha kept in proportion so the LoRA's scale is unchanged)
+  11. fp8 base weights, where the card supports it
 The ladder is walked cumulatively: a rung's mildest option that is predicted to fit wins; if none
 fits, the rung's strongest option is kept and the next rung is tried on top of it.
 """

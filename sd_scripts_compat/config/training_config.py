@@ -343,6 +343,7 @@ class TrainingConfig:
     fsdp: str | None = None  # several processes: the frozen denoiser sharded (training.sharding.STRATEGIES)
     fsdp_offload_params: bool = False  # ... each process's share waiting in host RAM between its gathers
     fsdp_shard_size: int | None = None  # hybrid_shard: the processes of each group that shards one copy
+    shard_optimizer_state: bool = False  # several processes: each keeps the optimizer state of its share of the LoRA
     autotune_events_dir: str | None = None
     autotune_retry_log: str | None = None
     autotune_state_dir: str | None = None
@@ -381,6 +382,9 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
     "fsdp_shard_size": (int, "with fsdp = hybrid_shard: the processes each group shards one copy of the denoiser "
                              "across (a divisor of their number); the groups hold a copy each and gather within "
                              "themselves (FSDP2's HSDP: fewer bytes gathered, more held)"),
+    "shard_optimizer_state": (bool, "with several processes: each keeps the optimizer state of its share of the "
+                                    "LoRA's parameters and sends them to the others after its update (ZeRO stage "
+                                    "1: 1/N of the state per card, the LoRA once more over the link per step)"),
     "autotune_events_dir": (str, "folder for progress.json / oom.json / done.json events (the watchdog reads them)"),
     "autotune_retry_log": (str, "JSON list of OOM retries to record in the LoRA's metadata"),
     "autotune_state_dir": (str, "folder for state folders (default: output_dir, as in sd-scripts)"),
@@ -393,7 +397,7 @@ EXTENSION_FLAGS: dict[str, tuple[Any, str]] = {
 
 
 # Extensions a config file may hold too (sd-scripts ignores them there).
-FILE_EXTENSIONS = ("allow_pickle", "fsdp", "fsdp_offload_params", "fsdp_shard_size")
+FILE_EXTENSIONS = ("allow_pickle", "fsdp", "fsdp_offload_params", "fsdp_shard_size", "shard_optimizer_state")
 
 
 def _add_extension_flags(parser: argparse.ArgumentParser) -> None:

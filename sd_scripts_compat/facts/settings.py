@@ -22,7 +22,7 @@ _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_arg
                                   "dynamo_backend": "inductor", "frames": 1,
                                   "use_pinned_memory_for_block_swap": False, "high_noise_expert": False,
                                   "offload_inactive_dit": False, "fsdp": None, "fsdp_offload_params": False,
-                                  "fsdp_shard_size": 0}
+                                  "fsdp_shard_size": 0, "shard_optimizer_state": False}
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ class TrainSettings:
     fsdp: str | None = None  # several processes: the frozen denoiser sharded across them (training.sharding)
     fsdp_offload_params: bool = False  # ... each one's share in host RAM, copied to the card for each gather
     fsdp_shard_size: int = 0  # hybrid_shard: the processes of each group that shards it (the groups replicate it)
+    shard_optimizer_state: bool = False  # several processes: each keeps the optimizer state of its share of the LoRA
 
     @property
     def effective_batch(self) -> int:
@@ -144,7 +145,7 @@ class TrainSettings:
         data["torch_compile"], data["dynamo_backend"] = bool(data["torch_compile"]), str(data["dynamo_backend"])
         data["frames"] = int(data["frames"])
         for name in ("use_pinned_memory_for_block_swap", "high_noise_expert", "offload_inactive_dit",
-                     "fsdp_offload_params"):
+                     "fsdp_offload_params", "shard_optimizer_state"):
             data[name] = bool(data[name])
         data["fsdp"] = str(data["fsdp"]) if data["fsdp"] else None
         return cls(**data)
@@ -172,6 +173,8 @@ class TrainSettings:
             groups = f", groups of {self.fsdp_shard_size}" if self.fsdp == "hybrid_shard" else ""
             parts.append(f"sharded ({self.fsdp}{groups})"
                          + (", offloaded to host RAM" if self.fsdp_offload_params else ""))
+        if self.shard_optimizer_state:
+            parts.append("optimizer state sharded")
         if self.torch_compile:
             parts.append(f"blocks compiled ({self.dynamo_backend})")
         parts.append(f"lr {self.learning_rate:g}")

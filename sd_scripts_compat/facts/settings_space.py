@@ -69,6 +69,8 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["fsdp_offload_params"] = s.fsdp_offload_params
         if s.fsdp == "hybrid_shard":
             values["fsdp_shard_size"] = s.fsdp_shard_size
+    if s.shard_optimizer_state:  # our engine's key too
+        values["shard_optimizer_state"] = True
     if s.use_pinned_memory_for_block_swap:
         values["use_pinned_memory_for_block_swap"] = True
     if s.high_noise_expert:  # written either way: a ladder move from offloading to block swap must clear it
@@ -164,6 +166,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         fsdp=str(values["fsdp"]) if values.get("fsdp") else None,
         fsdp_offload_params=bool(values.get("fsdp_offload_params", False)),
         fsdp_shard_size=int(values.get("fsdp_shard_size") or 0) if values.get("fsdp") == "hybrid_shard" else 0,
+        shard_optimizer_state=bool(values.get("shard_optimizer_state", False)),
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
         torch_compile=bool(values.get("torch_compile", False)),
@@ -297,6 +300,13 @@ def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     return [*groups, Candidate(sharded, f"sharded across {n} processes"), offloaded]
 
 
+def _split_state(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
+    if lim.shard_processes < 2 or s.shard_optimizer_state:
+        return []
+    return [Candidate(replace(s, shard_optimizer_state=True),
+                      f"the optimizer's state split across {lim.shard_processes} processes")]
+
+
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     if s.fsdp:  # a sharded denoiser swaps no blocks (training.sharding)
         return []
@@ -368,6 +378,9 @@ RUNGS: dict[str, Rung] = {
                   "hybrid_shard) and gathers a block's weights only while it runs (FSDP); then each one's share "
                   "waits in host RAM, copied in for its gathers",
                   _shard),
+    "split_state": Rung("optimizer state split", "each process keeps the optimizer state of its share of the "
+                        "LoRA's parameters (nothing trained changes; the LoRA crosses the link once more per step)",
+                        _split_state),
     "swap": Rung("block swap", "swapped blocks wait in host memory and are copied in around their use (slower only "
                  "once the host link is the bottleneck)", _swap),
     "max_bucket": Rung("max bucket resolution", "a lower max bucket resolution caps the largest (most "
@@ -388,7 +401,9 @@ def rungs(settings: TrainSettings, policy: Policy, limits: Limits) -> list[tuple
     return [(name, RUNGS[name], RUNGS[name].moves(settings, policy, limits)) for name in policy.rungs]
 
 
-# The OOM ladder's order: cheapest loss of quality or speed first; all of it resumes from the saved state except
+# The OOM ladder's order: cheapest loss of quality or speed first (the optimizer's state split across a run's
+# processes, where our engine runs several, loses neither); all of it resumes from the saved state except
 # the optimizer, text-encoder and rank moves (their tensors change shape).
-OOM_POLICY = Policy(rungs=("micro_batch", "checkpointing", "optimizer", "te_cache", "shard", "swap", "max_bucket",
+OOM_POLICY = Policy(rungs=("split_state", "micro_batch", "checkpointing", "optimizer", "te_cache", "shard", "swap",
+                           "max_bucket",
                            "resolution", "frames", "rank_min", "fp8"))

@@ -113,7 +113,22 @@ class Checkpointer:
     is_main_process: bool
     guard: Any = None
 
+    @property
+    def state_sharded(self) -> bool:
+        """Each process holds part of the optimizer's state (``training.optimizer_sharding``): a state save needs
+        every process (:meth:`gather`), and the save's moment must be one they agree on."""
+        from sd_scripts_compat.training.optimizer_sharding import is_sharded
+
+        return is_sharded(self.optimizer)
+
+    def gather(self) -> None:
+        """Every process, before a state save: a sharded optimizer's parts sent to the main process."""
+        from sd_scripts_compat.training.optimizer_sharding import gather_state
+
+        gather_state(self.optimizer)
+
     def save_state(self, folder: Path, counters: TrainCounters) -> Path:
+        """The state folder (the main process, after :meth:`gather` in every process)."""
         from sd_scripts_compat.training.train_state import save_train_state
 
         if self.guard is not None:
@@ -138,7 +153,9 @@ class Checkpointer:
 
     def save_intermediate(self, counters: TrainCounters, *, suffix: str, step: int | None) -> None:
         """An intermediate LoRA (+ state with save_state) at an epoch end (``step`` None) or a step;
-        then the old ones beyond save_last_n_* / save_last_n_*_state go."""
+        then the old ones beyond save_last_n_* / save_last_n_*_state go. Every process calls it."""
+        if self.policy.save_state:
+            self.gather()
         if not self.is_main_process:
             return
         self.save_lora(self.paths.lora_file(suffix), counters, final=False)

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
 
 def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate: float,
-                   optimizer_args: dict[str, Any]) -> tuple[Any, str]:
-    """Build the optimizer; returns it with the name recorded in the LoRA metadata (``ss_optimizer``)."""
+                   optimizer_args: dict[str, Any], shard_state: bool = False) -> tuple[Any, str]:
+    """Build the optimizer; returns it with the name recorded in the LoRA metadata (``ss_optimizer``). With
+    ``shard_state`` each process keeps the state of its share of the parameters (``training.optimizer_sharding``;
+    the name recorded is the optimizer's own)."""
     import importlib
 
     key = name.lower()
@@ -42,7 +44,12 @@ def make_optimizer(name: str, param_groups: list[dict[str, Any]], learning_rate:
             param_groups = [{k: v for k, v in group.items() if k != "lr"} for group in param_groups]
             learning_rate = None  # type: ignore[assignment]
     try:
-        optimizer = optimizer_class(param_groups, lr=learning_rate, **kwargs)
+        if shard_state:
+            from sd_scripts_compat.training.optimizer_sharding import sharded_optimizer
+
+            optimizer = sharded_optimizer(optimizer_class, param_groups, lr=learning_rate, **kwargs)
+        else:
+            optimizer = optimizer_class(param_groups, lr=learning_rate, **kwargs)
     except (TypeError, ValueError, RuntimeError) as error:  # an unknown keyword; a value the optimizer refuses
         # (betas=(2, 0)); options that cannot go together (fused and foreach)
         raise UserError(f"optimizer_args for {canonical}: {str(error).replace('`', '')}") from None

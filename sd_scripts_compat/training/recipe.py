@@ -71,6 +71,7 @@ from sd_scripts_compat.training.emulated_card import EmulatedCard, optimizer_ten
 from sd_scripts_compat.training.faults import FaultPlan
 from sd_scripts_compat.training.live_changes import ControlFile, reset_peak, set_checkpointing
 from sd_scripts_compat.training.monitor import start_monitor
+from sd_scripts_compat.training.optimizer_sharding import agreed_by_main, local_optimizer
 from sd_scripts_compat.training.phase_report import PhaseReporter, size_on_disk
 from sd_scripts_compat.training.phase_timer import PhaseTimer, tensorboard_scalars
 from sd_scripts_compat.training.precision import DynamicLossScale
@@ -146,6 +147,7 @@ def setup_process(config: TrainingConfig) -> Process:
     from sd_scripts_compat.facts.sample_prompts import read_sample_prompts
     from sd_scripts_compat.training.host_allocator import keep_freed_host_memory
     from sd_scripts_compat.training.optim import check_optimizer_settings
+    from sd_scripts_compat.training.optimizer_sharding import check_state_sharding
     from sd_scripts_compat.training.precision import fp8_supported
     from sd_scripts_compat.training.sharding import check_sharding
 
@@ -167,6 +169,7 @@ def setup_process(config: TrainingConfig) -> Process:
     check_sharding(config.fsdp, world=accelerator.num_processes, blocks_to_swap=config.blocks_to_swap,
                    compiled=bool(config.torch_compile), offload=config.fsdp_offload_params,
                    shard_size=config.fsdp_shard_size)
+    check_state_sharding(config.shard_optimizer_state, accelerator.num_processes)
     if (config.fp8_base or config.fp8_base_unet) and not fp8_supported(accelerator.device):
         raise UserError("fp8_base needs a GPU with compute capability 8.0 or newer (RTX 30 series on); remove "
                         "fp8_base")
@@ -517,7 +520,14 @@ def build_optimization(config: TrainingConfig, process: Process, network: Networ
     param_groups = network.network.prepare_optimizer_params(config.text_encoders_lr, config.unet_lr,
                                                             config.learning_rate)
     optimizer, description = make_optimizer(config.optimizer_type or "AdamW", param_groups, config.learning_rate,
-                                            config.optimizer_args)
+                                            config.optimizer_args, shard_state=config.shard_optimizer_state)
+    if config.shard_optimizer_state:
+        from sd_scripts_compat.training.optimizer_sharding import owned_share
+
+        owned, every = owned_share(optimizer)
+        process.accelerator.print(f"shard_optimizer_state: the optimizer's state split across {process.world} "
+                                  f"processes by parameter; the main process keeps that of {owned:,} of the LoRA's "
+                                  f"{every:,} elements")
     accumulation = max(1, config.gradient_accumulation_steps)
     batches_per_epoch = data.train.num_batches(process.world)
     steps_per_epoch = max(1, math.ceil(batches_per_epoch / accumulation))
@@ -530,8 +540,9 @@ def build_optimization(config: TrainingConfig, process: Process, network: Networ
                                      scheduler_args=config.lr_scheduler_args)
     unet_group = next((i for i, group in enumerate(param_groups) if group.get("part") == "unet"), -1)
     loss_scale = DynamicLossScale() if config.full_fp16 else None
-    if loss_scale is None:
-        optimizer = process.accelerator.prepare(optimizer)  # GradScaler for fp16 mixed precision lives here
+    if loss_scale is None:  # GradScaler for fp16 mixed precision lives here; a sharded optimizer's state is not
+        # whole in any process to be moved (nor yet made): accelerate's device placement would ask for it
+        optimizer = process.accelerator.prepare_optimizer(optimizer, device_placement=not config.shard_optimizer_state)
     return Optimization(optimizer=optimizer, description=description, lr_scheduler=lr_scheduler,
                         loss_scale=loss_scale, accumulation=accumulation, batches_per_epoch=batches_per_epoch,
                         max_train_steps=max_train_steps, total_epochs=math.ceil(max_train_steps / steps_per_epoch),
@@ -819,7 +830,7 @@ def build_guard(process: Process, network: Network, optimization: Optimization,
                 counters: TrainCounters) -> StabilityGuard:
     """The instability checks of this session; a loss scaler (ours or accelerate's) owns non-finite grads."""
     scaled = optimization.loss_scale is not None or getattr(process.accelerator, "scaler", None) is not None
-    return StabilityGuard(process.device, network.trainable, unwrap_optimizer(optimization.optimizer),
+    return StabilityGuard(process.device, network.trainable, local_optimizer(unwrap_optimizer(optimization.optimizer)),
                           scaled=scaled, extra=counters.extra)
 
 
@@ -938,7 +949,7 @@ def _hold_on_card(r: Recipe) -> None:
         return
     encoders = [] if r.inputs.cached_text else list(bundle.text_encoders)
     card.hold([bundle.unet, *encoders, None if r.inputs.cached_latents else bundle.vae, r.network.network],
-              optimizer_tensors(unwrap_optimizer(r.optimization.optimizer)))
+              optimizer_tensors(local_optimizer(unwrap_optimizer(r.optimization.optimizer))))
 
 
 def _stop_if_asked(r: Recipe) -> None:
@@ -1030,13 +1041,23 @@ def after_step(r: Recipe, loop: LoopState, counters: TrainCounters, progress: tq
     if config.save_every_n_steps and step % config.save_every_n_steps == 0:
         with r.phases.event("save"):
             r.checkpointer.save_intermediate(counters, suffix=f"-step{step:08d}", step=step)
-    if (config.save_state_every_seconds and r.process.is_main
-            and now - loop.last_state_save >= config.save_state_every_seconds):
+    if config.save_state_every_seconds and _timed_save_due(r, now - loop.last_state_save):
         with r.phases.event("save"):
-            r.checkpointer.save_state(r.process.paths.state_dir(), counters)
+            r.checkpointer.gather()
+            if r.process.is_main:
+                r.checkpointer.save_state(r.process.paths.state_dir(), counters)
         loop.last_state_save = now
     if config.sample_every_n_steps and step % config.sample_every_n_steps == 0:
         _sample(r, f"step{step:08d}")
+
+
+def _timed_save_due(r: Recipe, since_last: float) -> bool:
+    """The main process's clock says a timed state save is due; with the optimizer's state sharded every process
+    learns it (one all-reduce of a flag per step), as each must send its part."""
+    due = since_last >= (r.config.save_state_every_seconds or 0)
+    if r.checkpointer.state_sharded:
+        return agreed_by_main(due, r.process.world, r.process.device)
+    return due and r.process.is_main
 
 
 def _apply_changes(r: Recipe, loop: LoopState) -> bool:
@@ -1142,8 +1163,8 @@ def finish_oom(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
         r.network.block_swap.release_all()  # a step that failed half-way leaves blocks on the device
     gc.collect()
     free_device_memory(process.device)
-    state_dir = None
-    if process.is_main and counters.global_step > 0:
+    state_dir = None  # a sharded optimizer state needs every process, some of which may be mid-step: none saved
+    if process.is_main and counters.global_step > 0 and not r.checkpointer.state_sharded:
         state_dir = str(r.checkpointer.save_state(process.paths.state_dir(), counters))
     message = (loop.oom or {}).get("message")
     event = {"step": counters.global_step, "epoch": counters.epoch, "settings": r.report.settings,
@@ -1192,6 +1213,7 @@ def finish_diverged(r: Recipe, report: dict[str, Any], counters: TrainCounters) 
 def finish_interrupted(r: Recipe, counters: TrainCounters) -> int:
     """Save the state of the last whole step; exit 130 (SIGINT) or 143 (SIGTERM)."""
     stops = r.stops or StopSignals()
+    r.checkpointer.gather()  # every process stopped at the step they agreed on
     if r.process.is_main:
         folder = r.checkpointer.save_state(r.process.paths.state_dir(), counters)
         program = r.model.family.script
@@ -1206,6 +1228,8 @@ def finish_done(r: Recipe, loop: LoopState, counters: TrainCounters) -> int:
     process.accelerator.wait_for_everyone()
     output_file = process.paths.lora_file()
     with r.phases.event("save"):
+        if config.save_state or config.save_state_on_train_end:
+            r.checkpointer.gather()
         if process.is_main:
             r.checkpointer.save_lora(output_file, counters, final=True)
             if config.save_state or config.save_state_on_train_end:
