@@ -147,16 +147,9 @@ def test_the_oom_ladder_shards_before_it_swaps_when_the_run_has_several_processe
     """FLUX.1 dev at 1024 px, bf16, out of memory on 16 GB cards at micro-batch 1 with checkpointing and an 8-bit
     optimizer: with four processes of our engine the next rung is sharding (within groups of two: half the
     transformer each fits by the peak the run measured), with one it is block swap."""
-    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
-    from sd_scripts_compat.facts.settings import TrainSettings
+    from autotune.recovery.ladder import Decision, memory_predictor, next_settings
 
-    family = get_family("flux-dev")
-    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
-                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
-                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
-                           cache_text_encoder_outputs=True)
-    limits = replace(LadderLimits.for_family(family, 16 * 1024, fp8_supported=True, te_cache_allowed=True),
-                     shard_processes=processes)
+    family, failed, limits = _flux_oom(16, processes)
     predict = memory_predictor(family, cuda=True, processes=processes)
     step = next_settings(failed, limits, predict, measured_mib=16 * 1024)
     assert isinstance(step, Decision) and expected in step.changes
@@ -215,16 +208,9 @@ def test_too_little_ram_for_every_process_loading_is_warned_with_the_count():
 def test_the_oom_ladder_offloads_the_shares_of_a_sharded_run_that_still_runs_out_of_memory():
     """Sharded across 2 processes, FLUX.1 dev out of memory on 12 GB cards: the next rung keeps sharding and puts
     each process's share in host RAM (shard more, then offload), before any quality is given up."""
-    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
-    from sd_scripts_compat.facts.settings import TrainSettings
+    from autotune.recovery.ladder import Decision, memory_predictor, next_settings
 
-    family = get_family("flux-dev")
-    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
-                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
-                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
-                           cache_text_encoder_outputs=True, fsdp="full_shard")
-    limits = replace(LadderLimits.for_family(family, 12 * 1024, fp8_supported=True, te_cache_allowed=True),
-                     shard_processes=2)
+    family, failed, limits = _flux_oom(12, 2, fsdp="full_shard")
     step = next_settings(failed, limits, memory_predictor(family, cuda=True, processes=2), measured_mib=12 * 1024)
     assert isinstance(step, Decision) and step.settings.fsdp == "full_shard" and step.settings.fsdp_offload_params
     assert step.settings.network_dim == 32 and step.settings.resolution == (1024, 1024)
@@ -262,16 +248,9 @@ def test_sd35_large_on_two_12_gb_cards_is_sharded_with_its_weights_in_fp8():
 def test_the_oom_ladder_shards_a_run_in_fp8_and_keeps_its_fp8_weights():
     """FLUX.1 dev in fp8 on two 12 GB cards, data parallel, out of memory: the next rung shards it, the fp8 weights
     kept (each share in float8), before any block is swapped."""
-    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
-    from sd_scripts_compat.facts.settings import TrainSettings
+    from autotune.recovery.ladder import Decision, memory_predictor, next_settings
 
-    family = get_family("flux-dev")
-    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
-                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
-                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
-                           cache_text_encoder_outputs=True, fp8_base=True)
-    limits = replace(LadderLimits.for_family(family, 12 * 1024, fp8_supported=True, te_cache_allowed=True),
-                     shard_processes=2)
+    family, failed, limits = _flux_oom(12, 2, fp8_base=True)
     step = next_settings(failed, limits, memory_predictor(family, cuda=True, processes=2), measured_mib=12 * 1024)
     assert isinstance(step, Decision) and step.settings.fsdp == "full_shard" and step.settings.fp8_base
     assert not step.settings.blocks_to_swap and step.predicted_mib < 12 * 1024
@@ -343,16 +322,9 @@ def test_groups_of_cards_gather_fewer_bytes_and_are_faster_where_the_link_is_the
 def test_the_oom_ladder_shards_within_groups_before_it_shards_across_every_process():
     """FLUX.1 dev in bf16, data parallel on four 24 GB cards, out of memory: the mildest sharding that fits is
     groups of two (half the transformer each); once that runs out too, across all four."""
-    from autotune.recovery.ladder import Decision, LadderLimits, memory_predictor, next_settings
-    from sd_scripts_compat.facts.settings import TrainSettings
+    from autotune.recovery.ladder import Decision, memory_predictor, next_settings
 
-    family = get_family("flux-dev")
-    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
-                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
-                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
-                           cache_text_encoder_outputs=True)
-    limits = replace(LadderLimits.for_family(family, 24 * 1024, fp8_supported=True, te_cache_allowed=True),
-                     shard_processes=4)
+    family, failed, limits = _flux_oom(24, 4)
     predict = memory_predictor(family, cuda=True, processes=4)
     step = next_settings(failed, limits, predict, measured_mib=24 * 1024)
     assert isinstance(step, Decision) and (step.settings.fsdp, step.settings.fsdp_shard_size) == ("hybrid_shard", 2)
@@ -391,3 +363,20 @@ def test_a_plan_of_groups_is_read_by_the_engine_as_written(tmp_path):
 
     read = load_training_config(["--config_file", str(out / "config.toml")], script="flux_train_network")
     assert (read.fsdp, read.fsdp_shard_size) == ("hybrid_shard", 2)
+
+
+def _flux_oom(card_gib: int, processes: int, **changed):
+    """FLUX.1 dev at 1024 px, bf16, rank 32, micro-batch 1 x 4 with checkpointing and AdamW8bit (and ``changed``),
+    out of memory on ``card_gib`` GB cards in a run of ``processes`` of our engine: (family, failed settings, the
+    ladder's limits)."""
+    from autotune.recovery.ladder import LadderLimits
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    family = get_family("flux-dev")
+    failed = TrainSettings(train_batch_size=1, gradient_accumulation_steps=4, resolution=(1024, 1024),
+                           gradient_checkpointing=True, optimizer_type="AdamW8bit", network_dim=32,
+                           network_train_unet_only=True, mixed_precision="bf16", cache_latents=True,
+                           cache_text_encoder_outputs=True, **changed)
+    limits = replace(LadderLimits.for_family(family, card_gib * 1024, fp8_supported=True, te_cache_allowed=True),
+                     shard_processes=processes)
+    return family, failed, limits
