@@ -133,6 +133,18 @@ def test_the_planner_splits_the_state_where_that_keeps_the_users_optimizer():
     assert components["optimizer_state"] == pytest.approx(2.54 * 2**30 / 2, rel=0.01)
 
 
+def test_the_planner_splits_the_state_where_that_keeps_the_denoisers_shares_on_the_cards():
+    """FLUX.1 dev with Prodigy at rank 64 on 4 x RTX 4060 Ti 16 GB: whole on each card the state (4.6 GiB) leaves
+    room only with each process's share of the transformer in host RAM; split, the shares stay on the cards, as
+    fast by the speed model."""
+    plan = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 4, optimizer="Prodigy", rank=64)
+    s = plan.settings
+    assert s.shard_optimizer_state and s.fsdp == "full_shard" and not s.fsdp_offload_params
+    assert s.optimizer_type == "Prodigy" and s.network_dim == 64
+    reason = next(c for c in plan.choices if c.key == "shard_optimizer_state").reason
+    assert "kept whole on each (4.56 GiB per card) the shares of the denoiser must wait in host RAM to fit" in reason
+
+
 def test_the_planner_keeps_the_state_whole_where_splitting_it_gains_nothing():
     plan = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 4)
     assert not plan.settings.shard_optimizer_state and "shard_optimizer_state" not in plan.kohya_values()
@@ -190,3 +202,42 @@ def test_the_oom_ladder_splits_the_state_of_a_run_of_several_processes_first():
     assert step.resume_compatible and "optimizer state split" in step.reasons[0]
     alone = next_settings(failed, replace(limits, shard_processes=1), predict, measured_mib=need)
     assert isinstance(alone, Decision) and "shard_optimizer_state" not in alone.changes
+
+
+@pytest.mark.slow
+def test_a_stopped_run_with_the_state_split_saves_it_whole_at_the_step_its_processes_agree_on(tmp_path):
+    """SIGTERM to the launcher (as the watchdog forwards it) while both processes train, timed state saves due at
+    every step (rank 0's clock, told to both): every process stops at one step, the parts are gathered, and the one
+    state folder holds every LoRA tensor's state; a run with the state split resumes from it to its end. The run
+    is long (2,000 steps) so that the signal, sent at its first progress report, comes long before its end."""
+    import os
+    import signal
+    import time
+
+    from sd_scripts_compat.training.train_state import load_train_state
+
+    events = tmp_path / "events"
+    config = _config(tmp_path, "stopped", FLUX, shard_optimizer_state=True, max_train_steps=2000)
+    child = subprocess.Popen(_command(SCRIPT, config, "--autotune_events_dir", str(events),
+                                      "--save_state_every_seconds", "0.000001"),
+                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (events / "progress.json").exists():
+        assert child.poll() is None, child.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGTERM)
+    _, stderr = child.communicate(timeout=600)
+    said = re.findall(r"SIGTERM: stopped at step (\d+); state saved to (\S+)", stderr)
+    assert len(said) == 1, stderr[-3000:]  # the main process's line; every process stopped at the same step
+    step, folder = int(said[0][0]), tmp_path / "stopped" / "lora-state"
+    state = load_train_state(folder)
+    assert state.counters.global_step == step < 2000
+    assert len(state.optimizer_state["state"]) == len(state.lora_state) - _alphas(state.lora_state)
+    resumed = _launch(SCRIPT, _config(tmp_path, "resumed", FLUX, shard_optimizer_state=True,
+                                      max_train_steps=step + 2), "--resume", str(folder))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout
+    assert read_lora_file(tmp_path / "resumed" / "lora.safetensors")[1]["ss_steps"] == str(step + 2)
+
+
+def _alphas(lora_state: dict) -> int:
+    return sum(1 for key in lora_state if key.endswith(".alpha"))

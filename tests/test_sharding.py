@@ -95,14 +95,15 @@ def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sdxl"])
-def test_four_processes_sharded_in_two_groups_of_two_write_the_lora_of_the_unsharded_run(tmp_path, model):
+@pytest.mark.parametrize(("model", "extra"), [("tiny-flux", {}), ("tiny-sdxl", {}), ("tiny-flux", {"fp8_base": True})])
+def test_four_processes_sharded_in_two_groups_of_two_write_the_lora_of_the_unsharded_run(tmp_path, model, extra):
     """``hybrid_shard`` with ``fsdp_shard_size = 2`` on four processes: each holds half the weights (its group's
-    share), gathers within its group, and the LoRA is the unsharded four-process run's."""
+    share), gathers within its group, and the LoRA is the unsharded four-process run's (with ``fp8_base`` both
+    runs store the frozen weights in float8, the shares and gathers too)."""
     script, values = MODELS[model]
-    plain = _launch(script, _config(tmp_path, "plain", values), processes=4)
+    plain = _launch(script, _config(tmp_path, "plain", values, **extra), processes=4)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    hybrid = _launch(script, _config(tmp_path, "hybrid", values, fsdp="hybrid_shard", fsdp_shard_size=2),
+    hybrid = _launch(script, _config(tmp_path, "hybrid", values, fsdp="hybrid_shard", fsdp_shard_size=2, **extra),
                      processes=4)
     assert hybrid.returncode == 0, hybrid.stderr[-3000:]
     assert not hybrid.stderr.strip(), hybrid.stderr[-3000:]

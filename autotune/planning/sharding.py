@@ -94,9 +94,10 @@ def choose_state(start: TrainSettings, devices: int, whole: ShardingChoice,
                  split: ShardingChoice) -> tuple[ShardingChoice, str]:
     """The LoRA's optimizer state split across the cards (``shard_optimizer_state``: each process keeps that of its
     share of the parameters) where the plan is ahead for it (:func:`_ahead`: fewer of the training's settings
-    lowered, faster, less given up to fit), else kept whole on each (no extra pass of the LoRA over the link per
-    step); (the choice, why, with both ways' state per card and figures)."""
-    if split.found.chosen is None or (whole.found.chosen is not None and not _ahead(start, split.found, whole.found)):
+    lowered, faster, less given up to fit; as good by all three, the shares of a sharded denoiser kept on the cards
+    rather than in host RAM), else kept whole on each (no extra pass of the LoRA over the link per step); (the
+    choice, why, with both ways' state per card and figures)."""
+    if split.found.chosen is None or (whole.found.chosen is not None and not _state_ahead(start, split, whole)):
         if whole.found.chosen is None or split.found.chosen is None:
             return whole, "the LoRA's optimizer state kept whole on each card"
         return whole, (f"the LoRA's optimizer state kept whole on each card ({_state(whole.found)}): split across "
@@ -110,11 +111,19 @@ def choose_state(start: TrainSettings, devices: int, whole: ShardingChoice,
         cost = f"the plan needs {extra} to fit, which lowers what trains"
     elif _chosen(split.found).samples_per_s > _chosen(whole.found).samples_per_s * (1 + SPEED_TIE):
         cost = "it is slower"
-    else:
+    elif extra:
         cost = f"it needs {extra} to fit"
+    else:
+        cost = "the shares of the denoiser must wait in host RAM to fit"
     return split, (f"the LoRA's optimizer state split across the {devices} cards ({_state(split.found)}; "
                    f"{_figures(_chosen(split.found))}): kept whole on each ({_state(whole.found)}) {cost} "
                    f"({_figures(_chosen(whole.found))})")
+
+
+def _state_ahead(start: TrainSettings, split: ShardingChoice, whole: ShardingChoice) -> bool:
+    if _ahead(start, split.found, whole.found) or _ahead(start, whole.found, split.found):
+        return _ahead(start, split.found, whole.found)
+    return _chosen(whole.found).settings.fsdp_offload_params and not _chosen(split.found).settings.fsdp_offload_params
 
 
 def _state(found: SearchResult) -> str:
