@@ -95,11 +95,14 @@ def test_a_sharded_run_writes_the_lora_of_the_unsharded_run(tmp_path, model, str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "extra"), [("tiny-flux", {}), ("tiny-sdxl", {}), ("tiny-flux", {"fp8_base": True})])
+@pytest.mark.parametrize(("model", "extra"), [("tiny-flux", {}), ("tiny-sdxl", {}), ("tiny-flux", {"fp8_base": True}),
+                                             ("tiny-flux", {"shard_optimizer_state": True})],
+                         ids=["flux", "sdxl", "flux-fp8", "flux-state-split"])
 def test_four_processes_sharded_in_two_groups_of_two_write_the_lora_of_the_unsharded_run(tmp_path, model, extra):
     """``hybrid_shard`` with ``fsdp_shard_size = 2`` on four processes: each holds half the weights (its group's
     share), gathers within its group, and the LoRA is the unsharded four-process run's (with ``fp8_base`` both
-    runs store the frozen weights in float8, the shares and gathers too)."""
+    runs store the frozen weights in float8, the shares and gathers too; with ``shard_optimizer_state`` both split
+    the optimizer's state across all four, whatever the groups)."""
     script, values = MODELS[model]
     plain = _launch(script, _config(tmp_path, "plain", values, **extra), processes=4)
     assert plain.returncode == 0, plain.stderr[-3000:]
