@@ -3,8 +3,9 @@ cards have, and our engine sharded against unsharded on the real collectives.
 
 1. **The link.** Each of two processes (one per GPU, NCCL) all-gathers a bf16 buffer of ``--mib`` MiB as FSDP2 gathers
    a block, ``--repeats`` times after a warm-up; GB/s each process received, against what the speed model assumes
-   for the gathers of a sharded transformer (``dit_speed.gather_seconds``: the card's PCIe figure, probed or from
-   the catalogue, times the link efficiency). The predicted seconds of one FLUX.1-dev micro-step's gathers at that
+   for the gathers of a sharded transformer (``dit_speed.gather_seconds``: the link a plan on this machine takes,
+   NVLink where the probe finds the two cards bridged, else their PCIe link as it runs; the catalogue's PCIe figure
+   in a dry run; times the link efficiency). The predicted seconds of one FLUX.1-dev micro-step's gathers at that
    rate and at the measured one are printed side by side.
 2. **The engine.** ``accelerate launch --num_processes 2`` of tiny-flux, unsharded, then ``fsdp = "full_shard"``, then
    that with the optimizer's state split too (``shard_optimizer_state``), the same seed: each LoRA's largest
@@ -76,17 +77,27 @@ def measure_link(dry_run: bool, mib: float, repeats: int) -> dict[str, Any]:
         return {"backend": backend, "mib": mib, "repeats": repeats, **json.loads(Path(out).read_text())}
 
 
-def assumed_link(card: str | None) -> dict[str, Any]:
-    """What the speed model assumes for the gathers: the card's PCIe GB/s times the link efficiency, and one
-    FLUX.1-dev micro-step's gathered bytes over two processes."""
+def assumed_link(card: str | None, probed: bool) -> dict[str, Any]:
+    """What the speed model assumes for the gathers of two processes: the link a plan on this machine takes (its
+    probe: NVLink where the two cards are bridged, else their PCIe link as it runs; ``probed`` False: the catalogue
+    card's PCIe) times the link efficiency, and one FLUX.1-dev micro-step's gathered bytes over two processes."""
     from autotune.estimate.dit_memory import dit_family_calibration, gathered_bytes_per_step
     from autotune.hardware.gpu_catalog import find_gpu
+    from autotune.hardware.gpu_links import collective_gbps
 
     cal = dit_family_calibration("flux-dev")
-    spec = find_gpu(card) if card else None
-    pcie = getattr(spec, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
-    return {"card": card, "pcie_gbps": pcie, "efficiency": cal["speed"]["link_efficiency"],
-            "assumed_gbps": pcie * cal["speed"]["link_efficiency"],
+    spec: Any = find_gpu(card) if card else None
+    if probed:
+        from autotune.hardware.probe import probe_system
+        from autotune.launch.plan_options import targets_from_probe
+
+        targets = targets_from_probe(probe_system(tempfile.mkdtemp()))[0]
+        spec = targets[0].spec if targets else spec
+    link = collective_gbps(spec, 2, cal["speed"]["default_pcie_gbps"])
+    return {"card": card, "pcie_gbps": getattr(spec, "pcie_gbps", None),
+            "nvlink_gbps": getattr(spec, "nvlink_gbps", None), "link_gbps": link,
+            "efficiency": cal["speed"]["link_efficiency"],
+            "assumed_gbps": link * cal["speed"]["link_efficiency"],
             "flux_bytes_per_micro_step": gathered_bytes_per_step(cal["architecture"], 2)}
 
 
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     card = args.card or (None if args.dry_run else torch.cuda.get_device_name(0))
     link = measure_link(args.dry_run, args.mib or (8.0 if args.dry_run else 512.0),
                         args.repeats or (3 if args.dry_run else 20))
-    assumed = assumed_link(card)
+    assumed = assumed_link(card, probed=not args.dry_run)
     engine = engine_equality(args.dry_run)
     result = {"dry_run": args.dry_run, "link": link, "assumed": assumed, "engine": engine}
     out = Path(args.out)

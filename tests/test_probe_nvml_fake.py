@@ -25,10 +25,10 @@ MIB = 1 << 20
 def fake_device(name: str, total_mib: int, used_mib: int, cc: tuple[int, int], display: int = 0,
                 compute: list[tuple[int, int | None]] = (), graphics: list[tuple[int, int | None]] = (),
                 uuid: str = "GPU-00000000-0000-0000-0000-000000000000", pcie: tuple[int, int] = (4, 16),
-                bus: str = "00000000:01:00.0", nvlink_to: tuple[str, ...] = ()) -> dict:
+                bus: str = "00000000:01:00.0", nvlink_to: tuple[str, ...] = (), nvlink_mbps: int | None = None) -> dict:
     return {"name": name, "total": total_mib * MIB, "used": used_mib * MIB, "cc": cc, "display": display,
             "compute": list(compute), "graphics": list(graphics), "uuid": uuid, "pcie": pcie, "bus": bus,
-            "nvlink_to": list(nvlink_to)}
+            "nvlink_to": list(nvlink_to), "nvlink_mbps": nvlink_mbps}
 
 
 def make_fake_pynvml(devices: list[dict], init_error: int | None = None,
@@ -110,6 +110,15 @@ def make_fake_pynvml(devices: list[dict], init_error: int | None = None,
         check("nvmlDeviceGetTopologyCommonAncestor", first)
         return 30  # both cards on the CPU's host bridge
 
+    def field_values(handle, fields):  # NVML's common NVLink speed (MB/s per link), where the fake card has it
+        check("nvmlDeviceGetFieldValues", handle)
+        speed = device(handle)["nvlink_mbps"]
+        if speed is None or fields != [module.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON]:
+            raise real_pynvml.NVMLError(real_pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=speed))]
+
+    module.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON = real_pynvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON
+    module.nvmlDeviceGetFieldValues = field_values
     module.nvmlDeviceGetNvLinkState = nvlink_state
     module.nvmlDeviceGetNvLinkRemotePciInfo = nvlink_remote
     module.nvmlDeviceGetTopologyCommonAncestor = topology
@@ -461,7 +470,8 @@ def test_the_links_between_cards_and_to_the_host_as_they_run(install, tmp_path, 
     first, _, third = probe.gpus
     assert (first.pcie_generation, first.pcie_width, first.pcie_gbps) == (4, 16, 31.5)
     assert third.pcie_gbps == 15.8
-    assert [(p.gpu, p.link) for p in first.peers] == [(1, "NVLink"), (2, "PCIe through the CPU's host bridge")]
+    assert [(p.gpu, p.link) for p in first.peers] == [(1, "NVLink, 1 link"), (2, "PCIe through the CPU's host bridge")]
+    assert first.peers[0].nvlink_gbps is None  # the driver gave no link speed: the plan assumes PCIe
     assert [(p.gpu, p.link) for p in third.peers] == [(0, "PCIe through the CPU's host bridge"),
                                                       (1, "PCIe through the CPU's host bridge")]
     assert SystemProbe.from_json(probe.to_json()).gpus[0].peers == first.peers
@@ -470,3 +480,62 @@ def test_the_links_between_cards_and_to_the_host_as_they_run(install, tmp_path, 
     assert "gen 4 x8: 15.8 GB/s each way" in shown and "link to GPU 1" in shown and "NVLink" in shown
     targets = targets_from_probe(probe)[0]
     assert [t.spec.pcie_gbps for t in targets] == [31.5, 31.5, 15.8]
+
+
+def _bridged_pairs(mbps: int | None = 14062) -> list[dict]:
+    """Four RTX 3090s, 0-1 and 2-3 each bridged by NVLink (4 links; 14,062 MB/s each, as NVML reports an RTX 3090's
+    bridge), the pairs reaching each other over PCIe."""
+    buses = [f"00000000:0{i + 1}:00.0" for i in range(4)]
+    return [fake_device("NVIDIA GeForce RTX 3090", 24576, 10, (8, 6), uuid=f"GPU-{i}", bus=buses[i],
+                        nvlink_to=(buses[i ^ 1],) * 4, nvlink_mbps=mbps) for i in range(4)]
+
+
+def test_nvlink_bridged_pairs_are_probed_with_their_speed_and_the_planner_gathers_over_them(install, tmp_path):
+    """Two bridged pairs of RTX 3090: each pair's four links at NVML's speed (56.2 GB/s each way); the planning
+    targets carry "blocks of 2 at 56.2 GB/s", so groups of two (hybrid_shard) gather over NVLink, while a shard
+    across all four, or the optimizer state's broadcast to all four, crosses PCIe."""
+    from dataclasses import replace
+
+    from autotune.estimate.dit_memory import DitMemoryInputs
+    from autotune.estimate.dit_speed import gather_seconds
+    from autotune.hardware.gpu_links import collective_gbps
+    from autotune.launch.plan_options import targets_from_probe
+
+    install(make_fake_pynvml(_bridged_pairs()))
+    probe = probe_system(tmp_path)
+    assert [(p.gpu, p.link, p.nvlink_gbps) for p in probe.gpus[0].peers] == [
+        (1, "NVLink, 4 links: 56.2 GB/s each way", 56.2), (2, "PCIe through the CPU's host bridge", None),
+        (3, "PCIe through the CPU's host bridge", None)]
+    spec = targets_from_probe(probe)[0][0].spec
+    assert (spec.nvlink_group, spec.nvlink_gbps, spec.pcie_gbps) == (2, 56.2, 31.5)
+    assert collective_gbps(spec, 2, 10.0) == 56.2 and collective_gbps(spec, 4, 10.0) == 31.5
+    flux = DitMemoryInputs(family="flux-dev", resolution=512, gradient_checkpointing=True)
+    groups, every = (gather_seconds(replace(flux, shard_ranks=n), spec) for n in (2, 4))
+    pcie = gather_seconds(replace(flux, shard_ranks=2), replace(spec, nvlink_group=1, nvlink_gbps=None))
+    assert groups == pytest.approx(pcie * 31.5 / 56.2) and every > pcie  # 3/4 of each block over PCIe
+
+
+def test_nvlink_without_a_speed_from_the_driver_is_planned_as_pcie(install, tmp_path):
+    from autotune.launch.plan_options import targets_from_probe
+
+    install(make_fake_pynvml(_bridged_pairs(mbps=None)))
+    spec = targets_from_probe(probe_system(tmp_path))[0][0].spec
+    assert (spec.nvlink_group, spec.nvlink_gbps) == (1, None)
+
+
+def test_a_plan_on_bridged_pairs_shards_within_each_pair_over_its_nvlink(install, tmp_path):
+    """SD3.5 Large at 512 px on the probed pairs: within each pair over NVLink the gathers hide behind a short
+    step (5.62 samples/s); the same cards without a link speed from the driver are planned over PCIe (4.21)."""
+    from autotune.launch.plan_options import targets_from_probe
+    from autotune.planning.planner import PlanRequest, nominal_dataset, plan_training
+    from autotune.planning.request import Preferences
+
+    speeds = {}
+    for mbps in (14062, None):
+        install(make_fake_pynvml(_bridged_pairs(mbps)))
+        gpus = tuple(targets_from_probe(probe_system(tmp_path / str(mbps)))[0])
+        plan = plan_training(PlanRequest(dataset_dir=None, model="builtin:sd3.5-large", dataset=nominal_dataset(),
+                                         gpus=gpus, cpu_physical_cores=16, preferences=Preferences(resolution=512)))
+        assert (plan.settings.fsdp, plan.settings.fsdp_shard_size) == ("hybrid_shard", 2)
+        speeds[mbps] = plan.prediction.samples_per_s
+    assert speeds[14062] == pytest.approx(5.62, abs=0.01) and speeds[None] == pytest.approx(4.21, abs=0.01)

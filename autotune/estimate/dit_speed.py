@@ -87,16 +87,22 @@ def swap_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict
 
 def gather_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that a sharded transformer's gathers spend on the link between the cards (0
-    unsharded): over PCIe through the host, at the link's efficiency (no NVLink figure is in the catalogue); with
-    ``fp8_base`` the Linear weights cross it in 1 byte."""
+    unsharded): over NVLink where the probe found every pair of a shard group linked, else over PCIe through the
+    host (``hardware.gpu_links.collective_gbps``), at the link's efficiency; an offloaded share's copy from host RAM
+    over PCIe; with ``fp8_base`` the Linear weights cross in 1 byte."""
     from autotune.estimate.dit_memory import gathered_bytes_per_step
+    from autotune.hardware.gpu_links import collective_gbps
 
     if inputs.shard_ranks < 2:
         return 0.0
     cal = dit_family_calibration(inputs.family, calibration)
-    link = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]
-    moved = gathered_bytes_per_step(cal["architecture"], inputs.shard_ranks, inputs.shard_offload, inputs.fp8_base)
-    return moved / (link * 1e9 * cal["speed"]["link_efficiency"])
+    pcie, efficiency = getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"], \
+        cal["speed"]["link_efficiency"]
+    arch, ranks = cal["architecture"], inputs.shard_ranks
+    gathers = gathered_bytes_per_step(arch, ranks, False, inputs.fp8_base)
+    copies = gathered_bytes_per_step(arch, ranks, inputs.shard_offload, inputs.fp8_base) - gathers
+    gather_gbps = collective_gbps(gpu, ranks, cal["speed"]["default_pcie_gbps"])
+    return gathers / (gather_gbps * 1e9 * efficiency) + copies / (pcie * 1e9 * efficiency)
 
 
 def expert_switch_seconds(inputs: DitMemoryInputs, gpu: GpuSpec | None,
@@ -152,8 +158,9 @@ def predict_dit_speed(inputs: DitMemoryInputs, gpu: GpuSpec | None = None, *, st
     if gpu is not None and inputs.state_ranks > 1:  # shard_optimizer_state: the owners' broadcast after the update
         from autotune.estimate.dit_memory import predict_dit_memory
         from autotune.estimate.sharded_weights import state_sync_bytes
+        from autotune.hardware.gpu_links import collective_gbps
 
-        link = (getattr(gpu, "pcie_gbps", None) or cal["speed"]["default_pcie_gbps"]) * 1e9
+        link = collective_gbps(gpu, inputs.state_ranks, cal["speed"]["default_pcie_gbps"]) * 1e9
         lora = predict_dit_memory(inputs, calibration).components["lora_params"]
         per_step += state_sync_bytes(lora, inputs.state_ranks) / (link * cal["speed"]["link_efficiency"])
     return SpeedEstimate(it_per_s=1.0 / per_step, seconds_per_step=per_step, total_seconds=per_step * steps,

@@ -205,16 +205,17 @@ def cpu_bf16_speed(native: bool) -> str:
 
 def unet_gather_seconds(inputs: MemoryInputs, gpu: GpuSpec, calibration: dict[str, Any] | None = None) -> float:
     """Seconds per micro-step that a sharded UNet's gathers spend on the link between the cards (0 unsharded),
-    over PCIe through the host at the transformer families' link efficiency (``dit_speed.gather_seconds``)."""
+    NVLink or PCIe as the transformer families' (``dit_speed.gather_seconds``), at their link efficiency."""
     if inputs.shard_ranks < 2:
         return 0.0
     from autotune.estimate.dit_memory import load_dit_calibration
     from autotune.estimate.memory_model import family_calibration, unet_shard_units
     from autotune.estimate.sharded_weights import gathered_bytes
+    from autotune.hardware.gpu_links import collective_gbps
 
     units, root = unet_shard_units(family_calibration(inputs.family, calibration)["architecture"], inputs.weight_dtype)
     link = load_dit_calibration()["speed"]
-    rate = (getattr(gpu, "pcie_gbps", None) or link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
+    rate = collective_gbps(gpu, inputs.shard_ranks, link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
     return gathered_bytes(units, root, inputs.shard_ranks) / rate
 
 
@@ -263,7 +264,8 @@ def unet_state_sync_seconds(inputs: MemoryInputs, gpu: GpuSpec, calibration: dic
     from autotune.estimate.dit_memory import load_dit_calibration
     from autotune.estimate.memory_model import predict_memory
     from autotune.estimate.sharded_weights import state_sync_bytes
+    from autotune.hardware.gpu_links import collective_gbps
 
     link = load_dit_calibration()["speed"]
-    rate = (getattr(gpu, "pcie_gbps", None) or link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
+    rate = collective_gbps(gpu, inputs.state_ranks, link["default_pcie_gbps"]) * 1e9 * link["link_efficiency"]
     return state_sync_bytes(predict_memory(inputs, calibration).components["lora_params"], inputs.state_ranks) / rate

@@ -51,6 +51,10 @@ class GpuSpec:
     memory_bandwidth_gbs: float
     source: str
     pcie_gbps: float | None = None  # host link, per direction (block swap moves weights over it)
+    # probed: this machine's cards NVLinked in blocks of this many, in their order (1: none), and the GB/s each way
+    # the least-linked card's NVLinks carry into its block (hardware.gpu_links)
+    nvlink_group: int = 1
+    nvlink_gbps: float | None = None
 
     @property
     def cc_tuple(self) -> tuple[int, int] | None:

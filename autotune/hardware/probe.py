@@ -85,6 +85,7 @@ class PeerLink:
 
     gpu: int
     link: str
+    nvlink_gbps: float | None = None  # NVLink: GB/s each way over the active links between the two (NVML's speed)
 
 
 @dataclass
@@ -451,22 +452,26 @@ def _read_peer_links(pynvml: types.ModuleType, gpus: list[GpuInfo], notes: list[
     nvlinked = {gpu.index: _nvlink_peers(pynvml, handles[gpu.index], gpus) for gpu in gpus}
     for gpu in gpus:
         gpu.peers = []
+        speed = _nvlink_link_gbps(pynvml, handles[gpu.index]) if nvlinked[gpu.index] else None
         for other in gpus:
             if other.index == gpu.index:
                 continue
-            if other.index in nvlinked[gpu.index]:
-                link = "NVLink"
-            else:
-                level = _optional(pynvml, notes, f"GPU {gpu.index} to GPU {other.index} topology",
-                                  pynvml.nvmlDeviceGetTopologyCommonAncestor, handles[gpu.index],
-                                  handles[other.index])
-                link = f"PCIe through {_TOPOLOGY.get(level, 'an unknown path')}" if level is not None else "unknown"
+            links = nvlinked[gpu.index].get(other.index, 0)
+            if links:
+                rate = round(links * speed, 1) if speed else None
+                gpu.peers.append(PeerLink(other.index, f"NVLink, {links} link{'s' if links > 1 else ''}"
+                                          + (f": {rate:g} GB/s each way" if rate else ""), rate))
+                continue
+            level = _optional(pynvml, notes, f"GPU {gpu.index} to GPU {other.index} topology",
+                              pynvml.nvmlDeviceGetTopologyCommonAncestor, handles[gpu.index], handles[other.index])
+            link = f"PCIe through {_TOPOLOGY.get(level, 'an unknown path')}" if level is not None else "unknown"
             gpu.peers.append(PeerLink(other.index, link))
 
 
-def _nvlink_peers(pynvml: types.ModuleType, handle: typing.Any, gpus: list[GpuInfo]) -> set[int]:
+def _nvlink_peers(pynvml: types.ModuleType, handle: typing.Any, gpus: list[GpuInfo]) -> dict[int, int]:
+    """The other GPUs this one's active NVLinks end at, with how many links reach each."""
     by_bus = {(g.pci_bus_id or "").lower(): g.index for g in gpus if g.pci_bus_id}
-    peers: set[int] = set()
+    peers: dict[int, int] = {}
     for link in range(int(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18))):
         try:
             if not pynvml.nvmlDeviceGetNvLinkState(handle, link):
@@ -476,8 +481,22 @@ def _nvlink_peers(pynvml: types.ModuleType, handle: typing.Any, gpus: list[GpuIn
             break
         index = by_bus.get(_text(remote.busId).lower())
         if index is not None:
-            peers.add(index)
+            peers[index] = peers.get(index, 0) + 1
     return peers
+
+
+def _nvlink_link_gbps(pynvml: types.ModuleType, handle: typing.Any) -> float | None:
+    """GB/s each way one of this GPU's active NVLinks carries (NVML's common link speed, MB/s: 14,062 on an RTX
+    3090's bridge, 25,781 on an A100); None where the driver does not say (the plan then assumes PCIe)."""
+    field = getattr(pynvml, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON", None)
+    if field is None:
+        return None
+    try:
+        value = pynvml.nvmlDeviceGetFieldValues(handle, [field])[0]
+    except pynvml.NVMLError:
+        return None
+    mbps = getattr(value.value, "uiVal", 0) if not getattr(value, "nvmlReturn", 0) else 0
+    return mbps / 1000 if mbps else None
 
 
 def _optional(pynvml: types.ModuleType, notes: list[str], what: str, call: typing.Callable, *args: typing.Any):

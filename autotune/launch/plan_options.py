@@ -361,21 +361,24 @@ def targets_from_probe(probe: SystemProbe) -> tuple[list[Any], int, int | None, 
     from dataclasses import replace
 
     from autotune.hardware.gpu_catalog import find_gpu, lookup_gpu
+    from autotune.hardware.gpu_links import nvlinked_blocks
     from autotune.planning.request import GENERIC_GPU_NAME, GpuTarget
 
     cores = int(probe.cpu.physical_cores or probe.cpu.logical_cores or 1)
     gpus, parts = [], []
-    for info in probe.gpus:
-        if not info.vram_total_bytes:
-            continue
-        spec = find_gpu(info.catalog_name or info.name, vram_gb=info.vram_total_bytes / 1024**3)
+    cards = [info for info in probe.gpus if info.vram_total_bytes]
+    block, nvlink = nvlinked_blocks(cards)  # which of them NVLink joins: the gathers of a sharded run cross it
+    for info in cards:
+        total = int(info.vram_total_bytes or 0)
+        spec = find_gpu(info.catalog_name or info.name, vram_gb=total / 1024**3)
         if spec is None:
             spec = lookup_gpu(GENERIC_GPU_NAME)  # rates only; memory and capability are the probed ones
+        spec = replace(spec, nvlink_group=block, nvlink_gbps=nvlink)
         if info.pcie_gbps:  # the link as it runs in this machine (a x16 card in a x4 slot carries a quarter)
             spec = replace(spec, pcie_gbps=info.pcie_gbps)
         # Before training starts, everything in use on the card belongs to others (processes, the display).
         held = max(info.vram_used_bytes or 0, info.other_processes_vram_bytes or 0)
-        target = GpuTarget(name=info.name, total_bytes=int(info.vram_total_bytes), held_bytes=int(held),
+        target = GpuTarget(name=info.name, total_bytes=total, held_bytes=int(held),
                            compute_capability=info.compute_capability or spec.compute_capability,
                            bf16=bool(info.bf16 if info.bf16 is not None else spec.bf16),
                            fp8=bool(info.fp8 if info.fp8 is not None else spec.fp8), spec=spec, source="probe")
