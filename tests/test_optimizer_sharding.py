@@ -241,3 +241,36 @@ def test_a_stopped_run_with_the_state_split_saves_it_whole_at_the_step_its_proce
 
 def _alphas(lora_state: dict) -> int:
     return sum(1 for key in lora_state if key.endswith(".alpha"))
+
+
+@pytest.mark.parametrize(("split_speed", "split_fallbacks", "chosen", "said"), [
+    (1.0, (), "whole", "split across them (0.50 GiB per card) the plan gains nothing"),
+    (0.9, (), "whole", "split across them (0.50 GiB per card) the plan is slower"),
+    (1.0, ("fp8 base weights",), "whole", "the plan gains nothing"),
+    (0.9, (), "split", "kept whole on each (1.00 GiB per card) the plan needs rank 16 to fit, which lowers what "
+                       "trains"),
+])
+def test_the_state_choice_says_what_each_way_costs(split_speed, split_fallbacks, chosen, said):
+    """``choose_state`` on made-up searches: a split that is not ahead stays whole and says whether it is slower or
+    merely gains nothing (a split that gives up more to fit is not ahead either); a 10 % slower split wins where
+    the whole state lowered the rank to fit, and the row names what that cost."""
+    from dataclasses import replace
+
+    from autotune.planning.search import Scored, SearchResult
+    from autotune.planning.sharding import ShardingChoice, choose_state
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    start = TrainSettings(network_dim=32)
+
+    def way(state_gib: float, speed: float, fallbacks: tuple[str, ...], settings: TrainSettings) -> ShardingChoice:
+        scored = Scored(settings=settings, required=1, peak=2**30, components=(("optimizer_state", int(state_gib
+                        * 2**30)),), it_per_s=speed, samples_per_s=speed)
+        return ShardingChoice(SearchResult(chosen=scored, smallest=scored, fallbacks=fallbacks), "why")
+
+    whole_fallbacks = ("rank 16",) if chosen == "split" else ()
+    whole = way(1.0, 1.0, whole_fallbacks, start)
+    split = way(0.5, split_speed, split_fallbacks, replace(start, shard_optimizer_state=True))
+    if chosen == "split":  # the whole state lowered the rank to fit
+        whole = way(1.0, 1.0, whole_fallbacks, replace(start, network_dim=16))
+    picked, reason = choose_state(start, 2, whole, split)
+    assert (picked is split) == (chosen == "split") and said in reason

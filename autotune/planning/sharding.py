@@ -100,9 +100,10 @@ def choose_state(start: TrainSettings, devices: int, whole: ShardingChoice,
     if split.found.chosen is None or (whole.found.chosen is not None and not _state_ahead(start, split, whole)):
         if whole.found.chosen is None or split.found.chosen is None:
             return whole, "the LoRA's optimizer state kept whole on each card"
+        slower = _chosen(whole.found).samples_per_s > _chosen(split.found).samples_per_s * (1 + SPEED_TIE)
         return whole, (f"the LoRA's optimizer state kept whole on each card ({_state(whole.found)}): split across "
-                       f"them ({_state(split.found)}) the plan gains nothing ({_figures(_chosen(split.found))}) and "
-                       "the LoRA would cross the link once more per step")
+                       f"them ({_state(split.found)}) the plan {'is slower' if slower else 'gains nothing'} "
+                       f"({_figures(_chosen(split.found))}) and the LoRA would cross the link once more per step")
     if whole.found.chosen is None:
         return split, (f"the LoRA's optimizer state split across the {devices} cards ({_state(split.found)}): kept "
                        "whole on each, nothing fits")
