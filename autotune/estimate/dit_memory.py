@@ -167,7 +167,7 @@ def dit_inputs_for_settings(family: FamilySpec, settings: TrainSettings, *, t5_f
         high_noise_expert=settings.high_noise_expert, offload_inactive_dit=settings.offload_inactive_dit,
         shard_ranks=settings.shard_ranks(processes),
         shard_offload=bool(settings.fsdp and settings.fsdp_offload_params),
-        state_ranks=processes if settings.shard_optimizer_state else 1)
+        state_ranks=settings.state_ranks(processes))
 
 
 @dataclass(frozen=True)

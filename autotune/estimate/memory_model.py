@@ -121,7 +121,7 @@ def inputs_for_settings(family: FamilySpec, settings: TrainSettings, *,
         cache_text_encoder_outputs=settings.cache_text_encoder_outputs or text_encoder_outputs_cached,
         attention=settings.attention, network_module=settings.network_module, network_args=settings.network_args,
         shard_ranks=settings.shard_ranks(processes),  # ``processes``: the run's, one per GPU
-        state_ranks=processes if settings.shard_optimizer_state else 1,
+        state_ranks=settings.state_ranks(processes),
     )
 
 

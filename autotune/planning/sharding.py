@@ -122,8 +122,10 @@ def choose_state(start: TrainSettings, devices: int, whole: ShardingChoice,
 
 
 def _state_ahead(start: TrainSettings, split: ShardingChoice, whole: ShardingChoice) -> bool:
-    if _ahead(start, split.found, whole.found) or _ahead(start, whole.found, split.found):
-        return _ahead(start, split.found, whole.found)
+    if _ahead(start, split.found, whole.found):
+        return True
+    if _ahead(start, whole.found, split.found):
+        return False
     return _chosen(whole.found).settings.fsdp_offload_params and not _chosen(split.found).settings.fsdp_offload_params
 
 
@@ -131,19 +133,15 @@ def _state(found: SearchResult) -> str:
     return f"{dict(_chosen(found).components).get('optimizer_state', 0) / GIB:.2f} GiB per card"
 
 
-def group_sizes(devices: int) -> list[int]:
-    """The sizes of group ``hybrid_shard`` may shard within on ``devices`` cards: the divisors between 2 and half
-    of them (``training.sharding``: 4 cards in 2 groups of 2; 8 in 4 of 2 or 2 of 4)."""
-    return [size for size in range(2, devices // 2 + 1) if devices % size == 0]
-
-
 def _hybrid_ways(start: TrainSettings, devices: int,
                  search: Callable[[TrainSettings], SearchResult]) -> list[tuple[str, SearchResult]]:
     """Sharded within groups of cards, each group holding a whole copy (``fsdp = "hybrid_shard"``): more weights
     per card than across all of them, fewer bytes gathered over the link ((G - 1) / G of each block, not
     (N - 1) / N). Smallest groups first: of two as fast, the one that gathers less."""
+    from sd_scripts_compat.facts.settings import hybrid_group_sizes
+
     return [(f"sharded within {devices // size} groups of {size} cards (fsdp hybrid_shard)",
-             search(replace(start, fsdp="hybrid_shard", fsdp_shard_size=size))) for size in group_sizes(devices)]
+             search(replace(start, fsdp="hybrid_shard", fsdp_shard_size=size))) for size in hybrid_group_sizes(devices)]
 
 
 def _chosen(found: SearchResult) -> Scored:

@@ -157,11 +157,12 @@ def write_attempt_files(config: Path, dataset: Path, settings: TrainSettings, ba
                         attempt: int, drop: tuple[str, ...], script: str) -> tuple[Path, Path]:
     """This attempt's config.toml and dataset.toml for musubi: the job's, with the settings the ladder changed
     (resolution, micro-batch and frames in the dataset; the rest in the config) and ``drop`` removed."""
-    from sd_scripts_compat.facts.kohya_toml import set_config_values
+    from sd_scripts_compat.facts.kohya_toml import set_config_values, without_keys
 
     values = musubi_values(settings, base, script)
     gone = {k for k, v in values.items() if v is None}
-    document = {k: v for k, v in set_config_values(read_toml(config), values).items() if k not in {*drop, *gone}}
+    document = set_config_values(without_keys(read_toml(config), {*drop, *gone}),
+                                 {k: v for k, v in values.items() if v is not None})
     data = read_toml(dataset, "dataset config")
     changes: dict[str, Any] = {}
     if settings.resolution != base.resolution:

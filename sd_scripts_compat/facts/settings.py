@@ -25,6 +25,12 @@ _LATER_FIELDS: dict[str, Any] = {"network_module": "networks.lora", "network_arg
                                   "fsdp_shard_size": 0, "shard_optimizer_state": False}
 
 
+def hybrid_group_sizes(processes: int) -> list[int]:
+    """The group sizes ``hybrid_shard`` may shard within on ``processes`` processes: the divisors from 2 to half of
+    them, so that there are several groups (4: 2; 8: 2 or 4; 2 or 3: none)."""
+    return [size for size in range(2, processes // 2 + 1) if processes % size == 0]
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """Memory-, speed- and stability-relevant knobs of one run, by their kohya names.
@@ -91,6 +97,11 @@ class TrainSettings:
         if not self.fsdp:
             return 1
         return self.fsdp_shard_size if self.fsdp == "hybrid_shard" else processes
+
+    def state_ranks(self, processes: int) -> int:
+        """The processes the LoRA's optimizer state is split across in a run of ``processes``
+        (``shard_optimizer_state``), else 1."""
+        return processes if self.shard_optimizer_state else 1
 
     @property
     def attention(self) -> str:

@@ -31,7 +31,7 @@ from sd_scripts_compat.facts.kohya_toml import (
     without_keys,
     write_toml,
 )
-from sd_scripts_compat.facts.settings import TrainSettings
+from sd_scripts_compat.facts.settings import TrainSettings, hybrid_group_sizes
 
 # ---- kohya files: the one mapping and the one reader ---------------------------------------------------
 
@@ -289,10 +289,9 @@ def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
     if n < 2 or s.fsdp_offload_params or s.blocks_to_swap:
         return []
     sharded = replace(s, fsdp="full_shard", fsdp_shard_size=0)
-    held = s.shard_ranks(n) if s.fsdp else 1  # the processes one copy is sharded across now
     groups = [Candidate(replace(s, fsdp="hybrid_shard", fsdp_shard_size=g),
                         f"sharded within groups of {g} of the {n} processes")
-              for g in range(held + 1, n // 2 + 1) if n % g == 0 and g > 1]
+              for g in hybrid_group_sizes(n) if g > s.shard_ranks(n)]  # larger groups than shard one copy now
     offloaded = Candidate(replace(sharded, fsdp_offload_params=True),
                           f"sharded across {n} processes, each one's share in host RAM")
     if s.fsdp == "full_shard":

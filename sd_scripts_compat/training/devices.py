@@ -120,6 +120,18 @@ def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is set in any process of the run: one all-reduce (MAX) of it, on the card with NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def average_gradients(params: list[Any], world: int) -> None:
     """Average LoRA gradients across processes with one all-reduce.
 

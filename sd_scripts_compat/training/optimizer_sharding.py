@@ -66,14 +66,10 @@ def gather_state(optimizer: Any) -> None:
         optimizer.consolidate_state_dict(to=0)
 
 
-def agreed_by_main(due: bool, world: int, device: torch.device) -> bool:
+def agreed_by_main(due: bool, world: int) -> bool:
     """Rank 0's ``due`` (its clock decides a timed save), known to every process: one all-reduce of a flag."""
-    import torch
     import torch.distributed as dist
 
-    if world < 2:
-        return due
-    flag = torch.tensor([1 if due and dist.get_rank() == 0 else 0], dtype=torch.int32,
-                        device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    from sd_scripts_compat.training.devices import any_process
+
+    return any_process(due and dist.get_rank() == 0) if world > 1 else due

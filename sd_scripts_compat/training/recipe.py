@@ -1056,7 +1056,7 @@ def _timed_save_due(r: Recipe, since_last: float) -> bool:
     learns it (one all-reduce of a flag per step), as each must send its part."""
     due = since_last >= (r.config.save_state_every_seconds or 0)
     if r.checkpointer.state_sharded:
-        return agreed_by_main(due, r.process.world, r.process.device)
+        return agreed_by_main(due, r.process.world)
     return due and r.process.is_main
 
 

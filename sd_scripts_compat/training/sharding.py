@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.settings import hybrid_group_sizes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,7 +71,7 @@ def _check_shard_size(strategy: str | None, world: int, shard_size: int | None) 
             raise UserError(f"fsdp_shard_size = {shard_size}: it sizes the groups of fsdp = \"{HYBRID}\"; set that "
                             "too, or remove it")
         return
-    sizes = [g for g in range(2, world // 2 + 1) if world % g == 0]
+    sizes = hybrid_group_sizes(world)
     if shard_size not in sizes:
         fits = f"one of {', '.join(map(str, sizes))}" if sizes else \
             f"none fits {world} processes (it needs 4 or more; use full_shard)"

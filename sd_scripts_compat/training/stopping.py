@@ -99,16 +99,12 @@ class StopSignals:
         """Whether to stop after this step; with several processes, whether any of them was asked to."""
         if world <= 1:
             return self.requested
-        import torch
-        import torch.distributed as dist
+        from sd_scripts_compat.training.devices import any_process
 
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.received is None:
+        agreed = any_process(self.requested)
+        if agreed and self.received is None:
             self.received = signal.SIGINT  # another rank got it; the exit code follows the main one's in practice
-        return bool(flag.item())
+        return agreed
 
     @property
     def exit_code(self) -> int:
