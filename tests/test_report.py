@@ -287,3 +287,22 @@ def test_a_lora_the_trainer_trims_while_the_folder_is_read_is_passed_over(tmp_pa
 
     monkeypatch.setattr(Path, "glob", listing)
     assert run_lora(tmp_path) == kept
+
+
+def test_the_run_page_passes_over_a_lora_trimmed_after_it_was_chosen(tmp_path, monkeypatch):
+    """The same race one step later: the run's LoRA is chosen, then trimmed before the run page's JSON reads its
+    size (a 500 from ``GET /api/runs/{id}`` once in CI while a fake sd-scripts run stepped down): no size, no
+    error; a LoRA that is there has its size."""
+    from pathlib import Path
+
+    import autotune.report.load
+    from autotune.ui.runs import run_outputs
+
+    chosen = tmp_path / "run" / "lora-step00000002.safetensors"
+    chosen.parent.mkdir()
+    monkeypatch.setattr(autotune.report.load, "run_lora", lambda folder: chosen)  # found, then deleted
+    real_is_file = Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda self: self == chosen or real_is_file(self))  # there when asked
+    assert run_outputs(chosen.parent, "run")["lora_bytes"] is None
+    chosen.write_bytes(b"xyz")
+    assert run_outputs(chosen.parent, "run")["lora_bytes"] == 3

@@ -37,8 +37,12 @@ class Server:
         # the test's own measurement store (conftest sets it per test, after ENV was made): what another test's
         # server trained must not make this one's plans "measured"
         own = {**ENV, "AUTOTUNE_CACHE_DIR": os.environ["AUTOTUNE_CACHE_DIR"]}
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        cwd=tmp, env=env or own)
+        # stderr to a file, not a pipe: a pipe nobody reads until ``stop`` could fill and stall the server, and an
+        # answer of 500 is reported with what the server wrote (``call``)
+        self.stderr_path = tmp / f"ui-{self.port}.stderr"
+        with self.stderr_path.open("w") as stderr:
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=tmp,
+                                            env=env or own)
         self.url = self.process.stdout.readline().strip()  # the line it prints once it listens
         self.token = self.url.split("?token=")[1].split()[0] if "?token=" in self.url else None
         self.start_seconds = time.monotonic() - started
@@ -59,7 +63,11 @@ class Server:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as error:
-            return error.code, json.loads(error.read())
+            answer = error.read()
+            if error.code >= 500:
+                raise AssertionError(f"{method} {path}: {error.code} {answer[:200]!r}; the server's stderr ends:\n"
+                                     f"{self.stderr_path.read_text()[-4000:]}") from None
+            return error.code, json.loads(answer)
 
     def fetch(self, path: str) -> tuple[int, bytes, Message]:
         """A GET whose answer is not JSON (an image, a file): status, bytes, headers (case-insensitive)."""
@@ -71,8 +79,8 @@ class Server:
 
     def stop(self) -> str:
         self.process.terminate()
-        _, stderr = self.process.communicate(timeout=30)
-        return stderr
+        self.process.communicate(timeout=30)
+        return self.stderr_path.read_text()
 
 
 @pytest.fixture(scope="module")

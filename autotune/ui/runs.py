@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -342,7 +343,7 @@ def run_outputs(folder: Path, run_id: str) -> dict[str, Any]:
     from autotune.report.load import run_lora
 
     lora = run_lora(folder)
-    size = lora.stat().st_size if lora.is_file() and folder in lora.resolve().parents else None
+    size = _file_size(lora) if folder in lora.resolve().parents else None
     config = next((name for name in (FINAL_CONFIG, CONFIG) if (folder / name).is_file()), None)
     base = f"/api/runs/{run_id}"
     links = {"report": f"{base}/report.html" if (folder / EVENTS_DIR).is_dir() else None,
@@ -350,6 +351,16 @@ def run_outputs(folder: Path, run_id: str) -> dict[str, Any]:
     logs = folder / LOGS_DIR
     return {"lora_bytes": size, "links": links, "tensorboard": {"logdir": str(logs),
             "command": f"tensorboard --logdir {shlex.quote(str(logs))}"} if logs.is_dir() else None}
+
+
+def _file_size(path: Path) -> int | None:
+    """A file's size; None when it is no file or is gone (a running trainer trims its older LoRAs between our
+    finding one and our look)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_size if S_ISREG(stat.st_mode) else None
 
 
 def _is_run(folder: Path) -> bool:
