@@ -129,6 +129,21 @@ def test_settings_from_files_knows_the_flux_script(tmp_path):
     assert "blocks_to_swap" in error_of(tmp_path, {"blocks_to_swap": 9}, script="sdxl_train_network")
 
 
+def test_settings_from_files_knows_a_sharded_run(tmp_path):
+    """A config (a plan's for several cards, or the user's) that shards the transformer within groups and splits
+    the optimizer's state: the settings the watchdog starts from say so (they said neither, so its predictions were
+    a data-parallel run's and its ladder offered what the run already did)."""
+    data = tmp_path / "data" / "1_dog"
+    data.mkdir(parents=True)
+    config = tmp_path / "config.toml"
+    config.write_text(toml.dumps({"train_data_dir": str(data.parent), "resolution": "512,512", "fsdp": "hybrid_shard",
+                                  "fsdp_shard_size": 2, "fsdp_offload_params": True, "shard_optimizer_state": True}),
+                      encoding="utf-8")
+    s = settings_from_files(config, None, script=FLUX).settings
+    assert (s.fsdp, s.fsdp_shard_size, s.fsdp_offload_params, s.shard_optimizer_state) == ("hybrid_shard", 2, True,
+                                                                                            True)
+
+
 def test_a_local_t5_tokenizer_reaches_the_loader(tmp_path):
     """``--t5xxl_tokenizer`` (ours: sd-scripts downloads google/t5-v1_1-xxl's): parsed, and the engine's loader
     reads it, so a folder without a tokenizer.json is the loader's one-line error naming that folder."""

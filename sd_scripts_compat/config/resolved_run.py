@@ -31,7 +31,8 @@ _CONFIG_KEYS = ("gradient_accumulation_steps", "gradient_checkpointing", "optimi
                 "network_alpha", "network_train_unet_only", "mixed_precision", "fp8_base", "fp8_base_unet",
                 "cache_latents", "cache_text_encoder_outputs", "xformers", "learning_rate", "unet_lr",
                 "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "max_grad_norm", "full_fp16", "full_bf16",
-                "blocks_to_swap", "cpu_offload_checkpointing", "network_module", "torch_compile", "dynamo_backend")
+                "blocks_to_swap", "cpu_offload_checkpointing", "network_module", "torch_compile", "dynamo_backend",
+                "fsdp", "fsdp_offload_params", "fsdp_shard_size", "shard_optimizer_state")
 
 
 def dataset_report(dataset: DatasetSpec) -> dict[str, Any]:
