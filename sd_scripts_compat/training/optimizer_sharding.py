@@ -26,11 +26,17 @@ if TYPE_CHECKING:
     import torch
 
 
-def check_state_sharding(enabled: bool, world: int) -> None:
+def check_state_sharding(enabled: bool, world: int, optimizer: str) -> None:
     """One line for a run that cannot shard its optimizer state, before any model is loaded."""
+    from sd_scripts_compat.facts.optimizers import state_splits
+
     if enabled and world < 2:
         raise UserError("shard_optimizer_state: it splits the optimizer's state across several processes; launch "
                         "with accelerate launch --num_processes N (one per GPU), or remove it")
+    if enabled and not state_splits(optimizer):
+        raise UserError(f"shard_optimizer_state: {optimizer}'s step sums over all of the LoRA's parameters, so each "
+                        "process would step its share by its own sums and the LoRA would differ; remove "
+                        "shard_optimizer_state, or use AdamW / AdamW8bit")
 
 
 def sharded_optimizer(optimizer_class: type, param_groups: list[dict[str, Any]], **defaults: Any) -> Any:

@@ -169,7 +169,7 @@ def setup_process(config: TrainingConfig) -> Process:
     check_sharding(config.fsdp, world=accelerator.num_processes, blocks_to_swap=config.blocks_to_swap,
                    compiled=bool(config.torch_compile), offload=config.fsdp_offload_params,
                    shard_size=config.fsdp_shard_size)
-    check_state_sharding(config.shard_optimizer_state, accelerator.num_processes)
+    check_state_sharding(config.shard_optimizer_state, accelerator.num_processes, config.optimizer_type or "AdamW")
     if (config.fp8_base or config.fp8_base_unet) and not fp8_supported(accelerator.device):
         raise UserError("fp8_base needs a GPU with compute capability 8.0 or newer (RTX 30 series on); remove "
                         "fp8_base")
