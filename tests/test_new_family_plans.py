@@ -132,7 +132,7 @@ def test_ladder_swaps_up_to_each_familys_maximum_and_skips_fp8_where_the_script_
         spec = get_family(family)
         limits = LadderLimits.for_family(spec, budget_mib=8000.0, fp8_supported=True, te_cache_allowed=True)
         assert limits.max_blocks_to_swap == spec.max_blocks_to_swap
-        assert limits.fp8_option == spec.fp8_option
+        assert limits.keys == spec.config_keys
     assert get_family("anima").fp8_option is None and get_family("hunyuan-image-2.1").fp8_option == "fp8_scaled"
 
 
@@ -213,7 +213,7 @@ known = {a.dest for a in parser._actions}
 unknown = [k for k in toml.load(config) if k not in known]
 assert not unknown, unknown
 config_util.ConfigSanitizer(True, False, False, True).sanitize_user_config(config_util.load_user_config(dataset))
-print("ACCEPTED", args.network_module, args.blocks_to_swap)
+print("ACCEPTED", args.network_module, args.blocks_to_swap, "deepspeed", args.deepspeed, args.zero_stage)
 """
 
 
@@ -230,6 +230,17 @@ def test_sd_scripts_own_parser_accepts_every_template_local_only(family: str) ->
         assert f"ACCEPTED {spec.network_module}" in done.stdout, done.stdout
 
 
+@pytest.mark.skipif(SD_SCRIPTS is None or SD_PYTHON is None, reason=SD_SCRIPTS_SKIP)
+def test_sd_scripts_own_parser_reads_the_state_split_as_deepspeed_stage_2_local_only(tmp_path: Path) -> None:
+    """The 2 x RTX 3060 plan of Lumina 2 (AdamW, rank 128; the state split) as written, read by sd-scripts' own
+    parser of lumina_train_network.py: --deepspeed on, --zero_stage 2."""
+    config, dataset = write_plan_files(_named_cards("lumina2", "RTX 3060", 2, optimizer="AdamW", rank=128), tmp_path)
+    done = subprocess.run([str(SD_PYTHON), "-c", SD_CHECK, str(SD_SCRIPTS), "lumina_train_network", str(config),
+                           str(dataset)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ACCEPTED networks.lora_lumina None deepspeed True 2" in done.stdout, done.stdout  # no blocks swapped
+
+
 def test_wizard_offers_the_sd_scripts_engine_for_a_family_our_engine_does_not_train(tmp_path: Path) -> None:
     out = tmp_path / "wizard"
     done = subprocess.run([sys.executable, "-m", "autotune", "wizard", str(ROOT / "examples" / "dataset"), "--model",
@@ -239,3 +250,58 @@ def test_wizard_offers_the_sd_scripts_engine_for_a_family_our_engine_does_not_tr
     assert "anima_train_network.py --config_file" in done.stdout and "--engine sd-scripts=PATH" in done.stdout
     assert "Start training now" not in done.stdout  # it would start our engine, which refuses Anima
     assert toml.load(out / "config.toml")["network_module"] == "networks.lora_anima"
+
+
+def _named_cards(family: str, card: str, count: int, **prefs):
+    from autotune.hardware.gpu_catalog import lookup_gpu
+    from autotune.planning.planner import gpu_from_spec
+
+    gpus = tuple(gpu_from_spec(lookup_gpu(card)) for _ in range(count))
+    return plan_training(PlanRequest(dataset_dir=None, model=f"./models/{family}.safetensors",
+                                     family=get_family(family), gpus=gpus, cpu_physical_cores=16,
+                                     preferences=Preferences(resolution=1024, **prefs)))
+
+
+def test_on_several_cards_sd_scripts_splits_the_state_with_its_deepspeed(tmp_path: Path) -> None:
+    """Lumina 2 with AdamW at rank 128 on 2 x RTX 3060 12 GB: kept whole on each card, AdamW's two fp32 moments
+    leave room only for AdamW8bit; split across the two cards AdamW fits. sd-scripts splits the state with its
+    DeepSpeed at ZeRO stage 2 (its LoRA equal to stage 0's: test_sd_scripts_deepspeed_stage_2_trains_the_same_lora),
+    so the config says ``deepspeed`` and ``zero_stage``, options of lumina_train_network.py of their kinds, under
+    the same accelerate launch command; read back, the config's settings split the state."""
+    from sd_scripts_compat.facts.settings_space import settings_from_values
+
+    p = _named_cards("lumina2", "RTX 3060", 2, optimizer="AdamW", rank=128)
+    s = p.settings
+    assert p.fits and s.shard_optimizer_state and s.optimizer_type == "AdamW" and s.network_dim == 128
+    rows = {c.key: c for c in p.choices}
+    assert "shard_optimizer_state" not in rows and rows["deepspeed"].value is True and rows["zero_stage"].value == 2
+    assert rows["deepspeed"].reason.startswith(
+        "the LoRA's optimizer state split across the 2 cards (0.79 GiB per card;")
+    assert "kept whole on each (0.40 GiB per card) it needs optimizer AdamW8bit (8-bit state) to fit" in \
+        rows["deepspeed"].reason and "DS_BUILD_OPS=0 pip install deepspeed" in rows["deepspeed"].reason
+    assert "stage 3 hangs while sd-scripts loads the model" in rows["zero_stage"].reason
+    config_path, _ = write_plan_files(p, tmp_path)
+    values = toml.load(config_path)
+    table = option_table("lumina_train_network")
+    assert values["deepspeed"] is True and table["deepspeed"] == ("store_true", ())
+    assert values["zero_stage"] == 2 and table["zero_stage"] == ("int", ("0", "1", "2", "3"))
+    assert "shard_optimizer_state" not in values and settings_from_values(values).shard_optimizer_state
+    assert p.launch_command[:5] == ("accelerate", "launch", "--num_processes", "2", "--multi_gpu")
+
+
+def test_prodigy_swapped_blocks_and_musubi_tuner_keep_the_state_whole_on_several_cards() -> None:
+    """Prodigy's step sums over every parameter (a split state would estimate d per card): whole, said why, no
+    DeepSpeed key. With DeepSpeed sd-scripts sets up no block swap (DeepSpeed moves the whole model onto the card):
+    HunyuanImage-2.1 on 2 x RTX 4090, which fits only with blocks swapped, keeps the state whole and says what the
+    split would need. musubi-tuner has no way to split it: no row."""
+    hunyuan = _named_cards("hunyuan-image-2.1", "RTX 4090", 2, optimizer="AdamW", rank=128)
+    row = {c.key: c for c in hunyuan.choices}["deepspeed"]
+    assert hunyuan.settings.blocks_to_swap > 0 and row.value is False and row.reason.startswith(
+        "the LoRA's optimizer state kept whole on each card: split across them nothing fits (needs ")
+    assert row.reason.endswith("GiB per card at its smallest settings, no blocks swapped)")
+    prodigy = _named_cards("lumina2", "RTX 3060", 2, optimizer="Prodigy", rank=128)
+    rows = {c.key: c for c in prodigy.choices}
+    assert rows["deepspeed"].value is False and "deepspeed" not in prodigy.kohya_values()
+    assert "Prodigy's step sums over all of the LoRA's parameters" in rows["deepspeed"].reason
+    qwen = _named_cards("qwen-image", "RTX 4090", 2, optimizer="AdamW", rank=128)
+    assert not {"deepspeed", "shard_optimizer_state"} & {c.key for c in qwen.choices}

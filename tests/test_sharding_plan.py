@@ -98,7 +98,7 @@ def test_one_card_has_no_sharding_row_and_other_families_say_why_they_stay_data_
     one = _plan("builtin:flux-dev", "RTX 4060 Ti 16GB", 1)
     assert one.settings.fsdp is None and all(c.key not in ("fsdp", "sharding") for c in one.choices)
     for model, said in (("builtin:qwen-image", "musubi-tuner, which has no sharding of its own"),
-                        ("builtin:lumina2", "sd-scripts, whose one way to shard is DeepSpeed ZeRO stage 3")):
+                        ("builtin:lumina2", "sd-scripts, whose one way to shard the model is DeepSpeed ZeRO stage 3")):
         plan = _plan(model, "RTX 4090", 2)
         row = next(c for c in plan.choices if c.key == "sharding")
         assert plan.settings.fsdp is None and said in row.reason

@@ -79,7 +79,7 @@ class PlanContext:
     @property
     def values(self) -> dict[str, Any]:
         """The settings' kohya values: the one mapping (``settings_space.config_values``) every key below reads."""
-        return config_values(self.settings, self.family.fp8_option)
+        return config_values(self.settings, self.family.config_keys)
 
     @property
     def text_encoder_fp8(self) -> bool:
@@ -90,6 +90,21 @@ class PlanContext:
     def side(self) -> int:
         """The (square) training resolution in px."""
         return self.settings.resolution[0]
+
+
+def _state_split_choices(split: bool, keys: tuple[tuple[str, Any], ...], reason: str) -> list[Choice]:
+    """The rows that split the LoRA's optimizer state across the cards, written where split: lora-autotune's
+    engine's ``shard_optimizer_state``; sd-scripts' DeepSpeed at ZeRO stage 2. Kept whole: the first key, off,
+    with why (not written)."""
+    if not split:
+        return [Choice(keys[0][0], False, reason, kohya=False)]
+    (first, value), *rest = keys
+    why = {"zero_stage": "DeepSpeed's stage that splits the optimizer's state and the gradients, not the model "
+                         "(its stage 3 hangs while sd-scripts loads the model, process by process)"}
+    written = {"deepspeed": " (sd-scripts' DeepSpeed: install it in sd-scripts' venv with DS_BUILD_OPS=0 pip install "
+                            "deepspeed; the accelerate launch command stays as it is)"}
+    return [Choice(first, value, reason + written.get(first, "")),
+            *(Choice(key, entry, why.get(key, reason)) for key, entry in rest)]
 
 
 def model_files(req: PlanRequest, profile: PlanProfile, text_encoder_fp8: bool,
@@ -327,9 +342,8 @@ def _training(c: PlanContext) -> list[Choice]:
             out.append(Choice("fsdp_shard_size", s.fsdp_shard_size, (
                 f"each group of {s.fsdp_shard_size} of the {c.devices} cards shards one copy of the denoiser and "
                 "gathers within itself (the fsdp row says why; lora-autotune's engine)")))
-    if c.state_reason is not None:  # written where split (lora-autotune's engine's key)
-        out.append(Choice("shard_optimizer_state", s.shard_optimizer_state, c.state_reason,
-                          kohya=s.shard_optimizer_state))
+    if c.state_reason is not None:  # written where split, under the trainer's keys
+        out += _state_split_choices(s.shard_optimizer_state, fam.config_keys.state_split, c.state_reason)
     if c.pinned_reason is not None:
         out.append(Choice("use_pinned_memory_for_block_swap", s.use_pinned_memory_for_block_swap, c.pinned_reason))
     if c.offload_reason is not None:

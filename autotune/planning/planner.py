@@ -125,7 +125,7 @@ from autotune.planning.resolution import (
     is_tiny_scale,
 )
 from autotune.planning.search import DDP_EFFICIENCY, Predictor, Scored, SearchResult, search, start_point
-from autotune.planning.sharding import can_shard, choose_sharding, choose_state, not_sharded_reason
+from autotune.planning.sharding import several_cards
 from sd_scripts_compat.facts.dataset_scan import VIDEO_EXTENSIONS
 from sd_scripts_compat.facts.errors import UserError
 from sd_scripts_compat.facts.settings import TrainSettings
@@ -364,18 +364,12 @@ def _search_plan(request: PlanRequest) -> _Searched:
                           memory=memory_view(request, bool(gpus), devices))
     found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective,
                    devices=devices, usable=usable, predictor=predictor, split=split)
-    sharding_reason = state_reason = None
-    if can_shard(family, devices):  # several cards: data parallel or the transformer sharded, the faster
-        def again(point: TrainSettings) -> SearchResult:
-            return search(point, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
-                          predictor=predictor, split=split)
 
-        state_split = replace(start, shard_optimizer_state=True)  # ... and the LoRA's optimizer state split too
-        sharding, state_reason = choose_state(start, devices, choose_sharding(start, devices, found, again),
-                                              choose_sharding(state_split, devices, again(state_split), again))
-        found, sharding_reason = sharding.found, sharding.reason
-    elif devices > 1:
-        sharding_reason = not_sharded_reason(family)
+    def again(point: TrainSettings) -> SearchResult:
+        return search(point, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,
+                      predictor=predictor, split=split)
+
+    found, sharding_reason, state_reason = several_cards(start, family, devices, found, again)
     if split and found.chosen is None:  # the user's batch fits nowhere: the planner's own split, said why
         need = found.smallest.required / GIB
         found = search(start, family, goal, fp8_ok=fp8_ok, effective=effective, devices=devices, usable=usable,

@@ -248,7 +248,7 @@ def planner_limits(family: FamilySpec, fp8_ok: bool) -> Limits:
     step, _ = step_and_floor(family)
     return Limits(is_sdxl=family.is_sdxl, fp8_supported=fp8_ok, max_blocks_to_swap=family.max_blocks_to_swap,
                   resolution_step=step, min_resolution=resolution_floor(family.resolution),
-                  fp8_option=family.fp8_option)
+                  keys=family.config_keys)
 
 
 def ladder(start: TrainSettings, family: FamilySpec, goal: GoalProfile,

@@ -8,12 +8,18 @@ Data parallel holds the whole transformer on every card (swapping blocks to the 
 sharded (``fsdp = "full_shard"``) holds 1/N of it on each and gathers each block over the link between the cards
 as it runs. Our engine shards every family it trains (FLUX.1, Chroma, SD3.5, SD 1.x / 2.x, SDXL); the families
 trained in the user's sd-scripts / musubi-tuner are planned data parallel only.
+
+Either way the LoRA's optimizer state may be split across the cards (:func:`choose_state`): our engine's
+``shard_optimizer_state``; for the families trained in sd-scripts, its DeepSpeed at ZeRO stage 2
+(``FamilySpec.config_keys``); musubi-tuner has no such split. Not for Prodigy, whose step sums over every parameter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from sd_scripts_compat.facts.optimizers import state_splits
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,13 +35,46 @@ SPEED_TIE = 0.02  # predicted speeds this close are as fast: the speed model is 
 
 # what each trainer that is not our engine has for sharding, as of the versions in shared/reference
 TRAINER_SHARDING = {
-    "sd-scripts": ("whose one way to shard is DeepSpeed ZeRO stage 3 (--deepspeed --zero_stage 3): DeepSpeed is not "
-                   "in its requirements and not tried with its LoRA scripts here, so plans do not write it; "
-                   "lora-autotune's engine shards the families it trains (SD 1.x / 2.x, SDXL, FLUX.1, Chroma, SD3.5)"),
+    "sd-scripts": ("whose one way to shard the model is DeepSpeed ZeRO stage 3 (--deepspeed --zero_stage 3), which "
+                   "hangs while its LoRA scripts load the model (rank 0 builds the text encoder inside DeepSpeed's "
+                   "zero.Init, a collective, while the others wait at sd-scripts' load-in-turn barrier: measured "
+                   "with sd-scripts' own versions), so plans do not write it; its stage 2 splits the LoRA's "
+                   "optimizer state where that helps (the deepspeed row); lora-autotune's engine shards the families "
+                   "it trains (SD 1.x / 2.x, SDXL, FLUX.1, Chroma, SD3.5)"),
     "musubi-tuner": ("which has no sharding of its own (only DDP's options: ddp_timeout, "
                      "ddp_gradient_as_bucket_view, ddp_static_graph); lora-autotune's engine shards the families it "
                      "trains (SD 1.x / 2.x, SDXL, FLUX.1, Chroma, SD3.5)"),
 }
+
+
+def several_cards(start: TrainSettings, family: FamilySpec, devices: int, plain: SearchResult,
+                  search: Callable[[TrainSettings], SearchResult]) -> tuple[SearchResult, str | None, str | None]:
+    """On several cards: the search the plan takes (``plain``: data parallel, whole state), why it is data parallel
+    or sharded, and why the LoRA's optimizer state is split across the cards or whole on each (None: one card, or
+    a trainer that cannot split it). Our engine's families: data parallel or sharded (:func:`choose_sharding`),
+    each with the state whole and split; sd-scripts': data parallel, the state whole or split by its DeepSpeed
+    (ZeRO stage 2); musubi-tuner's: data parallel."""
+    if devices < 2:
+        return plain, None, None
+    sharded = can_shard(family, devices)
+    whole = choose_sharding(start, devices, plain, search) if sharded else ShardingChoice(
+        plain, not_sharded_reason(family))
+    if not family.config_keys.state_split:
+        return whole.found, whole.reason, None
+    if not state_splits(start.optimizer_type):
+        best = whole.found.chosen
+        other = best.settings.optimizer_type if best is not None else start.optimizer_type
+        return whole.found, whole.reason, (
+            f"the LoRA's optimizer state kept whole on each card: {start.optimizer_type}'s step sums over all of "
+            "the LoRA's parameters (its estimate of d), which each card would make from its own share if split"
+            + (f"; to fit, the plan trains with {other} instead (the optimizer row says why)"
+               if other != start.optimizer_type else ""))
+    split_start = replace(start, shard_optimizer_state=True)
+    split_found = search(split_start)
+    split = choose_sharding(split_start, devices, split_found, search) if sharded else ShardingChoice(
+        split_found, whole.reason)
+    chosen, state_reason = choose_state(start, devices, whole, split)
+    return chosen.found, chosen.reason, state_reason
 
 
 def can_shard(family: FamilySpec, devices: int) -> bool:
@@ -98,8 +137,12 @@ def choose_state(start: TrainSettings, devices: int, whole: ShardingChoice,
     rather than in host RAM), else kept whole on each (no extra pass of the LoRA over the link per step); (the
     choice, why, with both ways' state per card and figures)."""
     if split.found.chosen is None or (whole.found.chosen is not None and not _state_ahead(start, split, whole)):
-        if whole.found.chosen is None or split.found.chosen is None:
+        if whole.found.chosen is None:
             return whole, "the LoRA's optimizer state kept whole on each card"
+        if split.found.chosen is None:
+            return whole, ("the LoRA's optimizer state kept whole on each card: split across them nothing fits "
+                           f"(needs {split.found.smallest.required / GIB:.1f} GiB per card at its smallest settings"
+                           f"{'' if split.found.smallest.settings.blocks_to_swap else ', no blocks swapped'})")
         slower = _chosen(whole.found).samples_per_s > _chosen(split.found).samples_per_s * (1 + SPEED_TIE)
         return whole, (f"the LoRA's optimizer state kept whole on each card ({_state(whole.found)}): split across "
                        f"them ({_state(split.found)}) the plan {'is slower' if slower else 'gains nothing'} "

@@ -52,7 +52,7 @@ class LadderLimits(Limits):
 
         step, floor = step_and_floor(family)
         return cls(budget_mib=budget_mib, is_sdxl=family.is_sdxl, resolution_step=step, min_resolution=floor,
-                   max_blocks_to_swap=family.max_blocks_to_swap, fp8_option=family.fp8_option,
+                   max_blocks_to_swap=family.max_blocks_to_swap, keys=family.config_keys,
                    frame_step=family.temporal_stride or 4, fp8_supported=fp8_supported,
                    te_cache_allowed=te_cache_allowed)
 

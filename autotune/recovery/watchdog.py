@@ -180,7 +180,7 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
     config = job.output_dir / STATE_DIR / f"config.attempt{attempt}.toml"
     header = f"# attempt {attempt} after a step down (out of memory, instability) or up: {settings.describe()}\n"
     write_config(job.config_path, config, settings, header, base=job.settings,
-                 fp8_option=job.limits.fp8_option)
+                 keys=job.limits.keys)
     dataset = None
     if job.dataset_config_path is not None:
         dataset = job.output_dir / STATE_DIR / f"dataset.attempt{attempt}.toml"
@@ -526,7 +526,7 @@ def _write_final_configs(job: Job, settings: TrainSettings) -> None:
               f"{'' if settings == job.settings else ' after a step down or up: see logs/decisions.log'}): "
               f"{settings.describe()}\n")
     write_config(job.config_path, job.output_dir / FINAL_CONFIG, settings, header, base=job.settings,
-                 fp8_option=job.limits.fp8_option)
+                 keys=job.limits.keys)
     if job.dataset_config_path is not None:
         write_dataset_config(job.dataset_config_path, job.output_dir / FINAL_DATASET_CONFIG, settings, header,
                                 base=job.settings)

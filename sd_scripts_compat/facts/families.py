@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sd_scripts_compat.facts.errors import UserError
+from sd_scripts_compat.facts.settings_space import ConfigKeys
 
 FAMILY_DIR = Path(__file__).resolve().parents[1] / "data" / "families"
 # further folders of family JSON files (os.pathsep-separated), read after ours: a family tried before it joins
@@ -65,10 +66,20 @@ class TrainerFacts:
     # its block swap can stage through pinned host copies, and a two-expert model may offload the idle expert
     host_swap_options: bool
     fp8_scaled_weights: bool  # its fp8 base weights are scaled per tensor (musubi-tuner's --fp8_scaled)
+    # its keys that split the LoRA's optimizer state across the processes (``ConfigKeys.state_split``); ()
+    # where it has none; and whether it swaps blocks with the state split
+    state_split: tuple[tuple[str, Any], ...] = ()
+    swaps_with_split: bool = True
 
 
 TRAINERS = {trainer.name: trainer for trainer in (
-    TrainerFacts("sd-scripts", caches_apart=False, host_swap_options=False, fp8_scaled_weights=False),
+    # sd-scripts' one way to split anything across its processes is DeepSpeed; stage 2 splits the LoRA's optimizer
+    # state and gradients (its LoRA equal to stage 0's, measured: tests/test_sd_scripts_deepspeed.py), stage 3 (the
+    # frozen model sharded too) hangs while loading, so only stage 2 is written; with DeepSpeed, train_network.py
+    # skips prepare_unet_with_accelerator, where its block swap is set up, and DeepSpeed's engine moves the whole
+    # model onto the card: no blocks are swapped beside it
+    TrainerFacts("sd-scripts", caches_apart=False, host_swap_options=False, fp8_scaled_weights=False,
+                 state_split=(("deepspeed", True), ("zero_stage", 2)), swaps_with_split=False),
     TrainerFacts("musubi-tuner", caches_apart=True, host_swap_options=True, fp8_scaled_weights=True))}
 
 
@@ -230,6 +241,16 @@ class FamilySpec:
     def trains_with(self) -> TrainerFacts:
         """The facts of the trainer that trains it where our engine does not (``trainer``)."""
         return TRAINERS[self.trainer]
+
+    @property
+    def config_keys(self) -> ConfigKeys:
+        """The keys its configs name its fp8 weights and the split of the LoRA's optimizer state by: our engine's
+        (``shard_optimizer_state``) where it trains the family, else its trainer's."""
+        if self.trained_here:
+            return ConfigKeys(fp8_option=self.fp8_option)
+        trainer = self.trains_with
+        return ConfigKeys(fp8_option=self.fp8_option, state_split=trainer.state_split,
+                          swaps_with_split=trainer.swaps_with_split)
 
     @property
     def engine_module(self) -> str:

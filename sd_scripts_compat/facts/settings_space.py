@@ -31,14 +31,28 @@ from sd_scripts_compat.facts.kohya_toml import (
     without_keys,
     write_toml,
 )
+from sd_scripts_compat.facts.optimizers import state_splits
 from sd_scripts_compat.facts.settings import TrainSettings, hybrid_group_sizes
 
 # ---- kohya files: the one mapping and the one reader ---------------------------------------------------
 
 
-def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict[str, Any]:
-    """The settings as training-config values, in kohya's value types ("W,H" resolution). ``fp8_option``: the
-    family's key for fp8 weights (``FamilySpec.fp8_option``: HunyuanImage's script reads ``fp8_scaled``)."""
+@dataclass(frozen=True)
+class ConfigKeys:
+    """The keys of the settings whose names differ between the trainers a config is written for (one per family:
+    ``FamilySpec.config_keys``)."""
+
+    fp8_option: str | None = "fp8_base"  # fp8 base weights (HunyuanImage's script reads fp8_scaled); None: none
+    # the LoRA's optimizer state split across the processes: our engine's key; sd-scripts' DeepSpeed ZeRO stage 2
+    # (``families.TRAINERS``); () where the trainer has no such split (musubi-tuner)
+    state_split: tuple[tuple[str, Any], ...] = (("shard_optimizer_state", True),)
+    # blocks may be swapped with the state split (sd-scripts' DeepSpeed moves its whole model onto the card)
+    swaps_with_split: bool = True
+
+
+def config_values(s: TrainSettings, keys: ConfigKeys = ConfigKeys()) -> dict[str, Any]:
+    """The settings as training-config values, in kohya's value types ("W,H" resolution), under the family's
+    trainer's keys (``keys``)."""
     values: dict[str, Any] = {
         "train_batch_size": s.train_batch_size,
         "gradient_accumulation_steps": s.gradient_accumulation_steps,
@@ -50,8 +64,8 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         "cache_latents": s.cache_latents,
         "cache_text_encoder_outputs": s.cache_text_encoder_outputs,
     }
-    if fp8_option is not None:
-        values[fp8_option] = s.fp8_base
+    if keys.fp8_option is not None:
+        values[keys.fp8_option] = s.fp8_base
     if s.network_alpha is not None:
         values["network_alpha"] = s.network_alpha
     if s.max_bucket_reso is not None:
@@ -69,8 +83,8 @@ def config_values(s: TrainSettings, fp8_option: str | None = "fp8_base") -> dict
         values["fsdp_offload_params"] = s.fsdp_offload_params
         if s.fsdp == "hybrid_shard":
             values["fsdp_shard_size"] = s.fsdp_shard_size
-    if s.shard_optimizer_state:  # our engine's key too
-        values["shard_optimizer_state"] = True
+    if s.shard_optimizer_state:  # our engine's key, or sd-scripts' DeepSpeed ZeRO stage 2
+        values.update(keys.state_split)
     if s.use_pinned_memory_for_block_swap:
         values["use_pinned_memory_for_block_swap"] = True
     if s.high_noise_expert:  # written either way: a ladder move from offloading to block swap must clear it
@@ -101,7 +115,7 @@ def _changed(values: dict[str, Any], before: dict[str, Any] | None) -> dict[str,
 
 
 def write_config(src: Path, dst: Path, settings: TrainSettings, header: str = "",
-                 base: TrainSettings | None = None, fp8_option: str | None = "fp8_base") -> None:
+                 base: TrainSettings | None = None, keys: ConfigKeys = ConfigKeys()) -> None:
     """Write ``src`` with the settings' values set wherever kohya reads them, to ``dst``.
 
     Only keys that differ from ``base`` (the settings ``src`` describes) are written, so a config
@@ -109,8 +123,8 @@ def write_config(src: Path, dst: Path, settings: TrainSettings, header: str = ""
     ``settings`` does not (``blocks_to_swap`` once none are swapped, ``fsdp_shard_size`` once sharded across every
     process) is removed.
     """
-    values = config_values(settings, fp8_option)
-    before = None if base is None else config_values(base, fp8_option)
+    values = config_values(settings, keys)
+    before = None if base is None else config_values(base, keys)
     gone = set() if before is None else set(before) - set(values)
     write_toml(dst, set_config_values(without_keys(read_toml(src), gone), _changed(values, before)), header)
 
@@ -166,7 +180,7 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         fsdp=str(values["fsdp"]) if values.get("fsdp") else None,
         fsdp_offload_params=bool(values.get("fsdp_offload_params", False)),
         fsdp_shard_size=int(values.get("fsdp_shard_size") or 0) if values.get("fsdp") == "hybrid_shard" else 0,
-        shard_optimizer_state=bool(values.get("shard_optimizer_state", False)),
+        shard_optimizer_state=bool(values.get("shard_optimizer_state", False)) or _deepspeed_splits_state(values),
         network_module=str(values.get("network_module") or defaults.network_module),
         network_args=tuple(str(entry) for entry in values.get("network_args") or ()),
         torch_compile=bool(values.get("torch_compile", False)),
@@ -175,6 +189,13 @@ def settings_from_values(values: Mapping[str, Any]) -> TrainSettings:
         high_noise_expert=bool(values.get("dit_high_noise")),
         offload_inactive_dit=bool(values.get("offload_inactive_dit", False)),
     )
+
+
+def _deepspeed_splits_state(values: Mapping[str, Any]) -> bool:
+    """sd-scripts' ``deepspeed`` splits the LoRA's optimizer state across its processes from ZeRO stage 1 on (its
+    default stage is 2)."""
+    stage = values.get("zero_stage", 2)
+    return bool(values.get("deepspeed")) and isinstance(stage, int) and stage >= 1
 
 
 # ---- the moves -------------------------------------------------------------------------------------------
@@ -189,7 +210,7 @@ class Limits:
 
     is_sdxl: bool = False
     fp8_supported: bool = False  # float8 storage of the base weights on this device (and in the family's script)
-    fp8_option: str | None = "fp8_base"  # the family's config key for it (FamilySpec.fp8_option)
+    keys: ConfigKeys = ConfigKeys()  # the family's trainer's keys (FamilySpec.config_keys): fp8's, the split's
     te_cache_allowed: bool = True  # False when captions change between steps (shuffle, dropout)
     max_blocks_to_swap: int = 0  # the family's (FamilySpec.max_blocks_to_swap)
     resolution_step: int = 64
@@ -300,15 +321,16 @@ def _shard(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
 
 
 def _split_state(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    if lim.shard_processes < 2 or s.shard_optimizer_state:
+    if lim.shard_processes < 2 or s.shard_optimizer_state or not state_splits(s.optimizer_type) or (
+            s.blocks_to_swap and not lim.keys.swaps_with_split):
         return []
     return [Candidate(replace(s, shard_optimizer_state=True),
                       f"the optimizer's state split across {lim.shard_processes} processes")]
 
 
 def _swap(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    if s.fsdp:  # a sharded denoiser swaps no blocks (training.sharding)
-        return []
+    if s.fsdp or (s.shard_optimizer_state and not lim.keys.swaps_with_split):  # a sharded denoiser swaps no
+        return []  # blocks (training.sharding), nor does sd-scripts' DeepSpeed
     base = replace(s, offload_inactive_dit=False)  # musubi refuses block swap beside an offloaded Wan 2.2 expert
     return [Candidate(replace(base, blocks_to_swap=n), f"blocks_to_swap {n}")
             for n in range(s.blocks_to_swap + 1, lim.max_blocks_to_swap + 1)]  # the fewest that fit win
@@ -357,9 +379,9 @@ def _ranks(s: TrainSettings, p: Policy, floor: int) -> list[Candidate]:
 
 
 def _fp8(s: TrainSettings, p: Policy, lim: Limits) -> list[Candidate]:
-    label = "fp8 base weights" if lim.fp8_option == "fp8_base" else f"fp8 weights ({lim.fp8_option})"
-    return [Candidate(replace(s, fp8_base=True), label)] \
-        if lim.fp8_supported and lim.fp8_option and not s.fp8_base else []
+    option = lim.keys.fp8_option
+    label = "fp8 base weights" if option == "fp8_base" else f"fp8 weights ({option})"
+    return [Candidate(replace(s, fp8_base=True), label)] if lim.fp8_supported and option and not s.fp8_base else []
 
 
 RUNGS: dict[str, Rung] = {
