@@ -447,3 +447,19 @@ def test_fake_kohya_counter_after_resume_still_ends_at_the_target_with_the_right
     assert "trained 1 step(s) past the target 20" in (job.output_dir / DECISIONS_LOG).read_text()
     ledger = json.loads((job.output_dir / SD_SCRIPTS_LEDGER).read_text())
     assert ledger["target_steps"] == STEPS and ledger["states"]["lora-state"]["step"] == STEPS + 1
+
+
+def test_a_run_of_the_users_sd_scripts_is_planned_for_the_one_process_it_trains_in(tmp_path):
+    """The watchdog runs the user's sd-scripts in one process: a run planned for two cards (``--gpus 2``) would
+    write what one process does not train (the effective batch of two, DeepSpeed's split state, our engine's
+    sharding keys). Planned for one card: config.toml carries none of them, and the fake trains to its end."""
+    data = make_dataset(tmp_path, pngs=True)
+    out = tmp_path / "run"
+    done = _cli("run", str(data), "--model", str(diffusers_folder(tmp_path)), "--engine", f"sd-scripts={FAKE_SCRIPTS}",
+                "--gpu", "RTX 3060", "--gpus", "2", "--optimizer", "AdamW", "--rank", "64", "--out", str(out),
+                env=fake_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = toml.loads((out / "config.toml").read_text())
+    assert not {"fsdp", "shard_optimizer_state", "deepspeed", "ddp_gradient_as_bucket_view"} & set(config)
+    plan = json.loads((out / "autotune_plan.json").read_text())
+    assert {c["key"]: c["value"] for c in plan["choices"]}.get("num_processes", 1) == 1

@@ -5,6 +5,7 @@ musubi-tuner's runs (``launch.run``, ``launch.musubi_run``), which otherwise do 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,12 @@ def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = N
     from autotune.planning.toml_writer import write_plan_files
 
     args.out = str(out)
-    plan = plan_training(build_request(args, family))
+    request = build_request(args, family)
+    if getattr(args, "engine", None) and len(request.gpus) > 1:
+        # the user's sd-scripts / musubi-tuner trains in one process under the watchdog: a plan over several
+        # cards (its effective batch, sharding, DeepSpeed) would not be what trains
+        request = replace(request, gpus=request.gpus[:1])
+    plan = plan_training(request)
     if not plan.fits:
         raise UserError(f"{args.model}: {plan.message}")
     check_model_files(plan)
