@@ -279,7 +279,7 @@ def test_on_several_cards_sd_scripts_splits_the_state_with_its_deepspeed(tmp_pat
         "the LoRA's optimizer state split across the 2 cards (0.79 GiB per card;")
     assert "kept whole on each (0.40 GiB per card) it needs optimizer AdamW8bit (8-bit state) to fit" in \
         rows["deepspeed"].reason and "DS_BUILD_OPS=0 pip install deepspeed" in rows["deepspeed"].reason
-    assert "stage 3 hangs while sd-scripts loads the model" in rows["zero_stage"].reason
+    assert "stage 3 fails or hangs while sd-scripts loads the model" in rows["zero_stage"].reason
     config_path, _ = write_plan_files(p, tmp_path)
     values = toml.load(config_path)
     table = option_table("lumina_train_network")

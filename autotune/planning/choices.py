@@ -100,7 +100,7 @@ def _state_split_choices(split: bool, keys: tuple[tuple[str, Any], ...], reason:
         return [Choice(keys[0][0], False, reason, kohya=False)]
     (first, value), *rest = keys
     why = {"zero_stage": "DeepSpeed's stage that splits the optimizer's state and the gradients, not the model "
-                         "(its stage 3 hangs while sd-scripts loads the model, process by process)"}
+                         "(its stage 3 fails or hangs while sd-scripts loads the model, process by process)"}
     written = {"deepspeed": " (sd-scripts' DeepSpeed: install it in sd-scripts' venv with DS_BUILD_OPS=0 pip install "
                             "deepspeed; the accelerate launch command stays as it is)"}
     return [Choice(first, value, reason + written.get(first, "")),

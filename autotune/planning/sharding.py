@@ -36,9 +36,9 @@ SPEED_TIE = 0.02  # predicted speeds this close are as fast: the speed model is 
 # what each trainer that is not our engine has for sharding, as of the versions in shared/reference
 TRAINER_SHARDING = {
     "sd-scripts": ("whose one way to shard the model is DeepSpeed ZeRO stage 3 (--deepspeed --zero_stage 3), which "
-                   "hangs while its LoRA scripts load the model (rank 0 builds the text encoder inside DeepSpeed's "
-                   "zero.Init, a collective, while the others wait at sd-scripts' load-in-turn barrier: measured "
-                   "with sd-scripts' own versions), so plans do not write it; its stage 2 splits the LoRA's "
+                   "fails or hangs while its LoRA scripts load the model (rank 0 builds the text encoder inside "
+                   "DeepSpeed's zero.Init, a collective, while the others wait at sd-scripts' load-in-turn barrier: "
+                   "measured with sd-scripts' own versions), so plans do not write it; its stage 2 splits the LoRA's "
                    "optimizer state where that helps (the deepspeed row); lora-autotune's engine shards the families "
                    "it trains (SD 1.x / 2.x, SDXL, FLUX.1, Chroma, SD3.5)"),
     "musubi-tuner": ("which has no sharding of its own (only DDP's options: ddp_timeout, "

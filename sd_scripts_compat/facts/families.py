@@ -75,9 +75,9 @@ class TrainerFacts:
 TRAINERS = {trainer.name: trainer for trainer in (
     # sd-scripts' one way to split anything across its processes is DeepSpeed; stage 2 splits the LoRA's optimizer
     # state and gradients (its LoRA equal to stage 0's, measured: tests/test_sd_scripts_deepspeed.py), stage 3 (the
-    # frozen model sharded too) hangs while loading, so only stage 2 is written; with DeepSpeed, train_network.py
-    # skips prepare_unet_with_accelerator, where its block swap is set up, and DeepSpeed's engine moves the whole
-    # model onto the card: no blocks are swapped beside it
+    # frozen model sharded too) fails or hangs while loading, so only stage 2 is written; with DeepSpeed,
+    # train_network.py skips prepare_unet_with_accelerator, where its block swap is set up, and DeepSpeed's engine
+    # moves the whole model onto the card: no blocks are swapped beside it
     TrainerFacts("sd-scripts", caches_apart=False, host_swap_options=False, fp8_scaled_weights=False,
                  state_split=(("deepspeed", True), ("zero_stage", 2)), swaps_with_split=False),
     TrainerFacts("musubi-tuner", caches_apart=True, host_swap_options=True, fp8_scaled_weights=True))}
