@@ -66,13 +66,14 @@ def sd_scripts_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe
                        states_dir=train_output, save_every_s=args.save_state_every, env=os.environ,
                        planned_it_per_s=plan.prediction.it_per_s if plan and plan.prediction else None), None
 
-    return kohya_job(args, out, scan, probe, started, family, engine)
+    return kohya_job(args, out, scan, probe, started, family, engine, one_process=True)
 
 
 def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: SystemProbe, started: dict[str, Any],
-              model_family: FamilySpec, make_engine: MakeEngine) -> Job:
+              model_family: FamilySpec, make_engine: MakeEngine, *, one_process: bool = False) -> Job:
     """The watchdog's job for an engine that reads kohya configs: configs planned or copied into ``out``;
-    ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for."""
+    ``make_engine(family, config, train_output, plan)`` gives the engine and where its states are looked for;
+    ``one_process``: the engine trains in one process (the user's sd-scripts), so it is planned for one card."""
     from autotune.launch.plan_options import emulated_card_mib, memory_model_scale
     from autotune.recovery.attempt import read_json
     from autotune.recovery.watchdog import Job
@@ -80,7 +81,7 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
 
     cuda = probe.accelerator == "cuda"
     card = emulated_card_mib(args)
-    config_path, dataset_path, plan = _configs(args, out, scan, model_family)
+    config_path, dataset_path, plan = _configs(args, out, scan, model_family, one_process)
     usable_mib = _usable_mib(plan)
     family, resolved = _resolve(config_path, dataset_path, args, model_family)
     settings = resolved.settings
@@ -115,8 +116,8 @@ def kohya_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sys
     return job
 
 
-def _configs(args: argparse.Namespace, out: Path, scan: DatasetScan,
-             family: FamilySpec) -> tuple[Path, Path | None, Plan | None]:
+def _configs(args: argparse.Namespace, out: Path, scan: DatasetScan, family: FamilySpec,
+             one_process: bool) -> tuple[Path, Path | None, Plan | None]:
     """config.toml (+ dataset.toml) in ``out``: planned, copied from ``--config``, or kept from the run
     being resumed. Returns their paths and the plan, when there is one (its predictions go on to the watchdog:
     the step-down budget, a wrapped trainer's first save interval)."""
@@ -126,7 +127,7 @@ def _configs(args: argparse.Namespace, out: Path, scan: DatasetScan,
     if not args.config:
         from autotune.launch.plan_into import plan_into
 
-        return plan_into(args, out, family)
+        return plan_into(args, out, family, one_card=one_process)
     return config_path, _copy_user_configs(args, out, scan), None
 
 

@@ -94,10 +94,11 @@ def musubi_job(args: argparse.Namespace, out: Path, scan: DatasetScan, probe: Sy
 
 
 def _plan(args: argparse.Namespace, out: Path, family: FamilySpec) -> Plan:
-    """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's."""
+    """The plan, with musubi's files written into ``out`` as ``autotune run`` writes any plan's: for one card,
+    as musubi-tuner trains in one process under the watchdog."""
     from autotune.launch.plan_into import plan_into
 
-    return plan_into(args, out, family)[2]
+    return plan_into(args, out, family, one_card=True)[2]
 
 
 def _model_files(plan: Plan, commands: tuple[tuple[str, ...], ...], dit: str) -> dict[str, str]:

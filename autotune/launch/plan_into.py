@@ -16,18 +16,19 @@ if TYPE_CHECKING:
     from sd_scripts_compat.facts.families import FamilySpec
 
 
-def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = None) -> tuple[Path, Path, Plan]:
+def plan_into(args: argparse.Namespace, out: Path, family: FamilySpec | None = None, *,
+              one_card: bool = False) -> tuple[Path, Path, Plan]:
     """Plan with `autotune plan`'s own request builder (``family``: the run's detected ``FamilySpec``); write
-    config.toml + dataset.toml into ``out``. Returns both paths and the plan."""
+    config.toml + dataset.toml into ``out``. Returns both paths and the plan. ``one_card``: the engine trains in
+    one process (the user's sd-scripts / musubi-tuner under the watchdog), so the plan is for the first card: one
+    over several (its effective batch, sharding, DeepSpeed) would not be what trains."""
     from autotune.launch.plan_options import build_request, render
     from autotune.planning.planner import plan_training
     from autotune.planning.toml_writer import write_plan_files
 
     args.out = str(out)
     request = build_request(args, family)
-    if getattr(args, "engine", None) and len(request.gpus) > 1:
-        # the user's sd-scripts / musubi-tuner trains in one process under the watchdog: a plan over several
-        # cards (its effective batch, sharding, DeepSpeed) would not be what trains
+    if one_card:
         request = replace(request, gpus=request.gpus[:1])
     plan = plan_training(request)
     if not plan.fits:

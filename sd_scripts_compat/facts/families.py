@@ -17,10 +17,12 @@ import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sd_scripts_compat.facts.errors import UserError
-from sd_scripts_compat.facts.settings_space import ConfigKeys
+
+if TYPE_CHECKING:
+    from sd_scripts_compat.facts.settings_space import ConfigKeys
 
 FAMILY_DIR = Path(__file__).resolve().parents[1] / "data" / "families"
 # further folders of family JSON files (os.pathsep-separated), read after ours: a family tried before it joins
@@ -246,6 +248,8 @@ class FamilySpec:
     def config_keys(self) -> ConfigKeys:
         """The keys its configs name its fp8 weights and the split of the LoRA's optimizer state by: our engine's
         (``shard_optimizer_state``) where it trains the family, else its trainer's."""
+        from sd_scripts_compat.facts.settings_space import ConfigKeys
+
         if self.trained_here:
             return ConfigKeys(fp8_option=self.fp8_option)
         trainer = self.trains_with
