@@ -205,6 +205,37 @@ def test_a_console_log_read_as_a_terminal_shows_it(tmp_path):
     assert add(b"") == (["again"], "")
 
 
+def test_a_sample_or_lora_being_written_is_not_listed(tmp_path):
+    """A sample PNG or a LoRA caught before its rename into place (``atomic_path``'s hidden temp name keeps the
+    image's suffix) is neither sent as a sample event nor taken as the run's LoRA: CI once saw the temp name of
+    a sample arrive as a third sample. The real temp names, made by the writer itself and held open."""
+    from autotune.report.load import run_lora
+    from autotune.ui.events import run_events
+    from sd_scripts_compat.facts.atomic import atomic_path
+
+    class Done:
+        runs_dir = tmp_path
+
+        def state(self, run_id: str) -> tuple[str, str | None]:
+            return ("done", None)
+
+        def console_log(self, run_id: str) -> Path | None:
+            return None
+
+    run = tmp_path / "r"
+    (run / "sample").mkdir(parents=True)
+    (run / "sample" / "lora_step00000002_00.png").write_bytes(b"\x89PNG")
+    (run / "lora.safetensors").write_bytes(b"whole")
+    with atomic_path(run / "sample" / "lora_step00000004_00.png", suffix=".png") as sample_tmp, \
+            atomic_path(run / "lora-step00000004.safetensors", suffix=".safetensors") as lora_tmp:
+        sample_tmp.write_bytes(b"\x89PNG half")
+        lora_tmp.write_bytes(b"half")
+        samples = [json.loads(event.split("data: ", 1)[1])["file"] for event in run_events(Done(), "r")
+                   if event.startswith("event: sample")]
+        assert samples == ["sample/lora_step00000002_00.png"]
+        assert run_lora(run) == run / "lora.safetensors"
+
+
 def test_a_run_refused_by_the_cli_is_refused_here_first(tmp_path):
     server = Server(tmp_path)
     try:

@@ -86,14 +86,15 @@ def run_lora(path: Path) -> Path:
     (state folders and cache files left out)."""
     if not path.is_dir():
         return path
+    from sd_scripts_compat.facts.atomic import is_being_written
     from sd_scripts_compat.facts.contract import DONE, read_event
 
     done = read_event(run_folder(path) / EVENTS_DIR, DONE) or read_event(path, DONE) or {}
     if done.get("output_file") and Path(done["output_file"]).is_file():
         return Path(done["output_file"])
     found = [(modified, p) for pattern in ("*.safetensors", "*/*.safetensors") for p in path.glob(pattern)
-             if not p.parent.name.endswith("-state") and not p.name.endswith((".latents.safetensors",
-                                                                                ".te.safetensors"))
+             if not p.parent.name.endswith("-state") and not is_being_written(p)
+             and not p.name.endswith((".latents.safetensors", ".te.safetensors"))
              and (modified := _modified_ns(p)) is not None]
     if not found:
         return path  # describe_lora_file says it is no file

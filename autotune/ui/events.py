@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autotune.layout import DECISIONS_JSONL, EVENTS_DIR
+from sd_scripts_compat.facts.atomic import is_being_written
 from sd_scripts_compat.facts.contract import PROGRESS_LOG
 
 POLL_S = 0.5
@@ -77,7 +78,7 @@ def run_events(store: RunStates, run_id: str) -> Iterator[str]:
         samples = folder / "sample"
         if samples.is_dir():
             for image in sorted(samples.glob("*.png")):
-                if image.name not in sent_samples:
+                if image.name not in sent_samples and not is_being_written(image):
                     sent_samples.add(image.name)
                     yield _event("sample", {"file": f"sample/{image.name}"})
         if state[0] in FINAL:

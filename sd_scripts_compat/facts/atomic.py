@@ -79,6 +79,14 @@ def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
+def is_being_written(path: Path) -> bool:
+    """Whether ``path`` is one of ``atomic_path`` / ``atomic_folder``'s temp names (hidden: a dot first), so a
+    listing of a run's outputs (its samples, its LoRAs) leaves it out: it is renamed into place when whole, or
+    removed. A sample's temp name keeps the image's suffix (PIL reads the format from it), so a glob for
+    ``*.png`` finds it while it is written."""
+    return path.name.startswith(".")
+
+
 _TEMP_NAME = re.compile(r"^\..+\.(?P<pid>\d+)\.[A-Za-z0-9_]{8}\.tmp$")
 
 
