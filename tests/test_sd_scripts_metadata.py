@@ -67,7 +67,9 @@ def test_the_recording_covers_sd15_sdxl_flux_and_sd35_with_eight_option_sets():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("case", sorted(RECORDED))
+# sd15-lora and sdxl-lora are option sets that sd15-options and sdxl-lora-te hold and add to: slow, for CI's time
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in ("sd15-lora", "sdxl-lora")
+                                  else case for case in sorted(RECORDED)])
 def test_our_metadata_equals_what_sd_scripts_wrote_for_the_same_options(case, tmp_path):
     entry = RECORDED[case]
     _work(tmp_path, entry["family"])
