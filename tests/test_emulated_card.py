@@ -183,6 +183,21 @@ def test_our_engine_counts_its_tensors_on_the_card_as_the_memory_model_predicts_
     records = [r for r in load_measurements() if r.source == "run"]
     assert [r.device.startswith("emulated card on cpu:") for r in records] == [True]
     assert records[0].peak_memory_mib == pytest.approx(done["peak_memory"])
+    # what stayed on the card between steps, as the model's resident parts predict it; a plan of other settings
+    # on this card corrects each part by its own ratio
+    from autotune.estimate.memory_model import resident_bytes
+    from autotune.planning.planner import PlanRequest, nominal_dataset, plan_training
+    from autotune.planning.search import estimate_for_settings
+
+    estimate, _ = estimate_for_settings(get_family("tiny-sd15"), settings, 2, on_gpu=False,
+                                        memory=MemoryView(emulated=True))
+    assert records[0].resident_mib == pytest.approx(done["resident_memory"])
+    assert records[0].resident_mib == pytest.approx(resident_bytes(estimate.components) / 2**20, rel=0.05)
+    other = plan_training(PlanRequest(dataset_dir=None, model="builtin:tiny-sd15", dataset=nominal_dataset(),
+                                      cpu_physical_cores=2, emulated_card_bytes=1000 * 2**20,
+                                      measurements=tuple(records), measured_device=records[0].device))
+    assert other.prediction.memory_source == "measured-scaled"
+    assert "resident measured" in other.prediction.memory_basis, other.prediction.memory_basis
 
 
 @pytest.mark.long

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.measure.learned import LearnedFigures
+from autotune.measure.learned import LearnedFigures, ModelPeak
 from autotune.measure.store import Measurement, load_measurements, settings_key, store_path
 from autotune.planning.planner import PlanRequest, nominal_dataset, plan_training
 from sd_scripts_compat.facts.families import get_family
@@ -30,14 +30,22 @@ def _request(records=()) -> PlanRequest:
                        cpu_memory_bytes=8 * 2**30, measurements=tuple(records), measured_device=DEVICE)
 
 
-def _done(settings: TrainSettings, peak_mib: float | None, device: str = DEVICE) -> Measurement:
+def _done(settings: TrainSettings, peak_mib: float | None, device: str = DEVICE,
+          resident_mib: float | None = None) -> Measurement:
     return Measurement(device=device, family="tiny-sd15", settings=settings.to_event(), outcome="done",
-                       source="run", seconds_per_step=1.0, peak_memory_mib=peak_mib, steps=4, measured_at=1.0e9)
+                       source="run", seconds_per_step=1.0, peak_memory_mib=peak_mib, steps=4, measured_at=1.0e9,
+                       resident_mib=resident_mib)
 
 
-def _model_mib(values: dict) -> float:
-    """A stand-in memory model: 1000 MiB per sample of the micro-batch."""
-    return 1000.0 * values["train_batch_size"]
+def _model_mib(values: dict) -> ModelPeak:
+    """A stand-in memory model: 1000 MiB per sample of the micro-batch, no resident part said."""
+    return ModelPeak(1000.0 * values["train_batch_size"])
+
+
+def _model_parts(values: dict) -> ModelPeak:
+    """A stand-in memory model with its parts: 500 MiB resident (weights, LoRA, state), 1000 MiB of activations
+    per sample."""
+    return ModelPeak(500.0 + 1000.0 * values["train_batch_size"], resident=500.0)
 
 
 BASE = replace(plan_training(_request()).settings, gradient_accumulation_steps=1)
@@ -69,6 +77,56 @@ def test_a_lighter_run_never_lowers_a_heavier_settings_prediction_but_a_heavier_
     assert "not lowered" in lighter.basis
     heavier = _learned(_done(_at(8), 6400.0)).memory(_at(4).to_event(), _model_mib)
     assert heavier.factor == pytest.approx(0.8) and heavier.peak_mib == pytest.approx(3200.0)
+
+
+def test_a_run_that_read_its_resident_memory_corrects_each_part_by_its_own_ratio():
+    """Micro-batch 1 measured its resident part as predicted (500 MiB) and its activations at twice the model's:
+    micro-batch 4 is predicted with the activations alone doubled (500 + 2 x 4000), where one ratio for the whole
+    peak (2500 / 1500) would say 7500 MiB, 12% short."""
+    record = _done(_at(1), 2500.0, resident_mib=500.0)
+    parts = _learned(record).memory(_at(4).to_event(), _model_parts)
+    assert parts.source == "measured-scaled" and parts.peak_mib == pytest.approx(8500.0)
+    assert parts.factor == pytest.approx(8500.0 / 4500.0)
+    assert ("resident measured 500 MiB / model 500 MiB = x1, the rest of the peak measured 2000 MiB / model "
+            "1000 MiB = x2") in parts.basis
+    whole = _learned(replace(record, resident_mib=None)).memory(_at(4).to_event(), _model_parts)
+    assert whole.peak_mib == pytest.approx(4500.0 * 2500.0 / 1500.0) and "resident" not in whole.basis
+
+
+def test_a_lighter_runs_part_below_the_model_does_not_lower_that_part():
+    """Micro-batch 1 measured its resident part at half the model's and its activations at 1.5 times: for micro-batch
+    4 the resident part is kept at the model's (a lighter run), the activations raised."""
+    parts = _learned(_done(_at(1), 1750.0, resident_mib=250.0)).memory(_at(4).to_event(), _model_parts)
+    assert parts.peak_mib == pytest.approx(500.0 + 1.5 * 4000.0) and "not lowered" in parts.basis
+    heavier = _learned(_done(_at(8), 250.0 + 0.5 * 8000.0, resident_mib=250.0)).memory(_at(4).to_event(),
+                                                                                       _model_parts)
+    assert heavier.peak_mib == pytest.approx(250.0 + 0.5 * 4000.0) and "not lowered" not in heavier.basis
+
+
+@pytest.mark.parametrize(("peak", "resident"), [(2500.0, 0.0), (2500.0, 2500.0), (2500.0, 3000.0)])
+def test_a_resident_figure_that_splits_nothing_falls_back_to_one_ratio(peak, resident):
+    memory = _learned(_done(_at(1), peak, resident_mib=resident)).memory(_at(4).to_event(), _model_parts)
+    assert memory.peak_mib == pytest.approx(4500.0 * peak / 1500.0) and "resident" not in memory.basis
+
+
+def test_a_measured_peak_on_a_gpu_gets_the_cuda_context_back():
+    """CUDA's max reserved, the figure a run stores, leaves the CUDA context out; the plan checks the card against
+    the peak with it, so the measured setting's peak is the reserved figure plus the context (the model's here,
+    none measured), not the reserved figure alone (which was a context too optimistic)."""
+    from autotune.estimate.memory_model import DEFAULT_CUDA_CONTEXT_GIB
+    from autotune.planning.request import gpu_from_vram
+
+    card = "cuda:NVIDIA Test GPU"
+
+    def on_card(*records: Measurement):
+        return plan_training(PlanRequest(dataset_dir=None, model="builtin:tiny-sd15", dataset=nominal_dataset(),
+                                         gpus=(gpu_from_vram(12),), cpu_physical_cores=2,
+                                         cpu_memory_bytes=8 * 2**30, measurements=records, measured_device=card))
+
+    model = on_card()
+    measured = on_card(_done(model.settings, 1800.0, device=card))
+    assert measured.settings == model.settings and measured.prediction.memory_source == "measured"
+    assert measured.prediction.peak_bytes == int(1800.0 * 2**20) + int(DEFAULT_CUDA_CONTEXT_GIB * 2**30)
 
 
 @pytest.mark.parametrize("figure", [math.nan, -512.0, math.inf, 1e300, "2600", True])

@@ -172,6 +172,15 @@ class MemoryEstimate:
         return replace(self, components={k: int(v * factor) for k, v in self.components.items()})
 
 
+def resident_bytes(components: dict[str, int]) -> int:
+    """What of a prediction stays on the device between steps, as the engine's ``resident_memory`` reads it at a
+    step boundary: the weights on the card, the LoRA and its optimizer state (its gradients are set to None after
+    each step, the activations are gone). On the emulated card tiny-sd15 at 256 px measured 11.4 MiB against these
+    parts' 11.4 at micro-batch 1 and 4, with and without checkpointing."""
+    return sum(value for name, value in components.items()
+               if name.startswith("weights_") or name in ("lora_params", "optimizer_state"))
+
+
 @cache
 def load_calibration(path: str = str(CALIBRATION_PATH)) -> dict[str, Any]:
     """The shipped calibration table (read once per process)."""

@@ -8,10 +8,14 @@ of memory on this device.
   (source ``"measured-scaled"``): the model's error on this machine mostly cancels in the ratio.
 - **Model** otherwise (source ``"model"``).
 - **Memory** the same way: a finished run of the candidate's key gives its measured peak (CUDA max reserved on a
-  GPU, peak resident memory on a CPU: the figure the plan is checked against); otherwise the memory model's
-  prediction is multiplied by measured / predicted of the nearest finished run of the same device and family. The
-  factor lowers a prediction only when that run's settings were at least as heavy as the candidate's: a lighter
-  run that needed less than predicted says nothing about a heavier one.
+  GPU, to which the planner adds the CUDA context; the emulated card's count; peak resident memory on a CPU);
+  otherwise the memory model's prediction is corrected by measured / predicted of the nearest finished run of the
+  same device and family: per part where that run read what stays on the device between steps (``resident_mib``:
+  the weights, the LoRA, its optimizer state; the rest of the peak is gradients, activations, the allocator's
+  slack), so that a run whose activations were off and weights right corrects a larger micro-batch's activations
+  alone; else the whole peak by one ratio (a CPU run, which reads no resident memory). A ratio lowers a
+  prediction only when that run's settings were at least as heavy as the candidate's: a lighter run that needed
+  less than predicted says nothing about a heavier one.
 - **Compiled** (``torch_compile``): a compiled record answers only a compiled candidate, exactly or scaled from
   another compiled one, never an eager one; :meth:`LearnedFigures.compiled` gives the planner the compiled run of
   its chosen settings (planning.compile_choice weighs it against the compile time).
@@ -153,14 +157,14 @@ class LearnedFigures:
                        f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}, "
                        f"{k['mixed_precision']}) x the speed model's ratio {ratio:.3g}")
 
-    def memory(self, settings: dict[str, Any], model_mib: Callable[[dict[str, Any]], float]) -> LearnedMemory:
-        """The measured (or corrected) peak MiB of ``settings``; ``model_mib`` is the memory model's peak of a
-        settings block."""
+    def memory(self, settings: dict[str, Any], model: Callable[[dict[str, Any]], ModelPeak]) -> LearnedMemory:
+        """The measured (or corrected) peak MiB of ``settings``; ``model`` gives the memory model's figures of a
+        settings block as the engine measures them (:class:`ModelPeak`)."""
         key = settings_key(settings)
         exact = next((r for r in reversed(self.peaks) if r.key == key), None)
-        model = model_mib(settings)
+        mine = model(settings)
         if exact is not None and exact.peak_memory_mib is not None:
-            factor = exact.peak_memory_mib / model if model > 0 else 1.0
+            factor = exact.peak_memory_mib / mine.peak if mine.peak > 0 else 1.0
             return LearnedMemory(exact.peak_memory_mib, "measured",
                                  f"{exact.source} on {self.device}, {when_measured(exact)}: peak "
                                  f"{mib(exact.peak_memory_mib)} MiB", factor)
@@ -168,17 +172,50 @@ class LearnedFigures:
         if not alike:
             return LearnedMemory(None, "model", "memory model")
         nearest = min(alike, key=lambda r: _distance(key, r.key))
-        measured, predicted = nearest.peak_memory_mib or 0.0, model_mib(nearest.settings)
-        if predicted <= 0:
+        theirs = model(nearest.settings)
+        if theirs.peak <= 0:
             return LearnedMemory(None, "model", "memory model")
-        ratio = measured / predicted
-        factor = ratio if ratio >= 1.0 or heavier_or_equal(nearest.key, key) else 1.0
         k = nearest.key
-        kept = "" if factor == ratio else "; not lowered: that run was lighter than this one"
-        return LearnedMemory(model * factor, "measured-scaled",
-                             f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch "
-                             f"{k['train_batch_size']}, {k['resolution'][0]} px, rank {k['network_dim']}): measured "
-                             f"{mib(measured)} MiB / model {mib(predicted)} MiB = x{ratio:.3g}{kept}", factor)
+        run = (f"{nearest.source} on {self.device}, {when_measured(nearest)} (micro-batch {k['train_batch_size']}, "
+               f"{k['resolution'][0]} px, rank {k['network_dim']})")
+        lowers = heavier_or_equal(nearest.key, key)
+        kept = "; not lowered: that run was lighter than this one"
+        parts = _part_ratios(nearest, theirs)
+        if parts is not None:  # each part by its own ratio: the weights' error says nothing of the activations'
+            resident, rest = (ratio if ratio >= 1.0 or lowers else 1.0 for ratio in parts)
+            peak = mine.resident * resident + (mine.peak - mine.resident) * rest
+            measured_rest = (nearest.peak_memory_mib or 0.0) - (nearest.resident_mib or 0.0)
+            return LearnedMemory(peak, "measured-scaled", (
+                f"{run}: resident measured {mib(nearest.resident_mib or 0.0)} MiB / model {mib(theirs.resident)} "
+                f"MiB = x{parts[0]:.3g}, the rest of the peak measured {mib(measured_rest)} MiB / model "
+                f"{mib(theirs.peak - theirs.resident)} MiB = x{parts[1]:.3g}"
+                f"{kept if (resident, rest) != parts else ''}"), peak / mine.peak if mine.peak > 0 else 1.0)
+        measured = nearest.peak_memory_mib or 0.0
+        ratio = measured / theirs.peak
+        factor = ratio if ratio >= 1.0 or lowers else 1.0
+        return LearnedMemory(mine.peak * factor, "measured-scaled",
+                             f"{run}: measured {mib(measured)} MiB / model {mib(theirs.peak)} MiB = x{ratio:.3g}"
+                             f"{kept if factor != ratio else ''}", factor)
+
+
+@dataclass(frozen=True)
+class ModelPeak:
+    """The memory model's figures for one settings block, MiB, as the engine measures them: ``peak`` (CUDA's
+    max reserved, which leaves the context out; the emulated card's count; a CPU's peak resident memory) and
+    ``resident``, what of it stays on the device between steps (weights, LoRA, optimizer state: the engine's
+    ``resident_memory``; 0 where the model does not say)."""
+
+    peak: float
+    resident: float = 0.0
+
+
+def _part_ratios(record: Measurement, model: ModelPeak) -> tuple[float, float] | None:
+    """(measured / predicted of the resident part, of the rest of the peak) of ``record``; None where either side
+    lacks the split (a CPU run reads no resident memory) or a part is empty."""
+    measured_peak, measured_resident = record.peak_memory_mib or 0.0, record.resident_mib or 0.0
+    if not (0.0 < measured_resident < measured_peak and 0.0 < model.resident < model.peak):
+        return None
+    return measured_resident / model.resident, (measured_peak - measured_resident) / (model.peak - model.resident)
 
 
 MAX_CUDA_CONTEXT_MIB = 8192.0  # a context is ~300-1500 MiB; a larger figure is no context

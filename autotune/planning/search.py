@@ -24,7 +24,7 @@ from sd_scripts_compat.facts.settings import TrainSettings
 from sd_scripts_compat.facts.settings_space import RUNGS, Limits, Policy, micro_batch_splits
 
 if TYPE_CHECKING:
-    from autotune.measure.learned import LearnedFigures
+    from autotune.measure.learned import LearnedFigures, ModelPeak
 
 DDP_EFFICIENCY = 0.9  # all-reduce of the LoRA gradients each step; small LoRAs make it cheap but not free
 
@@ -172,14 +172,25 @@ class Predictor:
         if got.micro_steps_per_s is not None:
             e = replace(e, it_per_s=float(got.micro_steps_per_s), speed_source=got.speed_source,
                         speed_basis=got.speed_basis)
-        memory = learned.memory(event, lambda values: self.model_estimate(TrainSettings.from_event(values)).peak
-                                / 2**20)
+        memory = learned.memory(event, lambda values: self._as_measured(TrainSettings.from_event(values)))
         if memory.peak_mib is not None:
-            peak = int(memory.peak_mib * 2**20)  # a measured peak holds the real context; a scaled one the view's
+            peak = int(memory.peak_mib * 2**20) + dict(e.components).get("cuda_context", 0)
             basis = memory.basis if memory.source == "measured" else self.memory.basis(memory.basis)
             e = replace(e, required=e.required - e.peak + peak, peak=peak, memory_source=memory.source,
                         memory_basis=basis, memory_factor=memory.factor)
         return e
+
+
+    def _as_measured(self, s: TrainSettings) -> ModelPeak:
+        """The memory model's figures of ``s`` as the engine measures them: the peak without the CUDA context
+        (``max_memory_reserved`` leaves it out; the planner adds the measured context, else the model's, back) and
+        what stays on the device between steps."""
+        from autotune.estimate.memory_model import resident_bytes
+        from autotune.measure.learned import ModelPeak
+
+        e = self.model_estimate(s)
+        parts = dict(e.components)
+        return ModelPeak((e.peak - parts.get("cuda_context", 0)) / 2**20, resident_bytes(parts) / 2**20)
 
 
 def all_reduce_bytes(components: dict[str, int]) -> int:
