@@ -129,3 +129,6 @@ def test_the_step_down_takes_the_oom_point_when_it_is_more_than_the_reserved_pea
     assert measured_mib(failed({"cuda_max_reserved_mib": 16000.0, "oom_point_mib": point}), "device") == 16000.0
     assert measured_mib(failed({"oom_point_mib": point, "peak_rss_mib": 900.0}), "device") == point
     assert measured_mib(failed({"cuda_max_allocated_mib": 14000.0}), "device") == 14000.0
+    # the CUDA context the engine measured at start, which neither the reserved peak nor the OOM point counts
+    assert measured_mib(failed({"cuda_max_reserved_mib": 16000.0, "cuda_context_mib": 520.0}), "device") == 16520.0
+    assert measured_mib(failed({"oom_point_mib": point, "cuda_context_mib": float("nan")}), "device") == point

@@ -417,6 +417,29 @@ def test_a_trainer_without_its_own_peak_steps_up_on_what_nvml_showed():
     assert asked == [6144.0]  # not the host address space: the card's figure
 
 
+def test_our_engines_peak_on_a_card_is_counted_with_its_cuda_context():
+    """Our engine's progress peak on a GPU is CUDA's max reserved, which leaves the context out; the budget (the
+    card less what others hold) and NVML's figure for a trainer that reports none count it. So the watcher adds the
+    context the engine measured at start; an emulated card or host RAM has none to add, nor a figure that is no
+    measurement."""
+    from autotune.recovery.step_up import STEADY_STEPS, MemoryWatcher
+    from sd_scripts_compat.facts.settings import TrainSettings
+
+    def measured(kind: str, **progress: object) -> list[float]:
+        asked: list[float] = []
+        watcher = MemoryWatcher(TrainSettings(), lambda s, mib, event, up: asked.append(mib), kind)
+        watcher.see({"step": 1 + STEADY_STEPS, "max_train_steps": 100, **progress}, 50.0, 9999.0)
+        return asked
+
+    assert measured("device", peak_memory_mib=6000.0, cuda_context_mib=520.0) == [6520.0]
+    assert measured("device", peak_memory_mib=6000.0) == [6000.0]
+    for bad in (float("nan"), -5.0, True, "520"):
+        assert measured("device", peak_memory_mib=6000.0, cuda_context_mib=bad) == [6000.0]
+    assert measured("emulated_card", peak_memory_mib=60.0, cuda_context_mib=520.0) == [60.0]
+    assert measured("ram", peak_memory_mib=900.0) == [900.0]
+    assert measured("device", peak_memory_mib=float("nan")) == [9999.0]  # then NVML's figure
+
+
 def test_memory_another_process_took_since_the_start_is_not_stepped_into(install, tmp_path):
     """The card's usable memory changes during the run: a step up the planned budget admits is refused once another
     process has grown on the card (what the trainer holds plus what is free, now, is the budget then)."""

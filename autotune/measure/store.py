@@ -124,15 +124,16 @@ class Measurement:
     def from_json(cls, value: Mapping[str, Any]) -> Measurement:
         return cls(device=str(value["device"]), family=str(value["family"]), settings=dict(value["settings"]),
                    outcome=str(value["outcome"]), source=str(value.get("source", "run")),
-                   seconds_per_step=_number(value.get("seconds_per_step")),
-                   peak_memory_mib=_number(value.get("peak_memory_mib")), memory=_figures(value.get("memory")),
-                   budget_mib=_number(value.get("budget_mib")), steps=int(value.get("steps") or 0),
+                   seconds_per_step=measured_figure(value.get("seconds_per_step")),
+                   peak_memory_mib=measured_figure(value.get("peak_memory_mib")), memory=_figures(value.get("memory")),
+                   budget_mib=measured_figure(value.get("budget_mib")), steps=int(value.get("steps") or 0),
                    measured_at=float(value.get("measured_at") or 0.0),
-                   compile_seconds=_number(value.get("compile_seconds")),
-                   predicted_mib=_number(value.get("predicted_mib")), resident_mib=_number(value.get("resident_mib")))
+                   compile_seconds=measured_figure(value.get("compile_seconds")),
+                   predicted_mib=measured_figure(value.get("predicted_mib")),
+                   resident_mib=measured_figure(value.get("resident_mib")))
 
 
-def _number(value: Any) -> float | None:
+def measured_figure(value: Any) -> float | None:
     """A figure as a float; None for what is no measurement (not a number, NaN, infinite, negative or huge)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
@@ -144,7 +145,7 @@ def _figures(value: Any) -> dict[str, float]:
     """A ``memory`` block's figures that are measurements (``_number``); the rest left out."""
     if not isinstance(value, Mapping):
         return {}
-    return {str(k): n for k, v in value.items() if (n := _number(v)) is not None}
+    return {str(k): n for k, v in value.items() if (n := measured_figure(v)) is not None}
 
 
 def load_measurements(path: Path | None = None, warn: Callable[[str], None] | None = None) -> list[Measurement]:
@@ -216,10 +217,10 @@ def from_done_event(done: Mapping[str, Any], *, device: str, family: FamilySpec,
         return None
     return Measurement(device=device, family=family.name, settings=settings, outcome=Outcome.DONE, source=source,
                        seconds_per_step=seconds,
-                       peak_memory_mib=_number(done.get("peak_memory")), memory=_figures(done.get("memory")),
-                       resident_mib=_number(done.get("resident_memory")),
+                       peak_memory_mib=measured_figure(done.get("peak_memory")), memory=_figures(done.get("memory")),
+                       resident_mib=measured_figure(done.get("resident_memory")),
                        steps=len(done.get("step_seconds") or []),
-                       compile_seconds=_number(compiled.get("seconds")) if compiled is not None else None)
+                       compile_seconds=measured_figure(compiled.get("seconds")) if compiled is not None else None)
 
 
 def steady_seconds_per_step(done: Mapping[str, Any]) -> float | None:
@@ -227,8 +228,8 @@ def steady_seconds_per_step(done: Mapping[str, Any]) -> float | None:
     a short run's mean by tens of percent, its median hardly."""
     import statistics
 
-    steps = [float(v) for v in done.get("step_seconds") or [] if _number(v)]
-    return statistics.median(steps) if steps else _number(done.get("seconds_per_step"))
+    steps = [float(v) for v in done.get("step_seconds") or [] if measured_figure(v)]
+    return statistics.median(steps) if steps else measured_figure(done.get("seconds_per_step"))
 
 
 def from_oom_event(oom: Mapping[str, Any], *, device: str, family: FamilySpec, source: str,

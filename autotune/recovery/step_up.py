@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.measure.learned import heavier_or_equal, mib
-from autotune.measure.store import settings_key
+from autotune.measure.store import measured_figure, settings_key
 from autotune.recovery.ladder import Decision, LadderLimits, next_settings
 from sd_scripts_compat.facts.settings import TrainSettings
 
@@ -191,8 +191,13 @@ class MemoryWatcher:
     def _measured(self, progress: dict[str, Any], peak_vm_mib: float | None, peak_gpu_mib: float | None
                   ) -> float | None:
         """The sampled address space under an address-space budget, else the trainer's own peak (its progress
-        events), else what NVML showed of its process on the card (a trainer that reports none)."""
-        measured = peak_vm_mib if self.budget_kind == "address_space" else progress.get("peak_memory_mib")
-        if measured is None and self.budget_kind == "device":
-            measured = peak_gpu_mib
-        return float(measured) if isinstance(measured, (int, float)) and measured > 0 else None
+        events; on a card with the CUDA context it measured at start added, since CUDA's max reserved leaves out
+        what the card holds for the context, which NVML's figure and the budget count), else what NVML showed of
+        its process on the card (a trainer that reports none)."""
+        measured = measured_figure(peak_vm_mib if self.budget_kind == "address_space"
+                                   else progress.get("peak_memory_mib")) or None  # 0 is no measurement
+        if self.budget_kind != "device":
+            return measured
+        if measured is None:
+            return measured_figure(peak_gpu_mib) or None
+        return measured + (measured_figure(progress.get("cuda_context_mib")) or 0.0)

@@ -39,6 +39,7 @@ from autotune.layout import (
     STATE_DIR,
     TRAINER_PID,
 )
+from autotune.measure.store import measured_figure
 from autotune.recovery.attempt import AttemptResult, child_env, run_attempt
 from autotune.recovery.decisions import DecisionLog
 from autotune.recovery.engine import AttemptFiles, CompatEngine, Engine
@@ -191,7 +192,8 @@ def _attempt_configs(job: Job, attempt: int, settings: TrainSettings) -> tuple[P
 def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
     """The memory the failed attempt was seen to use, in the budget's own unit.
 
-    "device": the engine's CUDA peak or the allocator's OOM point, whichever is more (else its peak RSS);
+    "device": the engine's CUDA peak or the allocator's OOM point, whichever is more, with the CUDA context it
+    measured at start (both leave it out; the card's budget holds it) (else its peak RSS);
     "address_space": the peak address space sampled from /proc (what RLIMIT_AS caps); "ram": peak resident
     memory; "emulated_card": the card's count at the op that ran out of it.
     """
@@ -205,7 +207,7 @@ def measured_mib(result: AttemptResult, budget_kind: str) -> float | None:
         figures = [float(v) for v in (memory.get("cuda_max_reserved_mib"), memory.get("oom_point_mib"))
                    if isinstance(v, (int, float)) and v > 0]
         if figures:
-            return max(figures)
+            return max(figures) + (measured_figure(memory.get("cuda_context_mib")) or 0.0)
     keys = ("cuda_max_allocated_mib",) if budget_kind == "device" else ()
     for key in (*keys, "peak_rss_mib"):
         if isinstance(memory.get(key), (int, float)) and memory[key] > 0:

@@ -7,8 +7,10 @@ messages mean "out of memory". An engine that follows this module (ours, or a wr
 user's sd-scripts) can be supervised.
 
 Events (each written atomically, so a reader never sees half a file):
-- ``progress.json``: ``step, epoch, max_train_steps, time, it_per_s, loss``, and from our engine ``lr`` and
-  ``peak_memory_mib``, rewritten every few seconds; the watchdog's stall detector watches its modification time.
+- ``progress.json``: ``step, epoch, max_train_steps, time, it_per_s, loss``, and from our engine ``lr``,
+  ``peak_memory_mib`` (CUDA's max reserved, which leaves the CUDA context out), ``resident_memory_mib`` and on a
+  GPU ``cuda_context_mib`` (the context as measured at start, where NVML said), rewritten every few seconds; the
+  watchdog's stall detector watches its modification time.
   Each one is also appended as a line to ``progress.jsonl`` (kept across a run's attempts, like ``monitor.jsonl``):
   the curves of the web app's run page.
 - ``phase.json``: ``phase`` (one of :data:`ENGINE_PHASES`), ``done`` and ``total`` (items of the phase, when

@@ -1131,6 +1131,7 @@ def _report_progress(r: Recipe, loop: LoopState, counters: TrainCounters, progre
             "step": counters.global_step, "epoch": counters.epoch, "max_train_steps": r.optimization.max_train_steps,
             "time": now, "it_per_s": rate, "loss": mean_loss, "lr": unet_lr,
             "peak_memory_mib": loop.peak_memory_mib, "resident_memory_mib": loop.resident_memory_mib,
+            **({"cuda_context_mib": r.process.cuda_context_mib} if r.process.cuda_context_mib is not None else {}),
             "control": loop.control,
             "largest_batch": _batch_size(loop.largest_batch[1:]),
             "largest_bucket": _batch_size(loop.largest_bucket)})
