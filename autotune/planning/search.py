@@ -180,7 +180,6 @@ class Predictor:
                         memory_basis=basis, memory_factor=memory.factor)
         return e
 
-
     def _as_measured(self, s: TrainSettings) -> ModelPeak:
         """The memory model's figures of ``s`` as the engine measures them: the peak without the CUDA context
         (``max_memory_reserved`` leaves it out; the planner adds the measured context, else the model's, back) and
