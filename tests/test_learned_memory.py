@@ -133,11 +133,12 @@ def test_a_measured_peak_on_a_gpu_gets_the_cuda_context_back():
 def test_a_record_whose_peak_is_no_measurement_teaches_nothing(tmp_path, monkeypatch, figure):
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
     record = _done(_at(2), 2600.0).to_json()
-    record["peak_memory_mib"] = figure
+    record["peak_memory_mib"] = record["resident_mib"] = figure
     record["memory"] = {"cuda_max_reserved_mib": figure, "peak_rss_mib": 100.0}
     store_path().write_text(json.dumps({"schema_version": 1, "records": [record]}), encoding="utf-8")
     (loaded,) = load_measurements()
     assert loaded.peak_memory_mib is None and loaded.memory == {"peak_rss_mib": 100.0}
+    assert loaded.resident_mib is None
     memory = _learned(loaded).memory(_at(2).to_event(), _model_mib)
     assert (memory.peak_mib, memory.source) == (None, "model")
 
