@@ -142,7 +142,7 @@ def measured_figure(value: Any) -> float | None:
 
 
 def _figures(value: Any) -> dict[str, float]:
-    """A ``memory`` block's figures that are measurements (``_number``); the rest left out."""
+    """A ``memory`` block's figures that are measurements (``measured_figure``); the rest left out."""
     if not isinstance(value, Mapping):
         return {}
     return {str(k): n for k, v in value.items() if (n := measured_figure(v)) is not None}
